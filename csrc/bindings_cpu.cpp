@@ -1,0 +1,47 @@
+// pyscore._C: binds the CPU launchers. Only argument plumbing here; the kernels live in their op folders.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <omp.h>
+
+#include "common/bind_args.h"
+#include "common/cpu_features.h"
+#include "label_logprobs/launch.h"
+#include "prefix_item_attention/launch.h"
+
+namespace py = pybind11;
+using namespace pyscore;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "pyscore CPU kernels: prefix_item_attention and label_logprobs";
+  m.def("prefix_item_attention",
+        [](uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t o, Strides qs, Strides ks, Strides vs, Strides os,
+           uintptr_t segments, int32_t num_segments, int32_t num_tokens, int32_t num_q_heads, int32_t num_kv_heads,
+           int32_t head_dim, float scale, const std::string& dtype) {
+          auto p = make_attention_params(q, k, v, o, qs, ks, vs, os, segments, num_segments, num_tokens,
+                                         num_q_heads, num_kv_heads, head_dim, scale, dtype);
+          py::gil_scoped_release release;
+          Status status = prefix_item_attention_cpu(p);
+          py::gil_scoped_acquire acquire;
+          throw_on_error(status, "prefix_item_attention");
+        });
+  m.def("label_logprobs",
+        [](uintptr_t hidden, int64_t hidden_row_stride, uintptr_t weight, int64_t weight_row_stride,
+           uintptr_t labels, uintptr_t logprobs, uintptr_t label_softmax, uintptr_t logz, int32_t num_rows,
+           int32_t hidden_size, int32_t vocab_size, int32_t num_labels, const std::string& dtype) {
+          auto p = make_label_params(hidden, hidden_row_stride, weight, weight_row_stride, labels, logprobs,
+                                     label_softmax, logz, num_rows, hidden_size, vocab_size, num_labels, dtype);
+          py::gil_scoped_release release;
+          Status status = label_logprobs_cpu(p);
+          py::gil_scoped_acquire acquire;
+          throw_on_error(status, "label_logprobs");
+        });
+  m.def("set_num_threads", [](int n) { omp_set_num_threads(n); }, "OpenMP threads used by the CPU kernels");
+  m.def("get_num_threads", []() { return omp_get_max_threads(); });
+  m.def("cpu_features", []() {
+    py::dict d;
+    d["avx512f"] = cpu_has_avx512();
+    d["avx512bf16"] = cpu_has_avx512bf16();
+    return d;
+  });
+}

@@ -1,0 +1,80 @@
+// Builds kernel params from the flat Python arguments shared by bindings_cpu.cpp and bindings_cuda.cpp:
+// pointers arrive as ints (tensor.data_ptr()), strides as (token, head) tuples, dtypes by name.
+#pragma once
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "label_logprobs/params.h"
+#include "prefix_item_attention/params.h"
+
+namespace pyscore {
+
+using Strides = std::pair<int64_t, int64_t>;
+
+inline DType dtype_or_throw(const std::string& name) {
+  DType dt;
+  if (!parse_dtype(name, &dt)) throw std::invalid_argument("unknown dtype '" + name + "'");
+  return dt;
+}
+
+inline void throw_on_error(Status status, const char* op) {
+  switch (status) {
+    case kOk: return;
+    case kUnsupportedDType: throw std::invalid_argument(std::string(op) + ": unsupported dtype for this device");
+    case kUnsupportedHeadDim: throw std::invalid_argument(std::string(op) + ": unsupported head_dim");
+    case kInvalidArgument: throw std::invalid_argument(std::string(op) + ": invalid argument");
+    case kOutOfMemory: throw std::runtime_error(std::string(op) + ": out of memory");
+    default: throw std::runtime_error(std::string(op) + ": kernel failed with status " + std::to_string(status));
+  }
+}
+
+inline PrefixItemAttentionParams make_attention_params(
+    uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t o, Strides qs, Strides ks, Strides vs, Strides os,
+    uintptr_t segments, int32_t num_segments, int32_t num_tokens, int32_t num_q_heads, int32_t num_kv_heads,
+    int32_t head_dim, float scale, const std::string& dtype) {
+  PrefixItemAttentionParams p{};
+  p.q = reinterpret_cast<const void*>(q);
+  p.k = reinterpret_cast<const void*>(k);
+  p.v = reinterpret_cast<const void*>(v);
+  p.o = reinterpret_cast<void*>(o);
+  p.q_token_stride = qs.first; p.q_head_stride = qs.second;
+  p.k_token_stride = ks.first; p.k_head_stride = ks.second;
+  p.v_token_stride = vs.first; p.v_head_stride = vs.second;
+  p.o_token_stride = os.first; p.o_head_stride = os.second;
+  p.segments = reinterpret_cast<const int32_t*>(segments);
+  p.num_segments = num_segments;
+  p.num_tokens = num_tokens;
+  p.num_q_heads = num_q_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.head_dim = head_dim;
+  p.scale = scale;
+  p.dtype = dtype_or_throw(dtype);
+  return p;
+}
+
+inline LabelLogprobsParams make_label_params(
+    uintptr_t hidden, int64_t hidden_row_stride, uintptr_t weight, int64_t weight_row_stride, uintptr_t labels,
+    uintptr_t logprobs, uintptr_t label_softmax, uintptr_t logz, int32_t num_rows, int32_t hidden_size,
+    int32_t vocab_size, int32_t num_labels, const std::string& dtype) {
+  LabelLogprobsParams p{};
+  p.hidden = reinterpret_cast<const void*>(hidden);
+  p.hidden_row_stride = hidden_row_stride;
+  p.weight = reinterpret_cast<const void*>(weight);
+  p.weight_row_stride = weight_row_stride;
+  p.labels = reinterpret_cast<const int32_t*>(labels);
+  p.logprobs = reinterpret_cast<float*>(logprobs);
+  p.label_softmax = reinterpret_cast<float*>(label_softmax);
+  p.logz = reinterpret_cast<float*>(logz);
+  p.num_rows = num_rows;
+  p.hidden_size = hidden_size;
+  p.vocab_size = vocab_size;
+  p.num_labels = num_labels;
+  p.dtype = dtype_or_throw(dtype);
+  return p;
+}
+
+}  // namespace pyscore

@@ -1,0 +1,1 @@
+"""pyscore: label scoring (SIS / MIS / setwise) and generation for decoder LMs, over a C++/CUDA extension."""

@@ -1,0 +1,93 @@
+"""Plain request/result types of the engine API. No torch, no gRPC: the servicer converts protobuf to and
+from these, the engine consumes and produces them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Mode = Literal["auto", "sis", "mis"]
+
+
+@dataclass
+class ScoreRequest:
+    """query and items are text or token ids (not mixed). Labels: label_token_ids or labels (strings that
+    must be single tokens); optional for classifiers (then class indices, default all classes)."""
+
+    query: str | list[int]
+    items: list[str] | list[list[int]]
+    label_token_ids: list[int] | None = None
+    labels: list[str] | None = None
+    apply_softmax: bool = False
+    item_first: bool = False
+    score_extraction_token: str | None = None
+    mode: Mode = "auto"
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0  # tokens of all query+item sequences as SIS would see them
+    computed_tokens: int = 0  # tokens actually run through the model (MIS computes the query once)
+
+
+@dataclass
+class ScoreResult:
+    """scores[i] is item i's rows (pointwise: one row; setwise: one per marker); each row has one float per
+    label in `label_token_ids` order (for classifiers: per class index)."""
+
+    scores: list[list[list[float]]]
+    label_token_ids: list[int]
+    mode: Literal["sis", "mis"]
+    usage: Usage = field(default_factory=Usage)
+
+
+@dataclass
+class GenerateRequest:
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    apply_chat_template: bool = False
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    top_logprobs: int = 0
+
+
+@dataclass
+class TopLogprob:
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TopLogprob] = field(default_factory=list)
+
+
+@dataclass
+class GenerateResult:
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: Literal["length", "stop", "eos"]
+    usage: Usage = field(default_factory=Usage)  # prompt_tokens, computed_tokens = prompt + generated
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    architecture: str
+    kind: Literal["causal_lm", "classifier"]
+    vocab_size: int
+    max_context: int
+    dtype: str
+    device: str
+    mis_supported: bool
+    special_tokens: dict[str, str]
+    num_labels: int = 0  # classifiers: number of classes

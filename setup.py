@@ -1,0 +1,80 @@
+"""Build script: CMake (driven here, pybind11's cmake_example pattern) builds pyscore._C and, when nvcc is
+present, pyscore._C_cuda; grpcio-tools generates the gRPC code from proto/ into pyscore/_proto."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
+
+ROOT = Path(__file__).resolve().parent
+
+
+def generate_proto() -> None:
+    """protoc via grpcio-tools: proto/pyscore/v1/*.proto -> pyscore/_proto/pyscore/v1/*_pb2*.py."""
+    protos = sorted((ROOT / "proto").rglob("*.proto"))
+    if not protos:
+        return
+    from grpc_tools import protoc  # build-time dependency
+
+    out = ROOT / "pyscore" / "_proto"
+    out.mkdir(parents=True, exist_ok=True)
+    include = Path(protoc.__file__).parent / "_proto"
+    args = ["protoc", f"-I{ROOT / 'proto'}", f"-I{include}", f"--python_out={out}", f"--pyi_out={out}",
+            f"--grpc_python_out={out}", *map(str, protos)]
+    if protoc.main(args) != 0:
+        raise RuntimeError("protoc failed")
+    for d in [out, *[p for p in out.rglob("*") if p.is_dir()]]:
+        (d / "__init__.py").touch()
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name: str) -> None:
+        super().__init__(name, sources=[])
+
+
+class CMakeBuild(build_ext):
+    def run(self) -> None:
+        # setuptools clears self.inplace while building (it copies afterwards); remember what was asked.
+        self.pyscore_inplace = bool(self.inplace)
+        super().run()
+
+    def build_extension(self, ext: Extension) -> None:
+        generate_proto()
+        # Both modules land beside pyscore/__init__.py; setuptools only knows about _C, so for in-place builds
+        # write there directly rather than relying on its copy step (which would skip _C_cuda).
+        out_dir = ROOT / "pyscore" if self.pyscore_inplace else Path(self.get_ext_fullpath(ext.name)).parent.resolve()
+        build_temp = Path(self.build_temp).resolve()
+        build_temp.mkdir(parents=True, exist_ok=True)
+        import pybind11
+
+        cfg = ["-G", "Ninja", f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}", f"-DPython_EXECUTABLE={sys.executable}",
+               f"-Dpybind11_DIR={pybind11.get_cmake_dir()}", "-DCMAKE_BUILD_TYPE=Release"]
+        if os.environ.get("PYSCORE_NO_CUDA"):
+            cfg.append("-DPYSCORE_BUILD_CUDA=OFF")
+        jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
+        subprocess.run(["cmake", str(ROOT), *cfg], cwd=build_temp, check=True)
+        subprocess.run(["cmake", "--build", ".", "-j", jobs], cwd=build_temp, check=True)
+
+
+class BuildPyWithProto(build_py):
+    def run(self) -> None:
+        generate_proto()
+        super().run()
+
+
+setup(
+    name="pyscore",
+    version="0.1.0",
+    description="gRPC scoring service for decision models (SIS/MIS label scoring)",
+    packages=find_packages(include=["pyscore*", "server*"]),
+    ext_modules=[CMakeExtension("pyscore._C")],
+    cmdclass={"build_ext": CMakeBuild, "build_py": BuildPyWithProto},
+    python_requires=">=3.10",
+    entry_points={"console_scripts": ["pyscore=pyscore.cli:main"]},
+)
