@@ -23,3 +23,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The embedded SmolLM2 GGUF converted (once, cached) to a safetensors directory."""
+    from pyscore.model.loading import resolve_model_dir
+
+    path, _ = resolve_model_dir(None)
+    return path

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 from types import ModuleType
 
 
@@ -49,3 +50,9 @@ def cuda_stream(device) -> int:
     import torch
 
     return int(torch.cuda.current_stream(device).cuda_stream)
+
+
+def default_backend() -> str:
+    """What backend="auto" means: the kernels where built, else the reference; PYSCORE_OP_BACKEND=reference
+    forces the fp32 reference everywhere (a slow debugging switch)."""
+    return os.environ.get("PYSCORE_OP_BACKEND", "auto")

@@ -32,6 +32,8 @@ def label_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [R, H] with LM head weight [V, H], or logits [R, V] with weight None; labels [R, K] int."""
     vocab = _check(hidden, weight, labels)
+    if backend == "auto":
+        backend = _ext.default_backend()  # "auto" unless PYSCORE_OP_BACKEND overrides it
     module = None
     if backend != "reference":
         module = _ext.cuda_module() if hidden.is_cuda else _ext.cpu_module()

@@ -18,7 +18,8 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if x.dim() != 3 or x.shape[0] != num_tokens or x.shape[2] != head_dim:
             raise ValueError(f"{name} must have shape [T={num_tokens}, Hkv, D={head_dim}], got {tuple(x.shape)}")
         if x.dtype != q.dtype or x.device != q.device:
-            raise ValueError(f"{name} must match q's dtype and device ({q.dtype}, {q.device}), got {x.dtype}, {x.device}")
+            raise ValueError(f"{name} must match q's dtype and device ({q.dtype}, {q.device}), "
+                             f"got {x.dtype}, {x.device}")
         if x.stride(2) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
     if k.shape[1] != v.shape[1] or num_q_heads % k.shape[1]:
@@ -59,6 +60,8 @@ def prefix_item_attention(
     num_tokens, num_q_heads, head_dim = q.shape
     _check_segments(segments, num_tokens)
     scale = head_dim**-0.5 if scale is None else float(scale)
+    if backend == "auto":
+        backend = _ext.default_backend()  # "auto" unless PYSCORE_OP_BACKEND overrides it
     module = None
     if backend != "reference":
         module = _ext.cuda_module() if q.is_cuda else _ext.cpu_module()

@@ -1,0 +1,99 @@
+"""Tiny random models built in code (Qwen3, Qwen2, Llama; causal LM and sequence classification) with a small
+byte-level BPE tokenizer trained on the spot, saved as ordinary Hugging Face directories."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CORPUS = [
+    "Context: the order 1234 was shipped on Monday and is in transit.",
+    "Question: what should the agent do next? Answer Yes or No.",
+    "Proposed answer: tell the customer the order is on its way.",
+    "Proposed answer: cancel the order and issue a refund.",
+    "Proposed answer: ask the warehouse to check the stock.",
+    "Is this proposed answer correct? Yes No A B C D",
+    "The quick brown fox jumps over the lazy dog 0123456789.",
+    "héllo wörld ünïcode ✓ — emoji 🙂 text",
+]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|marker|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tokenizer(path: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token="<|im_start|>", additional_special_tokens=["<|marker|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
+def tiny_config(arch: str, vocab_size: int, classifier: bool = False, **overrides):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    if arch == "qwen3":
+        cfg = Qwen3Config(head_dim=32, tie_word_embeddings=True, **common)
+    elif arch == "qwen2":
+        cfg = Qwen2Config(tie_word_embeddings=False, **common)
+    elif arch == "llama":
+        cfg = LlamaConfig(head_dim=16, tie_word_embeddings=False,
+                          rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0,
+                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": 128}, **common)
+    else:
+        raise ValueError(arch)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    name = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}[arch]
+    cfg.architectures = [f"{name}For{'SequenceClassification' if classifier else 'CausalLM'}"]
+    if classifier:
+        cfg.num_labels = 3
+        cfg.id2label = {0: "bad", 1: "neutral", 2: "good"}
+        cfg.label2id = {v: k for k, v in cfg.id2label.items()}
+    return cfg
+
+
+def make_model_dir(path: Path, arch: str, classifier: bool = False, seed: int = 0, **overrides) -> Path:
+    """A saved random tiny model with a trained tokenizer; returns the directory."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer(path)
+    cfg = tiny_config(arch, vocab_size=len(tok) + 8, classifier=classifier, **overrides)
+    torch.manual_seed(seed)
+    auto = AutoModelForSequenceClassification if classifier else AutoModelForCausalLM
+    model = auto.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # random init is tiny; make activations big enough for meaningful comparisons
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+            elif p.dim() == 1:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return path
+
+
+def load_reference(path: Path):
+    """The stock transformers model (fp32, sdpa) for a saved directory."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    cfg = AutoConfig.from_pretrained(path)
+    auto = (AutoModelForSequenceClassification if cfg.architectures[0].endswith("SequenceClassification")
+            else AutoModelForCausalLM)
+    return auto.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
