@@ -25,12 +25,34 @@ def generate_proto() -> None:
     out = ROOT / "pyscore" / "_proto"
     out.mkdir(parents=True, exist_ok=True)
     include = Path(protoc.__file__).parent / "_proto"
+    # descriptors.binpb keeps the .proto comments, which the server's reflection hands to grpcurl describe
     args = ["protoc", f"-I{ROOT / 'proto'}", f"-I{include}", f"--python_out={out}", f"--pyi_out={out}",
-            f"--grpc_python_out={out}", *map(str, protos)]
+            f"--grpc_python_out={out}", f"--descriptor_set_out={out / 'descriptors.binpb'}", "--include_source_info",
+            *map(str, protos)]
     if protoc.main(args) != 0:
         raise RuntimeError("protoc failed")
     for d in [out, *[p for p in out.rglob("*") if p.is_dir()]]:
         (d / "__init__.py").touch()
+    _root_generated_imports(out)
+
+
+def _root_generated_imports(out: Path) -> None:
+    """protoc writes absolute imports of the proto packages (`from pyscore.v1 import scorer_pb2`), which would
+    resolve against the real `pyscore` package; re-root them under pyscore._proto so the generated code
+    imports as `pyscore._proto.pyscore.v1` without touching sys.path."""
+    import re
+
+    generated = [*out.rglob("*_pb2*.py"), *out.rglob("*_pb2*.pyi")]
+    packages = {".".join(f.parent.relative_to(out).parts) for f in generated} - {""}
+    if not packages:
+        return
+    names = "|".join(re.escape(p) for p in sorted(packages, key=len, reverse=True))
+    pattern = re.compile(rf"^(from|import) ({names})(\.| )", re.MULTILINE)
+    for f in generated:
+        text = f.read_text()
+        fixed = pattern.sub(r"\1 pyscore._proto.\2\3", text)
+        if fixed != text:
+            f.write_text(fixed)
 
 
 class CMakeExtension(Extension):

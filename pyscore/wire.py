@@ -1,0 +1,193 @@
+"""protobuf (pyscore.v1) <-> pyscore.types, both directions: the only place that knows both. The servicer
+converts requests from and results to the wire with it, the client the other way round. Structural problems
+that the plain types cannot even express (both `query` and `query_token_ids`, an unknown mode) are
+InvalidArgument here, naming the proto field; everything else is the engine's to validate."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pyscore._proto.pyscore.v1 import scorer_pb2 as pb
+from pyscore.errors import InvalidArgument
+from pyscore.types import (
+    GenerateRequest,
+    GenerateResult,
+    Mode,
+    ModelInfo,
+    ScoreRequest,
+    ScoreResult,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+
+DEFAULT_MAX_TOKENS = 16  # GenerateRequest.max_tokens = 0 means this
+
+_MODE_TO_PROTO: dict[str, int] = {"auto": pb.SCORING_MODE_AUTO, "sis": pb.SCORING_MODE_SIS, "mis": pb.SCORING_MODE_MIS}
+_MODE_FROM_PROTO: dict[int, Mode] = {v: k for k, v in _MODE_TO_PROTO.items()}  # type: ignore[misc]
+
+
+def mode_from_proto(value: int) -> Mode:
+    if value not in _MODE_FROM_PROTO:
+        raise InvalidArgument("mode", f"unknown ScoringMode {value}")
+    return _MODE_FROM_PROTO[value]
+
+
+def mode_to_proto(mode: str) -> int:
+    return _MODE_TO_PROTO[mode]
+
+
+# -- Score ----------------------------------------------------------------------------------------------------
+def score_request_from_proto(msg: pb.ScoreRequest) -> ScoreRequest:
+    if msg.query and msg.query_token_ids:
+        raise InvalidArgument("query_token_ids", "give query or query_token_ids, not both")
+    if msg.items and msg.item_token_ids:
+        raise InvalidArgument("item_token_ids", "give items or item_token_ids, not both")
+    query: str | list[int] = list(msg.query_token_ids) if msg.query_token_ids else msg.query
+    items: list[str] | list[list[int]] = (
+        [list(t.ids) for t in msg.item_token_ids] if msg.item_token_ids else list(msg.items)
+    )
+    return ScoreRequest(
+        query=query,
+        items=items,
+        label_token_ids=list(msg.label_token_ids) or None,
+        labels=list(msg.labels) or None,
+        apply_softmax=msg.apply_softmax,
+        item_first=msg.item_first,
+        score_extraction_token=msg.score_extraction_token or None,
+        mode=mode_from_proto(msg.mode),
+    )
+
+
+def score_request_to_proto(req: ScoreRequest, model: str = "") -> pb.ScoreRequest:
+    msg = pb.ScoreRequest(
+        model=model,
+        label_token_ids=req.label_token_ids or [],
+        labels=req.labels or [],
+        apply_softmax=req.apply_softmax,
+        item_first=req.item_first,
+        score_extraction_token=req.score_extraction_token or "",
+        mode=mode_to_proto(req.mode),
+    )
+    if isinstance(req.query, str):
+        msg.query = req.query
+    else:
+        msg.query_token_ids.extend(req.query)
+    for item in req.items:
+        if isinstance(item, str):
+            msg.items.append(item)
+        else:
+            msg.item_token_ids.add(ids=item)
+    return msg
+
+
+def score_result_to_proto(result: ScoreResult, model: str) -> pb.ScoreResponse:
+    return pb.ScoreResponse(
+        scores=[pb.ItemScores(rows=[pb.ScoreRow(values=row) for row in rows]) for rows in result.scores],
+        label_token_ids=result.label_token_ids,
+        mode=mode_to_proto(result.mode),
+        usage=usage_to_proto(result.usage),
+        model=model,
+    )
+
+
+def score_result_from_proto(msg: pb.ScoreResponse) -> ScoreResult:
+    return ScoreResult(
+        scores=[[list(row.values) for row in item.rows] for item in msg.scores],
+        label_token_ids=list(msg.label_token_ids),
+        mode=mode_from_proto(msg.mode),  # type: ignore[arg-type]
+        usage=usage_from_proto(msg.usage),
+    )
+
+
+def usage_to_proto(usage: Usage) -> pb.Usage:
+    return pb.Usage(prompt_tokens=usage.prompt_tokens, computed_tokens=usage.computed_tokens)
+
+
+def usage_from_proto(msg: pb.Usage) -> Usage:
+    return Usage(prompt_tokens=msg.prompt_tokens, computed_tokens=msg.computed_tokens)
+
+
+# -- Generate -------------------------------------------------------------------------------------------------
+def generate_request_from_proto(msg: pb.GenerateRequest) -> GenerateRequest:
+    if msg.prompt and msg.prompt_token_ids:
+        raise InvalidArgument("prompt_token_ids", "give prompt or prompt_token_ids, not both")
+    return GenerateRequest(
+        prompt=msg.prompt or None,
+        prompt_token_ids=list(msg.prompt_token_ids) or None,
+        apply_chat_template=msg.apply_chat_template,
+        max_tokens=msg.max_tokens or DEFAULT_MAX_TOKENS,
+        temperature=msg.temperature,
+        top_p=msg.top_p or 1.0,
+        top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop=list(msg.stop),
+        top_logprobs=msg.top_logprobs,
+    )
+
+
+def generate_request_to_proto(req: GenerateRequest, model: str = "") -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        model=model,
+        prompt=req.prompt or "",
+        prompt_token_ids=req.prompt_token_ids or [],
+        apply_chat_template=req.apply_chat_template,
+        max_tokens=req.max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        seed=req.seed,
+        stop=req.stop,
+        top_logprobs=req.top_logprobs,
+    )
+
+
+def logprobs_to_proto(logprobs: Sequence[TokenLogprob]) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(token_id=lp.token_id, token=lp.token, logprob=lp.logprob,
+                        top=[pb.TopLogprob(token_id=t.token_id, token=t.token, logprob=t.logprob) for t in lp.top])
+        for lp in logprobs
+    ]
+
+
+def logprobs_from_proto(msgs: Sequence[pb.TokenLogprob]) -> list[TokenLogprob]:
+    return [
+        TokenLogprob(lp.token_id, lp.token, lp.logprob, [TopLogprob(t.token_id, t.token, t.logprob) for t in lp.top])
+        for lp in msgs
+    ]
+
+
+def generate_response(token_ids: Sequence[int], logprobs: Sequence[TokenLogprob], text: str,
+                      final: GenerateResult | None = None) -> pb.GenerateResponse:
+    """One GenerateResponse: the whole result (unary), or a stream chunk whose `final` (the finished
+    result, on the last chunk only) supplies finish_reason and usage."""
+    msg = pb.GenerateResponse(text=text, token_ids=token_ids, logprobs=logprobs_to_proto(logprobs))
+    if final is not None:
+        msg.finish_reason = final.finish_reason
+        msg.usage.CopyFrom(usage_to_proto(final.usage))
+    return msg
+
+
+def generate_result_to_proto(result: GenerateResult) -> pb.GenerateResponse:
+    return generate_response(result.token_ids, result.logprobs, result.text, result)
+
+
+def generate_result_from_proto(msg: pb.GenerateResponse) -> GenerateResult:
+    return GenerateResult(text=msg.text, token_ids=list(msg.token_ids), logprobs=logprobs_from_proto(msg.logprobs),
+                          finish_reason=msg.finish_reason,  # type: ignore[arg-type]
+                          usage=usage_from_proto(msg.usage))
+
+
+# -- ModelInfo ------------------------------------------------------------------------------------------------
+def model_info_to_proto(info: ModelInfo) -> pb.ModelInfo:
+    return pb.ModelInfo(name=info.name, architecture=info.architecture, kind=info.kind, vocab_size=info.vocab_size,
+                        max_context=info.max_context, dtype=info.dtype, device=info.device,
+                        mis_supported=info.mis_supported, special_tokens=info.special_tokens,
+                        num_labels=info.num_labels)
+
+
+def model_info_from_proto(msg: pb.ModelInfo) -> ModelInfo:
+    return ModelInfo(name=msg.name, architecture=msg.architecture, kind=msg.kind,  # type: ignore[arg-type]
+                     vocab_size=msg.vocab_size, max_context=msg.max_context, dtype=msg.dtype, device=msg.device,
+                     mis_supported=msg.mis_supported, special_tokens=dict(msg.special_tokens),
+                     num_labels=msg.num_labels)

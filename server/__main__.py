@@ -1,0 +1,49 @@
+"""`python -m server`: serve pyscore.v1.Scorer on the given model (default: the embedded SmolLM2).
+
+Prints `pyscore: listening on HOST:PORT` as soon as it listens (health NOT_SERVING while the model loads) and
+`pyscore: serving MODEL on HOST:PORT` once SERVING. SIGTERM/SIGINT stop it gracefully; it then exits 0.
+
+Test-only: the hidden `--engine module:Class` flag replaces pyscore.engine.Engine with any class that has
+the same `from_pretrained` and API (the server tests pass tests.server.fake_engine:FakeEngine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from server.app import ServerConfig, main
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str]:
+    """The server config and the log level."""
+    d = ServerConfig()
+    p = argparse.ArgumentParser(prog="python -m server", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=d.model, help="model directory, file or name (default: embedded SmolLM2)")
+    p.add_argument("--host", default=d.host, help="address to listen on (default %(default)s)")
+    p.add_argument("--port", type=int, default=d.port, help="port (0 = any free one; default %(default)s)")
+    p.add_argument("--dtype", default=d.dtype, help="auto, bfloat16, float16 or float32 (default %(default)s)")
+    p.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N] (default %(default)s)")
+    p.add_argument("--threads", type=int, default=d.threads, help="CPU threads for the model (default: all cores)")
+    p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
+                   help="token budget of one packed forward pass (default %(default)s)")
+    p.add_argument("--max-queue", type=int, default=d.max_queue,
+                   help="requests allowed to wait; more answer RESOURCE_EXHAUSTED (default %(default)s)")
+    p.add_argument("--max-items", type=int, default=d.max_items,
+                   help="items per Score request; more answer RESOURCE_EXHAUSTED (default %(default)s)")
+    p.add_argument("--max-message-mb", type=int, default=d.max_message_mb,
+                   help="largest gRPC message sent or received, MiB (default %(default)s)")
+    p.add_argument("--grace-s", type=float, default=d.grace_s,
+                   help="seconds in-flight requests get to finish on shutdown (default %(default)s)")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ... (default %(default)s)")
+    p.add_argument("--engine", default=d.engine, help=argparse.SUPPRESS)  # test-only, see the docstring
+    a = p.parse_args(argv)
+    return ServerConfig(model=a.model, host=a.host, port=a.port, dtype=a.dtype, device=a.device, threads=a.threads,
+                        max_batch_tokens=a.max_batch_tokens, max_queue=a.max_queue, max_items=a.max_items,
+                        max_message_mb=a.max_message_mb, grace_s=a.grace_s, engine=a.engine), a.log_level.upper()
+
+
+if __name__ == "__main__":
+    config, level = parse_args()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    main(config)

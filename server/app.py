@@ -1,0 +1,179 @@
+"""The grpc.aio server: pyscore.v1.Scorer behind the logging/error interceptor, grpc.health.v1 and server
+reflection, with explicit message-size limits.
+
+Lifecycle: listen first with health NOT_SERVING (Scorer calls answer UNAVAILABLE); load the engine and warm
+it up off the event loop; start the batcher; go SERVING. On SIGTERM/SIGINT: health NOT_SERVING for good,
+`server.stop(grace)` (no new calls; in-flight ones get `grace` seconds), drain the batcher, return — so
+`python -m server` exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pyscore._proto.pyscore.v1 import scorer_pb2, scorer_pb2_grpc
+from pyscore.types import GenerateRequest, ScoreRequest
+from server.batcher import Batcher, EngineLike
+from server.interceptors import LoggingErrorInterceptor
+from server.reflection_docs import DocumentedPool
+from server.servicer import ScorerServicer
+
+log = logging.getLogger(__name__)
+
+SCORER_SERVICE = scorer_pb2.DESCRIPTOR.services_by_name["Scorer"].full_name  # "pyscore.v1.Scorer"
+T = TypeVar("T")
+
+
+@dataclass
+class ServerConfig:
+    model: str | None = None  # None = the embedded SmolLM2
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 = any free port
+    dtype: str = "auto"
+    device: str = "auto"
+    threads: int | None = None
+    max_batch_tokens: int = 8192
+    max_queue: int = 256
+    max_items: int = 1024
+    max_message_mb: int = 64
+    grace_s: float = 10.0
+    engine: str = "pyscore.engine:Engine"  # "module:Class" with from_pretrained; tests swap in a fake
+
+
+def load_engine(config: ServerConfig) -> EngineLike:
+    module, _, name = config.engine.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    return cls.from_pretrained(config.model, dtype=config.dtype, device=config.device, threads=config.threads,
+                               max_batch_tokens=config.max_batch_tokens)
+
+
+def warm_up(engine: EngineLike) -> None:
+    """One tiny score (and, for causal LMs, a one-token generation) so the first request pays no start-up."""
+    ids, _ = engine.tokenize("Hello world", add_special_tokens=False)
+    causal = engine.info().kind == "causal_lm"
+    prepared = engine.prepare_score(ScoreRequest(query=ids, items=[ids], label_token_ids=ids[:1] if causal else None))
+    (result,) = engine.run_prepared([prepared])
+    if isinstance(result, Exception):
+        raise result
+    if causal:
+        gen = engine.start_generation(GenerateRequest(prompt_token_ids=ids, max_tokens=1))
+        while not gen.finished:
+            engine.step([gen])
+
+
+async def in_daemon_thread(fn: Callable[[], T]) -> T:
+    """Run blocking fn off the loop in a daemon thread (unlike to_thread, a signal can still end the process
+    while it runs, e.g. during a long model load)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(value)
+        else:
+            future.set_exception(error)
+
+    def run() -> None:
+        try:
+            loop.call_soon_threadsafe(settle, fn(), None)
+        except BaseException as e:
+            loop.call_soon_threadsafe(settle, None, e)
+
+    threading.Thread(target=run, daemon=True).start()
+    return await future
+
+
+class ScorerApp:
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        size = config.max_message_mb * 1024 * 1024
+        self.server = grpc.aio.server(
+            interceptors=[LoggingErrorInterceptor()],
+            options=[("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size),
+                     ("grpc.so_reuseport", 0)],
+        )
+        self.servicer = ScorerServicer(max_items=config.max_items)
+        self.health = health.aio.HealthServicer()
+        scorer_pb2_grpc.add_ScorerServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection((SCORER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server,
+                                            pool=DocumentedPool())  # type: ignore[arg-type]
+        self.batcher: Batcher | None = None
+        self.port = 0
+
+    async def start(self) -> int:
+        """Listen (health NOT_SERVING); returns the bound port."""
+        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if not self.port:
+            raise OSError(f"cannot listen on {self.config.host}:{self.config.port}")
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+        return self.port
+
+    async def serve_engine(self, engine: EngineLike) -> None:
+        """Warm the engine up (off the loop), start the batcher on it and go SERVING."""
+        await in_daemon_thread(lambda: warm_up(engine))
+        self.batcher = Batcher(engine, max_batch_tokens=self.config.max_batch_tokens, max_queue=self.config.max_queue)
+        self.batcher.start()
+        self.servicer.attach(self.batcher, engine.info())
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self, grace: float | None = None) -> None:
+        grace = self.config.grace_s if grace is None else grace
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        if self.batcher is not None:
+            await asyncio.to_thread(self.batcher.stop, grace)
+
+    async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
+        for service in ("", SCORER_SERVICE):
+            await self.health.set(service, status)
+
+
+async def serve(config: ServerConfig) -> int:
+    """Run until SIGTERM/SIGINT; returns the process exit code (0 after a graceful stop)."""
+    app = ScorerApp(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    port = await app.start()
+    print(f"pyscore: listening on {config.host}:{port} (loading the model)", flush=True)
+    loading = asyncio.ensure_future(_load_and_serve(app, config))
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if loading.done() and loading.exception() is not None:
+        log.error("could not load the model", exc_info=loading.exception())
+        code = 1
+    elif loading.done():
+        print(f"pyscore: serving {loading.result()} on {config.host}:{port}", flush=True)
+        await stopping
+    print("pyscore: shutting down", flush=True)
+    loading.cancel()
+    await app.stop()
+    return code
+
+
+async def _load_and_serve(app: ScorerApp, config: ServerConfig) -> str:
+    engine = await in_daemon_thread(lambda: load_engine(config))
+    await app.serve_engine(engine)
+    return engine.model_name
+
+
+def main(config: ServerConfig) -> None:
+    sys.exit(asyncio.run(serve(config)))

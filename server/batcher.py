@@ -1,0 +1,308 @@
+"""Continuous batching. One worker thread owns the engine; the event loop only admits jobs and awaits them.
+
+Each worker iteration: (1) accepts the jobs that arrived (prepare_score / start_generation validate and
+tokenize; a bad request is answered at once), (2) drops jobs whose client went away or whose deadline passed,
+(3) runs one score batch — the waiting Score jobs in arrival order up to `max_batch_tokens` compute tokens, a
+job larger than the budget alone — with a single `engine.run_prepared`, and (4) advances all running
+generations by one token with a single `engine.step`. Score batches and decode steps thus interleave, and
+requests that arrive during a forward pass join the next one. Results reach the loop through
+`call_soon_threadsafe`. At most `max_queue` jobs wait (admitted, not yet running); the next one is refused
+at once with ResourceExhausted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from pyscore.errors import ResourceExhausted
+from pyscore.types import GenerateRequest, GenerateResult, ModelInfo, ScoreRequest, ScoreResult, TokenLogprob
+
+log = logging.getLogger(__name__)
+
+
+class Prepared(Protocol):
+    compute_tokens: int
+    num_items: int
+
+
+class Generation(Protocol):
+    finished: bool
+
+    def take_delta(self) -> tuple[list[int], list[TokenLogprob], str]: ...
+    def result(self) -> GenerateResult: ...
+
+
+class EngineLike(Protocol):
+    """The part of pyscore.engine.Engine the server uses."""
+
+    model_name: str
+
+    def info(self) -> ModelInfo: ...
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[str]]: ...
+    def prepare_score(self, request: ScoreRequest) -> Any: ...
+    def run_prepared(self, prepared: list[Any]) -> list[ScoreResult | Exception]: ...
+    def start_generation(self, request: GenerateRequest) -> Any: ...
+    def step(self, generations: list[Any]) -> None: ...
+
+
+class Unavailable(Exception):
+    """The batcher is stopping (gRPC UNAVAILABLE)."""
+
+
+class DeadlineExceeded(Exception):
+    """The job's deadline passed before it could run (gRPC DEADLINE_EXCEEDED)."""
+
+
+@dataclass
+class GenerationDelta:
+    """Tokens a generation produced since its previous delta; `final` is set on the last one only."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    text: str
+    final: GenerateResult | None = None
+
+
+@dataclass
+class Job:
+    kind: Literal["score", "generate", "call"]
+    payload: Any  # ScoreRequest | GenerateRequest | (fn, args)
+    loop: asyncio.AbstractEventLoop
+    deadline: float | None  # time.monotonic() seconds
+    future: asyncio.Future[Any] | None = None  # score, call
+    deltas: asyncio.Queue[GenerationDelta | BaseException] | None = None  # generate
+    cancelled: bool = False  # set on the loop when the caller stops waiting; read by the worker
+    work: Any = None  # PreparedScore or Generation, once accepted
+    tokens: int = 0
+
+    def dead(self, now: float) -> bool:
+        return self.cancelled or (self.deadline is not None and now >= self.deadline)
+
+    def deliver(self, value: Any) -> None:
+        """On the loop: hand a result, exception or delta to whoever awaits this job."""
+        if self.deltas is not None:
+            self.deltas.put_nowait(value)
+        elif self.future is not None and not self.future.done():
+            if isinstance(value, BaseException):
+                self.future.set_exception(value)
+            else:
+                self.future.set_result(value)
+
+
+@dataclass
+class Stats:
+    batches: int = 0  # run_prepared calls
+    steps: int = 0  # engine.step calls
+    dropped: int = 0  # jobs dropped before running (cancelled or past deadline)
+    refused: int = 0  # jobs refused because the queue was full
+
+
+class Batcher:
+    def __init__(self, engine: EngineLike, *, max_batch_tokens: int = 8192, max_queue: int = 256) -> None:
+        self.engine = engine
+        self.max_batch_tokens = max_batch_tokens
+        self.max_queue = max_queue
+        self.stats = Stats()
+        self._cond = threading.Condition()
+        self._inbox: list[Job] = []  # guarded by _cond
+        self._waiting = 0  # admitted jobs not yet running; guarded by _cond
+        self._stopping = False  # guarded by _cond
+        self._pending: deque[Job] = deque()  # prepared Score jobs; worker only
+        self._active: list[Job] = []  # running generations; worker only
+        self._thread = threading.Thread(target=self._run, name="pyscore-engine", daemon=True)
+
+    # -- loop side ----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def waiting(self) -> int:
+        """Jobs admitted and not yet running."""
+        with self._cond:
+            return self._waiting
+
+    async def score(self, request: ScoreRequest, timeout: float | None = None) -> ScoreResult:
+        return await self._await(self._admit("score", request, timeout, stream=False))
+
+    async def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
+        """Run fn(*args) on the engine thread (e.g. tokenize), in turn with the model work."""
+        return await self._await(self._admit("call", (fn, args), timeout, stream=False))
+
+    async def generate(self, request: GenerateRequest, timeout: float | None = None) -> AsyncIterator[GenerationDelta]:
+        """The generation's deltas as they are produced; the last carries `final`."""
+        job = self._admit("generate", request, timeout, stream=True)
+        assert job.deltas is not None
+        try:
+            while True:
+                delta = await job.deltas.get()
+                if isinstance(delta, BaseException):
+                    raise delta
+                yield delta
+                if delta.final is not None:
+                    return
+        finally:
+            job.cancelled = True  # the caller stopped listening: free the sequence
+
+    async def _await(self, job: Job) -> Any:
+        assert job.future is not None
+        try:
+            return await job.future
+        finally:
+            job.cancelled = True  # harmless once done; drops the job if the caller was cancelled
+
+    def _admit(self, kind: Literal["score", "generate", "call"], payload: Any, timeout: float | None,
+               stream: bool) -> Job:
+        loop = asyncio.get_running_loop()
+        job = Job(kind, payload, loop, None if timeout is None else time.monotonic() + timeout)
+        if stream:
+            job.deltas = asyncio.Queue()
+        else:
+            job.future = loop.create_future()
+        with self._cond:
+            if self._stopping:
+                raise Unavailable("the server is shutting down")
+            if self._waiting >= self.max_queue:
+                self.stats.refused += 1
+                raise ResourceExhausted("", f"the queue is full ({self._waiting} requests waiting; --max-queue)")
+            self._waiting += 1
+            self._inbox.append(job)
+            self._cond.notify()
+        return job
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Refuse new jobs, let the worker finish the admitted ones, and join it (blocking)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- worker side --------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._inbox or self._pending or self._active or self._stopping):
+                    self._cond.wait()
+                if self._stopping and not (self._inbox or self._pending or self._active):
+                    return
+                arrived, self._inbox = self._inbox, []
+            try:
+                self._iterate(arrived)
+            except Exception as e:  # a bug here must not kill the worker: fail what is in flight
+                log.exception("batcher iteration failed")
+                for job in [*self._pending, *self._active]:
+                    self._finish(job, e)
+                self._release(len(self._pending))
+                self._pending.clear()
+                self._active.clear()
+
+    def _iterate(self, arrived: list[Job]) -> None:
+        for job in arrived:
+            self._accept(job)
+        self._drop_dead()
+        batch = self._next_batch()
+        if batch:
+            self._run_batch(batch)
+        if self._active:
+            self._step()
+
+    def _accept(self, job: Job) -> None:
+        if job.dead(time.monotonic()):
+            self._drop(job)
+            self._release(1)
+            return
+        try:
+            if job.kind == "score":
+                job.work = self.engine.prepare_score(job.payload)
+                job.tokens = job.work.compute_tokens
+                self._pending.append(job)
+                return
+            if job.kind == "generate":
+                job.work = self.engine.start_generation(job.payload)
+                self._active.append(job)
+            else:
+                fn, args = job.payload
+                self._finish(job, fn(*args))
+        except Exception as e:
+            self._finish(job, e)
+        self._release(1)
+
+    def _drop_dead(self) -> None:
+        now = time.monotonic()
+        alive = deque(j for j in self._pending if not j.dead(now))
+        dead = len(self._pending) - len(alive)
+        for job in self._pending:
+            if job.dead(now):
+                self._drop(job)
+        self._pending = alive
+        self._release(dead)
+        for job in [j for j in self._active if j.dead(now)]:
+            self._drop(job)
+            self._active.remove(job)
+
+    def _next_batch(self) -> list[Job]:
+        """Waiting Score jobs in arrival order while they fit the token budget (the first one always)."""
+        batch: list[Job] = []
+        tokens = 0
+        while self._pending and (not batch or tokens + self._pending[0].tokens <= self.max_batch_tokens):
+            job = self._pending.popleft()
+            batch.append(job)
+            tokens += job.tokens
+        self._release(len(batch))
+        return batch
+
+    def _run_batch(self, batch: list[Job]) -> None:
+        self.stats.batches += 1
+        try:
+            results: list[Any] = self.engine.run_prepared([j.work for j in batch])
+            if len(results) != len(batch):
+                raise RuntimeError(f"engine returned {len(results)} results for {len(batch)} requests")
+        except Exception as e:
+            log.exception("score batch of %d requests failed", len(batch))
+            results = [e] * len(batch)
+        for job, result in zip(batch, results, strict=True):
+            self._finish(job, result)
+
+    def _step(self) -> None:
+        self.stats.steps += 1
+        try:
+            self.engine.step([j.work for j in self._active])
+        except Exception as e:
+            log.exception("generation step of %d sequences failed", len(self._active))
+            for job in self._active:
+                self._finish(job, e)
+            self._active.clear()
+            return
+        still: list[Job] = []
+        for job in self._active:
+            gen = job.work
+            token_ids, logprobs, text = gen.take_delta()
+            if gen.finished:
+                self._finish(job, GenerationDelta(token_ids, logprobs, text, gen.result()))
+            else:
+                if token_ids or text:
+                    self._finish(job, GenerationDelta(token_ids, logprobs, text))
+                still.append(job)
+        self._active = still
+
+    def _drop(self, job: Job) -> None:
+        self.stats.dropped += 1
+        if not job.cancelled:  # deadline: tell the caller, if it still listens
+            self._finish(job, DeadlineExceeded("the deadline passed before the request could run"))
+
+    def _finish(self, job: Job, value: Any) -> None:
+        try:
+            job.loop.call_soon_threadsafe(job.deliver, value)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            log.debug("dropped a result for a closed event loop")
+
+    def _release(self, n: int) -> None:
+        if n:
+            with self._cond:
+                self._waiting -= n

@@ -1,0 +1,133 @@
+"""The one server interceptor: for every pyscore.v1.Scorer call it logs one line (method, items, tokens, mode,
+latency, status) and turns exceptions into gRPC statuses — pyscore.errors by kind (the message names the
+field), batcher refusals, and anything else as INTERNAL, after which the server simply goes on serving.
+Health and reflection calls pass through untouched."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import grpc
+
+from pyscore import errors
+from pyscore._proto.pyscore.v1 import scorer_pb2 as pb
+from server.batcher import DeadlineExceeded, Unavailable
+
+log = logging.getLogger("server.requests")
+
+SERVICE_PREFIX = "/pyscore.v1.Scorer/"
+
+_STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (errors.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.NotFound, grpc.StatusCode.NOT_FOUND),
+    (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+]
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status and message a client sees for an exception raised while serving its call."""
+    for kind, code in _STATUS:
+        if isinstance(exc, kind):
+            return code, str(exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def _request_summary(request: Any) -> str:
+    if "items" not in request.DESCRIPTOR.fields_by_name:
+        return ""
+    return f"items={len(request.items) or len(request.item_token_ids)} "
+
+
+def _response_summary(response: Any) -> str:
+    if response is None:
+        return ""
+    fields = response.DESCRIPTOR.fields_by_name
+    parts = []
+    if "usage" in fields and response.HasField("usage"):
+        parts.append(f"tokens={response.usage.prompt_tokens}/{response.usage.computed_tokens}")
+    elif "token_ids" in fields and "text" not in fields:  # Tokenize
+        parts.append(f"tokens={len(response.token_ids)}")
+    if "mode" in fields:
+        parts.append(f"mode={pb.ScoringMode.Name(response.mode).removeprefix('SCORING_MODE_').lower()}")
+    return " ".join(parts) + " " if parts else ""
+
+
+class LoggingErrorInterceptor(grpc.aio.ServerInterceptor):
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method: str = handler_call_details.method  # type: ignore[attr-defined]
+        if handler is None or not method.startswith(SERVICE_PREFIX):
+            return handler
+        name = method[len(SERVICE_PREFIX) :]
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(name, handler.unary_unary), handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(name, handler.unary_stream), handler.request_deserializer, handler.response_serializer
+            )
+        return handler
+
+
+class _Call:
+    """One call's bookkeeping: `serving()` wraps the handler, maps what it raises to a status, and logs."""
+
+    def __init__(self, name: str, request: Any, context: grpc.aio.ServicerContext) -> None:
+        self.name, self.request, self.context = name, request, context
+        self.response: Any = None  # the (last streamed) response, for the log line
+
+    @asynccontextmanager
+    async def serving(self) -> AsyncIterator[None]:
+        start, status = time.perf_counter(), "OK"
+        try:
+            yield
+        except (asyncio.CancelledError, GeneratorExit):  # client cancelled, deadline passed, or stream closed
+            status = "CANCELLED"
+            raise
+        except grpc.aio.AbortError:
+            status = str(self.context.code())
+            raise
+        except Exception as e:
+            code, message = status_for(e)
+            status = code.name
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("%s failed unexpectedly", self.name, exc_info=e)
+            await self.context.abort(code, message)
+        finally:
+            ms = (time.perf_counter() - start) * 1e3
+            log.info("%s %s%slatency_ms=%.1f status=%s", self.name, _request_summary(self.request),
+                     _response_summary(self.response), ms, status)
+
+
+def _wrap_unary(name: str, behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        call = _Call(name, request, context)
+        async with call.serving():
+            call.response = await behavior(request, context)
+        return call.response
+
+    return wrapper
+
+
+def _wrap_stream(name: str, behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        call = _Call(name, request, context)
+        async with call.serving():
+            async for response in behavior(request, context):
+                call.response = response
+                yield response
+
+    return wrapper

@@ -1,0 +1,164 @@
+"""Continuous batching through a real server: requests that wait behind a forward pass are packed into the
+next one in arrival order up to the token budget, results do not depend on batch-mates, generations share
+steps, and cancelled, expired or refused requests never reach the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import grpc
+import pytest
+
+from pyscore.client import AsyncScorerClient, ScorerClient
+from pyscore.types import ScoreResult
+from tests.server.conftest import ServerThread, wait_for
+from tests.server.fake_engine import FakeEngine
+
+
+def mixed_requests(n: int) -> list[tuple[Any, Any, dict[str, Any]]]:
+    """n Score requests of different shapes: text and ids, SIS/MIS/AUTO, setwise, softmax, 0-5 items."""
+    out: list[tuple[Any, Any, dict[str, Any]]] = []
+    for i in range(n):
+        k = i % 6
+        if i % 4 == 3:
+            out.append(([20 + i, 21, 22][: 1 + k % 3], [[30 + j] * (1 + j) for j in range(k)],
+                        dict(label_token_ids=[3, 4 + i])))
+        elif i % 4 == 2:
+            items = [f"option {j} [M] more [M]" for j in range(1 + k % 3)]
+            out.append((f"rank request {i}", items, dict(labels=["Yes", "No"], score_extraction_token="[M]")))
+        else:
+            items = [f"item {i} {j} " + "word " * j for j in range(k)]
+            mode = ("auto", "sis", "mis")[i % 3]
+            out.append((f"query number {i}", items, dict(labels=["Yes", "No"], mode=mode, apply_softmax=i % 2 == 0)))
+    return out
+
+
+def test_concurrent_requests_equal_alone(server: ServerThread, client: ScorerClient, fake: FakeEngine) -> None:
+    requests = mixed_requests(32)
+    alone = [client.score(q, items, **kw) for q, items, kw in requests]
+    batches_before = len(fake.batches)
+
+    async def together() -> list[ScoreResult]:
+        async with AsyncScorerClient(server.target, timeout=20) as c:
+            return await asyncio.gather(*(c.score(q, items, **kw) for q, items, kw in requests))
+
+    fake.delay_s = 0.02  # give arrivals time to pile up behind each pass
+    concurrent = asyncio.run(together())
+    assert concurrent == alone  # exact: same floats, labels, mode, usage
+    sizes = [len(b) for b in fake.batches[batches_before:]]
+    assert sum(sizes) == 32 and max(sizes) > 1, sizes
+
+
+def _score_future(stub_client: ScorerClient, query: str, timeout: float = 10, **kw: Any) -> grpc.Future:
+    from pyscore.client import score_message
+
+    kw.setdefault("labels", ["Yes"])
+    return stub_client.stub.Score.future(score_message(query, ["an item"], "", **kw), timeout=timeout)
+
+
+def test_waiting_requests_share_the_next_pass(server: ServerThread, client: ScorerClient, fake: FakeEngine) -> None:
+    fake.pause()
+    first = _score_future(client, "first")
+    assert fake.wait_entered()
+    rest = [_score_future(client, f"r{i}") for i in range(5)]
+    wait_for(lambda: server.batcher.waiting() == 5, what="5 waiting requests")
+    fake.resume()
+    for f in [first, *rest]:
+        f.result()
+    assert fake.batches[-2:] == [["first"], ["r0", "r1", "r2", "r3", "r4"]]
+
+
+def test_token_budget_splits_in_arrival_order(start_server: Any, fake: FakeEngine) -> None:
+    # each "rN" request is 1 (BOS) + 1 query + 2 item tokens = 4 tokens; "big" is larger than the budget
+    server = start_server(fake, max_batch_tokens=9)
+    with ScorerClient(server.target, timeout=10) as client:
+        fake.pause()
+        first = _score_future(client, "first")
+        assert fake.wait_entered()
+        queries = ["r0", "r1", "big " * 20, "r2", "r3", "r4"]
+        rest = [_score_future(client, q) for q in queries]
+        wait_for(lambda: server.batcher.waiting() == 6, what="6 waiting requests")
+        fake.resume()
+        for f in [first, *rest]:
+            f.result()
+    assert fake.batches[-5:] == [["first"], ["r0", "r1"], [queries[2]], ["r2", "r3"], ["r4"]]
+
+
+def test_generations_share_steps(server: ServerThread, client: ScorerClient, fake: FakeEngine) -> None:
+    fake.pause()
+    blocker = _score_future(client, "first")
+    assert fake.wait_entered()
+    from pyscore.client import generate_message
+
+    gens = [client.stub.Generate.future(generate_message(f"prompt {i}", "", max_tokens=3 + i), timeout=10)
+            for i in range(3)]
+    wait_for(lambda: server.batcher.waiting() == 3, what="3 waiting generations")
+    steps_before = len(fake.steps)
+    fake.resume()
+    blocker.result()
+    assert [len(g.result().token_ids) for g in gens] == [3, 4, 5]
+    assert fake.steps[steps_before:] == [3, 3, 3, 2, 1]
+
+
+def test_cancelled_request_never_runs(server: ServerThread, client: ScorerClient, fake: FakeEngine,
+                                      caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="server.requests")
+    fake.pause()
+    first = _score_future(client, "first")
+    assert fake.wait_entered()
+    doomed = _score_future(client, "doomed")
+    after = _score_future(client, "after")
+    wait_for(lambda: server.batcher.waiting() == 2, what="2 waiting requests")
+    doomed.cancel()
+    wait_for(lambda: any("status=CANCELLED" in r.getMessage() for r in caplog.records), what="server saw the cancel")
+    fake.resume()
+    first.result()
+    after.result()
+    assert fake.batches[-2:] == [["first"], ["after"]]
+    assert server.batcher.stats.dropped == 1
+
+
+def test_expired_deadline_never_runs(server: ServerThread, client: ScorerClient, fake: FakeEngine) -> None:
+    fake.pause()
+    first = _score_future(client, "first")
+    assert fake.wait_entered()
+    late = _score_future(client, "late", timeout=0.2)
+    with pytest.raises(grpc.RpcError) as err:
+        late.result()
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    fake.resume()
+    first.result()
+    client.score("next", ["x"], labels=["Yes"])
+    assert fake.batches[-2:] == [["first"], ["next"]]
+    assert server.batcher.stats.dropped == 1
+
+
+def test_cancelled_stream_frees_its_sequence(server: ServerThread, client: ScorerClient, fake: FakeEngine) -> None:
+    stream = client.generate_stream("long story", max_tokens=10_000)
+    next(stream)
+    stream.close()  # cancels the call
+    wait_for(lambda: server.batcher.stats.dropped == 1, what="the generation to be dropped")
+    steps = len(fake.steps)
+    assert client.generate("short", max_tokens=2).token_ids
+    assert fake.steps[steps:] == [1, 1]
+
+
+def test_full_queue_refuses_at_once(start_server: Any, fake: FakeEngine) -> None:
+    server = start_server(fake, max_queue=2)
+    with ScorerClient(server.target, timeout=10) as client:
+        fake.pause()
+        first = _score_future(client, "first")
+        assert fake.wait_entered()
+        queued = [_score_future(client, f"q{i}") for i in range(2)]
+        wait_for(lambda: server.batcher.waiting() == 2, what="a full queue")
+        with pytest.raises(grpc.RpcError) as err:
+            client.score("refused", ["x"], labels=["Yes"], timeout=2)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "queue is full" in err.value.details()
+        fake.resume()
+        for f in [first, *queued]:
+            f.result()
+        assert client.score("afterwards", ["x"], labels=["Yes"]).scores
+    assert server.batcher.stats.refused == 1

@@ -1,0 +1,126 @@
+"""Bad input answers its status with a message naming the field; an engine failure answers INTERNAL; either
+way the next good request succeeds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import pytest
+
+from pyscore._proto.pyscore.v1 import scorer_pb2 as pb
+from pyscore._proto.pyscore.v1 import scorer_pb2_grpc
+from pyscore.client import ScorerClient
+from tests.server.conftest import ServerThread, wait_for
+from tests.server.fake_engine import FakeEngine
+
+INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
+GOOD = dict(query="q", items=["a"], labels=["Yes"])
+
+SCORE_CASES: list[tuple[str, dict[str, Any], grpc.StatusCode, str]] = [
+    ("query and ids", dict(GOOD, query_token_ids=[5]), INVALID, "query_token_ids"),
+    ("items and ids", dict(GOOD, item_token_ids=[pb.TokenIds(ids=[5])]), INVALID, "item_token_ids"),
+    ("empty query", dict(GOOD, query=""), INVALID, "query"),
+    ("no labels", dict(GOOD, labels=[]), INVALID, "labels"),
+    ("multi-token label", dict(GOOD, labels=["Yes please"]), INVALID, "labels"),
+    ("duplicate labels", dict(GOOD, labels=["Yes", "Yes"]), INVALID, "labels"),
+    ("label id out of vocab", dict(GOOD, labels=[], label_token_ids=[10**6]), INVALID, "label_token_ids"),
+    ("query id out of vocab", dict(GOOD, query="", query_token_ids=[-1], items=[],
+                                   item_token_ids=[pb.TokenIds(ids=[5])]), INVALID, "query_token_ids"),
+    ("mixed text and ids", dict(GOOD, query="", query_token_ids=[5]), INVALID, "items"),
+    ("unknown mode", dict(GOOD, mode=7), INVALID, "mode"),
+    ("marker missing", dict(GOOD, score_extraction_token="[M]"), INVALID, "items"),
+    ("too long", dict(GOOD, items=["word " * 600]), INVALID, "items"),
+    ("other model", dict(GOOD, model="llama-70b"), grpc.StatusCode.NOT_FOUND, "model"),
+    ("too many items", dict(GOOD, items=["a"] * 9), grpc.StatusCode.RESOURCE_EXHAUSTED, "items"),
+]
+
+GENERATE_CASES: list[tuple[str, dict[str, Any], grpc.StatusCode, str]] = [
+    ("no chat template", dict(prompt="hi", apply_chat_template=True), PRECONDITION, "apply_chat_template"),
+    ("prompt and ids", dict(prompt="hi", prompt_token_ids=[5]), INVALID, "prompt_token_ids"),
+    ("empty prompt", dict(), INVALID, "prompt"),
+    ("negative max_tokens", dict(prompt="hi", max_tokens=-1), INVALID, "max_tokens"),
+    ("other model", dict(prompt="hi", model="x"), grpc.StatusCode.NOT_FOUND, "model"),
+]
+
+
+@pytest.fixture
+def stub(channel: grpc.Channel) -> scorer_pb2_grpc.ScorerStub:
+    return scorer_pb2_grpc.ScorerStub(channel)
+
+
+@pytest.mark.parametrize(("fields", "code", "field"), [c[1:] for c in SCORE_CASES], ids=[c[0] for c in SCORE_CASES])
+def test_bad_score_request(stub: scorer_pb2_grpc.ScorerStub, fields: dict[str, Any], code: grpc.StatusCode,
+                           field: str) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Score(pb.ScoreRequest(**fields), timeout=10)
+    assert err.value.code() == code, err.value.details()
+    assert err.value.details().startswith(f"{field}:"), err.value.details()
+    assert stub.Score(pb.ScoreRequest(**GOOD), timeout=10).scores
+
+
+@pytest.mark.parametrize(("fields", "code", "field"), [c[1:] for c in GENERATE_CASES],
+                         ids=[c[0] for c in GENERATE_CASES])
+def test_bad_generate_request(stub: scorer_pb2_grpc.ScorerStub, fields: dict[str, Any], code: grpc.StatusCode,
+                              field: str) -> None:
+    for call in (stub.Generate, lambda m, timeout: list(stub.GenerateStream(m, timeout=timeout))):
+        with pytest.raises(grpc.RpcError) as err:
+            call(pb.GenerateRequest(**fields), timeout=10)
+        assert err.value.code() == code, err.value.details()
+        assert err.value.details().startswith(f"{field}:"), err.value.details()
+    assert stub.Generate(pb.GenerateRequest(prompt="hi", max_tokens=2), timeout=10).token_ids
+
+
+def test_mis_on_a_model_without_it(start_server: Any) -> None:
+    server = start_server(FakeEngine(mis_supported=False))
+    with ScorerClient(server.target, timeout=10) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.score("q", ["a", "b"], labels=["Yes"], mode="mis")
+        assert err.value.code() == PRECONDITION and err.value.details().startswith("mode:")
+        assert client.score("q", ["a", "b"], labels=["Yes"]).mode == "sis"
+
+
+def test_engine_failure_is_internal_and_the_server_goes_on(server: ServerThread, client: ScorerClient,
+                                                            fake: FakeEngine) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        client.score("boom", ["a"], labels=["Yes"])
+    assert err.value.code() == grpc.StatusCode.INTERNAL and "injected failure" in err.value.details()
+    assert client.score("fine", ["a"], labels=["Yes"]).scores
+
+    fake.fail_next_run = True
+    with pytest.raises(grpc.RpcError) as err:
+        client.score("unlucky", ["a"], labels=["Yes"])
+    assert err.value.code() == grpc.StatusCode.INTERNAL
+    assert client.score("fine again", ["a"], labels=["Yes"]).scores
+
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate("boom", max_tokens=3)
+    assert err.value.code() == grpc.StatusCode.INTERNAL
+    assert client.generate("fine", max_tokens=3).token_ids
+
+
+def test_batch_mates_of_a_failing_request_succeed(server: ServerThread, client: ScorerClient,
+                                                  fake: FakeEngine) -> None:
+    from pyscore.client import score_message
+
+    fake.pause()
+    first = client.stub.Score.future(score_message("first", ["a"], "", labels=["Yes"]), timeout=10)
+    assert fake.wait_entered()
+    mates = [client.stub.Score.future(score_message(q, ["a"], "", labels=["Yes"]), timeout=10)
+             for q in ("before", "boom", "after")]
+    wait_for(lambda: server.batcher.waiting() == 3, what="3 waiting requests")
+    fake.resume()
+    first.result()
+    assert mates[0].result().scores and mates[2].result().scores
+    assert mates[1].exception().code() == grpc.StatusCode.INTERNAL
+    assert ["before", "boom", "after"] in fake.batches
+
+
+def test_unavailable_until_the_model_is_served(start_server: Any) -> None:
+    server = start_server(None)  # listening, no engine yet
+    with ScorerClient(server.target, timeout=10) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.model_info()
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "loading" in err.value.details()
+        server.run(server.app.serve_engine(FakeEngine()))
+        assert client.model_info().name == "fake-smollm2"

@@ -1,0 +1,173 @@
+"""The server on the real pyscore.Engine (a tiny random Qwen3 built in code, fp32 on CPU): every RPC answers
+what Engine answers directly and what stock transformers computes, and concurrent requests packed together
+get what each gets alone."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from pyscore.client import AsyncScorerClient, ScorerClient
+from pyscore.engine import Engine
+from pyscore.types import GenerateRequest
+from tests.helpers import load_reference, make_model_dir
+from tests.reference_scoring import max_abs_diff, reference_scores
+from tests.server.conftest import ServerThread
+
+QUERY = "Context: the order 1234 was shipped on Monday and is in transit.\nQuestion: what should the agent do?"
+ITEMS = [" Proposed answer: tell the customer the order is on its way. Is this proposed answer correct?",
+         " Proposed answer: cancel the order.",
+         " A"]
+TOL = 1e-5  # fp32 engine vs fp32 transformers, and float32 on the wire
+
+
+def make_engine(path: Path) -> Engine:
+    return Engine.from_pretrained(path, dtype="float32", device="cpu", threads=2)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> Engine:
+    """A second engine, called directly: what the served one must equal."""
+    return make_engine(model_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> Any:
+    return load_reference(model_dir)
+
+
+@pytest.fixture(scope="module")
+def served(model_dir: Path) -> Iterator[ServerThread]:
+    server = ServerThread(make_engine(model_dir), max_batch_tokens=256)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def client(served: ServerThread) -> Iterator[ScorerClient]:
+    with ScorerClient(served.target, timeout=30) as c:
+        yield c
+
+
+def item_ids(engine: Engine, items: list[str]) -> list[list[int]]:
+    return [engine.tokenize(i, add_special_tokens=False)[0] for i in items]
+
+
+@pytest.mark.parametrize("mode", ["sis", "mis", "auto"])
+@pytest.mark.parametrize("apply_softmax", [False, True])
+def test_score_equals_engine_and_transformers(client: ScorerClient, engine: Engine, reference: Any, mode: str,
+                                              apply_softmax: bool) -> None:
+    got = client.score(QUERY, ITEMS, labels=["Yes", "No"], apply_softmax=apply_softmax, mode=mode)
+    direct = engine.score(QUERY, ITEMS, labels=["Yes", "No"], apply_softmax=apply_softmax, mode=mode)
+    assert (got.mode, got.label_token_ids, got.usage) == (direct.mode, direct.label_token_ids, direct.usage)
+    assert got.mode == ("sis" if mode == "sis" else "mis")
+    assert max_abs_diff(got.scores, direct.scores) <= 1e-7  # float32 rounding only
+    expected = reference_scores(reference, engine.tokenize(QUERY)[0], item_ids(engine, ITEMS), got.label_token_ids,
+                                apply_softmax=apply_softmax)
+    assert max_abs_diff(got.scores, expected) <= TOL
+
+
+def test_setwise_and_token_ids(client: ScorerClient, engine: Engine, reference: Any) -> None:
+    items = [" A) ship B) cancel Scores: <|marker|> <|marker|>", " one <|marker|>"]
+    marker = engine.tokenizer.convert_tokens_to_ids("<|marker|>")
+    labels = [engine.tokenize(s, add_special_tokens=False)[0][0] for s in ("Yes", "No")]
+    query = engine.tokenize(QUERY)[0]
+    got = client.score(query, item_ids(engine, items), label_token_ids=labels, score_extraction_token="<|marker|>",
+                       mode="mis")
+    assert [len(rows) for rows in got.scores] == [2, 1]
+    expected = reference_scores(reference, query, item_ids(engine, items), labels, marker=marker)
+    assert max_abs_diff(got.scores, expected) <= TOL
+
+
+def test_generate_greedy_equals_transformers_and_stream(client: ScorerClient, engine: Engine,
+                                                        reference: Any) -> None:
+    prompt = "Context: the order 1234 was shipped on Monday. Question:"
+    unary = client.generate(prompt, max_tokens=8, top_logprobs=3)
+    direct = engine.generate(GenerateRequest(prompt=prompt, max_tokens=8, top_logprobs=3))
+    assert (unary.text, unary.token_ids, unary.finish_reason, unary.usage) == (
+        direct.text, direct.token_ids, direct.finish_reason, direct.usage)
+    assert [[t.token_id for t in lp.top] for lp in unary.logprobs] == [[t.token_id for t in lp.top]
+                                                                        for lp in direct.logprobs]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(unary.logprobs, direct.logprobs, strict=True)) <= TOL
+    ids = engine.tokenize(prompt)[0]
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)
+    assert unary.token_ids == out[0, len(ids):].tolist()[: len(unary.token_ids)]
+    chunks = list(client.generate_stream(prompt, max_tokens=8, top_logprobs=3))
+    assert "".join(c.text for c in chunks) == unary.text
+    assert [t for c in chunks for t in c.token_ids] == unary.token_ids
+    assert chunks[-1].finish_reason == unary.finish_reason and chunks[-1].usage == unary.usage
+
+
+def test_tokenize_and_model_info(client: ScorerClient, engine: Engine) -> None:
+    assert client.tokenize(QUERY) == engine.tokenize(QUERY)
+    assert client.tokenize(" A", add_special_tokens=False) == engine.tokenize(" A", add_special_tokens=False)
+    info = client.model_info()
+    assert info == engine.info()
+    assert info.kind == "causal_lm" and info.mis_supported
+
+
+def test_concurrent_requests_equal_alone(served: ServerThread, client: ScorerClient) -> None:
+    requests: list[tuple[Any, list[Any], dict[str, Any]]] = []
+    for i in range(12):
+        items = [f" Proposed answer {j}: {'cancel the order ' * (1 + (i + j) % 3)}" for j in range(i % 4)]
+        requests.append((f"Question {i}: what should the agent do?", items,
+                         dict(labels=["Yes", "No"], mode=("auto", "sis", "mis")[i % 3], apply_softmax=i % 2 == 0)))
+    alone = [client.score(q, items, **kw) for q, items, kw in requests]
+
+    async def together() -> list[Any]:
+        async with AsyncScorerClient(served.target, timeout=60) as c:
+            return await asyncio.gather(*(c.score(q, items, **kw) for q, items, kw in requests))
+
+    batches = served.batcher.stats.batches
+    concurrent = asyncio.run(together())
+    assert served.batcher.stats.batches - batches < len(requests)  # some requests shared a pass
+    for a, b in zip(alone, concurrent, strict=True):
+        assert (a.mode, a.label_token_ids, a.usage) == (b.mode, b.label_token_ids, b.usage)
+        assert max_abs_diff(a.scores, b.scores) <= TOL
+
+
+def test_classifier_scores_its_classes(start_server: Any, tmp_path: Path) -> None:
+    path = make_model_dir(tmp_path / "cls", "qwen3", classifier=True)
+    server = start_server(make_engine(path))
+    direct = make_engine(path)
+    with ScorerClient(server.target, timeout=30) as client:
+        info = client.model_info()
+        assert info.kind == "classifier" and info.num_labels == 3
+        got = client.score(QUERY, ITEMS, apply_softmax=True)
+        expected = direct.score(QUERY, ITEMS, apply_softmax=True)
+        assert got.label_token_ids == [0, 1, 2] == expected.label_token_ids
+        assert max_abs_diff(got.scores, expected.scores) <= 1e-7
+
+
+BAD_SCORES: list[tuple[dict[str, Any], str, str]] = [
+    (dict(query=""), "INVALID_ARGUMENT", "query"),
+    (dict(labels=["Yes please"]), "INVALID_ARGUMENT", "labels"),
+    (dict(labels=[], label_token_ids=[10**6]), "INVALID_ARGUMENT", "label_token_ids"),
+    (dict(score_extraction_token="<|marker|>"), "INVALID_ARGUMENT", "items"),
+    (dict(items=["word " * 600]), "INVALID_ARGUMENT", "items"),
+    (dict(mode="mis", item_first=True), "FAILED_PRECONDITION", "mode"),
+    (dict(model="other"), "NOT_FOUND", "model"),
+]
+
+
+@pytest.mark.parametrize(("fields", "code", "field"), BAD_SCORES, ids=[f"{c[2]}-{c[1]}" for c in BAD_SCORES])
+def test_engine_errors_reach_the_client(client: ScorerClient, fields: dict[str, Any], code: str, field: str) -> None:
+    request: dict[str, Any] = dict(query="q", items=["a"], labels=["Yes"]) | fields
+    with pytest.raises(grpc.RpcError) as err:
+        client.score(request.pop("query"), request.pop("items"), **request)
+    assert err.value.code().name == code
+    assert err.value.details().split(":")[0].split("[")[0] == field, err.value.details()
+    assert client.score("q", ["a"], labels=["Yes"]).scores
