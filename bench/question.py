@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import random
 
-WORDS = ["order", "shipment", "customer", "refund", "warehouse", "status", "invoice", "carrier", "tracking", "delayed", "delivered", "address", "payment", "account", "support", "ticket", "priority", "escalation", "policy", "inventory", "return", "label", "package", "route", "agent", "action", "confirm", "cancel", "update", "notify", "schedule", "verify", "region", "express", "standard"]
+WORDS = [
+    "order", "shipment", "customer", "refund", "warehouse", "status", "invoice", "carrier", "tracking",
+    "delayed", "delivered", "address", "payment", "account", "support", "ticket", "priority", "escalation",
+    "policy", "inventory", "return", "label", "package", "route", "agent", "action", "confirm", "cancel",
+    "update", "notify", "schedule", "verify", "region", "express", "standard",
+]
 
 
 def _sentence(rng: random.Random, n: int) -> str:
