@@ -1,0 +1,389 @@
+// Runs the CUDA kernels of csrc/ under the host emulator (cuda_emu.h) against float64 references and prints one
+// line per case; exits non-zero on the first mismatch. Built and run by tests/ops/test_cuda_emulation.py:
+//   g++ -std=c++20 -O1 -pthread -include tests/emu/cuda_emu.h -Itests/emu/include -Icsrc tests/emu/emu_check.cpp
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/merge_state.cuh"
+#include "label_logprobs/label_logprobs_kernels.cuh"
+#include "prefix_item_attention/prefix_item_attention_kernels.cuh"
+
+using namespace pyscore;
+
+namespace {
+
+int g_failures = 0;
+
+void report(const std::string& name, double max_err, double mean_err, double max_tol, double mean_tol) {
+  const bool ok = max_err <= max_tol && mean_err <= mean_tol;  // NaN fails both
+  std::printf("%-4s %-60s max %.3g (tol %.3g) mean %.3g (tol %.3g)\n", ok ? "ok" : "FAIL", name.c_str(), max_err,
+              max_tol, mean_err, mean_tol);
+  std::fflush(stdout);
+  if (!ok) ++g_failures;
+}
+
+template <typename T>
+T to_t(float x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __float2bfloat16_rn(x);
+  } else {
+    return __float2half_rn(x);
+  }
+}
+template <typename T>
+double to_d(T x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __bfloat162float(x);
+  } else {
+    return __half2float(x);
+  }
+}
+
+// ---- prefix_item_attention -----------------------------------------------------------------------------------
+
+struct Segment {
+  int start, length, prefix_start, prefix_length;
+};
+
+// A packed stream: each group is a prefix (0 = plain causal sequences) followed by item lengths. With a prefix
+// the table lists the prefix row, then its items; without, every length is its own causal sequence.
+struct Group {
+  int prefix;
+  std::vector<int> items;
+};
+
+std::vector<Segment> pack(const std::vector<Group>& groups) {
+  std::vector<Segment> segs;
+  int t = 0;
+  for (const Group& g : groups) {
+    if (g.prefix > 0) {
+      const int p0 = t;
+      segs.push_back({t, g.prefix, 0, 0});
+      t += g.prefix;
+      for (int len : g.items) {
+        segs.push_back({t, len, p0, g.prefix});
+        t += len;
+      }
+    } else {
+      for (int len : g.items) {
+        segs.push_back({t, len, 0, 0});
+        t += len;
+      }
+    }
+  }
+  return segs;
+}
+
+template <typename T, int D>
+void check_attention(const std::string& name, const std::vector<Segment>& segs, int hq, int hkv, bool tensor_cores,
+                     uint32_t seed) {
+  int num_tokens = 0;
+  for (const Segment& s : segs) num_tokens = std::max(num_tokens, s.start + s.length);
+  const int num_segments = int(segs.size());
+  // Padded token strides (multiples of 8 elements keep rows 16-byte aligned) exercise the stride arithmetic.
+  const int64_t q_ts = int64_t(hq) * D + 8, kv_ts = int64_t(hkv) * D + 16, o_ts = int64_t(hq) * D + 8;
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  auto fill = [&](std::vector<T>& x, size_t n, float scale) {
+    x.resize(n);
+    for (auto& e : x) e = to_t<T>(normal(rng) * scale);
+  };
+  std::vector<T> q, k, v;
+  fill(q, num_tokens * q_ts, 1.5f);
+  fill(k, num_tokens * kv_ts, 1.5f);
+  fill(v, num_tokens * kv_ts, 1.f);
+  const T sentinel = to_t<T>(12345.f);
+  std::vector<T> o(num_tokens * o_ts, sentinel);
+  std::vector<int32_t> table;
+  for (const Segment& s : segs) table.insert(table.end(), {s.start, s.length, s.prefix_start, s.prefix_length});
+
+  PrefixItemAttentionParams p{};
+  p.q = q.data();
+  p.k = k.data();
+  p.v = v.data() + 0;
+  p.o = o.data();
+  p.q_token_stride = q_ts, p.q_head_stride = D;
+  p.k_token_stride = kv_ts, p.k_head_stride = D;
+  p.v_token_stride = kv_ts, p.v_head_stride = D;
+  p.o_token_stride = o_ts, p.o_head_stride = D;
+  p.segments = table.data();
+  p.num_segments = num_segments;
+  p.num_tokens = num_tokens;
+  p.num_q_heads = hq;
+  p.num_kv_heads = hkv;
+  p.head_dim = D;
+  p.scale = 1.f / std::sqrt(float(D));
+
+  using namespace attention_cuda;
+  if (tensor_cores) {
+    if constexpr (sizeof(T) == 2) {
+      const TileConfig cfg = tile_config(hq, hkv, num_tokens, num_segments);
+      const int max_tiles = int(cfg.max_tiles);
+      std::vector<int4> work(max_tiles, int4{-1, -1, -1, -1});
+      std::vector<int> seg_head(num_segments, -7), run_end(num_segments, -7), tok_seg_start(num_tokens, -7);
+      int num_work = -7;
+      emu::launch(dim3(1), dim3(kPlanThreads), 0, [&] {
+        plan_tiles_kernel(table.data(), num_segments, cfg.tile_tokens, max_tiles, seg_head.data(), run_end.data(),
+                          work.data(), &num_work);
+      });
+      emu::launch(dim3(std::min(num_segments, 4096)), dim3(128), 0, [&] {
+        token_segment_start_kernel(table.data(), num_segments, num_tokens, tok_seg_start.data());
+      });
+      // Tiles must cover every token exactly once.
+      std::vector<int> covered(num_tokens, 0);
+      for (int i = 0; i < num_work; ++i) {
+        for (int t = work[i].x; t < work[i].y; ++t) covered[t] += 1;
+        if (work[i].y - work[i].x > cfg.tile_tokens || work[i].y <= work[i].x) {
+          std::printf("FAIL %s: bad tile [%d, %d)\n", name.c_str(), work[i].x, work[i].y);
+          ++g_failures;
+        }
+      }
+      for (int t = 0; t < num_tokens; ++t) {
+        if (covered[t] != 1) {
+          std::printf("FAIL %s: token %d covered %d times by %d tiles\n", name.c_str(), t, covered[t], num_work);
+          ++g_failures;
+          return;
+        }
+      }
+      emu::launch(dim3(max_tiles, hkv * cfg.head_chunks), dim3(kThreads), attention_smem_bytes<D>(), [&] {
+        prefix_item_attention_tc_kernel<T, D>(p, work.data(), &num_work, tok_seg_start.data(), cfg.heads_per_cta,
+                                              cfg.head_chunks);
+      });
+    }
+  } else {
+    emu::launch(dim3(num_segments, hq), dim3(kSimpleWarps * 32), 0,
+                [&] { prefix_item_attention_simple_kernel<T, D>(p); });
+  }
+
+  // float64 reference over the inputs as stored.
+  const int group = hq / hkv;
+  double max_err = 0, sum_err = 0;
+  int64_t count = 0;
+  for (const Segment& s : segs) {
+    for (int t = s.start; t < s.start + s.length; ++t) {
+      for (int h = 0; h < hq; ++h) {
+        const int kvh = h / group;
+        std::vector<int> keys;
+        for (int j = s.prefix_start; j < s.prefix_start + s.prefix_length; ++j) keys.push_back(j);
+        for (int j = s.start; j <= t; ++j) keys.push_back(j);
+        std::vector<double> w(keys.size());
+        double mx = -1e300;
+        for (size_t i = 0; i < keys.size(); ++i) {
+          double dot = 0;
+          for (int d = 0; d < D; ++d) {
+            dot += to_d(q[t * q_ts + h * D + d]) * to_d(k[keys[i] * kv_ts + kvh * D + d]);
+          }
+          w[i] = dot * p.scale;
+          mx = std::max(mx, w[i]);
+        }
+        double denom = 0;
+        for (double& x : w) denom += (x = std::exp(x - mx));
+        for (int d = 0; d < D; ++d) {
+          double ref = 0;
+          for (size_t i = 0; i < keys.size(); ++i) ref += w[i] * to_d(v[keys[i] * kv_ts + kvh * D + d]);
+          ref /= denom;
+          const double err = std::fabs(to_d(o[t * o_ts + h * D + d]) - ref);
+          max_err = std::max(max_err, std::isnan(err) ? INFINITY : err);
+          sum_err += err;
+          ++count;
+        }
+      }
+      for (int e = hq * D; e < o_ts; ++e) {  // padding between tokens must stay untouched
+        if (to_d(o[t * o_ts + e]) != to_d(sentinel)) max_err = INFINITY;
+      }
+    }
+  }
+  const bool exact = std::is_same_v<T, float>;
+  report(name, max_err, sum_err / double(count), exact ? 1e-5 : 3e-2, exact ? 1e-6 : 4e-3);
+}
+
+// ---- label_logprobs ---------------------------------------------------------------------------------------------
+
+enum class LmPath { kTensorCores, kSimple, kLogits };
+
+template <typename T>
+void check_labels(const std::string& name, int rows, int hidden_size, int vocab, int num_labels, LmPath path,
+                  uint32_t seed) {
+  using namespace label_cuda;
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  const bool logits_given = path == LmPath::kLogits;
+  const int width = logits_given ? vocab : hidden_size;
+  const int64_t h_stride = width + 8, w_stride = hidden_size + 8;
+  std::vector<T> hidden(rows * h_stride), weight(logits_given ? 0 : vocab * w_stride);
+  for (auto& e : hidden) e = to_t<T>(normal(rng) * (logits_given ? 3.f : 1.f));
+  for (auto& e : weight) e = to_t<T>(normal(rng) * 0.2f);
+  std::vector<int32_t> labels(rows * num_labels);
+  std::uniform_int_distribution<int> pick(-1, vocab - 1);
+  for (auto& l : labels) l = pick(rng);
+  if (num_labels >= 2) labels[1] = labels[0];                         // duplicate label
+  for (int k = 0; k < num_labels && rows > 1; ++k) labels[num_labels + k] = -1;  // row 1: padding only
+  if (num_labels >= 1) labels[num_labels - 1] = vocab - 1;            // last vocab entry (tail chunk)
+
+  const int num_chunks = logits_given ? ceil_div(vocab, kLogitsChunk) : ceil_div(vocab, kVocabTile);
+  std::vector<MaxSum> partials(rows * num_chunks, MaxSum{NAN, NAN});
+  std::vector<float> logprobs(rows * num_labels, NAN), softmax(rows * num_labels, NAN), logz(rows, NAN);
+  const T* w = logits_given ? nullptr : weight.data();
+  if (path == LmPath::kLogits) {
+    emu::launch(dim3(num_chunks, rows), dim3(kCombineThreads), 0,
+                [&] { logits_partials_kernel<T>(hidden.data(), h_stride, vocab, partials.data()); });
+  } else if (path == LmPath::kTensorCores) {
+    if constexpr (sizeof(T) == 2) {
+      const int threads = ceil_div(rows, kRowsPerWarp) * 32;
+      emu::launch(dim3(num_chunks), dim3(threads), size_t(kStages) * stage_elems(threads) * sizeof(T), [&] {
+        lm_head_partials_tc_kernel<T>(hidden.data(), h_stride, w, w_stride, rows, hidden_size, vocab,
+                                      partials.data());
+      });
+    }
+  } else {
+    emu::launch(dim3(num_chunks), dim3(kSimpleWarps * 32), 0, [&] {
+      lm_head_partials_simple_kernel<T>(hidden.data(), h_stride, w, w_stride, rows, hidden_size, vocab,
+                                        partials.data());
+    });
+  }
+  // The combine kernel is written for any whole-warp block size; many rows run with 2 warps here only to keep
+  // the emulation (one OS thread per CUDA thread) quick.
+  emu::launch(dim3(rows), dim3(rows > 64 ? 64 : kCombineThreads), 0, [&] {
+    combine_kernel<T>(partials.data(), num_chunks, hidden.data(), h_stride, w, w_stride, hidden_size, vocab,
+                      labels.data(), num_labels, logprobs.data(), softmax.data(), logz.data());
+  });
+
+  double max_err = 0, sum_err = 0;
+  int64_t count = 0;
+  auto account = [&](double got, double want) {
+    double err;
+    if (std::isinf(want) && want < 0) {
+      err = (std::isinf(got) && got < 0) ? 0 : INFINITY;
+    } else {
+      err = std::fabs(got - want);
+      if (std::isnan(err)) err = INFINITY;
+    }
+    max_err = std::max(max_err, err);
+    sum_err += std::isinf(err) ? 0 : err;
+    ++count;
+  };
+  for (int r = 0; r < rows; ++r) {
+    std::vector<double> logit(vocab);
+    double mx = -1e300;
+    for (int v = 0; v < vocab; ++v) {
+      double x = 0;
+      if (logits_given) {
+        x = to_d(hidden[r * h_stride + v]);
+      } else {
+        for (int d = 0; d < hidden_size; ++d) x += to_d(hidden[r * h_stride + d]) * to_d(weight[v * w_stride + d]);
+      }
+      logit[v] = x;
+      mx = std::max(mx, x);
+    }
+    double z = 0;
+    for (double x : logit) z += std::exp(x - mx);
+    const double log_z = mx + std::log(z);
+    account(logz[r], log_z);
+    double lmx = -INFINITY;
+    for (int k = 0; k < num_labels; ++k) {
+      const int l = labels[r * num_labels + k];
+      if (l >= 0) lmx = std::max(lmx, logit[l]);
+    }
+    double lsum = 0;
+    for (int k = 0; k < num_labels; ++k) {
+      const int l = labels[r * num_labels + k];
+      if (l >= 0) lsum += std::exp(logit[l] - lmx);
+    }
+    for (int k = 0; k < num_labels; ++k) {
+      const int l = labels[r * num_labels + k];
+      account(logprobs[r * num_labels + k], l >= 0 ? logit[l] - log_z : -INFINITY);
+      account(softmax[r * num_labels + k], l >= 0 ? std::exp(logit[l] - lmx) / lsum : 0.0);
+    }
+  }
+  report(name, max_err, sum_err / double(count), 2e-5, 2e-6);
+}
+
+// ---- merge_state -------------------------------------------------------------------------------------------------
+
+void check_merge() {
+  const int rows = 9, dim = 40;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.f, 2.f);
+  std::vector<float> o_a(rows * dim), o_b(rows * dim), lse_a(rows), lse_b(rows);
+  for (auto& x : o_a) x = normal(rng);
+  for (auto& x : o_b) x = normal(rng);
+  for (int r = 0; r < rows; ++r) lse_a[r] = normal(rng), lse_b[r] = normal(rng);
+  lse_a[1] = -INFINITY;                       // only b
+  lse_b[2] = -INFINITY;                       // only a
+  lse_a[3] = lse_b[3] = -INFINITY;            // neither: o = 0, lse = -inf
+  lse_a[4] = 80.f, lse_b[4] = -80.f;          // far apart
+  const std::vector<float> a0 = o_a, la0 = lse_a;
+  // Outputs alias the `a` inputs, as the launcher allows.
+  emu::launch(dim3(ceil_div(rows, kMergeWarps)), dim3(kMergeWarps * 32), 0, [&] {
+    merge_state_kernel(o_a.data(), lse_a.data(), o_b.data(), lse_b.data(), rows, dim, o_a.data(), lse_a.data());
+  });
+  double max_err = 0, sum_err = 0;
+  for (int r = 0; r < rows; ++r) {
+    const double a = la0[r], b = lse_b[r];
+    double m = std::max(a, b);
+    if (std::isinf(m)) m = 0;
+    const double wa = std::exp(a - m), wb = std::exp(b - m), den = wa + wb;
+    const double lse = m + std::log(den);
+    const double e = (std::isinf(lse) && std::isinf(lse_a[r])) ? 0 : std::fabs(lse_a[r] - lse);
+    max_err = std::max(max_err, std::isnan(e) ? INFINITY : e);
+    for (int d = 0; d < dim; ++d) {
+      const double want = den > 0 ? (wa * a0[r * dim + d] + wb * o_b[r * dim + d]) / den : 0.0;
+      const double err = std::fabs(o_a[r * dim + d] - want);
+      max_err = std::max(max_err, std::isnan(err) ? INFINITY : err);
+      sum_err += err;
+    }
+  }
+  report("merge_state (aliased outputs, -inf sides)", max_err, sum_err / (rows * dim), 1e-5, 1e-6);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string only = argc > 1 ? argv[1] : "";
+  auto want = [&](const char* part) { return only.empty() || only == part; };
+
+  if (want("merge")) check_merge();
+
+  if (want("attention")) {
+    // Two MIS groups (items of 1..70 tokens, one longer than a tile), plain causal sequences back to back
+    // (runs of several segments), a 1-token sequence, and a short sequence right after a 130-token one (its
+    // rows share a tile whose first key tiles they cannot see at all: the -inf row-max case).
+    const std::vector<Segment> mixed =
+        pack({{70, {1, 5, 17, 70}}, {0, {33, 1, 9}}, {3, {2, 64, 9}}, {0, {130, 5}}});
+    // The same stream with the table rows reordered (groups stay contiguous) plus a zero-length row.
+    std::vector<Segment> reordered = pack({{70, {1, 5, 17, 70}}, {0, {33, 1, 9}}, {3, {2, 64, 9}}, {0, {130, 5}}});
+    std::rotate(reordered.begin(), reordered.begin() + 5, reordered.end());
+    std::swap(reordered[0], reordered[1]);
+    reordered.push_back({reordered[2].start, 0, 0, 0});
+    check_attention<__nv_bfloat16, 64>("attn tc bf16 D64 MHA 4/4", mixed, 4, 4, true, 1);
+    check_attention<__nv_bfloat16, 64>("attn tc bf16 D64 GQA 6/2 (3 stacked)", mixed, 6, 2, true, 2);
+    check_attention<__nv_bfloat16, 128>("attn tc bf16 D128 GQA 8/1 (8 stacked)", mixed, 8, 1, true, 3);
+    check_attention<__half, 128>("attn tc fp16 D128 GQA 12/1 (2 x 6 stacked)", mixed, 12, 1, true, 4);
+    check_attention<__nv_bfloat16, 64>("attn tc bf16 D64 GQA 8/2, reordered table", reordered, 8, 2, true, 5);
+    check_attention<float, 64>("attn simple fp32 D64 GQA 6/2", mixed, 6, 2, false, 6);
+    check_attention<__nv_bfloat16, 128>("attn simple bf16 D128 GQA 4/1, reordered", reordered, 4, 1, false, 7);
+  }
+
+  if (want("attention-quick")) {
+    check_attention<__nv_bfloat16, 64>("attn tc bf16 D64 GQA 6/2 (3 stacked)",
+                                       pack({{70, {1, 5, 17}}, {0, {100, 3}}}), 6, 2, true, 2);
+  }
+
+  if (want("labels")) {
+    check_labels<__nv_bfloat16>("labels tc bf16 R=3 H=72 V=1000 K=5", 3, 72, 1000, 5, LmPath::kTensorCores, 11);
+    check_labels<__half>("labels tc fp16 R=37 H=200 V=777 K=3", 37, 200, 777, 3, LmPath::kTensorCores, 12);
+    check_labels<__nv_bfloat16>("labels tc bf16 R=256 H=64 V=130 K=4", 256, 64, 130, 4, LmPath::kTensorCores, 13);
+    check_labels<float>("labels simple fp32 R=5 H=50 V=300 K=4", 5, 50, 300, 4, LmPath::kSimple, 14);
+    check_labels<__nv_bfloat16>("labels logits bf16 R=4 V=9000 K=6", 4, 0, 9000, 6, LmPath::kLogits, 15);
+    check_labels<float>("labels logits fp32 R=2 V=100 K=300", 2, 0, 100, 300, LmPath::kLogits, 16);
+  }
+  std::printf("%s\n", g_failures ? "FAILED" : "ALL OK");
+  return g_failures ? 1 : 0;
+}

@@ -1,0 +1,1 @@
+// Emulator stub: cuda_emu.h provides what the kernels use.

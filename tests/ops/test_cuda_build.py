@@ -1,0 +1,50 @@
+"""pyscore._C_cuda on any machine: it is built wherever nvcc is, imports without a driver or GPU, reports
+availability instead of failing, and the op wrappers never hand it CPU tensors."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from pyscore.ops import _ext, label_logprobs, prefix_item_attention
+
+
+@pytest.fixture
+def cuda_module():
+    module = _ext.cuda_module()
+    if module is None:
+        if shutil.which("nvcc"):
+            pytest.fail(f"nvcc is installed but {_ext.cuda_import_error()}")
+        pytest.skip("pyscore._C_cuda not built (no nvcc)")
+    return module
+
+
+def test_module_imports_and_exposes_the_ops(cuda_module):
+    for name in ("prefix_item_attention", "label_logprobs", "merge_state", "available", "device_count"):
+        assert callable(getattr(cuda_module, name)), name
+
+
+def test_available_agrees_with_device_count(cuda_module):
+    available, count = cuda_module.available(), cuda_module.device_count()
+    assert isinstance(available, bool) and isinstance(count, int)
+    assert available == (count > 0)
+    if not torch.cuda.is_available():
+        assert not available  # no driver / GPU here: answered, not raised
+
+
+def test_wrappers_do_not_dispatch_cpu_tensors_to_cuda(monkeypatch):
+    """With a CUDA module that fails on any use, ops on CPU tensors still run (CPU kernel or reference)."""
+
+    class Exploding:
+        def __getattr__(self, name):
+            raise AssertionError(f"_C_cuda.{name} used for CPU tensors")
+
+    monkeypatch.setattr(_ext, "cuda_module", lambda: Exploding())
+    q, k, v = torch.randn(5, 2, 64), torch.randn(5, 1, 64), torch.randn(5, 1, 64)
+    segments = torch.tensor([[0, 2, 0, 0], [2, 3, 0, 2]], dtype=torch.int32)
+    assert prefix_item_attention(q, k, v, segments).shape == q.shape
+    hidden, weight = torch.randn(2, 16), torch.randn(50, 16)
+    logprobs, _ = label_logprobs(hidden, weight, torch.tensor([[1, -1], [3, 4]], dtype=torch.int32))
+    assert logprobs.shape == (2, 2)
