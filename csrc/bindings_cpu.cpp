@@ -6,7 +6,9 @@
 
 #include "common/bind_args.h"
 #include "common/cpu_features.h"
+#include "common/threads.h"
 #include "label_logprobs/launch.h"
+#include "prefix_item_attention/cpu_ops.h"
 #include "prefix_item_attention/launch.h"
 
 namespace py = pybind11;
@@ -36,8 +38,17 @@ PYBIND11_MODULE(_C, m) {
           py::gil_scoped_acquire acquire;
           throw_on_error(status, "label_logprobs");
         });
-  m.def("set_num_threads", [](int n) { omp_set_num_threads(n); }, "OpenMP threads used by the CPU kernels");
-  m.def("get_num_threads", []() { return omp_get_max_threads(); });
+  // Exposed so the log-sum-exp merge of the cascade is tested alone (fp32, contiguous [rows, dim] / [rows]).
+  m.def("merge_state",
+        [](uintptr_t o_a, uintptr_t lse_a, uintptr_t o_b, uintptr_t lse_b, uintptr_t o_out, uintptr_t lse_out,
+           int32_t rows, int32_t dim) {
+          auto f = [](uintptr_t x) { return reinterpret_cast<float*>(x); };
+          py::gil_scoped_release release;
+          merge_state(f(o_a), f(lse_a), f(o_b), f(lse_b), rows, dim, f(o_out), f(lse_out));
+        });
+  m.def("set_num_threads", [](int n) { set_kernel_threads(n); },
+        "Threads used by the CPU kernels, process-wide (0 = OpenMP's default)");
+  m.def("get_num_threads", []() { return kernel_threads(); });
   m.def("cpu_features", []() {
     py::dict d;
     d["avx512f"] = cpu_has_avx512();

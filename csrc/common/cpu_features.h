@@ -1,6 +1,7 @@
 // Runtime ISA checks: the AVX-512 kernels are compiled with those flags in *_avx512.cpp files and are only
 // entered when the running CPU has them, so one build runs on any x86-64 machine.
 #pragma once
+#include <cstdlib>
 
 namespace pyscore {
 
@@ -19,6 +20,13 @@ inline bool cpu_has_avx512bf16() {
 #else
   return false;
 #endif
+}
+
+// What the launchers dispatch on: the CPU check, unless PYSCORE_DISABLE_AVX512 is set (non-empty, not "0"),
+// which lets tests and benchmarks run the portable code paths on an AVX-512 machine.
+inline bool cpu_use_avx512bf16() {
+  const char* off = std::getenv("PYSCORE_DISABLE_AVX512");
+  return cpu_has_avx512bf16() && !(off && *off && !(off[0] == '0' && off[1] == 0));
 }
 
 }  // namespace pyscore

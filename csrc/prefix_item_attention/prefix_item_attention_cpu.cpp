@@ -1,5 +1,397 @@
-// PLACEHOLDER (being replaced by the real kernel).
+// CPU prefix_item_attention (contract in params.h): the Hydragen / FlashInfer cascade on a packed stream.
+//
+// Plan: consecutive segments sharing one prefix form a group. Every key range (each segment's own tokens, each
+// group's prefix) is packed once per kv head. Work units are (group, kv head, block of the group's tokens);
+// a unit's rows are its tokens x the Hq/Hkv query heads of that kv head, stacked. For each unit:
+//   1. rows x own segment keys, causal             -> (o_b, lse_b)
+//   2. rows x the group's prefix keys, dense        -> (o_a, lse_a)   (items only; the prefix is read once
+//                                                                      per row block, not once per item)
+//   3. merge_state(a, b) by log-sum-exp, store in the output dtype.
+// Prefix segments and SIS sequences are groups without a prefix: step 1 alone. Units run on OpenMP threads,
+// costliest first. The arithmetic lives in AttentionCpuOps: AVX-512 (+BF16) when the CPU has it, else a
+// portable scalar version of the same packed layouts.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <utility>
+#include <vector>
+
+#include "common/bf16.h"
+#include "common/cpu_features.h"
+#include "common/threads.h"
+#include "prefix_item_attention/cpu_ops.h"
 #include "prefix_item_attention/launch.h"
+
 namespace pyscore {
-Status prefix_item_attention_cpu(const PrefixItemAttentionParams& params) { return kInvalidArgument; }
+
+// ---- merge (the one place partial attentions are combined) -----------------------------------------------
+
+void merge_state(const float* o_a, const float* lse_a, const float* o_b, const float* lse_b, int32_t rows,
+                 int32_t dim, float* o_out, float* lse_out) {
+  for (int32_t r = 0; r < rows; ++r) {
+    const float a = lse_a[r], b = lse_b[r];
+    const float m = std::max(a, b);
+    const float* xa = o_a + int64_t(r) * dim;
+    const float* xb = o_b + int64_t(r) * dim;
+    float* out = o_out + int64_t(r) * dim;
+    if (m == -std::numeric_limits<float>::infinity()) {  // neither side saw a key
+      std::fill(out, out + dim, 0.0f);
+      if (lse_out) lse_out[r] = m;
+      continue;
+    }
+    // The larger side has weight e^0 = 1, so one exp per row suffices.
+    const float w = std::exp(std::min(a, b) - m);
+    const float wa = a >= b ? 1.0f : w, wb = a >= b ? w : 1.0f;
+    const float inv = 1.0f / (1.0f + w);
+    for (int32_t d = 0; d < dim; ++d) out[d] = (wa * xa[d] + wb * xb[d]) * inv;
+    if (lse_out) lse_out[r] = m + std::log1p(w);
+  }
+}
+
+namespace {
+
+// ---- portable ops (any x86-64 or other CPU; same packed layouts as the AVX-512 ops) ----------------------
+
+inline int64_t k_offset(int32_t key, int32_t d, int32_t head_dim, int pack) {
+  return int64_t(key / kKeyBlock) * kKeyBlock * head_dim +
+         (int64_t(d / pack) * kKeyBlock + key % kKeyBlock) * pack + d % pack;
+}
+inline int64_t v_offset(int32_t key, int32_t d, int32_t head_dim, int pack) {
+  return int64_t(key / kKeyBlock) * kKeyBlock * head_dim +
+         (int64_t((key % kKeyBlock) / pack) * head_dim + d) * pack + key % pack;
+}
+
+template <class T>
+constexpr int pack_of() { return sizeof(T) == 2 ? 2 : 1; }
+
+// Scatters keys [0, n) of one kv head into a packed layout given by its element offset function.
+template <class T, int64_t (*offset)(int32_t, int32_t, int32_t, int)>
+void pack_portable(const void* src_, int64_t token_stride, int32_t n, int32_t head_dim, void* out_) {
+  const T* src = static_cast<const T*>(src_);
+  T* out = static_cast<T*>(out_);
+  std::fill(out, out + packed_kv_elems(n, head_dim), T(0));
+  for (int32_t j = 0; j < n; ++j)
+    for (int32_t d = 0; d < head_dim; ++d) out[offset(j, d, head_dim, pack_of<T>())] = src[j * token_stride + d];
+}
+
+// Exact two-pass softmax per row; slow but simple (fp32 probabilities in both dtypes).
+template <class T>
+void attend_portable(const void* q_, int32_t rows, const int32_t* limits, const void* k_packed,
+                     const void* v_packed, int32_t num_keys, int32_t head_dim, float scale, float* o, float* lse) {
+  const T* q = static_cast<const T*>(q_);
+  const T* kp = static_cast<const T*>(k_packed);
+  const T* vp = static_cast<const T*>(v_packed);
+  constexpr int P = pack_of<T>();
+  thread_local std::vector<float> scores;
+  scores.resize(std::max<int32_t>(num_keys, 1));
+  for (int32_t r = 0; r < rows; ++r) {
+    const T* qr = q + int64_t(r) * head_dim;
+    float* orow = o + int64_t(r) * head_dim;
+    const int32_t limit = limits ? std::min(limits[r], num_keys) : num_keys;
+    std::fill(orow, orow + head_dim, 0.0f);
+    if (limit <= 0) {
+      lse[r] = -std::numeric_limits<float>::infinity();
+      continue;
+    }
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int32_t j = 0; j < limit; ++j) {
+      float s = 0.0f;
+      for (int32_t d = 0; d < head_dim; ++d) s += to_f32(qr[d]) * to_f32(kp[k_offset(j, d, head_dim, P)]);
+      scores[j] = s * scale;
+      mx = std::max(mx, scores[j]);
+    }
+    float sum = 0.0f;
+    for (int32_t j = 0; j < limit; ++j) {
+      const float p = std::exp(scores[j] - mx);
+      sum += p;
+      for (int32_t d = 0; d < head_dim; ++d) orow[d] += p * to_f32(vp[v_offset(j, d, head_dim, P)]);
+    }
+    for (int32_t d = 0; d < head_dim; ++d) orow[d] /= sum;
+    lse[r] = mx + std::log(sum);
+  }
+}
+
+void store_row_f32(const float* src, int32_t dim, void* dst) { std::memcpy(dst, src, dim * sizeof(float)); }
+void store_row_bf16(const float* src, int32_t dim, void* dst_) {
+  auto* dst = static_cast<uint16_t*>(dst_);
+  for (int32_t d = 0; d < dim; ++d) dst[d] = bf16_from_f32(src[d]);
+}
+
+const AttentionCpuOps kPortableBf16{pack_portable<uint16_t, k_offset>, pack_portable<uint16_t, v_offset>,
+                                    attend_portable<uint16_t>, store_row_bf16};
+const AttentionCpuOps kPortableF32{pack_portable<float, k_offset>, pack_portable<float, v_offset>,
+                                   attend_portable<float>, store_row_f32};
+
+// ---- plan ------------------------------------------------------------------------------------------------
+
+// Tokens per work unit: small enough that 2+ threads get several units each, large enough that a unit's
+// stacked rows fill many 6-row tiles against the same packed keys.
+constexpr int32_t kItemUnitTokens = 32;
+constexpr int32_t kCausalUnitTokens = 64;
+
+struct Segment {
+  int32_t start, length, prefix_start, prefix_length;
+  int32_t end() const { return start + length; }
+};
+
+struct KeyRange {
+  int32_t start, length;
+  int64_t offset;  // elements from the start of one kv head's packed area
+};
+
+// Consecutive segments sharing one prefix (an MIS group's items), or one segment without prefix.
+struct Group {
+  int32_t first_segment, num_segments;
+  int32_t prefix_range;  // index into Plan::ranges, -1 without prefix
+  int32_t token_begin, token_end;
+};
+
+struct Unit {
+  int32_t group, kv_head, token_begin, token_end;
+  double cost;
+};
+
+struct Plan {
+  std::vector<Segment> segments;     // non-empty segments, in table order
+  std::vector<int32_t> own_range;    // per segment: its own tokens' key range
+  std::vector<KeyRange> ranges;
+  std::vector<Group> groups;
+  std::vector<Unit> units;           // costliest first
+  int64_t packed_elems_per_head = 0;
+  int32_t max_unit_tokens = 0;
+};
+
+Status read_segments(const PrefixItemAttentionParams& p, std::vector<Segment>* out) {
+  int64_t covered = 0;
+  for (int32_t i = 0; i < p.num_segments; ++i) {
+    const int32_t* row = p.segments + 4 * int64_t(i);
+    Segment s{row[0], row[1], row[2], row[3]};
+    if (s.start < 0 || s.length < 0 || s.prefix_start < 0 || s.prefix_length < 0 ||
+        int64_t(s.start) + s.length > p.num_tokens || int64_t(s.prefix_start) + s.prefix_length > p.num_tokens)
+      return kInvalidArgument;
+    // A prefix overlapping its own segment would count those keys twice.
+    if (s.prefix_length > 0 && s.prefix_start < s.end() && s.start < s.prefix_start + s.prefix_length)
+      return kInvalidArgument;
+    if (s.length > 0) out->push_back(s);
+    covered += s.length;
+  }
+  // Every output row must be written by exactly one segment.
+  return covered == p.num_tokens ? kOk : kInvalidArgument;
+}
+
+int32_t add_range(Plan& plan, std::map<std::pair<int32_t, int32_t>, int32_t>& index, int32_t start,
+                  int32_t length, int32_t head_dim) {
+  auto [it, inserted] = index.emplace(std::make_pair(start, length), int32_t(plan.ranges.size()));
+  if (inserted) {
+    plan.ranges.push_back({start, length, plan.packed_elems_per_head});
+    plan.packed_elems_per_head += packed_kv_elems(length, head_dim);
+  }
+  return it->second;
+}
+
+bool same_group(const Segment& prev, const Segment& next) {
+  return prev.prefix_length > 0 && next.prefix_start == prev.prefix_start &&
+         next.prefix_length == prev.prefix_length && next.start == prev.end();
+}
+
+void add_units(Plan& plan, int32_t group_index, int32_t num_kv_heads) {
+  const Group& g = plan.groups[group_index];
+  const int32_t tokens = g.token_end - g.token_begin;
+  const bool items = g.prefix_range >= 0;
+  const int32_t target = items ? kItemUnitTokens : kCausalUnitTokens;
+  const int32_t count = (tokens + target - 1) / target;
+  const int32_t prefix = items ? plan.ranges[g.prefix_range].length : 0;
+  for (int32_t c = 0; c < count; ++c) {
+    // Even split, so no unit is a small leftover.
+    const int32_t t0 = g.token_begin + int64_t(tokens) * c / count;
+    const int32_t t1 = g.token_begin + int64_t(tokens) * (c + 1) / count;
+    // Keys visited per row: the prefix plus, causally, about the row's offset in its segment.
+    const double causal = items ? 0.5 * kItemUnitTokens : 0.5 * (t0 + t1) - g.token_begin;
+    const double cost = double(t1 - t0) * (prefix + causal + kKeyBlock);
+    for (int32_t h = 0; h < num_kv_heads; ++h) plan.units.push_back({group_index, h, t0, t1, cost});
+    plan.max_unit_tokens = std::max(plan.max_unit_tokens, t1 - t0);
+  }
+}
+
+Status make_plan(const PrefixItemAttentionParams& p, Plan* plan) {
+  Status status = read_segments(p, &plan->segments);
+  if (status != kOk) return status;
+  std::map<std::pair<int32_t, int32_t>, int32_t> index;
+  const auto& segs = plan->segments;
+  for (const Segment& s : segs) plan->own_range.push_back(add_range(*plan, index, s.start, s.length, p.head_dim));
+  for (int32_t i = 0; i < int32_t(segs.size());) {
+    int32_t j = i + 1;
+    while (j < int32_t(segs.size()) && same_group(segs[j - 1], segs[j])) ++j;
+    const int32_t prefix = segs[i].prefix_length > 0
+                               ? add_range(*plan, index, segs[i].prefix_start, segs[i].prefix_length, p.head_dim)
+                               : -1;
+    plan->groups.push_back({i, j - i, prefix, segs[i].start, segs[j - 1].end()});
+    add_units(*plan, int32_t(plan->groups.size()) - 1, p.num_kv_heads);
+    i = j;
+  }
+  std::stable_sort(plan->units.begin(), plan->units.end(),
+                   [](const Unit& a, const Unit& b) { return a.cost > b.cost; });
+  return kOk;
+}
+
+// ---- execution -------------------------------------------------------------------------------------------
+
+size_t elem_size(DType dtype) { return dtype == DType::kBFloat16 ? 2 : 4; }
+
+// Packed K and V of every key range, [Hkv][packed_elems_per_head] each; reused across calls on this thread.
+struct PackedKeys {
+  char* k;
+  char* v;
+  int64_t head_elems;
+  size_t elem;
+  const char* k_of(const KeyRange& r, int32_t h) const { return k + (h * head_elems + r.offset) * elem; }
+  const char* v_of(const KeyRange& r, int32_t h) const { return v + (h * head_elems + r.offset) * elem; }
+};
+
+char* aligned_buffer(std::vector<char>& storage, size_t bytes) {
+  storage.resize(bytes + 64);
+  const uintptr_t base = reinterpret_cast<uintptr_t>(storage.data());
+  return reinterpret_cast<char*>((base + 63) & ~uintptr_t(63));
+}
+
+// Per-thread scratch of one unit: stacked q rows, the two partial states, the causal limits.
+struct Scratch {
+  std::vector<char> q_storage;
+  char* q = nullptr;
+  std::vector<float> o_a, o_b, lse_a, lse_b;
+  std::vector<int32_t> limits;
+  void reserve(int32_t rows, int32_t head_dim, size_t elem) {
+    q = aligned_buffer(q_storage, size_t(rows) * head_dim * elem);
+    o_a.resize(size_t(rows) * head_dim);
+    o_b.resize(size_t(rows) * head_dim);
+    lse_a.resize(rows);
+    lse_b.resize(rows);
+    limits.resize(rows);
+  }
+};
+
+void pack_range(const PrefixItemAttentionParams& p, const AttentionCpuOps& ops, const KeyRange& r, int32_t h,
+                const PackedKeys& packed) {
+  const size_t elem = elem_size(p.dtype);
+  const char* k = static_cast<const char*>(p.k) + (r.start * p.k_token_stride + h * p.k_head_stride) * elem;
+  const char* v = static_cast<const char*>(p.v) + (r.start * p.v_token_stride + h * p.v_head_stride) * elem;
+  ops.pack_k(k, p.k_token_stride, r.length, p.head_dim, const_cast<char*>(packed.k_of(r, h)));
+  ops.pack_v(v, p.v_token_stride, r.length, p.head_dim, const_cast<char*>(packed.v_of(r, h)));
+}
+
+// Row (t - token_begin) * ratio + j of the unit holds query head kv_head * ratio + j of token t.
+void gather_q(const PrefixItemAttentionParams& p, const Unit& u, int32_t ratio, char* dst) {
+  const size_t elem = elem_size(p.dtype);
+  const size_t row_bytes = size_t(p.head_dim) * elem;
+  for (int32_t t = u.token_begin; t < u.token_end; ++t)
+    for (int32_t j = 0; j < ratio; ++j) {
+      const int64_t head = int64_t(u.kv_head) * ratio + j;
+      std::memcpy(dst, static_cast<const char*>(p.q) + (t * p.q_token_stride + head * p.q_head_stride) * elem,
+                  row_bytes);
+      dst += row_bytes;
+    }
+}
+
+void store_rows(const PrefixItemAttentionParams& p, const AttentionCpuOps& ops, const Unit& u, int32_t ratio,
+                const float* src) {
+  const size_t elem = elem_size(p.dtype);
+  for (int32_t t = u.token_begin; t < u.token_end; ++t)
+    for (int32_t j = 0; j < ratio; ++j) {
+      const int64_t head = int64_t(u.kv_head) * ratio + j;
+      ops.store_row(src, p.head_dim, static_cast<char*>(p.o) + (t * p.o_token_stride + head * p.o_head_stride) * elem);
+      src += p.head_dim;
+    }
+}
+
+// Step 1 of the cascade: each segment piece of the unit against its own keys, causally.
+void attend_own_keys(const PrefixItemAttentionParams& p, const AttentionCpuOps& ops, const Plan& plan,
+                     const PackedKeys& packed, const Unit& u, int32_t ratio, Scratch& s) {
+  const Group& g = plan.groups[u.group];
+  const size_t elem = elem_size(p.dtype);
+  for (int32_t i = g.first_segment; i < g.first_segment + g.num_segments; ++i) {
+    const Segment& seg = plan.segments[i];
+    const int32_t t0 = std::max(u.token_begin, seg.start), t1 = std::min(u.token_end, seg.end());
+    if (t0 >= t1) continue;
+    const int32_t row0 = (t0 - u.token_begin) * ratio, rows = (t1 - t0) * ratio;
+    for (int32_t r = 0; r < rows; ++r) s.limits[row0 + r] = t0 - seg.start + r / ratio + 1;
+    const KeyRange& range = plan.ranges[plan.own_range[i]];
+    ops.attend(s.q + size_t(row0) * p.head_dim * elem, rows, s.limits.data() + row0, packed.k_of(range, u.kv_head),
+               packed.v_of(range, u.kv_head), range.length, p.head_dim, p.scale,
+               s.o_b.data() + size_t(row0) * p.head_dim, s.lse_b.data() + row0);
+  }
+}
+
+void run_unit(const PrefixItemAttentionParams& p, const AttentionCpuOps& ops, const Plan& plan,
+              const PackedKeys& packed, const Unit& u, Scratch& s) {
+  const int32_t ratio = p.num_q_heads / p.num_kv_heads;
+  const int32_t rows = (u.token_end - u.token_begin) * ratio;
+  const Group& g = plan.groups[u.group];
+  gather_q(p, u, ratio, s.q);
+  attend_own_keys(p, ops, plan, packed, u, ratio, s);
+  if (g.prefix_range < 0) {
+    store_rows(p, ops, u, ratio, s.o_b.data());
+    return;
+  }
+  // Steps 2 and 3: all rows of the unit (every item in it, every query head of this kv head) as one dense
+  // block against the shared prefix, then the log-sum-exp merge with the causal part.
+  const KeyRange& prefix = plan.ranges[g.prefix_range];
+  ops.attend(s.q, rows, nullptr, packed.k_of(prefix, u.kv_head), packed.v_of(prefix, u.kv_head), prefix.length,
+             p.head_dim, p.scale, s.o_a.data(), s.lse_a.data());
+  merge_state(s.o_a.data(), s.lse_a.data(), s.o_b.data(), s.lse_b.data(), rows, p.head_dim, s.o_a.data(), nullptr);
+  store_rows(p, ops, u, ratio, s.o_a.data());
+}
+
+Status check_params(const PrefixItemAttentionParams& p) {
+  if (p.dtype != DType::kFloat32 && p.dtype != DType::kBFloat16) return kUnsupportedDType;
+  if (p.head_dim <= 0 || (p.dtype == DType::kBFloat16 && p.head_dim % 2)) return kUnsupportedHeadDim;
+  if (p.num_tokens < 0 || p.num_segments < 0 || p.num_q_heads <= 0 || p.num_kv_heads <= 0 ||
+      p.num_q_heads % p.num_kv_heads)
+    return kInvalidArgument;
+  if (p.num_tokens > 0 && (!p.q || !p.k || !p.v || !p.o || !p.segments)) return kInvalidArgument;
+  return kOk;
+}
+
+const AttentionCpuOps& choose_ops(DType dtype, int32_t head_dim) {
+  const AttentionCpuOps* fast = cpu_use_avx512bf16() ? attention_ops_avx512(dtype, head_dim) : nullptr;
+  if (fast) return *fast;
+  return dtype == DType::kBFloat16 ? kPortableBf16 : kPortableF32;
+}
+
+}  // namespace
+
+Status prefix_item_attention_cpu(const PrefixItemAttentionParams& p) {
+  Status status = check_params(p);
+  if (status != kOk || p.num_tokens == 0) return status;
+  Plan plan;
+  status = make_plan(p, &plan);
+  if (status != kOk) return status;
+  const AttentionCpuOps& ops = choose_ops(p.dtype, p.head_dim);
+
+  const size_t elem = elem_size(p.dtype);
+  const size_t packed_bytes = size_t(plan.packed_elems_per_head) * p.num_kv_heads * elem;
+  thread_local std::vector<char> k_storage, v_storage;
+  const PackedKeys packed{aligned_buffer(k_storage, packed_bytes), aligned_buffer(v_storage, packed_bytes),
+                          plan.packed_elems_per_head, elem};
+  const int32_t num_ranges = int32_t(plan.ranges.size());
+  const int32_t num_units = int32_t(plan.units.size());
+  const int32_t max_rows = plan.max_unit_tokens * (p.num_q_heads / p.num_kv_heads);
+
+#pragma omp parallel num_threads(kernel_threads())
+  {
+    thread_local Scratch scratch;
+    scratch.reserve(max_rows, p.head_dim, elem);
+#pragma omp for schedule(dynamic, 1)
+    for (int32_t i = 0; i < num_ranges * p.num_kv_heads; ++i)
+      pack_range(p, ops, plan.ranges[i / p.num_kv_heads], i % p.num_kv_heads, packed);
+    // (implicit barrier: every range is packed before any unit reads it)
+#pragma omp for schedule(dynamic, 1)
+    for (int32_t i = 0; i < num_units; ++i) run_unit(p, ops, plan, packed, plan.units[i], scratch);
+  }
+  return kOk;
+}
+
 }  // namespace pyscore

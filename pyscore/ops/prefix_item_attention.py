@@ -4,6 +4,8 @@ and the fp32 reference where no kernel is built. Inputs are validated here; kern
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from pyscore.ops import _ext
@@ -28,7 +30,21 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError("q must be contiguous in its last dimension")
 
 
+# The decoder passes one segment table to every layer: validate it once, not 30 times (the checks cost more than
+# a small batch's attention). Keyed by a weak reference and the tensor's version counter, so a table modified in
+# place, or a new one, is checked again.
+_last_valid: tuple[weakref.ref, int, int] | None = None
+
+
 def _check_segments(segments: torch.Tensor, num_tokens: int) -> None:
+    global _last_valid
+    if _last_valid is not None and _last_valid[0]() is segments and _last_valid[1:] == (segments._version, num_tokens):
+        return
+    _check_segments_uncached(segments, num_tokens)
+    _last_valid = (weakref.ref(segments), segments._version, num_tokens)
+
+
+def _check_segments_uncached(segments: torch.Tensor, num_tokens: int) -> None:
     if segments.dtype != torch.int32 or segments.dim() != 2 or segments.shape[1] != 4:
         raise ValueError(f"segments must be int32 [S, 4], got {segments.dtype} {tuple(segments.shape)}")
     if not segments.is_contiguous():
@@ -42,6 +58,9 @@ def _check_segments(segments: torch.Tensor, num_tokens: int) -> None:
     if int(lengths.sum()) != num_tokens:
         raise ValueError(f"segments must cover the stream exactly once: lengths sum to {int(lengths.sum())}, "
                          f"T={num_tokens}")
+    overlap = (plens > 0) & (pstarts < starts + lengths) & (starts < pstarts + plens)
+    if bool(overlap.any()):
+        raise ValueError(f"segment {int(overlap.nonzero()[0, 0])}: its prefix range must not overlap its own tokens")
 
 
 def prefix_item_attention(

@@ -1,0 +1,168 @@
+"""CPU kernel micro-benchmark, measured side by side in one run: prefix_item_attention (ours vs torch SDPA with a
+dense mask vs the fp32 reference) on the MIS shape of a SmolLM2 question (prefix 270 + 16 items x 30) and its SIS
+twin (16 x 300), and label_logprobs (ours vs log_softmax(h @ W.T).gather) at R = 16 and 1, V = 49152, H = 576;
+bf16 and fp32; medians after warm-up. Writes bench/results/kernels_cpu.txt.
+Usage: python -m bench.kernels [--threads 2] [--reps 30]"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bench.engine import machine
+from pyscore.ops import _ext, label_logprobs, prefix_item_attention
+from pyscore.ops.reference import label_logprobs_ref, prefix_item_attention_ref, segment_attention_mask
+
+RESULTS = Path(__file__).resolve().parent / "results" / "kernels_cpu.txt"
+HQ, HKV, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
+VOCAB, HIDDEN = 49152, 576
+
+
+def median_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def mis_segments() -> torch.Tensor:
+    """One group: a 270-token prefix, then 16 items of 30 tokens that each see it."""
+    rows, prefix = [[0, 270, 0, 0]], 270
+    rows += [[prefix + 30 * i, 30, 0, prefix] for i in range(16)]
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def sis_segments() -> torch.Tensor:
+    """The same question scored SIS: 16 independent causal sequences of 300 tokens."""
+    return torch.tensor([[300 * i, 300, 0, 0] for i in range(16)], dtype=torch.int32)
+
+
+def fused_qkv(num_tokens: int, dtype: torch.dtype):
+    """q/k/v as views into one [T, (Hq + 2 Hkv) D] projection output, as the decoder produces them."""
+    qkv = torch.randn(num_tokens, (HQ + 2 * HKV) * HEAD_DIM).to(dtype)
+    q = qkv[:, : HQ * HEAD_DIM].view(num_tokens, HQ, HEAD_DIM)
+    k = qkv[:, HQ * HEAD_DIM : (HQ + HKV) * HEAD_DIM].view(num_tokens, HKV, HEAD_DIM)
+    v = qkv[:, (HQ + HKV) * HEAD_DIM :].view(num_tokens, HKV, HEAD_DIM)
+    return q, k, v
+
+
+def heads_first(q, k, v):
+    """[Hq, T, D] contiguous copies with the kv heads repeated for GQA: torch SDPA's fastest input layout (made
+    outside the timed region, so the baseline is not charged for it)."""
+    group = q.shape[1] // k.shape[1]
+    return tuple(x.transpose(0, 1).repeat_interleave(n, 0).contiguous() for x, n in ((q, 1), (k, group), (v, group)))
+
+
+def attention_rows(name: str, segments: torch.Tensor, dtype: torch.dtype, reps: int) -> list[str]:
+    num_tokens = int(segments[:, 1].sum())
+    q, k, v = fused_qkv(num_tokens, dtype)
+    mask = segment_attention_mask(segments, num_tokens)
+    qh, kh, vh = (x[None] for x in heads_first(q, k, v))  # [1, H, T, D]: 4-d takes torch's fused CPU kernel
+    ours = median_ms(lambda: prefix_item_attention(q, k, v, segments, backend="kernel"), reps)
+    sdpa = median_ms(lambda: F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask), max(3, reps // 10), warmup=1)
+    ref = median_ms(lambda: prefix_item_attention_ref(q, k, v, segments), 3, warmup=1)
+    dt = str(dtype).removeprefix("torch.")
+    return [f"{'attention ' + name:<26}{dt:<10}{ours:>9.3f}{sdpa:>11.3f}{ref:>11.3f}{sdpa / ours:>11.1f}x"
+            f"{ref / ours:>10.1f}x"]
+
+
+def sis_batched_rows(dtype: torch.dtype, reps: int) -> list[str]:
+    """SIS against torch at its best: the 16 sequences as a padded-free batch [16, Hq, 300, D], is_causal."""
+    segments = sis_segments()
+    q, k, v = fused_qkv(int(segments[:, 1].sum()), dtype)
+    # [Hq, 16 * 300, D] -> [16, Hq, 300, D]
+    qb, kb, vb = (x.view(HQ, 16, 300, HEAD_DIM).transpose(0, 1).contiguous() for x in heads_first(q, k, v))
+    ours = median_ms(lambda: prefix_item_attention(q, k, v, segments, backend="kernel"), reps)
+    sdpa = median_ms(lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True), reps)
+    dt = str(dtype).removeprefix("torch.")
+    return [f"{'  (torch batched causal)':<26}{dt:<10}{ours:>9.3f}{sdpa:>11.3f}{'':>11}{sdpa / ours:>11.1f}x"]
+
+
+def label_rows(rows: int, dtype: torch.dtype, reps: int) -> list[str]:
+    h = torch.randn(rows, HIDDEN).to(dtype)
+    w = (torch.randn(VOCAB, HIDDEN) * HIDDEN**-0.5).to(dtype)
+    labels = torch.randint(0, VOCAB, (rows, 2), dtype=torch.int32)
+    index = labels.long()
+    ours = median_ms(lambda: label_logprobs(h, w, labels, backend="kernel"), reps)
+    plain = median_ms(lambda: torch.log_softmax((h @ w.T).float(), -1).gather(1, index), reps)
+    ref = median_ms(lambda: label_logprobs_ref(h, w, labels), 3, warmup=1)
+    dt = str(dtype).removeprefix("torch.")
+    return [f"{f'label_logprobs R={rows}':<26}{dt:<10}{ours:>9.3f}{plain:>11.3f}{ref:>11.3f}{plain / ours:>11.1f}x"
+            f"{ref / ours:>10.1f}x"]
+
+
+def interleave_rows(reps: int) -> list[str]:
+    """Our OpenMP kernel between torch matmuls, as in the decoder (qkv projection -> attention -> o projection):
+    if the two thread pools fought (spin-waiting on 2 cores), the interleaved step would cost more than the sum
+    of its parts measured alone."""
+    segments = mis_segments()
+    num_tokens = int(segments[:, 1].sum())
+    x = torch.randn(num_tokens, 576).bfloat16()
+    w_qkv = torch.randn((HQ + 2 * HKV) * HEAD_DIM, 576).bfloat16()
+    w_o = torch.randn(576, HQ * HEAD_DIM).bfloat16()
+    q, k, v = fused_qkv(num_tokens, torch.bfloat16)
+
+    def matmuls():
+        return (x @ w_qkv.T)[:, : HQ * HEAD_DIM] @ w_o.T
+
+    def kernel():
+        return prefix_item_attention(q, k, v, segments, backend="kernel")
+
+    def step():
+        qkv = x @ w_qkv.T
+        out = prefix_item_attention(q, k, v, segments, backend="kernel")
+        return out.view(num_tokens, -1) @ w_o.T + qkv[:, :576]
+
+    alone = median_ms(matmuls, reps) + median_ms(kernel, reps)
+    both = median_ms(step, reps)
+    return [f"{'matmul+attention step':<26}{'bfloat16':<10}{'sum of parts alone':>20}{alone:>9.3f}"
+            f"{'interleaved':>13}{both:>9.3f}{both / alone:>9.2f}x"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=30)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    module = _ext.cpu_module()
+    if module is None:
+        raise SystemExit("pyscore._C is not built: python setup.py build_ext --inplace")
+    module.set_num_threads(args.threads)
+    lines = [
+        f"machine: {machine()}",
+        f"torch {torch.__version__}, threads {args.threads}, cpu features {module.cpu_features()}",
+        "times: median ms; 'torch' = SDPA with a dense [T, T] bool mask (attention) or "
+        "log_softmax((h @ W.T).float()).gather (labels)",
+        "",
+        f"{'op / shape':<26}{'dtype':<10}{'ours':>9}{'torch':>11}{'reference':>11}{'torch/ours':>12}{'ref/ours':>11}",
+    ]
+    print("\n".join(lines), flush=True)
+    for dtype in (torch.bfloat16, torch.float32):
+        rows = attention_rows("MIS 270+16x30", mis_segments(), dtype, args.reps)
+        rows += attention_rows("SIS 16x300", sis_segments(), dtype, args.reps) + sis_batched_rows(dtype, args.reps)
+        rows += label_rows(16, dtype, args.reps) + label_rows(1, dtype, args.reps)
+        print("\n".join(rows), flush=True)
+        lines += rows
+    rows = ["", "thread pools: torch matmuls and our kernel alternating (one decoder layer's pattern, MIS shape)"]
+    rows += interleave_rows(args.reps)
+    print("\n".join(rows), flush=True)
+    lines += rows
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text("\n".join(lines) + "\n")
+    print(f"\nwritten to {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

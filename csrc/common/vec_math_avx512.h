@@ -1,0 +1,50 @@
+// AVX-512 helpers shared by the *_avx512.cpp kernels. Include only from files compiled with the AVX-512 flags:
+// everything here is `static inline` so no out-of-line copy can leak into baseline-ISA code.
+#pragma once
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace pyscore {
+namespace avx512 {
+
+// 2^x for x <= 0 (softmax arguments), ~1 ulp: x = n + f with n = round(x), f in [-0.5, 0.5], 2^f by its
+// degree-7 Taylor polynomial (truncation < 1e-8 relative), then scalef multiplies by 2^n exactly. Inputs
+// below -126 (and -inf) give 0 after clamping, so masked scores need no special case.
+static inline __m512 exp2_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);  // exact
+  __m512 p = _mm512_set1_ps(1.5252734e-05f);  // ln2^7 / 7!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530e-04f));  // ln2^6 / 6!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-03f));  // ln2^5 / 5!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-03f));  // ln2^4 / 4!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-02f));  // ln2^3 / 3!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-01f));  // ln2^2 / 2!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-01f));  // ln2
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 16 bf16 -> 16 fp32 (exact: bf16 is the top half of an fp32).
+static inline __m512 load_bf16_ps(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline __m512 maskz_load_bf16_ps(__mmask16 m, const uint16_t* p) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// 16 fp32 -> 16 bf16, round to nearest even (the hardware conversion).
+static inline void store_bf16_ps(uint16_t* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+}
+
+static inline void mask_store_bf16_ps(uint16_t* p, __mmask16 m, __m512 x) {
+  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(x));
+}
+
+}  // namespace avx512
+}  // namespace pyscore

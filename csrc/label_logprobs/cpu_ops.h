@@ -1,0 +1,22 @@
+// Internal interface of the CPU label_logprobs kernel: the launcher (label_logprobs_cpu.cpp, baseline ISA)
+// splits the vocabulary over threads and calls these ops on chunks of it; they come in an AVX-512 build
+// (label_logprobs_avx512.cpp) and a portable one.
+#pragma once
+#include <cstdint>
+
+#include "label_logprobs/params.h"
+
+namespace pyscore {
+
+struct LabelCpuOps {
+  // out[r * n + j] = logit of vocabulary entry v0 + j for row r (hidden[r] . weight[v0 + j] with fp32
+  // accumulation, or the given logits when weight is null), for all rows r < num_rows and j < n.
+  void (*logits_chunk)(const LabelLogprobsParams& p, int32_t v0, int32_t n, float* out);
+  // Folds x[0, n) into a running log-sum-exp state: *max and *sum = sum of exp(x - *max) so far.
+  void (*lse_update)(const float* x, int32_t n, float* max, float* sum);
+};
+
+// nullptr when the dtype is not covered (the caller checks the CPU).
+const LabelCpuOps* label_ops_avx512(DType dtype);
+
+}  // namespace pyscore

@@ -1,0 +1,49 @@
+// Internal interface of the CPU prefix_item_attention kernel: the launcher (prefix_item_attention_cpu.cpp,
+// baseline ISA) plans the work and calls these ops, which come in an AVX-512 build
+// (prefix_item_attention_avx512.cpp) and a portable one, chosen once by the running CPU.
+//
+// Key ranges are packed once per kv head into blocks of kKeyBlock keys so the micro-kernels read them with
+// aligned full-width loads and no masking on the dot-product axis. "Pack" = elements per 4-byte unit (2 for
+// bf16, whose dpbf16ps works on pairs; 1 for fp32):
+//   K block: [D / pack][kKeyBlock keys][pack]        (pairs along head_dim: one zmm = 16 keys x one pair)
+//   V block: [kKeyBlock / pack][D][pack]             (pairs along keys:     one zmm = 16 dims x one pair)
+// Padding keys are zero, so masked probabilities (0) never meet garbage values.
+#pragma once
+#include <cstdint>
+
+#include "common/dtype.h"
+
+namespace pyscore {
+
+constexpr int32_t kKeyBlock = 64;
+
+inline int32_t key_blocks(int32_t num_keys) { return (num_keys + kKeyBlock - 1) / kKeyBlock; }
+inline int32_t elem_pack(DType dtype) { return dtype == DType::kBFloat16 ? 2 : 1; }
+inline int64_t packed_kv_elems(int32_t num_keys, int32_t head_dim) {
+  return int64_t(key_blocks(num_keys)) * kKeyBlock * head_dim;
+}
+
+struct AttentionCpuOps {
+  // Packs keys [0, n) of one kv head (rows `token_stride` elements apart) into the layouts above.
+  void (*pack_k)(const void* k, int64_t token_stride, int32_t n, int32_t head_dim, void* out);
+  void (*pack_v)(const void* v, int64_t token_stride, int32_t n, int32_t head_dim, void* out);
+  // One partial attention: `rows` query rows (q: [rows, D], contiguous) against a packed key range of
+  // `num_keys` keys; row r sees keys [0, limits[r]) (limits == nullptr: all keys; a causal diagonal is
+  // limits[r] = its position + 1). Writes the normalized output o [rows, D] (fp32) and the natural-log
+  // log-sum-exp of the scaled scores lse [rows] (-inf with o = 0 for a row that sees no key).
+  void (*attend)(const void* q, int32_t rows, const int32_t* limits, const void* k_packed, const void* v_packed,
+                 int32_t num_keys, int32_t head_dim, float scale, float* o, float* lse);
+  // Writes one fp32 row of `dim` values to the output in the kernel's dtype.
+  void (*store_row)(const float* src, int32_t dim, void* dst);
+};
+
+// nullptr when the build or CPU lacks the ISA, or the dtype/head_dim is not covered by it.
+const AttentionCpuOps* attention_ops_avx512(DType dtype, int32_t head_dim);
+const AttentionCpuOps* attention_ops_portable(DType dtype);
+
+// Merges two partial attentions of the same rows over disjoint key sets (o: [rows, dim] fp32, lse: [rows]
+// natural log) into o_out / lse_out, which may alias o_a / lse_a. A side with lse -inf contributes nothing.
+void merge_state(const float* o_a, const float* lse_a, const float* o_b, const float* lse_b, int32_t rows,
+                 int32_t dim, float* o_out, float* lse_out);
+
+}  // namespace pyscore

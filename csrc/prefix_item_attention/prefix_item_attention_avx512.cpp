@@ -1,0 +1,268 @@
+// AVX-512 ops of the CPU prefix_item_attention kernel (interface and packed layouts in cpu_ops.h).
+//
+// One register-blocked flash-attention tile serves both dtypes: bf16 uses vdpbf16ps on pairs (Q.K^T with pairs
+// along head_dim, P.V with pairs along keys, P rounded to bf16 as flash-attention does on GPUs), fp32 uses
+// FMA on single elements with fp32 P. Either way a zmm of K or V is 64 bytes and the broadcast operand is one
+// 4-byte unit, so the same loops serve both. Softmax is online, in base 2 (scores pre-multiplied by
+// scale * log2(e)), with a vector exp2 accurate to ~1 ulp so the fp32 path matches the fp32 reference.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "common/vec_math_avx512.h"
+#include "prefix_item_attention/cpu_ops.h"
+
+namespace pyscore {
+namespace {
+
+using namespace avx512;
+
+// 6 rows x 4 zmm (64 keys, or 64 dims of the output) accumulators + 4 operands + 1 broadcast <= 32 zmm.
+constexpr int kTileRows = 6;
+constexpr int kZmmPerTile = 4;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Element traits: the fused multiply-add of a broadcast 4-byte unit (a bf16 pair, or one fp32) with a zmm.
+struct Bf16 {
+  using T = uint16_t;
+  static constexpr int kPack = 2;
+  static __m512 dot(__m512 acc, const T* bcast, __m512 vec) {
+    int32_t pair;
+    std::memcpy(&pair, bcast, sizeof(pair));
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(pair), (__m512bh)vec);
+  }
+  static void store(T* dst, __m512 x) { store_bf16_ps(dst, x); }
+};
+
+struct F32 {
+  using T = float;
+  static constexpr int kPack = 1;
+  static __m512 dot(__m512 acc, const T* bcast, __m512 vec) {
+    return _mm512_fmadd_ps(_mm512_set1_ps(*bcast), vec, acc);
+  }
+  static void store(T* dst, __m512 x) { _mm512_storeu_ps(dst, x); }
+};
+
+// Lanes [0, count) of a 16-lane group, count clamped to [0, 16].
+inline __mmask16 first_lanes(int count) {
+  if (count >= 16) return 0xFFFF;
+  return count <= 0 ? 0 : __mmask16((1u << count) - 1);
+}
+
+// ---- packing ---------------------------------------------------------------------------------------------
+
+// K: for each block, step p and 16-key group, gather the p-th 4-byte unit of 16 key rows (the transpose that
+// puts 16 keys in one zmm). Byte-granular gather offsets, so any token stride works.
+template <class E>
+void pack_k(const void* k, int64_t token_stride, int32_t n, int32_t head_dim, void* out) {
+  const int64_t row_bytes = token_stride * int64_t(sizeof(typename E::T));
+  const int steps = head_dim / E::kPack;
+  const __m512i offsets = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(int32_t(row_bytes)));
+  auto* dst = static_cast<int32_t*>(out);
+  const auto* src = static_cast<const char*>(k);
+  for (int32_t b = 0; b < key_blocks(n); ++b) {
+    for (int z = 0; z < kZmmPerTile; ++z) {
+      const int32_t key0 = b * kKeyBlock + z * 16;
+      const __mmask16 valid = first_lanes(n - key0);
+      const char* rows = valid ? src + key0 * row_bytes : src;
+      for (int p = 0; p < steps; ++p) {
+        const __m512i x = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, offsets, rows + 4 * p, 1);
+        _mm512_storeu_si512(dst + (int64_t(b) * steps + p) * kKeyBlock + z * 16, x);
+      }
+    }
+  }
+}
+
+// V, fp32: rows as they are, zero rows as padding.
+void pack_v_f32(const void* v, int64_t token_stride, int32_t n, int32_t head_dim, void* out) {
+  auto* dst = static_cast<float*>(out);
+  const auto* src = static_cast<const float*>(v);
+  const int32_t padded = key_blocks(n) * kKeyBlock;
+  for (int32_t j = 0; j < padded; ++j) {
+    float* row = dst + int64_t(j) * head_dim;
+    if (j < n) std::memcpy(row, src + j * token_stride, head_dim * sizeof(float));
+    else std::memset(row, 0, head_dim * sizeof(float));
+  }
+}
+
+// V, bf16: interleave keys 2j and 2j+1 element by element, 32 dims at a time.
+void pack_v_bf16(const void* v, int64_t token_stride, int32_t n, int32_t head_dim, void* out) {
+  auto* dst = static_cast<uint16_t*>(out);
+  const auto* src = static_cast<const uint16_t*>(v);
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                      39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  const int32_t pairs = key_blocks(n) * kKeyBlock / 2;
+  for (int32_t j = 0; j < pairs; ++j) {
+    const int32_t k0 = 2 * j, k1 = 2 * j + 1;
+    uint16_t* step = dst + int64_t(j) * head_dim * 2;
+    for (int d = 0; d < head_dim; d += 32) {
+      const __m512i a = k0 < n ? _mm512_loadu_si512(src + k0 * token_stride + d) : _mm512_setzero_si512();
+      const __m512i b = k1 < n ? _mm512_loadu_si512(src + k1 * token_stride + d) : _mm512_setzero_si512();
+      _mm512_storeu_si512(step + 2 * d, _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_storeu_si512(step + 2 * d + 32, _mm512_permutex2var_epi16(a, hi, b));
+    }
+  }
+}
+
+// ---- the attention tile --------------------------------------------------------------------------------
+
+// Per-row online-softmax state of one tile, padded to a zmm so the rescale factors are one vector exp.
+struct alignas(64) SoftmaxState {
+  float max[16];   // running max of the base-2 scores
+  float sum[16];   // running sum of 2^(score - max)
+  float alpha[16]; // rescale factor of this key block
+};
+
+// S = Q.K^T for TM rows x 64 keys of one key block, scaled to base 2, masked per row to keys < limit.
+template <class E, int TM>
+inline void scores_block(const typename E::T* q, int head_dim, const typename E::T* kblock, const int* limit,
+                         int key0, float scale2, __m512 (&s)[TM][kZmmPerTile]) {
+  constexpr int P = E::kPack;
+  for (int r = 0; r < TM; ++r)
+    for (int z = 0; z < kZmmPerTile; ++z) s[r][z] = _mm512_setzero_ps();
+  for (int p = 0; p < head_dim / P; ++p) {
+    const typename E::T* kr = kblock + p * kKeyBlock * P;
+    __m512 kz[kZmmPerTile];
+    for (int z = 0; z < kZmmPerTile; ++z) kz[z] = _mm512_loadu_ps(kr + z * 16 * P);
+    for (int r = 0; r < TM; ++r)
+      for (int z = 0; z < kZmmPerTile; ++z) s[r][z] = E::dot(s[r][z], q + r * head_dim + p * P, kz[z]);
+  }
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf), scale = _mm512_set1_ps(scale2);
+  for (int r = 0; r < TM; ++r)
+    for (int z = 0; z < kZmmPerTile; ++z)
+      s[r][z] = _mm512_mask_mul_ps(neg_inf, first_lanes(limit[r] - key0 - 16 * z), s[r][z], scale);
+}
+
+// Online-softmax step: new row maxima, rescale factors, P = 2^(S - max) into pbuf (in E's type, as the PV
+// operand) and the running sums (from the unrounded P).
+template <class E, int TM>
+inline void softmax_block(__m512 (&s)[TM][kZmmPerTile], SoftmaxState& st, typename E::T (*pbuf)[kKeyBlock]) {
+  alignas(64) float prev[16] = {}, ref[16] = {};
+  for (int r = 0; r < TM; ++r) {
+    __m512 mx = _mm512_max_ps(_mm512_max_ps(s[r][0], s[r][1]), _mm512_max_ps(s[r][2], s[r][3]));
+    prev[r] = st.max[r];
+    const float block_max = _mm512_reduce_max_ps(mx);
+    if (block_max > st.max[r]) st.max[r] = block_max;
+    // A row that has seen no key yet keeps max -inf; subtract 0 instead so 2^(-inf) stays 0, not NaN.
+    ref[r] = st.max[r] == kNegInf ? 0.0f : st.max[r];
+  }
+  _mm512_store_ps(st.alpha, exp2_ps(_mm512_sub_ps(_mm512_load_ps(prev), _mm512_load_ps(ref))));
+  for (int r = 0; r < TM; ++r) {
+    const __m512 m = _mm512_set1_ps(ref[r]);
+    __m512 sum = _mm512_setzero_ps();
+    for (int z = 0; z < kZmmPerTile; ++z) {
+      const __m512 p = exp2_ps(_mm512_sub_ps(s[r][z], m));
+      sum = _mm512_add_ps(sum, p);
+      E::store(pbuf[r] + 16 * z, p);
+    }
+    st.sum[r] = st.sum[r] * st.alpha[r] + _mm512_reduce_add_ps(sum);
+  }
+}
+
+// O = alpha * O + P.V for TM rows, 64 output dims at a time; `pairs` = key steps of this block that matter.
+template <class E, int TM>
+inline void pv_block(const typename E::T (*pbuf)[kKeyBlock], const typename E::T* vblock, int pairs, int head_dim,
+                     const SoftmaxState& st, float* o) {
+  constexpr int P = E::kPack;
+  for (int c = 0; c < head_dim; c += 16 * kZmmPerTile) {
+    __m512 acc[TM][kZmmPerTile];
+    for (int r = 0; r < TM; ++r) {
+      const __m512 a = _mm512_set1_ps(st.alpha[r]);
+      for (int z = 0; z < kZmmPerTile; ++z) acc[r][z] = _mm512_mul_ps(a, _mm512_loadu_ps(o + r * head_dim + c + 16 * z));
+    }
+    for (int j = 0; j < pairs; ++j) {
+      const typename E::T* vr = vblock + (j * head_dim + c) * P;
+      __m512 vz[kZmmPerTile];
+      for (int z = 0; z < kZmmPerTile; ++z) vz[z] = _mm512_loadu_ps(vr + z * 16 * P);
+      for (int r = 0; r < TM; ++r)
+        for (int z = 0; z < kZmmPerTile; ++z) acc[r][z] = E::dot(acc[r][z], pbuf[r] + j * P, vz[z]);
+    }
+    for (int r = 0; r < TM; ++r)
+      for (int z = 0; z < kZmmPerTile; ++z) _mm512_storeu_ps(o + r * head_dim + c + 16 * z, acc[r][z]);
+  }
+}
+
+// TM query rows against a packed key range: flash-attention over key blocks up to the rows' largest limit.
+template <class E, int TM>
+void attend_tile(const typename E::T* q, const int32_t* limits, const typename E::T* k_packed,
+                 const typename E::T* v_packed, int32_t num_keys, int32_t head_dim, float scale2, float* o,
+                 float* lse) {
+  int limit[TM];
+  int key_end = 0;
+  SoftmaxState st;
+  for (int r = 0; r < TM; ++r) {
+    limit[r] = limits ? std::min(limits[r], num_keys) : num_keys;
+    key_end = std::max(key_end, limit[r]);
+    st.max[r] = kNegInf;
+    st.sum[r] = 0.0f;
+    std::memset(o + r * head_dim, 0, head_dim * sizeof(float));
+  }
+  alignas(64) typename E::T pbuf[TM][kKeyBlock];
+  for (int key0 = 0; key0 < key_end; key0 += kKeyBlock) {
+    const int64_t block = int64_t(key0) * head_dim;  // both packed layouts hold kKeyBlock * D per block
+    __m512 s[TM][kZmmPerTile];
+    scores_block<E, TM>(q, head_dim, k_packed + block, limit, key0, scale2, s);
+    softmax_block<E, TM>(s, st, pbuf);
+    const int pairs = (std::min(kKeyBlock, key_end - key0) + E::kPack - 1) / E::kPack;
+    pv_block<E, TM>(pbuf, v_packed + block, pairs, head_dim, st, o);
+  }
+  for (int r = 0; r < TM; ++r) {
+    const float l = st.sum[r];
+    const __m512 inv = _mm512_set1_ps(l > 0.0f ? 1.0f / l : 0.0f);
+    for (int d = 0; d < head_dim; d += 16)
+      _mm512_storeu_ps(o + r * head_dim + d, _mm512_mul_ps(inv, _mm512_loadu_ps(o + r * head_dim + d)));
+    lse[r] = l > 0.0f ? st.max[r] * kLn2 + std::log(l) : kNegInf;
+  }
+}
+
+template <class E>
+void attend(const void* q_, int32_t rows, const int32_t* limits, const void* k_packed, const void* v_packed,
+            int32_t num_keys, int32_t head_dim, float scale, float* o, float* lse) {
+  using T = typename E::T;
+  const T* q = static_cast<const T*>(q_);
+  const T* kp = static_cast<const T*>(k_packed);
+  const T* vp = static_cast<const T*>(v_packed);
+  const float scale2 = scale * kLog2e;
+  int32_t r = 0;
+  for (; r + kTileRows <= rows; r += kTileRows)
+    attend_tile<E, kTileRows>(q + int64_t(r) * head_dim, limits ? limits + r : nullptr, kp, vp, num_keys,
+                              head_dim, scale2, o + int64_t(r) * head_dim, lse + r);
+  const T* qr = q + int64_t(r) * head_dim;
+  const int32_t* lr = limits ? limits + r : nullptr;
+  float* orow = o + int64_t(r) * head_dim;
+  switch (rows - r) {
+    case 1: attend_tile<E, 1>(qr, lr, kp, vp, num_keys, head_dim, scale2, orow, lse + r); break;
+    case 2: attend_tile<E, 2>(qr, lr, kp, vp, num_keys, head_dim, scale2, orow, lse + r); break;
+    case 3: attend_tile<E, 3>(qr, lr, kp, vp, num_keys, head_dim, scale2, orow, lse + r); break;
+    case 4: attend_tile<E, 4>(qr, lr, kp, vp, num_keys, head_dim, scale2, orow, lse + r); break;
+    case 5: attend_tile<E, 5>(qr, lr, kp, vp, num_keys, head_dim, scale2, orow, lse + r); break;
+    default: break;
+  }
+}
+
+template <class E>
+void store_row(const float* src, int32_t dim, void* dst_) {
+  auto* dst = static_cast<typename E::T*>(dst_);
+  for (int32_t d = 0; d < dim; d += 16) E::store(dst + d, _mm512_loadu_ps(src + d));
+}
+
+const AttentionCpuOps kBf16Ops{pack_k<Bf16>, pack_v_bf16, attend<Bf16>, store_row<Bf16>};
+const AttentionCpuOps kF32Ops{pack_k<F32>, pack_v_f32, attend<F32>, store_row<F32>};
+
+}  // namespace
+
+const AttentionCpuOps* attention_ops_avx512(DType dtype, int32_t head_dim) {
+  // The tiles cover 64 output dims per pass; other head dims use the portable ops. The caller has checked
+  // the CPU (the check lives in baseline-ISA code).
+  if (head_dim % (16 * kZmmPerTile) != 0) return nullptr;
+  if (dtype == DType::kBFloat16) return &kBf16Ops;
+  if (dtype == DType::kFloat32) return &kF32Ops;
+  return nullptr;
+}
+
+}  // namespace pyscore

@@ -1,0 +1,93 @@
+"""label_logprobs against the fp32 reference on every device: LM-head weight or given logits, vocabularies of
+49152 and 151936, odd hidden sizes, strided rows, padding labels (< 0), bf16 and fp32. Tolerances follow
+flash-attention: fp32 ~1e-5, bf16 within 2x the error of torch's own bf16 log_softmax."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pyscore.ops import label_logprobs
+from pyscore.ops.reference import label_logprobs_ref
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+# (rows R, hidden H, vocab V, labels K): 151936 kept small in R and H so the suite stays fast.
+SHAPES = {
+    "smollm-r16": (16, 576, 49152, 4),
+    "qwen-vocab": (3, 64, 151936, 5),
+    "one-row-odd-h": (1, 100, 5003, 2),
+    "many-rows": (37, 72, 3001, 7),
+}
+
+
+def make_inputs(rows, hidden, vocab, num_labels, dtype, device, strided: bool, seed: int = 0):
+    """hidden [R, H], weight [V, H] (row strides > H when strided) and labels [R, K] with padding."""
+    gen = torch.Generator().manual_seed(seed)
+    pad = 8 if strided else 0
+    h = torch.randn(rows, hidden + pad, generator=gen)[:, :hidden]
+    w = (torch.randn(vocab, hidden + pad, generator=gen) * hidden**-0.5 * 3)[:, :hidden]
+    labels = torch.randint(0, vocab, (rows, num_labels), generator=gen, dtype=torch.int32)
+    labels[0, -1] = vocab - 1  # the last vocabulary entry
+    labels[-1, 1:] = -1  # padding
+    if rows > 2:
+        labels[1, :] = -1  # a row with no valid label
+    return h.to(device=device, dtype=dtype), w.to(device=device, dtype=dtype), labels.to(device)
+
+
+def max_diff(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """Max and mean |out - ref|, counting equal infinities as equal (padding is -inf in both)."""
+    same_inf = torch.isinf(out) & (out == ref)
+    diff = torch.where(same_inf, torch.zeros_like(out), (out - ref).abs())
+    return diff.max().item(), diff.mean().item()
+
+
+def assert_within(out: torch.Tensor, ref: torch.Tensor, atol: float, what: str) -> None:
+    worst, mean = max_diff(out, ref)
+    assert worst <= atol, f"{what}: max diff {worst:.3g} (allowed {atol:.3g}), mean diff {mean:.3g}"
+
+
+def torch_logprobs_in_dtype(h, w, labels) -> torch.Tensor:
+    """log_softmax of the logits computed plainly by torch in h's dtype, gathered: the bf16 yardstick."""
+    logits = h if w is None else h @ w.T
+    logp = torch.log_softmax(logits, dim=-1).float()
+    return logp.gather(1, labels.clamp_min(0).long()).masked_fill(labels < 0, float("-inf"))
+
+
+def check_label_logprobs(device, shape: str, dtype: torch.dtype, given_logits: bool, strided: bool = False) -> None:
+    rows, hidden, vocab, num_labels = SHAPES[shape]
+    h, w, labels = make_inputs(rows, hidden, vocab, num_labels, dtype, device, strided)
+    if given_logits:  # the kernel then reads [R, V] logits; make them in the test dtype
+        h, w = (h.float() @ w.float().T).to(dtype), None
+    logprobs, label_softmax = label_logprobs(h, w, labels, backend="kernel")
+    ref_logprobs, ref_softmax = label_logprobs_ref(h, w, labels)
+    assert logprobs.shape == label_softmax.shape == labels.shape
+    assert bool(torch.isinf(logprobs[labels < 0]).all()) and bool((label_softmax[labels < 0] == 0).all())
+    if dtype == torch.float32:
+        atol = 2e-5
+    else:
+        atol = 2 * max_diff(torch_logprobs_in_dtype(h, w, labels), ref_logprobs)[0] + 1e-4
+    assert_within(logprobs, ref_logprobs, atol, f"{shape} {dtype} logprobs")
+    assert_within(label_softmax, ref_softmax, 1e-5, f"{shape} {dtype} label softmax")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_label_logprobs_lm_head(device, shape, dtype):
+    check_label_logprobs(device, shape, dtype, given_logits=False, strided=shape == "many-rows")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", ["qwen-vocab", "one-row-odd-h"])
+def test_label_logprobs_given_logits(device, shape, dtype):
+    check_label_logprobs(device, shape, dtype, given_logits=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_label_logprobs_portable_cpu_path(monkeypatch, dtype):
+    """The scalar code that runs on CPUs without AVX-512, forced on this one."""
+    monkeypatch.setenv("PYSCORE_DISABLE_AVX512", "1")
+    check_label_logprobs("cpu", "many-rows", dtype, given_logits=False, strided=True)
+    check_label_logprobs("cpu", "one-row-odd-h", dtype, given_logits=True)

@@ -1,0 +1,191 @@
+"""prefix_item_attention against the fp32 dense-mask reference on every device, over awkward streams (odd
+lengths, 1-token items, SIS, prefix-only groups, several groups mixed), GQA ratios, head dims, dtypes and views
+into a fused qkv buffer; plus the log-sum-exp merge alone. Tolerances follow flash-attention: fp32 ~1e-5, low
+precision within 2x the error of a plain torch computation in that precision."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pyscore.ops import _ext, prefix_item_attention
+from pyscore.ops.reference import (
+    attention_with_lse_ref,
+    merge_state_ref,
+    prefix_item_attention_ref,
+    segment_attention_mask,
+)
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+# A stream is a list of groups: (prefix_length, item_lengths). (0, [n]) is a SIS sequence of n tokens,
+# (p, []) a prefix-only group.
+STREAMS = {
+    "mis": [(37, [5, 1, 30, 17, 2])],
+    "sis": [(0, [13]), (0, [1]), (0, [64]), (0, [65])],
+    "mixed": [(70, [1, 7, 33]), (0, [19]), (23, []), (5, [64, 3]), (0, [1]), (1, [1, 1])],
+    "long": [(130, [90, 1, 45])],
+}
+HEADS = {"mha-d64": (4, 4, 64), "gqa3-d64": (9, 3, 64), "gqa4-d128": (8, 2, 128), "gqa2-d96": (4, 2, 96)}
+
+
+def make_segments(groups: list[tuple[int, list[int]]], device) -> tuple[torch.Tensor, int]:
+    """Segment table int32 [S, 4] (start, length, prefix_start, prefix_length) and the token count T."""
+    rows, t = [], 0
+    for prefix, items in groups:
+        if prefix == 0:
+            rows += [[t, n, 0, 0] for n in items]
+            t += sum(items)
+            continue
+        rows.append([t, prefix, 0, 0])
+        prefix_start, t = t, t + prefix
+        for n in items:
+            rows.append([t, n, prefix_start, prefix])
+            t += n
+    return torch.tensor(rows, dtype=torch.int32, device=device), t
+
+
+def make_qkv(num_tokens, hq, hkv, d, dtype, device, fused: bool, seed: int = 0):
+    """q [T, Hq, D], k/v [T, Hkv, D]; with fused=True, strided views into one [T, (Hq + 2 Hkv) * D] buffer."""
+    gen = torch.Generator().manual_seed(seed)
+    if fused:
+        qkv = torch.randn(num_tokens, (hq + 2 * hkv) * d, generator=gen).to(device=device, dtype=dtype)
+        q = qkv[:, : hq * d].view(num_tokens, hq, d)
+        k = qkv[:, hq * d : (hq + hkv) * d].view(num_tokens, hkv, d)
+        v = qkv[:, (hq + hkv) * d :].view(num_tokens, hkv, d)
+        return q, k, v
+    return tuple(torch.randn(num_tokens, h, d, generator=gen).to(device=device, dtype=dtype) for h in (hq, hkv, hkv))
+
+
+def attention_in_dtype(q, k, v, segments) -> torch.Tensor:
+    """The same masked attention computed plainly by torch in q's dtype: the error yardstick for bf16."""
+    group = q.shape[1] // k.shape[1]
+    qt, kt, vt = (x.transpose(0, 1) for x in (q, k, v))
+    kt, vt = kt.repeat_interleave(group, 0), vt.repeat_interleave(group, 0)
+    scores = (qt @ kt.transpose(1, 2)) * q.shape[-1] ** -0.5
+    mask = segment_attention_mask(segments.cpu(), q.shape[0]).to(q.device)
+    return (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ vt).transpose(0, 1)
+
+
+def assert_within(out: torch.Tensor, ref: torch.Tensor, atol: float, what: str) -> None:
+    diff = (out.float() - ref.float()).abs()
+    assert diff.max().item() <= atol, (
+        f"{what}: max diff {diff.max().item():.3g} (allowed {atol:.3g}), mean diff {diff.mean().item():.3g}")
+
+
+def check_prefix_item_attention(device, stream: str, heads: str, dtype: torch.dtype, fused: bool) -> None:
+    hq, hkv, d = HEADS[heads]
+    segments, num_tokens = make_segments(STREAMS[stream], device)
+    q, k, v = make_qkv(num_tokens, hq, hkv, d, dtype, device, fused)
+    try:
+        out = prefix_item_attention(q, k, v, segments, backend="kernel")
+    except ValueError as e:
+        if "unsupported head_dim" in str(e):
+            pytest.skip(f"kernel on {device} has no head_dim {d}")
+        raise
+    ref = prefix_item_attention_ref(q, k, v, segments)
+    assert out.dtype == dtype and out.shape == q.shape
+    if dtype == torch.float32:
+        assert_within(out, ref, 2e-5, f"{stream}/{heads} fp32 vs reference")
+        return
+    torch_err = (attention_in_dtype(q, k, v, segments).float() - ref).abs().max().item()
+    assert_within(out, ref, 2 * torch_err + 1e-4, f"{stream}/{heads} {dtype} vs reference")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("stream", list(STREAMS))
+def test_prefix_item_attention(device, stream, heads, dtype):
+    check_prefix_item_attention(device, stream, heads, dtype, fused=False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", ["gqa3-d64", "gqa4-d128"])
+def test_prefix_item_attention_fused_qkv_views(device, heads, dtype):
+    check_prefix_item_attention(device, "mixed", heads, dtype, fused=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_group_result_does_not_depend_on_batch_mates(device):
+    """A group's rows come out the same alone and packed behind other sequences."""
+    hq, hkv, d = HEADS["gqa3-d64"]
+    alone, t_alone = make_segments([(40, [9, 1, 20])], device)
+    packed, t_packed = make_segments([(0, [33]), (17, [4]), (40, [9, 1, 20])], device)
+    q, k, v = make_qkv(t_packed, hq, hkv, d, torch.float32, device, fused=True)
+    offset = t_packed - t_alone
+    out_alone = prefix_item_attention(q[offset:], k[offset:], v[offset:], alone, backend="kernel")
+    out_packed = prefix_item_attention(q, k, v, packed, backend="kernel")
+    assert_within(out_packed[offset:], out_alone, 1e-6, "packed vs alone")
+
+
+def merge_state(o_a, lse_a, o_b, lse_b) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel module's merge_state on contiguous fp32 [rows, dim] / [rows] tensors."""
+    module = _ext.cuda_module() if o_a.is_cuda else _ext.cpu_module()
+    if module is None or not hasattr(module, "merge_state"):
+        pytest.skip(f"no merge_state entry for {o_a.device}")
+    rows, dim = o_a.shape
+    o_out, lse_out = torch.empty_like(o_a), torch.empty_like(lse_a)
+    args = [x.data_ptr() for x in (o_a, lse_a, o_b, lse_b, o_out, lse_out)] + [rows, dim]
+    if o_a.is_cuda:
+        args.append(_ext.cuda_stream(o_a.device))
+    module.merge_state(*args)
+    if o_a.is_cuda:
+        torch.cuda.synchronize(o_a.device)
+    return o_out, lse_out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dim", [64, 128, 7])
+def test_merge_state_matches_reference(device, dim):
+    gen = torch.Generator().manual_seed(1)
+    rows = 37
+    o_a, o_b = (torch.randn(rows, dim, generator=gen) for _ in range(2))
+    lse_a, lse_b = (torch.randn(rows, generator=gen) * 5 for _ in range(2))
+    lse_a[3] = float("-inf")  # one side saw no key
+    lse_b[4] = float("-inf")
+    lse_a[5] = lse_b[5] = float("-inf")  # neither did
+    lse_b[6] = lse_a[6] + 40.0  # one side dominates
+    inputs = [x.to(device) for x in (o_a, lse_a, o_b, lse_b)]
+    out, lse = merge_state(*inputs)
+    out_ref, lse_ref = merge_state_ref(*inputs)
+    assert_within(out, out_ref, 1e-6, "merged output")
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref)), "merged lse: -inf pattern differs"
+    finite = ~torch.isinf(lse_ref)
+    assert_within(lse[finite], lse_ref[finite], 1e-5, "merged lse")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_merge_of_two_key_sets_is_full_attention(device):
+    """Attention over keys split into two disjoint sets, merged, equals attention over all of them."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(n, 64, generator=gen).to(device) for n in (11, 50, 50))
+    mask = torch.rand(11, 50, generator=gen).to(device) < 0.7
+    mask[:, 0] = True
+    first = torch.zeros(50, dtype=torch.bool, device=device)
+    first[:20] = True
+    o_a, lse_a = attention_with_lse_ref(q, k, v, mask & first, 0.125)
+    o_b, lse_b = attention_with_lse_ref(q, k, v, mask & ~first, 0.125)
+    o_full, lse_full = attention_with_lse_ref(q, k, v, mask, 0.125)
+    out, lse = merge_state(o_a, lse_a, o_b, lse_b)
+    assert_within(out, o_full, 1e-5, "merged vs full attention")
+    assert_within(lse, lse_full, 1e-5, "merged lse vs full")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", ["gqa3-d64", "gqa4-d128"])
+def test_prefix_item_attention_portable_cpu_path(monkeypatch, heads, dtype):
+    """The scalar code that runs on CPUs without AVX-512, forced on this one."""
+    monkeypatch.setenv("PYSCORE_DISABLE_AVX512", "1")
+    check_prefix_item_attention("cpu", "mixed", heads, dtype, fused=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_segment_table_is_checked_again_after_in_place_change(device):
+    segments, num_tokens = make_segments([(5, [3])], device)
+    q, k, v = make_qkv(num_tokens, 2, 1, 64, torch.float32, device, fused=False)
+    prefix_item_attention(q, k, v, segments)
+    segments[1, 3] = 6  # the item's prefix range now covers its own first token
+    with pytest.raises(ValueError, match="overlap"):
+        prefix_item_attention(q, k, v, segments)
