@@ -1,0 +1,130 @@
+"""What the GPU benchmarks share: device synchronisation, timing (CUDA events on the GPU, the host clock on the
+CPU), percentile summaries, the measured H200 ceilings, and JSON written atomically after every step so a stage
+killed by its timeout still leaves what it measured."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Measured on this workplace's H200s (.library/device/KINDS.md, 2026-10-28 and 2026-11-04): bf16 8192^3 matmul
+# on random data, and a device-to-device copy counting bytes read plus written. Floors below use these.
+H200_BF16_FLOPS = 788e12
+H200_BYTES_PER_S = 4.3e12
+
+
+def sync(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    s = sorted(values)
+    if not s:
+        return float("nan")
+    pos = (len(s) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def summarize(times_ms: list[float]) -> dict[str, Any]:
+    return dict(n=len(times_ms), p50=percentile(times_ms, 50), p95=percentile(times_ms, 95),
+                mean=statistics.fmean(times_ms) if times_ms else float("nan"),
+                min=min(times_ms, default=float("nan")), max=max(times_ms, default=float("nan")),
+                all=[round(t, 4) for t in times_ms])
+
+
+def wall_ms(fn: Callable[[], object], device: torch.device | str) -> float:
+    """Host time of one call with the device synchronised on both sides (what a caller waits for)."""
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def device_ms(fn: Callable[[], object], device: torch.device | str, reps: int, warmup: int = 3) -> list[float]:
+    """Per-call times: CUDA events around each call on the GPU, the host clock on the CPU."""
+    for _ in range(warmup):
+        fn()
+    if torch.device(device).type != "cuda":
+        return [wall_ms(fn, device) for _ in range(reps)]
+    out = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end))
+    return out
+
+
+def environment(device: torch.device | str) -> dict[str, Any]:
+    from pyscore.ops import _ext
+
+    env: dict[str, Any] = dict(python=platform.python_version(), torch=torch.__version__,
+                               torch_cuda=torch.version.cuda, cpu=platform.processor() or platform.machine(),
+                               cpu_count=os.cpu_count(), device=str(device),
+                               cpu_kernels=_ext.cpu_module() is not None, cuda_kernels=_ext.cuda_module() is not None,
+                               cuda_kernels_error=_ext.cuda_import_error())
+    if torch.device(device).type == "cuda":
+        props = torch.cuda.get_device_properties(torch.device(device))
+        env.update(gpu=props.name, sms=props.multi_processor_count, gpu_mem_gib=round(props.total_memory / 2**30, 1))
+    return env
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    """Atomic: a reader (or a timeout kill) never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def add_run_args(p: argparse.ArgumentParser, what: str) -> None:
+    """The options the engine and gRPC benchmarks share (shape, size, device, repetitions, output)."""
+    from bench.gpu.models import SHAPES
+    from bench.gpu.workload import CANDIDATE_COUNTS
+
+    p.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
+    p.add_argument("--tiny", action="store_true", help="tiny shape and lengths on the CPU (plumbing tests)")
+    p.add_argument("--device", default=None, help="auto | cpu | cuda (default: cpu with --tiny, else auto)")
+    p.add_argument("--candidates", type=int, nargs="+", default=list(CANDIDATE_COUNTS))
+    p.add_argument("--reps", type=int, default=None, help=f"timed {what} per cell (default 40; 3 with --tiny)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--max-batch-tokens", type=int, default=8192)
+    p.add_argument("--out", required=True)
+
+
+def resolve_run_args(args: argparse.Namespace) -> argparse.Namespace:
+    args.device = args.device or ("cpu" if args.tiny else "auto")
+    args.reps = args.reps or (3 if args.tiny else 40)
+    if args.tiny:
+        args.warmup = min(args.warmup, 1)
+    return args
+
+
+class Budget:
+    """A soft wall-clock budget: benchmarks check `left()` before each step and record what they skipped."""
+
+    def __init__(self, seconds: float) -> None:
+        self.deadline = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def exhausted(self) -> bool:
+        return self.left() <= 0

@@ -1,0 +1,144 @@
+#!/usr/bin/env bash
+# H200 validation of pyscore in one run (issue 6): build the extension for sm_90a, run the CUDA tests (each
+# kernel against the reference, MIS = SIS on the GPU, graph replay = eager), then the kernel benchmark, the
+# in-process engine benchmark on random-weight Qwen3-0.6B- and Qwen3-8B-shaped models, and a short gRPC
+# benchmark. Every stage runs under `timeout`, writes its JSON/log under $OUT before the next starts, and a
+# failing stage does not stop the others. Stage limits add up to 8 min (env 20 s, build 120 (the CUDA module
+# alone took 21 s on 2 cores here), tests 60, kernels 50, engine 0.6B 70, engine 8B 110, gRPC 50); expect about
+# 4-5 min. The last thing printed is bench/gpu/summary.py's table.
+#
+# $OUT ends with at most 8 files: build.log tests.log run.log summary.txt kernels.json engine-qwen3-0.6b.json
+# engine-qwen3-8b.json grpc.json.
+#
+# Usage:
+#   bench/gpu_check.sh                  on the H200 machine (OUT set by the device tool)
+#   bench/gpu_check.sh --only kernels,engine8b   rerun some stages (env build tests kernels engine06b engine8b
+#                                       grpc); build is skipped when pyscore/_C_cuda*.so exists for this python
+#   bench/gpu_check.sh --cpu-dry-run    here, on the CPU: every stage but the CUDA build/tests, at tiny sizes
+#
+# Wheels (the device has no registry; pybind11 and pytest are on its image, grpcio-tools / health / reflection
+# are not, and grpcio + protobuf travel as a set matched to the generated code). Once, here, in the repo root:
+#   bench/gpu/fetch_wheels.sh           which runs:
+#     echo /.whl/ >> .git/info/exclude
+#     python -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+#       --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
+#       grpcio==1.85.3 grpcio-tools==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
+#       protobuf==7.36.2 pybind11==3.1.0 gguf==0.19.0
+# and the device call names `.whl` in carry; this script installs them first (below).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+MODE=gpu
+ONLY=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --cpu-dry-run) MODE=cpu ;;
+    --only) ONLY=",$2,"; shift ;;
+    *) echo "unknown argument $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+OUT=${OUT:-/tmp/gpu_check_out}
+mkdir -p "$OUT"
+RUNLOG=$OUT/run.log
+SUMMARY=$OUT/summary.txt
+export PYTHONUNBUFFERED=1
+START=$(date +%s)
+: >"$SUMMARY"
+
+if [ "$MODE" = gpu ]; then
+  PY=python3
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || echo "wheel install FAILED" | tee -a "$SUMMARY"
+  fi
+  export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
+  SIZE=(--device cuda)  # explicit: without _C_cuda the engine still runs on the GPU (torch reference attention)
+else
+  PY=$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)
+  SIZE=(--tiny)
+fi
+
+want() { [ -z "$ONLY" ] || [[ "$ONLY" == *",$1,"* ]]; }
+
+# stage NAME LIMIT_S LOG -- command...: runs under timeout, appends its output to LOG, records rc and time.
+stage() {
+  local name=$1 limit=$2 log=$3
+  shift 4
+  if ! want "$name"; then return 0; fi
+  local t0 rc
+  t0=$(date +%s)
+  echo "=== $name (limit ${limit}s) $(date -u +%H:%M:%S): $*" | tee -a "$log"
+  # bash -c so that the exported shell functions (env_info, build, tests) run under timeout too
+  timeout -k 5 "$limit" bash -c '"$@"' _ "$@" >>"$log" 2>&1
+  rc=$?
+  local line
+  line=$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" "$(($(date +%s) - t0))" "$([ $rc = 124 ] && echo TIMEOUT)")
+  echo "$line" | tee -a "$SUMMARY" "$log"
+  rm -f "$OUT"/*.tmp
+  return 0
+}
+
+env_info() {
+  echo "mode $MODE, python $PY, OUT $OUT"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 || true
+  command -v nvcc >/dev/null && nvcc --version | tail -1
+  "$PY" - <<'EOF'
+import importlib, sys
+print("python", sys.version.split()[0], sys.executable)
+for name in ("torch", "transformers", "tokenizers", "grpc", "grpc_tools", "google.protobuf", "grpc_health",
+             "grpc_reflection", "pybind11", "pytest", "prometheus_client", "numpy"):
+    try:
+        m = importlib.import_module(name)
+        print(f"{name:18} {getattr(m, '__version__', '?'):12} {getattr(m, '__file__', '')}")
+    except Exception as e:
+        print(f"{name:18} MISSING ({type(e).__name__}: {e})")
+import torch
+print("cuda available", torch.cuda.is_available(), torch.version.cuda,
+      torch.cuda.get_device_name() if torch.cuda.is_available() else "")
+EOF
+}
+
+build() {
+  if [ "$MODE" = cpu ]; then
+    echo "dry run: no build (the CUDA build needs the device); checking the existing modules import"
+  elif ls pyscore/_C_cuda.cpython-"$("$PY" -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')"*.so \
+      >/dev/null 2>&1 && [ -n "$ONLY" ]; then
+    echo "rerun: pyscore/_C_cuda already built for this python, not rebuilding"
+  else
+    "$PY" setup.py -q build_ext --inplace || return 1
+  fi
+  "$PY" -c "
+from pyscore.ops import _ext
+cuda = _ext.cuda_module()
+print('_C', _ext.cpu_module() is not None, '| _C_cuda', cuda is not None and cuda.available(), _ext.cuda_import_error() or '')"
+}
+
+tests() {
+  if [ "$MODE" = cpu ]; then
+    "$PY" -m pytest -q -p no:cacheprovider tests/bench_gpu
+  else
+    "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/ops tests/bench_gpu
+  fi
+}
+
+export MODE PY ONLY
+export -f env_info build tests
+stage env 20 "$RUNLOG" -- env_info
+stage build 120 "$OUT/build.log" -- build
+stage tests 60 "$OUT/tests.log" -- tests
+stage kernels 50 "$RUNLOG" -- "$PY" -m bench.gpu.kernel_bench "${SIZE[@]}" --out "$OUT/kernels.json"
+stage engine06b 70 "$RUNLOG" -- "$PY" -m bench.gpu.engine_bench "${SIZE[@]}" --shape qwen3-0.6b --budget-s 55 \
+  --out "$OUT/engine-qwen3-0.6b.json"
+stage engine8b 110 "$RUNLOG" -- "$PY" -m bench.gpu.engine_bench "${SIZE[@]}" --shape qwen3-8b --budget-s 90 \
+  --out "$OUT/engine-qwen3-8b.json"
+stage grpc 50 "$RUNLOG" -- "$PY" -m bench.gpu.grpc_bench "${SIZE[@]}" --shape qwen3-0.6b --out "$OUT/grpc.json"
+
+{
+  echo "total $(($(date +%s) - START)) s"
+  echo
+  "$PY" -m bench.gpu.summary "$OUT" 2>&1
+} >>"$SUMMARY"
+echo
+cat "$SUMMARY"

@@ -1,0 +1,74 @@
+"""The random-weight engines of bench/gpu: published shapes, finite scores, MIS = SIS, the server hook, and the
+bucket padding of the CUDA-graph prototype (real rows unchanged), all at tiny sizes on the CPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from bench.gpu.graphs import bucket_of, pad_batch
+from bench.gpu.models import SHAPES, RandomEngine, build_random_engine, qwen3_config
+from bench.gpu.workload import id_questions, labels_for
+from pyscore.model.config import ModelConfig
+from pyscore.model.packing import pack
+from pyscore.types import ScoreRequest
+
+
+@pytest.fixture(scope="module")
+def engine32():
+    return build_random_engine("tiny", device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize("name, layers, params_b", [("qwen3-0.6b", 28, 0.440), ("qwen3-8b", 36, 6.946)])
+def test_shapes_match_the_published_configs(name, layers, params_b):
+    shape = SHAPES[name]
+    cfg = ModelConfig.from_hf(qwen3_config(shape))
+    assert (cfg.num_layers, cfg.head_dim, cfg.num_kv_heads, cfg.vocab_size) == (layers, 128, 8, 151936)
+    assert cfg.qk_norm and cfg.tie_word_embeddings == (name == "qwen3-0.6b")
+    assert shape.matmul_params / 1e9 == pytest.approx(params_b, rel=1e-3)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_random_engine_scores_are_finite_and_mis_equals_sis(dtype, engine32):
+    engine = engine32 if dtype == "float32" else build_random_engine("tiny", device="cpu", dtype=dtype)
+    labels = labels_for(engine.cfg.vocab_size)
+    for q in id_questions(5, 2, engine.cfg.vocab_size, tiny=True):
+        mis = engine.score(q.query, q.items, label_token_ids=labels, mode="mis", apply_softmax=True)
+        sis = engine.score(q.query, q.items, label_token_ids=labels, mode="sis", apply_softmax=True)
+        values = [v for item in mis.scores for v in item[0]]
+        assert all(math.isfinite(v) for v in values) and len(values) == 2 * len(q.items)
+        assert max(values) - min(values) > 1e-3  # random weights still discriminate between items
+        tol = 1e-5 if dtype == "float32" else 2e-2
+        for a, b in zip(mis.scores, sis.scores, strict=True):
+            assert a[0] == pytest.approx(b[0], abs=tol)
+
+
+def test_random_engine_is_a_server_engine():
+    engine = RandomEngine.from_pretrained("tiny", dtype="float32", device="cpu", threads=1, max_batch_tokens=256)
+    assert engine.info().name == "random-tiny" and engine.max_batch_tokens == 256
+    ids, _ = engine.tokenize("Hello world", add_special_tokens=False)
+    assert engine.score(ids, [ids], label_token_ids=ids[:1]).scores
+
+
+@pytest.mark.parametrize("mode", ["mis", "sis"])
+def test_bucket_padding_leaves_real_rows_unchanged(mode, engine32):
+    q = id_questions(5, 1, engine32.cfg.vocab_size, tiny=True)[0]
+    prepared = engine32.prepare_score(ScoreRequest(query=q.query, items=q.items, label_token_ids=[1, 2], mode=mode))
+    batch = pack(prepared.groups())
+    tokens, segments, rows = bucket_of(batch)
+    assert tokens % 128 == 0 and segments > batch.segments.shape[0] and rows >= batch.readout.shape[0]
+    padded = pad_batch(batch, tokens, segments, rows)
+    assert (padded.num_tokens, padded.segments.shape[0], padded.readout.shape[0]) == (tokens, segments, rows)
+    assert int(padded.segments[:, 1].sum()) == tokens
+    eager = engine32.decoder.hidden_at(batch)
+    torch.testing.assert_close(engine32.decoder.hidden_at(padded)[: batch.readout.shape[0]], eager,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_pad_batch_refuses_impossible_buckets(engine32):
+    q = id_questions(2, 1, engine32.cfg.vocab_size, tiny=True)[0]
+    batch = pack(engine32.prepare_score(ScoreRequest(query=q.query, items=q.items, label_token_ids=[1])).groups())
+    with pytest.raises(ValueError, match="cannot pad"):
+        pad_batch(batch, batch.num_tokens, batch.segments.shape[0], batch.readout.shape[0])
