@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup build test serve lint bench-kernels clean
+.PHONY: setup build test serve lint bench bench-kernels clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ test: build
 
 serve: build
 	$(PY) -m server
+
+# The CPU-sized serving sweep (~11 min on 2 cores; it starts and stops its own server), then the report.
+BENCH_OUT ?= bench/results/latest
+bench: build
+	$(PY) -m bench.sweep --out $(BENCH_OUT)
 
 bench-kernels: build
 	$(PY) -m bench.kernels

@@ -1,0 +1,212 @@
+"""Load generation and its arithmetic: a closed loop (C questions in flight, each worker sends its next question
+when the previous one is decided) and an open loop (Poisson arrivals from a pre-generated seeded schedule,
+served by a pool of async workers large enough that the client never holds an arrival back).
+
+Time to decision = completion of a question's last candidate - its scheduled arrival (open loop) or its
+dispatch (closed loop). Per question we record scheduled, dispatched and completed times; dispatched -
+scheduled is the client's own dispatch lag, reported as `queueing_delay_ms` and warned about when it is not
+negligible. Server-side queueing is inside `service_latency_ms` (completed - dispatched).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from bench.dataset import BUCKETS, Question
+from bench.targets import Target
+
+# Dispatch lag (p99) above which an open-loop run warns that the client, not the server, shaped the latencies:
+# more than 5 ms and more than 2 % of the run's median time to decision.
+LAG_WARN_MS, LAG_WARN_FRACTION = 5.0, 0.02
+
+
+@dataclass
+class Record:
+    """One question's life; times are seconds since the run's start (the schedule's time 0)."""
+
+    qid: str
+    num_candidates: int
+    bucket: int
+    scheduled: float | None  # open loop only
+    dispatched: float
+    completed: float
+    ok: bool
+    error: str | None = None
+    choice: int | None = None
+    correct: bool | None = None
+    calls: int = 0
+    prompt_tokens: int = 0
+    computed_tokens: int = 0
+
+    @property
+    def e2e_ms(self) -> float:
+        start = self.dispatched if self.scheduled is None else self.scheduled
+        return (self.completed - start) * 1e3
+
+    @property
+    def service_ms(self) -> float:
+        return (self.completed - self.dispatched) * 1e3
+
+    @property
+    def queue_ms(self) -> float:
+        return 0.0 if self.scheduled is None else (self.dispatched - self.scheduled) * 1e3
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self) | {"e2e_ms": self.e2e_ms, "service_ms": self.service_ms, "queue_ms": self.queue_ms}
+
+
+@dataclass
+class RunResult:
+    records: list[Record]
+    wall_s: float  # first dispatch (closed) or schedule start (open) to the last completion, drain included
+    num_workers: int
+
+
+# --- arithmetic ------------------------------------------------------------------------------------------
+def percentile(values: Sequence[float], p: float) -> float:
+    """The p-th percentile (0-100) by linear interpolation between closest ranks (numpy's default method);
+    NaN for no values."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    rank = (len(xs) - 1) * p / 100
+    lo = math.floor(rank)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (rank - lo)
+
+
+def latency_stats(values: Sequence[float]) -> dict[str, float | None]:
+    """{p50, p90, p95, p99, mean} in the values' unit; None (JSON null) for no values."""
+    if not values:
+        return {k: None for k in ("p50", "p90", "p95", "p99", "mean")}
+    stats = {f"p{p}": percentile(values, p) for p in (50, 90, 95, 99)}
+    return stats | {"mean": sum(values) / len(values)}
+
+
+def achieved_qps(num_successes: int, wall_s: float) -> float:
+    """Decisions per second over the whole run, drain included: successes / wall time."""
+    return num_successes / wall_s if wall_s > 0 else 0.0
+
+
+def poisson_schedule(qps: float, num_arrivals: int, seed: int = 0) -> list[float]:
+    """Arrival times (seconds from 0) of a Poisson process at `qps`: cumulative exponential gaps, seeded, so
+    every repetition and every path of a sweep replays the same arrivals."""
+    if qps <= 0:
+        raise ValueError(f"qps must be > 0, got {qps}")
+    rng = random.Random(seed)
+    t, times = 0.0, []
+    for _ in range(num_arrivals):
+        t += rng.expovariate(qps)
+        times.append(t)
+    return times
+
+
+def summarize_records(records: Sequence[Record], wall_s: float) -> dict[str, Any]:
+    """The measured part of summary.json."""
+    good = [r for r in records if r.ok]
+    decided = [r for r in good if r.correct is not None]
+    bucket_stats = {str(b): latency_stats([r.e2e_ms for r in good if r.bucket == b]) for b in BUCKETS}
+    count_by_bucket = {str(b): sum(r.bucket == b for r in good) for b in BUCKETS}
+    return {
+        "num_questions": len(records),
+        "num_errors": len(records) - len(good),
+        "errors": sorted({r.error for r in records if r.error})[:5],
+        "wall_s": wall_s,
+        "achieved_qps": achieved_qps(len(good), wall_s),
+        "end_to_end_latency_ms": latency_stats([r.e2e_ms for r in good]),
+        "service_latency_ms": latency_stats([r.service_ms for r in good]),
+        "queueing_delay_ms": latency_stats([r.queue_ms for r in good]),
+        "dispatch_lag_ms": latency_stats([r.queue_ms for r in records]),
+        "p95_by_candidates": {b: st["p95"] for b, st in bucket_stats.items()},
+        "p50_by_candidates": {b: st["p50"] for b, st in bucket_stats.items()},
+        "questions_by_candidates": count_by_bucket,
+        "accuracy": sum(bool(r.correct) for r in decided) / len(decided) if decided else None,
+        "mean_prompt_tokens": sum(r.prompt_tokens for r in good) / len(good) if good else None,
+        "mean_computed_tokens": sum(r.computed_tokens for r in good) / len(good) if good else None,
+    }
+
+
+# --- clients ---------------------------------------------------------------------------------------------
+async def _decide(target: Target, path: str, q: Question, scheduled: float | None, t0: float) -> Record:
+    dispatched = time.perf_counter() - t0
+    try:
+        d = await target.decide(path, q)
+    except Exception as e:  # a failed question is data, not a crash: it counts in num_errors
+        return Record(q.id, q.num_candidates, q.bucket, scheduled, dispatched, time.perf_counter() - t0, ok=False,
+                      error=f"{type(e).__name__}: {_short(e)}")
+    completed = time.perf_counter() - t0
+    return Record(q.id, q.num_candidates, q.bucket, scheduled, dispatched, completed, ok=True, choice=d.choice,
+                  correct=None if d.choice is None else d.choice == q.answer, calls=d.calls,
+                  prompt_tokens=d.prompt_tokens, computed_tokens=d.computed_tokens)
+
+
+def _short(e: Exception) -> str:
+    details = getattr(e, "details", None)
+    text = details() if callable(details) else str(e)
+    code = getattr(e, "code", None)
+    if callable(code):
+        text = f"{code().name}: {text}"
+    return (text or "").splitlines()[0][:200] if text else ""
+
+
+async def closed_loop(target: Target, path: str, questions: Sequence[Question], concurrency: int,
+                      warmup: int = 0, progress: Any = None) -> RunResult:
+    """`concurrency` workers each send their next question as soon as the previous one is decided. The first
+    `warmup` questions run the same way and are not recorded."""
+    if warmup:
+        await closed_loop(target, path, [questions[i % len(questions)] for i in range(warmup)], concurrency)
+    pending = iter(range(len(questions)))
+    records: list[Record] = []
+    t0 = time.perf_counter()
+
+    async def worker() -> None:
+        for i in pending:
+            records.append(await _decide(target, path, questions[i], None, t0))
+            if progress is not None:
+                progress.update(1)
+
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(questions)))))
+    wall = max((r.completed for r in records), default=0.0) - min((r.dispatched for r in records), default=0.0)
+    return RunResult(records, wall, num_workers=concurrency)
+
+
+async def open_loop(target: Target, path: str, questions: Sequence[Question], schedule: Sequence[float],
+                    num_workers: int | None = None, progress: Any = None, lead_s: float = 0.05) -> RunResult:
+    """Arrival i (question i) is due at schedule[i] seconds; each worker takes the next arrival, sleeps until
+    it is due, sends it and awaits its decision. Workers default to one per arrival (capped at 1024): an
+    asyncio task costs little, so an arrival never waits for a free worker."""
+    if len(questions) != len(schedule):
+        raise ValueError(f"{len(questions)} questions for {len(schedule)} arrivals")
+    workers = num_workers or min(len(schedule), 1024)
+    pending = iter(range(len(schedule)))
+    records: list[Record] = []
+    t0 = time.perf_counter() + lead_s
+
+    async def worker() -> None:
+        for i in pending:
+            delay = t0 + schedule[i] - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            records.append(await _decide(target, path, questions[i], schedule[i], t0))
+            if progress is not None:
+                progress.update(1)
+
+    await asyncio.gather(*(worker() for _ in range(workers)))
+    wall = max((r.completed for r in records), default=0.0)
+    return RunResult(records, wall, num_workers=workers)
+
+
+def lag_warning(summary: dict[str, Any]) -> str | None:
+    """A loud line when the client's dispatch lag (p99) was not negligible, else None."""
+    p99 = summary["dispatch_lag_ms"]["p99"]
+    p50 = summary.get("end_to_end_latency_ms", {}).get("p50") or 0.0
+    if p99 is not None and p99 > max(LAG_WARN_MS, LAG_WARN_FRACTION * p50):
+        return (f"WARNING: client dispatch lag p99 {p99:.1f} ms (time to decision p50 {p50:.0f} ms): the load "
+                f"generator, not only the server, delayed arrivals (CPU shared with the server? too few workers?)")
+    return None

@@ -1,0 +1,314 @@
+"""Serving benchmark: time to decision per question along each path (generate, sis, mis, fused, setwise), closed
+loop over a concurrency sweep and open loop over an offered-QPS sweep, each load point repeated. Every run
+writes `<out>/runs/<target>/<path>/<load>/rep<r>/summary.json` (and records.jsonl, one line per question);
+`<out>/results.json` collects all summaries for `python -m bench.report`.
+
+    python -m bench.serving --target 127.0.0.1:50051 --paths mis sis generate --concurrency 1 8 16 32
+    python -m bench.serving --spawn-server --paths mis --qps 1 2 4 --duration 20 --out bench/results/mine
+    python -m bench.serving --target openai-http://10.0.0.5:8000 --paths generate fused --concurrency 1 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench import loadgen
+from bench.dataset import Dataset, Question
+from bench.targets import PATHS, Target, make_target
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# --- where it ran ----------------------------------------------------------------------------------------
+def cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def gpus() -> list[str]:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def machine() -> dict[str, Any]:
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "gpu": gpus() or None, "platform": platform.platform(),
+            "python": platform.python_version()}
+
+
+def git_commit() -> str | None:
+    """HEAD, with '+dirty' when the work tree differs from it (the numbers are then of uncommitted code)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
+def loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+# --- a server of our own ---------------------------------------------------------------------------------
+@contextlib.contextmanager
+def spawned_server(log_path: Path, args: Sequence[str] = (), timeout_s: float = 180.0) -> Iterator[str]:
+    """`python -m server --port 0 ...` in a subprocess; yields HOST:PORT once it prints that it is serving,
+    and stops it (SIGTERM, graceful) afterwards. Its output goes to `log_path` (per-request lines at INFO
+    would otherwise fill a pipe nobody reads)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "server", "--port", "0", "--log-level", "WARNING", *args],
+                                cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            m = re.search(r"pyscore: serving .* on (\S+)", log_path.read_text())
+            if m:
+                break
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({proc.returncode}) before serving:\n{log_path.read_text()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the server did not serve within {timeout_s} s; see {log_path}")
+            time.sleep(0.2)
+        yield m.group(1)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# --- one load point --------------------------------------------------------------------------------------
+@dataclass
+class LoadPoint:
+    """concurrency (closed loop) or qps (open loop)."""
+
+    concurrency: int | None = None
+    qps: float | None = None
+
+    @property
+    def name(self) -> str:
+        return f"closed-c{self.concurrency}" if self.qps is None else f"open-q{self.qps:g}"
+
+
+@dataclass
+class Settings:
+    reps: int = 3
+    num_questions: int = 16  # closed loop, per repetition
+    duration_s: float = 20.0  # open loop: arrivals span this long (num arrivals = ceil(qps * duration))
+    warmup: int = 2
+    seed: int = 0
+    workers: int | None = None  # open loop; None = one per arrival
+    progress: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)  # copied into every summary
+
+
+def open_loop_questions(dataset: Dataset, num_arrivals: int) -> list[Question]:
+    return [dataset[i % len(dataset)] for i in range(num_arrivals)]
+
+
+def _progress(total: int, desc: str, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="q", leave=False, dynamic_ncols=True, mininterval=0.5)
+
+
+async def run_point(target: Target, path: str, point: LoadPoint, dataset: Dataset, rep: int,
+                    s: Settings) -> tuple[dict[str, Any], list[loadgen.Record]]:
+    """One repetition of one load point: the summary (without run metadata) and the records."""
+    desc = f"{path} {point.name} rep{rep}"
+    if point.qps is None:
+        assert point.concurrency is not None
+        questions = dataset.questions[: s.num_questions]
+        bar = _progress(len(questions), desc, s.progress)
+        result = await loadgen.closed_loop(target, path, questions, point.concurrency,
+                                           warmup=s.warmup if rep == 0 else 0, progress=bar)
+    else:
+        n = max(1, math.ceil(point.qps * s.duration_s))
+        schedule = loadgen.poisson_schedule(point.qps, n, seed=s.seed + rep)
+        if rep == 0 and s.warmup:
+            await loadgen.closed_loop(target, path, dataset.questions[: s.warmup], 1)
+        bar = _progress(n, desc, s.progress)
+        result = await loadgen.open_loop(target, path, open_loop_questions(dataset, n), schedule,
+                                         num_workers=s.workers, progress=bar)
+    if bar is not None:
+        bar.close()
+    summary = loadgen.summarize_records(result.records, result.wall_s)
+    summary["num_workers"] = result.num_workers
+    return summary, result.records
+
+
+def run_summary(target: Target, path: str, point: LoadPoint, rep: int, measured: dict[str, Any],
+                dataset: Dataset, s: Settings, load_before: Any) -> dict[str, Any]:
+    """Everything summary.json holds, in a stable order."""
+    return {
+        "path": path, "target": target.spec, "model": target.info.model,
+        "loop": "closed" if point.qps is None else "open",
+        "concurrency": point.concurrency, "target_qps": point.qps, "rep": rep, "reps": s.reps,
+        **measured,
+        "label_token_ids": target.info.label_token_ids, "marker": target.info.marker,
+        "target_details": target.info.details,
+        "dataset": dataset.origin, "seed": s.seed,
+        "machine": machine(), "loadavg_before": load_before, "loadavg_after": loadavg(),
+        "git_commit": git_commit(), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **s.extra,
+    }
+
+
+def write_run(out: Path, summary: dict[str, Any], records: Sequence[loadgen.Record]) -> Path:
+    target_slug = re.sub(r"[^A-Za-z0-9._-]+", "_", summary["target"])
+    point = LoadPoint(summary["concurrency"], summary["target_qps"])
+    run_dir = out / "runs" / target_slug / summary["path"] / point.name / f"rep{summary['rep']}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (run_dir / "records.jsonl").write_text("".join(json.dumps(r.to_json()) + "\n" for r in records))
+    return run_dir
+
+
+def one_line(summary: dict[str, Any]) -> str:
+    e2e = summary["end_to_end_latency_ms"]
+    load = f"c={summary['concurrency']}" if summary["target_qps"] is None else f"qps={summary['target_qps']:g}"
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x:.0f}"
+
+    return (f"{summary['path']:>8} {load:>9} rep{summary['rep']}: p50 {ms(e2e['p50'])} ms, p95 {ms(e2e['p95'])} ms, "
+            f"achieved {summary['achieved_qps']:.2f} q/s, errors {summary['num_errors']}/{summary['num_questions']}"
+            f", lag p99 {ms(summary['dispatch_lag_ms']['p99'])} ms")
+
+
+async def sweep(target: Target, paths: Sequence[str], points: Sequence[LoadPoint], dataset: Dataset, s: Settings,
+                out: Path, slo_ms: float | None = None, log=print) -> list[dict[str, Any]]:
+    """Every path over every load point, `s.reps` times each. With `slo_ms`, a path's open-loop sweep stops
+    after the first offered load whose median p95 already exceeds it (higher loads only queue longer)."""
+    for path in paths:
+        target.check_path(path)
+    summaries = []
+    for path in paths:
+        over_slo = False
+        for point in points:
+            if over_slo and point.qps is not None:
+                log(f"{path:>8} {point.name}: skipped (p95 already over {slo_ms:g} ms at a lower load)")
+                continue
+            p95s = []
+            for rep in range(s.reps):
+                before = loadavg()
+                measured, records = await run_point(target, path, point, dataset, rep, s)
+                summary = run_summary(target, path, point, rep, measured, dataset, s, before)
+                write_run(out, summary, records)
+                summaries.append(summary)
+                log(one_line(summary))
+                if point.qps is not None and (warning := loadgen.lag_warning(summary)):
+                    log(warning)
+                p95s.append(summary["end_to_end_latency_ms"]["p95"] or math.inf)
+                if summary["num_errors"]:
+                    p95s[-1] = math.inf
+            if slo_ms is not None and point.qps is not None and sorted(p95s)[len(p95s) // 2] > slo_ms:
+                over_slo = True
+    return summaries
+
+
+def collect(out: Path) -> list[dict[str, Any]]:
+    """All summaries under `out/runs`, written to `out/results.json`."""
+    summaries = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("**/summary.json"))]
+    (out / "results.json").write_text(json.dumps(summaries, indent=2) + "\n")
+    return summaries
+
+
+async def run(target_spec: str, paths: Sequence[str], points: Sequence[LoadPoint], dataset: Dataset, s: Settings,
+              out: Path, slo_ms: float | None = None, **target_options: Any) -> list[dict[str, Any]]:
+    target = make_target(target_spec, **target_options)
+    await target.open()
+    try:
+        return await sweep(target, paths, points, dataset, s, out, slo_ms)
+    finally:
+        await target.close()
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="127.0.0.1:50051",
+                   help="HOST:PORT (our gRPC server), openai-http://HOST:PORT, sglang-score-http://HOST:PORT, "
+                        "or inprocess (default %(default)s)")
+    p.add_argument("--spawn-server", action="store_true",
+                   help="start `python -m server` on a free port for the run (ignores --target)")
+    p.add_argument("--server-arg", action="append", default=[], help="extra flag for the spawned server")
+    p.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
+    p.add_argument("--concurrency", type=int, nargs="*", default=None,
+                   help="closed-loop sweep (default 1 8 16 32 when no --qps is given)")
+    p.add_argument("--qps", type=float, nargs="*", default=None, help="open-loop offered loads")
+    p.add_argument("--reps", type=int, default=3, help="repetitions of each load point (default %(default)s)")
+    p.add_argument("--num-questions", type=int, default=16, help="closed loop: questions per repetition")
+    p.add_argument("--duration", type=float, default=20.0, help="open loop: seconds of arrivals per repetition")
+    p.add_argument("--warmup", type=int, default=2, help="questions run before a path's first repetition")
+    p.add_argument("--workers", type=int, default=None, help="open-loop workers (default: one per arrival)")
+    p.add_argument("--slo-ms", type=float, default=None,
+                   help="stop a path's QPS sweep after its median p95 exceeds this")
+    p.add_argument("--dataset-dir", default=None, help="Open-Jev parquet directory (default: synthetic questions)")
+    p.add_argument("--split", default="test")
+    p.add_argument("--limit", type=int, default=None, help="questions to load (synthetic default 64)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--marker", default=None, help="setwise marker token (default: a special token of the model)")
+    p.add_argument("--model", default=None, help="HTTP targets: the model name (default: the first /v1/models)")
+    p.add_argument("--label-token-ids", type=int, nargs=2, default=None, metavar=("YES", "NO"),
+                   help="sglang-score-http: Yes/No ids (default: the server's /tokenize)")
+    p.add_argument("--timeout", type=float, default=120.0, help="per-request deadline, seconds")
+    p.add_argument("--threads", type=int, default=None, help="inprocess: model threads (default: all cores)")
+    p.add_argument("--dtype", default="auto", help="inprocess: model dtype (default %(default)s)")
+    p.add_argument("--out", default="bench/results/latest")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    a = parse_args(argv)
+    if a.concurrency is None and a.qps is None:
+        a.concurrency = [1, 8, 16, 32]
+    points = [LoadPoint(concurrency=c) for c in a.concurrency or []] + [LoadPoint(qps=q) for q in a.qps or []]
+    dataset = Dataset.load(a.dataset_dir, split=a.split, limit=a.limit, seed=a.seed)
+    settings = Settings(reps=a.reps, num_questions=a.num_questions, duration_s=a.duration, warmup=a.warmup,
+                        seed=a.seed, workers=a.workers, progress=not a.no_progress)
+    out = Path(a.out)
+    options = dict(marker=a.marker, timeout=a.timeout, model=a.model, label_token_ids=a.label_token_ids,
+                   threads=a.threads, dtype=a.dtype)
+    with contextlib.ExitStack() as stack:
+        target = a.target
+        if a.spawn_server:
+            target = stack.enter_context(spawned_server(out / "server.log", a.server_arg))
+        asyncio.run(run(target, a.paths, points, dataset, settings, out, a.slo_ms, **options))
+    print(f"{len(collect(out))} summaries in {out / 'results.json'}; report: python -m bench.report {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,390 @@
+"""Where a benchmark sends its questions. Every target turns one question into one decision along a path
+(`generate`, `sis`, `mis`, `fused`, `setwise`) and knows nothing of load generation:
+
+- `GrpcTarget` (`HOST:PORT` or `grpc://HOST:PORT`): our pyscore.v1.Scorer; all five paths.
+- `OpenAIHTTPTarget` (`openai-http://HOST:PORT`): vLLM / SGLang / llama.cpp OpenAI-compatible servers:
+  `generate` = one one-token /v1/completions with logprobs per candidate, all in flight at once;
+  `fused` = one one-token /v1/chat/completions with top_logprobs.
+- `SGLangScoreTarget` (`sglang-score-http://HOST:PORT`): SGLang's /v1/score for `sis` / `mis` (whether SGLang
+  runs multi-item scoring is decided by its launch flags, not by the request).
+- `InProcessTarget` (`inprocess`): pyscore.engine.Engine in this process, no gRPC (the service layer's cost).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench import prompts
+from bench.dataset import Question
+
+PATHS = ("generate", "sis", "mis", "fused", "setwise")
+GENERATE_TOP_LOGPROBS = 5
+FUSED_TOP_LOGPROBS = 20
+
+
+@dataclass
+class Decision:
+    """The chosen option (None when the answer named no option) and the token accounting where known."""
+
+    choice: int | None
+    calls: int = 1
+    prompt_tokens: int = 0
+    computed_tokens: int = 0
+
+
+@dataclass
+class TargetInfo:
+    model: str
+    label_token_ids: list[int] = field(default_factory=list)  # Yes, No
+    marker: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+class TargetError(RuntimeError):
+    """A request failed at the target (HTTP status, malformed answer)."""
+
+
+class Target:
+    """Base: `open()` once, then `decide(path, question)` from many tasks at once, then `close()`."""
+
+    spec = ""
+    paths: tuple[str, ...] = ()
+
+    def __init__(self, *, marker: str | None = None, timeout: float | None = 120.0) -> None:
+        self.marker = marker
+        self.timeout = timeout
+        self.info = TargetInfo(model="")
+
+    def check_path(self, path: str) -> None:
+        if path not in self.paths:
+            raise ValueError(f"target {self.spec} does not serve path {path!r} (it serves {', '.join(self.paths)})")
+
+    async def open(self) -> TargetInfo:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        pass
+
+    async def decide(self, path: str, q: Question) -> Decision:
+        self.check_path(path)
+        return await getattr(self, f"_{path}")(q)
+
+
+# --- decisions from what the model returned ---------------------------------------------------------------
+def pointwise_choice(rows: Sequence[Sequence[float]]) -> int:
+    """rows[i] = option i's [P(Yes), P(No)]: the option with the highest Yes score."""
+    return prompts.argmax([row[0] for row in rows])
+
+
+def generate_choice(tops: Sequence[Sequence[tuple[str, float]]]) -> int:
+    """tops[i] = option i's first-token top alternatives: the option with the highest Yes log-probability."""
+    return prompts.argmax([prompts.yes_score(top) for top in tops])
+
+
+# --- our gRPC server -------------------------------------------------------------------------------------
+async def resolve_labels(tokenize) -> list[int]:
+    """Yes/No label ids: the space-prefixed word where it is one token (it follows 'Answer Yes or No.' / a
+    marker), else the bare word. `tokenize(text)` -> ids without special tokens."""
+    ids = []
+    for word in (prompts.YES, prompts.NO):
+        for text in (f" {word}", word):
+            got = await tokenize(text)
+            if len(got) == 1:
+                ids.append(got[0])
+                break
+        else:
+            raise TargetError(f"neither ' {word}' nor '{word}' is a single token of this model")
+    return ids
+
+
+class GrpcTarget(Target):
+    paths = PATHS
+
+    def __init__(self, address: str, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.address = address
+        self.spec = f"grpc://{address}"
+        self.client: Any = None
+
+    async def open(self) -> TargetInfo:
+        from pyscore.client import AsyncScorerClient
+
+        self.client = AsyncScorerClient(self.address, timeout=self.timeout)
+        model = await self.client.model_info()
+
+        async def tokenize(text: str) -> list[int]:
+            return (await self.client.tokenize(text, add_special_tokens=False))[0]
+
+        labels = await resolve_labels(tokenize)
+        marker = self.marker
+        if marker is None:
+            tokenized = {c: await self.client.tokenize(c, add_special_tokens=False) for c in prompts.MARKER_CANDIDATES}
+            marker = prompts.pick_marker(tokenized.__getitem__, model.special_tokens.values())
+        self.marker = marker
+        self.info = TargetInfo(model=model.name, label_token_ids=labels, marker=marker,
+                               details=dict(dtype=model.dtype, device=model.device, architecture=model.architecture))
+        return self.info
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+
+    async def _generate(self, q: Question) -> Decision:
+        p = prompts.pointwise(q)
+        results = await asyncio.gather(*(
+            self.client.generate(p.query + item, max_tokens=1, top_logprobs=GENERATE_TOP_LOGPROBS)
+            for item in p.items))
+        tops = [[(t.token, t.logprob) for t in r.logprobs[0].top] if r.logprobs else [] for r in results]
+        return Decision(generate_choice(tops), calls=len(results),
+                        prompt_tokens=sum(r.usage.prompt_tokens for r in results),
+                        computed_tokens=sum(r.usage.computed_tokens for r in results))
+
+    async def _score(self, q: Question, mode: str) -> Decision:
+        p = prompts.pointwise(q)
+        r = await self.client.score(p.query, p.items, label_token_ids=self.info.label_token_ids, apply_softmax=True,
+                                    mode=mode)
+        return Decision(pointwise_choice([rows[0] for rows in r.scores]), prompt_tokens=r.usage.prompt_tokens,
+                        computed_tokens=r.usage.computed_tokens)
+
+    async def _sis(self, q: Question) -> Decision:
+        return await self._score(q, "sis")
+
+    async def _mis(self, q: Question) -> Decision:
+        return await self._score(q, "mis")
+
+    async def _fused(self, q: Question) -> Decision:
+        r = await self.client.generate(prompts.fused_choice(q), apply_chat_template=True, max_tokens=1,
+                                       top_logprobs=FUSED_TOP_LOGPROBS)
+        top = [(t.token, t.logprob) for t in r.logprobs[0].top] if r.logprobs else []
+        return Decision(prompts.best_letter(top, q.num_candidates), prompt_tokens=r.usage.prompt_tokens,
+                        computed_tokens=r.usage.computed_tokens)
+
+    async def _setwise(self, q: Question) -> Decision:
+        assert self.marker is not None
+        s = prompts.setwise(q, self.marker)
+        r = await self.client.score(s.query, [s.item], label_token_ids=self.info.label_token_ids, apply_softmax=True,
+                                    score_extraction_token=self.marker)
+        rows = r.scores[0]
+        if len(rows) != q.num_candidates:
+            raise TargetError(f"setwise: {len(rows)} marker rows for {q.num_candidates} options")
+        return Decision(pointwise_choice(rows), prompt_tokens=r.usage.prompt_tokens,
+                        computed_tokens=r.usage.computed_tokens)
+
+
+# --- HTTP servers ----------------------------------------------------------------------------------------
+class HTTPTarget(Target):
+    """Shared HTTP plumbing (aiohttp, one pooled session, no connection limit so the client never queues)."""
+
+    def __init__(self, base_url: str, *, model: str | None = None, label_token_ids: Sequence[int] | None = None,
+                 **kw: Any) -> None:
+        super().__init__(**kw)
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.label_token_ids = list(label_token_ids) if label_token_ids else None
+        self.session: Any = None
+
+    async def open(self) -> TargetInfo:
+        import aiohttp
+
+        timeout = aiohttp.ClientTimeout(total=self.timeout)
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        if self.model is None:
+            models = await self.get("/v1/models")
+            try:
+                self.model = str(models["data"][0]["id"])
+            except (KeyError, IndexError, TypeError) as e:
+                raise TargetError(f"{self.base_url}/v1/models lists no model; pass --model") from e
+        self.info = TargetInfo(model=self.model, marker=None)
+        return self.info
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def get(self, route: str) -> Any:
+        async with self.session.get(self.base_url + route) as response:
+            return await self._json(route, response)
+
+    async def post(self, route: str, body: dict[str, Any]) -> Any:
+        async with self.session.post(self.base_url + route, json=body) as response:
+            return await self._json(route, response)
+
+    @staticmethod
+    async def _json(route: str, response: Any) -> Any:
+        if response.status != 200:
+            text = await response.text()
+            raise TargetError(f"{route}: HTTP {response.status}: {text[:300]}")
+        return await response.json(content_type=None)
+
+    async def tokenize(self, text: str) -> list[int]:
+        """The server's /tokenize (vLLM and SGLang take `prompt`, llama.cpp `content`; all answer `tokens`)."""
+        body = {"model": self.model, "prompt": text, "content": text, "add_special_tokens": False}
+        return [int(t) for t in (await self.post("/tokenize", body))["tokens"]]
+
+
+class OpenAIHTTPTarget(HTTPTarget):
+    paths = ("generate", "fused")
+
+    def __init__(self, base_url: str, **kw: Any) -> None:
+        super().__init__(base_url, **kw)
+        self.spec = "openai-http://" + self.base_url.split("://", 1)[-1]
+
+    async def _completion_top(self, prompt: str) -> list[tuple[str, float]]:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+                "logprobs": GENERATE_TOP_LOGPROBS}
+        answer = await self.post("/v1/completions", body)
+        try:
+            top = answer["choices"][0]["logprobs"]["top_logprobs"][0]
+        except (KeyError, IndexError, TypeError) as e:
+            raise TargetError(f"/v1/completions: no top_logprobs in {str(answer)[:300]}") from e
+        return [(str(t), float(lp)) for t, lp in top.items()]
+
+    async def _generate(self, q: Question) -> Decision:
+        p = prompts.pointwise(q)
+        tops = await asyncio.gather(*(self._completion_top(p.query + item) for item in p.items))
+        return Decision(generate_choice(tops), calls=len(tops))
+
+    async def _fused(self, q: Question) -> Decision:
+        body = {"model": self.model, "messages": [{"role": "user", "content": prompts.fused_choice(q)}],
+                "max_tokens": 1, "temperature": 0.0, "logprobs": True, "top_logprobs": FUSED_TOP_LOGPROBS,
+                "chat_template_kwargs": {"enable_thinking": False}}
+        answer = await self.post("/v1/chat/completions", body)
+        try:
+            top = answer["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+        except (KeyError, IndexError, TypeError) as e:
+            raise TargetError(f"/v1/chat/completions: no top_logprobs in {str(answer)[:300]}") from e
+        return Decision(prompts.best_letter([(str(t["token"]), float(t["logprob"])) for t in top], q.num_candidates))
+
+
+class SGLangScoreTarget(HTTPTarget):
+    paths = ("sis", "mis")
+
+    def __init__(self, base_url: str, **kw: Any) -> None:
+        super().__init__(base_url, **kw)
+        self.spec = "sglang-score-http://" + self.base_url.split("://", 1)[-1]
+
+    async def open(self) -> TargetInfo:
+        info = await super().open()
+        info.label_token_ids = self.label_token_ids or await resolve_labels(self.tokenize)
+        info.details["mode"] = "chosen by the server's launch flags (--multi-item-scoring-delimiter => MIS)"
+        return info
+
+    async def _score(self, q: Question) -> Decision:
+        p = prompts.pointwise(q)
+        body = {"model": self.model, "query": p.query, "items": p.items, "label_token_ids": self.info.label_token_ids,
+                "apply_softmax": True, "item_first": False}
+        answer = await self.post("/v1/score", body)
+        scores = answer.get("scores") if isinstance(answer, dict) else None
+        if not isinstance(scores, list) or len(scores) != len(p.items):
+            raise TargetError(f"/v1/score: expected {len(p.items)} score rows, got {str(answer)[:300]}")
+        return Decision(pointwise_choice(scores))
+
+    async def _sis(self, q: Question) -> Decision:
+        return await self._score(q)
+
+    async def _mis(self, q: Question) -> Decision:
+        return await self._score(q)
+
+
+# --- the engine in this process --------------------------------------------------------------------------
+class InProcessTarget(Target):
+    """pyscore.engine.Engine behind one worker thread (as in the server), without gRPC or the batcher:
+    the generate path prefills all of a question's candidates in one packed step, as the batcher would."""
+
+    paths = PATHS
+
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", threads: int | None = None,
+                 **kw: Any) -> None:
+        super().__init__(**kw)
+        self.model, self.dtype, self.threads = model, dtype, threads
+        self.spec = "inprocess" + (f":{model}" if model else "")
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="bench-engine")
+        self.engine: Any = None
+
+    async def run(self, fn, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def open(self) -> TargetInfo:
+        from pyscore.engine import Engine
+
+        self.engine = await self.run(lambda: Engine.from_pretrained(self.model, dtype=self.dtype,
+                                                                    threads=self.threads))
+        info = self.engine.info()
+
+        async def tokenize(text: str) -> list[int]:
+            return self.engine.tokenize(text, add_special_tokens=False)[0]
+
+        labels = await resolve_labels(tokenize)
+        self.marker = self.marker or prompts.pick_marker(lambda t: self.engine.tokenize(t, add_special_tokens=False),
+                                                         info.special_tokens.values())
+        self.info = TargetInfo(model=info.name, label_token_ids=labels, marker=self.marker,
+                               details=dict(dtype=info.dtype, device=info.device, architecture=info.architecture))
+        return self.info
+
+    async def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+    def _generate_sync(self, q: Question) -> Decision:
+        from pyscore.types import GenerateRequest
+
+        p = prompts.pointwise(q)
+        gens = [self.engine.start_generation(GenerateRequest(prompt=p.query + item, max_tokens=1,
+                                                             top_logprobs=GENERATE_TOP_LOGPROBS)) for item in p.items]
+        while not all(g.finished for g in gens):
+            self.engine.step(gens)
+        results = [g.result() for g in gens]
+        tops = [[(t.token, t.logprob) for t in r.logprobs[0].top] if r.logprobs else [] for r in results]
+        return Decision(generate_choice(tops), calls=len(results))
+
+    async def _generate(self, q: Question) -> Decision:
+        return await self.run(self._generate_sync, q)
+
+    async def _score(self, q: Question, mode: str) -> Decision:
+        p = prompts.pointwise(q)
+        r = await self.run(lambda: self.engine.score(p.query, p.items, label_token_ids=self.info.label_token_ids,
+                                                     apply_softmax=True, mode=mode))
+        return Decision(pointwise_choice([rows[0] for rows in r.scores]), prompt_tokens=r.usage.prompt_tokens,
+                        computed_tokens=r.usage.computed_tokens)
+
+    async def _sis(self, q: Question) -> Decision:
+        return await self._score(q, "sis")
+
+    async def _mis(self, q: Question) -> Decision:
+        return await self._score(q, "mis")
+
+    async def _fused(self, q: Question) -> Decision:
+        from pyscore.types import GenerateRequest
+
+        request = GenerateRequest(prompt=prompts.fused_choice(q), apply_chat_template=True, max_tokens=1,
+                                  top_logprobs=FUSED_TOP_LOGPROBS)
+        r = await self.run(self.engine.generate, request)
+        top = [(t.token, t.logprob) for t in r.logprobs[0].top] if r.logprobs else []
+        return Decision(prompts.best_letter(top, q.num_candidates), prompt_tokens=r.usage.prompt_tokens,
+                        computed_tokens=r.usage.computed_tokens)
+
+    async def _setwise(self, q: Question) -> Decision:
+        assert self.marker is not None
+        s = prompts.setwise(q, self.marker)
+        r = await self.run(lambda: self.engine.score(s.query, [s.item], label_token_ids=self.info.label_token_ids,
+                                                     apply_softmax=True, score_extraction_token=self.marker))
+        return Decision(pointwise_choice(r.scores[0]), prompt_tokens=r.usage.prompt_tokens,
+                        computed_tokens=r.usage.computed_tokens)
+
+
+def make_target(spec: str, **kw: Any) -> Target:
+    """`HOST:PORT` / `grpc://HOST:PORT`, `openai-http://HOST:PORT`, `sglang-score-http://HOST:PORT`,
+    `inprocess[:MODEL]`. HTTP-only options (model, label_token_ids) and in-process ones (dtype, threads) are
+    dropped for targets that do not take them."""
+    http = {k: kw.pop(k) for k in ("model", "label_token_ids") if k in kw}
+    local = {k: kw.pop(k) for k in ("dtype", "threads") if k in kw}
+    if spec.startswith("openai-http://"):
+        return OpenAIHTTPTarget("http://" + spec.removeprefix("openai-http://"), **http, **kw)
+    if spec.startswith("sglang-score-http://"):
+        return SGLangScoreTarget("http://" + spec.removeprefix("sglang-score-http://"), **http, **kw)
+    if spec == "inprocess" or spec.startswith("inprocess:"):
+        return InProcessTarget(spec.partition(":")[2] or http.get("model"), **local, **kw)
+    return GrpcTarget(spec.removeprefix("grpc://"), **kw)

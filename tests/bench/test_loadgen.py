@@ -1,0 +1,91 @@
+"""Schedules, percentiles and the summary arithmetic of the load generator."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import statistics
+
+import numpy as np
+import pytest
+
+from bench import loadgen
+from bench.dataset import Dataset
+from bench.loadgen import Record
+from bench.targets import Decision, Target
+
+
+def test_poisson_schedule_is_seeded_and_at_rate():
+    a, b, c = (loadgen.poisson_schedule(5.0, 20_000, seed=s) for s in (1, 1, 2))
+    assert a == b and a != c
+    assert all(x < y for x, y in itertools.pairwise(a))
+    gaps = np.diff([0.0, *a])
+    assert len(a) / a[-1] == pytest.approx(5.0, rel=0.03)
+    assert statistics.stdev(gaps) == pytest.approx(0.2, rel=0.05)  # exponential: stdev = mean
+    with pytest.raises(ValueError):
+        loadgen.poisson_schedule(0, 3)
+
+
+def test_percentile_matches_numpy():
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 7, 100):
+        xs = rng.exponential(100, n).tolist()
+        for p in (0, 50, 90, 95, 99, 100):
+            assert loadgen.percentile(xs, p) == pytest.approx(np.percentile(xs, p))
+    assert loadgen.percentile([1, 2, 3, 4], 50) == 2.5
+    assert loadgen.latency_stats([])["p95"] is None
+
+
+def test_achieved_qps_and_summary():
+    recs = [
+        Record("a", 2, 2, scheduled=0.0, dispatched=0.001, completed=0.101, ok=True, choice=0, correct=True),
+        Record("b", 16, 16, scheduled=0.5, dispatched=0.502, completed=0.902, ok=True, choice=1, correct=False),
+        Record("c", 5, 5, scheduled=1.0, dispatched=1.0, completed=1.5, ok=False, error="UNAVAILABLE: x"),
+    ]
+    s = loadgen.summarize_records(recs, wall_s=2.0)
+    assert s["num_questions"] == 3 and s["num_errors"] == 1
+    assert s["achieved_qps"] == loadgen.achieved_qps(2, 2.0) == 1.0  # successes / wall, not arrivals / wall
+    assert s["end_to_end_latency_ms"]["p50"] == pytest.approx((101 + 402) / 2)
+    assert s["service_latency_ms"]["mean"] == pytest.approx((100 + 400) / 2)
+    assert s["queueing_delay_ms"]["p99"] == pytest.approx(1 + 0.99 * (2 - 1))
+    assert s["p95_by_candidates"] == {"2": pytest.approx(101), "5": None, "9": None, "16": pytest.approx(402)}
+    assert s["accuracy"] == 0.5 and s["errors"] == ["UNAVAILABLE: x"]
+    assert loadgen.achieved_qps(3, 0) == 0.0
+    closed = Record("d", 2, 2, scheduled=None, dispatched=1.0, completed=1.25, ok=True)
+    assert (closed.e2e_ms, closed.queue_ms) == (250.0, 0.0)
+
+
+class SleepTarget(Target):
+    """Decides after 20 ms; counts how many decisions were in flight at once."""
+
+    spec, paths = "sleep", ("mis",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_flight = self.most = 0
+
+    async def _mis(self, q):
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        await asyncio.sleep(0.02)
+        self.in_flight -= 1
+        return Decision(choice=q.answer)
+
+
+def test_closed_and_open_loop_timing():
+    qs = Dataset.synthetic(12).questions
+    t = SleepTarget()
+    closed = asyncio.run(loadgen.closed_loop(t, "mis", qs, concurrency=3, warmup=2))
+    assert t.most == 3 and len(closed.records) == 12 and all(r.correct for r in closed.records)
+    assert 0.07 < closed.wall_s < 0.5  # 4 rounds of 20 ms
+    t = SleepTarget()
+    schedule = [0.01 * i for i in range(12)]  # arrivals faster than one decision: they must overlap
+    run = asyncio.run(loadgen.open_loop(t, "mis", qs, schedule))
+    assert t.most >= 2 and run.num_workers == 12
+    s = loadgen.summarize_records(run.records, run.wall_s)
+    assert s["dispatch_lag_ms"]["p50"] < 5
+    assert all(r.scheduled is not None and r.dispatched >= r.scheduled - 1e-3 for r in run.records)
+    assert loadgen.lag_warning({"dispatch_lag_ms": {"p99": 50.0}}).startswith("WARNING")
+    assert loadgen.lag_warning({"dispatch_lag_ms": {"p99": 0.5}}) is None
+    slow = {"p50": 4000.0}  # 50 ms of lag is noise against 4 s decisions
+    assert loadgen.lag_warning({"dispatch_lag_ms": {"p99": 50.0}, "end_to_end_latency_ms": slow}) is None
