@@ -4,18 +4,21 @@
 
 #include <omp.h>
 
+#include "add_rms_norm/launch.h"
 #include "common/bind_args.h"
 #include "common/cpu_features.h"
 #include "common/threads.h"
 #include "label_logprobs/launch.h"
 #include "prefix_item_attention/cpu_ops.h"
 #include "prefix_item_attention/launch.h"
+#include "rotary/launch.h"
+#include "silu_mul/launch.h"
 
 namespace py = pybind11;
 using namespace pyscore;
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "pyscore CPU kernels: prefix_item_attention and label_logprobs";
+  m.doc() = "pyscore CPU kernels: prefix_item_attention, label_logprobs, add_rms_norm, rotary, silu_mul";
   m.def("prefix_item_attention",
         [](uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t o, Strides qs, Strides ks, Strides vs, Strides os,
            uintptr_t segments, int32_t num_segments, int32_t num_tokens, int32_t num_q_heads, int32_t num_kv_heads,
@@ -37,6 +40,40 @@ PYBIND11_MODULE(_C, m) {
           Status status = label_logprobs_cpu(p);
           py::gil_scoped_acquire acquire;
           throw_on_error(status, "label_logprobs");
+        });
+  // The decoder's elementwise ops (tens of microseconds each): the GIL is released as for the big kernels so the
+  // server's event loop is never held up by model work.
+  m.def("add_rms_norm",
+        [](uintptr_t x, int64_t x_row_stride, uintptr_t delta, int64_t delta_row_stride, uintptr_t weight,
+           uintptr_t out, int64_t out_row_stride, int32_t num_rows, int32_t hidden_size, float eps,
+           const std::string& dtype) {
+          auto p = make_add_rms_norm_params(x, x_row_stride, delta, delta_row_stride, weight, out, out_row_stride,
+                                            num_rows, hidden_size, eps, dtype);
+          py::gil_scoped_release release;
+          Status status = add_rms_norm_cpu(p);
+          py::gil_scoped_acquire acquire;
+          throw_on_error(status, "add_rms_norm");
+        });
+  m.def("rotary",
+        [](uintptr_t q, Strides qs, uintptr_t k, Strides ks, uintptr_t positions, uintptr_t cos, uintptr_t sin,
+           int64_t num_positions, uintptr_t q_norm, uintptr_t k_norm, float eps, int32_t num_tokens,
+           int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim, const std::string& dtype) {
+          auto p = make_rotary_params(q, qs, k, ks, positions, cos, sin, num_positions, q_norm, k_norm, eps,
+                                      num_tokens, num_q_heads, num_kv_heads, head_dim, dtype);
+          py::gil_scoped_release release;
+          Status status = rotary_cpu(p);
+          py::gil_scoped_acquire acquire;
+          throw_on_error(status, "rotary");
+        });
+  m.def("silu_mul",
+        [](uintptr_t gate, int64_t gate_row_stride, uintptr_t up, int64_t up_row_stride, uintptr_t out,
+           int64_t out_row_stride, int32_t num_rows, int32_t width, const std::string& dtype) {
+          auto p = make_silu_mul_params(gate, gate_row_stride, up, up_row_stride, out, out_row_stride, num_rows,
+                                        width, dtype);
+          py::gil_scoped_release release;
+          Status status = silu_mul_cpu(p);
+          py::gil_scoped_acquire acquire;
+          throw_on_error(status, "silu_mul");
         });
   // Exposed so the log-sum-exp merge of the cascade is tested alone (fp32, contiguous [rows, dim] / [rows]).
   m.def("merge_state",

@@ -97,3 +97,18 @@ def load_reference(path: Path):
     auto = (AutoModelForSequenceClassification if cfg.architectures[0].endswith("SequenceClassification")
             else AutoModelForCausalLM)
     return auto.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in units in the last place of their dtype (fp32 or bf16), elementwise: the count of representable
+    values between them (0 = bitwise equal; +0 and -0 count as equal)."""
+    assert a.dtype == b.dtype and a.dtype in (torch.float32, torch.bfloat16)
+
+    def ordered(x: torch.Tensor) -> torch.Tensor:  # sign-magnitude bits -> monotonic integers
+        if x.dtype == torch.bfloat16:
+            bits, magnitude = x.view(torch.int16).long(), 0x7FFF
+        else:
+            bits, magnitude = x.view(torch.int32).long(), 0x7FFFFFFF
+        return torch.where(bits < 0, -(bits & magnitude), bits)
+
+    return (ordered(a) - ordered(b)).abs()

@@ -26,4 +26,10 @@ inline uint16_t bf16_from_f32(float f) {
 inline float to_f32(float x) { return x; }
 inline float to_f32(uint16_t x) { return bf16_to_f32(x); }
 
+// fp32 -> element type (the pointer only selects it): store, or the value a store and a reload would give.
+inline void store_f32(float* p, float x) { *p = x; }
+inline void store_f32(uint16_t* p, float x) { *p = bf16_from_f32(x); }
+inline float round_as(float x, const float*) { return x; }
+inline float round_as(float x, const uint16_t*) { return bf16_to_f32(bf16_from_f32(x)); }
+
 }  // namespace pyscore

@@ -8,8 +8,11 @@
 #include <string>
 #include <utility>
 
+#include "add_rms_norm/params.h"
 #include "label_logprobs/params.h"
 #include "prefix_item_attention/params.h"
+#include "rotary/params.h"
+#include "silu_mul/params.h"
 
 namespace pyscore {
 
@@ -73,6 +76,64 @@ inline LabelLogprobsParams make_label_params(
   p.hidden_size = hidden_size;
   p.vocab_size = vocab_size;
   p.num_labels = num_labels;
+  p.dtype = dtype_or_throw(dtype);
+  return p;
+}
+
+inline AddRmsNormParams make_add_rms_norm_params(
+    uintptr_t x, int64_t x_row_stride, uintptr_t delta, int64_t delta_row_stride, uintptr_t weight, uintptr_t out,
+    int64_t out_row_stride, int32_t num_rows, int32_t hidden_size, float eps, const std::string& dtype) {
+  AddRmsNormParams p{};
+  p.x = reinterpret_cast<void*>(x);
+  p.x_row_stride = x_row_stride;
+  p.delta = reinterpret_cast<const void*>(delta);
+  p.delta_row_stride = delta_row_stride;
+  p.weight = reinterpret_cast<const void*>(weight);
+  p.out = reinterpret_cast<void*>(out);
+  p.out_row_stride = out_row_stride;
+  p.num_rows = num_rows;
+  p.hidden_size = hidden_size;
+  p.eps = eps;
+  p.dtype = dtype_or_throw(dtype);
+  return p;
+}
+
+inline RotaryParams make_rotary_params(
+    uintptr_t q, Strides qs, uintptr_t k, Strides ks, uintptr_t positions, uintptr_t cos, uintptr_t sin,
+    int64_t num_positions, uintptr_t q_norm, uintptr_t k_norm, float eps, int32_t num_tokens, int32_t num_q_heads,
+    int32_t num_kv_heads, int32_t head_dim, const std::string& dtype) {
+  RotaryParams p{};
+  p.q = reinterpret_cast<void*>(q);
+  p.q_token_stride = qs.first; p.q_head_stride = qs.second;
+  p.k = reinterpret_cast<void*>(k);
+  p.k_token_stride = ks.first; p.k_head_stride = ks.second;
+  p.positions = reinterpret_cast<const int64_t*>(positions);
+  p.cos = reinterpret_cast<const float*>(cos);
+  p.sin = reinterpret_cast<const float*>(sin);
+  p.num_positions = num_positions;
+  p.q_norm = reinterpret_cast<const void*>(q_norm);
+  p.k_norm = reinterpret_cast<const void*>(k_norm);
+  p.eps = eps;
+  p.num_tokens = num_tokens;
+  p.num_q_heads = num_q_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.head_dim = head_dim;
+  p.dtype = dtype_or_throw(dtype);
+  return p;
+}
+
+inline SiluMulParams make_silu_mul_params(uintptr_t gate, int64_t gate_row_stride, uintptr_t up, int64_t up_row_stride,
+                                          uintptr_t out, int64_t out_row_stride, int32_t num_rows, int32_t width,
+                                          const std::string& dtype) {
+  SiluMulParams p{};
+  p.gate = reinterpret_cast<const void*>(gate);
+  p.gate_row_stride = gate_row_stride;
+  p.up = reinterpret_cast<const void*>(up);
+  p.up_row_stride = up_row_stride;
+  p.out = reinterpret_cast<void*>(out);
+  p.out_row_stride = out_row_stride;
+  p.num_rows = num_rows;
+  p.width = width;
   p.dtype = dtype_or_throw(dtype);
   return p;
 }

@@ -46,5 +46,25 @@ static inline void mask_store_bf16_ps(uint16_t* p, __mmask16 m, __m512 x) {
   _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(x));
 }
 
+// Round to nearest even to bf16 exactly as torch's own conversion does, in integer arithmetic on the fp32 bits:
+// add 0x7FFF plus the lowest kept bit, clear the 16 dropped bits. Unlike vcvtneps2bf16 (store_bf16_ps), which
+// treats denormal inputs as zero, denormals round to bf16 denormals; and it costs a few integer ops and no
+// shuffle. NaNs that arithmetic or bf16 inputs produce stay NaN (their low 16 bits are 0, or the quiet bit is
+// set below a zero bit, so the carry never reaches the exponent).
+static inline __m512i round_bf16_bits(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));  // bf16 in the high halves
+}
+
+// x rounded to bf16 (as torch) and still held as fp32: what storing and re-loading would give.
+static inline __m512 round_bf16_exact_ps(__m512 x) {
+  return _mm512_castsi512_ps(_mm512_and_si512(round_bf16_bits(x), _mm512_set1_epi32(int(0xFFFF0000u))));
+}
+
+static inline void mask_store_bf16_exact_ps(uint16_t* p, __mmask16 m, __m512 x) {
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16_bits(x), 16)));
+}
+
 }  // namespace avx512
 }  // namespace pyscore

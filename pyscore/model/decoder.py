@@ -13,19 +13,14 @@ import torch.nn.functional as F
 
 from pyscore.model.config import ModelConfig
 from pyscore.model.packing import PackedBatch
-from pyscore.model.rope import Rotary, apply_rotary
-from pyscore.model.weights import DecoderWeights, LayerWeights
-from pyscore.ops import prefix_item_attention
+from pyscore.model.rope import Rotary
+from pyscore.model.weights import DecoderWeights
+from pyscore.ops import add_rms_norm, prefix_item_attention, rotary_, silu_mul
 
 # kv_sink(layer, k [T, Hkv, D], v [T, Hkv, D]) receives each layer's rotated keys and values (prefill).
 KVSink = Callable[[int, torch.Tensor, torch.Tensor], None]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's RMSNorm: statistics in fp32, scaled in the input dtype (bitwise the transformers recipe)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+# attend(layer, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> attention output [T, Hq, D].
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -38,6 +33,10 @@ class KVCache:
 
 
 class Decoder:
+    """The residual stream x [T, H] is updated in place: each sublayer's output is added by the fused
+    add_rms_norm that normalizes the input of the next one (the last MLP output by the final norm).
+    op_backend "reference" runs every op as its torch reference (`pyscore.ops.reference`)."""
+
     def __init__(self, cfg: ModelConfig, weights: DecoderWeights, rotary: Rotary, op_backend: str = "auto"):
         self.cfg = cfg
         self.w = weights
@@ -52,25 +51,24 @@ class Decoder:
     def device(self) -> torch.device:
         return self.w.embed.device
 
-    def _qkv(self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor):
-        """x [T, H] -> rotated q [T, Hq, D], k [T, Hkv, D] and v [T, Hkv, D] (views where possible)."""
-        cfg = self.cfg
-        h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-        qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [T, (Hq + 2 Hkv) D]
-        qkv = qkv.view(x.shape[0], cfg.num_q_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
-        q, k, v = qkv.split([cfg.num_q_heads, cfg.num_kv_heads, cfg.num_kv_heads], dim=1)
-        if cfg.qk_norm:
-            q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-        cos, sin = self.rotary.tables(positions, x.dtype)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm(x += delta) [T, H]; x is updated in place."""
+        return add_rms_norm(x, weight, self.cfg.rms_norm_eps, delta=delta, backend=self.op_backend)
 
-    def _finish_layer(self, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Residual adds around the output projection and the SwiGLU MLP. attn: [T, Hq D]."""
-        x = x + F.linear(attn, layer.o, layer.o_bias)
-        h = rms_norm(x, layer.post_norm, self.cfg.rms_norm_eps)
-        gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+    def _layer(self, i: int, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
+               attend: Attend) -> torch.Tensor:
+        """Layer i on the residual stream x [T, H], which first takes the previous layer's pending MLP output
+        `delta` (None before layer 0). Returns this layer's MLP output [T, H], pending in turn."""
+        cfg, layer = self.cfg, self.w.layers[i]
+        h = self._norm(x, layer.input_norm, delta)
+        qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(x.shape[0], -1, cfg.head_dim)  # [T, Hq + 2 Hkv, D]
+        q, k, v = qkv.split([cfg.num_q_heads, cfg.num_kv_heads, cfg.num_kv_heads], dim=1)
+        rotary_(q, k, positions, self.rotary.cos, self.rotary.sin, layer.q_norm, layer.k_norm, cfg.rms_norm_eps,
+                backend=self.op_backend)  # in place, with Qwen3's qk-norm when present
+        attn = attend(i, q, k, v).view(x.shape[0], -1)  # [T, Hq D]
+        h = self._norm(x, layer.post_norm, F.linear(attn, layer.o, layer.o_bias))
+        act = silu_mul(F.linear(h, layer.gate_up, layer.gate_up_bias), backend=self.op_backend)  # [T, I]
+        return F.linear(act, layer.down, layer.down_bias)
 
     @torch.inference_mode()
     def hidden_at(self, batch: PackedBatch, kv_sink: KVSink | None = None) -> torch.Tensor:
@@ -78,14 +76,18 @@ class Decoder:
         device = self.device
         tokens, positions = batch.tokens.to(device), batch.positions.to(device)
         segments = batch.segments if device.type == "cpu" else batch.segments.to(device)
-        x = self.w.embed[tokens]  # [T, H]
-        for i, layer in enumerate(self.w.layers):
-            q, k, v = self._qkv(layer, x, positions)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if kv_sink is not None:
                 kv_sink(i, k, v)
-            attn = prefix_item_attention(q, k, v, segments, backend=self.op_backend)  # [T, Hq, D]
-            x = self._finish_layer(layer, x, attn.view(x.shape[0], -1))
-        return rms_norm(x[batch.readout.to(device)], self.w.final_norm, self.cfg.rms_norm_eps)
+            return prefix_item_attention(q, k, v, segments, backend=self.op_backend)
+
+        x = self.w.embed[tokens]  # [T, H]
+        delta = None
+        for i in range(len(self.w.layers)):
+            delta = self._layer(i, x, delta, positions, attend)
+        readout = batch.readout.to(device)  # only these rows need the last residual add and the final norm
+        return self._norm(x[readout], self.w.final_norm, delta[readout])
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
@@ -93,9 +95,8 @@ class Decoder:
         returns final-normed hidden states [B, H]."""
         device = self.device
         positions = torch.tensor([c.length for c in caches], dtype=torch.long, device=device)
-        x = self.w.embed[tokens.to(device)]  # [B, H]
-        for i, layer in enumerate(self.w.layers):
-            q, k, v = self._qkv(layer, x, positions)  # [B, H*, D]
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             outs = []
             for b, cache in enumerate(caches):
                 n = cache.length
@@ -104,10 +105,15 @@ class Decoder:
                 values = cache.v[i, : n + 1].transpose(0, 1)[None]
                 o = F.scaled_dot_product_attention(q[b].unsqueeze(1)[None], keys, values, enable_gqa=True)
                 outs.append(o[0, :, 0])  # [Hq, D]
-            x = self._finish_layer(layer, x, torch.stack(outs).view(len(caches), -1))
+            return torch.stack(outs)  # [B, Hq, D]
+
+        x = self.w.embed[tokens.to(device)]  # [B, H]
+        delta = None
+        for i in range(len(self.w.layers)):
+            delta = self._layer(i, x, delta, positions, attend)
         for cache in caches:
             cache.length += 1
-        return rms_norm(x, self.w.final_norm, self.cfg.rms_norm_eps)
+        return self._norm(x, self.w.final_norm, delta)
 
     def new_cache(self, capacity: int) -> KVCache:
         shape = (self.cfg.num_layers, capacity, self.cfg.num_kv_heads, self.cfg.head_dim)

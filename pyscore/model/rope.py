@@ -38,7 +38,8 @@ def inverse_frequencies(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, fl
 
 
 class Rotary:
-    """cos/sin tables for positions [0, max_positions), built once; `apply` rotates q/k in place-free form."""
+    """fp32 cos/sin tables [max_positions, D] for positions [0, max_positions), built once; the rotation itself is
+    the `pyscore.ops.rotary_` op."""
 
     def __init__(self, inv_freq: torch.Tensor, scaling: float, max_positions: int, device: torch.device) -> None:
         positions = torch.arange(max_positions, dtype=torch.float32)
@@ -46,14 +47,3 @@ class Rotary:
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.cos = (emb.cos() * scaling).to(device)
         self.sin = (emb.sin() * scaling).to(device)
-
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin: [T, 1, D] in `dtype` for the given positions [T]."""
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D] -> x * cos + rotate_half(x) * sin (the Llama/Qwen convention, halves not pairs)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

@@ -1,7 +1,10 @@
-"""The two ops pyscore's runner calls, each a documented wrapper over a CPU kernel, a CUDA kernel and a
-pure-PyTorch reference (`pyscore.ops.reference`)."""
+"""The ops pyscore's runner calls, each a documented wrapper over a CPU kernel, a CUDA kernel (attention and
+label scores) and a pure-PyTorch reference (`pyscore.ops.reference`)."""
 
+from pyscore.ops.add_rms_norm import add_rms_norm
 from pyscore.ops.label_logprobs import label_logprobs
 from pyscore.ops.prefix_item_attention import prefix_item_attention
+from pyscore.ops.rotary import rotary_
+from pyscore.ops.silu_mul import silu_mul
 
-__all__ = ["label_logprobs", "prefix_item_attention"]
+__all__ = ["add_rms_norm", "label_logprobs", "prefix_item_attention", "rotary_", "silu_mul"]

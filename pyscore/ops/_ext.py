@@ -52,6 +52,23 @@ def cuda_stream(device) -> int:
     return int(torch.cuda.current_stream(device).cuda_stream)
 
 
+def elementwise_cpu_module(x, backend: str, op: str) -> ModuleType | None:
+    """The CPU module when the decoder's elementwise op `op` (add_rms_norm, rotary, silu_mul) should run its C++
+    kernel on tensor x, None when its torch reference should run: on CUDA (these ops have no CUDA kernel), for
+    dtypes other than fp32/bf16, without a built `_C`, or with backend "reference". backend "kernel" raises
+    instead of falling back."""
+    import torch
+
+    if backend == "auto":
+        backend = default_backend()
+    if backend == "reference":
+        return None
+    module = cpu_module() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) else None
+    if module is None and backend == "kernel":
+        raise RuntimeError(f"no {op} kernel for {x.dtype} on {x.device}")
+    return module
+
+
 def default_backend() -> str:
     """What backend="auto" means: the kernels where built, else the reference; PYSCORE_OP_BACKEND=reference
     forces the fp32 reference everywhere (a slow debugging switch)."""

@@ -1,9 +1,12 @@
-"""Pure-PyTorch fp32 references for the ops: the test oracle, the fallback where no kernel is built, and the
-benchmark baseline. Slow and obviously right: attention is a dense masked softmax over the whole stream."""
+"""Pure-PyTorch references for the ops: the test oracle, the fallback where no kernel is built, and the
+benchmark baseline. Slow and obviously right: attention is a dense masked softmax over the whole stream.
+Attention and label scores are computed in fp32; the decoder's elementwise ops (add_rms_norm, rotary, silu_mul)
+are computed in their inputs' dtype exactly as transformers does, because that rounding is their contract."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def segment_attention_mask(segments: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -73,3 +76,42 @@ def label_logprobs_ref(
     lab_logits = logits.gather(1, idx).masked_fill(~valid, float("-inf"))
     lab_soft = torch.softmax(lab_logits, dim=-1).nan_to_num(0.0)
     return lab_logp, lab_soft
+
+
+def add_rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [T, H] (+= delta in place when given) -> Llama's RMSNorm of x [T, H]: statistics in fp32, the normalized
+    value cast to x's dtype, then scaled by the weight in that dtype (bitwise the transformers recipe)."""
+    if delta is not None:
+        x.add_(delta)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotate_half_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] -> x * cos + rotate_half(x) * sin (the Llama/Qwen convention, halves not pairs); cos/sin
+    [T, 1, D] in x's dtype."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def rotary_ref(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
+) -> None:
+    """In place: q [T, Hq, D] and k [T, Hkv, D] rotated by the fp32 tables cos/sin [P, D] at positions [T], after a
+    per-head RMSNorm with q_norm / k_norm [D] when given (Qwen3); tables cast to q's dtype first, as the decoder did."""
+    c, s = cos[positions].to(q.dtype)[:, None, :], sin[positions].to(q.dtype)[:, None, :]
+    for x, norm in ((q, q_norm), (k, k_norm)):
+        if norm is not None:
+            x.copy_(add_rms_norm_ref(x, norm, eps))
+        x.copy_(rotate_half_ref(x, c, s))
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] (gate then up) -> silu(gate) * up [T, I] in the input dtype (torch's own rounding)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,62 @@
+// CPU add_rms_norm (contract in params.h): rows are independent, so OpenMP threads take slices of them. The
+// arithmetic is in AddRmsNormRows: AVX-512 when the CPU has it, else the portable loop below.
+#include <algorithm>
+
+#include "add_rms_norm/cpu_ops.h"
+#include "add_rms_norm/launch.h"
+#include "common/bf16.h"
+#include "common/cpu_features.h"
+#include "common/rms_portable.h"
+#include "common/threads.h"
+
+namespace pyscore {
+namespace {
+
+// Below this many elements a parallel region costs more than it saves (decode steps, final norms).
+constexpr int64_t kMinParallelElems = 16384;
+constexpr int32_t kRowsPerTask = 8;
+
+template <class T>
+void rows_portable(const AddRmsNormParams& p, int32_t begin, int32_t end) {
+  const T* w = static_cast<const T*>(p.weight);
+  for (int32_t t = begin; t < end; ++t) {
+    T* x = static_cast<T*>(p.x) + t * p.x_row_stride;
+    T* out = static_cast<T*>(p.out) + t * p.out_row_stride;
+    if (p.delta) {
+      const T* d = static_cast<const T*>(p.delta) + t * p.delta_row_stride;
+      for (int32_t i = 0; i < p.hidden_size; ++i) store_f32(x + i, to_f32(x[i]) + to_f32(d[i]));
+    }
+    const float r = rms_scale(sum_of_squares(x, p.hidden_size), p.hidden_size, p.eps);
+    for (int32_t i = 0; i < p.hidden_size; ++i)
+      store_f32(out + i, to_f32(w[i]) * round_as(to_f32(x[i]) * r, static_cast<T*>(nullptr)));
+  }
+}
+
+AddRmsNormRows choose_rows(DType dtype) {
+  AddRmsNormRows fast = cpu_use_avx512bf16() ? add_rms_norm_rows_avx512(dtype) : nullptr;
+  if (fast) return fast;
+  return dtype == DType::kBFloat16 ? rows_portable<uint16_t> : rows_portable<float>;
+}
+
+Status check_params(const AddRmsNormParams& p) {
+  if (p.dtype != DType::kFloat32 && p.dtype != DType::kBFloat16) return kUnsupportedDType;
+  if (p.num_rows < 0 || p.hidden_size <= 0) return kInvalidArgument;
+  if (p.num_rows > 0 && (!p.x || !p.weight || !p.out)) return kInvalidArgument;
+  return kOk;
+}
+
+}  // namespace
+
+Status add_rms_norm_cpu(const AddRmsNormParams& p) {
+  const Status status = check_params(p);
+  if (status != kOk || p.num_rows == 0) return status;
+  const AddRmsNormRows rows = choose_rows(p.dtype);
+  const int32_t tasks = (p.num_rows + kRowsPerTask - 1) / kRowsPerTask;
+  const bool parallel = int64_t(p.num_rows) * p.hidden_size >= kMinParallelElems;
+#pragma omp parallel for num_threads(kernel_threads()) schedule(static) if (parallel)
+  for (int32_t task = 0; task < tasks; ++task)
+    rows(p, task * kRowsPerTask, std::min(p.num_rows, (task + 1) * kRowsPerTask));
+  return kOk;
+}
+
+}  // namespace pyscore

@@ -1,0 +1,29 @@
+// add_rms_norm: the residual add and RMSNorm between decoder sublayers, fused. For each row t of x [T, H]:
+//   if delta:  x[t] = x[t] + delta[t]                                   (in x's dtype: fp32 add, then rounded)
+//   out[t] = weight * to_dtype(x_f32[t] * rsqrt(mean(x_f32[t]^2) + eps))
+// which is the transformers recipe bit for bit except for the order of the fp32 sum of squares: statistics in
+// fp32, the normalized row rounded to the dtype, then the weight product rounded again (for bf16 that product
+// is exact in fp32, so the only rounding is the final one). Without delta it is a plain RMSNorm and x is
+// read only. Strides in elements; the last dimension of every tensor is contiguous.
+#pragma once
+#include <cstdint>
+
+#include "common/dtype.h"
+
+namespace pyscore {
+
+struct AddRmsNormParams {
+  void* x;  // [T, H] residual stream, updated in place when delta is given
+  int64_t x_row_stride;
+  const void* delta;  // [T, H] or nullptr
+  int64_t delta_row_stride;
+  const void* weight;  // [H]
+  void* out;           // [T, H], must not overlap x or delta
+  int64_t out_row_stride;
+  int32_t num_rows;
+  int32_t hidden_size;
+  float eps;
+  DType dtype;  // of x, delta, weight and out
+};
+
+}  // namespace pyscore
