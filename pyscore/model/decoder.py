@@ -56,9 +56,11 @@ class Decoder:
         return add_rms_norm(x, weight, self.cfg.rms_norm_eps, delta=delta, backend=self.op_backend)
 
     def _layer(self, i: int, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
-               attend: Attend) -> torch.Tensor:
+               attend: Attend, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i on the residual stream x [T, H], which first takes the previous layer's pending MLP output
-        `delta` (None before layer 0). Returns this layer's MLP output [T, H], pending in turn."""
+        `delta` (None before layer 0). Returns the stream and this layer's MLP output, pending in turn. With
+        `rows` (the last layer: only read-out rows feed the output) everything after attention runs on those
+        rows alone and the returned stream is x[rows]."""
         cfg, layer = self.cfg, self.w.layers[i]
         h = self._norm(x, layer.input_norm, delta)
         qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(x.shape[0], -1, cfg.head_dim)  # [T, Hq + 2 Hkv, D]
@@ -66,9 +68,11 @@ class Decoder:
         rotary_(q, k, positions, self.rotary.cos, self.rotary.sin, layer.q_norm, layer.k_norm, cfg.rms_norm_eps,
                 backend=self.op_backend)  # in place, with Qwen3's qk-norm when present
         attn = attend(i, q, k, v).view(x.shape[0], -1)  # [T, Hq D]
+        if rows is not None:
+            x, attn = x[rows], attn[rows]
         h = self._norm(x, layer.post_norm, F.linear(attn, layer.o, layer.o_bias))
         act = silu_mul(F.linear(h, layer.gate_up, layer.gate_up_bias), backend=self.op_backend)  # [T, I]
-        return F.linear(act, layer.down, layer.down_bias)
+        return x, F.linear(act, layer.down, layer.down_bias)
 
     @torch.inference_mode()
     def hidden_at(self, batch: PackedBatch, kv_sink: KVSink | None = None) -> torch.Tensor:
@@ -84,10 +88,10 @@ class Decoder:
 
         x = self.w.embed[tokens]  # [T, H]
         delta = None
+        readout, last = batch.readout.to(device), len(self.w.layers) - 1
         for i in range(len(self.w.layers)):
-            delta = self._layer(i, x, delta, positions, attend)
-        readout = batch.readout.to(device)  # only these rows need the last residual add and the final norm
-        return self._norm(x[readout], self.w.final_norm, delta[readout])
+            x, delta = self._layer(i, x, delta, positions, attend, rows=readout if i == last else None)
+        return self._norm(x, self.w.final_norm, delta)  # [R, H]
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
@@ -110,7 +114,7 @@ class Decoder:
         x = self.w.embed[tokens.to(device)]  # [B, H]
         delta = None
         for i in range(len(self.w.layers)):
-            delta = self._layer(i, x, delta, positions, attend)
+            x, delta = self._layer(i, x, delta, positions, attend)
         for cache in caches:
             cache.length += 1
         return self._norm(x, self.w.final_norm, delta)
