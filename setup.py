@@ -66,6 +66,11 @@ class CMakeBuild(build_ext):
         self.pyscore_inplace = bool(self.inplace)
         super().run()
 
+    def copy_extensions_to_source(self) -> None:
+        # In-place builds: CMake already wrote _C (and _C_cuda) into pyscore/, so there is nothing to copy.
+        if not self.pyscore_inplace:
+            super().copy_extensions_to_source()
+
     def build_extension(self, ext: Extension) -> None:
         generate_proto()
         # Both modules land beside pyscore/__init__.py; setuptools only knows about _C, so for in-place builds
