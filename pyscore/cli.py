@@ -6,7 +6,8 @@
     pyscore tokenize "Hello world"
 
 Prints readable tables, or the result as JSON with --json. gRPC errors print `error: CODE: message` on stderr
-and exit 1.
+and exit 1. A secured server: `--tls-ca ca.pem` (plus `--tls-cert/--tls-key` for mTLS) and the token in
+$PYSCORE_AUTH_TOKEN (or `--auth-token`, which other users can see in the process list).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -34,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds")
     common.add_argument("--model", default="", help="model name to check against the served one (default: any)")
     common.add_argument("--json", action="store_true", help="print the result as JSON")
+    common.add_argument("--tls-ca", help="PEM CA certificate to trust: connect with TLS")
+    common.add_argument("--tls-cert", help="PEM client certificate (mTLS; with --tls-key)")
+    common.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    common.add_argument("--auth-token", default=os.environ.get("PYSCORE_AUTH_TOKEN"),
+                        help="bearer token (default: $PYSCORE_AUTH_TOKEN)")
 
     p = argparse.ArgumentParser(prog="pyscore", description="Client of a pyscore.v1.Scorer server.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -159,7 +166,8 @@ def run(args: argparse.Namespace, client: ScorerClient) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        with ScorerClient(args.target, timeout=args.timeout) as client:
+        with ScorerClient(args.target, timeout=args.timeout, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                          tls_key=args.tls_key, auth_token=args.auth_token) as client:
             run(args, client)
     except grpc.RpcError as e:
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)  # type: ignore[attr-defined]

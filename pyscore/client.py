@@ -5,6 +5,9 @@ message that names the offending field.
 
     with ScorerClient("127.0.0.1:50051") as client:
         result = client.score("Is the order late?", ["Track it", "Refund it"], labels=["Yes", "No"])
+
+Security: `tls_ca` (PEM path or bytes) switches to TLS and trusts that CA; `tls_cert` + `tls_key` add a client
+certificate (mTLS); `auth_token` is sent as `authorization: Bearer <token>` on every call.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -42,6 +46,34 @@ def _channel_options(max_message_mb: int) -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size)]
 
 
+def _pem(value: str | bytes | Path | None) -> bytes | None:
+    return value if isinstance(value, bytes) or value is None else Path(value).read_bytes()
+
+
+def channel_credentials(tls_ca: str | bytes | Path | None = None, tls_cert: str | bytes | Path | None = None,
+                        tls_key: str | bytes | Path | None = None) -> grpc.ChannelCredentials | None:
+    """TLS credentials trusting `tls_ca` (None: the system's roots), with a client certificate when given;
+    None (plaintext) when no TLS option is set."""
+    if tls_ca is None and tls_cert is None:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=_pem(tls_ca), private_key=_pem(tls_key),
+                                        certificate_chain=_pem(tls_cert))
+
+
+class _CallOptions:
+    """Per-call keyword arguments shared by both clients: the deadline and the auth metadata."""
+
+    timeout: float | None
+    metadata: tuple[tuple[str, str], ...]
+
+    def _setup(self, timeout: float | None, auth_token: str | None) -> None:
+        self.timeout = timeout
+        self.metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+
+    def _kw(self, timeout: float | None) -> dict[str, Any]:
+        return dict(timeout=self.timeout if timeout is None else timeout, metadata=self.metadata)
+
+
 def score_message(query: str | list[int], items: list[str] | list[list[int]], model: str,
                   **options: Any) -> pb.ScoreRequest:
     return wire.score_request_to_proto(ScoreRequest(query=query, items=items, **options), model)
@@ -63,14 +95,19 @@ def chunk_from_proto(msg: pb.GenerateResponse) -> GenerateChunk:
                          usage=wire.usage_from_proto(msg.usage) if last else None)
 
 
-class ScorerClient:
+class ScorerClient(_CallOptions):
     """Blocking client. `timeout` (seconds) is the default deadline of every call."""
 
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None, max_message_mb: int = 64,
-                 channel: grpc.Channel | None = None) -> None:
-        self.channel = channel or grpc.insecure_channel(target, options=_channel_options(max_message_mb))
+                 channel: grpc.Channel | None = None, tls_ca: str | bytes | Path | None = None,
+                 tls_cert: str | bytes | Path | None = None, tls_key: str | bytes | Path | None = None,
+                 auth_token: str | None = None) -> None:
+        creds = channel_credentials(tls_ca, tls_cert, tls_key)
+        options = _channel_options(max_message_mb)
+        self.channel = channel or (grpc.secure_channel(target, creds, options=options) if creds
+                                   else grpc.insecure_channel(target, options=options))
         self.stub = scorer_pb2_grpc.ScorerStub(self.channel)
-        self.timeout = timeout
+        self._setup(timeout, auth_token)
 
     def __enter__(self) -> ScorerClient:
         return self
@@ -81,25 +118,22 @@ class ScorerClient:
     def close(self) -> None:
         self.channel.close()
 
-    def _t(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout is None else timeout
-
     def score(self, query: str | list[int], items: list[str] | list[list[int]], *, model: str = "",
               timeout: float | None = None, **options: Any) -> ScoreResult:
         """options: labels, label_token_ids, apply_softmax, item_first, score_extraction_token, mode."""
         msg = score_message(query, items, model, **options)
-        return wire.score_result_from_proto(self.stub.Score(msg, timeout=self._t(timeout)))
+        return wire.score_result_from_proto(self.stub.Score(msg, **self._kw(timeout)))
 
     def generate(self, prompt: str | list[int], *, model: str = "", timeout: float | None = None,
                  **options: Any) -> GenerateResult:
         """options: max_tokens, temperature, top_p, top_k, seed, stop, top_logprobs, apply_chat_template."""
         msg = generate_message(prompt, model, **options)
-        return wire.generate_result_from_proto(self.stub.Generate(msg, timeout=self._t(timeout)))
+        return wire.generate_result_from_proto(self.stub.Generate(msg, **self._kw(timeout)))
 
     def generate_stream(self, prompt: str | list[int], *, model: str = "", timeout: float | None = None,
                         **options: Any) -> Iterator[GenerateChunk]:
         """Chunks as they are generated; closing the iterator early cancels the call (the server stops)."""
-        call = self.stub.GenerateStream(generate_message(prompt, model, **options), timeout=self._t(timeout))
+        call = self.stub.GenerateStream(generate_message(prompt, model, **options), **self._kw(timeout))
         try:
             for response in call:
                 yield chunk_from_proto(response)
@@ -109,11 +143,11 @@ class ScorerClient:
     def tokenize(self, text: str, add_special_tokens: bool = True,
                  timeout: float | None = None) -> tuple[list[int], list[str]]:
         response = self.stub.Tokenize(pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens),
-                                      timeout=self._t(timeout))
+                                      **self._kw(timeout))
         return list(response.token_ids), list(response.tokens)
 
     def model_info(self, timeout: float | None = None) -> ModelInfo:
-        return wire.model_info_from_proto(self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._t(timeout)))
+        return wire.model_info_from_proto(self.stub.GetModelInfo(pb.GetModelInfoRequest(), **self._kw(timeout)))
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Block until the server's health check says SERVING (the model is loaded and warmed)."""
@@ -131,14 +165,20 @@ class ScorerClient:
             time.sleep(0.05)
 
 
-class AsyncScorerClient:
-    """asyncio client; the same methods as ScorerClient, awaited (generate_stream is an async iterator)."""
+class AsyncScorerClient(_CallOptions):
+    """asyncio client; the same methods and options as ScorerClient, awaited (generate_stream is an async
+    iterator)."""
 
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None, max_message_mb: int = 64,
-                 channel: grpc.aio.Channel | None = None) -> None:
-        self.channel = channel or grpc.aio.insecure_channel(target, options=_channel_options(max_message_mb))
+                 channel: grpc.aio.Channel | None = None, tls_ca: str | bytes | Path | None = None,
+                 tls_cert: str | bytes | Path | None = None, tls_key: str | bytes | Path | None = None,
+                 auth_token: str | None = None) -> None:
+        creds = channel_credentials(tls_ca, tls_cert, tls_key)
+        options = _channel_options(max_message_mb)
+        self.channel = channel or (grpc.aio.secure_channel(target, creds, options=options) if creds
+                                   else grpc.aio.insecure_channel(target, options=options))
         self.stub = scorer_pb2_grpc.ScorerStub(self.channel)
-        self.timeout = timeout
+        self._setup(timeout, auth_token)
 
     async def __aenter__(self) -> AsyncScorerClient:
         return self
@@ -149,22 +189,19 @@ class AsyncScorerClient:
     async def close(self) -> None:
         await self.channel.close()
 
-    def _t(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout is None else timeout
-
     async def score(self, query: str | list[int], items: list[str] | list[list[int]], *, model: str = "",
                     timeout: float | None = None, **options: Any) -> ScoreResult:
         msg = score_message(query, items, model, **options)
-        return wire.score_result_from_proto(await self.stub.Score(msg, timeout=self._t(timeout)))
+        return wire.score_result_from_proto(await self.stub.Score(msg, **self._kw(timeout)))
 
     async def generate(self, prompt: str | list[int], *, model: str = "", timeout: float | None = None,
                        **options: Any) -> GenerateResult:
         msg = generate_message(prompt, model, **options)
-        return wire.generate_result_from_proto(await self.stub.Generate(msg, timeout=self._t(timeout)))
+        return wire.generate_result_from_proto(await self.stub.Generate(msg, **self._kw(timeout)))
 
     async def generate_stream(self, prompt: str | list[int], *, model: str = "", timeout: float | None = None,
                               **options: Any) -> AsyncIterator[GenerateChunk]:
-        call = self.stub.GenerateStream(generate_message(prompt, model, **options), timeout=self._t(timeout))
+        call = self.stub.GenerateStream(generate_message(prompt, model, **options), **self._kw(timeout))
         try:
             async for response in call:
                 yield chunk_from_proto(response)
@@ -174,9 +211,9 @@ class AsyncScorerClient:
     async def tokenize(self, text: str, add_special_tokens: bool = True,
                        timeout: float | None = None) -> tuple[list[int], list[str]]:
         response = await self.stub.Tokenize(pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens),
-                                            timeout=self._t(timeout))
+                                            **self._kw(timeout))
         return list(response.token_ids), list(response.tokens)
 
     async def model_info(self, timeout: float | None = None) -> ModelInfo:
-        response = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._t(timeout))
+        response = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), **self._kw(timeout))
         return wire.model_info_from_proto(response)

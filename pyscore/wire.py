@@ -6,6 +6,7 @@ InvalidArgument here, naming the proto field; everything else is the engine's to
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from pyscore._proto.pyscore.v1 import scorer_pb2 as pb
 from pyscore.errors import InvalidArgument
@@ -191,3 +192,42 @@ def model_info_from_proto(msg: pb.ModelInfo) -> ModelInfo:
                      vocab_size=msg.vocab_size, max_context=msg.max_context, dtype=msg.dtype, device=msg.device,
                      mis_supported=msg.mis_supported, special_tokens=dict(msg.special_tokens),
                      num_labels=msg.num_labels)
+
+
+# -- undecodable bytes ----------------------------------------------------------------------------------------
+def undecodable_field(descriptor: Any, data: bytes) -> str:
+    """Names the top-level string field of message type `descriptor` whose bytes in `data` are not UTF-8 (what
+    protobuf refuses to parse without saying where), or '' when that is not the reason `data` does not parse."""
+    pos = 0
+    try:
+        while pos < len(data):
+            tag, pos = _varint(data, pos)
+            number, wire_type = tag >> 3, tag & 7
+            if wire_type == 0:
+                _, pos = _varint(data, pos)
+            elif wire_type in (1, 5):
+                pos += 8 if wire_type == 1 else 4
+            elif wire_type == 2:
+                size, pos = _varint(data, pos)
+                chunk, pos = data[pos : pos + size], pos + size
+                field = descriptor.fields_by_number.get(number)
+                if field is not None and field.type == field.TYPE_STRING:
+                    chunk.decode("utf-8")
+            else:
+                return ""
+    except UnicodeDecodeError:
+        return field.name
+    except IndexError:
+        return ""
+    return ""
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7

@@ -33,14 +33,31 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str]:
                    help="items per Score request; more answer RESOURCE_EXHAUSTED (default %(default)s)")
     p.add_argument("--max-message-mb", type=int, default=d.max_message_mb,
                    help="largest gRPC message sent or received, MiB (default %(default)s)")
+    p.add_argument("--max-request-tokens", type=int, default=d.max_request_tokens,
+                   help="tokens one request may make the model compute (Score: as its mode computes; Generate: "
+                        "prompt + max_tokens); more answer RESOURCE_EXHAUSTED; 0 = no limit (default %(default)s)")
+    p.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (needs --tls-key)")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", help="PEM CA certificate: require client certificates it signed (mTLS)")
+    p.add_argument("--auth-token-file",
+                   help="file holding a token; calls must send `authorization: Bearer <token>` (health stays open)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on http://HOST:PORT/metrics (0 = any free port; default off)")
     p.add_argument("--grace-s", type=float, default=d.grace_s,
                    help="seconds in-flight requests get to finish on shutdown (default %(default)s)")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ... (default %(default)s)")
     p.add_argument("--engine", default=d.engine, help=argparse.SUPPRESS)  # test-only, see the docstring
     a = p.parse_args(argv)
+    if bool(a.tls_cert) != bool(a.tls_key):
+        p.error("--tls-cert and --tls-key go together")
+    if a.tls_client_ca and not a.tls_cert:
+        p.error("--tls-client-ca needs --tls-cert and --tls-key")
     return ServerConfig(model=a.model, host=a.host, port=a.port, dtype=a.dtype, device=a.device, threads=a.threads,
                         max_batch_tokens=a.max_batch_tokens, max_queue=a.max_queue, max_items=a.max_items,
-                        max_message_mb=a.max_message_mb, grace_s=a.grace_s, engine=a.engine), a.log_level.upper()
+                        max_message_mb=a.max_message_mb, max_request_tokens=a.max_request_tokens or None,
+                        tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
+                        auth_token_file=a.auth_token_file, metrics_port=a.metrics_port, grace_s=a.grace_s,
+                        engine=a.engine), a.log_level.upper()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""The grpc.aio server: pyscore.v1.Scorer behind the logging/error interceptor, grpc.health.v1 and server
-reflection, with explicit message-size limits.
+"""The grpc.aio server: pyscore.v1.Scorer behind the logging/error interceptor (and, with a token, the auth
+interceptor), grpc.health.v1 and server reflection, with explicit message-size limits, optional TLS / mTLS
+and an optional Prometheus endpoint.
 
 Lifecycle: listen first with health NOT_SERVING (Scorer calls answer UNAVAILABLE); load the engine and warm
 it up off the event loop; start the batcher; go SERVING. On SIGTERM/SIGINT: health NOT_SERVING for good,
@@ -27,7 +28,9 @@ from pyscore._proto.pyscore.v1 import scorer_pb2, scorer_pb2_grpc
 from pyscore.types import GenerateRequest, ScoreRequest
 from server.batcher import Batcher, EngineLike
 from server.interceptors import LoggingErrorInterceptor
+from server.metrics import Metrics
 from server.reflection_docs import DocumentedPool
+from server.security import AuthInterceptor, read_token, server_credentials
 from server.servicer import ScorerServicer
 
 log = logging.getLogger(__name__)
@@ -48,7 +51,13 @@ class ServerConfig:
     max_queue: int = 256
     max_items: int = 1024
     max_message_mb: int = 64
+    max_request_tokens: int | None = 65536  # None = no limit
     grace_s: float = 10.0
+    tls_cert: str | None = None  # PEM certificate chain; with tls_key, serve TLS
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # PEM CA: clients must present a certificate it signed (mTLS)
+    auth_token_file: str | None = None  # calls must carry `authorization: Bearer <the token in this file>`
+    metrics_port: int | None = None  # Prometheus /metrics on host:port (0 = any free port); None = off
     engine: str = "pyscore.engine:Engine"  # "module:Class" with from_pretrained; tests swap in a fake
 
 
@@ -100,26 +109,42 @@ async def in_daemon_thread(fn: Callable[[], T]) -> T:
 class ScorerApp:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        self.metrics = Metrics()
         size = config.max_message_mb * 1024 * 1024
+        interceptors: list[grpc.aio.ServerInterceptor] = [LoggingErrorInterceptor(self.metrics)]
+        if config.auth_token_file:
+            interceptors.append(AuthInterceptor(read_token(config.auth_token_file)))  # inside: denials are logged
         self.server = grpc.aio.server(
-            interceptors=[LoggingErrorInterceptor()],
+            interceptors=interceptors,
             options=[("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size),
                      ("grpc.so_reuseport", 0)],
         )
-        self.servicer = ScorerServicer(max_items=config.max_items)
+        self.servicer = ScorerServicer(max_items=config.max_items, max_request_tokens=config.max_request_tokens)
         self.health = health.aio.HealthServicer()
         scorer_pb2_grpc.add_ScorerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SCORER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server,
                                             pool=DocumentedPool())  # type: ignore[arg-type]
         self.batcher: Batcher | None = None
+        self.metrics.track_queue(lambda: self.batcher.waiting() if self.batcher is not None else 0)
         self.port = 0
+        self.metrics_port = 0
 
     async def start(self) -> int:
         """Listen (health NOT_SERVING); returns the bound port."""
-        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        c = self.config
+        address = f"{c.host}:{c.port}"
+        if c.tls_cert and c.tls_key:
+            self.port = self.server.add_secure_port(address, server_credentials(c.tls_cert, c.tls_key, c.tls_client_ca))
+        else:
+            self.port = self.server.add_insecure_port(address)
         if not self.port:
-            raise OSError(f"cannot listen on {self.config.host}:{self.config.port}")
+            raise OSError(f"cannot listen on {address}")
+        if c.host not in ("127.0.0.1", "localhost", "::1") and not (c.tls_cert and c.auth_token_file):
+            log.warning("listening on %s without %s: anyone who can reach it can use it", c.host,
+                        " and ".join(w for w, on in (("TLS", c.tls_cert), ("a token", c.auth_token_file)) if not on))
+        if c.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(c.host, c.metrics_port)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
         return self.port
@@ -127,7 +152,9 @@ class ScorerApp:
     async def serve_engine(self, engine: EngineLike) -> None:
         """Warm the engine up (off the loop), start the batcher on it and go SERVING."""
         await in_daemon_thread(lambda: warm_up(engine))
-        self.batcher = Batcher(engine, max_batch_tokens=self.config.max_batch_tokens, max_queue=self.config.max_queue)
+        self.batcher = Batcher(engine, max_batch_tokens=self.config.max_batch_tokens, max_queue=self.config.max_queue,
+                               max_request_tokens=self.config.max_request_tokens,
+                               on_batch=self.metrics.observe_batch)
         self.batcher.start()
         self.servicer.attach(self.batcher, engine.info())
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -138,6 +165,7 @@ class ScorerApp:
         await self.server.stop(grace)
         if self.batcher is not None:
             await asyncio.to_thread(self.batcher.stop, grace)
+        await asyncio.to_thread(self.metrics.stop)
 
     async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
         for service in ("", SCORER_SERVICE):
@@ -153,6 +181,8 @@ async def serve(config: ServerConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     port = await app.start()
     print(f"pyscore: listening on {config.host}:{port} (loading the model)", flush=True)
+    if app.metrics_port:
+        print(f"pyscore: metrics on http://{config.host}:{app.metrics_port}/metrics", flush=True)
     loading = asyncio.ensure_future(_load_and_serve(app, config))
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)

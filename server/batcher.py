@@ -7,13 +7,19 @@ job larger than the budget alone — with a single `engine.run_prepared`, and (4
 generations by one token with a single `engine.step`. Score batches and decode steps thus interleave, and
 requests that arrive during a forward pass join the next one. Results reach the loop through
 `call_soon_threadsafe`. At most `max_queue` jobs wait (admitted, not yet running); the next one is refused
-at once with ResourceExhausted.
+at once with ResourceExhausted. A request larger than `max_request_tokens` (Score: the tokens its mode
+computes; Generate: prompt + max_tokens) is refused with ResourceExhausted right after tokenization, before
+any model work. When the worker runs out of work it hands freed heap memory back to the OS (glibc's
+malloc_trim, at most every `TRIM_EVERY_S`): without it, RSS stays at the high-water mark of the largest
+batches seen.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -26,6 +32,24 @@ from pyscore.types import GenerateRequest, GenerateResult, ModelInfo, ScoreReque
 
 log = logging.getLogger(__name__)
 
+TRIM_EVERY_S = 10.0
+
+
+def _load_libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libc.so.6") if sys.platform == "linux" else None
+    except OSError:  # not glibc (e.g. musl)
+        return None
+
+
+_LIBC = _load_libc()
+
+
+def trim_heap() -> None:
+    """Return the free parts of the heap to the OS (glibc only; a no-op elsewhere)."""
+    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
+        _LIBC.malloc_trim(0)
+
 
 class Prepared(Protocol):
     compute_tokens: int
@@ -34,6 +58,8 @@ class Prepared(Protocol):
 
 class Generation(Protocol):
     finished: bool
+    prompt: list[int]
+    request: GenerateRequest
 
     def take_delta(self) -> tuple[list[int], list[TokenLogprob], str]: ...
     def result(self) -> GenerateResult: ...
@@ -105,10 +131,14 @@ class Stats:
 
 
 class Batcher:
-    def __init__(self, engine: EngineLike, *, max_batch_tokens: int = 8192, max_queue: int = 256) -> None:
+    def __init__(self, engine: EngineLike, *, max_batch_tokens: int = 8192, max_queue: int = 256,
+                 max_request_tokens: int | None = None,
+                 on_batch: Callable[[int, int], None] | None = None) -> None:
         self.engine = engine
         self.max_batch_tokens = max_batch_tokens
         self.max_queue = max_queue
+        self.max_request_tokens = max_request_tokens  # None = no limit
+        self.on_batch = on_batch  # (requests, compute tokens) of every score batch, on the worker thread
         self.stats = Stats()
         self._cond = threading.Condition()
         self._inbox: list[Job] = []  # guarded by _cond
@@ -117,6 +147,7 @@ class Batcher:
         self._pending: deque[Job] = deque()  # prepared Score jobs; worker only
         self._active: list[Job] = []  # running generations; worker only
         self._thread = threading.Thread(target=self._run, name="pyscore-engine", daemon=True)
+        self._trimmed = time.monotonic()  # worker only
 
     # -- loop side ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -188,7 +219,8 @@ class Batcher:
         while True:
             with self._cond:
                 while not (self._inbox or self._pending or self._active or self._stopping):
-                    self._cond.wait()
+                    if not self._cond.wait(TRIM_EVERY_S):
+                        break  # idle for a while: go round once, so that the heap gets trimmed
                 if self._stopping and not (self._inbox or self._pending or self._active):
                     return
                 arrived, self._inbox = self._inbox, []
@@ -201,6 +233,16 @@ class Batcher:
                 self._release(len(self._pending))
                 self._pending.clear()
                 self._active.clear()
+            self._trim_when_idle()
+
+    def _trim_when_idle(self) -> None:
+        if self._pending or self._active or time.monotonic() - self._trimmed < TRIM_EVERY_S:
+            return
+        with self._cond:
+            if self._inbox:
+                return
+        trim_heap()
+        self._trimmed = time.monotonic()
 
     def _iterate(self, arrived: list[Job]) -> None:
         for job in arrived:
@@ -221,10 +263,14 @@ class Batcher:
             if job.kind == "score":
                 job.work = self.engine.prepare_score(job.payload)
                 job.tokens = job.work.compute_tokens
+                self._check_size("items", job.tokens, "the request computes")
                 self._pending.append(job)
                 return
             if job.kind == "generate":
                 job.work = self.engine.start_generation(job.payload)
+                prompt = len(job.work.prompt)
+                self._check_size("prompt", prompt, "the prompt is")
+                self._check_size("max_tokens", prompt + job.work.request.max_tokens, "prompt + max_tokens is")
                 self._active.append(job)
             else:
                 fn, args = job.payload
@@ -232,6 +278,11 @@ class Batcher:
         except Exception as e:
             self._finish(job, e)
         self._release(1)
+
+    def _check_size(self, field: str, tokens: int, what: str) -> None:
+        if self.max_request_tokens is not None and tokens > self.max_request_tokens:
+            raise ResourceExhausted(field, f"{what} {tokens} tokens, over this server's limit of "
+                                           f"{self.max_request_tokens} per request (--max-request-tokens)")
 
     def _drop_dead(self) -> None:
         now = time.monotonic()
@@ -259,6 +310,8 @@ class Batcher:
 
     def _run_batch(self, batch: list[Job]) -> None:
         self.stats.batches += 1
+        if self.on_batch is not None:
+            self.on_batch(len(batch), sum(j.tokens for j in batch))
         try:
             results: list[Any] = self.engine.run_prepared([j.work for j in batch])
             if len(results) != len(batch):

@@ -1,7 +1,8 @@
 """The one server interceptor: for every pyscore.v1.Scorer call it logs one line (method, items, tokens, mode,
-latency, status) and turns exceptions into gRPC statuses — pyscore.errors by kind (the message names the
-field), batcher refusals, and anything else as INTERNAL, after which the server simply goes on serving.
-Health and reflection calls pass through untouched."""
+latency, status), records it in the metrics, and turns exceptions into gRPC statuses — pyscore.errors by kind
+(the message names the field), batcher refusals, and anything else as INTERNAL, after which the server simply
+goes on serving. Bytes that do not parse as the request message (e.g. a string field that is not UTF-8) are
+INVALID_ARGUMENT naming the field, not grpc's UNKNOWN. Health and reflection calls pass through untouched."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
-from pyscore import errors
+from pyscore import errors, wire
 from pyscore._proto.pyscore.v1 import scorer_pb2 as pb
 from server.batcher import DeadlineExceeded, Unavailable
+from server.metrics import Metrics
 
 log = logging.getLogger("server.requests")
 
@@ -40,8 +43,43 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
 
+class Malformed:
+    """What the lenient deserializer returns for bytes that are not a valid request message."""
+
+    def __init__(self, error: DecodeError, field: str) -> None:
+        self.error, self.field = error, field
+
+
+def _lenient(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserialize is None:
+        return None
+    descriptor = getattr(getattr(deserialize, "__self__", None), "DESCRIPTOR", None)  # Message.FromString
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except DecodeError as e:
+            return Malformed(e, wire.undecodable_field(descriptor, data) if descriptor is not None else "")
+
+    return parse
+
+
+def _parsed(request: Any) -> Any:
+    if isinstance(request, Malformed):
+        what = "is not valid UTF-8" if request.field else f"does not parse: {request.error}"
+        raise errors.InvalidArgument(request.field, f"the request {what}")
+    return request
+
+
+def _status_name(code: Any) -> str:
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    known = {c.value[0]: c.name for c in grpc.StatusCode}
+    return known.get(code, str(code))
+
+
 def _request_summary(request: Any) -> str:
-    if "items" not in request.DESCRIPTOR.fields_by_name:
+    if not hasattr(request, "DESCRIPTOR") or "items" not in request.DESCRIPTOR.fields_by_name:
         return ""
     return f"items={len(request.items) or len(request.item_token_ids)} "
 
@@ -61,6 +99,9 @@ def _response_summary(response: Any) -> str:
 
 
 class LoggingErrorInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, metrics: Metrics | None = None) -> None:
+        self.metrics = metrics
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -71,13 +112,14 @@ class LoggingErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or not method.startswith(SERVICE_PREFIX):
             return handler
         name = method[len(SERVICE_PREFIX) :]
+        parse = _lenient(handler.request_deserializer)
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(name, handler.unary_unary), handler.request_deserializer, handler.response_serializer
+                _wrap_unary(name, handler.unary_unary, self.metrics), parse, handler.response_serializer
             )
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(name, handler.unary_stream), handler.request_deserializer, handler.response_serializer
+                _wrap_stream(name, handler.unary_stream, self.metrics), parse, handler.response_serializer
             )
         return handler
 
@@ -85,20 +127,22 @@ class LoggingErrorInterceptor(grpc.aio.ServerInterceptor):
 class _Call:
     """One call's bookkeeping: `serving()` wraps the handler, maps what it raises to a status, and logs."""
 
-    def __init__(self, name: str, request: Any, context: grpc.aio.ServicerContext) -> None:
-        self.name, self.request, self.context = name, request, context
+    def __init__(self, name: str, request: Any, context: grpc.aio.ServicerContext, metrics: Metrics | None) -> None:
+        self.name, self.request, self.context, self.metrics = name, request, context, metrics
         self.response: Any = None  # the (last streamed) response, for the log line
 
     @asynccontextmanager
     async def serving(self) -> AsyncIterator[None]:
         start, status = time.perf_counter(), "OK"
+        if self.metrics is not None:
+            self.metrics.call_started(self.name)
         try:
             yield
         except (asyncio.CancelledError, GeneratorExit):  # client cancelled, deadline passed, or stream closed
             status = "CANCELLED"
             raise
         except grpc.aio.AbortError:
-            status = str(self.context.code())
+            status = _status_name(self.context.code())
             raise
         except Exception as e:
             code, message = status_for(e)
@@ -107,26 +151,31 @@ class _Call:
                 log.exception("%s failed unexpectedly", self.name, exc_info=e)
             await self.context.abort(code, message)
         finally:
-            ms = (time.perf_counter() - start) * 1e3
+            seconds = time.perf_counter() - start
+            if self.metrics is not None:
+                self.metrics.observe_call(self.name, status, seconds, self.response)
+            ms = seconds * 1e3
             log.info("%s %s%slatency_ms=%.1f status=%s", self.name, _request_summary(self.request),
                      _response_summary(self.response), ms, status)
 
 
-def _wrap_unary(name: str, behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+def _wrap_unary(name: str, behavior: Callable[..., Awaitable[Any]],
+                metrics: Metrics | None) -> Callable[..., Awaitable[Any]]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        call = _Call(name, request, context)
+        call = _Call(name, request, context, metrics)
         async with call.serving():
-            call.response = await behavior(request, context)
+            call.response = await behavior(_parsed(request), context)
         return call.response
 
     return wrapper
 
 
-def _wrap_stream(name: str, behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+def _wrap_stream(name: str, behavior: Callable[..., AsyncIterator[Any]],
+                 metrics: Metrics | None) -> Callable[..., AsyncIterator[Any]]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        call = _Call(name, request, context)
+        call = _Call(name, request, context, metrics)
         async with call.serving():
-            async for response in behavior(request, context):
+            async for response in behavior(_parsed(request), context):
                 call.response = response
                 yield response
 

@@ -4,7 +4,9 @@ interceptor turns them into statuses.
 
 Limits checked here, before any model work: `model` must be empty or the served model's name (NOT_FOUND);
 more than `max_items` items is RESOURCE_EXHAUSTED (a limit of this server, not a malformed request; the
-message names `items`). Until the model is loaded and warmed every call answers UNAVAILABLE.
+message names `items`); so are more token ids than `max_request_tokens` (text is counted by the batcher once
+tokenized); a call whose deadline has already passed is DEADLINE_EXCEEDED without being queued. Until the
+model is loaded and warmed every call answers UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -18,12 +20,21 @@ from pyscore._proto.pyscore.v1 import scorer_pb2 as pb
 from pyscore._proto.pyscore.v1 import scorer_pb2_grpc
 from pyscore.errors import NotFound, ResourceExhausted
 from pyscore.types import ModelInfo
-from server.batcher import Batcher, GenerationDelta, Unavailable
+from server.batcher import Batcher, DeadlineExceeded, GenerationDelta, Unavailable
+
+
+def time_left(context: grpc.aio.ServicerContext) -> float | None:
+    """Seconds until the call's deadline (None: no deadline); a deadline already past is refused here."""
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        raise DeadlineExceeded("the deadline had passed when the request arrived")
+    return remaining
 
 
 class ScorerServicer(scorer_pb2_grpc.ScorerServicer):
-    def __init__(self, *, max_items: int = 1024) -> None:
+    def __init__(self, *, max_items: int = 1024, max_request_tokens: int | None = None) -> None:
         self.max_items = max_items
+        self.max_request_tokens = max_request_tokens
         self._batcher: Batcher | None = None
         self._info: ModelInfo | None = None
 
@@ -38,12 +49,20 @@ class ScorerServicer(scorer_pb2_grpc.ScorerServicer):
             raise NotFound("model", f"this server serves {self._info.name!r}, not {model!r}")
         return self._batcher, self._info
 
+    def _check_ids(self, field: str, n: int) -> None:
+        if self.max_request_tokens is not None and n > self.max_request_tokens:
+            raise ResourceExhausted(field, f"{n} token ids, over this server's limit of {self.max_request_tokens} "
+                                           "per request (--max-request-tokens)")
+
     async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
         batcher, info = self._ready(request.model)
         n = len(request.items) or len(request.item_token_ids)
         if n > self.max_items:
             raise ResourceExhausted("items", f"{n} items exceed this server's limit of {self.max_items} (--max-items)")
-        result = await batcher.score(wire.score_request_from_proto(request), context.time_remaining())
+        # token ids count exactly without tokenizing: query + items is what MIS computes, the least any mode does
+        ids = len(request.query_token_ids) + sum(len(t.ids) for t in request.item_token_ids)
+        self._check_ids("item_token_ids", ids)
+        result = await batcher.score(wire.score_request_from_proto(request), time_left(context))
         return wire.score_result_to_proto(result, info.name)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
@@ -60,12 +79,13 @@ class ScorerServicer(scorer_pb2_grpc.ScorerServicer):
     def _generate(self, request: pb.GenerateRequest,
                   context: grpc.aio.ServicerContext) -> AsyncIterator[GenerationDelta]:
         batcher, _ = self._ready(request.model)
-        return batcher.generate(wire.generate_request_from_proto(request), context.time_remaining())
+        self._check_ids("prompt_token_ids", len(request.prompt_token_ids))
+        return batcher.generate(wire.generate_request_from_proto(request), time_left(context))
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         batcher, _ = self._ready("")
         ids, tokens = await batcher.call(batcher.engine.tokenize, request.text, request.add_special_tokens,
-                                         timeout=context.time_remaining())
+                                         timeout=time_left(context))
         return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:

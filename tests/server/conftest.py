@@ -7,6 +7,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -95,3 +96,26 @@ def client(server: ServerThread) -> Iterator[ScorerClient]:
 def channel(server: ServerThread) -> Iterator[grpc.Channel]:
     with grpc.insecure_channel(server.target) as ch:
         yield ch
+
+
+# -- the real engine on a tiny random model -------------------------------------------------------------------
+def make_tiny_engine(path: Path) -> Any:
+    from pyscore.engine import Engine
+
+    return Engine.from_pretrained(path, dtype="float32", device="cpu", threads=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen3 (causal LM, 512-token context) with its byte-level BPE tokenizer."""
+    from tests.helpers import make_model_dir
+
+    return make_model_dir(tmp_path_factory.mktemp("qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_dir: Path) -> Iterator[ServerThread]:
+    """A server on the real Engine over the tiny model, shared by the real-engine tests."""
+    server = ServerThread(make_tiny_engine(tiny_model_dir), max_batch_tokens=256)
+    yield server
+    server.stop()

@@ -38,6 +38,7 @@ VOCAB = 1000
 BOS, EOS = 1, 2
 FIRST_WORD_ID = 10
 MAX_CONTEXT = 512
+MAX_TOP_LOGPROBS = 20  # as pyscore.generation
 
 
 def word_id(word: str) -> int:
@@ -64,7 +65,7 @@ class PreparedScore:
 @dataclass
 class FakeGeneration:
     request: GenerateRequest
-    prompt_ids: list[int]
+    prompt: list[int]
     max_tokens: int
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -85,7 +86,7 @@ class FakeGeneration:
         return delta
 
     def result(self) -> GenerateResult:
-        n = len(self.prompt_ids)
+        n = len(self.prompt)
         return GenerateResult(text=self._text, token_ids=list(self.token_ids), logprobs=list(self.logprobs),
                               finish_reason=self.finish_reason,  # type: ignore[arg-type]
                               usage=Usage(prompt_tokens=n, computed_tokens=n + len(self.token_ids)))
@@ -102,6 +103,7 @@ class FakeEngine:
         self.fail_next_run = False  # run_prepared raises for the whole batch once
         self._gate = threading.Event()
         self._gate.set()
+        self._let_through = 0  # model calls still allowed through after pause(after=...)
         self._entered = threading.Event()
         self._words: dict[int, str] = {BOS: "<s>", EOS: "</s>"}
 
@@ -111,8 +113,10 @@ class FakeEngine:
         return cls(model or "fake-smollm2", delay_s=float(os.environ.get("FAKE_ENGINE_DELAY_S", "0")))
 
     # -- test controls -------------------------------------------------------------------------------------
-    def pause(self) -> None:
-        """The next model call blocks at its start until resume()."""
+    def pause(self, after: int = 0) -> None:
+        """The next model call (or, with `after`, the one after that many more) blocks at its start until
+        resume()."""
+        self._let_through = after
         self._entered.clear()
         self._gate.clear()
 
@@ -125,9 +129,12 @@ class FakeEngine:
 
     def _model_call(self) -> None:
         self.calls += 1
-        self._entered.set()
-        if not self._gate.wait(timeout=30):
-            raise RuntimeError("fake engine left paused")
+        if self._let_through and not self._gate.is_set():
+            self._let_through -= 1
+        else:
+            self._entered.set()
+            if not self._gate.wait(timeout=30):
+                raise RuntimeError("fake engine left paused")
         if self.delay_s:
             time.sleep(self.delay_s)
 
@@ -266,6 +273,10 @@ class FakeEngine:
             raise InvalidArgument("prompt", "must not be empty")
         if request.max_tokens < 0:
             raise InvalidArgument("max_tokens", "must be >= 0")
+        if len(ids) + request.max_tokens > MAX_CONTEXT:
+            raise InvalidArgument("max_tokens", f"prompt + max_tokens exceeds the context of {MAX_CONTEXT}")
+        if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidArgument("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
         if request.temperature < 0:
             raise InvalidArgument("temperature", "must be >= 0")
         rng = random.Random(request.seed) if request.temperature > 0 else None
@@ -284,7 +295,7 @@ class FakeEngine:
 
     def _advance(self, g: FakeGeneration) -> None:
         n = len(g.token_ids)
-        base = g._rng.randrange(VOCAB) if g._rng else sum(g.prompt_ids) + 7 * n
+        base = g._rng.randrange(VOCAB) if g._rng else sum(g.prompt) + 7 * n
         token_id = FIRST_WORD_ID + base % (VOCAB - FIRST_WORD_ID)
         logprob = -((token_id % 97) / 10.0) - 0.01
         top = [TopLogprob(token_id + k, self._token(token_id + k), logprob - k) for k in range(g.request.top_logprobs)]

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 
-from pyscore.client import AsyncScorerClient, ScorerClient
+from pyscore import wire
+from pyscore.client import AsyncScorerClient, ScorerClient, generate_message
 from pyscore.types import ScoreResult
 from tests.server.conftest import ServerThread, wait_for
 from tests.server.fake_engine import FakeEngine
@@ -136,10 +139,12 @@ def test_expired_deadline_never_runs(server: ServerThread, client: ScorerClient,
 
 
 def test_cancelled_stream_frees_its_sequence(server: ServerThread, client: ScorerClient, fake: FakeEngine) -> None:
-    stream = client.generate_stream("long story", max_tokens=10_000)
+    fake.delay_s = 0.01  # 500 steps take 5 s: the cancel surely comes first
+    stream = client.generate_stream("long story", max_tokens=500)
     next(stream)
     stream.close()  # cancels the call
     wait_for(lambda: server.batcher.stats.dropped == 1, what="the generation to be dropped")
+    fake.delay_s = 0.0
     steps = len(fake.steps)
     assert client.generate("short", max_tokens=2).token_ids
     assert fake.steps[steps:] == [1, 1]
@@ -162,3 +167,84 @@ def test_full_queue_refuses_at_once(start_server: Any, fake: FakeEngine) -> None
             f.result()
         assert client.score("afterwards", ["x"], labels=["Yes"]).scores
     assert server.batcher.stats.refused == 1
+
+
+def f32(scores: list[list[list[float]]]) -> list[list[list[float]]]:
+    return [[[float(np.float32(v)) for v in row] for row in rows] for rows in scores]
+
+
+def _hold_worker(server: ServerThread) -> threading.Event:
+    """Park the engine worker inside a job of its own until the returned event is set, so that requests sent
+    meanwhile all arrive together and form one batch."""
+    release, parked = threading.Event(), threading.Event()
+
+    def park() -> None:
+        parked.set()
+        release.wait(10)
+
+    asyncio.run_coroutine_threadsafe(server.batcher.call(park), server.loop)
+    assert parked.wait(10)
+    return release
+
+
+def test_cancel_and_deadline_mid_batch(server: ServerThread, client: ScorerClient, fake: FakeEngine,
+                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A Score batch is one forward pass: a batch-mate that cancels, or whose deadline passes, while it runs
+    has its answer discarded; the others in the same batch get exactly what they get alone."""
+    caplog.set_level(logging.INFO, logger="server.requests")
+    queries = ["stays", "cancels", "expires", "stays too"]
+    alone = {q: FakeEngine().score(q, ["an item"], labels=["Yes"]) for q in queries}
+    release = _hold_worker(server)
+    fake.pause()
+    futures = {q: _score_future(client, q, timeout=1.5 if q == "expires" else 10) for q in queries}
+    wait_for(lambda: server.batcher.waiting() == 5, what="4 requests behind the parked worker")
+    release.set()
+    assert fake.wait_entered()  # the batch of four is inside run_prepared now
+    futures["cancels"].cancel()
+    assert futures["expires"].exception(5).code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for(lambda: sum("status=CANCELLED" in r.getMessage() for r in caplog.records) == 2, what="both seen")
+    fake.resume()
+    for q in ("stays", "stays too"):
+        got = wire.score_result_from_proto(futures[q].result())
+        assert f32(got.scores) == f32(alone[q].scores) and got.usage == alone[q].usage
+    assert sorted(fake.batches[-1]) == sorted(queries)  # they did run together
+    assert client.score("next", ["x"], labels=["Yes"]).scores
+
+
+def test_generation_cancelled_or_expired_mid_batch(server: ServerThread, client: ScorerClient, fake: FakeEngine,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Generations share decode steps: one whose client cancels, and one whose deadline passes, after three
+    shared steps are dropped from the steps that follow; the survivor's tokens equal its tokens alone."""
+    caplog.set_level(logging.INFO, logger="server.requests")
+    alone = client.generate("survivor", max_tokens=12)
+    release = _hold_worker(server)
+    survivor = client.stub.Generate.future(generate_message("survivor", "", max_tokens=12), timeout=30)
+    expiring = client.stub.Generate.future(generate_message("expiring", "", max_tokens=100), timeout=1.5)
+    cancelled = client.stub.GenerateStream(generate_message("cancelled", "", max_tokens=100), timeout=30)
+    wait_for(lambda: server.batcher.waiting() == 4, what="3 generations behind the parked worker")
+    steps = len(fake.steps)
+    fake.pause(after=3)  # three steps shared by all three, then hold the fourth
+    release.set()
+    assert fake.wait_entered()
+    cancelled.cancel()
+    assert expiring.exception(5).code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for(lambda: sum("status=CANCELLED" in r.getMessage() for r in caplog.records) == 2, what="both seen")
+    fake.resume()
+    result = survivor.result()
+    assert list(result.token_ids) == alone.token_ids and result.text == alone.text
+    assert fake.steps[steps:] == [3, 3, 3, 3] + [1] * 8  # the held 4th step still had all three
+    assert server.batcher.stats.dropped == 2
+
+
+def test_idle_worker_trims_the_heap(server: ServerThread, client: ScorerClient,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once out of work the worker hands freed memory back to the OS (RSS otherwise stays at its peak)."""
+    import server.batcher as batcher_module
+
+    trims: list[float] = []
+    monkeypatch.setattr(batcher_module, "TRIM_EVERY_S", 0.05)
+    monkeypatch.setattr(batcher_module, "trim_heap", lambda: trims.append(0.0))
+    assert client.score("q", ["a"], labels=["Yes"]).scores
+    wait_for(lambda: len(trims) >= 1, what="a trim after the request")
+    monkeypatch.undo()
+    batcher_module.trim_heap()  # the real one runs here (glibc) or does nothing

@@ -10,7 +10,7 @@ import pytest
 
 from pyscore._proto.pyscore.v1 import scorer_pb2 as pb
 from pyscore._proto.pyscore.v1 import scorer_pb2_grpc
-from pyscore.client import ScorerClient
+from pyscore.client import ScorerClient, generate_message, score_message
 from tests.server.conftest import ServerThread, wait_for
 from tests.server.fake_engine import FakeEngine
 
@@ -101,8 +101,6 @@ def test_engine_failure_is_internal_and_the_server_goes_on(server: ServerThread,
 
 def test_batch_mates_of_a_failing_request_succeed(server: ServerThread, client: ScorerClient,
                                                   fake: FakeEngine) -> None:
-    from pyscore.client import score_message
-
     fake.pause()
     first = client.stub.Score.future(score_message("first", ["a"], "", labels=["Yes"]), timeout=10)
     assert fake.wait_entered()
@@ -124,3 +122,77 @@ def test_unavailable_until_the_model_is_served(start_server: Any) -> None:
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "loading" in err.value.details()
         server.run(server.app.serve_engine(FakeEngine()))
         assert client.model_info().name == "fake-smollm2"
+
+
+def test_request_larger_than_the_message_limit(start_server: Any, fake: FakeEngine) -> None:
+    server = start_server(fake, max_message_mb=1)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = scorer_pb2_grpc.ScorerStub(channel)
+        calls = fake.calls
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Score(pb.ScoreRequest(**dict(GOOD, items=["word " * 1000] * 300)), timeout=10)  # ~1.5 MB
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # refused by gRPC before parsing
+        assert "larger than max" in err.value.details(), err.value.details()
+        assert fake.calls == calls
+        assert stub.Score(pb.ScoreRequest(**GOOD), timeout=10).scores
+
+
+# Raw bytes no client library would send: a string field that is not UTF-8, and bytes that are no message.
+NOT_UTF8 = b"\xc3\x28\xff"
+RAW_CASES: list[tuple[str, str, bytes, str]] = [
+    ("query not utf-8", "Score", pb.ScoreRequest(items=["a"], labels=["Yes"]).SerializeToString() + b"\x12\x03"
+     + NOT_UTF8, "query"),
+    ("item not utf-8", "Score", pb.ScoreRequest(query="q", labels=["Yes"]).SerializeToString() + b"\x22\x03"
+     + NOT_UTF8, "items"),
+    ("label not utf-8", "Score", pb.ScoreRequest(query="q", items=["a"]).SerializeToString() + b"\x3a\x03"
+     + NOT_UTF8, "labels"),
+    ("stop not utf-8", "Generate", pb.GenerateRequest(prompt="hi").SerializeToString() + b"\x52\x03" + NOT_UTF8,
+     "stop"),
+    ("prompt not utf-8", "GenerateStream", b"\x12\x03" + NOT_UTF8, "prompt"),
+    ("text not utf-8", "Tokenize", b"\x0a\x03" + NOT_UTF8, "text"),
+    ("truncated message", "Score", pb.ScoreRequest(**GOOD).SerializeToString()[:-2], ""),
+    ("garbage", "Generate", b"\xff\xff\xff\xff", ""),
+]
+
+
+@pytest.mark.parametrize(("method", "payload", "field"), [c[1:] for c in RAW_CASES], ids=[c[0] for c in RAW_CASES])
+def test_bytes_that_are_not_a_valid_request(channel: grpc.Channel, stub: scorer_pb2_grpc.ScorerStub, method: str,
+                                            payload: bytes, field: str) -> None:
+    streaming = method == "GenerateStream"
+    raw = (channel.unary_stream if streaming else channel.unary_unary)(f"/pyscore.v1.Scorer/{method}")
+    with pytest.raises(grpc.RpcError) as err:
+        response = raw(payload, timeout=10)
+        if streaming:
+            list(response)
+    assert err.value.code() == INVALID, err.value.details()  # not grpc's UNKNOWN
+    if field:
+        assert err.value.details() == f"{field}: the request is not valid UTF-8"
+    else:
+        assert err.value.details().startswith("the request does not parse"), err.value.details()
+    assert stub.Score(pb.ScoreRequest(**GOOD), timeout=10).scores
+
+
+def test_deadline_already_expired(server: ServerThread, fake: FakeEngine) -> None:
+    """Requests whose deadline has passed by the time the server gets to them (its event loop is held for
+    0.3 s; they allow 0.05 s): DEADLINE_EXCEEDED, and nothing reaches the engine."""
+    import threading
+    import time
+
+    calls, batches = fake.calls, len(fake.batches)
+    held = threading.Event()
+
+    def hold_the_loop() -> None:
+        held.set()
+        time.sleep(0.3)
+
+    with ScorerClient(server.target, timeout=0.05) as client:
+        server.loop.call_soon_threadsafe(hold_the_loop)
+        assert held.wait(5)
+        requests = [client.stub.Score.future(score_message("q", ["a"], "", labels=["Yes"]), timeout=0.05),
+                    client.stub.Generate.future(generate_message("hi", ""), timeout=0.05),
+                    client.stub.Tokenize.future(pb.TokenizeRequest(text="hi"), timeout=0.05)]
+        for f in requests:
+            assert f.exception(5).code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        time.sleep(0.3)
+        assert (fake.calls, len(fake.batches)) == (calls, batches)  # nothing reached the engine
+        assert client.score("q", ["a"], labels=["Yes"], timeout=10).scores

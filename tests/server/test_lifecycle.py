@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,8 @@ from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from pyscore.client import ScorerClient, score_message
-from tests.server.conftest import ServerThread
+from pyscore.client import ScorerClient, generate_message, score_message
+from tests.server.conftest import ServerThread, wait_for
 from tests.server.fake_engine import FakeEngine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,25 +116,57 @@ def test_grpcurl_through_reflection(server: ServerThread, client: ScorerClient) 
     assert answer["mode"] == "SCORING_MODE_MIS" and answer["model"] == "fake-smollm2"
 
 
-@pytest.fixture
-def server_process() -> Iterator[tuple[subprocess.Popen[str], str]]:
+def spawn_server(port: int = 0, *flags: str) -> tuple[subprocess.Popen[str], str]:
     """`python -m server` on the fake engine (each model call takes 0.5 s), once it is SERVING."""
     env = dict(os.environ, FAKE_ENGINE_DELAY_S="0.5", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "server", "--engine", "tests.server.fake_engine:FakeEngine", "--port", "0",
-           "--grace-s", "5"]
+    cmd = [sys.executable, "-m", "server", "--engine", "tests.server.fake_engine:FakeEngine", "--port", str(port),
+           "--grace-s", "5", *flags]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    listening = proc.stdout.readline()
+    assert listening.startswith("pyscore: listening on "), listening + proc.stderr.read()  # type: ignore[union-attr]
+    line = proc.stdout.readline()
+    if line.startswith("pyscore: metrics on "):
+        line = proc.stdout.readline()
+    assert line.startswith("pyscore: serving fake-smollm2 on "), line
+    return proc, listening.split()[3]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def in_flight(metrics_port: int) -> float:
+    """Scorer calls the server is serving, from its metrics endpoint."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return sum(float(line.split()[1]) for line in text.splitlines() if line.startswith("pyscore_requests_in_flight{"))
+
+
+def stopped_serving(target: str) -> bool:
+    with grpc.insecure_channel(target) as channel:
+        try:
+            return health_status(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+        except grpc.RpcError:
+            return True
+
+
+@pytest.fixture
+def server_process() -> Iterator[tuple[subprocess.Popen[str], str]]:
+    procs: list[subprocess.Popen[str]] = []
     try:
-        assert proc.stdout is not None
-        listening = proc.stdout.readline()
-        assert listening.startswith("pyscore: listening on "), listening + proc.stderr.read()  # type: ignore[union-attr]
-        target = listening.split()[3]
-        serving = proc.stdout.readline()
-        assert serving.startswith("pyscore: serving fake-smollm2 on "), serving
+        proc, target = spawn_server()
+        procs.append(proc)
         yield proc, target
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
 
 
 def test_sigterm_drains_in_flight_work_and_exits_0(server_process: tuple[subprocess.Popen[str], str]) -> None:
@@ -147,3 +180,42 @@ def test_sigterm_drains_in_flight_work_and_exits_0(server_process: tuple[subproc
     out = proc.stdout.read()  # type: ignore[union-attr]
     assert "shutting down" in out
     assert "Score items=1 tokens=" in proc.stderr.read()  # type: ignore[union-attr]  # the request log line
+
+
+def test_sigterm_under_load_then_restart() -> None:
+    """Several requests running and queued when SIGTERM arrives: all finish within the grace period with the
+    right answers, a request sent after the signal is refused, the exit code is 0, and a server restarted on
+    the same port serves again."""
+    metrics_port = free_port()
+    proc, target = spawn_server(0, "--metrics-port", str(metrics_port))
+    again: subprocess.Popen[str] | None = None
+    try:
+        queries = [f"query {i}" for i in range(6)]
+        with ScorerClient(target, timeout=10) as client:
+            scores = [client.stub.Score.future(score_message(q, ["a", "b"], "", labels=["Yes", "No"]), timeout=10)
+                      for q in queries]
+            generation = client.stub.Generate.future(generate_message("a prompt", "", max_tokens=3), timeout=10)
+            wait_for(lambda: in_flight(metrics_port) == 7, what="all seven requests at the server")
+            start = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: stopped_serving(target), what="the server to stop taking calls")
+            with pytest.raises(grpc.RpcError) as err:
+                client.score("too late", ["a"], labels=["Yes"], timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            for q, f in zip(queries, scores, strict=True):
+                expected = FakeEngine().score(q, ["a", "b"], labels=["Yes", "No"]).scores
+                got = [[list(row.values) for row in item.rows] for item in f.result().scores]
+                assert np.array_equal(np.array(got), np.array(expected, dtype=np.float32)), q
+            assert len(generation.result().token_ids) == 3
+            assert proc.wait(10) == 0
+            assert time.monotonic() - start < 5 + 1  # within --grace-s
+        again, target_again = spawn_server(int(target.rsplit(":", 1)[1]))
+        assert target_again == target
+        with ScorerClient(target, timeout=10) as client:
+            assert client.score("after restart", ["a"], labels=["Yes"]).scores
+        again.send_signal(signal.SIGTERM)
+        assert again.wait(10) == 0
+    finally:
+        for p in (proc, again):
+            if p is not None and p.poll() is None:
+                p.kill()

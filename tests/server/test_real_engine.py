@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 import torch
 
@@ -18,7 +17,7 @@ from pyscore.engine import Engine
 from pyscore.types import GenerateRequest
 from tests.helpers import load_reference, make_model_dir
 from tests.reference_scoring import max_abs_diff, reference_scores
-from tests.server.conftest import ServerThread
+from tests.server.conftest import ServerThread, make_tiny_engine
 
 QUERY = "Context: the order 1234 was shipped on Monday and is in transit.\nQuestion: what should the agent do?"
 ITEMS = [" Proposed answer: tell the customer the order is on its way. Is this proposed answer correct?",
@@ -28,12 +27,12 @@ TOL = 1e-5  # fp32 engine vs fp32 transformers, and float32 on the wire
 
 
 def make_engine(path: Path) -> Engine:
-    return Engine.from_pretrained(path, dtype="float32", device="cpu", threads=2)
+    return make_tiny_engine(path)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model_dir(tmp_path_factory.mktemp("qwen3"), "qwen3")
+def model_dir(tiny_model_dir: Path) -> Path:
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +47,8 @@ def reference(model_dir: Path) -> Any:
 
 
 @pytest.fixture(scope="module")
-def served(model_dir: Path) -> Iterator[ServerThread]:
-    server = ServerThread(make_engine(model_dir), max_batch_tokens=256)
-    yield server
-    server.stop()
+def served(tiny_server: ServerThread) -> ServerThread:
+    return tiny_server
 
 
 @pytest.fixture
@@ -150,24 +147,3 @@ def test_classifier_scores_its_classes(start_server: Any, tmp_path: Path) -> Non
         expected = direct.score(QUERY, ITEMS, apply_softmax=True)
         assert got.label_token_ids == [0, 1, 2] == expected.label_token_ids
         assert max_abs_diff(got.scores, expected.scores) <= 1e-7
-
-
-BAD_SCORES: list[tuple[dict[str, Any], str, str]] = [
-    (dict(query=""), "INVALID_ARGUMENT", "query"),
-    (dict(labels=["Yes please"]), "INVALID_ARGUMENT", "labels"),
-    (dict(labels=[], label_token_ids=[10**6]), "INVALID_ARGUMENT", "label_token_ids"),
-    (dict(score_extraction_token="<|marker|>"), "INVALID_ARGUMENT", "items"),
-    (dict(items=["word " * 600]), "INVALID_ARGUMENT", "items"),
-    (dict(mode="mis", item_first=True), "FAILED_PRECONDITION", "mode"),
-    (dict(model="other"), "NOT_FOUND", "model"),
-]
-
-
-@pytest.mark.parametrize(("fields", "code", "field"), BAD_SCORES, ids=[f"{c[2]}-{c[1]}" for c in BAD_SCORES])
-def test_engine_errors_reach_the_client(client: ScorerClient, fields: dict[str, Any], code: str, field: str) -> None:
-    request: dict[str, Any] = dict(query="q", items=["a"], labels=["Yes"]) | fields
-    with pytest.raises(grpc.RpcError) as err:
-        client.score(request.pop("query"), request.pop("items"), **request)
-    assert err.value.code().name == code
-    assert err.value.details().split(":")[0].split("[")[0] == field, err.value.details()
-    assert client.score("q", ["a"], labels=["Yes"]).scores

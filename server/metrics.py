@@ -1,0 +1,78 @@
+"""Prometheus metrics of one server (prometheus-client, a registry of its own so that several servers can live
+in one process): requests by method and status, requests in flight, latency, queue depth, batch sizes, and
+token accounting — computed tokens, and the tokens MIS saved against SIS (prompt − computed). Exposed over
+HTTP on `--metrics-port` (no auth: counts only, no request content)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 8192, 16384, 65536)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("pyscore_requests", "Scorer calls by method and final status", ["method", "status"],
+                                registry=r)
+        self.latency = Histogram("pyscore_request_latency_seconds", "Scorer call latency, arrival to answer",
+                                 ["method"], buckets=LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge("pyscore_requests_in_flight", "Scorer calls being served (queued or running)",
+                               ["method"], registry=r)
+        self.queue_depth = Gauge("pyscore_queue_depth", "requests admitted and waiting to run (--max-queue)",
+                                 registry=r)
+        self.batch_requests = Histogram("pyscore_batch_requests", "Score requests per packed forward pass",
+                                        buckets=BATCH_BUCKETS, registry=r)
+        self.batch_tokens = Histogram("pyscore_batch_tokens", "compute tokens per packed forward pass",
+                                      buckets=TOKEN_BUCKETS, registry=r)
+        self.tokens_computed = Counter("pyscore_tokens_computed", "tokens run through the model, by method",
+                                       ["method"], registry=r)
+        self.tokens_prompt = Counter("pyscore_tokens_prompt",
+                                     "tokens of the requests as single-item scoring would run them, by method",
+                                     ["method"], registry=r)
+        self.tokens_saved = Counter("pyscore_tokens_saved_by_mis",
+                                    "Score tokens MIS did not compute that SIS would have (prompt - computed)",
+                                    registry=r)
+        self._http: Any = None
+
+    def track_queue(self, depth: Callable[[], int]) -> None:
+        self.queue_depth.set_function(depth)
+
+    def observe_call(self, method: str, status: str, seconds: float, response: Any) -> None:
+        """One finished Scorer call; `response` is its (last streamed) response message or None."""
+        self.in_flight.labels(method).dec()
+        self.requests.labels(method, status).inc()
+        self.latency.labels(method).observe(seconds)
+        if response is None or "usage" not in response.DESCRIPTOR.fields_by_name or not response.HasField("usage"):
+            return
+        prompt, computed = response.usage.prompt_tokens, response.usage.computed_tokens
+        self.tokens_prompt.labels(method).inc(prompt)
+        self.tokens_computed.labels(method).inc(computed)
+        if method == "Score":
+            self.tokens_saved.inc(max(0, prompt - computed))
+
+    def call_started(self, method: str) -> None:
+        self.in_flight.labels(method).inc()
+
+    def observe_batch(self, requests: int, tokens: int) -> None:
+        """Called by the batcher's worker thread for every run_prepared call."""
+        self.batch_requests.observe(requests)
+        self.batch_tokens.observe(tokens)
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the HTTP endpoint (/metrics) in a daemon thread; returns the bound port."""
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        return int(self._http.server_port)
+
+    def stop(self) -> None:
+        """Stop the HTTP endpoint (blocking, up to its 0.5 s poll interval)."""
+        if self._http is not None:
+            http, self._http = self._http, None
+            http.shutdown()
+            http.server_close()
