@@ -205,15 +205,34 @@ class Engine:
 
     def step(self, generations: Sequence[Generation]) -> None:
         """Advances every unfinished generation by one token: new ones are prefilled together in one packed
-        pass, running ones decode together against their KV caches."""
+        pass, running ones decode together against their KV caches. A sequence whose step fails is marked
+        failed (`Generation.error`) without failing its batch-mates."""
         new = [g for g in generations if not g.finished and g.cache is None and not g.token_ids]
         running = [g for g in generations if not g.finished and g.cache is not None and g not in new]
         if new:
-            self._prefill(new)
+            self._together_or_alone(self._prefill, new)
         if running:
-            last = torch.tensor([g.token_ids[-1] for g in running], dtype=torch.long)
-            hidden = self.decoder.decode(last, [g.cache for g in running])
-            self._append(running, hidden)
+            self._together_or_alone(self._decode, running)
+
+    @staticmethod
+    def _together_or_alone(run, gens: list[Generation]) -> None:
+        """run(gens) as one batch; if that raises, each alone, so only the failing sequence fails. Safe to
+        retry: a failed pass leaves no token appended and rewrites the same KV cache slots."""
+        try:
+            run(gens)
+        except Exception as e:
+            if len(gens) == 1:
+                gens[0].fail(e)
+                return
+            for g in gens:
+                try:
+                    run([g])
+                except Exception as e_alone:
+                    g.fail(e_alone)
+
+    def _decode(self, gens: list[Generation]) -> None:
+        last = torch.tensor([g.token_ids[-1] for g in gens], dtype=torch.long)
+        self._append(gens, self.decoder.decode(last, [g.cache for g in gens]))
 
     def _prefill(self, gens: list[Generation]) -> None:
         batch = pack([Group(prefix=[], items=[g.prompt], readouts=[[len(g.prompt) - 1]]) for g in gens])
@@ -234,13 +253,16 @@ class Engine:
 
     def _append(self, gens: list[Generation], hidden: torch.Tensor) -> None:
         logits = hidden @ self.decoder.w.lm_head.T  # [B, V]: generation needs the whole distribution
-        for g, (token, logprob) in zip(gens, choose_tokens(logits, gens, self.tokenizer), strict=True):
+        chosen = choose_tokens(logits, gens, self.tokenizer)  # all chosen before any is appended (retry-safe)
+        for g, (token, logprob) in zip(gens, chosen, strict=True):
             g.append(token, logprob)
 
     def generate(self, request: GenerateRequest) -> GenerateResult:
         gen = self.start_generation(request)
         while not gen.finished:
             self.step([gen])
+        if gen.error is not None:
+            raise gen.error
         return gen.result()
 
 

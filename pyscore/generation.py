@@ -70,6 +70,7 @@ class Generation:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    error: Exception | None = None  # set when this sequence failed; its batch-mates go on
     text: str = ""
     _sent_tokens: int = 0
     _sent_chars: int = 0
@@ -78,8 +79,9 @@ class Generation:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def fail(self) -> None:
+    def fail(self, error: Exception) -> None:
         """Marks the generation finished without a result (its request failed); frees the cache."""
+        self.error = error
         self.finish_reason = self.finish_reason or "error"
         self.cache = None
 

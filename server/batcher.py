@@ -335,6 +335,10 @@ class Batcher:
         still: list[Job] = []
         for job in self._active:
             gen = job.work
+            error = getattr(gen, "error", None)
+            if error is not None:  # this sequence alone failed; its batch-mates go on
+                self._finish(job, error)
+                continue
             token_ids, logprobs, text = gen.take_delta()
             if gen.finished:
                 self._finish(job, GenerationDelta(token_ids, logprobs, text, gen.result()))

@@ -99,3 +99,29 @@ def test_seeded_sampling_is_reproducible(model_dir):
     e = engine(model_dir)
     req = GenerateRequest(prompt=PROMPT, max_tokens=8, temperature=1.0, top_p=0.9, top_k=50, seed=7)
     assert e.generate(req).token_ids == e.generate(req).token_ids
+
+
+def test_one_failing_sequence_does_not_fail_its_batch_mates(model_dir):
+    e = engine(model_dir)
+    reqs = [GenerateRequest(prompt=PROMPT, max_tokens=5), GenerateRequest(prompt="héllo wörld", max_tokens=5),
+            GenerateRequest(prompt_token_ids=[5, 6, 7, 8], max_tokens=5)]
+    alone = [e.generate(r).token_ids for r in reqs]
+    gens = [e.start_generation(r) for r in reqs]
+    e.step(gens)  # prefill all three together
+    bad = gens[1]
+    decode = e.decoder.decode
+
+    def failing_decode(tokens, caches):
+        if any(c is bad.cache for c in caches):
+            raise RuntimeError("injected decode failure")
+        return decode(tokens, caches)
+
+    e.decoder.decode = failing_decode
+    while not all(g.finished for g in gens):
+        e.step(gens)
+    assert isinstance(bad.error, RuntimeError) and bad.cache is None
+    assert [gens[0].result().token_ids, gens[2].result().token_ids] == [alone[0], alone[2]]
+    e.decoder.decode = decode
+    with pytest.raises(RuntimeError, match="injected"):
+        e.decoder.decode = lambda tokens, caches: (_ for _ in ()).throw(RuntimeError("injected"))
+        e.generate(reqs[0])
