@@ -74,6 +74,28 @@ class Target:
         return await getattr(self, f"_{path}")(q)
 
 
+class PointwiseScoring:
+    """sis / mis for targets with our Score semantics: one request per question, Yes/No rows per option."""
+
+    info: TargetInfo
+
+    async def _score_result(self, query: str, items: list[str], mode: str) -> Any:
+        """The target's ScoreResult for one pointwise prompt (Yes/No label ids, apply_softmax)."""
+        raise NotImplementedError
+
+    async def _score(self, q: Question, mode: str) -> Decision:
+        p = prompts.pointwise(q)
+        r = await self._score_result(p.query, p.items, mode)
+        return Decision(pointwise_choice([rows[0] for rows in r.scores]), prompt_tokens=r.usage.prompt_tokens,
+                        computed_tokens=r.usage.computed_tokens)
+
+    async def _sis(self, q: Question) -> Decision:
+        return await self._score(q, "sis")
+
+    async def _mis(self, q: Question) -> Decision:
+        return await self._score(q, "mis")
+
+
 # --- decisions from what the model returned ---------------------------------------------------------------
 def pointwise_choice(rows: Sequence[Sequence[float]]) -> int:
     """rows[i] = option i's [P(Yes), P(No)]: the option with the highest Yes score."""
@@ -101,7 +123,7 @@ async def resolve_labels(tokenize) -> list[int]:
     return ids
 
 
-class GrpcTarget(Target):
+class GrpcTarget(PointwiseScoring, Target):
     paths = PATHS
 
     def __init__(self, address: str, **kw: Any) -> None:
@@ -143,18 +165,9 @@ class GrpcTarget(Target):
                         prompt_tokens=sum(r.usage.prompt_tokens for r in results),
                         computed_tokens=sum(r.usage.computed_tokens for r in results))
 
-    async def _score(self, q: Question, mode: str) -> Decision:
-        p = prompts.pointwise(q)
-        r = await self.client.score(p.query, p.items, label_token_ids=self.info.label_token_ids, apply_softmax=True,
-                                    mode=mode)
-        return Decision(pointwise_choice([rows[0] for rows in r.scores]), prompt_tokens=r.usage.prompt_tokens,
-                        computed_tokens=r.usage.computed_tokens)
-
-    async def _sis(self, q: Question) -> Decision:
-        return await self._score(q, "sis")
-
-    async def _mis(self, q: Question) -> Decision:
-        return await self._score(q, "mis")
+    async def _score_result(self, query: str, items: list[str], mode: str) -> Any:
+        return await self.client.score(query, items, label_token_ids=self.info.label_token_ids, apply_softmax=True,
+                                       mode=mode)
 
     async def _fused(self, q: Question) -> Decision:
         r = await self.client.generate(prompts.fused_choice(q), apply_chat_template=True, max_tokens=1,
@@ -291,7 +304,7 @@ class SGLangScoreTarget(HTTPTarget):
 
 
 # --- the engine in this process --------------------------------------------------------------------------
-class InProcessTarget(Target):
+class InProcessTarget(PointwiseScoring, Target):
     """pyscore.engine.Engine behind one worker thread (as in the server), without gRPC or the batcher:
     the generate path prefills all of a question's candidates in one packed step, as the batcher would."""
 
@@ -343,18 +356,9 @@ class InProcessTarget(Target):
     async def _generate(self, q: Question) -> Decision:
         return await self.run(self._generate_sync, q)
 
-    async def _score(self, q: Question, mode: str) -> Decision:
-        p = prompts.pointwise(q)
-        r = await self.run(lambda: self.engine.score(p.query, p.items, label_token_ids=self.info.label_token_ids,
-                                                     apply_softmax=True, mode=mode))
-        return Decision(pointwise_choice([rows[0] for rows in r.scores]), prompt_tokens=r.usage.prompt_tokens,
-                        computed_tokens=r.usage.computed_tokens)
-
-    async def _sis(self, q: Question) -> Decision:
-        return await self._score(q, "sis")
-
-    async def _mis(self, q: Question) -> Decision:
-        return await self._score(q, "mis")
+    async def _score_result(self, query: str, items: list[str], mode: str) -> Any:
+        return await self.run(lambda: self.engine.score(query, items, label_token_ids=self.info.label_token_ids,
+                                                        apply_softmax=True, mode=mode))
 
     async def _fused(self, q: Question) -> Decision:
         from pyscore.types import GenerateRequest
