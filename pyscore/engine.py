@@ -9,11 +9,11 @@ from collections.abc import Sequence
 
 import torch
 
-from pyscore.errors import ScoreError
+from pyscore.errors import FailedPrecondition, ScoreError
 from pyscore.generation import Generation, choose_tokens, validate_generate
 from pyscore.model.decoder import Decoder
 from pyscore.model.loading import LoadedModel, load_model
-from pyscore.model.packing import Group, PackedBatch, pack
+from pyscore.model.packing import Group, pack
 from pyscore.ops import _ext, label_logprobs
 from pyscore.scoring import ModelTraits, PreparedScore, prepare_score
 from pyscore.types import GenerateRequest, GenerateResult, ModelInfo, ScoreRequest, ScoreResult, Usage
@@ -193,8 +193,6 @@ class Engine:
     # --- generation ----------------------------------------------------------------------------------
     def start_generation(self, request: GenerateRequest) -> Generation:
         if self.cfg.is_classifier:
-            from pyscore.errors import FailedPrecondition
-
             raise FailedPrecondition("model", "a sequence-classification model cannot generate")
         prompt = validate_generate(request, self.tokenizer, self.cfg.vocab_size, self.cfg.max_position_embeddings)
         generator = None
@@ -265,7 +263,3 @@ class Engine:
             raise gen.error
         return gen.result()
 
-
-def packed_batch_for(prepared: Sequence[PreparedScore]) -> PackedBatch:
-    """The single packed batch of these requests (tests and benchmarks inspect it)."""
-    return pack([g for p in prepared for g in p.groups()])

@@ -52,21 +52,31 @@ def cuda_stream(device) -> int:
     return int(torch.cuda.current_stream(device).cuda_stream)
 
 
-def elementwise_cpu_module(x, backend: str, op: str) -> ModuleType | None:
-    """The CPU module when the decoder's elementwise op `op` (add_rms_norm, rotary, silu_mul) should run its C++
-    kernel on tensor x, None when its torch reference should run: on CUDA (these ops have no CUDA kernel), for
-    dtypes other than fp32/bf16, without a built `_C`, or with backend "reference". backend "kernel" raises
-    instead of falling back."""
-    import torch
-
+def kernel_module(x, backend: str, op: str, *, cuda_kernel: bool = True,
+                  dtypes: tuple | None = None) -> ModuleType | None:
+    """The extension module whose kernel `op` should run on tensor x, or None when its torch reference should:
+    backend "reference" (or PYSCORE_OP_BACKEND=reference), no module built for x's device, an op without a CUDA
+    kernel on a CUDA tensor (cuda_kernel=False), or a dtype outside `dtypes`. backend "kernel" raises instead of
+    falling back."""
     if backend == "auto":
         backend = default_backend()
     if backend == "reference":
         return None
-    module = cpu_module() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) else None
+    on_cpu = x.device.type == "cpu"
+    module = cpu_module() if on_cpu else cuda_module() if (x.is_cuda and cuda_kernel) else None
+    if dtypes is not None and x.dtype not in dtypes:
+        module = None
     if module is None and backend == "kernel":
         raise RuntimeError(f"no {op} kernel for {x.dtype} on {x.device}")
     return module
+
+
+def elementwise_cpu_module(x, backend: str, op: str) -> ModuleType | None:
+    """kernel_module for the decoder's elementwise ops (add_rms_norm, rotary, silu_mul): C++ CPU kernels for
+    fp32 and bf16 only; CUDA tensors and other dtypes run the torch reference."""
+    import torch
+
+    return kernel_module(x, backend, op, cuda_kernel=False, dtypes=(torch.float32, torch.bfloat16))
 
 
 def default_backend() -> str:

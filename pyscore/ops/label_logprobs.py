@@ -32,13 +32,7 @@ def label_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [R, H] with LM head weight [V, H], or logits [R, V] with weight None; labels [R, K] int."""
     vocab = _check(hidden, weight, labels)
-    if backend == "auto":
-        backend = _ext.default_backend()  # "auto" unless PYSCORE_OP_BACKEND overrides it
-    module = None
-    if backend != "reference":
-        module = _ext.cuda_module() if hidden.is_cuda else _ext.cpu_module()
-        if module is None and backend == "kernel":
-            raise RuntimeError(f"no label_logprobs kernel built for device {hidden.device}")
+    module = _ext.kernel_module(hidden, backend, "label_logprobs")
     if module is None or hidden.shape[0] == 0:
         return label_logprobs_ref(hidden, weight, labels.to(hidden.device))
     rows, num_labels = labels.shape

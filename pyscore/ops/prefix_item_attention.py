@@ -79,13 +79,7 @@ def prefix_item_attention(
     num_tokens, num_q_heads, head_dim = q.shape
     _check_segments(segments, num_tokens)
     scale = head_dim**-0.5 if scale is None else float(scale)
-    if backend == "auto":
-        backend = _ext.default_backend()  # "auto" unless PYSCORE_OP_BACKEND overrides it
-    module = None
-    if backend != "reference":
-        module = _ext.cuda_module() if q.is_cuda else _ext.cpu_module()
-        if module is None and backend == "kernel":
-            raise RuntimeError(f"no prefix_item_attention kernel built for device {q.device}")
+    module = _ext.kernel_module(q, backend, "prefix_item_attention")
     if module is None:
         return prefix_item_attention_ref(q, k, v, segments, scale).to(q.dtype)
     if out is None:
