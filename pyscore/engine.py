@@ -1,6 +1,7 @@
-"""pyscore.Engine: label scoring (SIS / MIS / setwise, causal LMs and classification heads) and generation
-over the packed decoder. The engine knows nothing of gRPC: it takes and returns `pyscore.types` objects and
-raises `pyscore.errors` for bad requests. It is not thread-safe: one worker owns it (see server/batcher)."""
+"""pyscore.Engine: construction of one loaded model and the facade over it. Label scoring (SIS / MIS / setwise,
+causal LMs and classification heads) runs here; generation is stepped by `pyscore.generation.GenerationRunner`.
+The engine knows nothing of gRPC: it takes and returns `pyscore.types` objects and raises `pyscore.errors` for
+bad requests. It is not thread-safe: one worker owns it (see server/batcher)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
-from pyscore.errors import FailedPrecondition, ScoreError
-from pyscore.generation import Generation, choose_tokens, validate_generate
+from pyscore.errors import RequestError
+from pyscore.generation import Generation, GenerationRunner, eos_token_ids
 from pyscore.model.decoder import Decoder
 from pyscore.model.loading import LoadedModel, load_model
 from pyscore.model.packing import Group, pack
@@ -60,11 +61,8 @@ class Engine:
                                   max_context=loaded.cfg.max_position_embeddings,
                                   is_classifier=loaded.cfg.is_classifier, num_labels=loaded.cfg.num_labels,
                                   id2label=loaded.cfg.id2label)
-        eos = getattr(loaded.hf_config, "eos_token_id", None)
-        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if loaded.tokenizer.eos_token_id is not None:
-            eos_ids.add(loaded.tokenizer.eos_token_id)
-        self.eos_ids = frozenset(eos_ids)
+        self.generation = GenerationRunner(self.decoder, loaded.tokenizer,
+                                           eos_token_ids(loaded.hf_config, loaded.tokenizer))
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, dtype: str | torch.dtype = "auto",
@@ -104,7 +102,7 @@ class Engine:
         for request in requests:
             try:
                 prepared.append(self.prepare_score(request))
-            except ScoreError as e:
+            except RequestError as e:
                 prepared.append(e)
         valid = [p for p in prepared if isinstance(p, PreparedScore)]
         results = iter(self.run_prepared(valid))
@@ -188,78 +186,16 @@ class Engine:
     def _result(p: PreparedScore, rows: list[list[list[float]]]) -> ScoreResult:
         return ScoreResult(scores=rows, label_token_ids=list(p.labels), mode=p.mode,
                            usage=Usage(prompt_tokens=p.prompt_tokens,
-                                       computed_tokens=p.compute_tokens if p.items else 0))
+                                       computed_tokens=p.computed_tokens if p.items else 0))
 
-    # --- generation ----------------------------------------------------------------------------------
+    # --- generation (pyscore.generation.GenerationRunner does the stepping) -------------------------------
     def start_generation(self, request: GenerateRequest) -> Generation:
-        if self.cfg.is_classifier:
-            raise FailedPrecondition("model", "a sequence-classification model cannot generate")
-        prompt = validate_generate(request, self.tokenizer, self.cfg.vocab_size, self.cfg.max_position_embeddings)
-        generator = None
-        if request.seed is not None:
-            generator = torch.Generator(device=self.decoder.device).manual_seed(int(request.seed))
-        return Generation(request=request, prompt=prompt, tokenizer=self.tokenizer, eos_ids=self.eos_ids,
-                          generator=generator)
+        return self.generation.start(request)
 
     def step(self, generations: Sequence[Generation]) -> None:
-        """Advances every unfinished generation by one token: new ones are prefilled together in one packed
-        pass, running ones decode together against their KV caches. A sequence whose step fails is marked
-        failed (`Generation.error`) without failing its batch-mates."""
-        new = [g for g in generations if not g.finished and g.cache is None and not g.token_ids]
-        running = [g for g in generations if not g.finished and g.cache is not None and g not in new]
-        if new:
-            self._together_or_alone(self._prefill, new)
-        if running:
-            self._together_or_alone(self._decode, running)
-
-    @staticmethod
-    def _together_or_alone(run, gens: list[Generation]) -> None:
-        """run(gens) as one batch; if that raises, each alone, so only the failing sequence fails. Safe to
-        retry: a failed pass leaves no token appended and rewrites the same KV cache slots."""
-        try:
-            run(gens)
-        except Exception as e:
-            if len(gens) == 1:
-                gens[0].fail(e)
-                return
-            for g in gens:
-                try:
-                    run([g])
-                except Exception as e_alone:
-                    g.fail(e_alone)
-
-    def _decode(self, gens: list[Generation]) -> None:
-        last = torch.tensor([g.token_ids[-1] for g in gens], dtype=torch.long)
-        self._append(gens, self.decoder.decode(last, [g.cache for g in gens]))
-
-    def _prefill(self, gens: list[Generation]) -> None:
-        batch = pack([Group(prefix=[], items=[g.prompt], readouts=[[len(g.prompt) - 1]]) for g in gens])
-        for g in gens:
-            g.cache = self.decoder.new_cache(len(g.prompt) + g.request.max_tokens)
-        starts = batch.segments[:, 0].tolist()
-
-        def sink(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-            for g, s in zip(gens, starts, strict=True):
-                n = len(g.prompt)
-                g.cache.k[layer, :n] = k[s : s + n]
-                g.cache.v[layer, :n] = v[s : s + n]
-
-        hidden = self.decoder.hidden_at(batch, kv_sink=sink)
-        for g in gens:
-            g.cache.length = len(g.prompt)
-        self._append(gens, hidden)
-
-    def _append(self, gens: list[Generation], hidden: torch.Tensor) -> None:
-        logits = hidden @ self.decoder.w.lm_head.T  # [B, V]: generation needs the whole distribution
-        chosen = choose_tokens(logits, gens, self.tokenizer)  # all chosen before any is appended (retry-safe)
-        for g, (token, logprob) in zip(gens, chosen, strict=True):
-            g.append(token, logprob)
+        """Advances every unfinished generation by one token; a sequence whose step fails is marked failed
+        (`Generation.error`) without failing its batch-mates."""
+        self.generation.step(list(generations))
 
     def generate(self, request: GenerateRequest) -> GenerateResult:
-        gen = self.start_generation(request)
-        while not gen.finished:
-            self.step([gen])
-        if gen.error is not None:
-            raise gen.error
-        return gen.result()
-
+        return self.generation.generate(request)

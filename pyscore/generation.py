@@ -1,6 +1,7 @@
-"""Generation state and sampling: validation of a GenerateRequest, the per-sequence state the engine steps
-(KV cache, emitted tokens, stop handling, streamed deltas) and the next-token choice with top-k logprobs.
-Reported logprobs are those of the model's raw distribution (before temperature / top-k / top-p)."""
+"""Generation: validation of a GenerateRequest, the per-sequence state (KV cache, emitted tokens, stop handling,
+streamed deltas), the next-token choice with top-k logprobs, and the runner that steps sequences over the
+decoder (prefill, decode, token choice, cache bookkeeping). Reported logprobs are those of the model's raw
+distribution (before temperature / top-k / top-p). Like the engine, the runner is not thread-safe."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import Any
 import torch
 
 from pyscore.errors import FailedPrecondition, InvalidArgument
-from pyscore.model.decoder import KVCache
+from pyscore.model.decoder import Decoder, KVCache
+from pyscore.model.packing import Group, pack
 from pyscore.types import GenerateRequest, GenerateResult, TokenLogprob, TopLogprob, Usage
 
 MAX_TOP_LOGPROBS = 20
@@ -158,3 +160,97 @@ def choose_tokens(logits: torch.Tensor, gens: list[Generation], tokenizer: Any) 
             top = [TopLogprob(int(i), tokenizer.decode([int(i)]), float(v)) for v, i in zip(values, ids, strict=True)]
         out.append((token, TokenLogprob(token, tokenizer.decode([token]), float(logp[row, token]), top)))
     return out
+
+
+def eos_token_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
+    """Every id that ends a generation: the model config's eos_token_id (an int or a list) and the tokenizer's."""
+    eos = getattr(hf_config, "eos_token_id", None)
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+class GenerationRunner:
+    """Steps generations over the decoder: new sequences are prefilled together in one packed pass, running
+    ones decode together against their KV caches, and each then gets its next token. A pass that fails is
+    retried one sequence at a time, so only the failing sequence fails (`Generation.error`)."""
+
+    def __init__(self, decoder: Decoder, tokenizer: Any, eos_ids: frozenset[int]) -> None:
+        self.decoder = decoder
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+
+    def start(self, request: GenerateRequest) -> Generation:
+        """Validates and tokenizes the request; no model work (the first `step` prefills it)."""
+        cfg = self.decoder.cfg
+        if cfg.is_classifier:
+            raise FailedPrecondition("model", "a sequence-classification model cannot generate")
+        prompt = validate_generate(request, self.tokenizer, cfg.vocab_size, cfg.max_position_embeddings)
+        generator = None
+        if request.seed is not None:
+            generator = torch.Generator(device=self.decoder.device).manual_seed(int(request.seed))
+        return Generation(request=request, prompt=prompt, tokenizer=self.tokenizer, eos_ids=self.eos_ids,
+                          generator=generator)
+
+    def step(self, generations: list[Generation]) -> None:
+        """Advances every unfinished generation by one token."""
+        new = [g for g in generations if not g.finished and g.cache is None and not g.token_ids]
+        running = [g for g in generations if not g.finished and g.cache is not None and g not in new]
+        if new:
+            self._together_or_alone(self._prefill, new)
+        if running:
+            self._together_or_alone(self._decode, running)
+
+    def generate(self, request: GenerateRequest) -> GenerateResult:
+        gen = self.start(request)
+        while not gen.finished:
+            self.step([gen])
+        if gen.error is not None:
+            raise gen.error
+        return gen.result()
+
+    @staticmethod
+    def _together_or_alone(run: Any, gens: list[Generation]) -> None:
+        """run(gens) as one batch; if that raises, each alone, so only the failing sequence fails. Safe to
+        retry: a failed pass leaves no token appended and rewrites the same KV cache slots."""
+        try:
+            run(gens)
+        except Exception as e:
+            if len(gens) == 1:
+                gens[0].fail(e)
+                return
+            for g in gens:
+                try:
+                    run([g])
+                except Exception as e_alone:
+                    g.fail(e_alone)
+
+    def _prefill(self, gens: list[Generation]) -> None:
+        batch = pack([Group(prefix=[], items=[g.prompt], readouts=[[len(g.prompt) - 1]]) for g in gens])
+        for g in gens:
+            g.cache = self.decoder.new_cache(len(g.prompt) + g.request.max_tokens)
+        starts = batch.segments[:, 0].tolist()
+
+        def sink(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            for g, s in zip(gens, starts, strict=True):
+                n = len(g.prompt)
+                g.cache.k[layer, :n] = k[s : s + n]
+                g.cache.v[layer, :n] = v[s : s + n]
+
+        hidden = self.decoder.hidden_at(batch, kv_sink=sink)
+        for g in gens:
+            g.cache.length = len(g.prompt)
+        self._append(gens, hidden)
+
+    def _decode(self, gens: list[Generation]) -> None:
+        last = torch.tensor([g.token_ids[-1] for g in gens], dtype=torch.long)
+        self._append(gens, self.decoder.decode(last, [g.cache for g in gens]))
+
+    def _append(self, gens: list[Generation], hidden: torch.Tensor) -> None:
+        """Chooses every sequence's next token from hidden [B, H], then appends them: all are chosen before
+        any is appended, so a failure here leaves every sequence as it was before the token."""
+        logits = hidden @ self.decoder.w.lm_head.T  # [B, V]: generation needs the whole distribution
+        chosen = choose_tokens(logits, gens, self.tokenizer)
+        for g, (token, logprob) in zip(gens, chosen, strict=True):
+            g.append(token, logprob)

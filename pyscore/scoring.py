@@ -47,7 +47,7 @@ class PreparedScore:
         return sum(len(self.query) + len(item) for item in self.items)
 
     @property
-    def compute_tokens(self) -> int:
+    def computed_tokens(self) -> int:
         if self.mode == "mis" and self.items:
             return len(self.query) + sum(len(item) for item in self.items)
         return self.prompt_tokens

@@ -2,7 +2,7 @@
 
 Each worker iteration: (1) accepts the jobs that arrived (prepare_score / start_generation validate and
 tokenize; a bad request is answered at once), (2) drops jobs whose client went away or whose deadline passed,
-(3) runs one score batch — the waiting Score jobs in arrival order up to `max_batch_tokens` compute tokens, a
+(3) runs one score batch — the waiting Score jobs in arrival order up to `max_batch_tokens` computed tokens, a
 job larger than the budget alone — with a single `engine.run_prepared`, and (4) advances all running
 generations by one token with a single `engine.step`. Score batches and decode steps thus interleave, and
 requests that arrive during a forward pass join the next one. Results reach the loop through
@@ -51,15 +51,20 @@ def trim_heap() -> None:
         _LIBC.malloc_trim(0)
 
 
-class Prepared(Protocol):
-    compute_tokens: int
+class PreparedLike(Protocol):
+    """What the batcher reads of a prepared Score request (pyscore.scoring.PreparedScore)."""
+
+    computed_tokens: int
     num_items: int
 
 
-class Generation(Protocol):
+class GenerationLike(Protocol):
+    """What the batcher reads of a running generation (pyscore.generation.Generation)."""
+
     finished: bool
     prompt: list[int]
     request: GenerateRequest
+    error: Exception | None
 
     def take_delta(self) -> tuple[list[int], list[TokenLogprob], str]: ...
     def result(self) -> GenerateResult: ...
@@ -72,9 +77,9 @@ class EngineLike(Protocol):
 
     def info(self) -> ModelInfo: ...
     def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[str]]: ...
-    def prepare_score(self, request: ScoreRequest) -> Any: ...
+    def prepare_score(self, request: ScoreRequest) -> PreparedLike: ...
     def run_prepared(self, prepared: list[Any]) -> list[ScoreResult | Exception]: ...
-    def start_generation(self, request: GenerateRequest) -> Any: ...
+    def start_generation(self, request: GenerateRequest) -> GenerationLike: ...
     def step(self, generations: list[Any]) -> None: ...
 
 
@@ -138,7 +143,7 @@ class Batcher:
         self.max_batch_tokens = max_batch_tokens
         self.max_queue = max_queue
         self.max_request_tokens = max_request_tokens  # None = no limit
-        self.on_batch = on_batch  # (requests, compute tokens) of every score batch, on the worker thread
+        self.on_batch = on_batch  # (requests, computed tokens) of every score batch, on the worker thread
         self.stats = Stats()
         self._cond = threading.Condition()
         self._inbox: list[Job] = []  # guarded by _cond
@@ -262,7 +267,7 @@ class Batcher:
         try:
             if job.kind == "score":
                 job.work = self.engine.prepare_score(job.payload)
-                job.tokens = job.work.compute_tokens
+                job.tokens = job.work.computed_tokens
                 self._check_size("items", job.tokens, "the request computes")
                 self._pending.append(job)
                 return
@@ -335,7 +340,7 @@ class Batcher:
         still: list[Job] = []
         for job in self._active:
             gen = job.work
-            error = getattr(gen, "error", None)
+            error = gen.error
             if error is not None:  # this sequence alone failed; its batch-mates go on
                 self._finish(job, error)
                 continue

@@ -29,7 +29,7 @@ class Metrics:
                                  registry=r)
         self.batch_requests = Histogram("pyscore_batch_requests", "Score requests per packed forward pass",
                                         buckets=BATCH_BUCKETS, registry=r)
-        self.batch_tokens = Histogram("pyscore_batch_tokens", "compute tokens per packed forward pass",
+        self.batch_tokens = Histogram("pyscore_batch_tokens", "computed tokens per packed forward pass",
                                       buckets=TOKEN_BUCKETS, registry=r)
         self.tokens_computed = Counter("pyscore_tokens_computed", "tokens run through the model, by method",
                                        ["method"], registry=r)

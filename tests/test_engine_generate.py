@@ -33,7 +33,7 @@ def reference_greedy(path, prompt_ids, max_tokens):
 
 def test_greedy_matches_transformers_with_logprobs(model_dir):
     e = engine(model_dir)
-    e.eos_ids = frozenset()  # compare full-length runs; eos handling is tested separately
+    e.generation.eos_ids = frozenset()  # compare full-length runs; eos handling is tested separately
     result = e.generate(GenerateRequest(prompt=PROMPT, max_tokens=12, top_logprobs=5))
     prompt_ids = e.tokenize(PROMPT)[0]
     tokens, logps = reference_greedy(model_dir, prompt_ids, 12)
@@ -54,7 +54,7 @@ def test_embedded_greedy_matches_transformers(smollm2_dir):
     result = e.generate(req)
     prompt_ids = e.start_generation(req).prompt
     tokens, _ = reference_greedy(smollm2_dir, prompt_ids, 8)
-    eos = next(iter(e.eos_ids & set(tokens)), None)
+    eos = next(iter(e.generation.eos_ids & set(tokens)), None)
     assert result.token_ids == (tokens[: tokens.index(eos)] if eos is not None else tokens)
 
 
@@ -90,7 +90,7 @@ def test_stop_string_and_streamed_deltas(model_dir):
 def test_eos_finishes(model_dir):
     e = engine(model_dir)
     first = e.generate(GenerateRequest(prompt=PROMPT, max_tokens=1)).token_ids[0]
-    e.eos_ids = frozenset({first})
+    e.generation.eos_ids = frozenset({first})
     result = e.generate(GenerateRequest(prompt=PROMPT, max_tokens=5))
     assert result.finish_reason == "eos" and result.token_ids == []
 

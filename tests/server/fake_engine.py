@@ -53,7 +53,7 @@ class PreparedScore:
     label_ids: list[int]
     marker_id: int | None
     mode: str
-    compute_tokens: int
+    computed_tokens: int
     prompt_tokens: int
     tag: str  # what the batch log records: the query text, or "ids:<first id>"
 
@@ -71,6 +71,7 @@ class FakeGeneration:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finished: bool = False
     finish_reason: str = "length"
+    error: Exception | None = None  # as pyscore.generation.Generation: set when this sequence alone failed
     _text: str = ""
     _sent_tokens: int = 0
     _sent_chars: int = 0
@@ -231,7 +232,7 @@ class FakeEngine:
             ends = [i + 1 for i, t in enumerate(ids) if t == p.marker_id] if p.marker_id is not None else [len(ids)]
             rows.append([self._row(p.query_ids, ids[:end], p.label_ids, p.request) for end in ends])
         return ScoreResult(scores=rows, label_token_ids=p.label_ids, mode=p.mode,  # type: ignore[arg-type]
-                           usage=Usage(prompt_tokens=p.prompt_tokens, computed_tokens=p.compute_tokens))
+                           usage=Usage(prompt_tokens=p.prompt_tokens, computed_tokens=p.computed_tokens))
 
     @staticmethod
     def _row(query: list[int], item: list[int], labels: list[int], request: ScoreRequest) -> list[float]:
