@@ -82,8 +82,8 @@ class CMakeBuild(build_ext):
 
         cfg = ["-G", "Ninja", f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}", f"-DPython_EXECUTABLE={sys.executable}",
                f"-Dpybind11_DIR={pybind11.get_cmake_dir()}", "-DCMAKE_BUILD_TYPE=Release"]
-        if os.environ.get("PYSCORE_NO_CUDA"):
-            cfg.append("-DPYSCORE_BUILD_CUDA=OFF")
+        # Always explicit: CMake caches options, so a PYSCORE_NO_CUDA build would otherwise stick to later ones.
+        cfg.append(f"-DPYSCORE_BUILD_CUDA={'OFF' if os.environ.get('PYSCORE_NO_CUDA') else 'ON'}")
         jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
         subprocess.run(["cmake", str(ROOT), *cfg], cwd=build_temp, check=True)
         subprocess.run(["cmake", "--build", ".", "-j", jobs], cwd=build_temp, check=True)
