@@ -5,6 +5,7 @@ bad requests. It is not thread-safe: one worker owns it (see server/batcher)."""
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 
@@ -19,15 +20,15 @@ from pyscore.ops import _ext, label_logprobs
 from pyscore.scoring import ModelTraits, PreparedScore, prepare_score
 from pyscore.types import GenerateRequest, GenerateResult, ModelInfo, ScoreRequest, ScoreResult, Usage
 
+log = logging.getLogger(__name__)
+
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16}
 
 
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
-        cuda = _ext.cuda_module()
-        usable = torch.cuda.is_available() and cuda is not None and cuda.available()
-        return torch.device("cuda" if usable else "cpu")
+        return torch.device("cuda" if _ext.cuda_status()[0] else "cpu")
     return torch.device(device)
 
 
@@ -63,6 +64,12 @@ class Engine:
                                   id2label=loaded.cfg.id2label)
         self.generation = GenerationRunner(self.decoder, loaded.tokenizer,
                                            eos_token_ids(loaded.hf_config, loaded.tokenizer))
+        # Which path every op takes on this model's device and dtype, decided once by the op registry.
+        self.op_paths = _ext.op_paths(self.decoder.device, self.decoder.dtype, op_backend)
+        log.info("%s; model on %s in %s", _ext.cuda_status()[1], self.decoder.device,
+                 str(self.decoder.dtype).removeprefix("torch."))
+        for op, path in self.op_paths.items():
+            log.info("op %s: %s", op, path)
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, dtype: str | torch.dtype = "auto",
@@ -81,7 +88,8 @@ class Engine:
                          kind="classifier" if self.cfg.is_classifier else "causal_lm",
                          vocab_size=self.cfg.vocab_size, max_context=self.cfg.max_position_embeddings,
                          dtype=str(self.decoder.dtype).removeprefix("torch."), device=str(self.decoder.device),
-                         mis_supported=True, special_tokens=special, num_labels=self.cfg.num_labels)
+                         mis_supported=True, special_tokens=special, num_labels=self.cfg.num_labels,
+                         ops=dict(self.op_paths))
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[str]]:
         ids = list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])

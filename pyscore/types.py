@@ -91,3 +91,4 @@ class ModelInfo:
     mis_supported: bool
     special_tokens: dict[str, str]
     num_labels: int = 0  # classifiers: number of classes
+    ops: dict[str, str] = field(default_factory=dict)  # op -> the path it takes and why ("kernel: pyscore._C (...)")

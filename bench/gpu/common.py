@@ -78,7 +78,7 @@ def environment(device: torch.device | str) -> dict[str, Any]:
                                torch_cuda=torch.version.cuda, cpu=platform.processor() or platform.machine(),
                                cpu_count=os.cpu_count(), device=str(device),
                                cpu_kernels=_ext.cpu_module() is not None, cuda_kernels=_ext.cuda_module() is not None,
-                               cuda_kernels_error=_ext.cuda_import_error())
+                               cuda_kernels_error=_ext.import_error(_ext.CUDA_MODULE))
     if torch.device(device).type == "cuda":
         props = torch.cuda.get_device_properties(torch.device(device))
         env.update(gpu=props.name, sms=props.multi_processor_count, gpu_mem_gib=round(props.total_memory / 2**30, 1))

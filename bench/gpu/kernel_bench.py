@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     module = _ext.cuda_module() if device != "cpu" else _ext.cpu_module()
     report: dict[str, Any] = dict(env=environment(device), attention=[], mis_vs_sis=[], label_logprobs=[], errors=[])
     if module is None:
-        report["errors"].append(f"no kernel module for {device}: {_ext.cuda_import_error()}")
+        report["errors"].append(f"no kernel module for {device}: {_ext.import_error(_ext.CUDA_MODULE)}")
         write_json(args.out, report)
         return report
     models = ["tiny"] if tiny else ["qwen3-0.6b", "qwen3-8b"]

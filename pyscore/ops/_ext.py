@@ -1,85 +1,151 @@
-"""Loads the compiled extension modules. `_C` (CPU) is expected to be there after `make build`; `_C_cuda`
-is optional: when it is missing or no GPU/driver is present, CUDA is reported unavailable, never fatal."""
+"""The op registry: which compiled kernel runs each op on each device and for which dtypes, and, where none
+does, why the op's pure-PyTorch reference (`pyscore.ops.reference`) runs instead. The decision is made here and
+nowhere else: every op wrapper calls `kernel_for`, and the engine calls `op_paths` once at start to log and
+report (GetModelInfo) the same decisions.
+
+`pyscore._C` (CPU) is expected after `make build`; `pyscore._C_cuda` is optional: when it is missing or no
+GPU/driver is present, CUDA is reported off, never fatal. Backends: "auto" (a kernel where one fits, else the
+reference; PYSCORE_OP_BACKEND=reference forces the reference everywhere, a slow debugging switch), "kernel"
+(a kernel or a RuntimeError that says why not) and "reference"."""
 
 from __future__ import annotations
 
 import functools
 import importlib
 import os
+from dataclasses import dataclass
 from types import ModuleType
 
+import torch
+
+CPU_MODULE, CUDA_MODULE = "pyscore._C", "pyscore._C_cuda"
+_FP32_BF16 = frozenset({torch.float32, torch.bfloat16})
+_FP32_BF16_FP16 = _FP32_BF16 | {torch.float16}
+
+
+@dataclass(frozen=True)
+class Kernel:
+    module: str  # the extension module that binds the op under the op's name
+    dtypes: frozenset[torch.dtype]
+
+
+# (op, device type) -> its kernel. An op or device missing here runs the reference.
+REGISTRY: dict[str, dict[str, Kernel]] = {
+    "prefix_item_attention": {"cpu": Kernel(CPU_MODULE, _FP32_BF16), "cuda": Kernel(CUDA_MODULE, _FP32_BF16_FP16)},
+    "label_logprobs": {"cpu": Kernel(CPU_MODULE, _FP32_BF16), "cuda": Kernel(CUDA_MODULE, _FP32_BF16_FP16)},
+    "add_rms_norm": {"cpu": Kernel(CPU_MODULE, _FP32_BF16)},
+    "rotary": {"cpu": Kernel(CPU_MODULE, _FP32_BF16)},
+    "silu_mul": {"cpu": Kernel(CPU_MODULE, _FP32_BF16)},
+}
+
 
 @functools.cache
-def cpu_module() -> ModuleType | None:
+def _load(name: str) -> tuple[ModuleType | None, str | None]:
+    """(module, None) or (None, why it failed to import)."""
     try:
-        return importlib.import_module("pyscore._C")
-    except ImportError:
-        return None
-
-
-@functools.cache
-def cuda_module() -> ModuleType | None:
-    try:
-        return importlib.import_module("pyscore._C_cuda")
-    except ImportError:
-        return None
-
-
-@functools.cache
-def cuda_import_error() -> str | None:
-    """Why `_C_cuda` cannot be used (None when it can): reported by model info, never raised."""
-    try:
-        importlib.import_module("pyscore._C_cuda")
+        return importlib.import_module(name), None
     except ImportError as e:
-        return f"pyscore._C_cuda not importable: {e}"
-    return None
+        return None, str(e)
 
 
-def torch_dtype_name(dtype) -> str:
+def cpu_module() -> ModuleType | None:
+    return _load(CPU_MODULE)[0]
+
+
+def cuda_module() -> ModuleType | None:
+    return _load(CUDA_MODULE)[0]
+
+
+def import_error(name: str) -> str | None:
+    """Why extension module `name` cannot be imported (None when it can)."""
+    return _load(name)[1]
+
+
+def cuda_status() -> tuple[bool, str]:
+    """(usable, why): whether CUDA kernels can run here, for device="auto" and the start-up log."""
+    module = cuda_module()
+    if module is None:
+        return False, f"CUDA off: `_C_cuda` failed to import: {import_error(CUDA_MODULE)}"
+    if not module.available():
+        return False, "CUDA off: `_C_cuda` sees no GPU or driver"
+    if not torch.cuda.is_available():
+        return False, "CUDA off: this torch build has no CUDA device"
+    return True, f"CUDA on: {module.device_count()} device(s)"
+
+
+def default_backend() -> str:
+    """What backend="auto" means in this process (PYSCORE_OP_BACKEND=reference forces the reference)."""
+    return os.environ.get("PYSCORE_OP_BACKEND", "auto")
+
+
+def _module_for(name: str) -> ModuleType | None:
+    return cpu_module() if name == CPU_MODULE else cuda_module()
+
+
+def resolve(op: str, device: torch.device, dtype: torch.dtype, backend: str = "auto") -> tuple[ModuleType | None, str]:
+    """(the module whose kernel runs `op` for `dtype` tensors on `device`, or None for the reference; and why)."""
+    if backend not in ("auto", "kernel", "reference"):
+        raise ValueError(f"backend must be auto, kernel or reference, got {backend!r}")
+    if backend == "auto" and default_backend() == "reference":
+        return None, "reference: PYSCORE_OP_BACKEND=reference"
+    if backend == "reference":
+        return None, "reference: op_backend=reference"
+    spec = REGISTRY[op].get(device.type)
+    if spec is None:
+        return None, f"reference: no {device.type.upper()} kernel for {op}"
+    if dtype not in spec.dtypes:
+        names = "/".join(sorted(_dtype_name(d) for d in spec.dtypes))
+        return None, f"reference: the {device.type.upper()} kernel takes {names}, not {_dtype_name(dtype)}"
+    module = _module_for(spec.module)
+    if module is None:
+        what = "CUDA off" if spec.module == CUDA_MODULE else "CPU kernels off"
+        short = spec.module.removeprefix("pyscore.")
+        return None, f"reference: {what}: `{short}` failed to import: {import_error(spec.module)}"
+    return module, f"kernel: {spec.module}"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def kernel_for(op: str, x: torch.Tensor, backend: str = "auto") -> ModuleType | None:
+    """The module whose kernel runs `op` on tensor x, or None when the reference should; with backend "kernel",
+    a RuntimeError saying why no kernel fits instead of None."""
+    module, why = resolve(op, x.device, x.dtype, backend)
+    if module is None and backend == "kernel":
+        raise RuntimeError(f"no {op} kernel for {x.dtype} on {x.device}: {why}")
+    return module
+
+
+def op_paths(device: torch.device, dtype: torch.dtype, backend: str = "auto") -> dict[str, str]:
+    """op -> the path it takes for a model on `device` in `dtype`, and why; CPU kernels name the ISA they run."""
+    paths = {}
+    for op in REGISTRY:
+        module, why = resolve(op, device, dtype, backend)
+        if module is not None and device.type == "cpu":
+            why += f" ({cpu_isa(module)})"
+        paths[op] = why
+    return paths
+
+
+def cpu_isa(module: ModuleType) -> str:
+    """Which code path the CPU kernels dispatch to at run time (the same test as csrc/common/cpu_features.h)."""
+    off = os.environ.get("PYSCORE_DISABLE_AVX512", "")
+    if not module.cpu_features()["avx512bf16"]:
+        return "portable: this CPU lacks AVX512-BF16"
+    if off not in ("", "0"):
+        return "portable: PYSCORE_DISABLE_AVX512 is set"
+    return "AVX-512 BF16"
+
+
+def torch_dtype_name(dtype: torch.dtype) -> str:
     """The kernel-side dtype name ('float32' | 'bfloat16' | 'float16') of a torch dtype."""
-    import torch
-
     names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
     if dtype not in names:
         raise TypeError(f"unsupported dtype {dtype}; expected float32, bfloat16 or float16")
     return names[dtype]
 
 
-def cuda_stream(device) -> int:
+def cuda_stream(device: torch.device) -> int:
     """The raw cudaStream_t (as int) of torch's current stream on `device`."""
-    import torch
-
     return int(torch.cuda.current_stream(device).cuda_stream)
-
-
-def kernel_module(x, backend: str, op: str, *, cuda_kernel: bool = True,
-                  dtypes: tuple | None = None) -> ModuleType | None:
-    """The extension module whose kernel `op` should run on tensor x, or None when its torch reference should:
-    backend "reference" (or PYSCORE_OP_BACKEND=reference), no module built for x's device, an op without a CUDA
-    kernel on a CUDA tensor (cuda_kernel=False), or a dtype outside `dtypes`. backend "kernel" raises instead of
-    falling back."""
-    if backend == "auto":
-        backend = default_backend()
-    if backend == "reference":
-        return None
-    on_cpu = x.device.type == "cpu"
-    module = cpu_module() if on_cpu else cuda_module() if (x.is_cuda and cuda_kernel) else None
-    if dtypes is not None and x.dtype not in dtypes:
-        module = None
-    if module is None and backend == "kernel":
-        raise RuntimeError(f"no {op} kernel for {x.dtype} on {x.device}")
-    return module
-
-
-def elementwise_cpu_module(x, backend: str, op: str) -> ModuleType | None:
-    """kernel_module for the decoder's elementwise ops (add_rms_norm, rotary, silu_mul): C++ CPU kernels for
-    fp32 and bf16 only; CUDA tensors and other dtypes run the torch reference."""
-    import torch
-
-    return kernel_module(x, backend, op, cuda_kernel=False, dtypes=(torch.float32, torch.bfloat16))
-
-
-def default_backend() -> str:
-    """What backend="auto" means: the kernels where built, else the reference; PYSCORE_OP_BACKEND=reference
-    forces the fp32 reference everywhere (a slow debugging switch)."""
-    return os.environ.get("PYSCORE_OP_BACKEND", "auto")

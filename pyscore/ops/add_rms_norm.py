@@ -1,6 +1,6 @@
 """add_rms_norm: the residual add + RMSNorm between decoder sublayers in one pass (see csrc/add_rms_norm/params.h
-for the contract). The C++ kernel runs for CPU fp32/bf16 tensors; CUDA tensors (no CUDA kernel for this op yet)
-and other dtypes take the torch reference, which has the same semantics."""
+for the contract). Where no kernel fits (see the registry in pyscore/ops/_ext.py: today a C++ kernel for CPU
+fp32/bf16 tensors only) the torch reference runs, which has the same semantics."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def add_rms_norm(
     x += delta in place when delta is given. out, when given, must overlap neither x nor delta.
     backend: "auto" | "kernel" | "reference"."""
     _check(x, weight, delta, out)
-    module = _ext.elementwise_cpu_module(x, backend, "add_rms_norm")
+    module = _ext.kernel_for("add_rms_norm", x, backend)
     if module is None:
         normed = add_rms_norm_ref(x, weight, eps, delta)
         return normed if out is None else out.copy_(normed)

@@ -1,6 +1,7 @@
 """label_logprobs: the label scores at read-out rows without a vocabulary-wide softmax (see
 csrc/label_logprobs/params.h). Returns fp32 (logprobs [R, K] under the full-vocabulary softmax, softmax over
-each row's valid labels [R, K]); label ids < 0 are padding. Dispatch as in prefix_item_attention."""
+each row's valid labels [R, K]); label ids < 0 are padding. The CPU or CUDA kernel runs where the registry in
+pyscore/ops/_ext.py has one for the tensors' device and dtype, else the fp32 reference."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def label_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [R, H] with LM head weight [V, H], or logits [R, V] with weight None; labels [R, K] int."""
     vocab = _check(hidden, weight, labels)
-    module = _ext.kernel_module(hidden, backend, "label_logprobs")
+    module = _ext.kernel_for("label_logprobs", hidden, backend)
     if module is None or hidden.shape[0] == 0:
         return label_logprobs_ref(hidden, weight, labels.to(hidden.device))
     rows, num_labels = labels.shape

@@ -79,7 +79,7 @@ def prefix_item_attention(
     num_tokens, num_q_heads, head_dim = q.shape
     _check_segments(segments, num_tokens)
     scale = head_dim**-0.5 if scale is None else float(scale)
-    module = _ext.kernel_module(q, backend, "prefix_item_attention")
+    module = _ext.kernel_for("prefix_item_attention", q, backend)
     if module is None:
         return prefix_item_attention_ref(q, k, v, segments, scale).to(q.dtype)
     if out is None:

@@ -1,7 +1,7 @@
 """rotary_: rotary position embeddings applied in place to q and k, usually strided views into the fused qkv
 projection output, with the Qwen3 per-head q/k RMSNorm optionally fused in (see csrc/rotary/params.h for the
-contract). The C++ kernel runs for CPU fp32/bf16 tensors; CUDA tensors (no CUDA kernel for this op yet) and other
-dtypes take the torch reference, which has the same semantics."""
+contract). Where no kernel fits (see the registry in pyscore/ops/_ext.py: today a C++ kernel for CPU fp32/bf16
+tensors only) the torch reference runs, which has the same semantics."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def rotary_(
     < P) by the fp32 tables cos/sin [P, D] (`pyscore.model.rope.Rotary`), after a per-head RMSNorm with
     q_norm / k_norm [D] when given (Qwen3). backend: "auto" | "kernel" | "reference"."""
     _check(q, k, positions, cos, sin, q_norm, k_norm)
-    module = _ext.elementwise_cpu_module(q, backend, "rotary")
+    module = _ext.kernel_for("rotary", q, backend)
     if module is None:
         return rotary_ref(q, k, positions, cos, sin, q_norm, k_norm, eps)
     num_tokens, num_q_heads, head_dim = q.shape

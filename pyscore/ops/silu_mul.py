@@ -1,6 +1,6 @@
 """silu_mul: the SwiGLU activation silu(gate) * up on the fused gate_up projection output (see
-csrc/silu_mul/params.h for the contract). The C++ kernel runs for CPU fp32/bf16 tensors; CUDA tensors (no CUDA
-kernel for this op yet) and other dtypes take the torch reference, which has the same semantics."""
+csrc/silu_mul/params.h for the contract). Where no kernel fits (see the registry in pyscore/ops/_ext.py: today a
+C++ kernel for CPU fp32/bf16 tensors only) the torch reference runs, which has the same semantics."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None, backend: st
                             or out.device != gate_up.device):
         raise ValueError(f"out must be [T, I]=({num_rows}, {width}) {gate_up.dtype} on {gate_up.device}, contiguous "
                          f"in its last dim, got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
-    module = _ext.elementwise_cpu_module(gate_up, backend, "silu_mul")
+    module = _ext.kernel_for("silu_mul", gate_up, backend)
     if module is None:
         result = silu_mul_ref(gate_up)
         return result if out is None else out.copy_(result)

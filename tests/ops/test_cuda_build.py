@@ -16,7 +16,7 @@ def cuda_module():
     module = _ext.cuda_module()
     if module is None:
         if shutil.which("nvcc"):
-            pytest.fail(f"nvcc is installed but {_ext.cuda_import_error()}")
+            pytest.fail(f"nvcc is installed but {_ext.import_error(_ext.CUDA_MODULE)}")
         pytest.skip("pyscore._C_cuda not built (no nvcc)")
     return module
 
