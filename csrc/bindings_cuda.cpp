@@ -8,13 +8,12 @@
 #include "common/bind_args.h"
 #include "label_logprobs/launch.h"
 #include "prefix_item_attention/launch.h"
-#include "prefix_item_attention/merge_state_cuda.h"
 
 namespace py = pybind11;
 using namespace pyscore;
 
 PYBIND11_MODULE(_C_cuda, m) {
-  m.doc() = "pyscore CUDA kernels (sm_90a): prefix_item_attention, label_logprobs and merge_state";
+  m.doc() = "pyscore CUDA kernels (sm_90a): prefix_item_attention and label_logprobs";
   m.def("prefix_item_attention",
         [](uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t o, Strides qs, Strides ks, Strides vs, Strides os,
            uintptr_t segments, int32_t num_segments, int32_t num_tokens, int32_t num_q_heads, int32_t num_kv_heads,
@@ -31,17 +30,6 @@ PYBIND11_MODULE(_C_cuda, m) {
                                      label_softmax, logz, num_rows, hidden_size, vocab_size, num_labels, dtype);
           throw_on_error(label_logprobs_cuda(p, reinterpret_cast<void*>(stream)), "label_logprobs");
         });
-  // Argument order as in _C.merge_state (plus the stream), so tests call either module the same way.
-  m.def("merge_state",
-        [](uintptr_t o_a, uintptr_t lse_a, uintptr_t o_b, uintptr_t lse_b, uintptr_t o_out, uintptr_t lse_out,
-           int32_t rows, int32_t dim, uintptr_t stream) {
-          auto f = [](uintptr_t x) { return reinterpret_cast<float*>(x); };
-          throw_on_error(merge_state_cuda(f(o_a), f(lse_a), f(o_b), f(lse_b), rows, dim, f(o_out), f(lse_out),
-                                          reinterpret_cast<void*>(stream)),
-                         "merge_state");
-        },
-        "Merges two partial attention states (fp32 o [rows, dim], lse [rows], contiguous) by log-sum-exp; "
-        "o_out / lse_out may alias the first state");
   m.def("available", []() {
     int n = 0;
     return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;

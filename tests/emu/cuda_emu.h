@@ -1,5 +1,5 @@
 // A small host-side SIMT emulator, just enough to run the real kernel sources of csrc/ (the *_kernels.cuh
-// headers and common/merge_state.cuh) on a machine without a GPU: every CUDA thread of a block is a std::thread,
+// headers) on a machine without a GPU: every CUDA thread of a block is a std::thread,
 // __syncthreads and warp collectives are barriers, `__shared__` variables are statics (blocks run one at a
 // time), and common/mma_ptx.cuh is replaced by include/common/mma_ptx.cuh, which implements cp.async, ldmatrix
 // and mma.sync from the fragment layouts of the PTX ISA. It checks the kernels' index arithmetic, masks,

@@ -7,7 +7,6 @@
 #include <string>
 #include <vector>
 
-#include "common/merge_state.cuh"
 #include "label_logprobs/label_logprobs_kernels.cuh"
 #include "prefix_item_attention/prefix_item_attention_kernels.cuh"
 
@@ -305,51 +304,11 @@ void check_labels(const std::string& name, int rows, int hidden_size, int vocab,
   report(name, max_err, sum_err / double(count), 2e-5, 2e-6);
 }
 
-// ---- merge_state -------------------------------------------------------------------------------------------------
-
-void check_merge() {
-  const int rows = 9, dim = 40;
-  std::mt19937 rng(3);
-  std::normal_distribution<float> normal(0.f, 2.f);
-  std::vector<float> o_a(rows * dim), o_b(rows * dim), lse_a(rows), lse_b(rows);
-  for (auto& x : o_a) x = normal(rng);
-  for (auto& x : o_b) x = normal(rng);
-  for (int r = 0; r < rows; ++r) lse_a[r] = normal(rng), lse_b[r] = normal(rng);
-  lse_a[1] = -INFINITY;                       // only b
-  lse_b[2] = -INFINITY;                       // only a
-  lse_a[3] = lse_b[3] = -INFINITY;            // neither: o = 0, lse = -inf
-  lse_a[4] = 80.f, lse_b[4] = -80.f;          // far apart
-  const std::vector<float> a0 = o_a, la0 = lse_a;
-  // Outputs alias the `a` inputs, as the launcher allows.
-  emu::launch(dim3(ceil_div(rows, kMergeWarps)), dim3(kMergeWarps * 32), 0, [&] {
-    merge_state_kernel(o_a.data(), lse_a.data(), o_b.data(), lse_b.data(), rows, dim, o_a.data(), lse_a.data());
-  });
-  double max_err = 0, sum_err = 0;
-  for (int r = 0; r < rows; ++r) {
-    const double a = la0[r], b = lse_b[r];
-    double m = std::max(a, b);
-    if (std::isinf(m)) m = 0;
-    const double wa = std::exp(a - m), wb = std::exp(b - m), den = wa + wb;
-    const double lse = m + std::log(den);
-    const double e = (std::isinf(lse) && std::isinf(lse_a[r])) ? 0 : std::fabs(lse_a[r] - lse);
-    max_err = std::max(max_err, std::isnan(e) ? INFINITY : e);
-    for (int d = 0; d < dim; ++d) {
-      const double want = den > 0 ? (wa * a0[r * dim + d] + wb * o_b[r * dim + d]) / den : 0.0;
-      const double err = std::fabs(o_a[r * dim + d] - want);
-      max_err = std::max(max_err, std::isnan(err) ? INFINITY : err);
-      sum_err += err;
-    }
-  }
-  report("merge_state (aliased outputs, -inf sides)", max_err, sum_err / (rows * dim), 1e-5, 1e-6);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   const std::string only = argc > 1 ? argv[1] : "";
   auto want = [&](const char* part) { return only.empty() || only == part; };
-
-  if (want("merge")) check_merge();
 
   if (want("attention")) {
     // Two MIS groups (items of 1..70 tokens, one longer than a tile), plain causal sequences back to back

@@ -22,7 +22,7 @@ def cuda_module():
 
 
 def test_module_imports_and_exposes_the_ops(cuda_module):
-    for name in ("prefix_item_attention", "label_logprobs", "merge_state", "available", "device_count"):
+    for name in ("prefix_item_attention", "label_logprobs", "available", "device_count"):
         assert callable(getattr(cuda_module, name)), name
 
 
