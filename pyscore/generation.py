@@ -128,9 +128,15 @@ class Generation:
                                           computed_tokens=len(self.prompt) + len(self.token_ids)))
 
 
+class NonFiniteLogits(RuntimeError):
+    """The model produced NaN or inf logits for one sequence (its generation stops; INTERNAL for its caller)."""
+
+
 def _filtered_logits(logits: torch.Tensor, req: GenerateRequest) -> torch.Tensor:
-    """Temperature, top-k and top-p applied to one row of fp32 logits [V]."""
-    logits = logits / req.temperature
+    """Temperature, top-k and top-p applied to one row of finite fp32 logits [V]. The row's maximum is
+    subtracted before dividing by the temperature, so no temperature > 0 can overflow: every value is <= 0,
+    and as T -> 0 the distribution tends to the argmax instead of inf / inf = NaN."""
+    logits = (logits - logits.max()) / req.temperature
     if req.top_k:
         kth = torch.topk(logits, min(req.top_k, logits.shape[-1])).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -142,24 +148,38 @@ def _filtered_logits(logits: torch.Tensor, req: GenerateRequest) -> torch.Tensor
     return logits
 
 
-def choose_tokens(logits: torch.Tensor, gens: list[Generation], tokenizer: Any) -> list[tuple[int, TokenLogprob]]:
-    """logits [B, V] (any dtype) -> per generation the next token and its logprob entry."""
+Choice = tuple[int, TokenLogprob]
+
+
+def choose_tokens(logits: torch.Tensor, gens: list[Generation], tokenizer: Any) -> list[Choice | Exception]:
+    """logits [B, V] (any dtype) -> per generation its next token and logprob entry, or the exception that
+    fails that sequence alone (NonFiniteLogits for a NaN / inf row)."""
     logits = logits.float()
+    finite = torch.isfinite(logits).all(dim=-1).tolist()
     logp = torch.log_softmax(logits, dim=-1)
-    out = []
+    out: list[Choice | Exception] = []
     for row, gen in enumerate(gens):
-        req = gen.request
-        if req.temperature == 0:
-            token = int(torch.argmax(logits[row]))
-        else:
-            probs = _filtered_logits(logits[row], req).softmax(-1)
-            token = int(torch.multinomial(probs, 1, generator=gen.generator))
-        top = []
-        if req.top_logprobs:
-            values, ids = torch.topk(logp[row], req.top_logprobs)
-            top = [TopLogprob(int(i), tokenizer.decode([int(i)]), float(v)) for v, i in zip(values, ids, strict=True)]
-        out.append((token, TokenLogprob(token, tokenizer.decode([token]), float(logp[row, token]), top)))
+        if not finite[row]:
+            out.append(NonFiniteLogits(f"the model's logits for this sequence are not finite (NaN or inf) at "
+                                       f"generated token {len(gen.token_ids) + 1}; its generation stopped"))
+            continue
+        out.append(_choose(logits[row], logp[row], gen.request, gen.generator, tokenizer))
     return out
+
+
+def _choose(logits: torch.Tensor, logp: torch.Tensor, req: GenerateRequest, generator: torch.Generator | None,
+            tokenizer: Any) -> Choice:
+    """One row: the next token (greedy or sampled) and its logprob entry with the top alternatives."""
+    if req.temperature == 0:
+        token = int(torch.argmax(logits))
+    else:
+        probs = _filtered_logits(logits, req).softmax(-1)
+        token = int(torch.multinomial(probs, 1, generator=generator))
+    top = []
+    if req.top_logprobs:
+        values, ids = torch.topk(logp, req.top_logprobs)
+        top = [TopLogprob(int(i), tokenizer.decode([int(i)]), float(v)) for v, i in zip(values, ids, strict=True)]
+    return token, TokenLogprob(token, tokenizer.decode([token]), float(logp[token]), top)
 
 
 def eos_token_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
@@ -213,7 +233,8 @@ class GenerationRunner:
     @staticmethod
     def _together_or_alone(run: Any, gens: list[Generation]) -> None:
         """run(gens) as one batch; if that raises, each alone, so only the failing sequence fails. Safe to
-        retry: a failed pass leaves no token appended and rewrites the same KV cache slots."""
+        retry: a pass commits nothing (no cache length, no token) until it has succeeded, and a retried pass
+        rewrites the same KV slots."""
         try:
             run(gens)
         except Exception as e:
@@ -228,29 +249,35 @@ class GenerationRunner:
 
     def _prefill(self, gens: list[Generation]) -> None:
         batch = pack([Group(prefix=[], items=[g.prompt], readouts=[[len(g.prompt) - 1]]) for g in gens])
-        for g in gens:
-            g.cache = self.decoder.new_cache(len(g.prompt) + g.request.max_tokens)
+        caches = [self.decoder.new_cache(len(g.prompt) + g.request.max_tokens) for g in gens]
         starts = batch.segments[:, 0].tolist()
 
         def sink(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-            for g, s in zip(gens, starts, strict=True):
+            for g, cache, s in zip(gens, caches, starts, strict=True):
                 n = len(g.prompt)
-                g.cache.k[layer, :n] = k[s : s + n]
-                g.cache.v[layer, :n] = v[s : s + n]
+                cache.k[layer, :n] = k[s : s + n]
+                cache.v[layer, :n] = v[s : s + n]
 
         hidden = self.decoder.hidden_at(batch, kv_sink=sink)
-        for g in gens:
-            g.cache.length = len(g.prompt)
-        self._append(gens, hidden)
+        self._commit(gens, hidden, caches, [len(g.prompt) for g in gens])
 
     def _decode(self, gens: list[Generation]) -> None:
         last = torch.tensor([g.token_ids[-1] for g in gens], dtype=torch.long)
-        self._append(gens, self.decoder.decode(last, [g.cache for g in gens]))
+        caches = [g.cache for g in gens]
+        hidden = self.decoder.decode(last, caches)  # writes slot `length` of each cache, commits nothing
+        self._commit(gens, hidden, caches, [c.length + 1 for c in caches])
 
-    def _append(self, gens: list[Generation], hidden: torch.Tensor) -> None:
-        """Chooses every sequence's next token from hidden [B, H], then appends them: all are chosen before
-        any is appended, so a failure here leaves every sequence as it was before the token."""
+    def _commit(self, gens: list[Generation], hidden: torch.Tensor, caches: list[KVCache],
+                lengths: list[int]) -> None:
+        """Chooses every sequence's next token from hidden [B, H]; only then commits, per sequence, its cache
+        (now `length` valid tokens) and its token. A row whose choice failed fails that sequence alone; if
+        this raises before the loop, nothing has changed and the pass can be retried."""
         logits = hidden @ self.decoder.w.lm_head.T  # [B, V]: generation needs the whole distribution
         chosen = choose_tokens(logits, gens, self.tokenizer)
-        for g, (token, logprob) in zip(gens, chosen, strict=True):
-            g.append(token, logprob)
+        for g, cache, length, choice in zip(gens, caches, lengths, chosen, strict=True):
+            if isinstance(choice, Exception):
+                g.fail(choice)
+                continue
+            cache.length = length
+            g.cache = cache
+            g.append(*choice)

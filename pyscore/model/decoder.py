@@ -25,7 +25,8 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 @dataclass
 class KVCache:
-    """One sequence's keys/values for all layers: k, v [L, capacity, Hkv, D]; `length` tokens are valid."""
+    """One sequence's keys/values for all layers: k, v [L, capacity, Hkv, D]; `length` tokens are valid (slots
+    past it may hold the writes of a step that has not been committed)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -95,8 +96,10 @@ class Decoder:
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
-        """One new token per sequence (tokens [B]) at position cache.length; appends to each cache and
-        returns final-normed hidden states [B, H]."""
+        """One new token per sequence (tokens [B]) at position cache.length: writes its keys and values into
+        slot cache.length, attends over slots [0, length] and returns final-normed hidden states [B, H]. It
+        does not advance `length`: the caller commits the slot once the whole step has succeeded, so a failed
+        step retried rewrites the same slot."""
         device = self.device
         positions = torch.tensor([c.length for c in caches], dtype=torch.long, device=device)
 
@@ -115,8 +118,6 @@ class Decoder:
         delta = None
         for i in range(len(self.w.layers)):
             x, delta = self._layer(i, x, delta, positions, attend)
-        for cache in caches:
-            cache.length += 1
         return self._norm(x, self.w.final_norm, delta)
 
     def new_cache(self, capacity: int) -> KVCache:
