@@ -192,3 +192,23 @@ def test_tiny_temperature_samples_the_argmax(model_dir, temperature, filters):
     greedy = e.generate(GenerateRequest(prompt=PROMPT, max_tokens=6))
     cold = e.generate(GenerateRequest(prompt=PROMPT, max_tokens=6, temperature=temperature, seed=1, **filters))
     assert cold.token_ids == greedy.token_ids
+
+
+def test_prefill_is_capped_by_the_token_budget(model_dir):
+    """New sequences are prefilled in arrival order while their prompts fit max_batch_tokens (one larger than
+    the budget alone); the rest wait for the next step. Tokens are the same as alone."""
+    e = Engine.from_pretrained(model_dir, dtype="float32", device="cpu", threads=2, max_batch_tokens=24)
+    reqs = [GenerateRequest(prompt_token_ids=list(range(5, 5 + n)), max_tokens=3) for n in (10, 12, 9, 30)]
+    alone = [e.generate(r).token_ids for r in reqs]
+    passes, hidden_at = [], e.decoder.hidden_at
+
+    def counting_hidden_at(batch, **kw):
+        passes.append(int(batch.tokens.numel()))
+        return hidden_at(batch, **kw)
+
+    e.decoder.hidden_at = counting_hidden_at
+    gens = [e.start_generation(r) for r in reqs]
+    while not all(g.finished for g in gens):
+        e.step(gens)
+    assert passes == [22, 9, 30]
+    assert [g.result().token_ids for g in gens] == alone

@@ -248,3 +248,66 @@ def test_idle_worker_trims_the_heap(server: ServerThread, client: ScorerClient,
     wait_for(lambda: len(trims) >= 1, what="a trim after the request")
     monkeypatch.undo()
     batcher_module.trim_heap()  # the real one runs here (glibc) or does nothing
+
+
+def _generate_future(client: ScorerClient, prompt: str, max_tokens: int, timeout: float = 10) -> grpc.Future:
+    return client.stub.Generate.future(generate_message(prompt, "", max_tokens=max_tokens), timeout=timeout)
+
+
+def test_generations_past_max_running_wait_their_turn(start_server: Any, fake: FakeEngine) -> None:
+    server = start_server(fake, max_running_generations=2)
+    with ScorerClient(server.target, timeout=10) as client:
+        fake.pause()
+        blocker = _score_future(client, "first")
+        assert fake.wait_entered()
+        gens = [_generate_future(client, f"prompt {i}", 3) for i in range(5)]
+        wait_for(lambda: server.batcher.waiting() == 5, what="5 waiting generations")
+        steps_before = len(fake.steps)
+        fake.resume()
+        blocker.result()
+        assert [len(g.result().token_ids) for g in gens] == [3] * 5
+        # two run at a time; a finished one's place is taken at the next step, in arrival order
+        assert fake.steps[steps_before:] == [2, 2, 2, 2, 2, 2, 1, 1, 1]
+
+
+def test_kv_budget_reserves_prompt_plus_max_tokens(start_server: Any, fake: FakeEngine) -> None:
+    # each generation reserves 1 (BOS) + 2 prompt + 6 new = 9 tokens; a 20-token budget runs two at a time
+    server = start_server(fake, max_kv_tokens=20)
+    with ScorerClient(server.target, timeout=10) as client:
+        fake.pause()
+        blocker = _score_future(client, "first")
+        assert fake.wait_entered()
+        gens = [_generate_future(client, f"prompt {i}", 6) for i in range(3)]
+        wait_for(lambda: server.batcher.waiting() == 3, what="3 waiting generations")
+        steps_before = len(fake.steps)
+        fake.resume()
+        blocker.result()
+        assert [len(g.result().token_ids) for g in gens] == [6] * 3
+        assert max(fake.steps[steps_before:]) == 2 and sum(fake.steps[steps_before:]) == 18
+
+
+def test_generation_that_can_never_fit_is_refused_at_once(start_server: Any, fake: FakeEngine) -> None:
+    server = start_server(fake, max_kv_tokens=20)
+    with ScorerClient(server.target, timeout=10) as client:
+        steps = len(fake.steps)
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate("a long prompt of words", max_tokens=16)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert err.value.details().startswith("max_tokens:") and "--max-kv-tokens" in err.value.details()
+        assert fake.steps[steps:] == []
+        assert client.generate("short", max_tokens=2).token_ids
+
+
+def test_generations_waiting_for_a_slot_hold_queue_places(start_server: Any, fake: FakeEngine) -> None:
+    server = start_server(fake, max_running_generations=1, max_queue=2)
+    with ScorerClient(server.target, timeout=20) as client:
+        fake.delay_s = 0.02  # the running generation takes 40 steps, ~1 s
+        running = _generate_future(client, "running", 40)
+        wait_for(lambda: len(fake.steps) > 0, what="the first generation to run")
+        queued = [_generate_future(client, f"queued {i}", 2) for i in range(2)]
+        wait_for(lambda: server.batcher.waiting() == 2 and len(fake.steps) > 3, what="2 generations waiting")
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate("refused", max_tokens=2, timeout=2)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in err.value.details()
+        assert [len(f.result().token_ids) for f in [running, *queued]] == [40, 2, 2]
+        assert max(fake.steps) == 1
