@@ -63,13 +63,15 @@ class Engine:
                                   is_classifier=loaded.cfg.is_classifier, num_labels=loaded.cfg.num_labels,
                                   id2label=loaded.cfg.id2label)
         self.generation = GenerationRunner(self.decoder, loaded.tokenizer,
-                                           eos_token_ids(loaded.hf_config, loaded.tokenizer))
+                                           eos_token_ids(loaded.hf_config, loaded.tokenizer), max_batch_tokens)
         # Which path every op takes on this model's device and dtype, decided once by the op registry.
         self.op_paths = _ext.op_paths(self.decoder.device, self.decoder.dtype, op_backend)
         log.info("%s; model on %s in %s", _ext.cuda_status()[1], self.decoder.device,
                  str(self.decoder.dtype).removeprefix("torch."))
         for op, path in self.op_paths.items():
             log.info("op %s: %s", op, path)
+        log.info("generation KV cache: %d bytes per token (65536 tokens = %.2f GiB)",
+                 self.decoder.kv_bytes_per_token, 65536 * self.decoder.kv_bytes_per_token / 2**30)
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, dtype: str | torch.dtype = "auto",

@@ -192,14 +192,18 @@ def eos_token_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
 
 
 class GenerationRunner:
-    """Steps generations over the decoder: new sequences are prefilled together in one packed pass, running
-    ones decode together against their KV caches, and each then gets its next token. A pass that fails is
-    retried one sequence at a time, so only the failing sequence fails (`Generation.error`)."""
+    """Steps generations over the decoder: new sequences are prefilled together in one packed pass of at most
+    `max_prefill_tokens` prompt tokens (taken in arrival order; one larger prompt alone; the others wait for
+    the next step), running ones decode together against their KV caches, and each then gets its next token.
+    A pass that fails is retried one sequence at a time, so only the failing sequence fails
+    (`Generation.error`). How many sequences run at once is the caller's bound (server/batcher admits them
+    against --max-running-generations and --max-kv-tokens)."""
 
-    def __init__(self, decoder: Decoder, tokenizer: Any, eos_ids: frozenset[int]) -> None:
+    def __init__(self, decoder: Decoder, tokenizer: Any, eos_ids: frozenset[int], max_prefill_tokens: int = 8192):
         self.decoder = decoder
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
+        self.max_prefill_tokens = max_prefill_tokens
 
     def start(self, request: GenerateRequest) -> Generation:
         """Validates and tokenizes the request; no model work (the first `step` prefills it)."""
@@ -214,13 +218,25 @@ class GenerationRunner:
                           generator=generator)
 
     def step(self, generations: list[Generation]) -> None:
-        """Advances every unfinished generation by one token."""
-        new = [g for g in generations if not g.finished and g.cache is None and not g.token_ids]
-        running = [g for g in generations if not g.finished and g.cache is not None and g not in new]
-        if new:
-            self._together_or_alone(self._prefill, new)
+        """Advances every running generation by one token and prefills (which yields the first token) as many
+        new ones as the prefill budget allows."""
+        new = [g for g in generations if not g.finished and g.cache is None]
+        running = [g for g in generations if not g.finished and g.cache is not None]
+        prefill = self._within_prefill_budget(new)
+        if prefill:
+            self._together_or_alone(self._prefill, prefill)
         if running:
             self._together_or_alone(self._decode, running)
+
+    def _within_prefill_budget(self, new: list[Generation]) -> list[Generation]:
+        """The longest arrival-order prefix of `new` whose prompts fit max_prefill_tokens (at least one)."""
+        taken, tokens = [], 0
+        for g in new:
+            if taken and tokens + len(g.prompt) > self.max_prefill_tokens:
+                break
+            taken.append(g)
+            tokens += len(g.prompt)
+        return taken
 
     def generate(self, request: GenerateRequest) -> GenerateResult:
         gen = self.start(request)

@@ -52,6 +52,8 @@ class ServerConfig:
     max_items: int = 1024
     max_message_mb: int = 64
     max_request_tokens: int | None = 65536  # None = no limit
+    max_running_generations: int = 64
+    max_kv_tokens: int = 65536  # KV-cache tokens reserved by running generations (prompt + max_tokens each)
     grace_s: float = 10.0
     tls_cert: str | None = None  # PEM certificate chain; with tls_key, serve TLS
     tls_key: str | None = None
@@ -127,6 +129,8 @@ class ScorerApp:
                                             pool=DocumentedPool())  # type: ignore[arg-type]
         self.batcher: Batcher | None = None
         self.metrics.track_queue(lambda: self.batcher.waiting() if self.batcher is not None else 0)
+        self.metrics.track_generations(lambda: self.batcher.running_generations() if self.batcher is not None else 0,
+                                       lambda: self.batcher.kv_tokens_reserved() if self.batcher is not None else 0)
         self.port = 0
         self.metrics_port = 0
 
@@ -152,8 +156,10 @@ class ScorerApp:
     async def serve_engine(self, engine: EngineLike) -> None:
         """Warm the engine up (off the loop), start the batcher on it and go SERVING."""
         await in_daemon_thread(lambda: warm_up(engine))
-        self.batcher = Batcher(engine, max_batch_tokens=self.config.max_batch_tokens, max_queue=self.config.max_queue,
-                               max_request_tokens=self.config.max_request_tokens,
+        c = self.config
+        self.batcher = Batcher(engine, max_batch_tokens=c.max_batch_tokens, max_queue=c.max_queue,
+                               max_request_tokens=c.max_request_tokens,
+                               max_running_generations=c.max_running_generations, max_kv_tokens=c.max_kv_tokens,
                                on_batch=self.metrics.observe_batch)
         self.batcher.start()
         self.servicer.attach(self.batcher, engine.info())

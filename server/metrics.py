@@ -1,5 +1,6 @@
 """Prometheus metrics of one server (prometheus-client, a registry of its own so that several servers can live
-in one process): requests by method and status, requests in flight, latency, queue depth, batch sizes, and
+in one process): requests by method and status, requests in flight, latency, queue depth, running generations and
+the KV-cache tokens they reserve, batch sizes, and
 token accounting — computed tokens, and the tokens MIS saved against SIS (prompt − computed). Exposed over
 HTTP on `--metrics-port` (no auth: counts only, no request content)."""
 
@@ -27,6 +28,11 @@ class Metrics:
                                ["method"], registry=r)
         self.queue_depth = Gauge("pyscore_queue_depth", "requests admitted and waiting to run (--max-queue)",
                                  registry=r)
+        self.generations_running = Gauge("pyscore_generations_running",
+                                         "generations running (--max-running-generations)", registry=r)
+        self.kv_tokens_reserved = Gauge("pyscore_kv_tokens_reserved",
+                                        "KV-cache tokens reserved by running generations (--max-kv-tokens)",
+                                        registry=r)
         self.batch_requests = Histogram("pyscore_batch_requests", "Score requests per packed forward pass",
                                         buckets=BATCH_BUCKETS, registry=r)
         self.batch_tokens = Histogram("pyscore_batch_tokens", "computed tokens per packed forward pass",
@@ -43,6 +49,10 @@ class Metrics:
 
     def track_queue(self, depth: Callable[[], int]) -> None:
         self.queue_depth.set_function(depth)
+
+    def track_generations(self, running: Callable[[], int], kv_tokens: Callable[[], int]) -> None:
+        self.generations_running.set_function(running)
+        self.kv_tokens_reserved.set_function(kv_tokens)
 
     def observe_call(self, method: str, status: str, seconds: float, response: Any) -> None:
         """One finished Scorer call; `response` is its (last streamed) response message or None."""

@@ -120,6 +120,11 @@ class Decoder:
             x, delta = self._layer(i, x, delta, positions, attend)
         return self._norm(x, self.w.final_norm, delta)
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """What one token's keys and values weigh in a KVCache (all layers)."""
+        return 2 * self.cfg.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim * self.dtype.itemsize
+
     def new_cache(self, capacity: int) -> KVCache:
         shape = (self.cfg.num_layers, capacity, self.cfg.num_kv_heads, self.cfg.head_dim)
         return KVCache(torch.empty(shape, dtype=self.dtype, device=self.device),
