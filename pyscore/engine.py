@@ -27,19 +27,34 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.f
 
 
 def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if _ext.cuda_status()[0] else "cpu")
-    return torch.device(device)
+    """"auto": CUDA when pyscore's CUDA kernels can run, else the CPU; a GPU that torch sees but pyscore cannot
+    use (e.g. `_C_cuda` was not built or failed to load) is a WARNING, never a silent fall-back."""
+    if device != "auto":
+        return torch.device(device)
+    usable, why = _ext.cuda_status()
+    if usable:
+        return torch.device("cuda")
+    if torch.cuda.is_available():
+        log.warning("torch sees %d CUDA device(s) but pyscore cannot use them (%s): serving on the CPU. Fix the "
+                    "CUDA build, or pass --device cpu to choose the CPU deliberately.", torch.cuda.device_count(), why)
+    return torch.device("cpu")
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """float16 on the CPU is served, correctly, by the ops' PyTorch references (no CPU kernel takes fp16 and
+    x86 CPUs without AVX512-FP16 have no fp16 arithmetic): several times slower than bfloat16, so a WARNING."""
     if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.bfloat16  # AVX512-BF16 / AMX on CPUs, tensor cores on GPUs
-    if dtype not in DTYPES:
+        resolved = dtype
+    elif dtype == "auto":
+        resolved = torch.bfloat16  # AVX512-BF16 / AMX on CPUs, tensor cores on GPUs
+    elif dtype in DTYPES:
+        resolved = DTYPES[dtype]
+    else:
         raise ValueError(f"unknown dtype {dtype!r}; expected auto, {', '.join(DTYPES)}")
-    return DTYPES[dtype]
+    if resolved == torch.float16 and device.type == "cpu":
+        log.warning("float16 on the CPU: no CPU kernel takes fp16, so every op runs its PyTorch reference (correct, "
+                    "several times slower than bfloat16). Use --dtype bfloat16 (the default) or float32 on the CPU.")
+    return resolved
 
 
 def set_threads(threads: int | None) -> None:

@@ -22,7 +22,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str]:
     p.add_argument("--model", default=d.model, help="model directory, file or name (default: embedded SmolLM2)")
     p.add_argument("--host", default=d.host, help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=int, default=d.port, help="port (0 = any free one; default %(default)s)")
-    p.add_argument("--dtype", default=d.dtype, help="auto, bfloat16, float16 or float32 (default %(default)s)")
+    p.add_argument("--dtype", default=d.dtype,
+                   help="auto, bfloat16, float16 or float32; float16 on the CPU runs the slow reference ops "
+                        "(default %(default)s)")
     p.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N] (default %(default)s)")
     p.add_argument("--threads", type=int, default=d.threads, help="CPU threads for the model (default: all cores)")
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
