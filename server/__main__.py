@@ -1,7 +1,7 @@
 """`python -m server`: serve pyscore.v1.Scorer on the given model (default: the embedded SmolLM2).
 
 Prints `pyscore: listening on HOST:PORT` as soon as it listens (health NOT_SERVING while the model loads) and
-`pyscore: serving MODEL on HOST:PORT` once SERVING. SIGTERM/SIGINT stop it gracefully; it then exits 0.
+`pyscore: serving MODEL on HOST:PORT (DEVICE, DTYPE)` once SERVING. SIGTERM/SIGINT stop it gracefully; it then exits 0.
 
 Test-only: the hidden `--engine module:Class` flag replaces pyscore.engine.Engine with any class that has
 the same `from_pretrained` and API (the server tests pass tests.server.fake_engine:FakeEngine).

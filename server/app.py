@@ -25,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pyscore._proto.pyscore.v1 import scorer_pb2, scorer_pb2_grpc
-from pyscore.types import GenerateRequest, ScoreRequest
+from pyscore.types import GenerateRequest, ModelInfo, ScoreRequest
 from server.batcher import Batcher, EngineLike
 from server.interceptors import LoggingErrorInterceptor
 from server.metrics import Metrics
@@ -197,7 +197,8 @@ async def serve(config: ServerConfig) -> int:
         log.error("could not load the model", exc_info=loading.exception())
         code = 1
     elif loading.done():
-        print(f"pyscore: serving {loading.result()} on {config.host}:{port}", flush=True)
+        info = loading.result()
+        print(f"pyscore: serving {info.name} on {config.host}:{port} ({info.device}, {info.dtype})", flush=True)
         await stopping
     print("pyscore: shutting down", flush=True)
     loading.cancel()
@@ -205,10 +206,10 @@ async def serve(config: ServerConfig) -> int:
     return code
 
 
-async def _load_and_serve(app: ScorerApp, config: ServerConfig) -> str:
+async def _load_and_serve(app: ScorerApp, config: ServerConfig) -> ModelInfo:
     engine = await in_daemon_thread(lambda: load_engine(config))
     await app.serve_engine(engine)
-    return engine.model_name
+    return engine.info()
 
 
 def main(config: ServerConfig) -> None:
