@@ -1,5 +1,6 @@
 """The one server interceptor: for every pyscore.v1.Scorer call it logs one line (method, items, tokens, mode,
-latency, status), records it in the metrics, and turns exceptions into gRPC statuses — pyscore.errors by kind
+latency, and the status the client saw — DEADLINE_EXCEEDED, not CANCELLED, when grpc ended the call at its
+deadline), records it in the metrics, and turns exceptions into gRPC statuses — pyscore.errors by kind
 (the message names the field), batcher refusals, and anything else as INTERNAL, after which the server simply
 goes on serving. Bytes that do not parse as the request message (e.g. a string field that is not UTF-8) are
 INVALID_ARGUMENT naming the field, not grpc's UNKNOWN. Health and reflection calls pass through untouched."""
@@ -139,7 +140,7 @@ class _Call:
         try:
             yield
         except (asyncio.CancelledError, GeneratorExit):  # client cancelled, deadline passed, or stream closed
-            status = "CANCELLED"
+            status = self._ended_early()
             raise
         except grpc.aio.AbortError:
             status = _status_name(self.context.code())
@@ -157,6 +158,13 @@ class _Call:
             ms = seconds * 1e3
             log.info("%s %s%slatency_ms=%.1f status=%s", self.name, _request_summary(self.request),
                      _response_summary(self.response), ms, status)
+
+
+    def _ended_early(self) -> str:
+        """What the client saw when grpc ended the call under the handler: DEADLINE_EXCEEDED once its deadline
+        has passed (grpc cancels the handler then), else CANCELLED (the client cancelled or went away)."""
+        remaining = self.context.time_remaining()
+        return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
 
 
 def _wrap_unary(name: str, behavior: Callable[..., Awaitable[Any]],
