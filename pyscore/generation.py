@@ -1,10 +1,20 @@
 """Generation: validation of a GenerateRequest, the per-sequence state (KV cache, emitted tokens, stop handling,
 streamed deltas), the next-token choice with top-k logprobs, and the runner that steps sequences over the
 decoder (prefill, decode, token choice, cache bookkeeping). Reported logprobs are those of the model's raw
-distribution (before temperature / top-k / top-p). Like the engine, the runner is not thread-safe."""
+distribution (before temperature / top-k / top-p). Like the engine, the runner is not thread-safe.
+
+Stop strings. Generation ends at the first occurrence of any stop string in the generated text: `text` is
+everything before it (the stop string is not included); `token_ids` and `logprobs` are the fewest generated
+tokens whose text covers `text` — the last one may reach into the stop string, none begins at or after it.
+An end-of-sequence token is never part of the result. Streamed chunks carry exactly these tokens and this
+text, in order, and each chunk's text is what its tokens add (a token is held back until its text is final:
+not an incomplete UTF-8 character, and not possibly the start of a stop string), except that the last chunk
+of a stopped generation ends its text at the stop.
+"""
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,11 +79,14 @@ class Generation:
     eos_ids: frozenset[int]
     generator: torch.Generator | None
     cache: KVCache | None = None
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # the result's tokens (see the module's stop rule)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     error: Exception | None = None  # set when this sequence failed; its batch-mates go on
     text: str = ""
+    computed: int = 0  # tokens generated (eos excluded), including any cut off by a stop string
+    _covers: list[int] = field(default_factory=list)  # [i]: characters of text final after token_ids[: i + 1]
+    _whole: list[bool] = field(default_factory=list)  # [i]: token_ids[: i + 1] ends on a whole character
     _sent_tokens: int = 0
     _sent_chars: int = 0
 
@@ -88,44 +101,54 @@ class Generation:
         self.cache = None
 
     def append(self, token: int, logprob: TokenLogprob) -> None:
-        """Records the sampled token and decides whether generation is over (eos / stop / length)."""
+        """Records the chosen token and decides whether generation is over (eos / stop / length)."""
         if token in self.eos_ids:
             self.finish_reason = "eos"
         else:
+            self.computed += 1
             self.token_ids.append(token)
             self.logprobs.append(logprob)
             self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+            final = self.text.rstrip("\ufffd")  # an incomplete UTF-8 tail is not final yet
+            self._covers.append(len(final))
+            self._whole.append(len(final) == len(self.text))
             cut = min((i for i in (self.text.find(s) for s in self.request.stop) if i >= 0), default=-1)
             if cut >= 0:
-                self.text, self.finish_reason = self.text[:cut], "stop"
+                self._stop_at(cut)
             elif len(self.token_ids) >= self.request.max_tokens:
                 self.finish_reason = "length"
         if self.finished:
             self.cache = None  # free the KV cache as soon as the sequence ends
 
-    def _safe_text_end(self) -> int:
-        """How much of the text can be streamed: not an incomplete UTF-8 tail, not a possible stop prefix."""
-        if self.finished:
-            return len(self.text)
-        end = len(self.text)
-        while end and self.text[end - 1] == "\ufffd":
-            end -= 1
-        hold = max((len(s) - 1 for s in self.request.stop), default=0)
-        return max(self._sent_chars, end - hold)
+    def _stop_at(self, cut: int) -> None:
+        """Ends the text at character `cut` and keeps the fewest tokens that cover it."""
+        keep = bisect.bisect_left(self._covers, cut) + 1 if cut else 0
+        del self.token_ids[keep:], self.logprobs[keep:], self._covers[keep:], self._whole[keep:]
+        self.text, self.finish_reason = self.text[:cut], "stop"
 
     def take_delta(self) -> tuple[list[int], list[TokenLogprob], str]:
-        """New tokens, their logprobs and new text since the last call."""
-        end = self._safe_text_end()
-        delta = (self.token_ids[self._sent_tokens:], self.logprobs[self._sent_tokens:],
-                 self.text[self._sent_chars:end])
-        self._sent_tokens, self._sent_chars = len(self.token_ids), end
+        """The tokens, their logprobs and the text that became final since the last call: tokens that end on a
+        whole character before the last (longest stop - 1) characters, which might begin a stop string; on the
+        last call, everything left."""
+        if self.finished:
+            tokens, chars = len(self.token_ids), len(self.text)
+        else:
+            hold = max((len(s) - 1 for s in self.request.stop), default=0)
+            tokens = bisect.bisect_right(self._covers, self._covers[-1] - hold) if self._covers else 0
+            while tokens > self._sent_tokens and not self._whole[tokens - 1]:
+                tokens -= 1
+            tokens = max(tokens, self._sent_tokens)
+            chars = self._covers[tokens - 1] if tokens else 0
+        delta = (self.token_ids[self._sent_tokens : tokens], self.logprobs[self._sent_tokens : tokens],
+                 self.text[self._sent_chars : chars])
+        self._sent_tokens, self._sent_chars = tokens, chars
         return delta
 
     def result(self) -> GenerateResult:
         return GenerateResult(text=self.text, token_ids=list(self.token_ids), logprobs=list(self.logprobs),
                               finish_reason=self.finish_reason or "length",
                               usage=Usage(prompt_tokens=len(self.prompt),
-                                          computed_tokens=len(self.prompt) + len(self.token_ids)))
+                                          computed_tokens=len(self.prompt) + self.computed))
 
 
 class NonFiniteLogits(RuntimeError):
