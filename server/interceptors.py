@@ -25,6 +25,7 @@ from server.metrics import Metrics
 log = logging.getLogger("server.requests")
 
 SERVICE_PREFIX = "/pyscore.v1.Scorer/"
+DEADLINE_SLACK_S = 0.1  # a call ended this close to its deadline ended because of it
 
 _STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (errors.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
@@ -161,10 +162,12 @@ class _Call:
 
 
     def _ended_early(self) -> str:
-        """What the client saw when grpc ended the call under the handler: DEADLINE_EXCEEDED once its deadline
-        has passed (grpc cancels the handler then), else CANCELLED (the client cancelled or went away)."""
+        """What the client saw when grpc ended the call under the handler: DEADLINE_EXCEEDED at its deadline,
+        else CANCELLED (the client cancelled or went away). At the deadline either side may end the call first:
+        the client cancels when its own clock says so, which reaches the server up to a network latency before
+        the server's copy of the deadline (set on arrival) passes — hence the slack."""
         remaining = self.context.time_remaining()
-        return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+        return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= DEADLINE_SLACK_S else "CANCELLED"
 
 
 def _wrap_unary(name: str, behavior: Callable[..., Awaitable[Any]],
