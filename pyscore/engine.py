@@ -105,8 +105,8 @@ class Engine:
                          kind="classifier" if self.cfg.is_classifier else "causal_lm",
                          vocab_size=self.cfg.vocab_size, max_context=self.cfg.max_position_embeddings,
                          dtype=str(self.decoder.dtype).removeprefix("torch."), device=str(self.decoder.device),
-                         mis_supported=True, special_tokens=special, num_labels=self.cfg.num_labels,
-                         ops=dict(self.op_paths))
+                         mis_supported=self.traits.mis_supported, special_tokens=special,
+                         num_labels=self.cfg.num_labels, ops=dict(self.op_paths))
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[str]]:
         ids = list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])

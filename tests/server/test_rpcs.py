@@ -56,7 +56,7 @@ def test_score_response_names_the_model(server: ServerThread, channel: Any) -> N
     stub = scorer_pb2_grpc.ScorerStub(channel)
     response = stub.Score(pb.ScoreRequest(model="fake-smollm2", query="q", items=["a"], labels=["Yes"]), timeout=10)
     assert response.model == "fake-smollm2"
-    assert response.mode == pb.SCORING_MODE_SIS
+    assert response.mode == pb.SCORING_MODE_MIS
     assert len(response.scores) == 1 and len(response.scores[0].rows) == 1
 
 
@@ -137,7 +137,7 @@ def test_cli_other_commands(server: ServerThread, capsys: pytest.CaptureFixture[
     assert cli.main(["tokenize", "hello world", "--json", *t]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == ["<s>", "hello", "world"]
     assert cli.main(["score", "--query", "q", "--item", "a", *t]) == 1
-    assert "error: INVALID_ARGUMENT: labels" in capsys.readouterr().err
+    assert "error: INVALID_ARGUMENT: label_token_ids" in capsys.readouterr().err
 
 
 def test_server_tests_run_the_real_scoring_rules(client: ScorerClient) -> None:

@@ -156,7 +156,7 @@ def test_cli_on_a_secured_server(start_server: Any, pki: Pki, token_file: Path, 
     assert "fake-smollm2" in capsys.readouterr().out
     monkeypatch.setenv("PYSCORE_AUTH_TOKEN", TOKEN)
     assert cli.main(["score", *base, "--query", "q", "--item", "a", "--labels", "Yes"]) == 0
-    assert "mode sis" in capsys.readouterr().out
+    assert "mode mis" in capsys.readouterr().out
 
 
 LIMITED: list[tuple[str, str, dict[str, Any], str]] = [
