@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -28,6 +29,7 @@ from pyscore._proto.pyscore.v1 import scorer_pb2, scorer_pb2_grpc
 from pyscore.types import GenerateRequest, ModelInfo, ScoreRequest
 from server.batcher import Batcher, EngineLike
 from server.interceptors import LoggingErrorInterceptor
+from server.memory import MemoryProbe
 from server.metrics import Metrics
 from server.reflection_docs import DocumentedPool
 from server.security import AuthInterceptor, read_token, server_credentials
@@ -133,6 +135,7 @@ class ScorerApp:
                                        lambda: self.batcher.kv_tokens_reserved() if self.batcher is not None else 0)
         self.port = 0
         self.metrics_port = 0
+        self.memory_probe = MemoryProbe.from_env()  # bench/soak.py's diagnostics; None unless asked for
 
     async def start(self) -> int:
         """Listen (health NOT_SERVING); returns the bound port."""
@@ -151,6 +154,8 @@ class ScorerApp:
             self.metrics_port = self.metrics.serve(c.host, c.metrics_port)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
+        if self.memory_probe is not None:
+            self.memory_probe.start()
         return self.port
 
     async def serve_engine(self, engine: EngineLike) -> None:
@@ -160,7 +165,8 @@ class ScorerApp:
         self.batcher = Batcher(engine, max_batch_tokens=c.max_batch_tokens, max_queue=c.max_queue,
                                max_request_tokens=c.max_request_tokens,
                                max_running_generations=c.max_running_generations, max_kv_tokens=c.max_kv_tokens,
-                               on_batch=self.metrics.observe_batch)
+                               on_batch=self.metrics.observe_batch,
+                               trim_under_load=os.environ.get("PYSCORE_TRIM_UNDER_LOAD", "") not in ("", "0"))
         self.batcher.start()
         self.servicer.attach(self.batcher, engine.info())
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -172,6 +178,8 @@ class ScorerApp:
         if self.batcher is not None:
             await asyncio.to_thread(self.batcher.stop, grace)
         await asyncio.to_thread(self.metrics.stop)
+        if self.memory_probe is not None:
+            await asyncio.to_thread(self.memory_probe.stop)
 
     async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
         for service in ("", SCORER_SERVICE):

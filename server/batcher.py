@@ -17,7 +17,7 @@ what the engine allocates — stay within `max_kv_tokens`; a generation that doe
 tokenization. So is a request larger than `max_request_tokens` (Score: the tokens its mode computes; Generate:
 prompt + max_tokens), before any model work. When the worker runs out of work it hands freed heap memory back
 to the OS (glibc's malloc_trim, at most every `TRIM_EVERY_S`): without it, RSS stays at the high-water mark of
-the largest batches seen.
+the largest batches seen. `trim_under_load` trims at that pace even while busy (a control of bench/soak.py).
 """
 
 from __future__ import annotations
@@ -144,13 +144,15 @@ class Stats:
 class Batcher:
     def __init__(self, engine: EngineLike, *, max_batch_tokens: int = 8192, max_queue: int = 256,
                  max_request_tokens: int | None = None, max_running_generations: int = 64,
-                 max_kv_tokens: int = 65536, on_batch: Callable[[int, int], None] | None = None) -> None:
+                 max_kv_tokens: int = 65536, on_batch: Callable[[int, int], None] | None = None,
+                 trim_under_load: bool = False) -> None:
         self.engine = engine
         self.max_batch_tokens = max_batch_tokens
         self.max_queue = max_queue
         self.max_request_tokens = max_request_tokens  # None = no limit
         self.max_running_generations = max_running_generations
         self.max_kv_tokens = max_kv_tokens
+        self.trim_under_load = trim_under_load
         self.on_batch = on_batch  # (requests, computed tokens) of every score batch, on the worker thread
         self.stats = Stats()
         self._cond = threading.Condition()
@@ -256,13 +258,14 @@ class Batcher:
                 self._pending.clear()
                 self._starting.clear()
                 self._set_active([])
-            self._trim_when_idle()
+            self._trim()
 
     def _has_work(self) -> bool:
         return bool(self._pending or self._starting or self._active)
 
-    def _trim_when_idle(self) -> None:
-        if self._has_work() or time.monotonic() - self._trimmed < TRIM_EVERY_S:
+    def _trim(self) -> None:
+        """malloc_trim at most every TRIM_EVERY_S, when idle (or always, with trim_under_load)."""
+        if (self._has_work() and not self.trim_under_load) or time.monotonic() - self._trimmed < TRIM_EVERY_S:
             return
         with self._cond:
             if self._inbox:
