@@ -65,12 +65,13 @@ class ServerProcess:
         return self.proc.wait(60)
 
 
-def spawn_server(*flags: str, log: Path) -> ServerProcess:
-    """`python -m server` on a free port with a metrics endpoint, once it is SERVING (stderr goes to `log`)."""
+def spawn_server(*flags: str, log: Path, env: dict[str, str] | None = None) -> ServerProcess:
+    """`python -m server` on a free port with a metrics endpoint, once it is SERVING (stderr goes to `log`;
+    `env` adds to the environment)."""
     cmd = [sys.executable, "-m", "server", "--port", "0", "--metrics-port", "0", "--log-level", "WARNING", *flags]
     err = log.open("w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                            env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})))
     assert proc.stdout is not None
     target, metrics_port = "", 0
     for line in proc.stdout:
