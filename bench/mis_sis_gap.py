@@ -33,7 +33,7 @@ def cpu() -> str:
     fields = dict(line.split(":", 1) for line in subprocess.run(["lscpu"], capture_output=True, text=True,
                                                                 check=True).stdout.splitlines() if ":" in line)
     get = lambda k: fields.get(k, "?").strip()  # noqa: E731
-    return f"{get('Model name')} (family {get('CPU family')}, model {get('Model:')}), {os.cpu_count()} cores"
+    return f"{get('Model name')} (family {get('CPU family')}, model {get('Model')}), {os.cpu_count()} cores"
 
 
 def keep_residual_in_fp32(engine: Engine) -> None:
@@ -52,10 +52,10 @@ def keep_residual_in_fp32(engine: Engine) -> None:
 
 
 def yes_probabilities(engine: Engine, query: str, items: list[str], mode: str) -> tuple[list[float], list[float]]:
-    """P(" Yes") per item: under the label softmax, and under the full vocabulary."""
-    label = engine.score(query, items, labels=LABELS, apply_softmax=True, mode=mode).scores
-    vocab = engine.score(query, items, labels=LABELS, mode=mode).scores
-    return [rows[0][0] for rows in label], [rows[0][0] for rows in vocab]
+    """P(" Yes") per item: under the label softmax (P(Yes) / (P(Yes) + P(No)), what apply_softmax computes), and
+    under the full vocabulary."""
+    vocab = [rows[0] for rows in engine.score(query, items, labels=LABELS, mode=mode).scores]
+    return [yes / (yes + no) for yes, no in vocab], [yes for yes, _ in vocab]
 
 
 def collect(engine: Engine, questions: list[tuple[str, list[str]]], modes: tuple[str, ...]) -> dict[str, Any]:
@@ -84,7 +84,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--questions", type=int, default=12, help="questions of 16 candidates (default 12)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--fp32-residual", action="store_true", help="also run the fp32-residual experiment")
+    ap.add_argument("--fp32-residual", type=int, default=0, metavar="N",
+                    help="also run the fp32-residual experiment on the first N questions (slow: reference ops)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/mis_sis_gap")
     args = ap.parse_args()
     questions = [question(16, seed=s) for s in range(args.questions)]
@@ -94,22 +95,26 @@ def main() -> None:
                               ("sis", "mis"))
     runs["bfloat16"] = collect(Engine.from_pretrained(None, dtype="bfloat16", threads=args.threads), questions,
                                ("sis", "mis"))
+    truth = runs["float32"]["sis"]
     if args.fp32_residual:
-        for name, setup in (("bfloat16 reference ops", None), ("bfloat16 reference ops, fp32 residual",
-                                                                keep_residual_in_fp32)):
+        few = args.fp32_residual * 16  # candidates in the experiment
+        runs["bfloat16, same questions"] = {  # the kernel path on the experiment's questions, to compare with
+            mode: {kind: values[:few] for kind, values in kinds.items()} for mode, kinds in runs["bfloat16"].items()}
+        for name, setup in (("bfloat16 reference ops", None),
+                            ("bfloat16 reference ops, fp32 residual", keep_residual_in_fp32)):
             engine = Engine.from_pretrained(None, dtype="bfloat16", threads=args.threads, op_backend="reference")
             if setup is not None:
                 setup(engine)
-            runs[name] = collect(engine, questions, ("sis", "mis"))
-    truth = runs["float32"]["sis"]
+            runs[name] = collect(engine, questions[: args.fp32_residual], ("sis", "mis"))
     report: dict[str, Any] = dict(when=time.strftime("%Y-%m-%d %H:%M:%S"), cpu=cpu(), model="SmolLM2-135M-Instruct",
                                   questions=args.questions, candidates=16 * args.questions,
                                   seconds=round(time.perf_counter() - t0), runs={})
     for name, run in runs.items():
-        report["runs"][name] = {
+        n = len(run["sis"]["label"])  # the experiment runs on the first questions only
+        report["runs"][f"{name} ({n} candidates)"] = {
             kind: dict(mis_vs_sis=gaps(run["mis"][kind], run["sis"][kind]),
-                       mis_vs_fp32_sis=gaps(run["mis"][kind], truth[kind]),
-                       sis_vs_fp32_sis=gaps(run["sis"][kind], truth[kind]))
+                       mis_vs_fp32_sis=gaps(run["mis"][kind], truth[kind][:n]),
+                       sis_vs_fp32_sis=gaps(run["sis"][kind], truth[kind][:n]))
             for kind in ("label", "vocab")}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(dict(report, raw=runs), indent=1))
@@ -122,11 +127,11 @@ def render(r: dict[str, Any]) -> str:
     lines = [f"# MIS-SIS gap {r['when']} | {r['cpu']} | {r['model']} | {r['questions']} bench questions x 16 "
              f"candidates = {r['candidates']} | {r['seconds']} s",
              "P(' Yes'): label = softmax over ' Yes'/' No' (apply_softmax); vocab = full-vocabulary probability",
-             f"{'run':40s} {'P':5s} {'compared':16s} {'median':>9s} {'p90':>9s} {'p99':>9s} {'max':>9s}"]
+             f"{'run':52s} {'P':5s} {'compared':16s} {'median':>9s} {'p90':>9s} {'p99':>9s} {'max':>9s}"]
     for name, kinds in r["runs"].items():
         for kind, comparisons in kinds.items():
             for what, d in comparisons.items():
-                lines.append(f"{name:40s} {kind:5s} {what:16s} " + " ".join(f"{d[k]:9.2e}"
+                lines.append(f"{name:52s} {kind:5s} {what:16s} " + " ".join(f"{d[k]:9.2e}"
                                                                              for k in ("median", "p90", "p99", "max")))
     return "\n".join(lines) + "\n"
 
