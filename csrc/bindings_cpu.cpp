@@ -10,7 +10,7 @@
 #include "common/threads.h"
 #include "label_logprobs/launch.h"
 #include "prefix_item_attention/cpu_ops.h"
-#include "prefix_item_attention/launch.h"
+#include "prefix_item_attention/plan_cpu.h"
 #include "rotary/launch.h"
 #include "silu_mul/launch.h"
 
@@ -19,17 +19,35 @@ using namespace pyscore;
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "pyscore CPU kernels: prefix_item_attention, label_logprobs, add_rms_norm, rotary, silu_mul";
-  m.def("prefix_item_attention",
-        [](uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t o, Strides qs, Strides ks, Strides vs, Strides os,
-           uintptr_t segments, int32_t num_segments, int32_t num_tokens, int32_t num_q_heads, int32_t num_kv_heads,
-           int32_t head_dim, float scale, const std::string& dtype) {
-          auto p = make_attention_params(q, k, v, o, qs, ks, vs, os, segments, num_segments, num_tokens,
-                                         num_q_heads, num_kv_heads, head_dim, scale, dtype);
+  py::class_<AttentionCpuPlan, std::shared_ptr<AttentionCpuPlan>>(
+      m, "AttentionPlan", "prefix_item_attention's plan for one batch (opaque): the segment table read and "
+                          "validated, the work listed, the workspaces allocated")
+      .def_property_readonly("workspace_bytes", &AttentionCpuPlan::workspace_bytes)
+      .def_property_readonly("num_units", [](const AttentionCpuPlan& p) { return p.units.size(); });
+  m.def("prefix_item_attention_plan",
+        [](uintptr_t segments, int32_t num_segments, int32_t num_tokens, int32_t num_q_heads, int32_t num_kv_heads,
+           int32_t head_dim, const std::string& dtype) {
+          const AttentionPlanParams shape = make_attention_plan_params(segments, num_segments, num_tokens,
+                                                                       num_q_heads, num_kv_heads, head_dim, dtype);
+          auto plan = std::make_shared<AttentionCpuPlan>();
           py::gil_scoped_release release;
-          Status status = prefix_item_attention_cpu(p);
+          Status status = prefix_item_attention_plan_cpu(shape, plan.get());
+          py::gil_scoped_acquire acquire;
+          throw_on_error(status, "prefix_item_attention_plan");
+          return plan;
+        });
+  m.def("prefix_item_attention",
+        [](AttentionCpuPlan& plan, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t o, Strides qs, Strides ks,
+           Strides vs, Strides os, float scale) {
+          const AttentionPlanParams& s = plan.shape;
+          auto p = make_attention_params(q, k, v, o, qs, ks, vs, os, 0, s.num_segments, s.num_tokens, s.num_q_heads,
+                                         s.num_kv_heads, s.head_dim, scale, s.dtype);
+          py::gil_scoped_release release;
+          Status status = prefix_item_attention_run_cpu(plan, p);
           py::gil_scoped_acquire acquire;
           throw_on_error(status, "prefix_item_attention");
-        });
+        },
+        "One layer's attention with a plan from prefix_item_attention_plan (the table is read from the plan)");
   m.def("label_logprobs",
         [](uintptr_t hidden, int64_t hidden_row_stride, uintptr_t weight, int64_t weight_row_stride,
            uintptr_t labels, uintptr_t logprobs, uintptr_t label_softmax, uintptr_t logz, int32_t num_rows,

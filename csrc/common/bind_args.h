@@ -35,10 +35,17 @@ inline void throw_on_error(Status status, const char* op) {
   }
 }
 
+inline AttentionPlanParams make_attention_plan_params(uintptr_t segments, int32_t num_segments, int32_t num_tokens,
+                                                      int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim,
+                                                      const std::string& dtype) {
+  return {reinterpret_cast<const int32_t*>(segments), num_segments, num_tokens, num_q_heads, num_kv_heads, head_dim,
+          dtype_or_throw(dtype)};
+}
+
 inline PrefixItemAttentionParams make_attention_params(
     uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t o, Strides qs, Strides ks, Strides vs, Strides os,
     uintptr_t segments, int32_t num_segments, int32_t num_tokens, int32_t num_q_heads, int32_t num_kv_heads,
-    int32_t head_dim, float scale, const std::string& dtype) {
+    int32_t head_dim, float scale, DType dtype) {
   PrefixItemAttentionParams p{};
   p.q = reinterpret_cast<const void*>(q);
   p.k = reinterpret_cast<const void*>(k);
@@ -55,7 +62,7 @@ inline PrefixItemAttentionParams make_attention_params(
   p.num_kv_heads = num_kv_heads;
   p.head_dim = head_dim;
   p.scale = scale;
-  p.dtype = dtype_or_throw(dtype);
+  p.dtype = dtype;
   return p;
 }
 

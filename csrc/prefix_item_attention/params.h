@@ -9,12 +9,26 @@
 // x its own keys causally, merged by log-sum-exp).
 //
 // Strides are in elements. GQA: query head h reads kv head h / (num_q_heads / num_kv_heads).
+//
+// The work that depends only on the segment table and the head layout is planned once per batch
+// (AttentionPlanParams; plan_cpu.h on the CPU, the tile work list on CUDA) and every layer runs with it.
 #pragma once
 #include <cstdint>
 
 #include "common/dtype.h"
 
 namespace pyscore {
+
+// What a plan depends on: the batch's segment table and the model's head layout, no tensors.
+struct AttentionPlanParams {
+  const int32_t* segments;  // [num_segments, 4]: start, length, prefix_start, prefix_length
+  int32_t num_segments;
+  int32_t num_tokens;
+  int32_t num_q_heads;
+  int32_t num_kv_heads;
+  int32_t head_dim;
+  DType dtype;
+};
 
 struct PrefixItemAttentionParams {
   const void* q;  // [T, Hq, D]

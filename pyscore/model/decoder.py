@@ -15,7 +15,7 @@ from pyscore.model.config import ModelConfig
 from pyscore.model.packing import PackedBatch
 from pyscore.model.rope import Rotary
 from pyscore.model.weights import DecoderWeights
-from pyscore.ops import add_rms_norm, prefix_item_attention, rotary_, silu_mul
+from pyscore.ops import AttentionPlan, SegmentTable, add_rms_norm, rotary_, silu_mul
 
 # kv_sink(layer, k [T, Hkv, D], v [T, Hkv, D]) receives each layer's rotated keys and values (prefill).
 KVSink = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -75,16 +75,21 @@ class Decoder:
         return x, F.linear(act, layer.down, layer.down_bias)
 
     @torch.inference_mode()
-    def hidden_at(self, batch: PackedBatch, kv_sink: KVSink | None = None) -> torch.Tensor:
-        """Final-normed hidden states [R, H] at the batch's read-out rows."""
-        device = self.device
+    def hidden_at(self, batch: PackedBatch, kv_sink: KVSink | None = None,
+                  segments: SegmentTable | None = None) -> torch.Tensor:
+        """Final-normed hidden states [R, H] at the batch's read-out rows. The segment table is validated and
+        attention planned once here, for every layer; `segments` passes a table already validated and placed on
+        the device (a CUDA graph's static buffer), else it is made from batch.segments."""
+        cfg, device = self.cfg, self.device
         tokens, positions = batch.tokens.to(device), batch.positions.to(device)
-        segments = batch.segments if device.type == "cpu" else batch.segments.to(device)
+        table = segments or SegmentTable.of(batch.segments, batch.num_tokens, device)
+        plan = AttentionPlan(table, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, self.dtype, device,
+                             self.op_backend)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if kv_sink is not None:
                 kv_sink(i, k, v)
-            return prefix_item_attention(q, k, v, segments, backend=self.op_backend)
+            return plan.run(q, k, v)
 
         x = self.w.embed[tokens]  # [T, H]
         delta = None

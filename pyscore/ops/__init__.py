@@ -3,8 +3,10 @@ label scores) and a pure-PyTorch reference (`pyscore.ops.reference`)."""
 
 from pyscore.ops.add_rms_norm import add_rms_norm
 from pyscore.ops.label_logprobs import label_logprobs
-from pyscore.ops.prefix_item_attention import prefix_item_attention
+from pyscore.ops.prefix_item_attention import AttentionPlan, prefix_item_attention
 from pyscore.ops.rotary import rotary_
+from pyscore.ops.segments import SegmentTable
 from pyscore.ops.silu_mul import silu_mul
 
-__all__ = ["add_rms_norm", "label_logprobs", "prefix_item_attention", "rotary_", "silu_mul"]
+__all__ = ["AttentionPlan", "SegmentTable", "add_rms_norm", "label_logprobs", "prefix_item_attention", "rotary_",
+           "silu_mul"]

@@ -108,12 +108,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def kernel_for(op: str, x: torch.Tensor, backend: str = "auto") -> ModuleType | None:
-    """The module whose kernel runs `op` on tensor x, or None when the reference should; with backend "kernel",
-    a RuntimeError saying why no kernel fits instead of None."""
-    module, why = resolve(op, x.device, x.dtype, backend)
+def kernel_for(op: str, device: torch.device, dtype: torch.dtype, backend: str = "auto") -> ModuleType | None:
+    """The module whose kernel runs `op` on `dtype` tensors on `device`, or None when the reference should; with
+    backend "kernel", a RuntimeError saying why no kernel fits instead of None."""
+    module, why = resolve(op, device, dtype, backend)
     if module is None and backend == "kernel":
-        raise RuntimeError(f"no {op} kernel for {x.dtype} on {x.device}: {why}")
+        raise RuntimeError(f"no {op} kernel for {dtype} on {device}: {why}")
     return module
 
 

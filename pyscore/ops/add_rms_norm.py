@@ -35,7 +35,7 @@ def add_rms_norm(
     x += delta in place when delta is given. out, when given, must overlap neither x nor delta.
     backend: "auto" | "kernel" | "reference"."""
     _check(x, weight, delta, out)
-    module = _ext.kernel_for("add_rms_norm", x, backend)
+    module = _ext.kernel_for("add_rms_norm", x.device, x.dtype, backend)
     if module is None:
         normed = add_rms_norm_ref(x, weight, eps, delta)
         return normed if out is None else out.copy_(normed)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyscore.ops import _ext, prefix_item_attention
+from pyscore.ops import AttentionPlan, SegmentTable, _ext, prefix_item_attention
 from pyscore.ops.reference import (
     attention_with_lse_ref,
     merge_state_ref,
@@ -180,3 +180,41 @@ def test_segment_table_is_checked_again_after_in_place_change(device):
     segments[1, 3] = 6  # the item's prefix range now covers its own first token
     with pytest.raises(ValueError, match="overlap"):
         prefix_item_attention(q, k, v, segments)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["kernel", "reference"])
+def test_one_plan_runs_every_layer(device, backend):
+    """A plan made once and run with several layers' q/k/v gives each layer exactly the one-shot result."""
+    hq, hkv, d = HEADS["gqa3-d64"]
+    segments, num_tokens = make_segments(STREAMS["mixed"], device)
+    plan = AttentionPlan(SegmentTable.of(segments, num_tokens, device), hq, hkv, d, torch.bfloat16, device, backend)
+    for layer in range(3):
+        q, k, v = make_qkv(num_tokens, hq, hkv, d, torch.bfloat16, device, fused=True, seed=layer)
+        assert torch.equal(plan.run(q, k, v), prefix_item_attention(q, k, v, segments, backend=backend))
+
+
+def test_plan_run_checks_the_tensors_against_the_plan():
+    hq, hkv, d = HEADS["gqa3-d64"]
+    segments, num_tokens = make_segments(STREAMS["mis"], "cpu")
+    plan = AttentionPlan(SegmentTable.of(segments, num_tokens), hq, hkv, d, torch.float32, "cpu")
+    q, k, v = make_qkv(num_tokens, hq, hkv, d, torch.float32, "cpu", fused=False)
+    with pytest.raises(ValueError, match=r"q must have shape \[T=\d+, Hq=9, D=64\] \(the plan's\)"):
+        plan.run(q[1:], k[1:], v[1:])
+    with pytest.raises(ValueError, match=r"k must be torch\.float32 on cpu"):
+        plan.run(q, k.bfloat16(), v)
+    with pytest.raises(ValueError, match="must be a positive multiple of num_kv_heads"):
+        AttentionPlan(plan.table, 9, 2, d, torch.float32, "cpu")
+
+
+def test_cpu_plan_owns_its_workspaces_and_rejects_a_bad_table():
+    """The C++ plan is made once per batch with its workspaces (packed K/V, per-thread scratch) and validates
+    the table itself too; its runs read the table it copied, not the caller's buffer."""
+    module = _ext.cpu_module()
+    segments, num_tokens = make_segments(STREAMS["mixed"], "cpu")
+    plan = module.prefix_item_attention_plan(segments.data_ptr(), segments.shape[0], num_tokens, 9, 3, 64, "bfloat16")
+    assert plan.workspace_bytes >= 2 * num_tokens * 3 * 64 * 2 and plan.num_units > 0
+    bad = segments.clone()
+    bad[-1, 1] += 1  # one token past the stream
+    with pytest.raises(ValueError, match="prefix_item_attention_plan: invalid argument"):
+        module.prefix_item_attention_plan(bad.data_ptr(), bad.shape[0], num_tokens, 9, 3, 64, "bfloat16")

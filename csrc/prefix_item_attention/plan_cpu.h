@@ -1,0 +1,81 @@
+// The CPU prefix_item_attention plan (FlashInfer's plan() / run() split): everything that depends only on the
+// batch's segment table and the model's head layout, made once per forward pass and run by every layer.
+//
+// Planning reads and validates the table, groups consecutive segments that share one prefix (an MIS group's
+// items), lists the key ranges to pack (each segment's own tokens, each group's prefix, de-duplicated) and the
+// work units (group, kv head, block of the group's tokens; costliest first), and allocates the workspaces the
+// runs reuse: the packed K/V of every range and one scratch per kernel thread, sized for the largest unit.
+//
+// A key range says where a block of keys sits in the packed workspace; a run packs every range from the
+// layer's k/v before any unit reads it. Keys that do not come from this batch's tokens (a prefix cache's
+// blocks) become more ranges of a group's prefix, packed from elsewhere; the units and the merge stay as they are.
+//
+// Plain structs, no torch. A plan is run by one caller at a time (its workspaces are reused), which `running`
+// enforces; the bindings hold it as an opaque object.
+#pragma once
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+#include "prefix_item_attention/params.h"
+
+namespace pyscore {
+
+struct AttentionSegment {
+  int32_t start, length, prefix_start, prefix_length;
+  int32_t end() const { return start + length; }
+};
+
+struct KeyRange {
+  int32_t start, length;  // tokens of the stream
+  int64_t offset;         // elements from the start of one kv head's packed area
+};
+
+// Consecutive segments sharing one prefix (an MIS group's items), or one segment without prefix.
+struct AttentionGroup {
+  int32_t first_segment, num_segments;
+  int32_t prefix_range;  // index into ranges, -1 without prefix
+  int32_t token_begin, token_end;
+};
+
+struct AttentionUnit {
+  int32_t group, kv_head, token_begin, token_end;
+  double cost;
+};
+
+// One kernel thread's buffers for a unit: stacked q rows (64-byte aligned), the two partial states, the
+// causal limits.
+struct AttentionScratch {
+  std::vector<char> q_storage;
+  char* q = nullptr;
+  std::vector<float> o_a, o_b, lse_a, lse_b;
+  std::vector<int32_t> limits;
+};
+
+struct AttentionCpuPlan {
+  AttentionPlanParams shape;  // what the plan was made for (its segments pointer is not kept)
+  std::vector<AttentionSegment> segments;  // non-empty segments, in table order
+  std::vector<int32_t> own_range;          // per segment: its own tokens' key range
+  std::vector<KeyRange> ranges;
+  std::vector<AttentionGroup> groups;
+  std::vector<AttentionUnit> units;        // costliest first
+  int64_t packed_elems_per_head = 0;
+  int32_t max_unit_tokens = 0;
+  // Workspaces: packed K and V of every range, [Hkv][packed_elems_per_head] each; one scratch per thread.
+  std::vector<char> k_storage, v_storage;
+  char* k_packed = nullptr;
+  char* v_packed = nullptr;
+  std::vector<AttentionScratch> scratch;
+  std::mutex running;
+
+  size_t workspace_bytes() const;
+};
+
+// Reads and validates the segment table and fills `plan` (a fresh object). Returns kInvalidArgument for a
+// table that does not cover the stream exactly once or whose prefix overlaps its own segment.
+Status prefix_item_attention_plan_cpu(const AttentionPlanParams& shape, AttentionCpuPlan* plan);
+
+// One layer's attention with a plan: p's sizes and dtype must be the plan's (its segments pointer is unused).
+Status prefix_item_attention_run_cpu(AttentionCpuPlan& plan, const PrefixItemAttentionParams& p);
+
+}  // namespace pyscore
