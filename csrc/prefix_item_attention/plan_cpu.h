@@ -13,7 +13,9 @@
 // Plain structs, no torch. A plan is run by one caller at a time (its workspaces are reused), which `running`
 // enforces; the bindings hold it as an opaque object.
 #pragma once
+#include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <vector>
 
@@ -43,13 +45,21 @@ struct AttentionUnit {
   double cost;
 };
 
-// One kernel thread's buffers for a unit: stacked q rows (64-byte aligned), the two partial states, the
-// causal limits.
+// 64-byte aligned bytes, uninitialized (every user writes before it reads).
+struct AlignedBuffer {
+  std::unique_ptr<char[]> storage;
+  char* data = nullptr;
+  size_t bytes = 0;
+  void allocate(size_t n);
+};
+
+// One kernel thread's buffers for a unit: stacked q rows, the two partial states, the causal limits. Carved
+// from one arena of whole cache lines per thread, so two threads never write to the same line.
 struct AttentionScratch {
-  std::vector<char> q_storage;
+  AlignedBuffer arena;
   char* q = nullptr;
-  std::vector<float> o_a, o_b, lse_a, lse_b;
-  std::vector<int32_t> limits;
+  float *o_a = nullptr, *o_b = nullptr, *lse_a = nullptr, *lse_b = nullptr;
+  int32_t* limits = nullptr;
 };
 
 struct AttentionCpuPlan {
@@ -62,9 +72,7 @@ struct AttentionCpuPlan {
   int64_t packed_elems_per_head = 0;
   int32_t max_unit_tokens = 0;
   // Workspaces: packed K and V of every range, [Hkv][packed_elems_per_head] each; one scratch per thread.
-  std::vector<char> k_storage, v_storage;
-  char* k_packed = nullptr;
-  char* v_packed = nullptr;
+  AlignedBuffer k_packed, v_packed;
   std::vector<AttentionScratch> scratch;
   std::mutex running;
 

@@ -219,37 +219,38 @@ void list_work(AttentionCpuPlan& plan) {
 
 size_t elem_size(DType dtype) { return dtype == DType::kBFloat16 ? 2 : 4; }
 
-char* aligned_buffer(std::vector<char>& storage, size_t bytes) {
-  storage.resize(bytes + 64);
-  const uintptr_t base = reinterpret_cast<uintptr_t>(storage.data());
-  return reinterpret_cast<char*>((base + 63) & ~uintptr_t(63));
-}
+constexpr size_t kLine = 64;
+size_t whole_lines(size_t bytes) { return (bytes + kLine - 1) / kLine * kLine; }
 
 void allocate_workspaces(AttentionCpuPlan& plan) {
   const AttentionPlanParams& s = plan.shape;
   const size_t elem = elem_size(s.dtype);
   const size_t packed_bytes = size_t(plan.packed_elems_per_head) * s.num_kv_heads * elem;
-  plan.k_packed = aligned_buffer(plan.k_storage, packed_bytes);
-  plan.v_packed = aligned_buffer(plan.v_storage, packed_bytes);
+  plan.k_packed.allocate(packed_bytes);
+  plan.v_packed.allocate(packed_bytes);
   const size_t rows = size_t(plan.max_unit_tokens) * (s.num_q_heads / s.num_kv_heads);
+  const size_t q_bytes = whole_lines(rows * s.head_dim * elem), o_bytes = whole_lines(rows * s.head_dim * 4);
+  const size_t row_bytes = whole_lines(rows * 4);
   plan.scratch.resize(std::max(1, kernel_threads()));
   for (AttentionScratch& t : plan.scratch) {
-    t.q = aligned_buffer(t.q_storage, rows * s.head_dim * elem);
-    t.o_a.resize(rows * s.head_dim);
-    t.o_b.resize(rows * s.head_dim);
-    t.lse_a.resize(rows);
-    t.lse_b.resize(rows);
-    t.limits.resize(rows);
+    t.arena.allocate(q_bytes + 2 * o_bytes + 3 * row_bytes);
+    char* p = t.arena.data;
+    t.q = p;
+    t.o_a = reinterpret_cast<float*>(p += q_bytes);
+    t.o_b = reinterpret_cast<float*>(p += o_bytes);
+    t.lse_a = reinterpret_cast<float*>(p += o_bytes);
+    t.lse_b = reinterpret_cast<float*>(p += row_bytes);
+    t.limits = reinterpret_cast<int32_t*>(p += row_bytes);
   }
 }
 
 // ---- execution -------------------------------------------------------------------------------------------
 
 char* packed_k(const AttentionCpuPlan& plan, const KeyRange& r, int32_t h) {
-  return plan.k_packed + (h * plan.packed_elems_per_head + r.offset) * elem_size(plan.shape.dtype);
+  return plan.k_packed.data + (h * plan.packed_elems_per_head + r.offset) * elem_size(plan.shape.dtype);
 }
 char* packed_v(const AttentionCpuPlan& plan, const KeyRange& r, int32_t h) {
-  return plan.v_packed + (h * plan.packed_elems_per_head + r.offset) * elem_size(plan.shape.dtype);
+  return plan.v_packed.data + (h * plan.packed_elems_per_head + r.offset) * elem_size(plan.shape.dtype);
 }
 
 void pack_range(const PrefixItemAttentionParams& p, const AttentionCpuOps& ops, const AttentionCpuPlan& plan,
@@ -297,9 +298,9 @@ void attend_own_keys(const PrefixItemAttentionParams& p, const AttentionCpuOps& 
     const int32_t row0 = (t0 - u.token_begin) * ratio, rows = (t1 - t0) * ratio;
     for (int32_t r = 0; r < rows; ++r) s.limits[row0 + r] = t0 - seg.start + r / ratio + 1;
     const KeyRange& range = plan.ranges[plan.own_range[i]];
-    ops.attend(s.q + size_t(row0) * p.head_dim * elem, rows, s.limits.data() + row0, packed_k(plan, range, u.kv_head),
-               packed_v(plan, range, u.kv_head), range.length, p.head_dim, p.scale,
-               s.o_b.data() + size_t(row0) * p.head_dim, s.lse_b.data() + row0);
+    ops.attend(s.q + size_t(row0) * p.head_dim * elem, rows, s.limits + row0, packed_k(plan, range, u.kv_head),
+               packed_v(plan, range, u.kv_head), range.length, p.head_dim, p.scale, s.o_b + size_t(row0) * p.head_dim,
+               s.lse_b + row0);
   }
 }
 
@@ -311,16 +312,16 @@ void run_unit(const PrefixItemAttentionParams& p, const AttentionCpuOps& ops, co
   gather_q(p, u, ratio, s.q);
   attend_own_keys(p, ops, plan, u, ratio, s);
   if (g.prefix_range < 0) {
-    store_rows(p, ops, u, ratio, s.o_b.data());
+    store_rows(p, ops, u, ratio, s.o_b);
     return;
   }
   // Steps 2 and 3: all rows of the unit (every item in it, every query head of this kv head) as one dense
   // block against the shared prefix, then the log-sum-exp merge with the causal part.
   const KeyRange& prefix = plan.ranges[g.prefix_range];
   ops.attend(s.q, rows, nullptr, packed_k(plan, prefix, u.kv_head), packed_v(plan, prefix, u.kv_head), prefix.length,
-             p.head_dim, p.scale, s.o_a.data(), s.lse_a.data());
-  merge_state(s.o_a.data(), s.lse_a.data(), s.o_b.data(), s.lse_b.data(), rows, p.head_dim, s.o_a.data(), nullptr);
-  store_rows(p, ops, u, ratio, s.o_a.data());
+             p.head_dim, p.scale, s.o_a, s.lse_a);
+  merge_state(s.o_a, s.lse_a, s.o_b, s.lse_b, rows, p.head_dim, s.o_a, nullptr);
+  store_rows(p, ops, u, ratio, s.o_a);
 }
 
 // The run's tensors must match the shape the plan was made for.
@@ -341,11 +342,15 @@ const AttentionCpuOps& choose_ops(DType dtype, int32_t head_dim) {
 
 }  // namespace
 
+void AlignedBuffer::allocate(size_t n) {
+  storage.reset(new char[n + kLine]);
+  data = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(storage.get()) + kLine - 1) & ~uintptr_t(kLine - 1));
+  bytes = n;
+}
+
 size_t AttentionCpuPlan::workspace_bytes() const {
-  size_t bytes = k_storage.size() + v_storage.size();
-  for (const AttentionScratch& t : scratch)
-    bytes += t.q_storage.size() + sizeof(float) * (t.o_a.size() + t.o_b.size() + t.lse_a.size() + t.lse_b.size()) +
-             sizeof(int32_t) * t.limits.size();
+  size_t bytes = k_packed.bytes + v_packed.bytes;
+  for (const AttentionScratch& t : scratch) bytes += t.arena.bytes;
   return bytes;
 }
 
