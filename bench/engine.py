@@ -6,25 +6,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
-from bench.question import question
+from bench.common import machine, question
 from pyscore.engine import Engine
-
-
-def machine() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        model = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        model = platform.processor()
-    import os
-
-    return f"{model}, {os.cpu_count()} cores"
+from pyscore.types import ScoreRequest
 
 
 def time_score(engine: Engine, query: str, items: list[str], mode: str, reps: int) -> list[float]:
@@ -51,8 +39,7 @@ def main() -> None:
     print(f"{'items':>5} {'tokens q/item':>14} {'SIS p50 ms':>11} {'MIS p50 ms':>11} {'MIS/SIS':>8}")
     for n in args.candidates:
         query, items = question(n, seed=n)
-        prepared = engine.prepare_score(__import__("pyscore.types", fromlist=["ScoreRequest"]).ScoreRequest(
-            query, items, labels=["Yes", "No"]))
+        prepared = engine.prepare_score(ScoreRequest(query, items, labels=["Yes", "No"]))
         item_len = sum(map(len, prepared.items)) / n
         sis = time_score(engine, query, items, "sis", args.reps)
         mis = time_score(engine, query, items, "mis", args.reps)

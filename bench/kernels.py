@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.engine import machine
+from bench.common import machine
 from pyscore.ops import _ext, label_logprobs, prefix_item_attention
 from pyscore.ops.reference import label_logprobs_ref, prefix_item_attention_ref, segment_attention_mask
 

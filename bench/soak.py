@@ -22,18 +22,8 @@ from typing import Any
 
 import grpc
 
-from bench.overload import (
-    ROOT,
-    TOLERANCE,
-    ScoreCase,
-    ServerProcess,
-    machine_load,
-    max_diff,
-    ms,
-    score_alone,
-    spawn_server,
-)
-from bench.question import question
+from bench.common import REPO, ServerProcess, question, spawn_server
+from bench.overload import TOLERANCE, ScoreCase, machine_load, max_diff, ms, score_alone
 from pyscore.client import AsyncScorerClient, ScorerClient
 
 MARKER = " ###"  # one token in SmolLM2's vocabulary
@@ -216,12 +206,12 @@ def main() -> None:
     ap.add_argument("--per-kind", type=int, default=6, help="distinct requests of each kind (default 6)")
     ap.add_argument("--capacity-s", type=float, default=30.0, help="seconds of the capacity measurement")
     ap.add_argument("--server-args", default="", help='more `python -m server` flags, e.g. "--threads 1"')
-    ap.add_argument("--out", type=Path, default=ROOT / "bench/results/hardening")
+    ap.add_argument("--out", type=Path, default=REPO / "bench/results/hardening")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
     load_before = machine_load()
-    server = spawn_server(*shlex.split(args.server_args), log=args.out / "soak_server.log")
+    server = spawn_server(*shlex.split(args.server_args), log=args.out / "soak_server.log", metrics=True)
     try:
         cases = make_cases(args.per_kind)
         score_alone(server.target, [c for k in ("sis", "mis", "setwise") for c in cases[k]])  # type: ignore[misc]

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench import report, serving
+from bench.common import REPO, spawned_server
 from bench.dataset import Dataset
 from bench.serving import LoadPoint, Settings
 
@@ -48,7 +49,7 @@ def run_inprocess(out: Path, reps: int, num_questions: int, threads: int | None)
            "--num-questions", str(num_questions), "--out", str(out), "--warmup", "2"]
     if threads:
         cmd += ["--threads", str(threads)]
-    subprocess.run(cmd, check=True, cwd=serving.REPO)
+    subprocess.run(cmd, check=True, cwd=REPO)
 
 
 async def run_server_steps(address: str, steps: list[Step], dataset: Dataset, s: Settings, out: Path,
@@ -89,8 +90,8 @@ def main() -> None:
     steps = [CLOSED_C1, CLOSED_C8] + ([] if a.skip_open else OPEN)
     server_args = ["--threads", str(a.threads)] if a.threads else []
     t1 = time.monotonic()
-    with serving.spawned_server(out / "server.log", server_args) as address:
-        asyncio.run(run_server_steps(address, steps, dataset, replace(settings), out, slo_ms=report.SLO_MS))
+    with spawned_server(out / "server.log", server_args) as server:
+        asyncio.run(run_server_steps(server.target, steps, dataset, replace(settings), out, slo_ms=report.SLO_MS))
     phases["server_s"] = time.monotonic() - t1
     phases["total_s"] = time.monotonic() - t0
     (out / "sweep.json").write_text(json.dumps({"argv": sys.argv[1:], "phases": phases}, indent=2) + "\n")
