@@ -27,10 +27,12 @@ test: build
 serve: build
 	$(PY) -m server
 
-# The CPU-sized serving sweep (~11 min on 2 cores; it starts and stops its own server), then the report.
+# The CPU-sized serving sweep (~11 min on 2 cores; it starts and stops its own server), then the report. It
+# refuses a tree with uncommitted changes: BENCH_ARGS=--allow-dirty runs it anyway, marked in the report.
 BENCH_OUT ?= bench/results/latest
+BENCH_ARGS ?=
 bench: build
-	$(PY) -m bench.sweep --out $(BENCH_OUT)
+	$(PY) -m bench.sweep --out $(BENCH_OUT) $(BENCH_ARGS)
 
 bench-kernels: build
 	$(PY) -m bench.kernels

@@ -7,7 +7,8 @@
 4. results.json, report.md and the plots in the output folder.
 
 Each load point is repeated (--reps, default 3). Check that the machine is otherwise idle first (`uptime`):
-the report prints the load average seen before every run.
+the report prints the load average seen before every run. Numbers are of a commit: a tree with uncommitted
+changes to tracked files is refused unless --allow-dirty, and the report then says so at its top.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench import report, serving
-from bench.common import REPO, spawned_server
+from bench.common import REPO, git_commit, spawned_server
 from bench.dataset import Dataset
 from bench.serving import LoadPoint, Settings
 
@@ -41,6 +42,17 @@ OPEN = [
     Step(("sis", "generate"), tuple(LoadPoint(qps=q) for q in (0.5, 1))),
     Step(("setwise", "fused"), tuple(LoadPoint(qps=q) for q in (2, 4))),
 ]
+
+
+def require_clean_commit(commit: str | None, allow_dirty: bool) -> None:
+    """Refuses (SystemExit) to benchmark uncommitted code unless allowed; then warns that the report will say so."""
+    if commit is not None and not commit.endswith("+dirty"):
+        return
+    what = commit or "a tree outside git"
+    if not allow_dirty:
+        raise SystemExit(f"refusing to benchmark {what}: commit first, or pass --allow-dirty "
+                         "(make bench BENCH_ARGS=--allow-dirty) to run it marked as such")
+    print(f"WARNING: benchmarking {what}: the report will say it is not from a clean commit", flush=True)
 
 
 def run_inprocess(out: Path, reps: int, num_questions: int, threads: int | None) -> None:
@@ -73,7 +85,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="model threads (server and in-process)")
     p.add_argument("--skip-inprocess", action="store_true")
     p.add_argument("--skip-open", action="store_true")
+    p.add_argument("--allow-dirty", action="store_true", help="run on uncommitted changes (the report says so)")
     a = p.parse_args()
+    require_clean_commit(git_commit(), a.allow_dirty)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]
