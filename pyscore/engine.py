@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pyscore.budget import count_within_budget
 from pyscore.errors import RequestError
 from pyscore.generation import Generation, GenerationRunner, eos_token_ids
 from pyscore.model.decoder import Decoder
@@ -138,19 +139,18 @@ class Engine:
     def _passes(self, prepared: Sequence[PreparedScore]) -> list[list[tuple[int, int, Group]]]:
         """Units (request, first item index, group) in arrival order, cut into passes of at most
         max_batch_tokens; a unit larger than the budget runs alone."""
-        passes, current, used = [], [], 0
+        units = []
         for r, p in enumerate(prepared):
             first = 0
             for group in p.groups():
-                size = len(group.prefix) + sum(len(i) for i in group.items)
-                if current and used + size > self.max_batch_tokens:
-                    passes.append(current)
-                    current, used = [], 0
-                current.append((r, first, group))
-                used += size
+                units.append((r, first, group))
                 first += len(group.items)
-        if current:
-            passes.append(current)
+        sizes = [len(g.prefix) + sum(len(i) for i in g.items) for _, _, g in units]
+        passes = []
+        while units:
+            n = count_within_budget(sizes, self.max_batch_tokens)
+            passes.append(units[:n])
+            units, sizes = units[n:], sizes[n:]
         return passes
 
     def _run_pass(self, chunk: list[tuple[int, int, Group]], prepared: Sequence[PreparedScore],

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from pyscore.budget import count_within_budget
 from pyscore.errors import ResourceExhausted
 from pyscore.types import GenerateRequest, GenerateResult, ModelInfo, ScoreRequest, ScoreResult, TokenLogprob
 
@@ -304,13 +305,9 @@ class Batcher:
 
     def _next_batch(self) -> list[Job]:
         """Waiting Score jobs in arrival order while they fit the token budget (the first one always)."""
-        batch: list[Job] = []
-        tokens = 0
-        while self._pending and (not batch or tokens + self._pending[0].tokens <= self.max_batch_tokens):
-            job = self._pending.popleft()
-            batch.append(job)
-            tokens += job.tokens
-        self._release(len(batch))
+        n = count_within_budget((job.tokens for job in self._pending), self.max_batch_tokens)
+        batch = [self._pending.popleft() for _ in range(n)]
+        self._release(n)
         return batch
 
     def _run_batch(self, batch: list[Job]) -> None:
