@@ -30,7 +30,8 @@ struct AttentionPlanParams {
   DType dtype;
 };
 
-struct PrefixItemAttentionParams {
+// One layer's run: the plan's shape plus that layer's tensors.
+struct PrefixItemAttentionParams : AttentionPlanParams {
   const void* q;  // [T, Hq, D]
   const void* k;  // [T, Hkv, D]
   const void* v;  // [T, Hkv, D]
@@ -39,14 +40,7 @@ struct PrefixItemAttentionParams {
   int64_t k_token_stride, k_head_stride;
   int64_t v_token_stride, v_head_stride;
   int64_t o_token_stride, o_head_stride;
-  const int32_t* segments;  // [num_segments, 4]: start, length, prefix_start, prefix_length
-  int32_t num_segments;
-  int32_t num_tokens;
-  int32_t num_q_heads;
-  int32_t num_kv_heads;
-  int32_t head_dim;
   float scale;  // softmax scale, usually 1/sqrt(head_dim)
-  DType dtype;
 };
 
 }  // namespace pyscore

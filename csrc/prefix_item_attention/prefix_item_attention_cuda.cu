@@ -83,14 +83,10 @@ Status check_shape(const AttentionPlanParams& s) {
   return kOk;
 }
 
-AttentionPlanParams shape_of(const PrefixItemAttentionParams& p) {
-  return {p.segments, p.num_segments, p.num_tokens, p.num_q_heads, p.num_kv_heads, p.head_dim, p.dtype};
-}
-
 template <typename T, int D>
 Status launch_tensor_core(const PrefixItemAttentionParams& p, const void* workspace, cudaStream_t stream) {
-  const TileConfig cfg = tile_config_of(shape_of(p));
-  const PlanLayout b = plan_layout(workspace, shape_of(p));
+  const TileConfig cfg = tile_config_of(p);
+  const PlanLayout b = plan_layout(workspace, p);
   auto kernel = prefix_item_attention_tc_kernel<T, D>;
   constexpr int smem = attention_smem_bytes<D>();
   PYSCORE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -154,10 +150,10 @@ Status prefix_item_attention_plan_cuda(const AttentionPlanParams& shape, void* w
 
 Status prefix_item_attention_run_cuda(const PrefixItemAttentionParams& p, const void* workspace,
                                       size_t workspace_bytes, void* stream) {
-  Status status = check_shape(shape_of(p));
+  Status status = check_shape(p);
   if (status != kOk) return status;
   if (p.num_tokens == 0 || p.num_segments == 0) return kOk;
-  if (!p.q || !p.k || !p.v || !p.o || !p.segments || !workspace || workspace_bytes < plan_bytes(shape_of(p))) {
+  if (!p.q || !p.k || !p.v || !p.o || !p.segments || !workspace || workspace_bytes < plan_bytes(p)) {
     return kInvalidArgument;
   }
 
