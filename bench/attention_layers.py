@@ -9,11 +9,10 @@ that have it, what planning alone costs. Usage: python -m bench.attention_layers
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
+from bench.common import median_ms
 from pyscore.ops import _ext, prefix_item_attention
 
 try:
@@ -48,16 +47,6 @@ def make_plan(segments: torch.Tensor, q: torch.Tensor):
     return AttentionPlan(SegmentTable.of(segments, q.shape[0]), HQ, HKV, HEAD_DIM, q.dtype, q.device)
 
 
-def median_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -74,8 +63,10 @@ def main() -> None:
         q = qkv[:, : HQ * HEAD_DIM].view(num_tokens, HQ, HEAD_DIM)
         k = qkv[:, HQ * HEAD_DIM : (HQ + HKV) * HEAD_DIM].view(num_tokens, HKV, HEAD_DIM)
         v = qkv[:, (HQ + HKV) * HEAD_DIM :].view(num_tokens, HKV, HEAD_DIM)
-        ms = median_ms(lambda: one_pass(q, k, v, segments), args.reps)  # noqa: B023 (called at once)
-        plan = "" if AttentionPlan is None else f"{median_ms(lambda: make_plan(segments, q), args.reps):>9.3f}"  # noqa: B023
+        ms = median_ms(lambda: one_pass(q, k, v, segments), args.reps, warmup=1)  # noqa: B023 (called at once)
+        plan = ""
+        if AttentionPlan is not None:
+            plan = f"{median_ms(lambda: make_plan(segments, q), args.reps, warmup=1):>9.3f}"  # noqa: B023
         print(f"{name:<16}{num_tokens:>7}{ms:>10.2f}{ms / LAYERS:>11.3f}{plan}", flush=True)
 
 

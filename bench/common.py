@@ -1,5 +1,5 @@
 """What every benchmark shares: where it ran (`machine`, `machine_info`, `git_commit`), a server of our own
-(`spawn_server`, `spawned_server`) and the synthetic decision question (`question`)."""
+(`spawn_server`, `spawned_server`), the synthetic decision question (`question`) and a median timer."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import os
 import platform
 import random
 import re
+import statistics
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -188,3 +189,17 @@ def question(num_items: int, seed: int = 0, query_words: int = 228, item_words: 
     items = [f"Proposed answer: {_sentence(rng, item_words)}\nIs this proposed answer correct? Answer Yes or No."
              for _ in range(num_items)]
     return query, items
+
+
+# --- timing ------------------------------------------------------------------------------------------------------
+def median_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
+    """Median wall time of fn() in ms over `reps` calls after `warmup` untimed ones (run it under
+    /work/tools/quiet or on an otherwise idle machine)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3

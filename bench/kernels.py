@@ -7,32 +7,18 @@ Usage: python -m bench.kernels [--threads 2] [--reps 30]"""
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bench.common import machine
+from bench.common import machine, median_ms
 from pyscore.ops import _ext, label_logprobs, prefix_item_attention
 from pyscore.ops.reference import label_logprobs_ref, prefix_item_attention_ref, segment_attention_mask
 
 RESULTS = Path(__file__).resolve().parent / "results" / "kernels_cpu.txt"
 HQ, HKV, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
 VOCAB, HIDDEN = 49152, 576
-
-
-def median_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def mis_segments() -> torch.Tensor:
