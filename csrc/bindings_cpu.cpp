@@ -17,6 +17,22 @@
 namespace py = pybind11;
 using namespace pyscore;
 
+namespace {
+
+// Every kernel runs with the GIL released, the decoder's elementwise ops (tens of microseconds each) too, so the
+// server's event loop is never held up by model work; the launcher's status becomes a Python exception.
+template <class Launch>
+void run_without_gil(const char* op, Launch launch) {
+  Status status;
+  {
+    py::gil_scoped_release release;
+    status = launch();
+  }
+  throw_on_error(status, op);
+}
+
+}  // namespace
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "pyscore CPU kernels: prefix_item_attention, label_logprobs, add_rms_norm, rotary, silu_mul";
   py::class_<AttentionCpuPlan, std::shared_ptr<AttentionCpuPlan>>(
@@ -30,10 +46,8 @@ PYBIND11_MODULE(_C, m) {
           const AttentionPlanParams shape = make_attention_plan_params(segments, num_segments, num_tokens,
                                                                        num_q_heads, num_kv_heads, head_dim, dtype);
           auto plan = std::make_shared<AttentionCpuPlan>();
-          py::gil_scoped_release release;
-          Status status = prefix_item_attention_plan_cpu(shape, plan.get());
-          py::gil_scoped_acquire acquire;
-          throw_on_error(status, "prefix_item_attention_plan");
+          run_without_gil("prefix_item_attention_plan",
+                          [&] { return prefix_item_attention_plan_cpu(shape, plan.get()); });
           return plan;
         });
   m.def("prefix_item_attention",
@@ -42,10 +56,7 @@ PYBIND11_MODULE(_C, m) {
           const AttentionPlanParams& s = plan.shape;
           auto p = make_attention_params(q, k, v, o, qs, ks, vs, os, 0, s.num_segments, s.num_tokens, s.num_q_heads,
                                          s.num_kv_heads, s.head_dim, scale, s.dtype);
-          py::gil_scoped_release release;
-          Status status = prefix_item_attention_run_cpu(plan, p);
-          py::gil_scoped_acquire acquire;
-          throw_on_error(status, "prefix_item_attention");
+          run_without_gil("prefix_item_attention", [&] { return prefix_item_attention_run_cpu(plan, p); });
         },
         "One layer's attention with a plan from prefix_item_attention_plan (the table is read from the plan)");
   m.def("label_logprobs",
@@ -54,23 +65,15 @@ PYBIND11_MODULE(_C, m) {
            int32_t hidden_size, int32_t vocab_size, int32_t num_labels, const std::string& dtype) {
           auto p = make_label_params(hidden, hidden_row_stride, weight, weight_row_stride, labels, logprobs,
                                      label_softmax, logz, num_rows, hidden_size, vocab_size, num_labels, dtype);
-          py::gil_scoped_release release;
-          Status status = label_logprobs_cpu(p);
-          py::gil_scoped_acquire acquire;
-          throw_on_error(status, "label_logprobs");
+          run_without_gil("label_logprobs", [&] { return label_logprobs_cpu(p); });
         });
-  // The decoder's elementwise ops (tens of microseconds each): the GIL is released as for the big kernels so the
-  // server's event loop is never held up by model work.
   m.def("add_rms_norm",
         [](uintptr_t x, int64_t x_row_stride, uintptr_t delta, int64_t delta_row_stride, uintptr_t weight,
            uintptr_t out, int64_t out_row_stride, int32_t num_rows, int32_t hidden_size, float eps,
            const std::string& dtype) {
           auto p = make_add_rms_norm_params(x, x_row_stride, delta, delta_row_stride, weight, out, out_row_stride,
                                             num_rows, hidden_size, eps, dtype);
-          py::gil_scoped_release release;
-          Status status = add_rms_norm_cpu(p);
-          py::gil_scoped_acquire acquire;
-          throw_on_error(status, "add_rms_norm");
+          run_without_gil("add_rms_norm", [&] { return add_rms_norm_cpu(p); });
         });
   m.def("rotary",
         [](uintptr_t q, Strides qs, uintptr_t k, Strides ks, uintptr_t positions, uintptr_t cos, uintptr_t sin,
@@ -78,20 +81,14 @@ PYBIND11_MODULE(_C, m) {
            int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim, const std::string& dtype) {
           auto p = make_rotary_params(q, qs, k, ks, positions, cos, sin, num_positions, q_norm, k_norm, eps,
                                       num_tokens, num_q_heads, num_kv_heads, head_dim, dtype);
-          py::gil_scoped_release release;
-          Status status = rotary_cpu(p);
-          py::gil_scoped_acquire acquire;
-          throw_on_error(status, "rotary");
+          run_without_gil("rotary", [&] { return rotary_cpu(p); });
         });
   m.def("silu_mul",
         [](uintptr_t gate, int64_t gate_row_stride, uintptr_t up, int64_t up_row_stride, uintptr_t out,
            int64_t out_row_stride, int32_t num_rows, int32_t width, const std::string& dtype) {
           auto p = make_silu_mul_params(gate, gate_row_stride, up, up_row_stride, out, out_row_stride, num_rows,
                                         width, dtype);
-          py::gil_scoped_release release;
-          Status status = silu_mul_cpu(p);
-          py::gil_scoped_acquire acquire;
-          throw_on_error(status, "silu_mul");
+          run_without_gil("silu_mul", [&] { return silu_mul_cpu(p); });
         });
   // Exposed so the log-sum-exp merge of the cascade is tested alone (fp32, contiguous [rows, dim] / [rows]).
   m.def("merge_state",
