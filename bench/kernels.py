@@ -1,8 +1,8 @@
-"""CPU kernel micro-benchmark, measured side by side in one run: prefix_item_attention (ours vs torch SDPA with a
-dense mask vs the fp32 reference) on the MIS shape of a SmolLM2 question (prefix 270 + 16 items x 30) and its SIS
-twin (16 x 300), and label_logprobs (ours vs log_softmax(h @ W.T).gather) at R = 16 and 1, V = 49152, H = 576;
-bf16 and fp32; medians after warm-up. Writes bench/results/kernels_cpu.txt.
-Usage: python -m bench.kernels [--threads 2] [--reps 30]"""
+"""CPU kernel micro-benchmark, measured side by side in one run: prefix_item_attention (ours, one layer's run of a
+plan made once per batch, vs torch SDPA with a dense mask vs the fp32 reference) on the MIS shape of a SmolLM2
+question (prefix 270 + 16 items x 30) and its SIS twin (16 x 300), and label_logprobs (ours vs
+log_softmax(h @ W.T).gather) at R = 16 and 1, V = 49152, H = 576; bf16 and fp32; medians after warm-up. Writes
+bench/results/kernels_cpu.txt. Usage: python -m bench.kernels [--threads 2] [--reps 30]"""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import machine, median_ms
-from pyscore.ops import _ext, label_logprobs, prefix_item_attention
+from pyscore.ops import AttentionPlan, SegmentTable, _ext, label_logprobs
 from pyscore.ops.reference import label_logprobs_ref, prefix_item_attention_ref, segment_attention_mask
 
 RESULTS = Path(__file__).resolve().parent / "results" / "kernels_cpu.txt"
@@ -49,12 +49,19 @@ def heads_first(q, k, v):
     return tuple(x.transpose(0, 1).repeat_interleave(n, 0).contiguous() for x, n in ((q, 1), (k, group), (v, group)))
 
 
+def planned(segments: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """One layer's attention as the decoder runs it: the plan is made once per batch (not timed), each call runs
+    it."""
+    plan = AttentionPlan(SegmentTable.of(segments, q.shape[0]), HQ, HKV, HEAD_DIM, q.dtype, "cpu", backend="kernel")
+    return lambda: plan.run(q, k, v)
+
+
 def attention_rows(name: str, segments: torch.Tensor, dtype: torch.dtype, reps: int) -> list[str]:
     num_tokens = int(segments[:, 1].sum())
     q, k, v = fused_qkv(num_tokens, dtype)
     mask = segment_attention_mask(segments, num_tokens)
     qh, kh, vh = (x[None] for x in heads_first(q, k, v))  # [1, H, T, D]: 4-d takes torch's fused CPU kernel
-    ours = median_ms(lambda: prefix_item_attention(q, k, v, segments, backend="kernel"), reps)
+    ours = median_ms(planned(segments, q, k, v), reps)
     sdpa = median_ms(lambda: F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask), max(3, reps // 10), warmup=1)
     ref = median_ms(lambda: prefix_item_attention_ref(q, k, v, segments), 3, warmup=1)
     dt = str(dtype).removeprefix("torch.")
@@ -68,7 +75,7 @@ def sis_batched_rows(dtype: torch.dtype, reps: int) -> list[str]:
     q, k, v = fused_qkv(int(segments[:, 1].sum()), dtype)
     # [Hq, 16 * 300, D] -> [16, Hq, 300, D]
     qb, kb, vb = (x.view(HQ, 16, 300, HEAD_DIM).transpose(0, 1).contiguous() for x in heads_first(q, k, v))
-    ours = median_ms(lambda: prefix_item_attention(q, k, v, segments, backend="kernel"), reps)
+    ours = median_ms(planned(segments, q, k, v), reps)
     sdpa = median_ms(lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True), reps)
     dt = str(dtype).removeprefix("torch.")
     return [f"{'  (torch batched causal)':<26}{dt:<10}{ours:>9.3f}{sdpa:>11.3f}{'':>11}{sdpa / ours:>11.1f}x"]
@@ -101,12 +108,11 @@ def interleave_rows(reps: int) -> list[str]:
     def matmuls():
         return (x @ w_qkv.T)[:, : HQ * HEAD_DIM] @ w_o.T
 
-    def kernel():
-        return prefix_item_attention(q, k, v, segments, backend="kernel")
+    kernel = planned(segments, q, k, v)
 
     def step():
         qkv = x @ w_qkv.T
-        out = prefix_item_attention(q, k, v, segments, backend="kernel")
+        out = kernel()
         return out.view(num_tokens, -1) @ w_o.T + qkv[:, :576]
 
     alone = median_ms(matmuls, reps) + median_ms(kernel, reps)
