@@ -36,17 +36,24 @@ CONTRACT = {
     "ScoreResponse": ["scores", "label_token_ids", "mode", "usage", "model"],
     "ItemScores": ["rows"],
     "ScoreRow": ["values"],
-    "Usage": ["prompt_tokens", "computed_tokens"],
+    "Usage": ["prompt_tokens", "computed_tokens", "cached_tokens", "queue_duration", "compute_duration"],
     "GenerateRequest": ["model", "prompt", "prompt_token_ids", "apply_chat_template", "max_tokens", "temperature",
                         "top_p", "top_k", "seed", "stop", "top_logprobs"],
-    "GenerateResponse": ["text", "token_ids", "logprobs", "finish_reason", "usage"],
+    "GenerateResponse": ["text", "token_ids", "logprobs", "usage", "finish_reason"],
     "TokenLogprob": ["token_id", "token", "logprob", "top"],
     "TopLogprob": ["token_id", "token", "logprob"],
     "TokenizeRequest": ["text", "add_special_tokens"],
     "TokenizeResponse": ["token_ids", "tokens"],
     "GetModelInfoRequest": [],
-    "ModelInfo": ["name", "architecture", "kind", "vocab_size", "max_context", "dtype", "device", "mis_supported",
-                  "special_tokens", "num_labels"],
+    "ServerLimits": ["max_items", "max_request_tokens", "max_batch_tokens", "max_message_bytes", "max_queue"],
+    "ModelInfo": ["name", "architecture", "vocab_size", "max_context", "dtype", "device", "special_tokens",
+                  "num_labels", "kind", "limits", "ops"],
+}
+ENUMS = {
+    "ScoringMode": [("SCORING_MODE_UNSPECIFIED", 0), ("SCORING_MODE_SIS", 1), ("SCORING_MODE_MIS", 2)],
+    "FinishReason": [("FINISH_REASON_UNSPECIFIED", 0), ("FINISH_REASON_LENGTH", 1), ("FINISH_REASON_STOP", 2),
+                     ("FINISH_REASON_EOS", 3)],
+    "ModelKind": [("MODEL_KIND_UNSPECIFIED", 0), ("MODEL_KIND_CAUSAL_LM", 1), ("MODEL_KIND_CLASSIFIER", 2)],
 }
 RPCS = ["Score", "Generate", "GenerateStream", "Tokenize", "GetModelInfo"]
 
@@ -79,9 +86,8 @@ def test_reflection_lists_and_describes_the_contract(channel: grpc.Channel) -> N
     assert stream.server_streaming and not stream.client_streaming
     for message, fields in CONTRACT.items():
         assert [f.name for f in pool.FindMessageTypeByName(f"pyscore.v1.{message}").fields] == fields, message
-    enum = pool.FindEnumTypeByName("pyscore.v1.ScoringMode")
-    assert [(v.name, v.number) for v in enum.values] == [
-        ("SCORING_MODE_AUTO", 0), ("SCORING_MODE_SIS", 1), ("SCORING_MODE_MIS", 2)]
+    for enum, values in ENUMS.items():
+        assert [(v.name, v.number) for v in pool.FindEnumTypeByName(f"pyscore.v1.{enum}").values] == values, enum
     seed = pool.FindMessageTypeByName("pyscore.v1.GenerateRequest").fields_by_name["seed"]
     assert seed.has_presence  # `optional int64 seed`
 
@@ -106,7 +112,7 @@ def test_grpcurl_through_reflection(server: ServerThread, client: ScorerClient) 
         assert f"rpc {rpc} (" in described
     assert "returns ( stream .pyscore.v1.GenerateResponse )" in described
     assert "// Scores each item given the query" in described  # the .proto comments travel with reflection
-    assert "// The query as text." in grpcurl(server.target, "describe", "pyscore.v1.ScoreRequest")
+    assert "// The query as text, tokenized" in grpcurl(server.target, "describe", "pyscore.v1.ScoreRequest")
     body = {"query": "where is my order", "items": ["track it", "refund it"], "labels": ["Yes", "No"],
             "mode": "SCORING_MODE_MIS"}
     answer = json.loads(grpcurl("-d", json.dumps(body), server.target, "pyscore.v1.Scorer/Score"))

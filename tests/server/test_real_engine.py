@@ -5,6 +5,7 @@ get what each gets alone."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -111,9 +112,12 @@ def test_generate_greedy_equals_transformers_and_stream(client: ScorerClient, en
 def test_tokenize_and_model_info(client: ScorerClient, engine: Engine) -> None:
     assert client.tokenize(QUERY) == engine.tokenize(QUERY)
     assert client.tokenize(" A", add_special_tokens=False) == engine.tokenize(" A", add_special_tokens=False)
+    ids, tokens = client.tokenize(" Yes No", add_special_tokens=False)
+    assert tokens == [engine.tokenizer.decode([i]) for i in ids]  # each token's text, as generation reports it
     info = client.model_info()
-    assert info == engine.info()
-    assert info.kind == "causal_lm" and info.mis_supported
+    assert info.limits is not None and info.limits.max_batch_tokens == 256  # the tiny server's config
+    assert info == dataclasses.replace(engine.info(), limits=info.limits)
+    assert info.kind == "causal_lm"
 
 
 def test_concurrent_requests_equal_alone(served: ServerThread, client: ScorerClient) -> None:
