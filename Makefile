@@ -9,7 +9,7 @@ NODE_DIR := tests/clients/node
 NODE_STAMP := $(NODE_DIR)/node_modules/.installed
 BUF := $(NODE_DIR)/node_modules/.bin/buf
 
-.PHONY: setup build test serve lint proto-check bench bench-kernels clean
+.PHONY: setup java-deps build test serve lint proto-check bench bench-kernels clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,12 +23,16 @@ $(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
 	cd $(NODE_DIR) && npm ci --no-audit --no-fund --loglevel=error
 	touch $(NODE_STAMP)
 
-setup: $(STAMP) $(NODE_STAMP)
+# The Java client test's Debian packages (grpc-java): installed when missing and root; else the test skips.
+java-deps:
+	tests/clients/java/setup.sh
+
+setup: $(STAMP) $(NODE_STAMP) java-deps
 
 build: $(STAMP)
 	$(PY) setup.py -q build_ext --inplace
 
-test: build proto-check
+test: build proto-check java-deps
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
