@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 from typing import Any
 
 import numpy as np
@@ -122,6 +123,7 @@ def test_cli_score_table_and_json(server: ServerThread, capsys: pytest.CaptureFi
     assert cli.main(args) == 0
     table = capsys.readouterr().out
     assert "mode mis" in table and "track it" in table and "Yes" in table.splitlines()[1]
+    assert re.search(r"server \d+\.\d ms queued / \d+\.\d ms computing", table.splitlines()[0]), table
     assert cli.main([*args, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     expected = FakeEngine().score("where is my order", ["track it", "refund it"], labels=["Yes", "No"], mode="mis")
