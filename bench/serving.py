@@ -135,6 +135,7 @@ def one_line(summary: dict[str, Any]) -> str:
 
     return (f"{summary['path']:>8} {load:>9} rep{summary['rep']}: p50 {ms(e2e['p50'])} ms, p95 {ms(e2e['p95'])} ms, "
             f"achieved {summary['achieved_qps']:.2f} q/s, errors {summary['num_errors']}/{summary['num_questions']}"
+            f", server queue p50 {ms(summary['queueing_delay_ms']['p50'])} ms"
             f", lag p99 {ms(summary['dispatch_lag_ms']['p99'])} ms")
 
 

@@ -28,12 +28,24 @@ FUSED_TOP_LOGPROBS = 20
 
 @dataclass
 class Decision:
-    """The chosen option (None when the answer named no option) and the token accounting where known."""
+    """The chosen option (None when the answer named no option), the token accounting where known, and the
+    server-side timing where the target reports it."""
 
     choice: int | None
     calls: int = 1
     prompt_tokens: int = 0
     computed_tokens: int = 0
+    server_queue_ms: float | None = None
+    server_compute_ms: float | None = None
+
+
+def usage_decision(choice: int | None, usages: Sequence[Any], timed: bool) -> Decision:
+    """A Decision from the pyscore Usage of each call it took: tokens summed; with `timed` (a server's usages),
+    its queue wait and compute time, the longest of the calls (they run at once)."""
+    return Decision(choice, calls=len(usages), prompt_tokens=sum(u.prompt_tokens for u in usages),
+                    computed_tokens=sum(u.computed_tokens for u in usages),
+                    server_queue_ms=max(u.queue_s for u in usages) * 1e3 if timed and usages else None,
+                    server_compute_ms=max(u.compute_s for u in usages) * 1e3 if timed and usages else None)
 
 
 @dataclass
@@ -78,6 +90,7 @@ class PointwiseScoring:
     """sis / mis for targets with our Score semantics: one request per question, Yes/No rows per option."""
 
     info: TargetInfo
+    timed = False  # the results' Usage carries a server's queue wait and compute time
 
     async def _score_result(self, query: str, items: list[str], mode: str) -> Any:
         """The target's ScoreResult for one pointwise prompt (Yes/No label ids, apply_softmax)."""
@@ -86,8 +99,7 @@ class PointwiseScoring:
     async def _score(self, q: Question, mode: str) -> Decision:
         p = prompts.pointwise(q)
         r = await self._score_result(p.query, p.items, mode)
-        return Decision(pointwise_choice([rows[0] for rows in r.scores]), prompt_tokens=r.usage.prompt_tokens,
-                        computed_tokens=r.usage.computed_tokens)
+        return usage_decision(pointwise_choice([rows[0] for rows in r.scores]), [r.usage], self.timed)
 
     async def _sis(self, q: Question) -> Decision:
         return await self._score(q, "sis")
@@ -125,6 +137,7 @@ async def resolve_labels(tokenize) -> list[int]:
 
 class GrpcTarget(PointwiseScoring, Target):
     paths = PATHS
+    timed = True
 
     def __init__(self, address: str, **kw: Any) -> None:
         super().__init__(**kw)
@@ -161,9 +174,7 @@ class GrpcTarget(PointwiseScoring, Target):
             self.client.generate(p.query + item, max_tokens=1, top_logprobs=GENERATE_TOP_LOGPROBS)
             for item in p.items))
         tops = [[(t.token, t.logprob) for t in r.logprobs[0].top] if r.logprobs else [] for r in results]
-        return Decision(generate_choice(tops), calls=len(results),
-                        prompt_tokens=sum(r.usage.prompt_tokens for r in results),
-                        computed_tokens=sum(r.usage.computed_tokens for r in results))
+        return usage_decision(generate_choice(tops), [r.usage for r in results], timed=True)
 
     async def _score_result(self, query: str, items: list[str], mode: str) -> Any:
         return await self.client.score(query, items, label_token_ids=self.info.label_token_ids, apply_softmax=True,
@@ -173,8 +184,7 @@ class GrpcTarget(PointwiseScoring, Target):
         r = await self.client.generate(prompts.fused_choice(q), apply_chat_template=True, max_tokens=1,
                                        top_logprobs=FUSED_TOP_LOGPROBS)
         top = [(t.token, t.logprob) for t in r.logprobs[0].top] if r.logprobs else []
-        return Decision(prompts.best_letter(top, q.num_candidates), prompt_tokens=r.usage.prompt_tokens,
-                        computed_tokens=r.usage.computed_tokens)
+        return usage_decision(prompts.best_letter(top, q.num_candidates), [r.usage], timed=True)
 
     async def _setwise(self, q: Question) -> Decision:
         assert self.marker is not None
@@ -184,8 +194,7 @@ class GrpcTarget(PointwiseScoring, Target):
         rows = r.scores[0]
         if len(rows) != q.num_candidates:
             raise TargetError(f"setwise: {len(rows)} marker rows for {q.num_candidates} options")
-        return Decision(pointwise_choice(rows), prompt_tokens=r.usage.prompt_tokens,
-                        computed_tokens=r.usage.computed_tokens)
+        return usage_decision(pointwise_choice(rows), [r.usage], timed=True)
 
 
 # --- HTTP servers ----------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 
 from pyscore.client import DEFAULT_TARGET, ScorerClient
-from pyscore.types import GenerateResult, ModelInfo, ScoreResult, TokenLogprob
+from pyscore.types import GenerateResult, ModelInfo, ScoreResult, TokenLogprob, Usage
 
 
 def _ids(text: str) -> list[int]:
@@ -99,8 +99,13 @@ def format_score(result: ScoreResult, items: Sequence[str], labels: Sequence[str
             rows.append([number, _clip(items[i]) if j == 0 else "", *(f"{v:.4f}" for v in row)])
     u = result.usage
     label_ids = " ".join(f"{n}={i}" for n, i in zip(names, result.label_token_ids, strict=False))
-    head = f"mode {result.mode}  labels {label_ids}  tokens {u.prompt_tokens} prompt / {u.computed_tokens} computed"
+    head = (f"mode {result.mode}  labels {label_ids}  tokens {u.prompt_tokens} prompt / {u.computed_tokens} computed"
+            f"  {_server_time(u)}")
     return head + "\n" + _table(["#", "item", *names], rows)
+
+
+def _server_time(u: Usage) -> str:
+    return f"server {u.queue_s * 1e3:.1f} ms queued / {u.compute_s * 1e3:.1f} ms computing"
 
 
 def _logprob_table(logprobs: Sequence[TokenLogprob]) -> str:
@@ -112,7 +117,7 @@ def _logprob_table(logprobs: Sequence[TokenLogprob]) -> str:
 def format_generate(result: GenerateResult, show_logprobs: bool) -> str:
     u = result.usage
     out = [result.text, f"[finish {result.finish_reason}  tokens {u.prompt_tokens} prompt / "
-                        f"{u.computed_tokens} computed]"]
+                        f"{u.computed_tokens} computed  {_server_time(u)}]"]
     if show_logprobs:
         out.append(_logprob_table(result.logprobs))
     return "\n".join(out)
@@ -147,7 +152,7 @@ def run(args: argparse.Namespace, client: ScorerClient) -> None:
                 if chunk.usage is not None:
                     u = chunk.usage
                     print(f"\n[finish {chunk.finish_reason}  tokens {u.prompt_tokens} prompt / "
-                          f"{u.computed_tokens} computed]")
+                          f"{u.computed_tokens} computed  {_server_time(u)}]")
             return
         result = client.generate(prompt, model=args.model, **options)
         print(_json(result) if args.json else format_generate(result, args.top_logprobs > 0))

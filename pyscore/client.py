@@ -1,7 +1,8 @@
 """Python clients of pyscore.v1.Scorer: `ScorerClient` (blocking) and `AsyncScorerClient` (asyncio). Both take
 and return pyscore.types objects (`GenerateChunk` for streamed pieces); keyword options are the fields of
 ScoreRequest / GenerateRequest. Failures raise grpc.RpcError carrying the server's status code and a
-message that names the offending field.
+message that names the offending field (`field_violations(error)` reads INVALID_ARGUMENT's structured
+google.rpc.BadRequest details).
 
     with ScorerClient("127.0.0.1:50051") as client:
         result = client.score("Is the order late?", ["Track it", "Refund it"], labels=["Yes", "No"])
@@ -19,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
 
 from pyscore import wire
 from pyscore._proto.pyscore.v1 import scorer_pb2 as pb
@@ -39,6 +42,18 @@ class GenerateChunk:
     logprobs: list[TokenLogprob]
     finish_reason: str | None = None
     usage: Usage | None = None
+
+
+def field_violations(error: grpc.RpcError) -> list[tuple[str, str]]:
+    """(field, description) of each google.rpc.BadRequest field violation in the error's status details (AIP-193;
+    the server sends one with every INVALID_ARGUMENT that names a field); [] when there are none."""
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    violations = []
+    for detail in status.details if status is not None else ():
+        bad = error_details_pb2.BadRequest()
+        if detail.Unpack(bad):
+            violations += [(v.field, v.description) for v in bad.field_violations]
+    return violations
 
 
 def _channel_options(max_message_mb: int) -> list[tuple[str, int]]:
@@ -89,9 +104,10 @@ def generate_message(prompt: str | list[int], model: str, **options: Any) -> pb.
 
 
 def chunk_from_proto(msg: pb.GenerateResponse) -> GenerateChunk:
-    last = bool(msg.finish_reason)
+    finish_reason = wire.finish_reason_from_proto(msg.finish_reason)
+    last = finish_reason is not None
     return GenerateChunk(text=msg.text, token_ids=list(msg.token_ids), logprobs=wire.logprobs_from_proto(msg.logprobs),
-                         finish_reason=msg.finish_reason if last else None,
+                         finish_reason=finish_reason,
                          usage=wire.usage_from_proto(msg.usage) if last else None)
 
 

@@ -89,12 +89,13 @@ class Engine:
                          kind="classifier" if self.cfg.is_classifier else "causal_lm",
                          vocab_size=self.cfg.vocab_size, max_context=self.cfg.max_position_embeddings,
                          dtype=str(self.decoder.dtype).removeprefix("torch."), device=str(self.decoder.device),
-                         mis_supported=True, special_tokens=special, num_labels=self.cfg.num_labels,
-                         ops=dict(self.op_paths))
+                         special_tokens=special, num_labels=self.cfg.num_labels, ops=dict(self.op_paths))
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[str]]:
+        """Token ids and each token's text: its decoding alone (" Yes", not the BPE piece "ĠYes"), the same
+        convention as generation's logprobs and what a label string must be."""
         ids = list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
-        return ids, self.tokenizer.convert_ids_to_tokens(ids)
+        return ids, [self.tokenizer.decode([i]) for i in ids]
 
     # --- scoring -------------------------------------------------------------------------------------
     def prepare_score(self, request: ScoreRequest) -> PreparedScore:

@@ -150,6 +150,8 @@ def _resolve_classes(req: ScoreRequest, traits: ModelTraits) -> list[int]:
 
 
 def _resolve_mode(req: ScoreRequest) -> Literal["sis", "mis"]:
+    """The mode that runs. "auto" (the proto's SCORING_MODE_UNSPECIFIED, whose comment states this rule) is MIS
+    unless item_first, which makes the query a suffix that cannot be shared."""
     if req.mode not in MODES:
         raise InvalidArgument("mode", f"unknown mode {req.mode!r}; expected one of {', '.join(MODES)}")
     if req.mode == "mis" and req.item_first:

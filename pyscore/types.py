@@ -28,6 +28,10 @@ class ScoreRequest:
 class Usage:
     prompt_tokens: int = 0  # tokens of all query+item sequences as SIS would see them
     computed_tokens: int = 0  # tokens actually run through the model (MIS computes the query once)
+    cached_tokens: int = 0  # tokens read from a prefix cache instead of computed (0 until there is one)
+    # Server-side timing (0 in process), a measurement rather than part of the answer: not compared by ==.
+    queue_s: float = field(default=0.0, compare=False)  # admission to the first forward pass that included it
+    compute_s: float = field(default=0.0, compare=False)  # wall time of the passes that included it (shared)
 
 
 @dataclass
@@ -80,6 +84,17 @@ class GenerateResult:
 
 
 @dataclass
+class ServerLimits:
+    """A server's limits on one request (0 = none); see pyscore.v1.ServerLimits."""
+
+    max_items: int = 0
+    max_request_tokens: int = 0
+    max_batch_tokens: int = 0
+    max_message_bytes: int = 0
+    max_queue: int = 0
+
+
+@dataclass
 class ModelInfo:
     name: str
     architecture: str
@@ -88,7 +103,7 @@ class ModelInfo:
     max_context: int
     dtype: str
     device: str
-    mis_supported: bool
     special_tokens: dict[str, str]
     num_labels: int = 0  # classifiers: number of classes
     ops: dict[str, str] = field(default_factory=dict)  # op -> the path it takes and why ("kernel: pyscore._C (...)")
+    limits: ServerLimits | None = None  # set by a server (the engine has none)

@@ -1,6 +1,6 @@
 """The grpc.aio server: pyscore.v1.Scorer behind the logging/error interceptor (and, with a token, the auth
-interceptor), grpc.health.v1 and server reflection, with explicit message-size limits, optional TLS / mTLS
-and an optional Prometheus endpoint.
+interceptor), grpc.health.v1 (with List) and server reflection (v1 and v1alpha), with explicit message-size
+limits, optional TLS / mTLS and an optional Prometheus endpoint. GetModelInfo reports the limits.
 
 Lifecycle: listen first with health NOT_SERVING (Scorer calls answer UNAVAILABLE); load the engine and warm
 it up off the event loop; start the batcher; go SERVING. On SIGTERM/SIGINT: health NOT_SERVING for good,
@@ -11,6 +11,7 @@ it up off the event loop; start the batcher; go SERVING. On SIGTERM/SIGINT: heal
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import logging
 import signal
@@ -22,14 +23,14 @@ from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from pyscore._proto.pyscore.v1 import scorer_pb2, scorer_pb2_grpc
-from pyscore.types import GenerateRequest, ScoreRequest
+from pyscore.types import GenerateRequest, ModelInfo, ScoreRequest, ServerLimits
 from server.batcher import Batcher, EngineLike
+from server.health import HealthServicer
 from server.interceptors import LoggingErrorInterceptor
 from server.metrics import Metrics
-from server.reflection_docs import DocumentedPool
+from server.reflection_docs import DocumentedPool, add_reflection, reflection_handlers
 from server.security import AuthInterceptor, read_token, server_credentials
 from server.servicer import ScorerServicer
 
@@ -112,19 +113,19 @@ class ScorerApp:
         self.metrics = Metrics()
         size = config.max_message_mb * 1024 * 1024
         interceptors: list[grpc.aio.ServerInterceptor] = [LoggingErrorInterceptor(self.metrics)]
-        if config.auth_token_file:
-            interceptors.append(AuthInterceptor(read_token(config.auth_token_file)))  # inside: denials are logged
+        if config.auth_token_file:  # inside the logging interceptor: denials are logged
+            health_only = reflection_handlers([health.SERVICE_NAME], DocumentedPool(only=["grpc.health.v1"]))
+            interceptors.append(AuthInterceptor(read_token(config.auth_token_file), open_handlers=health_only))
         self.server = grpc.aio.server(
             interceptors=interceptors,
             options=[("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size),
                      ("grpc.so_reuseport", 0)],
         )
         self.servicer = ScorerServicer(max_items=config.max_items, max_request_tokens=config.max_request_tokens)
-        self.health = health.aio.HealthServicer()
+        self.health = HealthServicer()
         scorer_pb2_grpc.add_ScorerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection((SCORER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server,
-                                            pool=DocumentedPool())  # type: ignore[arg-type]
+        add_reflection(self.server, (SCORER_SERVICE, health.SERVICE_NAME), DocumentedPool())
         self.batcher: Batcher | None = None
         self.metrics.track_queue(lambda: self.batcher.waiting() if self.batcher is not None else 0)
         self.port = 0
@@ -156,8 +157,16 @@ class ScorerApp:
                                max_request_tokens=self.config.max_request_tokens,
                                on_batch=self.metrics.observe_batch)
         self.batcher.start()
-        self.servicer.attach(self.batcher, engine.info())
+        self.servicer.attach(self.batcher, self.model_info(engine))
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    def model_info(self, engine: EngineLike) -> ModelInfo:
+        """The engine's description of its model plus this server's limits (0 = none)."""
+        c = self.config
+        limits = ServerLimits(max_items=c.max_items, max_request_tokens=c.max_request_tokens or 0,
+                              max_batch_tokens=c.max_batch_tokens, max_message_bytes=c.max_message_mb * 1024 * 1024,
+                              max_queue=c.max_queue)
+        return dataclasses.replace(engine.info(), limits=limits)
 
     async def stop(self, grace: float | None = None) -> None:
         grace = self.config.grace_s if grace is None else grace

@@ -9,7 +9,9 @@ requests that arrive during a forward pass join the next one. Results reach the 
 `call_soon_threadsafe`. At most `max_queue` jobs wait (admitted, not yet running); the next one is refused
 at once with ResourceExhausted. A request larger than `max_request_tokens` (Score: the tokens its mode
 computes; Generate: prompt + max_tokens) is refused with ResourceExhausted right after tokenization, before
-any model work. When the worker runs out of work it hands freed heap memory back to the OS (glibc's
+any model work. Every result's Usage gets the server-side timing: `queue_s` from admission to the start of the
+first forward pass that included the request, `compute_s` the wall time of the passes that included it. When
+the worker runs out of work it hands freed heap memory back to the OS (glibc's
 malloc_trim, at most every `TRIM_EVERY_S`): without it, RSS stays at the high-water mark of the largest
 batches seen.
 """
@@ -24,12 +26,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from pyscore.budget import count_within_budget
 from pyscore.errors import ResourceExhausted
-from pyscore.types import GenerateRequest, GenerateResult, ModelInfo, ScoreRequest, ScoreResult, TokenLogprob
+from pyscore.types import GenerateRequest, GenerateResult, ModelInfo, ScoreRequest, ScoreResult, TokenLogprob, Usage
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +115,20 @@ class Job:
     cancelled: bool = False  # set on the loop when the caller stops waiting; read by the worker
     work: Any = None  # PreparedScore or Generation, once accepted
     tokens: int = 0
+    admitted: float = field(default_factory=time.monotonic)
+    started: float | None = None  # when the first forward pass that included this job began
+    compute_s: float = 0.0  # wall time of the forward passes that included it
+
+    def timed(self, usage: Usage) -> None:
+        """Write this job's server-side timing into its result's usage."""
+        usage.queue_s = (self.started if self.started is not None else time.monotonic()) - self.admitted
+        usage.compute_s = self.compute_s
+
+    def ran(self, start: float, end: float) -> None:
+        """Account a forward pass over [start, end) that included this job."""
+        if self.started is None:
+            self.started = start
+        self.compute_s += end - start
 
     def dead(self, now: float) -> bool:
         return self.cancelled or (self.deadline is not None and now >= self.deadline)
@@ -196,7 +212,9 @@ class Batcher:
     def _admit(self, kind: Literal["score", "generate", "call"], payload: Any, timeout: float | None,
                stream: bool) -> Job:
         loop = asyncio.get_running_loop()
-        job = Job(kind, payload, loop, None if timeout is None else time.monotonic() + timeout)
+        job = Job(kind, payload, loop, None)
+        if timeout is not None:
+            job.deadline = job.admitted + timeout
         if stream:
             job.deltas = asyncio.Queue()
         else:
@@ -314,6 +332,7 @@ class Batcher:
         self.stats.batches += 1
         if self.on_batch is not None:
             self.on_batch(len(batch), sum(j.tokens for j in batch))
+        start = time.monotonic()
         try:
             results: list[Any] = self.engine.run_prepared([j.work for j in batch])
             if len(results) != len(batch):
@@ -321,11 +340,16 @@ class Batcher:
         except Exception as e:
             log.exception("score batch of %d requests failed", len(batch))
             results = [e] * len(batch)
+        end = time.monotonic()
         for job, result in zip(batch, results, strict=True):
+            job.ran(start, end)
+            if isinstance(result, ScoreResult):
+                job.timed(result.usage)
             self._finish(job, result)
 
     def _step(self) -> None:
         self.stats.steps += 1
+        start = time.monotonic()
         try:
             self.engine.step([j.work for j in self._active])
         except Exception as e:
@@ -334,8 +358,10 @@ class Batcher:
                 self._finish(job, e)
             self._active.clear()
             return
+        end = time.monotonic()
         still: list[Job] = []
         for job in self._active:
+            job.ran(start, end)
             gen = job.work
             error = gen.error
             if error is not None:  # this sequence alone failed; its batch-mates go on
@@ -343,7 +369,9 @@ class Batcher:
                 continue
             token_ids, logprobs, text = gen.take_delta()
             if gen.finished:
-                self._finish(job, GenerationDelta(token_ids, logprobs, text, gen.result()))
+                result = gen.result()
+                job.timed(result.usage)
+                self._finish(job, GenerationDelta(token_ids, logprobs, text, result))
             else:
                 if token_ids or text:
                     self._finish(job, GenerationDelta(token_ids, logprobs, text))

@@ -94,9 +94,8 @@ class FakeGeneration:
 
 
 class FakeEngine:
-    def __init__(self, name: str = "fake-smollm2", *, mis_supported: bool = True, delay_s: float = 0.0) -> None:
+    def __init__(self, name: str = "fake-smollm2", *, delay_s: float = 0.0) -> None:
         self.model_name = name
-        self.mis_supported = mis_supported
         self.delay_s = delay_s
         self.batches: list[list[str]] = []  # tags of each run_prepared call, in call order
         self.steps: list[int] = []  # number of unfinished generations advanced by each step call
@@ -142,8 +141,8 @@ class FakeEngine:
     # -- API -----------------------------------------------------------------------------------------------
     def info(self) -> ModelInfo:
         return ModelInfo(name=self.model_name, architecture="FakeForCausalLM", kind="causal_lm", vocab_size=VOCAB,
-                         max_context=MAX_CONTEXT, dtype="float32", device="cpu", mis_supported=self.mis_supported,
-                         special_tokens={"bos_token": "<s>", "eos_token": "</s>"})
+                         max_context=MAX_CONTEXT, dtype="float32", device="cpu",
+                         special_tokens={"bos_token": "<s>", "eos_token": "</s>"}, ops={"fake_op": "python"})
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[str]]:
         words = text.split()
@@ -205,11 +204,11 @@ class FakeEngine:
                     raise InvalidArgument("items", f"item {i} has no score_extraction_token")
         if request.mode not in ("auto", "sis", "mis"):
             raise InvalidArgument("mode", f"unknown mode {request.mode!r}")
-        if request.mode == "mis" and not self.mis_supported:
-            raise FailedPrecondition("mode", "this model does not support MIS")
+        if request.mode == "mis" and request.item_first:
+            raise FailedPrecondition("mode", "MIS shares the query as a prefix, which item_first makes a suffix")
         mode = request.mode
-        if mode == "auto":
-            mode = "mis" if self.mis_supported and len(item_ids) > 1 else "sis"
+        if mode == "auto":  # as pyscore.scoring
+            mode = "sis" if request.item_first else "mis"
         if any(len(query_ids) + len(ids) > MAX_CONTEXT for ids in item_ids):
             raise InvalidArgument("items", f"query + item exceeds the model's context of {MAX_CONTEXT} tokens")
         prompt = sum(len(query_ids) + len(ids) for ids in item_ids)

@@ -248,3 +248,23 @@ def test_idle_worker_trims_the_heap(server: ServerThread, client: ScorerClient,
     wait_for(lambda: len(trims) >= 1, what="a trim after the request")
     monkeypatch.undo()
     batcher_module.trim_heap()  # the real one runs here (glibc) or does nothing
+
+
+def test_usage_reports_server_queue_wait_and_compute_time(server: ServerThread, client: ScorerClient,
+                                                          fake: FakeEngine) -> None:
+    """Usage.queue_duration is the wait before the first forward pass that included the request, and
+    compute_duration the passes' wall time: a request queued behind a pass held for 0.3 s waited at least that
+    long; the held pass itself computed at least that long; a generation's steps add up."""
+    fake.pause()
+    first = _score_future(client, "first")
+    assert fake.wait_entered()
+    second = _score_future(client, "second")
+    wait_for(lambda: server.batcher.waiting() == 1, what="the second request to queue")
+    threading.Event().wait(0.3)
+    fake.resume()
+    held, queued = (wire.usage_from_proto(f.result(10).usage) for f in (first, second))
+    assert held.compute_s >= 0.3 and held.queue_s < 0.3
+    assert queued.queue_s >= 0.3 and queued.compute_s < 0.3
+    fake.delay_s = 0.01
+    generated = client.generate("hi there", max_tokens=5).usage
+    assert generated.compute_s >= 5 * 0.01 and generated.queue_s < generated.compute_s

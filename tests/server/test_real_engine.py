@@ -113,11 +113,13 @@ def test_generate_greedy_equals_transformers_and_stream(client: ScorerClient, en
 def test_tokenize_and_model_info(client: ScorerClient, engine: Engine) -> None:
     assert client.tokenize(QUERY) == engine.tokenize(QUERY)
     assert client.tokenize(" A", add_special_tokens=False) == engine.tokenize(" A", add_special_tokens=False)
+    ids, tokens = client.tokenize(" Yes No", add_special_tokens=False)
+    assert tokens == [engine.tokenizer.decode([i]) for i in ids]  # each token's text, as generation reports it
     info = client.model_info()
-    # `ops` (each op's path) is engine-side only until the contract carries it (issue #14 adds the proto field).
-    assert info == dataclasses.replace(engine.info(), ops={})
-    assert info.kind == "causal_lm" and info.mis_supported
-    assert set(engine.info().ops) == set(_ext.REGISTRY) and all(engine.info().ops.values())
+    assert info.limits is not None and info.limits.max_batch_tokens == 256  # the tiny server's config
+    assert info == dataclasses.replace(engine.info(), limits=info.limits)
+    assert info.kind == "causal_lm"
+    assert set(info.ops) == set(_ext.REGISTRY) and all(info.ops.values())
 
 
 def test_concurrent_requests_equal_alone(served: ServerThread, client: ScorerClient) -> None:
