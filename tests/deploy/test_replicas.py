@@ -85,7 +85,7 @@ def test_sigterm_mid_run_fails_no_call_and_not_serving_gets_none(route: Route, r
         assert victim.wait() == 0
         victim.start()  # the same port, a fresh process
         victim.wait_serving()
-        wait_for(lambda: victim.calls("Score", "OK") > 0, what=f"{route.name} to send calls to the restarted replica")
+        wait_for(lambda: victim.calls("Score", "OK") > 0, timeout=20, what="calls to the restarted replica")
         load.wait_answers(40)
     assert load.failures == [], f"{route.name}: {len(load.failures)} failed of {load.ok + len(load.failures)}"
 
