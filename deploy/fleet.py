@@ -176,6 +176,7 @@ class Envoy:
 
     upstream_ports: list[int]
     workdir: Path
+    args: tuple[str, ...] = ()  # more Envoy command-line flags
     port: int = 0
     admin_port: int = 0
     proc: subprocess.Popen[bytes] | None = None
@@ -197,7 +198,7 @@ class Envoy:
         admin_path = self.workdir / "envoy-admin.txt"
         admin_path.unlink(missing_ok=True)
         cmd = [binary, "-c", str(config), "--concurrency", "1", "--disable-hot-restart", "--log-level", "warning",
-               "--admin-address-path", str(admin_path)]
+               "--admin-address-path", str(admin_path), *self.args]
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         _wait(lambda: self._running() and admin_path.exists() and admin_path.read_text().strip() != "", timeout,

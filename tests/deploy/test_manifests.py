@@ -10,14 +10,17 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deploy.fleet import ENVOY_CONFIG, envoy_binary
+from deploy.fleet import ENVOY_CONFIG, Envoy, envoy_binary
 from pyscore.balancing import SCORER_SERVICE
 from server.__main__ import parse_args
 from server.metrics import Metrics
-from tests.deploy.helpers import needs_envoy
+from tests.deploy.helpers import needs_envoy, wait_for
+from tests.server.test_lifecycle import free_port
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
@@ -111,3 +114,32 @@ def test_envoy_accepts_the_shipped_config() -> None:
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr
     assert "deprecated" not in done.stderr.lower(), done.stderr
+
+
+@needs_envoy
+def test_envoy_pre_stop_drains_http2_clients(tmp_path: Path) -> None:
+    """The Envoy pod's preStop command, run against a real Envoy started with the pod's drain flags: the next
+    call's answer carries a GOAWAY, so the client reconnects (to another Envoy pod, in a cluster)."""
+    c = container(find("Deployment", "pyscore-envoy", K8S / "envoy.yaml"))
+    flags = c["args"][c["args"].index("--drain-time-s"):]
+    shell, dash_c, script = c["lifecycle"]["preStop"]["exec"]["command"]
+    envoy = Envoy([free_port()], tmp_path, tuple(flags))
+    envoy.start()
+    try:
+        states: list[grpc.ChannelConnectivity] = []
+        with grpc.insecure_channel(envoy.target) as channel:
+            channel.subscribe(states.append, try_to_connect=True)
+            stub = health_pb2_grpc.HealthStub(channel)
+            check = health_pb2.HealthCheckRequest()
+            with pytest.raises(grpc.RpcError):  # no replica behind it: Envoy answers UNAVAILABLE itself
+                stub.Check(check, timeout=5)
+            assert states[-1] == grpc.ChannelConnectivity.READY
+            script = script.replace("/9901", f"/{envoy.admin_port}").replace("sleep 30", "sleep 0")
+            done = subprocess.run([shell, dash_c, script], capture_output=True, text=True, timeout=30)
+            assert done.returncode == 0, done.stderr
+            with pytest.raises(grpc.RpcError):
+                stub.Check(check, timeout=5)
+            wait_for(lambda: states[-1] == grpc.ChannelConnectivity.IDLE, what="Envoy's GOAWAY")
+            channel.unsubscribe(states.append)
+    finally:
+        envoy.stop()
