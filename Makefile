@@ -8,6 +8,7 @@ STAMP := $(VENV)/.installed
 NODE_DIR := tests/clients/node
 NODE_STAMP := $(NODE_DIR)/node_modules/.installed
 BUF := $(NODE_DIR)/node_modules/.bin/buf
+DEV_STAMP := $(VENV)/.installed-dev
 
 .PHONY: setup java-deps build test serve lint proto-check bench bench-kernels clean
 
@@ -27,12 +28,17 @@ $(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
 java-deps:
 	tests/clients/java/setup.sh
 
-setup: $(STAMP) $(NODE_STAMP) java-deps
+# Test-only tools (Envoy, the Kubernetes schema validator): not part of what `make serve` needs.
+$(DEV_STAMP): requirements-dev.txt $(STAMP)
+	$(PY) -m pip install -q -r requirements-dev.txt
+	touch $(DEV_STAMP)
+
+setup: $(STAMP) $(DEV_STAMP) $(NODE_STAMP) java-deps
 
 build: $(STAMP)
 	$(PY) setup.py -q build_ext --inplace
 
-test: build proto-check java-deps
+test: build $(DEV_STAMP) proto-check java-deps
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 

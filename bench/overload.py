@@ -20,6 +20,7 @@ import os
 import random
 import shlex
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -134,6 +135,21 @@ async def sample(server: ServerProcess, samples: Samples, start: float, stop: as
             await asyncio.wait_for(stop.wait(), 0.25)
 
 
+async def poisson_arrivals(rate: float, seconds: float, rng: random.Random, start: float,
+                           send: Callable[[float], Awaitable[None]]) -> None:
+    """Calls `send(seconds since start)` at Poisson arrival times (`rate` per second) until `seconds` after
+    `start` (a perf_counter time), without waiting for one before the next; returns when all have finished."""
+    tasks = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if t >= seconds:
+            break
+        await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
+        tasks.append(asyncio.ensure_future(send(time.perf_counter() - start)))
+    await asyncio.gather(*tasks)
+
+
 async def open_loop(server: ServerProcess, cases: list[ScoreCase], rate: float, seconds: float,
                     seed: int = 0) -> tuple[list[Outcome], Samples]:
     rng = random.Random(seed)
@@ -151,16 +167,8 @@ async def open_loop(server: ServerProcess, cases: list[ScoreCase], rate: float, 
             outcomes.append(Outcome(sent, time.perf_counter() - start - sent, e.code().name))
 
     sampler = asyncio.ensure_future(sample(server, samples, start, stop))
-    tasks = []
     async with AsyncScorerClient(server.target, timeout=120) as client:
-        t = 0.0
-        while True:
-            t += rng.expovariate(rate)
-            if t >= seconds:
-                break
-            await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
-            tasks.append(asyncio.ensure_future(one(client, rng.choice(cases), time.perf_counter() - start)))
-        await asyncio.gather(*tasks)
+        await poisson_arrivals(rate, seconds, rng, start, lambda sent: one(client, rng.choice(cases), sent))
     stop.set()
     await sampler
     return outcomes, samples

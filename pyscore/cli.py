@@ -32,7 +32,13 @@ def _ids(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--target", default=DEFAULT_TARGET, help="server address HOST:PORT (default %(default)s)")
+    common.add_argument("--target", default=DEFAULT_TARGET,
+                        help="server address HOST:PORT, or several replicas: ipv4:HOST:PORT,HOST:PORT or "
+                             "dns:///NAME:PORT (round_robin over the SERVING ones, UNAVAILABLE retried on another; "
+                             "default %(default)s)")
+    common.add_argument("--prefix-affinity", type=int, default=None, metavar="N",
+                        help="send x-pyscore-prefix, a hash of the query's first N characters, for a gateway that "
+                             "routes equal prefixes to one replica (deploy/envoy)")
     common.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds")
     common.add_argument("--model", default="", help="model name to check against the served one (default: any)")
     common.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -172,7 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         with ScorerClient(args.target, timeout=args.timeout, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
-                          tls_key=args.tls_key, auth_token=args.auth_token) as client:
+                          tls_key=args.tls_key, auth_token=args.auth_token,
+                          prefix_affinity=args.prefix_affinity) as client:
             run(args, client)
     except grpc.RpcError as e:
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)  # type: ignore[attr-defined]

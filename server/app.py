@@ -3,9 +3,11 @@ interceptor), grpc.health.v1 (with List) and server reflection (v1 and v1alpha),
 limits, optional TLS / mTLS and an optional Prometheus endpoint. GetModelInfo reports the limits.
 
 Lifecycle: listen first with health NOT_SERVING (Scorer calls answer UNAVAILABLE); load the engine and warm
-it up off the event loop; start the batcher; go SERVING. On SIGTERM/SIGINT: health NOT_SERVING for good,
-`server.stop(grace)` (no new calls; in-flight ones get `grace` seconds), drain the batcher, return — so
-`python -m server` exits 0.
+it up off the event loop; start the batcher; go SERVING. On SIGTERM/SIGINT: health NOT_SERVING for good, keep
+serving for `drain_delay_s` so that health-checking balancers (gRPC clients watching health, Envoy's active
+checks) move their traffic elsewhere, then `server.stop(grace)` (no new calls; in-flight ones get `grace`
+seconds), drain the batcher, return — so `python -m server` exits 0. `max_connection_age_s` makes every client
+connection end (GOAWAY) after that age, so long-lived clients re-resolve their target and reach new replicas.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ class ServerConfig:
     max_message_mb: int = 64
     max_request_tokens: int | None = 65536  # None = no limit
     grace_s: float = 10.0
+    drain_delay_s: float = 0.0  # seconds between health NOT_SERVING and the listener closing, on SIGTERM
+    max_connection_age_s: float | None = None  # None = connections live for ever
+    max_connection_age_grace_s: float | None = None  # calls on an aged connection get this long; None = no limit
     tls_cert: str | None = None  # PEM certificate chain; with tls_key, serve TLS
     tls_key: str | None = None
     tls_client_ca: str | None = None  # PEM CA: clients must present a certificate it signed (mTLS)
@@ -107,20 +112,26 @@ async def in_daemon_thread(fn: Callable[[], T]) -> T:
     return await future
 
 
+def server_options(config: ServerConfig) -> list[tuple[str, int]]:
+    size = config.max_message_mb * 1024 * 1024
+    options = [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size),
+               ("grpc.so_reuseport", 0)]
+    if config.max_connection_age_s is not None:
+        options.append(("grpc.max_connection_age_ms", round(config.max_connection_age_s * 1000)))
+    if config.max_connection_age_grace_s is not None:
+        options.append(("grpc.max_connection_age_grace_ms", round(config.max_connection_age_grace_s * 1000)))
+    return options
+
+
 class ScorerApp:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.metrics = Metrics()
-        size = config.max_message_mb * 1024 * 1024
         interceptors: list[grpc.aio.ServerInterceptor] = [LoggingErrorInterceptor(self.metrics)]
         if config.auth_token_file:  # inside the logging interceptor: denials are logged
             health_only = reflection_handlers([health.SERVICE_NAME], DocumentedPool(only=["grpc.health.v1"]))
             interceptors.append(AuthInterceptor(read_token(config.auth_token_file), open_handlers=health_only))
-        self.server = grpc.aio.server(
-            interceptors=interceptors,
-            options=[("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size),
-                     ("grpc.so_reuseport", 0)],
-        )
+        self.server = grpc.aio.server(interceptors=interceptors, options=server_options(config))
         self.servicer = ScorerServicer(max_items=config.max_items, max_request_tokens=config.max_request_tokens)
         self.health = HealthServicer()
         scorer_pb2_grpc.add_ScorerServicer_to_server(self.servicer, self.server)
@@ -168,9 +179,15 @@ class ScorerApp:
                               max_queue=c.max_queue)
         return dataclasses.replace(engine.info(), limits=limits)
 
-    async def stop(self, grace: float | None = None) -> None:
+    async def stop(self, grace: float | None = None, drain_delay: float | None = None) -> None:
+        """NOT_SERVING for good, keep serving `drain_delay` seconds (balancers see the health change and stop
+        sending), then refuse new calls and give the in-flight ones `grace` seconds."""
         grace = self.config.grace_s if grace is None else grace
+        drain_delay = self.config.drain_delay_s if drain_delay is None else drain_delay
         await self.health.enter_graceful_shutdown()
+        if drain_delay > 0:
+            log.info("NOT_SERVING; draining for %.1f s before closing the listener", drain_delay)
+            await asyncio.sleep(drain_delay)
         await self.server.stop(grace)
         if self.batcher is not None:
             await asyncio.to_thread(self.batcher.stop, grace)
