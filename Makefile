@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup build test serve lint bench bench-kernels clean
+.PHONY: setup build test serve lint bench bench-kernels bench-peers clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,13 @@ bench: build
 
 bench-kernels: build
 	$(PY) -m bench.kernels
+
+# pyscore vs vLLM-CPU side by side (bench/peers.md: install vLLM under $$PEERS first). It starts and stops both
+# servers itself, alternating pyscore / vLLM blocks, and writes $(PEERS_OUT)/report.md. PEERS_ARGS adds flags.
+PEERS_OUT ?= bench/results/peers
+bench-peers: build
+	@test -n "$$PEERS" || { echo "set PEERS to the vLLM peers folder (see bench/peers.md)"; exit 2; }
+	$(PY) -m bench.peers --out $(PEERS_OUT) $(PEERS_ARGS)
 
 clean:
 	rm -rf build pyscore/_C*.so pyscore/_proto

@@ -310,24 +310,28 @@ class OpenAIHTTPTarget(HTTPTarget):
         return usage_decision(choice, [Usage.of(answer)])
 
 
-# vLLM's /metrics counters (Prometheus, summed over label sets) that say how many prompt tokens it was asked
-# for and how many its prefix cache served: computed = queries - hits.
-VLLM_COUNTERS = {"prompt_tokens": "vllm:prompt_tokens_total", "prefix_cache_queries": "vllm:prefix_cache_queries_total",
-                 "prefix_cache_hits": "vllm:prefix_cache_hits_total"}
+# vLLM's /metrics counters (Prometheus; summed over the label sets that carry every given label) that say how
+# many prompt tokens it was asked for, how many its prefix cache served and how many it computed.
+VLLM_COUNTERS = {
+    "prompt_tokens": ("vllm:prompt_tokens_total", ()),
+    "prefix_cache_queries": ("vllm:prefix_cache_queries_total", ()),
+    "prefix_cache_hits": ("vllm:prefix_cache_hits_total", ()),
+    "computed_tokens": ("vllm:prompt_tokens_by_source_total", ('source="local_compute"',)),
+}
 
 
-def prometheus_counters(text: str, names: dict[str, str]) -> dict[str, float]:
-    """{key: the sum over label sets of metric names[key]} from a Prometheus text exposition; a metric that
-    does not appear is absent from the result."""
-    wanted = {metric: key for key, metric in names.items()}
+def prometheus_counters(text: str, names: dict[str, tuple[str, tuple[str, ...]]]) -> dict[str, float]:
+    """{key: the sum of metric names[key][0] over its label sets that contain every label of names[key][1]}
+    from a Prometheus text exposition; a metric that does not appear is absent from the result."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
         name_labels, _, value = line.rpartition(" ")
-        key = wanted.get(name_labels.partition("{")[0])
-        if key is not None:
-            out[key] = out.get(key, 0.0) + float(value)
+        name, _, labels = name_labels.partition("{")
+        for key, (metric, required) in names.items():
+            if name == metric and all(label in labels for label in required):
+                out[key] = out.get(key, 0.0) + float(value)
     return out
 
 
@@ -354,12 +358,11 @@ class VLLMHTTPTarget(OpenAIHTTPTarget):
 
     async def _generative_scoring(self, q: Question, extra: dict[str, Any]) -> Decision:
         p = prompts.pointwise(q)
-        labels = self.info.label_token_ids
-        body = {"model": self.model, "query": p.query, "items": p.items, "label_token_ids": labels,
+        body = {"model": self.model, "query": p.query, "items": p.items, "label_token_ids": self.info.label_token_ids,
                 "apply_softmax": True, **extra}
         answer = await self.post("/generative_scoring", body)
-        rows = generative_scoring_rows(answer, len(p.items), labels)
-        return usage_decision(pointwise_choice(rows), [Usage.of(answer)])
+        scores = generative_scoring_scores(answer, len(p.items))
+        return usage_decision(prompts.argmax(scores), [Usage.of(answer)])
 
     async def counters(self) -> dict[str, float]:
         """vLLM's cumulative token counters now (see VLLM_COUNTERS); diff two snapshots around a run."""
@@ -369,17 +372,16 @@ class VLLMHTTPTarget(OpenAIHTTPTarget):
             return prometheus_counters(await response.text(), VLLM_COUNTERS)
 
 
-def generative_scoring_rows(answer: Any, num_items: int, labels: Sequence[int]) -> list[list[float]]:
-    """[[P(label) for label in labels] per item, in item order] from /generative_scoring's `results`
-    ({index, token_probs: {str(token id): probability}} per item)."""
+def generative_scoring_scores(answer: Any, num_items: int) -> list[float]:
+    """P(first label) per item, in item order, from /generative_scoring's `data` ({index, score} per item; with
+    apply_softmax the score is normalised over the label ids only, as our Score's first column)."""
     try:
-        results = sorted(answer["results"], key=lambda r: int(r["index"]))
-        rows = [[float(r["token_probs"][str(label)]) for label in labels] for r in results]
+        scores = [float(r["score"]) for r in sorted(answer["data"], key=lambda r: int(r["index"]))]
     except (KeyError, TypeError, ValueError) as e:
-        raise TargetError(f"/generative_scoring: no token_probs for {list(labels)} in {str(answer)[:300]}") from e
-    if len(rows) != num_items:
-        raise TargetError(f"/generative_scoring: expected {num_items} results, got {len(rows)}")
-    return rows
+        raise TargetError(f"/generative_scoring: no per-item scores in {str(answer)[:300]}") from e
+    if len(scores) != num_items:
+        raise TargetError(f"/generative_scoring: expected {num_items} scores, got {len(scores)}")
+    return scores
 
 
 class SGLangScoreTarget(HTTPTarget):

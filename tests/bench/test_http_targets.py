@@ -17,7 +17,7 @@ from bench.targets import (
     SGLangScoreTarget,
     TargetError,
     VLLMHTTPTarget,
-    generative_scoring_rows,
+    generative_scoring_scores,
     make_target,
     prometheus_counters,
 )
@@ -26,32 +26,38 @@ Q = Question(id="q", source="unit", state_json="{}", question="What next?",
              options=["Track it.", "Refund it.", "Close it."], target=[0.0, 1.0, 0.0])
 TOKENS = {" Yes": [9230], " No": [2838]}
 PROMPT_TOKENS, CACHED_TOKENS = 100, 64
-METRICS = '''# HELP vllm:prefix_cache_queries Prefix cache queries, in terms of number of queried tokens.
+METRICS = """# HELP vllm:prefix_cache_queries Prefix cache queries, in terms of number of queried tokens.
 # TYPE vllm:prefix_cache_queries counter
-vllm:prefix_cache_queries_total{engine="0",model_name="stub-model"} 1200.0
-vllm:prefix_cache_queries_created{engine="0",model_name="stub-model"} 1.7e9
-vllm:prefix_cache_hits_total{engine="0",model_name="stub-model"} 800.0
-vllm:prompt_tokens_total{engine="0",model_name="stub-model"} 1000.0
-vllm:prompt_tokens_total{engine="1",model_name="stub-model"} 200.0
-'''
+vllm:prefix_cache_queries_total{{engine="0",model_name="stub-model"}} {queries}
+vllm:prefix_cache_queries_created{{engine="0",model_name="stub-model"}} 1.7e9
+vllm:prefix_cache_hits_total{{engine="0",model_name="stub-model"}} {hits}
+vllm:prompt_tokens_total{{engine="0",model_name="stub-model"}} {queries}
+vllm:prompt_tokens_total{{engine="1",model_name="stub-model"}} 0.0
+vllm:prompt_tokens_by_source_total{{engine="0",model_name="stub-model",source="local_compute"}} {computed}
+vllm:prompt_tokens_by_source_total{{engine="0",model_name="stub-model",source="local_cache_hit"}} {hits}
+"""
 
 
-def usage(body):
+def usage(body, details=True):
     """vLLM-like usage: with a cache salt, the first request of that salt computes everything and the others
-    find CACHED_TOKENS of their prompt cached (as one question's candidates sharing the query's blocks)."""
+    find CACHED_TOKENS of their prompt cached (as one question's candidates sharing the query's blocks).
+    /generative_scoring's usage has no cached-token details (details=False)."""
     out = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": 1, "total_tokens": PROMPT_TOKENS + 1}
     salt = body.get("cache_salt")
-    if salt is not None:
-        with Stub.lock:
-            cached = CACHED_TOKENS if salt in Stub.salts else 0
-            Stub.salts.add(salt)
+    with Stub.lock:
+        cached = CACHED_TOKENS if salt is not None and salt in Stub.salts else 0
+        Stub.salts.add(salt)
+        for key, n in (("queries", PROMPT_TOKENS), ("hits", cached), ("computed", PROMPT_TOKENS - cached)):
+            Stub.counts[key] += n
+    if salt is not None and details:
         out["prompt_tokens_details"] = {"cached_tokens": cached}
     return out
 
 
 class Stub(BaseHTTPRequestHandler):
     requests: ClassVar[list[tuple[str, dict]]] = []
-    salts: ClassVar[set[str]] = set()
+    salts: ClassVar[set[str | None]] = set()
+    counts: ClassVar[dict[str, int]] = {}
     lock = threading.Lock()
 
     def log_message(self, *args):
@@ -70,7 +76,7 @@ class Stub(BaseHTTPRequestHandler):
         if self.path == "/v1/models":
             self.reply({"object": "list", "data": [{"id": "stub-model", "object": "model"}]})
         elif self.path == "/metrics":
-            data = METRICS.encode()
+            data = METRICS.format(**{k: float(v) for k, v in self.counts.items()}).encode()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
             self.send_header("Content-Length", str(len(data)))
@@ -96,11 +102,10 @@ class Stub(BaseHTTPRequestHandler):
             self.reply({"choices": [{"message": {"role": "assistant", "content": "B"},
                                      "logprobs": {"content": [{"token": "B", "logprob": -0.2, "top_logprobs": top}]}}]})
         elif self.path == "/generative_scoring":
-            yes, no = (str(t) for t in body["label_token_ids"])
-            probs = [0.2, 0.9, 0.3][: len(body["items"])]
-            results = [{"index": i, "token_probs": {yes: p, no: 1 - p}} for i, p in enumerate(probs)]
-            self.reply({"object": "generative_score", "model": body["model"], "results": results[::-1],
-                        "usage": usage(body)})
+            assert len(body["label_token_ids"]) == 2 and body["apply_softmax"] is True
+            data = [{"index": i, "object": "score", "score": 0.9 if i == 1 else 0.2} for i in range(len(body["items"]))]
+            self.reply({"object": "list", "model": body["model"], "data": data[::-1],
+                        "usage": usage(body, details=False)})
         elif self.path == "/v1/score":
             self.reply({"scores": [[0.2, 0.8], [0.9, 0.1], [0.3, 0.7]][: len(body["items"])], "model": body["model"]})
         else:
@@ -109,7 +114,7 @@ class Stub(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def stub():
-    Stub.requests, Stub.salts = [], set()
+    Stub.requests, Stub.salts, Stub.counts = [], set(), dict.fromkeys(("queries", "hits", "computed"), 0)
     server = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -207,19 +212,18 @@ def test_vllm_scoring_paths_send_generative_scoring(stub, path):
     assert body["query"].startswith("Context:\n{}") and len(body["items"]) == 3
     assert body["items"][1].startswith("Proposed answer: Refund it.")
     # results arrive out of order; the rows follow `index`
-    assert (first.choice, first.calls, first.prompt_tokens, first.computed_tokens) == (1, 1, PROMPT_TOKENS,
-                                                                                         PROMPT_TOKENS)
+    # its usage says no cached tokens: computed stays unknown (0); the /metrics counters say it per run
+    assert (first.choice, first.calls, first.prompt_tokens, first.computed_tokens) == (1, 1, PROMPT_TOKENS, 0)
     assert second.choice == 1
 
 
-def test_generative_scoring_rows_check_the_answer():
-    rows = generative_scoring_rows({"results": [{"index": 1, "token_probs": {"1": 0.9, "2": 0.1}},
-                                                {"index": 0, "token_probs": {"2": 0.7, "1": 0.3}}]}, 2, [1, 2])
-    assert rows == [[0.3, 0.7], [0.9, 0.1]]
-    with pytest.raises(TargetError, match=r"no token_probs for \[1, 2\]"):
-        generative_scoring_rows({"results": [{"index": 0, "token_probs": {"3": 1.0}}]}, 1, [1, 2])
-    with pytest.raises(TargetError, match="expected 2 results, got 1"):
-        generative_scoring_rows({"results": [{"index": 0, "token_probs": {"1": 0.5, "2": 0.5}}]}, 2, [1, 2])
+def test_generative_scoring_scores_check_the_answer():
+    answer = {"data": [{"index": 1, "object": "score", "score": 0.9}, {"index": 0, "object": "score", "score": 0.3}]}
+    assert generative_scoring_scores(answer, 2) == [0.3, 0.9]
+    with pytest.raises(TargetError, match="no per-item scores"):
+        generative_scoring_scores({"data": [{"index": 0}]}, 1)
+    with pytest.raises(TargetError, match="expected 3 scores, got 2"):
+        generative_scoring_scores(answer, 3)
 
 
 def test_vllm_counters_sum_label_sets(stub):
@@ -227,9 +231,14 @@ def test_vllm_counters_sum_label_sets(stub):
         target = make_target(f"vllm-http://{stub}", label_token_ids=[1, 2])
         await target.open()
         try:
-            return await target.counters()
+            before = await target.counters()
+            await target.decide("generate", Q)
+            return before, await target.counters()
         finally:
             await target.close()
 
-    assert asyncio.run(run()) == {"prefix_cache_queries": 1200.0, "prefix_cache_hits": 800.0, "prompt_tokens": 1200.0}
-    assert prometheus_counters("# only comments\n", {"x": "x_total"}) == {}
+    before, after = asyncio.run(run())
+    assert before == {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "prompt_tokens": 0, "computed_tokens": 0}
+    assert after == {"prefix_cache_queries": 300, "prefix_cache_hits": 128, "prompt_tokens": 300,
+                     "computed_tokens": 300 - 2 * CACHED_TOKENS}
+    assert prometheus_counters("# only comments\n", {"x": ("x_total", ())}) == {}
