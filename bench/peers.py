@@ -45,6 +45,8 @@ SIDES: dict[str, dict[str, str]] = {
 }
 SCORING = ("mis", "sis", "setwise")  # compared with the peer's best path; generate with its completions
 VLLM_PORT = 8013  # fixed by start_vllm.sh
+# Cached-token counts in /v1/completions' usage; no access-log line per request (ours logs at WARNING too).
+VLLM_ARGS = ("--enable-prompt-tokens-details", "--disable-uvicorn-access-log")
 # The issue's side-by-side targets (#9): MIS p50 at 16 candidates, c=1, >= 2.5x faster than the peer's best
 # path; ahead in achieved q/s at c=8; Generate at c=8 within 1.5x of the peer's completions.
 MIS_SPEEDUP_C1, GENERATE_WITHIN_C8 = 2.5, 1.5
@@ -325,7 +327,8 @@ def render(meta: dict[str, Any], phases: Sequence[dict[str, Any]], plan: Plan) -
             f"- closed loop at c = {', '.join(map(str, plan.concurrency))}; candidates "
             f"{', '.join(map(str, plan.candidates))}; {plan.num_questions} questions per phase at c=1, "
             f"max({plan.num_questions}, 2c) above; the same seeded synthetic questions for both sides",
-            f"- started {meta['started_at']}, took {meta['took_s']:.0f} s", ""]
+            f"- started {meta['started_at']}, took {meta['took_s']:.0f} s"
+            + (f"; command: `{meta['command']}`" if meta.get("command") else ""), ""]
     out += ["## Ratios (medians over blocks)", "",
             "Speed-up = the peer's p50 / ours (above 1: we are faster); q/s ratio = ours / the peer's. A scoring "
             "path is compared with the peer's best path at that point (lowest p50, highest q/s); Generate with "
@@ -375,13 +378,13 @@ ServerFactory = Callable[[int, str], contextlib.AbstractContextManager[dict[str,
 
 
 def run(plan: Plan, servers: ServerFactory, out: Path, idle: Callable[[], float] | None = None,
-        log: Callable[[str], None] = print) -> Path:
+        log: Callable[[str], None] = print, command: str | None = None) -> Path:
     """Every block in order against the server `servers(block, side)` starts (and stops on exit); writes
     peers.json, records.jsonl and report.md in `out` and returns the report's path."""
     out.mkdir(parents=True, exist_ok=True)
     questions = question_sets(plan.candidates, plan.questions_for(max(plan.concurrency)))
     meta: dict[str, Any] = {"cpu": cpu_identity(), "git_commit": serving.git_commit(), "plan": plan.__dict__,
-                            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "blocks": []}
+                            "command": command, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "blocks": []}
     phases: list[dict[str, Any]] = []
     t0 = time.monotonic()
     with open(out / "records.jsonl", "w") as rec:
@@ -418,8 +421,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--ours", nargs="+", default=list(SIDES["pyscore"]), choices=list(SIDES["pyscore"]))
     p.add_argument("--peer-paths", nargs="+", default=list(SIDES["vllm"]), choices=list(SIDES["vllm"]))
     p.add_argument("--threads", type=int, default=None, help="our server's threads (default: all cores)")
-    p.add_argument("--vllm-arg", action="append", default=["--enable-prompt-tokens-details"],
-                   help="extra flag for start_vllm.sh (default: --enable-prompt-tokens-details)")
+    p.add_argument("--vllm-arg", action="append", default=list(VLLM_ARGS),
+                   help=f"one more flag for start_vllm.sh, added to {' '.join(VLLM_ARGS)}")
     p.add_argument("--idle-max", type=float, default=120.0, help="longest wait for an idle machine, seconds")
     p.add_argument("--smoke", action="store_true", help="mark the report as a smoke run")
     a = p.parse_args(argv)
@@ -434,7 +437,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         log = out / "logs" / f"block{block}-{side}.log"
         return pyscore_server(log, a.threads) if side == "pyscore" else vllm_server(peers, log, a.vllm_arg)
 
-    report = run(plan, servers, out, idle=lambda: wait_idle(plan.idle_max_s))
+    command = " ".join(["python -m bench.peers", *(sys.argv[1:] if argv is None else argv)])
+    report = run(plan, servers, out, idle=lambda: wait_idle(plan.idle_max_s), command=command)
     print(f"report: {report}")
 
 
