@@ -10,7 +10,7 @@ NODE_STAMP := $(NODE_DIR)/node_modules/.installed
 BUF := $(NODE_DIR)/node_modules/.bin/buf
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: setup java-deps build test serve lint proto-check bench bench-kernels clean
+.PHONY: setup java-deps build test serve lint proto-check bench bench-kernels bench-peers clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -59,6 +59,13 @@ bench: build
 
 bench-kernels: build
 	$(PY) -m bench.kernels
+
+# pyscore vs vLLM-CPU side by side (bench/peers.md: install vLLM under $$PEERS first). It starts and stops both
+# servers itself, alternating pyscore / vLLM blocks, and writes $(PEERS_OUT)/report.md. PEERS_ARGS adds flags.
+PEERS_OUT ?= bench/results/peers
+bench-peers: build
+	@test -n "$$PEERS" || { echo "set PEERS to the vLLM peers folder (see bench/peers.md)"; exit 2; }
+	$(PY) -m bench.peers --out $(PEERS_OUT) $(PEERS_ARGS)
 
 clean:
 	rm -rf build pyscore/_C*.so pyscore/_proto $(NODE_DIR)/node_modules

@@ -56,9 +56,14 @@ def cpu() -> str:
     return f"{name} (family {family} model {model}{', ' + arch if arch else ''})"
 
 
+def matrix_engine() -> str:
+    """'AMX' where the CPU has Intel's AMX-BF16 tiles, else 'no AMX' (what decides the fastest CPU GEMM path)."""
+    return "AMX" if "amx_bf16" in lscpu().get("Flags", "").split() else "no AMX"
+
+
 def machine() -> str:
-    """One line for a report: the CPU (see `cpu`) and its core count."""
-    return f"{cpu()}, {os.cpu_count()} cores"
+    """One line for a report: the CPU (see `cpu`), its core count and whether it has a matrix engine."""
+    return f"{cpu()}, {os.cpu_count()} cores, {matrix_engine()}"
 
 
 def gpus() -> list[str]:
@@ -72,8 +77,8 @@ def gpus() -> list[str]:
 
 def machine_info() -> dict[str, Any]:
     """The machine as JSON fields: CPU, cores, GPUs, OS, Python."""
-    return {"cpu": cpu(), "cores": os.cpu_count(), "gpu": gpus() or None, "platform": platform.platform(),
-            "python": platform.python_version()}
+    return {"cpu": cpu(), "cores": os.cpu_count(), "matrix_engine": matrix_engine(), "gpu": gpus() or None,
+            "platform": platform.platform(), "python": platform.python_version()}
 
 
 def git_commit(tree: Path = REPO) -> str | None:

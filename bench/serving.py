@@ -191,8 +191,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="127.0.0.1:50051",
-                   help="HOST:PORT (our gRPC server), openai-http://HOST:PORT, sglang-score-http://HOST:PORT, "
-                        "or inprocess (default %(default)s)")
+                   help="HOST:PORT (our gRPC server), openai-http://HOST:PORT, vllm-http://HOST:PORT, "
+                        "sglang-score-http://HOST:PORT, or inprocess (default %(default)s)")
     p.add_argument("--spawn-server", action="store_true",
                    help="start `python -m server` on a free port for the run (ignores --target)")
     p.add_argument("--server-arg", action="append", default=[], help="extra flag for the spawned server")
@@ -214,7 +214,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--marker", default=None, help="setwise marker token (default: a special token of the model)")
     p.add_argument("--model", default=None, help="HTTP targets: the model name (default: the first /v1/models)")
     p.add_argument("--label-token-ids", type=int, nargs=2, default=None, metavar=("YES", "NO"),
-                   help="sglang-score-http: Yes/No ids (default: the server's /tokenize)")
+                   help="sglang-score-http, vllm-http: Yes/No ids (default: the server's /tokenize)")
     p.add_argument("--timeout", type=float, default=120.0, help="per-request deadline, seconds")
     p.add_argument("--threads", type=int, default=None, help="inprocess: model threads (default: all cores)")
     p.add_argument("--dtype", default="auto", help="inprocess: model dtype (default %(default)s)")
