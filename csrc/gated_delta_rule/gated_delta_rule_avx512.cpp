@@ -1,12 +1,13 @@
 // AVX-512 arithmetic of the linear-attention ops (interface in cpu_ops.h).
 //
-// Recurrence: a task's [Dk, 32] state block is two zmm per row. Per token, two walks over the rows: decay each row
-// and accumulate S^T k^ (two partial sums per zmm so the FMA chains are half as long), then add k^_i delta and
-// accumulate S^T q^. That is 4 Dk Dv / 16 vector ops per token and head, all on L1-resident data; the q/k L2 norms
-// (2 Dk) and the scalar gates are recomputed per column block, a few percent of it.
+// Recurrence: a task's [Dk, 32] state block is two zmm per row. Per token, two walks over the rows: a read-only one
+// accumulating S^T k^ (the decay applied to the sum: decay (S^T k^) = (decay S)^T k^), then S = decay S + k^_i delta
+// with one store per row, accumulating S^T q^ (two partial sums per zmm so the FMA chains are half as long). That is
+// 5 Dk Dv / 16 vector ops and Dk Dv / 16 stores per token and head, on L1-resident data; the q/k L2 norms (2 Dk) and
+// the scalar gates are recomputed per column block, a few percent of it.
 //
-// Convolution: 16 channels per zmm, up to 4 zmm per 64-channel task; SiLU with the full-accuracy exp_ps, the conv
-// sum rounded to the dtype first as torch's conv1d-then-silu does.
+// Convolution: a token's row 16 channels per zmm, K FMAs each; SiLU with the full-accuracy exp_ps, the conv sum
+// rounded to the dtype first as torch's conv1d-then-silu does.
 #include <cmath>
 
 #include "common/elementwise_avx512.h"
@@ -54,39 +55,36 @@ void state_columns(const GatedDeltaRuleParams& p, int32_t head, int32_t col0, in
     const __m512 decay = _mm512_set1_ps(std::exp(-a_exp * softplus(a + dt_bias)));
     const __m512 beta = _mm512_set1_ps(1.0f / (1.0f + std::exp(-b)));
 
-    // Walk 1: S = decay S, kv = S^T k^ (rows i and i + 1 into separate partial sums).
+    // Walk 1 (read only): kv = (decay S)^T k^ = decay (S^T k^), rows i and i + 1 into separate partial sums.
     __m512 kv0 = _mm512_setzero_ps(), kv1 = _mm512_setzero_ps(), kv2 = _mm512_setzero_ps(),
            kv3 = _mm512_setzero_ps();
     int32_t i = 0;
     for (; i + 1 < dk; i += 2) {
-      float* r0 = state + i * kStateCols;
-      float* r1 = r0 + kStateCols;
-      const __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(r0), decay), a1 = _mm512_mul_ps(_mm512_loadu_ps(r0 + 16), decay);
-      const __m512 b0 = _mm512_mul_ps(_mm512_loadu_ps(r1), decay), b1 = _mm512_mul_ps(_mm512_loadu_ps(r1 + 16), decay);
-      _mm512_storeu_ps(r0, a0), _mm512_storeu_ps(r0 + 16, a1), _mm512_storeu_ps(r1, b0), _mm512_storeu_ps(r1 + 16, b1);
+      const float* r0 = state + i * kStateCols;
       const __m512 k0 = _mm512_set1_ps(kn[i]), k1 = _mm512_set1_ps(kn[i + 1]);
-      kv0 = _mm512_fmadd_ps(k0, a0, kv0), kv1 = _mm512_fmadd_ps(k0, a1, kv1);
-      kv2 = _mm512_fmadd_ps(k1, b0, kv2), kv3 = _mm512_fmadd_ps(k1, b1, kv3);
+      kv0 = _mm512_fmadd_ps(k0, _mm512_loadu_ps(r0), kv0), kv1 = _mm512_fmadd_ps(k0, _mm512_loadu_ps(r0 + 16), kv1);
+      kv2 = _mm512_fmadd_ps(k1, _mm512_loadu_ps(r0 + kStateCols), kv2);
+      kv3 = _mm512_fmadd_ps(k1, _mm512_loadu_ps(r0 + kStateCols + 16), kv3);
     }
     if (i < dk) {
-      float* r0 = state + i * kStateCols;
-      const __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(r0), decay), a1 = _mm512_mul_ps(_mm512_loadu_ps(r0 + 16), decay);
-      _mm512_storeu_ps(r0, a0), _mm512_storeu_ps(r0 + 16, a1);
+      const float* r0 = state + i * kStateCols;
       const __m512 k0 = _mm512_set1_ps(kn[i]);
-      kv0 = _mm512_fmadd_ps(k0, a0, kv0), kv1 = _mm512_fmadd_ps(k0, a1, kv1);
+      kv0 = _mm512_fmadd_ps(k0, _mm512_loadu_ps(r0), kv0), kv1 = _mm512_fmadd_ps(k0, _mm512_loadu_ps(r0 + 16), kv1);
     }
     const T* v = static_cast<const T*>(p.v) + t * p.v_token_stride + head * p.v_head_stride + col0;
-    const __m512 d0 = _mm512_mul_ps(_mm512_sub_ps(E::load(v, m0), _mm512_add_ps(kv0, kv2)), beta);
-    const __m512 d1 = _mm512_mul_ps(_mm512_sub_ps(E::load(v + 16, m1), _mm512_add_ps(kv1, kv3)), beta);
+    const __m512 d0 = _mm512_mul_ps(_mm512_fnmadd_ps(decay, _mm512_add_ps(kv0, kv2), E::load(v, m0)), beta);
+    const __m512 d1 = _mm512_mul_ps(_mm512_fnmadd_ps(decay, _mm512_add_ps(kv1, kv3), E::load(v + 16, m1)), beta);
 
-    // Walk 2: S += k^ delta^T, o = S^T q^.
+    // Walk 2: S = decay S + k^ delta^T (one store per row), o = S^T q^.
     __m512 o0 = _mm512_setzero_ps(), o1 = _mm512_setzero_ps(), o2 = _mm512_setzero_ps(), o3 = _mm512_setzero_ps();
     for (i = 0; i + 1 < dk; i += 2) {
       float* r0 = state + i * kStateCols;
       float* r1 = r0 + kStateCols;
       const __m512 k0 = _mm512_set1_ps(kn[i]), k1 = _mm512_set1_ps(kn[i + 1]);
-      const __m512 a0 = _mm512_fmadd_ps(k0, d0, _mm512_loadu_ps(r0)), a1 = _mm512_fmadd_ps(k0, d1, _mm512_loadu_ps(r0 + 16));
-      const __m512 b0 = _mm512_fmadd_ps(k1, d0, _mm512_loadu_ps(r1)), b1 = _mm512_fmadd_ps(k1, d1, _mm512_loadu_ps(r1 + 16));
+      const __m512 a0 = _mm512_fmadd_ps(_mm512_loadu_ps(r0), decay, _mm512_mul_ps(k0, d0));
+      const __m512 a1 = _mm512_fmadd_ps(_mm512_loadu_ps(r0 + 16), decay, _mm512_mul_ps(k0, d1));
+      const __m512 b0 = _mm512_fmadd_ps(_mm512_loadu_ps(r1), decay, _mm512_mul_ps(k1, d0));
+      const __m512 b1 = _mm512_fmadd_ps(_mm512_loadu_ps(r1 + 16), decay, _mm512_mul_ps(k1, d1));
       _mm512_storeu_ps(r0, a0), _mm512_storeu_ps(r0 + 16, a1), _mm512_storeu_ps(r1, b0), _mm512_storeu_ps(r1 + 16, b1);
       const __m512 q0 = _mm512_set1_ps(qn[i]), q1 = _mm512_set1_ps(qn[i + 1]);
       o0 = _mm512_fmadd_ps(q0, a0, o0), o1 = _mm512_fmadd_ps(q0, a1, o1);
@@ -95,7 +93,8 @@ void state_columns(const GatedDeltaRuleParams& p, int32_t head, int32_t col0, in
     if (i < dk) {
       float* r0 = state + i * kStateCols;
       const __m512 k0 = _mm512_set1_ps(kn[i]);
-      const __m512 a0 = _mm512_fmadd_ps(k0, d0, _mm512_loadu_ps(r0)), a1 = _mm512_fmadd_ps(k0, d1, _mm512_loadu_ps(r0 + 16));
+      const __m512 a0 = _mm512_fmadd_ps(_mm512_loadu_ps(r0), decay, _mm512_mul_ps(k0, d0));
+      const __m512 a1 = _mm512_fmadd_ps(_mm512_loadu_ps(r0 + 16), decay, _mm512_mul_ps(k0, d1));
       _mm512_storeu_ps(r0, a0), _mm512_storeu_ps(r0 + 16, a1);
       const __m512 q0 = _mm512_set1_ps(qn[i]);
       o0 = _mm512_fmadd_ps(q0, a0, o0), o1 = _mm512_fmadd_ps(q0, a1, o1);
@@ -107,32 +106,27 @@ void state_columns(const GatedDeltaRuleParams& p, int32_t head, int32_t col0, in
 }
 
 template <class E>
-void conv_segment(const CausalConv1dParams& p, int32_t start, int32_t length, int32_t c0, int32_t n,
-                  const void* const* rows, const float* wt) {
+void conv_tokens(const CausalConv1dParams& p, int32_t start, int32_t j0, int32_t j1, const void* const* history,
+                 const float* wt) {
   using T = typename E::T;
-  constexpr int32_t kVecs = kConvChannels / 16;
-  const int32_t taps = p.kernel_size, vecs = (n + 15) / 16;
-  __mmask16 mask[kVecs];
-  for (int32_t u = 0; u < kVecs; ++u) mask[u] = u < vecs ? lanes(16 * u, n) : __mmask16(0);
+  const int32_t taps = p.kernel_size, channels = p.channels;
   const T* x = static_cast<const T*>(p.x);
   const __m512 one = _mm512_set1_ps(1.0f);
-  for (int32_t j = 0; j < length; ++j) {
-    __m512 acc[kVecs];
-    for (int32_t u = 0; u < kVecs; ++u) acc[u] = _mm512_setzero_ps();
+  for (int32_t j = j0; j < j1; ++j) {
+    const T* rows[kMaxConvKernel];
     for (int32_t i = 0; i < taps; ++i) {
       const int32_t pos = j - (taps - 1) + i;
-      const T* row = pos >= 0 ? x + int64_t(start + pos) * p.x_token_stride : static_cast<const T*>(rows[pos + taps - 1]);
-      if (!row) continue;
-      for (int32_t u = 0; u < vecs; ++u) {
-        acc[u] = _mm512_fmadd_ps(_mm512_loadu_ps(wt + i * kConvChannels + 16 * u), E::load(row + c0 + 16 * u, mask[u]),
-                                 acc[u]);
-      }
+      rows[i] = pos >= 0 ? x + int64_t(start + pos) * p.x_token_stride : static_cast<const T*>(history[pos + taps - 1]);
     }
-    T* y = static_cast<T*>(p.y) + int64_t(start + j) * p.y_token_stride + c0;
-    for (int32_t u = 0; u < vecs; ++u) {
-      const __m512 s = E::round(acc[u]);
-      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), s));
-      E::store(y + 16 * u, mask[u], _mm512_div_ps(s, _mm512_add_ps(one, e)));
+    T* y = static_cast<T*>(p.y) + int64_t(start + j) * p.y_token_stride;
+    for (int32_t c = 0; c < channels; c += 16) {
+      const __mmask16 m = lanes(c, channels);
+      __m512 acc = _mm512_setzero_ps();
+      for (int32_t i = 0; i < taps; ++i) {
+        if (rows[i]) acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, wt + int64_t(i) * channels + c), E::load(rows[i] + c, m), acc);
+      }
+      const __m512 s = E::round(acc);
+      E::store(y + c, m, _mm512_div_ps(s, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), s)))));
     }
   }
 }
@@ -145,9 +139,9 @@ StateColumnsRun state_columns_avx512(DType dtype) {
   return nullptr;
 }
 
-ConvSegmentRun conv_segment_avx512(DType dtype) {
-  if (dtype == DType::kBFloat16) return conv_segment<Bf16Lanes>;
-  if (dtype == DType::kFloat32) return conv_segment<F32Lanes>;
+ConvTokensRun conv_tokens_avx512(DType dtype) {
+  if (dtype == DType::kBFloat16) return conv_tokens<Bf16Lanes>;
+  if (dtype == DType::kFloat32) return conv_tokens<F32Lanes>;
   return nullptr;
 }
 

@@ -1,8 +1,8 @@
 // CPU launchers of the linear-attention ops (contracts in params.h) and their portable arithmetic.
 //
-// causal_conv1d: tasks are (segment, block of 64 channels). A task resolves the K - 1 input rows before its segment
-// once (prefix rows, the caller's tail, or zeros), then convolves every token of the segment; it writes the
-// segment's new tail last, after everything it reads from an aliased tail_in.
+// causal_conv1d: tasks are (segment, 16 tokens) over whole rows, the weight transposed to [K][C] fp32 once per call;
+// a task resolves the K - 1 input rows before its segment (prefix rows, the caller's tail, or zeros). New tails are
+// written in a pass after every output is done, so an aliased tail_in is only overwritten once nothing reads it.
 //
 // gated_delta_rule: a group is a prefix_length == 0 segment and the items that continue it (the plan's state_slot
 // links them). Tasks are (value head, 32-column block of the state, group), ordered head-major: a task runs the
@@ -37,21 +37,24 @@ inline Segment segment_at(const int32_t* table, int32_t s) {
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 
 template <class T>
-void conv_segment_portable(const CausalConv1dParams& p, int32_t start, int32_t length, int32_t c0, int32_t n,
-                           const void* const* rows, const float* wt) {
+void conv_tokens_portable(const CausalConv1dParams& p, int32_t start, int32_t j0, int32_t j1,
+                          const void* const* history, const float* wt) {
   const T* tag = nullptr;
-  const int32_t taps = p.kernel_size;
+  const int32_t taps = p.kernel_size, channels = p.channels;
   const T* x = static_cast<const T*>(p.x);
-  for (int32_t j = 0; j < length; ++j) {
-    float acc[kConvChannels] = {};
+  std::vector<float> acc(channels);
+  for (int32_t j = j0; j < j1; ++j) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
     for (int32_t i = 0; i < taps; ++i) {
       const int32_t pos = j - (taps - 1) + i;
-      const T* row = pos >= 0 ? x + int64_t(start + pos) * p.x_token_stride : static_cast<const T*>(rows[pos + taps - 1]);
+      const T* row = pos >= 0 ? x + int64_t(start + pos) * p.x_token_stride
+                              : static_cast<const T*>(history[pos + taps - 1]);
       if (!row) continue;
-      for (int32_t c = 0; c < n; ++c) acc[c] += wt[i * kConvChannels + c] * to_f32(row[c0 + c]);
+      const float* w = wt + int64_t(i) * channels;
+      for (int32_t c = 0; c < channels; ++c) acc[c] += w[c] * to_f32(row[c]);
     }
-    T* y = static_cast<T*>(p.y) + int64_t(start + j) * p.y_token_stride + c0;
-    for (int32_t c = 0; c < n; ++c) store_f32(y + c, silu(round_as(acc[c], tag)));
+    T* y = static_cast<T*>(p.y) + int64_t(start + j) * p.y_token_stride;
+    for (int32_t c = 0; c < channels; ++c) store_f32(y + c, silu(round_as(acc[c], tag)));
   }
 }
 
@@ -106,10 +109,10 @@ void state_columns_portable(const GatedDeltaRuleParams& p, int32_t head, int32_t
   }
 }
 
-ConvSegmentRun choose_conv(DType dtype) {
-  ConvSegmentRun fast = cpu_use_avx512bf16() ? conv_segment_avx512(dtype) : nullptr;
+ConvTokensRun choose_conv(DType dtype) {
+  ConvTokensRun fast = cpu_use_avx512bf16() ? conv_tokens_avx512(dtype) : nullptr;
   if (fast) return fast;
-  return dtype == DType::kBFloat16 ? conv_segment_portable<uint16_t> : conv_segment_portable<float>;
+  return dtype == DType::kBFloat16 ? conv_tokens_portable<uint16_t> : conv_tokens_portable<float>;
 }
 
 StateColumnsRun choose_state_run(DType dtype) {
@@ -133,48 +136,43 @@ Status check_conv(const CausalConv1dParams& p) {
   return kOk;
 }
 
-// Task (segment s, channels [c0, c0 + n)).
-void conv_task(const CausalConv1dParams& p, ConvSegmentRun run, int32_t s, int32_t c0, int32_t n) {
-  const Segment seg = segment_at(p.segments, s);
-  const int32_t taps = p.kernel_size, history = taps - 1;
+// The K - 1 input rows before segment `seg`'s first token, oldest first: prefix rows, the caller's tail, or nullptr
+// (zeros).
+void history_rows(const CausalConv1dParams& p, int32_t s, const Segment& seg, const void** rows) {
+  const int32_t history = p.kernel_size - 1;
   const size_t elem = elem_size(p.dtype);
-  const char* x = static_cast<const char*>(p.x);
   const char* tail_in = p.tail_in ? reinterpret_cast<const char*>(p.tail_in[s]) : nullptr;
-  // The K - 1 rows before the segment's first token, oldest first.
-  const void* rows[kMaxConvKernel] = {};
   for (int32_t i = 0; i < history; ++i) {
     const int32_t back = history - i;  // rows before the first token
+    rows[i] = nullptr;
     if (seg.prefix_length > 0) {
       if (back <= seg.prefix_length) {
-        rows[i] = x + (int64_t(seg.prefix_start) + seg.prefix_length - back) * p.x_token_stride * elem;
+        rows[i] = static_cast<const char*>(p.x) +
+                  (int64_t(seg.prefix_start) + seg.prefix_length - back) * p.x_token_stride * elem;
       }
     } else if (tail_in) {
       rows[i] = tail_in + int64_t(i) * p.channels * elem;
     }
   }
-  float wt[kMaxConvKernel * kConvChannels] = {};  // zeros past n: the vector paths read whole blocks
-  for (int32_t c = 0; c < n; ++c) {
-    for (int32_t i = 0; i < taps; ++i) {
-      const int64_t at = int64_t(c0 + c) * taps + i;
-      wt[i * kConvChannels + c] = p.dtype == DType::kBFloat16
-                                      ? bf16_to_f32(static_cast<const uint16_t*>(p.weight)[at])
-                                      : static_cast<const float*>(p.weight)[at];
-    }
-  }
-  run(p, seg.start, seg.length, c0, n, rows, wt);
-  if (!p.tail_out || !p.tail_out[s] || history == 0) return;
-  // The new tail: the last K - 1 rows of (rows before the segment, then the segment), read before any is written
-  // (tail_out may alias tail_in).
-  char saved[kMaxConvKernel][kConvChannels * 4];
+}
+
+// The new tail of segment s: the last K - 1 rows of (history, then the segment), zero-padded, gathered before any is
+// written (tail_out may alias tail_in).
+void write_tail(const CausalConv1dParams& p, int32_t s) {
+  const Segment seg = segment_at(p.segments, s);
+  const int32_t history = p.kernel_size - 1;
+  const size_t row_bytes = size_t(p.channels) * elem_size(p.dtype);
+  const void* rows[kMaxConvKernel];
+  history_rows(p, s, seg, rows);
+  std::vector<char> tail(size_t(history) * row_bytes, 0);
   for (int32_t i = 0; i < history; ++i) {
     const int32_t pos = seg.length - history + i;  // relative to the segment's first token
-    const char* row = pos >= 0 ? x + (int64_t(seg.start) + pos) * p.x_token_stride * elem
+    const char* row = pos >= 0 ? static_cast<const char*>(p.x) + (int64_t(seg.start) + pos) * p.x_token_stride *
+                                                                      int64_t(elem_size(p.dtype))
                                : static_cast<const char*>(rows[pos + history]);
-    if (row) std::memcpy(saved[i], row + c0 * elem, n * elem);
-    else std::memset(saved[i], 0, n * elem);
+    if (row) std::memcpy(tail.data() + i * row_bytes, row, row_bytes);
   }
-  char* tail_out = reinterpret_cast<char*>(p.tail_out[s]);
-  for (int32_t i = 0; i < history; ++i) std::memcpy(tail_out + (int64_t(i) * p.channels + c0) * elem, saved[i], n * elem);
+  std::memcpy(reinterpret_cast<void*>(p.tail_out[s]), tail.data(), tail.size());
 }
 
 // ---- gated_delta_rule -----------------------------------------------------------------------------------------
@@ -255,14 +253,34 @@ void rule_task(const GatedDeltaRuleParams& p, StateColumnsRun run, const Group& 
 Status causal_conv1d_cpu(const CausalConv1dParams& p) {
   const Status status = check_conv(p);
   if (status != kOk || p.num_segments == 0) return status;
-  const ConvSegmentRun run = choose_conv(p.dtype);
-  const int32_t blocks = (p.channels + kConvChannels - 1) / kConvChannels;
-  const int64_t tasks = int64_t(p.num_segments) * blocks;
-  const bool parallel = int64_t(p.num_tokens) * p.channels >= 16384;
+  const ConvTokensRun run = choose_conv(p.dtype);
+  const int32_t taps = p.kernel_size, channels = p.channels;
+  std::vector<float> wt(size_t(taps) * channels);  // [K][C] fp32
+  for (int32_t c = 0; c < channels; ++c) {
+    for (int32_t i = 0; i < taps; ++i) {
+      const int64_t at = int64_t(c) * taps + i;
+      wt[size_t(i) * channels + c] = p.dtype == DType::kBFloat16
+                                         ? bf16_to_f32(static_cast<const uint16_t*>(p.weight)[at])
+                                         : static_cast<const float*>(p.weight)[at];
+    }
+  }
+  std::vector<std::pair<int32_t, int32_t>> tasks;  // (segment, first token of the chunk)
+  for (int32_t s = 0; s < p.num_segments; ++s) {
+    for (int32_t j = 0; j < segment_at(p.segments, s).length; j += kConvTokens) tasks.emplace_back(s, j);
+  }
+  const bool parallel = int64_t(p.num_tokens) * channels >= 16384;
 #pragma omp parallel for num_threads(kernel_threads()) schedule(dynamic) if (parallel)
-  for (int64_t task = 0; task < tasks; ++task) {
-    const int32_t s = int32_t(task / blocks), c0 = int32_t(task % blocks) * kConvChannels;
-    conv_task(p, run, s, c0, std::min(kConvChannels, p.channels - c0));
+  for (size_t t = 0; t < tasks.size(); ++t) {
+    const auto [s, j0] = tasks[t];
+    const Segment seg = segment_at(p.segments, s);
+    const void* rows[kMaxConvKernel];
+    history_rows(p, s, seg, rows);
+    run(p, seg.start, j0, std::min(seg.length, j0 + kConvTokens), rows, wt.data());
+  }
+  if (p.tail_out && taps > 1) {
+    for (int32_t s = 0; s < p.num_segments; ++s) {
+      if (p.tail_out[s]) write_tail(p, s);
+    }
   }
   return kOk;
 }
