@@ -90,10 +90,10 @@ PYBIND11_MODULE(_C, m) {
         });
   m.def("add_rms_norm",
         [](uintptr_t x, int64_t x_row_stride, uintptr_t delta, int64_t delta_row_stride, uintptr_t weight,
-           uintptr_t out, int64_t out_row_stride, int32_t num_rows, int32_t hidden_size, float eps,
+           bool weight_fp32, uintptr_t out, int64_t out_row_stride, int32_t num_rows, int32_t hidden_size, float eps,
            const std::string& dtype) {
-          auto p = make_add_rms_norm_params(x, x_row_stride, delta, delta_row_stride, weight, out, out_row_stride,
-                                            num_rows, hidden_size, eps, dtype);
+          auto p = make_add_rms_norm_params(x, x_row_stride, delta, delta_row_stride, weight, weight_fp32, out,
+                                            out_row_stride, num_rows, hidden_size, eps, dtype);
           run_without_gil("add_rms_norm", [&] { return add_rms_norm_cpu(p); });
         });
   m.def("rotary",

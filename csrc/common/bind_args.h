@@ -89,14 +89,16 @@ inline LabelLogprobsParams make_label_params(
 }
 
 inline AddRmsNormParams make_add_rms_norm_params(
-    uintptr_t x, int64_t x_row_stride, uintptr_t delta, int64_t delta_row_stride, uintptr_t weight, uintptr_t out,
-    int64_t out_row_stride, int32_t num_rows, int32_t hidden_size, float eps, const std::string& dtype) {
+    uintptr_t x, int64_t x_row_stride, uintptr_t delta, int64_t delta_row_stride, uintptr_t weight, bool weight_fp32,
+    uintptr_t out, int64_t out_row_stride, int32_t num_rows, int32_t hidden_size, float eps,
+    const std::string& dtype) {
   AddRmsNormParams p{};
   p.x = reinterpret_cast<void*>(x);
   p.x_row_stride = x_row_stride;
   p.delta = reinterpret_cast<const void*>(delta);
   p.delta_row_stride = delta_row_stride;
   p.weight = reinterpret_cast<const void*>(weight);
+  p.weight_fp32 = weight_fp32;
   p.out = reinterpret_cast<void*>(out);
   p.out_row_stride = out_row_stride;
   p.num_rows = num_rows;

@@ -76,16 +76,15 @@ class Decoder:
         return self.w.embed.device
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
-        """RMSNorm(x += delta) [T, H]; x is updated in place."""
-        if self.cfg.zero_centred_norm:
-            return hybrid.zero_centred_rms_norm(x, weight, self.cfg.rms_norm_eps, delta)
+        """RMSNorm(x += delta) [T, H]; x is updated in place. Zero-centred families hold fp32 weights 1 + w."""
         return add_rms_norm(x, weight, self.cfg.rms_norm_eps, delta=delta, backend=self.op_backend)
 
     def _attention(self, i: int, h: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         """The attention mixer of layer i on h [T, H] -> [T, Hq D], before o_proj."""
         cfg, layer = self.cfg, self.w.layers[i]
         if cfg.attn_output_gate:
-            q, k, v, gate = hybrid.gated_attention_inputs(h, layer, cfg, positions, self.rotary.cos, self.rotary.sin)
+            q, k, v, gate = hybrid.gated_attention_inputs(h, layer, cfg, positions, self.rotary.cos, self.rotary.sin,
+                                                          self.op_backend)
             return attend(i, q, k, v).view(h.shape[0], -1) * torch.sigmoid(gate)
         qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(h.shape[0], -1, cfg.head_dim)  # [T, Hq + 2 Hkv, D]
         q, k, v = qkv.split([cfg.num_q_heads, cfg.num_kv_heads, cfg.num_kv_heads], dim=1)

@@ -83,11 +83,14 @@ def add_rms_norm_ref(
     x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [T, H] (+= delta in place when given) -> Llama's RMSNorm of x [T, H]: statistics in fp32, the normalized
-    value cast to x's dtype, then scaled by the weight in that dtype (bitwise the transformers recipe)."""
+    value cast to x's dtype, then scaled by the weight in that dtype (bitwise the transformers recipe). A float32
+    weight for a lower-precision x scales the fp32 value before its one rounding (Qwen3.5's `x_hat * (1 + w)`)."""
     if delta is not None:
         x.add_(delta)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype != x.dtype:
+        return (xf * weight).to(x.dtype)
     return weight * xf.to(x.dtype)
 
 
