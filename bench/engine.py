@@ -3,8 +3,10 @@ Generate-free paths only (SIS vs MIS), across candidate counts, and MIS against 
 query+items tokens as ONE plain causal forward of AutoModelForCausalLM (same dtype, same process, so the same
 thread settings), once with logits for every position (the default) and once with logits_to_keep=1. All four
 are timed alternately (SIS, MIS, stock, stock keep-1, SIS, ...) so the machine's drift hits each alike.
-Prints a table and writes bench/results/engine_cpu.json.
-Usage: python -m bench.engine [--dtype bfloat16] [--threads 2] [--reps 5] [--no-stock]"""
+Prints a table and writes bench/results/engine_cpu.json. `--shape qwen3.5-0.8b` (any bench.gpu.models shape) times
+a random-weight model of that shape instead, on token-id questions of the same lengths (bench.gpu.workload; no
+stock comparison: the random model has no checkpoint).
+Usage: python -m bench.engine [--dtype bfloat16] [--threads 2] [--reps 5] [--no-stock] [--shape NAME --out FILE]"""
 
 from __future__ import annotations
 
@@ -50,9 +52,9 @@ def stock_forward(model: Any, ids: torch.Tensor, keep: int | None) -> torch.Tens
         return model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits
 
 
-def contenders(engine: Engine, stock: Any, query: str, items: list[str]) -> dict[str, Callable[[], Any]]:
+def contenders(engine: Engine, stock: Any, query: Any, items: list[Any], labels: dict[str, Any]
+                ) -> dict[str, Callable[[], Any]]:
     """What one row times: SIS and MIS through the engine, and (with `stock`) the stock forward both ways."""
-    labels = dict(labels=["Yes", "No"])
     runs: dict[str, Callable[[], Any]] = {"sis": lambda: engine.score(query, items, mode="sis", **labels),
                                           "mis": lambda: engine.score(query, items, mode="mis", **labels)}
     if stock is not None:
@@ -73,6 +75,27 @@ def alternate(runs: dict[str, Callable[[], Any]], reps: int) -> dict[str, list[f
     return times
 
 
+def load(args: argparse.Namespace) -> tuple[Engine, Callable[[int], tuple[Any, list[Any]]], dict[str, Any]]:
+    """(engine, n -> (query, items), label arguments): the embedded model on text questions, or a random-weight
+    model of --shape on token-id questions of the suite's lengths."""
+    if args.shape is None:
+        return (Engine.from_pretrained(None, dtype=args.dtype, threads=args.threads), lambda n: question(n, seed=n),
+                dict(labels=["Yes", "No"]))
+    from bench.gpu.models import build_random_engine
+    from bench.gpu.workload import id_question, labels_for
+    from pyscore.engine import set_threads
+
+    set_threads(args.threads)
+    engine = build_random_engine(args.shape, device="cpu", dtype=args.dtype)
+    vocab = engine.cfg.vocab_size
+
+    def ask(n: int) -> tuple[list[int], list[list[int]]]:
+        q = id_question(n, seed=n, vocab=vocab)
+        return q.query, q.items
+
+    return engine, ask, dict(label_token_ids=labels_for(vocab))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bfloat16")
@@ -81,19 +104,20 @@ def main() -> None:
     ap.add_argument("--candidates", type=int, nargs="+", default=[2, 5, 9, 16])
     ap.add_argument("--no-stock", action="store_true", help="skip stock transformers")
     ap.add_argument("--out", default="bench/results/engine_cpu.json")
+    ap.add_argument("--shape", default=None, help="a bench.gpu.models shape with random weights (token-id questions)")
     args = ap.parse_args()
-    engine = Engine.from_pretrained(None, dtype=args.dtype, threads=args.threads)
-    stock = None if args.no_stock else stock_model(engine)
+    engine, ask, labels = load(args)
+    stock = None if args.no_stock or args.shape else stock_model(engine)
     rows = []
     print(f"# {machine()} | {engine.model_name} {args.dtype} threads={args.threads} (torch {torch.get_num_threads()}) "
           f"reps={args.reps}, alternating")
     print(f"{'items':>5} {'tokens q/item':>14} {'SIS p50 ms':>11} {'MIS p50 ms':>11} {'MIS/SIS':>8}"
           + ("" if stock is None else f" {'stock ms':>9} {'keep-1 ms':>10} {'stock/MIS':>10} {'keep-1/MIS':>11}"))
     for n in args.candidates:
-        query, items = question(n, seed=n)
-        prepared = engine.prepare_score(ScoreRequest(query, items, labels=["Yes", "No"]))
+        query, items = ask(n)
+        prepared = engine.prepare_score(ScoreRequest(query, items, **labels))
         item_len = sum(map(len, prepared.items)) / n
-        times = alternate(contenders(engine, stock, query, items), args.reps)
+        times = alternate(contenders(engine, stock, query, items, labels), args.reps)
         p50 = {name: statistics.median(ts) for name, ts in times.items()}
         row: dict[str, Any] = dict(items=n, query_tokens=len(prepared.query), item_tokens=item_len,
                                    sis_ms=p50["sis"], mis_ms=p50["mis"], sis_all=times["sis"], mis_all=times["mis"])

@@ -2,7 +2,12 @@
 plan made once per batch, vs torch SDPA with a dense mask vs the fp32 reference) on the MIS shape of a SmolLM2
 question (prefix 270 + 16 items x 30) and its SIS twin (16 x 300), and label_logprobs (ours vs
 log_softmax(h @ W.T).gather) at R = 16 and 1, V = 49152, H = 576; bf16 and fp32; medians after warm-up. Writes
-bench/results/kernels_cpu.txt. Usage: python -m bench.kernels [--threads 2] [--reps 30]"""
+bench/results/kernels_cpu.txt.
+`--only linear`: Qwen3.5's linear-attention ops (causal_conv1d + gated_delta_rule, one layer's run of a plan made
+once per batch) on the same MIS and SIS shapes at the Qwen3.5-0.8B layer shape, ours vs transformers' own torch
+fallbacks (the chunked rule; MIS as the prefix, then the items batched from its final state) vs our fp32 reference.
+Writes bench/results/kernels_linear_cpu.txt.
+Usage: python -m bench.kernels [--threads 2] [--reps 30] [--only linear]"""
 
 from __future__ import annotations
 
@@ -14,9 +19,18 @@ import torch.nn.functional as F
 
 from bench.common import machine, median_ms
 from pyscore.ops import AttentionPlan, SegmentTable, _ext, label_logprobs
-from pyscore.ops.reference import label_logprobs_ref, prefix_item_attention_ref, segment_attention_mask
+from pyscore.ops.gated_delta_rule import causal_conv1d, gated_delta_rule, plan_linear_attention
+from pyscore.ops.reference import (
+    causal_conv1d_ref,
+    gated_delta_rule_ref,
+    label_logprobs_ref,
+    prefix_item_attention_ref,
+    segment_attention_mask,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results" / "kernels_cpu.txt"
+LINEAR_RESULTS = Path(__file__).resolve().parent / "results" / "kernels_linear_cpu.txt"
+LIN_SHAPE = (16, 16, 128, 4)  # Qwen3.5-0.8B Gated DeltaNet: Hk, Hv, head dim, conv kernel
 HQ, HKV, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
 VOCAB, HIDDEN = 49152, 576
 
@@ -94,6 +108,104 @@ def label_rows(rows: int, dtype: torch.dtype, reps: int) -> list[str]:
             f"{ref / ours:>10.1f}x"]
 
 
+def linear_inputs(num_tokens: int, dtype: torch.dtype, heads: tuple[int, int, int, int] = LIN_SHAPE,
+                  device: str = "cpu"):
+    """(x [T, C] conv input, conv weight [C, K], the rule's inputs as views into one projection output) for a
+    Gated DeltaNet layer of (Hk, Hv, D, K)."""
+    hk, hv, d, taps = heads
+    channels = 2 * hk * d + hv * d
+    g = torch.Generator(device=device).manual_seed(num_tokens)
+    x = torch.randn(num_tokens, channels, generator=g, device=device).to(dtype)
+    weight = (torch.randn(channels, taps, generator=g, device=device) * 0.5).to(dtype)
+    y = torch.randn(num_tokens, channels + 2 * hv, generator=g, device=device).to(dtype)
+    q = y[:, : hk * d].view(num_tokens, hk, d)
+    k = y[:, hk * d : 2 * hk * d].view(num_tokens, hk, d)
+    v = y[:, 2 * hk * d : channels].view(num_tokens, hv, d)
+    a, b = y[:, channels : channels + hv], y[:, channels + hv :]
+    a_log, dt_bias = torch.randn(2, hv, generator=g, device=device).unbind(0)
+    return x, weight, (q, k, v, a, b, a_log * 0.5, dt_bias)
+
+
+def transformers_linear(x, weight, rule_args, prefix: int, items: int, item_len: int):
+    """What transformers' Qwen3.5 torch fallbacks need for the same work: MIS as the prefix (final state and conv
+    tail kept), then the items batched [n, L] continuing from it; SIS (prefix 0) as a batch of n sequences. Returns
+    the items' rule outputs [n L, Hv, Dv]."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_fn, torch_chunk_gated_delta_rule
+
+    q, k, v, a, b, a_log, dt_bias = rule_args
+    g = -a_log.exp() * F.softplus(a.float() + dt_bias)
+    beta = b.sigmoid()
+
+    def rule(sl, batch, length, state=None):
+        parts = [t[sl].reshape(batch, length, *t.shape[1:]) for t in (q, k, v, g, beta)]
+        return torch_chunk_gated_delta_rule(*parts, initial_state=state, output_final_state=True,
+                                            use_qk_l2norm_in_kernel=True)
+
+    def conv(sl, batch, length, tail=None):
+        xs = x[sl].reshape(batch, length, -1).transpose(1, 2)
+        if tail is not None:
+            xs = torch.cat([tail.expand(batch, -1, -1), xs], dim=-1)
+        return causal_conv1d_fn(xs, weight, None, activation="silu")[..., -length:]
+
+    if not prefix:
+        conv(slice(None), items, item_len)
+        return rule(slice(None), items, item_len)[0].flatten(0, 1)
+    conv(slice(0, prefix), 1, prefix)
+    _, state = rule(slice(0, prefix), 1, prefix)
+    conv(slice(prefix, None), items, item_len, x[prefix - weight.shape[1] + 1 : prefix].T[None])
+    return rule(slice(prefix, None), items, item_len, state.expand(items, -1, -1, -1).contiguous())[0].flatten(0, 1)
+
+
+def linear_rows(name: str, prefix: int, items: int, item_len: int, dtype: torch.dtype, reps: int) -> list[str]:
+    segments = mis_segments() if prefix else sis_segments()
+    num_tokens = int(segments[:, 1].sum())
+    x, weight, rule_args = linear_inputs(num_tokens, dtype)
+    table = SegmentTable.of(segments, num_tokens)
+    plan = plan_linear_attention(table)
+
+    def ours():
+        causal_conv1d(x, weight, table, plan, backend="kernel")
+        gated_delta_rule(*rule_args, table, plan, backend="kernel")
+
+    def reference():
+        causal_conv1d_ref(x, weight, segments)
+        gated_delta_rule_ref(*rule_args, segments)
+
+    mine = median_ms(ours, reps)
+    theirs = median_ms(lambda: transformers_linear(x, weight, rule_args, prefix, items, item_len), max(3, reps // 5),
+                       warmup=1)
+    ref = median_ms(reference, 1, warmup=0)
+    # The items' rule outputs, ours vs transformers' on the same (dtype) inputs computed in fp32.
+    got = gated_delta_rule(*rule_args, table, plan, backend="kernel")[prefix:].float()
+    want = transformers_linear(x.float(), weight.float(), [t.float() for t in rule_args], prefix, items, item_len)
+    dt = str(dtype).removeprefix("torch.")
+    return [f"{'conv+rule ' + name:<26}{dt:<10}{mine:>9.3f}{theirs:>13.3f}{ref:>11.1f}{theirs / mine:>11.1f}x"
+            f"{ref / mine:>10.0f}x{(got - want).abs().max().item():>11.1e}"]
+
+
+def linear_main(args) -> None:
+    lines = [
+        f"machine: {machine()}",
+        f"torch {torch.__version__}, threads {args.threads}, cpu features {_ext.cpu_module().cpu_features()}",
+        "Qwen3.5-0.8B linear-attention layer: Hk {}, Hv {}, Dk = Dv = {}, conv kernel {}; ".format(*LIN_SHAPE) +
+        "ours = causal_conv1d + gated_delta_rule (segment table)",
+        "'transformers' = causal_conv1d_fn + torch_chunk_gated_delta_rule (their torch fallbacks; MIS: the prefix, "
+        "then the items batched from its final state and conv tail); times: median ms; max diff: the items' rule "
+        "outputs, ours vs transformers' in fp32 on the same inputs",
+        "",
+        f"{'op / shape':<26}{'dtype':<10}{'ours':>9}{'transformers':>13}{'reference':>11}{'tf/ours':>12}"
+        f"{'ref/ours':>11}{'max diff':>11}",
+    ]
+    print("\n".join(lines), flush=True)
+    for dtype in (torch.bfloat16, torch.float32):
+        rows = linear_rows("MIS 270+16x30", 270, 16, 30, dtype, args.reps)
+        rows += linear_rows("SIS 16x300", 0, 16, 300, dtype, args.reps)
+        print("\n".join(rows), flush=True)
+        lines += rows
+    LINEAR_RESULTS.write_text("\n".join(lines) + "\n")
+    print(f"\nwritten to {LINEAR_RESULTS}")
+
+
 def interleave_rows(reps: int) -> list[str]:
     """Our OpenMP kernel between torch matmuls, as in the decoder (qkv projection -> attention -> o projection):
     if the two thread pools fought (spin-waiting on 2 cores), the interleaved step would cost more than the sum
@@ -125,6 +237,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--only", choices=["linear"], help="only Qwen3.5's linear-attention ops")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -132,6 +245,9 @@ def main() -> None:
     if module is None:
         raise SystemExit("pyscore._C is not built: python setup.py build_ext --inplace")
     module.set_num_threads(args.threads)
+    if args.only == "linear":
+        linear_main(args)
+        return
     lines = [
         f"machine: {machine()}",
         f"torch {torch.__version__}, threads {args.threads}, cpu features {module.cpu_features()}",

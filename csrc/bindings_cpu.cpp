@@ -6,6 +6,7 @@
 
 #include "add_rms_norm/launch.h"
 #include "common/bind_args.h"
+#include "gated_delta_rule/launch.h"
 #include "common/cpu_features.h"
 #include "common/threads.h"
 #include "label_logprobs/launch.h"
@@ -34,7 +35,8 @@ void run_without_gil(const char* op, Launch launch) {
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "pyscore CPU kernels: prefix_item_attention, label_logprobs, add_rms_norm, rotary, silu_mul";
+  m.doc() = "pyscore CPU kernels: prefix_item_attention, label_logprobs, add_rms_norm, rotary, silu_mul, causal_conv1d, "
+            "gated_delta_rule";
   py::class_<AttentionCpuPlan, std::shared_ptr<AttentionCpuPlan>>(
       m, "AttentionPlan", "prefix_item_attention's plan for one batch (opaque): the segment table read and "
                           "validated, the work listed, the workspaces allocated")
@@ -59,6 +61,25 @@ PYBIND11_MODULE(_C, m) {
           run_without_gil("prefix_item_attention", [&] { return prefix_item_attention_run_cpu(plan, p); });
         },
         "One layer's attention with a plan from prefix_item_attention_plan (the table is read from the plan)");
+  m.def("causal_conv1d",
+        [](uintptr_t x, int64_t x_token_stride, uintptr_t weight, uintptr_t y, int64_t y_token_stride,
+           uintptr_t segments, int32_t num_segments, int32_t num_tokens, int32_t channels, int32_t kernel_size,
+           uintptr_t tail_in, uintptr_t tail_out, const std::string& dtype) {
+          auto p = make_conv_params(x, x_token_stride, weight, y, y_token_stride, segments, num_segments, num_tokens,
+                                    channels, kernel_size, tail_in, tail_out, dtype);
+          run_without_gil("causal_conv1d", [&] { return causal_conv1d_cpu(p); });
+        });
+  m.def("gated_delta_rule",
+        [](uintptr_t q, Strides qs, uintptr_t k, Strides ks, uintptr_t v, Strides vs, uintptr_t a, int64_t a_stride,
+           uintptr_t b, int64_t b_stride, uintptr_t a_log, uintptr_t dt_bias, uintptr_t o, Strides os,
+           uintptr_t segments, int32_t num_segments, int32_t num_tokens, uintptr_t state_slot, int32_t num_slots,
+           int32_t num_k_heads, int32_t num_v_heads, int32_t k_dim, int32_t v_dim, float scale, uintptr_t state_in,
+           uintptr_t state_out, const std::string& dtype) {
+          auto p = make_rule_params(q, qs, k, ks, v, vs, a, a_stride, b, b_stride, a_log, dt_bias, o, os, segments,
+                                    num_segments, num_tokens, state_slot, num_slots, num_k_heads, num_v_heads, k_dim,
+                                    v_dim, scale, state_in, state_out, dtype);
+          run_without_gil("gated_delta_rule", [&] { return gated_delta_rule_cpu(p); });
+        });
   m.def("label_logprobs",
         [](uintptr_t hidden, int64_t hidden_row_stride, uintptr_t weight, int64_t weight_row_stride,
            uintptr_t labels, uintptr_t logprobs, uintptr_t label_softmax, uintptr_t logz, int32_t num_rows,
@@ -69,10 +90,10 @@ PYBIND11_MODULE(_C, m) {
         });
   m.def("add_rms_norm",
         [](uintptr_t x, int64_t x_row_stride, uintptr_t delta, int64_t delta_row_stride, uintptr_t weight,
-           uintptr_t out, int64_t out_row_stride, int32_t num_rows, int32_t hidden_size, float eps,
+           bool weight_fp32, uintptr_t out, int64_t out_row_stride, int32_t num_rows, int32_t hidden_size, float eps,
            const std::string& dtype) {
-          auto p = make_add_rms_norm_params(x, x_row_stride, delta, delta_row_stride, weight, out, out_row_stride,
-                                            num_rows, hidden_size, eps, dtype);
+          auto p = make_add_rms_norm_params(x, x_row_stride, delta, delta_row_stride, weight, weight_fp32, out,
+                                            out_row_stride, num_rows, hidden_size, eps, dtype);
           run_without_gil("add_rms_norm", [&] { return add_rms_norm_cpu(p); });
         });
   m.def("rotary",

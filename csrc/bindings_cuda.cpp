@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include "common/bind_args.h"
+#include "gated_delta_rule/launch.h"
 #include "label_logprobs/launch.h"
 #include "prefix_item_attention/launch.h"
 
@@ -13,7 +14,7 @@ namespace py = pybind11;
 using namespace pyscore;
 
 PYBIND11_MODULE(_C_cuda, m) {
-  m.doc() = "pyscore CUDA kernels (sm_90a): prefix_item_attention and label_logprobs";
+  m.doc() = "pyscore CUDA kernels (sm_90a): prefix_item_attention, label_logprobs, causal_conv1d and gated_delta_rule";
   m.def("prefix_item_attention_workspace_bytes",
         [](int32_t num_segments, int32_t num_tokens, int32_t num_q_heads, int32_t num_kv_heads) {
           AttentionPlanParams shape{};
@@ -46,6 +47,25 @@ PYBIND11_MODULE(_C_cuda, m) {
                          "prefix_item_attention");
         },
         "One layer's attention with a workspace planned by prefix_item_attention_plan for the same shape");
+  m.def("causal_conv1d",
+        [](uintptr_t x, int64_t x_token_stride, uintptr_t weight, uintptr_t y, int64_t y_token_stride,
+           uintptr_t segments, int32_t num_segments, int32_t num_tokens, int32_t channels, int32_t kernel_size,
+           uintptr_t tail_in, uintptr_t tail_out, const std::string& dtype, uintptr_t stream) {
+          auto p = make_conv_params(x, x_token_stride, weight, y, y_token_stride, segments, num_segments, num_tokens,
+                                    channels, kernel_size, tail_in, tail_out, dtype);
+          throw_on_error(causal_conv1d_cuda(p, reinterpret_cast<void*>(stream)), "causal_conv1d");
+        });
+  m.def("gated_delta_rule",
+        [](uintptr_t q, Strides qs, uintptr_t k, Strides ks, uintptr_t v, Strides vs, uintptr_t a, int64_t a_stride,
+           uintptr_t b, int64_t b_stride, uintptr_t a_log, uintptr_t dt_bias, uintptr_t o, Strides os,
+           uintptr_t segments, int32_t num_segments, int32_t num_tokens, uintptr_t state_slot, int32_t num_slots,
+           int32_t num_k_heads, int32_t num_v_heads, int32_t k_dim, int32_t v_dim, float scale, uintptr_t state_in,
+           uintptr_t state_out, const std::string& dtype, uintptr_t stream) {
+          auto p = make_rule_params(q, qs, k, ks, v, vs, a, a_stride, b, b_stride, a_log, dt_bias, o, os, segments,
+                                    num_segments, num_tokens, state_slot, num_slots, num_k_heads, num_v_heads, k_dim,
+                                    v_dim, scale, state_in, state_out, dtype);
+          throw_on_error(gated_delta_rule_cuda(p, reinterpret_cast<void*>(stream)), "gated_delta_rule");
+        });
   m.def("label_logprobs",
         [](uintptr_t hidden, int64_t hidden_row_stride, uintptr_t weight, int64_t weight_row_stride,
            uintptr_t labels, uintptr_t logprobs, uintptr_t label_softmax, uintptr_t logz, int32_t num_rows,

@@ -163,8 +163,9 @@ def choose_tokens(logits: torch.Tensor, gens: list[Generation], tokenizer: Any) 
 
 
 def eos_token_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
-    """Every id that ends a generation: the model config's eos_token_id (an int or a list) and the tokenizer's."""
-    eos = getattr(hf_config, "eos_token_id", None)
+    """Every id that ends a generation: the model config's eos_token_id (an int or a list; a Qwen3.5 image-text
+    config keeps it in its text config) and the tokenizer's."""
+    eos = getattr(hf_config.get_text_config(), "eos_token_id", None)
     ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
@@ -238,7 +239,7 @@ class GenerationRunner:
                 g.cache.k[layer, :n] = k[s : s + n]
                 g.cache.v[layer, :n] = v[s : s + n]
 
-        hidden = self.decoder.hidden_at(batch, kv_sink=sink)
+        hidden = self.decoder.hidden_at(batch, kv_sink=sink, linear_states=[g.cache for g in gens])
         for g in gens:
             g.cache.length = len(g.prompt)
         self._append(gens, hidden)

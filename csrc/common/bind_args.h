@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "add_rms_norm/params.h"
+#include "gated_delta_rule/params.h"
 #include "label_logprobs/params.h"
 #include "prefix_item_attention/params.h"
 #include "rotary/params.h"
@@ -88,14 +89,16 @@ inline LabelLogprobsParams make_label_params(
 }
 
 inline AddRmsNormParams make_add_rms_norm_params(
-    uintptr_t x, int64_t x_row_stride, uintptr_t delta, int64_t delta_row_stride, uintptr_t weight, uintptr_t out,
-    int64_t out_row_stride, int32_t num_rows, int32_t hidden_size, float eps, const std::string& dtype) {
+    uintptr_t x, int64_t x_row_stride, uintptr_t delta, int64_t delta_row_stride, uintptr_t weight, bool weight_fp32,
+    uintptr_t out, int64_t out_row_stride, int32_t num_rows, int32_t hidden_size, float eps,
+    const std::string& dtype) {
   AddRmsNormParams p{};
   p.x = reinterpret_cast<void*>(x);
   p.x_row_stride = x_row_stride;
   p.delta = reinterpret_cast<const void*>(delta);
   p.delta_row_stride = delta_row_stride;
   p.weight = reinterpret_cast<const void*>(weight);
+  p.weight_fp32 = weight_fp32;
   p.out = reinterpret_cast<void*>(out);
   p.out_row_stride = out_row_stride;
   p.num_rows = num_rows;
@@ -141,6 +144,64 @@ inline SiluMulParams make_silu_mul_params(uintptr_t gate, int64_t gate_row_strid
   p.out_row_stride = out_row_stride;
   p.num_rows = num_rows;
   p.width = width;
+  p.dtype = dtype_or_throw(dtype);
+  return p;
+}
+
+inline CausalConv1dParams make_conv_params(uintptr_t x, int64_t x_token_stride, uintptr_t weight, uintptr_t y,
+                                           int64_t y_token_stride, uintptr_t segments, int32_t num_segments,
+                                           int32_t num_tokens, int32_t channels, int32_t kernel_size,
+                                           uintptr_t tail_in, uintptr_t tail_out, const std::string& dtype) {
+  CausalConv1dParams p{};
+  p.x = reinterpret_cast<const void*>(x);
+  p.x_token_stride = x_token_stride;
+  p.weight = reinterpret_cast<const void*>(weight);
+  p.y = reinterpret_cast<void*>(y);
+  p.y_token_stride = y_token_stride;
+  p.segments = reinterpret_cast<const int32_t*>(segments);
+  p.num_segments = num_segments;
+  p.num_tokens = num_tokens;
+  p.channels = channels;
+  p.kernel_size = kernel_size;
+  p.tail_in = reinterpret_cast<const uint64_t*>(tail_in);
+  p.tail_out = reinterpret_cast<const uint64_t*>(tail_out);
+  p.dtype = dtype_or_throw(dtype);
+  return p;
+}
+
+inline GatedDeltaRuleParams make_rule_params(
+    uintptr_t q, Strides qs, uintptr_t k, Strides ks, uintptr_t v, Strides vs, uintptr_t a, int64_t a_token_stride,
+    uintptr_t b, int64_t b_token_stride, uintptr_t a_log, uintptr_t dt_bias, uintptr_t o, Strides os,
+    uintptr_t segments, int32_t num_segments, int32_t num_tokens, uintptr_t state_slot, int32_t num_slots,
+    int32_t num_k_heads, int32_t num_v_heads, int32_t k_dim, int32_t v_dim, float scale, uintptr_t state_in,
+    uintptr_t state_out, const std::string& dtype) {
+  GatedDeltaRuleParams p{};
+  p.q = reinterpret_cast<const void*>(q);
+  p.q_token_stride = qs.first; p.q_head_stride = qs.second;
+  p.k = reinterpret_cast<const void*>(k);
+  p.k_token_stride = ks.first; p.k_head_stride = ks.second;
+  p.v = reinterpret_cast<const void*>(v);
+  p.v_token_stride = vs.first; p.v_head_stride = vs.second;
+  p.a = reinterpret_cast<const void*>(a);
+  p.a_token_stride = a_token_stride;
+  p.b = reinterpret_cast<const void*>(b);
+  p.b_token_stride = b_token_stride;
+  p.a_log = reinterpret_cast<const float*>(a_log);
+  p.dt_bias = reinterpret_cast<const float*>(dt_bias);
+  p.o = reinterpret_cast<void*>(o);
+  p.o_token_stride = os.first; p.o_head_stride = os.second;
+  p.segments = reinterpret_cast<const int32_t*>(segments);
+  p.num_segments = num_segments;
+  p.num_tokens = num_tokens;
+  p.state_slot = reinterpret_cast<const int32_t*>(state_slot);
+  p.num_slots = num_slots;
+  p.num_k_heads = num_k_heads;
+  p.num_v_heads = num_v_heads;
+  p.k_dim = k_dim;
+  p.v_dim = v_dim;
+  p.scale = scale;
+  p.state_in = reinterpret_cast<const uint64_t*>(state_in);
+  p.state_out = reinterpret_cast<const uint64_t*>(state_out);
   p.dtype = dtype_or_throw(dtype);
   return p;
 }

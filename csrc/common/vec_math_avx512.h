@@ -26,6 +26,28 @@ static inline __m512 exp2_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// e^x with full fp32 accuracy (for results rounded to bf16 that must land where torch's Sleef exp lands): a
+// Cody-Waite reduction x = n ln2 + r, |r| <= ln2 / 2, instead of scaling the argument by log2 e (whose rounding
+// error grows with |x|), e^r by its degree-7 Taylor polynomial (truncation < 6e-9 relative), times 2^n exactly. ~1 ulp;
+// overflows to +inf past 88.7 and underflows to 0 (through the denormals) below -103.
+static inline __m512 exp_ps(__m512 x) {
+  // Clamp with x as the second operand so a NaN passes through.
+  x = _mm512_min_ps(_mm512_set1_ps(100.0f), _mm512_max_ps(_mm512_set1_ps(-110.0f), x));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2 high part: n * it is exact
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);  // ln2 low part
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
 // 16 bf16 -> 16 fp32 (exact: bf16 is the top half of an fp32).
 static inline __m512 load_bf16_ps(const uint16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));

@@ -36,6 +36,8 @@ REGISTRY: dict[str, dict[str, Kernel]] = {
     "add_rms_norm": {"cpu": Kernel(CPU_MODULE, _FP32_BF16)},
     "rotary": {"cpu": Kernel(CPU_MODULE, _FP32_BF16)},
     "silu_mul": {"cpu": Kernel(CPU_MODULE, _FP32_BF16)},
+    "causal_conv1d": {"cpu": Kernel(CPU_MODULE, _FP32_BF16), "cuda": Kernel(CUDA_MODULE, _FP32_BF16_FP16)},
+    "gated_delta_rule": {"cpu": Kernel(CPU_MODULE, _FP32_BF16), "cuda": Kernel(CUDA_MODULE, _FP32_BF16_FP16)},
 }
 
 

@@ -1,7 +1,8 @@
 """Pure-PyTorch references for the ops: the test oracle, the fallback where no kernel is built, and the
 benchmark baseline. Slow and obviously right: attention is a dense masked softmax over the whole stream.
-Attention and label scores are computed in fp32; the decoder's elementwise ops (add_rms_norm, rotary, silu_mul)
-are computed in their inputs' dtype exactly as transformers does, because that rounding is their contract."""
+Attention, label scores and the gated delta rule are computed in fp32; the decoder's elementwise ops (add_rms_norm,
+rotary, silu_mul, the linear layers' causal_conv1d) are computed in their inputs' dtype exactly as transformers does,
+because that rounding is their contract."""
 
 from __future__ import annotations
 
@@ -82,11 +83,14 @@ def add_rms_norm_ref(
     x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [T, H] (+= delta in place when given) -> Llama's RMSNorm of x [T, H]: statistics in fp32, the normalized
-    value cast to x's dtype, then scaled by the weight in that dtype (bitwise the transformers recipe)."""
+    value cast to x's dtype, then scaled by the weight in that dtype (bitwise the transformers recipe). A float32
+    weight for a lower-precision x scales the fp32 value before its one rounding (Qwen3.5's `x_hat * (1 + w)`)."""
     if delta is not None:
         x.add_(delta)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype != x.dtype:
+        return (xf * weight).to(x.dtype)
     return weight * xf.to(x.dtype)
 
 
@@ -115,3 +119,74 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2I] (gate then up) -> silu(gate) * up [T, I] in the input dtype (torch's own rounding)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def _sequence_rows(segments: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    return [tuple(int(v) for v in row) for row in segments.cpu().tolist()]
+
+
+def causal_conv1d_ref(
+    x: torch.Tensor, weight: torch.Tensor, segments: torch.Tensor,
+    tail_in: list[torch.Tensor | None] | None = None,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """x [T, C] pre-convolution inputs, weight [C, K], segment table [S, 4] -> (y [T, C] in x's dtype, per segment
+    the last K - 1 inputs of its sequence [K - 1, C]). Each segment is convolved over its whole sequence (an item's
+    prefix tokens, then its own; before them tail_in[s] or zeros): the depthwise conv in fp32 rounded to x's dtype,
+    then SiLU in that dtype, as transformers' conv1d and silu in the model's dtype."""
+    channels, taps = weight.shape
+    y = torch.zeros_like(x)
+    tails = []
+    for s, (start, length, prefix_start, prefix_length) in enumerate(_sequence_rows(segments)):
+        before = x[prefix_start : prefix_start + prefix_length]
+        if not prefix_length and tail_in is not None and tail_in[s] is not None:
+            before = tail_in[s]
+        seq = torch.cat([x.new_zeros(taps - 1, channels), before, x[start : start + length]])  # [K-1 + P + L, C]
+        conv = F.conv1d(seq.float().T[None], weight.float()[:, None, :], groups=channels)[0].T  # [P + L, C]
+        y[start : start + length] = F.silu(conv[conv.shape[0] - length :].to(x.dtype))
+        tails.append(seq[seq.shape[0] - (taps - 1) :].clone())
+    return y, tails
+
+
+def l2_normalize_ref(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x * rsqrt(sum(x^2) + eps) over the last dim (the FLA / transformers l2norm of Gated DeltaNet)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gated_delta_rule_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+    dt_bias: torch.Tensor, segments: torch.Tensor, state_in: list[torch.Tensor | None] | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """q/k [T, Hk, Dk], v [T, Hv, Dv], a/b [T, Hv], a_log/dt_bias [Hv], segment table [S, 4] -> (o [T, Hv, Dv] in
+    q's dtype, per segment its end state [Hv, Dk, Dv] fp32). The token-by-token recurrence of Gated DeltaNet in fp32
+    (csrc/gated_delta_rule/params.h): every segment runs its whole sequence from a zero state (or state_in[s]); an
+    item re-runs its prefix first. Slow and obviously right."""
+    num_v_heads, key_dim = v.shape[1], q.shape[2]
+    group = num_v_heads // q.shape[1]
+    scale = key_dim**-0.5 if scale is None else scale
+    qf = (l2_normalize_ref(q.float()) * scale).repeat_interleave(group, dim=1)  # [T, Hv, Dk]
+    kf = l2_normalize_ref(k.float()).repeat_interleave(group, dim=1)
+    vf = v.float()
+    decay = torch.exp(-a_log.float().exp() * F.softplus(a.float() + dt_bias.float()))  # [T, Hv]
+    beta = b.float().sigmoid()
+
+    def run(start: int, length: int, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        outs = []
+        for t in range(start, start + length):
+            state = state * decay[t][:, None, None]
+            kv = (state * kf[t][:, :, None]).sum(1)  # [Hv, Dv]
+            state = state + kf[t][:, :, None] * ((vf[t] - kv) * beta[t][:, None])[:, None, :]
+            outs.append((state * qf[t][:, :, None]).sum(1))
+        return (torch.stack(outs) if outs else vf.new_zeros(0, *vf.shape[1:])), state
+
+    o = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    ends = []
+    for s, (start, length, prefix_start, prefix_length) in enumerate(_sequence_rows(segments)):
+        state = vf.new_zeros(num_v_heads, key_dim, v.shape[2])
+        if state_in is not None and state_in[s] is not None:
+            state = state_in[s].float().clone()
+        if prefix_length:
+            _, state = run(prefix_start, prefix_length, state)
+        o[start : start + length], state = run(start, length, state)
+        ends.append(state)
+    return o.to(q.dtype), ends

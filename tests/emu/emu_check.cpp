@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "gated_delta_rule/gated_delta_rule_kernels.cuh"
 #include "label_logprobs/label_logprobs_kernels.cuh"
 #include "prefix_item_attention/prefix_item_attention_kernels.cuh"
 
@@ -122,7 +123,7 @@ void check_attention(const std::string& name, const std::vector<Segment>& segs, 
 
   using namespace attention_cuda;
   if (tensor_cores) {
-    if constexpr (sizeof(T) == 2) {
+    if constexpr (sizeof(T) == 2 && D <= 128) {  // the tensor-core kernel's tiles cover head dims up to 128
       const TileConfig cfg = tile_config(hq, hkv, num_tokens, num_segments);
       const int max_tiles = int(cfg.max_tiles);
       std::vector<int4> work(max_tiles, int4{-1, -1, -1, -1});
@@ -304,6 +305,189 @@ void check_labels(const std::string& name, int rows, int hidden_size, int vocab,
   report(name, max_err, sum_err / double(count), 2e-5, 2e-6);
 }
 
+// ---- causal_conv1d + gated_delta_rule ------------------------------------------------------------------------------
+
+// One linear-attention case: the conv kernel, then the recurrence (prepare, phase 0, phase 1) on its output's q/k/v
+// split, against float64 references that run every segment's whole sequence (an item re-runs its prefix). Segments
+// listed in `carried` get a caller state and conv tail in (random) and out (aliased in place, as decode does).
+template <typename T>
+void check_linear(const std::string& name, const std::vector<Segment>& segs, int hk, int hv, int dk, int dv, int taps,
+                  const std::vector<int>& carried, uint32_t seed) {
+  int num_tokens = 0;
+  for (const Segment& s : segs) num_tokens = std::max(num_tokens, s.start + s.length);
+  const int num_segments = int(segs.size());
+  const int channels = 2 * hk * dk + hv * dv, hist = taps - 1;
+  const int64_t x_ts = channels + 8;  // padded rows exercise the strides
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<T> x(num_tokens * x_ts), w(channels * taps), ab(num_tokens * 2 * hv);
+  for (auto& e : x) e = to_t<T>(normal(rng));
+  for (auto& e : w) e = to_t<T>(normal(rng) * 0.5f);
+  for (auto& e : ab) e = to_t<T>(normal(rng));
+  std::vector<float> a_log(hv), dt_bias(hv);
+  for (int h = 0; h < hv; ++h) a_log[h] = normal(rng) * 0.5f, dt_bias[h] = normal(rng);
+  std::vector<int32_t> table;
+  for (const Segment& s : segs) table.insert(table.end(), {s.start, s.length, s.prefix_start, s.prefix_length});
+  // The plan: one slot per prefix that has items.
+  std::vector<int32_t> slot(num_segments, -1);
+  int num_slots = 0;
+  for (int s = 0; s < num_segments; ++s) {
+    if (segs[s].prefix_length == 0) continue;
+    for (int l = 0; l < num_segments; ++l) {
+      if (segs[l].prefix_length == 0 && segs[l].start == segs[s].prefix_start && segs[l].length == segs[s].prefix_length) {
+        if (slot[l] < 0) slot[l] = num_slots++;
+        slot[s] = slot[l];
+      }
+    }
+  }
+  // Caller states: a conv tail [K-1, C] and a recurrent state [Hv, Dk, Dv] per carried segment (in == out).
+  std::vector<std::vector<T>> tails(num_segments);
+  std::vector<std::vector<float>> states(num_segments);
+  std::vector<uint64_t> tail_ptr(num_segments, 0), state_ptr(num_segments, 0);
+  for (int s : carried) {
+    tails[s].resize(size_t(hist) * channels);
+    for (auto& e : tails[s]) e = to_t<T>(normal(rng));
+    states[s].resize(size_t(hv) * dk * dv);
+    for (auto& e : states[s]) e = normal(rng) * 0.3f;
+    tail_ptr[s] = reinterpret_cast<uint64_t>(tails[s].data());
+    state_ptr[s] = reinterpret_cast<uint64_t>(states[s].data());
+  }
+  const auto tails0 = tails;
+  const auto states0 = states;
+
+  const T sentinel = to_t<T>(12345.f);
+  std::vector<T> y(num_tokens * x_ts, sentinel);
+  CausalConv1dParams cp{};
+  cp.x = x.data(), cp.x_token_stride = x_ts, cp.weight = w.data(), cp.y = y.data(), cp.y_token_stride = x_ts;
+  cp.segments = table.data(), cp.num_segments = num_segments, cp.num_tokens = num_tokens;
+  cp.channels = channels, cp.kernel_size = taps, cp.tail_in = tail_ptr.data(), cp.tail_out = tail_ptr.data();
+  using namespace linear_cuda;
+  emu::launch(dim3(ceil_div(channels, kConvThreads), num_segments), dim3(kConvThreads), 0,
+              [&] { causal_conv1d_kernel<T>(cp); });
+
+  const int64_t o_ts = hv * dv + 8;
+  std::vector<T> o(num_tokens * o_ts, sentinel);
+  GatedDeltaRuleParams rp{};
+  rp.q = y.data(), rp.q_token_stride = x_ts, rp.q_head_stride = dk;
+  rp.k = y.data() + hk * dk, rp.k_token_stride = x_ts, rp.k_head_stride = dk;
+  rp.v = y.data() + 2 * hk * dk, rp.v_token_stride = x_ts, rp.v_head_stride = dv;
+  rp.a = ab.data(), rp.a_token_stride = 2 * hv, rp.b = ab.data() + hv, rp.b_token_stride = 2 * hv;
+  rp.a_log = a_log.data(), rp.dt_bias = dt_bias.data();
+  rp.o = o.data(), rp.o_token_stride = o_ts, rp.o_head_stride = dv;
+  rp.segments = table.data(), rp.num_segments = num_segments, rp.num_tokens = num_tokens;
+  rp.state_slot = slot.data(), rp.num_slots = num_slots;
+  rp.num_k_heads = hk, rp.num_v_heads = hv, rp.k_dim = dk, rp.v_dim = dv, rp.scale = 1.f / std::sqrt(float(dk));
+  rp.state_in = state_ptr.data(), rp.state_out = state_ptr.data();
+  std::vector<float> scratch_mem(size_t(num_tokens) * (2 * hk * dk + 2 * hv), NAN);
+  const RuleScratch scratch{scratch_mem.data(), scratch_mem.data() + size_t(num_tokens) * hk * dk,
+                            scratch_mem.data() + size_t(num_tokens) * 2 * hk * dk,
+                            scratch_mem.data() + size_t(num_tokens) * (2 * hk * dk + hv)};
+  std::vector<float> prefix_states(size_t(std::max(num_slots, 1)) * hv * dk * dv, NAN);
+  emu::launch(dim3(num_tokens), dim3(kPrepThreads), 0, [&] { rule_prepare_kernel<T>(rp, scratch); });
+  for (int phase = 0; phase < (num_slots > 0 ? 2 : 1); ++phase) {
+    emu::launch(dim3(ceil_div(dv, kRuleCols), hv, num_segments), dim3(kRuleThreads), 0, [&] {
+      if (dk <= 16) gated_delta_rule_kernel<T, 2>(rp, scratch, prefix_states.data(), phase);
+      else gated_delta_rule_kernel<T, 4>(rp, scratch, prefix_states.data(), phase);
+    });
+  }
+
+  // float64 references over the inputs as stored.
+  const bool exact = std::is_same_v<T, float>;
+  double conv_err = 0, rule_err = 0, state_err = 0;
+  std::vector<double> yref(size_t(num_tokens) * channels, 0.0);  // the kernel's y as the rule's input (fair split)
+  for (int s = 0; s < num_segments; ++s) {
+    const Segment& g = segs[s];
+    // x_seq: history inputs, then (prefix), then own tokens; one row per position.
+    std::vector<const T*> rows;
+    std::vector<std::vector<T>> zeros(1, std::vector<T>(channels, to_t<T>(0.f)));
+    for (int i = 0; i < hist; ++i) rows.push_back(zeros[0].data());
+    if (g.prefix_length > 0) {
+      for (int t = 0; t < g.prefix_length; ++t) rows.push_back(x.data() + (g.prefix_start + t) * x_ts);
+    } else if (!tails0[s].empty()) {
+      for (int i = 0; i < hist; ++i) rows[i] = tails0[s].data() + i * channels;
+    }
+    const int own0 = int(rows.size());
+    for (int t = 0; t < g.length; ++t) rows.push_back(x.data() + (g.start + t) * x_ts);
+    for (int t = 0; t < g.length; ++t) {
+      for (int c = 0; c < channels; ++c) {
+        double acc = 0;
+        for (int i = 0; i < taps; ++i) acc += to_d(w[c * taps + i]) * to_d(rows[own0 + t - hist + i][c]);
+        const double conv = to_d(to_t<T>(float(acc)));
+        const double want = conv / (1 + std::exp(-conv));
+        const double got = to_d(y[(g.start + t) * x_ts + c]);
+        conv_err = std::max(conv_err, std::fabs(got - want) / (exact ? 1.0 : std::max(1.0, std::fabs(want))));
+      }
+    }
+    if (!tails0[s].empty()) {  // the new tail: the sequence's last K - 1 inputs
+      for (int i = 0; i < hist; ++i) {
+        for (int c = 0; c < channels; ++c) {
+          const double err = std::fabs(to_d(tails[s][i * channels + c]) - to_d(rows[rows.size() - hist + i][c]));
+          conv_err = std::max(conv_err, err);
+        }
+      }
+    }
+  }
+  for (int t = 0; t < num_tokens; ++t) {
+    for (int c = 0; c < channels; ++c) yref[size_t(t) * channels + c] = to_d(y[t * x_ts + c]);
+    for (int e = channels; e < x_ts; ++e) {
+      if (to_d(y[t * x_ts + e]) != to_d(sentinel)) conv_err = INFINITY;
+    }
+  }
+  auto run = [&](int start, int length, int head, std::vector<double>& st, std::vector<double>* out) {
+    const int kh = head / (hv / hk);
+    for (int t = start; t < start + length; ++t) {
+      const double* row = yref.data() + size_t(t) * channels;
+      std::vector<double> q(dk), k(dk);
+      double qs = 0, ks = 0;
+      for (int d = 0; d < dk; ++d) {
+        q[d] = row[kh * dk + d], k[d] = row[hk * dk + kh * dk + d];
+        qs += q[d] * q[d], ks += k[d] * k[d];
+      }
+      for (int d = 0; d < dk; ++d) q[d] *= 1 / std::sqrt(qs + 1e-6) / std::sqrt(double(dk)), k[d] /= std::sqrt(ks + 1e-6);
+      const double a = to_d(ab[t * 2 * hv + head]), b = to_d(ab[t * 2 * hv + hv + head]);
+      const double sp = a + dt_bias[head] > 20 ? a + dt_bias[head] : std::log1p(std::exp(a + dt_bias[head]));
+      const double decay = std::exp(-std::exp(double(a_log[head])) * sp), beta = 1 / (1 + std::exp(-b));
+      for (int j = 0; j < dv; ++j) {
+        double kv = 0;
+        for (int i = 0; i < dk; ++i) kv += (st[i * dv + j] *= decay) * k[i];
+        const double delta = (row[2 * hk * dk + head * dv + j] - kv) * beta;
+        double acc = 0;
+        for (int i = 0; i < dk; ++i) acc += (st[i * dv + j] += k[i] * delta) * q[i];
+        if (out) (*out)[size_t(t - start) * dv + j] = acc;
+      }
+    }
+  };
+  for (int s = 0; s < num_segments; ++s) {
+    const Segment& g = segs[s];
+    for (int h = 0; h < hv; ++h) {
+      std::vector<double> st(size_t(dk) * dv, 0.0), out(size_t(g.length) * dv);
+      if (!states0[s].empty()) for (int e = 0; e < dk * dv; ++e) st[e] = states0[s][size_t(h) * dk * dv + e];
+      if (g.prefix_length > 0) run(g.prefix_start, g.prefix_length, h, st, nullptr);
+      run(g.start, g.length, h, st, &out);
+      for (int t = 0; t < g.length; ++t) {
+        for (int j = 0; j < dv; ++j) {
+          const double want = out[size_t(t) * dv + j], got = to_d(o[(g.start + t) * o_ts + h * dv + j]);
+          const double err = std::fabs(got - want);
+          rule_err = std::max(rule_err, std::isnan(err) ? INFINITY : err);
+        }
+      }
+      if (!states0[s].empty()) {
+        for (int e = 0; e < dk * dv; ++e) {
+          state_err = std::max(state_err, std::fabs(states[s][size_t(h) * dk * dv + e] - st[e]));
+        }
+      }
+    }
+  }
+  for (int t = 0; t < num_tokens; ++t) {
+    for (int e = hv * dv; e < o_ts; ++e) {
+      if (to_d(o[t * o_ts + e]) != to_d(sentinel)) rule_err = INFINITY;
+    }
+  }
+  report(name + " conv", conv_err, conv_err, exact ? 1e-5 : 8e-3, exact ? 1e-5 : 8e-3);
+  report(name + " rule", rule_err, rule_err, exact ? 2e-5 : 2e-2, exact ? 2e-5 : 2e-2);
+  report(name + " states", state_err, state_err, 2e-5, 2e-5);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -333,6 +517,8 @@ int main(int argc, char** argv) {
   if (want("attention-quick")) {
     check_attention<__nv_bfloat16, 64>("attn tc bf16 D64 GQA 6/2 (3 stacked)",
                                        pack({{70, {1, 5, 17}}, {0, {100, 3}}}), 6, 2, true, 2);
+    check_attention<__nv_bfloat16, 256>("attn simple bf16 D256 GQA 4/1 (Qwen3.5 heads)",
+                                        pack({{9, {1, 4}}, {0, {6}}}), 4, 1, false, 9);
   }
 
   if (want("labels")) {
@@ -342,6 +528,18 @@ int main(int argc, char** argv) {
     check_labels<float>("labels simple fp32 R=5 H=50 V=300 K=4", 5, 50, 300, 4, LmPath::kSimple, 14);
     check_labels<__nv_bfloat16>("labels logits bf16 R=4 V=9000 K=6", 4, 0, 9000, 6, LmPath::kLogits, 15);
     check_labels<float>("labels logits fp32 R=2 V=100 K=300", 2, 0, 100, 300, LmPath::kLogits, 16);
+  }
+  if (want("linear")) {
+    // Two MIS groups (items of 1..5 tokens and one longer than a staging chunk; a prefix shorter than the conv
+    // window), plain sequences, a zero-length row and two sequences continuing from caller states (decode-style,
+    // one of them a single token).
+    const std::vector<Segment> mixed = pack({{7, {1, 2, 3, 4, 20}}, {0, {5, 1, 17}}, {2, {3, 1}}});
+    std::vector<Segment> with_empty = mixed;
+    with_empty.push_back({mixed[6].start, 0, 0, 0});
+    check_linear<float>("linear fp32 Hk 2 Hv 4 Dk 16 Dv 24 K 4", with_empty, 2, 4, 16, 24, 4, {7, 8}, 21);
+    check_linear<__nv_bfloat16>("linear bf16 Hk 1 Hv 2 Dk 32 Dv 16 K 4", mixed, 1, 2, 32, 16, 4, {6}, 22);
+    check_linear<float>("linear fp32 Hk 2 Hv 2 Dk 13 Dv 20 K 3", pack({{0, {1, 9}}, {4, {2, 6}}}), 2, 2, 13, 20, 3,
+                        {0, 1}, 23);
   }
   std::printf("%s\n", g_failures ? "FAILED" : "ALL OK");
   return g_failures ? 1 : 0;

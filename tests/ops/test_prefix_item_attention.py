@@ -26,7 +26,8 @@ STREAMS = {
     "mixed": [(70, [1, 7, 33]), (0, [19]), (23, []), (5, [64, 3]), (0, [1]), (1, [1, 1])],
     "long": [(130, [90, 1, 45])],
 }
-HEADS = {"mha-d64": (4, 4, 64), "gqa3-d64": (9, 3, 64), "gqa4-d128": (8, 2, 128), "gqa2-d96": (4, 2, 96)}
+HEADS = {"mha-d64": (4, 4, 64), "gqa3-d64": (9, 3, 64), "gqa4-d128": (8, 2, 128), "gqa2-d96": (4, 2, 96),
+         "gqa4-d256": (8, 2, 256)}  # the last: Qwen3.5's heads
 
 
 def make_segments(groups: list[tuple[int, list[int]]], device) -> tuple[torch.Tensor, int]:
