@@ -6,8 +6,9 @@ from pyscore.ops.gated_delta_rule import causal_conv1d, gated_delta_rule, plan_l
 from pyscore.ops.label_logprobs import label_logprobs
 from pyscore.ops.prefix_item_attention import AttentionPlan, prefix_item_attention
 from pyscore.ops.rotary import rotary_
-from pyscore.ops.segments import SegmentTable
+from pyscore.ops.segments import CACHED_BEFORE_OWN, CACHED_BEFORE_PREFIX, CachedKeys, SegmentTable
 from pyscore.ops.silu_mul import silu_mul
 
-__all__ = ["AttentionPlan", "SegmentTable", "add_rms_norm", "causal_conv1d", "gated_delta_rule", "label_logprobs",
-           "plan_linear_attention", "prefix_item_attention", "rotary_", "silu_mul"]
+__all__ = ["CACHED_BEFORE_OWN", "CACHED_BEFORE_PREFIX", "AttentionPlan", "CachedKeys", "SegmentTable", "add_rms_norm",
+           "causal_conv1d", "gated_delta_rule", "label_logprobs", "plan_linear_attention", "prefix_item_attention",
+           "rotary_", "silu_mul"]
