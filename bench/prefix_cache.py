@@ -117,7 +117,8 @@ def closed_loop(engine: Engine, args: argparse.Namespace) -> list[dict[str, Any]
     for system in args.system:
         for path in PATHS:
             for n in args.candidates if path != "generate" else args.generate_candidates:
-                qs = questions(engine, system, n, args.reps + 1, seed=n)
+                # each cell its own questions: no cell finds another's question parts cached
+                qs = questions(engine, system, n, args.reps + 1, seed=hash((system, path, n)) & 0xFFFF)
                 row = dict(system_tokens=system, query_tokens=len(engine.tokenize(prompts.pointwise(qs[1]).query)[0]),
                            **closed_loop_row(engine, path, qs))
                 rows.append(row)
