@@ -118,7 +118,7 @@ def closed_loop(engine: Engine, args: argparse.Namespace) -> list[dict[str, Any]
         for path in PATHS:
             for n in args.candidates if path != "generate" else args.generate_candidates:
                 # each cell its own questions: no cell finds another's question parts cached
-                qs = questions(engine, system, n, args.reps + 1, seed=hash((system, path, n)) & 0xFFFF)
+                qs = questions(engine, system, n, args.reps + 1, seed=system * 100 + list(PATHS).index(path) * 20 + n)
                 row = dict(system_tokens=system, query_tokens=len(engine.tokenize(prompts.pointwise(qs[1]).query)[0]),
                            **closed_loop_row(engine, path, qs))
                 rows.append(row)
