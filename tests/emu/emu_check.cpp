@@ -593,13 +593,13 @@ int main(int argc, char** argv) {
     // Two MIS groups (items of 1..5 tokens and one longer than a staging chunk; a prefix shorter than the conv
     // window), plain sequences, a zero-length row and two sequences continuing from caller states (decode-style,
     // one of them a single token).
-    const std::vector<Segment> mixed = pack({{7, {1, 2, 3, 4, 20}}, {0, {5, 1, 17}}, {2, {3, 1}}});
+    const std::vector<Segment> mixed = pack({{7, {1, 2, 3, 4, 20}}, {0, {5, 1, 17}}, {2, {3, 1}}}).segs;
     std::vector<Segment> with_empty = mixed;
     with_empty.push_back({mixed[6].start, 0, 0, 0});
     check_linear<float>("linear fp32 Hk 2 Hv 4 Dk 16 Dv 24 K 4", with_empty, 2, 4, 16, 24, 4, {7, 8}, 21);
     check_linear<__nv_bfloat16>("linear bf16 Hk 1 Hv 2 Dk 32 Dv 16 K 4", mixed, 1, 2, 32, 16, 4, {6}, 22);
-    check_linear<float>("linear fp32 Hk 2 Hv 2 Dk 13 Dv 20 K 3", pack({{0, {1, 9}}, {4, {2, 6}}}), 2, 2, 13, 20, 3,
-                        {0, 1}, 23);
+    check_linear<float>("linear fp32 Hk 2 Hv 2 Dk 13 Dv 20 K 3", pack({{0, {1, 9}}, {4, {2, 6}}}).segs, 2, 2, 13, 20,
+                        3, {0, 1}, 23);
   }
   std::printf("%s\n", g_failures ? "FAILED" : "ALL OK");
   return g_failures ? 1 : 0;
