@@ -18,8 +18,8 @@ from pyscore.errors import RequestError
 from pyscore.generation import Generation, GenerationRunner, eos_token_ids
 from pyscore.model.decoder import Decoder
 from pyscore.model.loading import LoadedModel, load_model
-from pyscore.model.packing import CacheUse, Group, pack
-from pyscore.model.prefix_cache import CacheLease, PrefixCache, PrefixCacheStats, unsupported_reason
+from pyscore.model.packing import Group, pack
+from pyscore.model.prefix_cache import CacheLease, PrefixCache, PrefixCacheStats, pass_lease, unsupported_reason
 from pyscore.ops import _ext, label_logprobs
 from pyscore.scoring import ModelTraits, PreparedScore, prepare_score
 from pyscore.types import GenerateRequest, GenerateResult, ModelInfo, ScoreRequest, ScoreResult, Usage
@@ -194,8 +194,7 @@ class Engine:
                   rows: list[list[list[list[float]]]], cached: list[int]) -> None:
         """One forward pass over the chunk's groups; the prefix cache's blocks it reads stay pinned and the ones
         it writes become visible to later passes only once its scores are out."""
-        lease = self.prefix_cache.lease() if self.prefix_cache else None
-        try:
+        with pass_lease(self.prefix_cache) as lease:
             groups = [self._with_cache(lease, prepared[r], g) for r, _, g in chunk]
             batch = pack(groups)
             sink = self.prefix_cache.writer(batch.block_writes) if self.prefix_cache else None
@@ -203,12 +202,6 @@ class Engine:
             request_of_row = [r for (r, _, g), group_rows in zip(chunk, batch.rows, strict=True)
                               for item_rows in group_rows for _ in item_rows]
             values = self._row_scores(hidden, [prepared[r] for r in request_of_row])
-        except BaseException:
-            if lease is not None:
-                lease.abort()
-            raise
-        if lease is not None:
-            lease.commit()
         for (r, first, _), group, group_rows in zip(chunk, groups, batch.rows, strict=True):
             cached[r] += group.cached_tokens
             for i, item_rows in enumerate(group_rows):
@@ -220,11 +213,8 @@ class Engine:
         a SIS sequence (not after an item: item_first); never item tokens."""
         if lease is None or p.request.bypass_prefix_cache or (p.mode == "sis" and p.request.item_first):
             return group
-        tokens, salt = group.prefix if p.mode == "mis" else group.items[0], p.request.prefix_cache_salt
-        chain = lease.match(tokens, len(p.query), salt)
-        written = lease.store(chain, tokens, len(p.query), salt)
-        return replace(group, cache=CacheUse(lease.cache.block_tokens, read=tuple(b.slot for b in chain),
-                                             write=tuple((j, b.slot) for j, b in written)))
+        tokens = group.prefix if p.mode == "mis" else group.items[0]
+        return replace(group, cache=lease.use(tokens, len(p.query), len(p.query), p.request.prefix_cache_salt))
 
     def _row_scores(self, hidden: torch.Tensor, owners: list[PreparedScore]) -> list[list[float]]:
         """Per read-out row, its request's label scores (label probabilities or label-only softmax)."""

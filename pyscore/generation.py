@@ -15,8 +15,8 @@ import torch
 
 from pyscore.errors import FailedPrecondition, InvalidArgument
 from pyscore.model.decoder import Decoder, KVCache
-from pyscore.model.packing import CacheUse, Group, pack
-from pyscore.model.prefix_cache import PrefixCache
+from pyscore.model.packing import Group, pack
+from pyscore.model.prefix_cache import PrefixCache, pass_lease
 from pyscore.types import GenerateRequest, GenerateResult, TokenLogprob, TopLogprob, Usage
 
 MAX_TOP_LOGPROBS = 20
@@ -240,20 +240,13 @@ class GenerationRunner:
         copied into the sequence's KV cache; the prompt's other full blocks are written to the cache, visible to
         later passes once this one succeeded."""
         cache = self.prefix_cache
-        lease = cache.lease() if cache else None
-        try:
-            groups, chains = [], []
+        with pass_lease(cache) as lease:
+            groups = []
             for g in gens:
-                n = len(g.prompt)
-                use, chain = None, []
+                n, use = len(g.prompt), None
                 if lease is not None and not g.request.bypass_prefix_cache:
-                    salt = g.request.prefix_cache_salt
-                    chain = lease.match(g.prompt, n - 1, salt)
-                    written = lease.store(chain, g.prompt, n, salt)
-                    use = CacheUse(lease.cache.block_tokens, read=tuple(b.slot for b in chain),
-                                   write=tuple((j, b.slot) for j, b in written))
+                    use = lease.use(g.prompt, n - 1, n, g.request.prefix_cache_salt)
                 groups.append(Group(prefix=[], items=[g.prompt], readouts=[[n - 1]], cache=use))
-                chains.append(chain)
             batch = pack(groups)
             kv = [self.decoder.new_cache(len(g.prompt) + g.request.max_tokens) for g in gens]
             skips = [group.cached_tokens for group in groups]
@@ -270,14 +263,8 @@ class GenerationRunner:
 
             hidden = self.decoder.hidden_at(batch, kv_sink=sink, linear_states=kv, blocks=cache)
             if cache is not None:
-                for c, chain in zip(kv, chains, strict=True):
-                    cache.read_into(chain, c.k, c.v)
-        except BaseException:
-            if lease is not None:
-                lease.abort()
-            raise
-        if lease is not None:
-            lease.commit()
+                for c, group in zip(kv, groups, strict=True):
+                    cache.read_into(group.cache.read if group.cache else (), c.k, c.v)
         for g, c, skip in zip(gens, kv, skips, strict=True):
             g.cache, g.cached_tokens = c, skip
             g.cache.length = len(g.prompt)

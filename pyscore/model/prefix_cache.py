@@ -21,10 +21,13 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+
+from pyscore.model.packing import CacheUse
 
 BLOCK_TOKENS = 64  # a multiple of the attention kernels' 64-key tile (see README: why 64)
 
@@ -110,12 +113,13 @@ class PrefixCache:
 
         return sink
 
-    def read_into(self, blocks: Sequence[Block], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Copies blocks (a matched chain) into a sequence's KV cache k, v [L, capacity, Hkv, D] from token 0."""
+    def read_into(self, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Copies blocks (a group's CacheUse.read) into a sequence's KV cache k, v [L, capacity, Hkv, D] from
+        token 0."""
         b = self.block_tokens
-        for j, block in enumerate(blocks):
-            k[:, j * b : (j + 1) * b] = self.pool[block.slot, 0]
-            v[:, j * b : (j + 1) * b] = self.pool[block.slot, 1]
+        for j, slot in enumerate(slots):
+            k[:, j * b : (j + 1) * b] = self.pool[slot, 0]
+            v[:, j * b : (j + 1) * b] = self.pool[slot, 1]
 
     # --- the block table (CacheLease calls these) ----------------------------------------------------------------
     def _salted_root(self, salt: str) -> bytes:
@@ -188,6 +192,21 @@ class PrefixCache:
         self.stats.bytes = self.stats.blocks * self.block_bytes
 
 
+@contextmanager
+def pass_lease(cache: PrefixCache | None) -> Iterator[CacheLease | None]:
+    """The lease of one forward pass (None without a cache): committed when the block completes, aborted when it
+    raises, so what the pass wrote becomes visible only after it succeeded."""
+    lease = cache.lease() if cache is not None else None
+    try:
+        yield lease
+    except BaseException:
+        if lease is not None:
+            lease.abort()
+        raise
+    if lease is not None:
+        lease.commit()
+
+
 class CacheLease:
     """One forward pass's use of the cache: `match` and `store` pin blocks; `commit` (after the pass succeeded)
     publishes what it wrote and unpins everything; `abort` frees what it wrote and unpins the rest."""
@@ -239,6 +258,14 @@ class CacheLease:
             self._pin(block)
             parent = block
         return allocated
+
+    def use(self, tokens: Sequence[int], limit: int, end: int, salt: str = "") -> CacheUse:
+        """A group's use of the cache for `tokens`: the cached blocks ending at or before `limit` are read, the
+        full blocks after them up to `end` are written (`match`, then `store`)."""
+        chain = self.match(tokens, limit, salt)
+        written = self.store(chain, tokens, end, salt)
+        return CacheUse(self.cache.block_tokens, read=tuple(b.slot for b in chain),
+                        write=tuple((j, b.slot) for j, b in written))
 
     def commit(self) -> None:
         """The pass succeeded: its blocks become visible to every later pass."""

@@ -98,18 +98,10 @@ class AttentionPlan:
                 raise ValueError("cache_k / cache_v given to a plan without cached keys")
             return
         _, _, num_kv_heads, head_dim = self.shape
-        want = (c.pool_blocks, c.block_tokens, num_kv_heads, head_dim)
         for name, x in (("cache_k", cache_k), ("cache_v", cache_v)):
             if x is None:
                 raise ValueError(f"{name} is required: the plan has cached keys")
-            if tuple(x.shape) != want:
-                raise ValueError(f"{name} must have shape [N={want[0]}, B={want[1]}, Hkv={want[2]}, D={want[3]}] "
-                                 f"(the plan's), got {tuple(x.shape)}")
-            if x.dtype != self.dtype or not _on(x, self.device):
-                raise ValueError(f"{name} must be {self.dtype} on {self.device} (the plan's), got {x.dtype} on "
-                                 f"{x.device}")
-            if x.stride(3) != 1:
-                raise ValueError(f"{name} must be contiguous in its last dimension")
+            self._check_tensor(name, x, dict(N=c.pool_blocks, B=c.block_tokens, Hkv=num_kv_heads, D=head_dim))
         assert cache_k is not None and cache_v is not None
         if cache_k.stride() != cache_v.stride():
             raise ValueError(f"cache_k and cache_v must have the same strides, got {cache_k.stride()} and "
@@ -117,18 +109,20 @@ class AttentionPlan:
 
     def _check_qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         num_tokens, num_q_heads, num_kv_heads, head_dim = self.shape
-        if q.shape != (num_tokens, num_q_heads, head_dim):
-            raise ValueError(f"q must have shape [T={num_tokens}, Hq={num_q_heads}, D={head_dim}] (the plan's), "
-                             f"got {tuple(q.shape)}")
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            if name != "q" and x.shape != (num_tokens, num_kv_heads, head_dim):
-                raise ValueError(f"{name} must have shape [T={num_tokens}, Hkv={num_kv_heads}, D={head_dim}], "
-                                 f"got {tuple(x.shape)}")
-            if x.dtype != self.dtype or not _on(x, self.device):
-                raise ValueError(f"{name} must be {self.dtype} on {self.device} (the plan's), got {x.dtype} on "
-                                 f"{x.device}")
-            if x.stride(2) != 1:
-                raise ValueError(f"{name} must be contiguous in its last dimension")
+        self._check_tensor("q", q, dict(T=num_tokens, Hq=num_q_heads, D=head_dim))
+        for name, x in (("k", k), ("v", v)):
+            self._check_tensor(name, x, dict(T=num_tokens, Hkv=num_kv_heads, D=head_dim))
+
+    def _check_tensor(self, name: str, x: torch.Tensor, dims: dict[str, int]) -> None:
+        """x must have the named sizes, the plan's dtype and device, and a contiguous last dimension."""
+        if tuple(x.shape) != tuple(dims.values()):
+            named = ", ".join(f"{k}={n}" for k, n in dims.items())
+            raise ValueError(f"{name} must have shape [{named}] (the plan's), got {tuple(x.shape)}")
+        if x.dtype != self.dtype or not _on(x, self.device):
+            raise ValueError(f"{name} must be {self.dtype} on {self.device} (the plan's), got {x.dtype} on "
+                             f"{x.device}")
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
 
 
 def _on(x: torch.Tensor, device: torch.device) -> bool:
