@@ -20,6 +20,7 @@ import asyncio
 import json
 import random
 import statistics
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import prompts
-from bench.common import REPO, WORDS, git_commit, machine, machine_info, spawned_server
+from bench.common import WORDS, git_commit, machine, machine_info, spawned_server
 from bench.dataset import Question
 from bench.loadgen import open_loop, poisson_schedule, summarize_records
 from bench.targets import GrpcTarget
@@ -163,7 +164,7 @@ def served(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
     """The open-loop ladder, then the memory with the cache filled (a fresh server with --fill-mb)."""
     n = args.open_candidates
     qs = questions(engine, args.system[0], n, 1 + len(args.open_qps) * args.arrivals, seed=99)
-    log = REPO / "bench/results/prefix_cache_server.log"
+    log = Path(tempfile.mkdtemp(prefix="prefix-cache-bench-")) / "server.log"
     out: dict[str, Any] = {}
     with spawned_server(log, ["--threads", str(args.threads), "--dtype", args.dtype], metrics=True) as server:
         print(f"\n## Served (gRPC), open loop: MIS, system {args.system[0]} tokens, {n} candidates, "
