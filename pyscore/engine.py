@@ -66,8 +66,8 @@ def make_prefix_cache(loaded: LoadedModel, decoder: Decoder, budget_mb: float) -
     identity = f"{loaded.name}|{loaded.path}|{cfg}"
     try:
         return PrefixCache(int(budget_mb * 2**20), num_layers=cfg.num_layers - decoder.num_linear,
-                           num_kv_heads=cfg.num_kv_heads,
-                           head_dim=cfg.head_dim, dtype=decoder.dtype, device=decoder.device, identity=identity)
+                           num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=decoder.dtype,
+                           device=decoder.device, identity=identity)
     except ValueError as e:
         log.warning("prefix cache off: %s", e)
         return None
