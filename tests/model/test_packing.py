@@ -18,7 +18,7 @@ def test_pack_reads_and_writes_cached_blocks():
     mis = Group(prefix=prefix, items=[[1, 2], [3]], readouts=[[1], [0]],
                 cache=CacheUse(B, read=(7,), write=((1, 4),)))  # block 0 cached, block 1 computed and stored
     whole = Group(prefix=prefix[:128], items=[[5]], readouts=[[0]], cache=CacheUse(B, read=(7, 4)))
-    sis_seq = prefix[:130] + [9, 9]
+    sis_seq = [*prefix[:130], 9, 9]
     sis = Group(prefix=[], items=[sis_seq], readouts=[[131]], cache=CacheUse(B, read=(7, 4)))
     plain = Group(prefix=[], items=[[8, 8, 8]], readouts=[[2]])
     batch = pack([mis, whole, sis, plain])
