@@ -126,6 +126,10 @@ PYBIND11_MODULE(_C, m) {
     py::dict d;
     d["avx512f"] = cpu_has_avx512();
     d["avx512bf16"] = cpu_has_avx512bf16();
+    d["intel"] = cpu_is_intel();
+    // What the kernels run now (PYSCORE_DISABLE_AVX512 / PYSCORE_BF16_DOT read at each call, as the launchers do).
+    d["path"] = cpu_use_avx512bf16() ? "avx512" : "portable";
+    d["bf16_dot"] = bf16_dot_name(cpu_bf16_dot());
     return d;
   });
 }

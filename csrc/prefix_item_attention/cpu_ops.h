@@ -11,6 +11,7 @@
 #pragma once
 #include <cstdint>
 
+#include "common/cpu_features.h"
 #include "common/dtype.h"
 
 namespace pyscore {
@@ -37,8 +38,9 @@ struct AttentionCpuOps {
   void (*store_row)(const float* src, int32_t dim, void* dst);
 };
 
-// nullptr when the build or CPU lacks the ISA, or the dtype/head_dim is not covered by it.
-const AttentionCpuOps* attention_ops_avx512(DType dtype, int32_t head_dim);
+// nullptr when the dtype/head_dim is not covered by the AVX-512 ops (the caller checks the CPU); bf16_dot picks
+// how bf16 pairs are multiplied.
+const AttentionCpuOps* attention_ops_avx512(DType dtype, int32_t head_dim, Bf16Dot bf16_dot);
 const AttentionCpuOps* attention_ops_portable(DType dtype);
 
 // Merges two partial attentions of the same rows over disjoint key sets (o: [rows, dim] fp32, lse: [rows]
