@@ -10,6 +10,7 @@
 #include "common/cpu_features.h"
 #include "common/threads.h"
 #include "label_logprobs/launch.h"
+#include "linear/launch.h"
 #include "prefix_item_attention/cpu_ops.h"
 #include "prefix_item_attention/plan_cpu.h"
 #include "rotary/launch.h"
@@ -35,8 +36,8 @@ void run_without_gil(const char* op, Launch launch) {
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "pyscore CPU kernels: prefix_item_attention, label_logprobs, add_rms_norm, rotary, silu_mul, causal_conv1d, "
-            "gated_delta_rule";
+  m.doc() = "pyscore CPU kernels: prefix_item_attention, label_logprobs, linear, add_rms_norm, rotary, silu_mul, "
+            "causal_conv1d, gated_delta_rule";
   py::class_<AttentionCpuPlan, std::shared_ptr<AttentionCpuPlan>>(
       m, "AttentionPlan", "prefix_item_attention's plan for one batch (opaque): the segment table read and "
                           "validated, the work listed, the workspaces allocated")
@@ -87,6 +88,14 @@ PYBIND11_MODULE(_C, m) {
           auto p = make_label_params(hidden, hidden_row_stride, weight, weight_row_stride, labels, logprobs,
                                      label_softmax, logz, num_rows, hidden_size, vocab_size, num_labels, dtype);
           run_without_gil("label_logprobs", [&] { return label_logprobs_cpu(p); });
+        });
+  m.def("linear",
+        [](uintptr_t x, int64_t x_row_stride, uintptr_t w_packed, uintptr_t bias, uintptr_t residual,
+           int64_t residual_row_stride, uintptr_t out, int64_t out_row_stride, int32_t m, int32_t k, int32_t n_packed,
+           int32_t n_out, bool gated, const std::string& dtype) {
+          auto p = make_linear_params(x, x_row_stride, w_packed, bias, residual, residual_row_stride, out,
+                                      out_row_stride, m, k, n_packed, n_out, gated, dtype);
+          run_without_gil("linear", [&] { return linear_cpu(p); });
         });
   m.def("add_rms_norm",
         [](uintptr_t x, int64_t x_row_stride, uintptr_t delta, int64_t delta_row_stride, uintptr_t weight,

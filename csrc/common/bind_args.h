@@ -11,6 +11,7 @@
 #include "add_rms_norm/params.h"
 #include "gated_delta_rule/params.h"
 #include "label_logprobs/params.h"
+#include "linear/params.h"
 #include "prefix_item_attention/params.h"
 #include "rotary/params.h"
 #include "silu_mul/params.h"
@@ -202,6 +203,28 @@ inline GatedDeltaRuleParams make_rule_params(
   p.scale = scale;
   p.state_in = reinterpret_cast<const uint64_t*>(state_in);
   p.state_out = reinterpret_cast<const uint64_t*>(state_out);
+  p.dtype = dtype_or_throw(dtype);
+  return p;
+}
+
+inline LinearParams make_linear_params(uintptr_t x, int64_t x_row_stride, uintptr_t w_packed, uintptr_t bias,
+                                       uintptr_t residual, int64_t residual_row_stride, uintptr_t out,
+                                       int64_t out_row_stride, int32_t m, int32_t k, int32_t n_packed, int32_t n_out,
+                                       bool gated, const std::string& dtype) {
+  LinearParams p{};
+  p.x = reinterpret_cast<const void*>(x);
+  p.x_row_stride = x_row_stride;
+  p.w_packed = reinterpret_cast<const void*>(w_packed);
+  p.bias = reinterpret_cast<const float*>(bias);
+  p.residual = reinterpret_cast<const void*>(residual);
+  p.residual_row_stride = residual_row_stride;
+  p.out = reinterpret_cast<void*>(out);
+  p.out_row_stride = out_row_stride;
+  p.m = m;
+  p.k = k;
+  p.n_packed = n_packed;
+  p.n_out = n_out;
+  p.gated = gated;
   p.dtype = dtype_or_throw(dtype);
   return p;
 }

@@ -4,10 +4,12 @@ scores, Qwen3.5's linear attention) and a pure-PyTorch reference (`pyscore.ops.r
 from pyscore.ops.add_rms_norm import add_rms_norm
 from pyscore.ops.gated_delta_rule import causal_conv1d, gated_delta_rule, plan_linear_attention
 from pyscore.ops.label_logprobs import label_logprobs
+from pyscore.ops.linear import PackedLinear, linear, pack_linear
 from pyscore.ops.prefix_item_attention import AttentionPlan, prefix_item_attention
 from pyscore.ops.rotary import rotary_
 from pyscore.ops.segments import SegmentTable
 from pyscore.ops.silu_mul import silu_mul
 
-__all__ = ["AttentionPlan", "SegmentTable", "add_rms_norm", "causal_conv1d", "gated_delta_rule", "label_logprobs",
-           "plan_linear_attention", "prefix_item_attention", "rotary_", "silu_mul"]
+__all__ = ["AttentionPlan", "PackedLinear", "SegmentTable", "add_rms_norm", "causal_conv1d", "gated_delta_rule",
+           "label_logprobs", "linear", "pack_linear", "plan_linear_attention", "prefix_item_attention", "rotary_",
+           "silu_mul"]

@@ -33,6 +33,7 @@ class Kernel:
 REGISTRY: dict[str, dict[str, Kernel]] = {
     "prefix_item_attention": {"cpu": Kernel(CPU_MODULE, _FP32_BF16), "cuda": Kernel(CUDA_MODULE, _FP32_BF16_FP16)},
     "label_logprobs": {"cpu": Kernel(CPU_MODULE, _FP32_BF16), "cuda": Kernel(CUDA_MODULE, _FP32_BF16_FP16)},
+    "linear": {"cpu": Kernel(CPU_MODULE, _FP32_BF16)},
     "add_rms_norm": {"cpu": Kernel(CPU_MODULE, _FP32_BF16)},
     "rotary": {"cpu": Kernel(CPU_MODULE, _FP32_BF16)},
     "silu_mul": {"cpu": Kernel(CPU_MODULE, _FP32_BF16)},
