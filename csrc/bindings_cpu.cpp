@@ -8,7 +8,9 @@
 #include "common/bind_args.h"
 #include "gated_delta_rule/launch.h"
 #include "common/cpu_features.h"
+#include "common/merge_state_cpu.h"
 #include "common/threads.h"
+#include "decode_attention/launch.h"
 #include "label_logprobs/launch.h"
 #include "linear/launch.h"
 #include "prefix_item_attention/cpu_ops.h"
@@ -36,8 +38,8 @@ void run_without_gil(const char* op, Launch launch) {
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "pyscore CPU kernels: prefix_item_attention, label_logprobs, linear, add_rms_norm, rotary, silu_mul, "
-            "causal_conv1d, gated_delta_rule";
+  m.doc() = "pyscore CPU kernels: prefix_item_attention, decode_attention, label_logprobs, linear, add_rms_norm, "
+            "rotary, silu_mul, causal_conv1d, gated_delta_rule";
   py::class_<AttentionCpuPlan, std::shared_ptr<AttentionCpuPlan>>(
       m, "AttentionPlan", "prefix_item_attention's plan for one batch (opaque): the segment table read and "
                           "validated, the work listed, the workspaces allocated")
@@ -80,6 +82,16 @@ PYBIND11_MODULE(_C, m) {
                                     num_segments, num_tokens, state_slot, num_slots, num_k_heads, num_v_heads, k_dim,
                                     v_dim, scale, state_in, state_out, dtype);
           run_without_gil("gated_delta_rule", [&] { return gated_delta_rule_cpu(p); });
+        });
+  m.def("decode_attention",
+        [](uintptr_t q, Strides qs, uintptr_t o, Strides os, uintptr_t k_new, uintptr_t v_new, Strides new_strides,
+           uintptr_t k_base, uintptr_t v_base, uintptr_t layer_stride, int32_t layer, int64_t token_stride,
+           int64_t head_stride, uintptr_t lengths, int32_t max_length, int32_t num_seqs, int32_t num_q_heads,
+           int32_t num_kv_heads, int32_t head_dim, float scale, const std::string& dtype) {
+          auto p = make_decode_params(q, qs, o, os, k_new, v_new, new_strides, k_base, v_base, layer_stride, layer,
+                                      token_stride, head_stride, lengths, max_length, num_seqs, num_q_heads,
+                                      num_kv_heads, head_dim, scale, dtype);
+          run_without_gil("decode_attention", [&] { return decode_attention_cpu(p); });
         });
   m.def("label_logprobs",
         [](uintptr_t hidden, int64_t hidden_row_stride, uintptr_t weight, int64_t weight_row_stride,

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "add_rms_norm/params.h"
+#include "decode_attention/params.h"
 #include "gated_delta_rule/params.h"
 #include "label_logprobs/params.h"
 #include "linear/params.h"
@@ -65,6 +66,36 @@ inline PrefixItemAttentionParams make_attention_params(
   p.head_dim = head_dim;
   p.scale = scale;
   p.dtype = dtype;
+  return p;
+}
+
+inline DecodeAttentionParams make_decode_params(
+    uintptr_t q, Strides qs, uintptr_t o, Strides os, uintptr_t k_new, uintptr_t v_new, Strides new_strides,
+    uintptr_t k_base, uintptr_t v_base, uintptr_t layer_stride, int32_t layer, int64_t token_stride,
+    int64_t head_stride, uintptr_t lengths, int32_t max_length, int32_t num_seqs, int32_t num_q_heads,
+    int32_t num_kv_heads, int32_t head_dim, float scale, const std::string& dtype) {
+  DecodeAttentionParams p{};
+  p.q = reinterpret_cast<const void*>(q);
+  p.q_seq_stride = qs.first; p.q_head_stride = qs.second;
+  p.o = reinterpret_cast<void*>(o);
+  p.o_seq_stride = os.first; p.o_head_stride = os.second;
+  p.k_new = reinterpret_cast<const void*>(k_new);
+  p.v_new = reinterpret_cast<const void*>(v_new);
+  p.new_seq_stride = new_strides.first; p.new_head_stride = new_strides.second;
+  p.k_base = reinterpret_cast<const int64_t*>(k_base);
+  p.v_base = reinterpret_cast<const int64_t*>(v_base);
+  p.layer_stride = reinterpret_cast<const int64_t*>(layer_stride);
+  p.layer = layer;
+  p.token_stride = token_stride;
+  p.head_stride = head_stride;
+  p.lengths = reinterpret_cast<const int32_t*>(lengths);
+  p.max_length = max_length;
+  p.num_seqs = num_seqs;
+  p.num_q_heads = num_q_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.head_dim = head_dim;
+  p.scale = scale;
+  p.dtype = dtype_or_throw(dtype);
   return p;
 }
 

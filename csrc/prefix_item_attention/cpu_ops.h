@@ -43,9 +43,4 @@ struct AttentionCpuOps {
 const AttentionCpuOps* attention_ops_avx512(DType dtype, int32_t head_dim, Bf16Dot bf16_dot);
 const AttentionCpuOps* attention_ops_portable(DType dtype);
 
-// Merges two partial attentions of the same rows over disjoint key sets (o: [rows, dim] fp32, lse: [rows]
-// natural log) into o_out / lse_out, which may alias o_a / lse_a. A side with lse -inf contributes nothing.
-void merge_state(const float* o_a, const float* lse_a, const float* o_b, const float* lse_b, int32_t rows,
-                 int32_t dim, float* o_out, float* lse_out);
-
 }  // namespace pyscore

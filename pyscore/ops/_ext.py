@@ -32,6 +32,7 @@ class Kernel:
 # (op, device type) -> its kernel. An op or device missing here runs the reference.
 REGISTRY: dict[str, dict[str, Kernel]] = {
     "prefix_item_attention": {"cpu": Kernel(CPU_MODULE, _FP32_BF16), "cuda": Kernel(CUDA_MODULE, _FP32_BF16_FP16)},
+    "decode_attention": {"cpu": Kernel(CPU_MODULE, _FP32_BF16), "cuda": Kernel(CUDA_MODULE, _FP32_BF16_FP16)},
     "label_logprobs": {"cpu": Kernel(CPU_MODULE, _FP32_BF16), "cuda": Kernel(CUDA_MODULE, _FP32_BF16_FP16)},
     "linear": {"cpu": Kernel(CPU_MODULE, _FP32_BF16)},
     "add_rms_norm": {"cpu": Kernel(CPU_MODULE, _FP32_BF16)},

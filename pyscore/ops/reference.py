@@ -38,6 +38,22 @@ def prefix_item_attention_ref(
     return (scores.softmax(-1) @ vf).transpose(0, 1).contiguous()
 
 
+def decode_attention_ref(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float | None = None
+) -> torch.Tensor:
+    """q [B, Hq, D], keys / values: per sequence [n_b, Hkv, D] -> out [B, Hq, D] (fp32): each sequence's token
+    attends to all of its keys; GQA by head groups."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    outs = []
+    for b, (k, v) in enumerate(zip(keys, values, strict=True)):
+        group = q.shape[1] // k.shape[1]
+        kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n, D]
+        vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = (kf @ q[b].float()[:, :, None])[..., 0] * scale  # [Hq, n]
+        outs.append((scores.softmax(-1)[:, None, :] @ vf)[:, 0])  # [Hq, D]
+    return torch.stack(outs)
+
+
 def attention_with_lse_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
