@@ -30,20 +30,20 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Element traits. T is the stored type of q, K, V and the output; B the broadcast operand of the tile's products
 // (q rows in Q.K^T, P in P.V), one 4-byte unit (kPack elements) per step. step() adds, for TM rows, the product
-// of row r's unit (b + r * b_stride) with the 4 zmm at `vec` into acc[r][0..3].
+// of row r's unit (b + r * b_stride) with the ZN zmm at `vec` into acc[r][0..ZN).
 struct Bf16 {  // vdpbf16ps on bf16 pairs
   using T = uint16_t;
   using B = uint16_t;
   static constexpr int kPack = 2;
-  template <int TM>
-  static void step(__m512 (&acc)[TM][kZmmPerTile], const B* b, int64_t b_stride, const T* vec) {
-    __m512 v[kZmmPerTile];
-    for (int z = 0; z < kZmmPerTile; ++z) v[z] = _mm512_loadu_ps(vec + z * 16 * kPack);
+  template <int TM, int ZN>
+  static void step(__m512 (&acc)[TM][ZN], const B* b, int64_t b_stride, const T* vec) {
+    __m512 v[ZN];
+    for (int z = 0; z < ZN; ++z) v[z] = _mm512_loadu_ps(vec + z * 16 * kPack);
     for (int r = 0; r < TM; ++r) {
       int32_t pair;
       std::memcpy(&pair, b + r * b_stride, sizeof(pair));
       const __m512bh bc = (__m512bh)_mm512_set1_epi32(pair);
-      for (int z = 0; z < kZmmPerTile; ++z) acc[r][z] = _mm512_dpbf16_ps(acc[r][z], bc, (__m512bh)v[z]);
+      for (int z = 0; z < ZN; ++z) acc[r][z] = _mm512_dpbf16_ps(acc[r][z], bc, (__m512bh)v[z]);
     }
   }
   static const B* rows_as_b(const T* q, int32_t, int32_t) { return q; }
@@ -58,9 +58,9 @@ struct Bf16Widen {
   using T = uint16_t;
   using B = float;
   static constexpr int kPack = 2;
-  template <int TM>
-  static void step(__m512 (&acc)[TM][kZmmPerTile], const B* b, int64_t b_stride, const T* vec) {
-    for (int z = 0; z < kZmmPerTile; ++z) {
+  template <int TM, int ZN>
+  static void step(__m512 (&acc)[TM][ZN], const B* b, int64_t b_stride, const T* vec) {
+    for (int z = 0; z < ZN; ++z) {
       const __m512i v = _mm512_loadu_si512(vec + z * 16 * kPack);
       const __m512 even = bf16_even_ps(v), odd = bf16_odd_ps(v);
       const B* bz = opaque(b);  // broadcasts stay FMA memory operands instead of 2 TM registers (see opaque)
@@ -89,13 +89,13 @@ struct F32 {
   using T = float;
   using B = float;
   static constexpr int kPack = 1;
-  template <int TM>
-  static void step(__m512 (&acc)[TM][kZmmPerTile], const B* b, int64_t b_stride, const T* vec) {
-    __m512 v[kZmmPerTile];
-    for (int z = 0; z < kZmmPerTile; ++z) v[z] = _mm512_loadu_ps(vec + z * 16);
+  template <int TM, int ZN>
+  static void step(__m512 (&acc)[TM][ZN], const B* b, int64_t b_stride, const T* vec) {
+    __m512 v[ZN];
+    for (int z = 0; z < ZN; ++z) v[z] = _mm512_loadu_ps(vec + z * 16);
     for (int r = 0; r < TM; ++r) {
       const __m512 bc = _mm512_set1_ps(b[r * b_stride]);
-      for (int z = 0; z < kZmmPerTile; ++z) acc[r][z] = _mm512_fmadd_ps(bc, v[z], acc[r][z]);
+      for (int z = 0; z < ZN; ++z) acc[r][z] = _mm512_fmadd_ps(bc, v[z], acc[r][z]);
     }
   }
   static const B* rows_as_b(const T* q, int32_t, int32_t) { return q; }
@@ -175,14 +175,31 @@ struct alignas(64) SoftmaxState {
   float alpha[16]; // rescale factor of this key block
 };
 
-// S = Q.K^T for TM rows x 64 keys of one key block, scaled to base 2, masked per row to keys < limit.
+// The first ZN zmm (16 keys each) of S = Q.K^T; the rest are left 0 (keys past the rows' limits, masked below).
+template <class E, int TM, int ZN>
+inline void scores_part(const typename E::B* q, int head_dim, const typename E::T* kblock,
+                        __m512 (&s)[TM][kZmmPerTile]) {
+  constexpr int P = E::kPack;
+  __m512 part[TM][ZN];
+  for (int r = 0; r < TM; ++r)
+    for (int z = 0; z < ZN; ++z) part[r][z] = _mm512_setzero_ps();
+  for (int p = 0; p < head_dim / P; ++p)
+    E::template step<TM, ZN>(part, q + p * P, head_dim, kblock + p * kKeyBlock * P);
+  for (int r = 0; r < TM; ++r)
+    for (int z = 0; z < kZmmPerTile; ++z) s[r][z] = z < ZN ? part[r][z] : _mm512_setzero_ps();
+}
+
+// S = Q.K^T for TM rows x 64 keys of one key block, scaled to base 2, masked per row to keys < limit. Only the
+// 16-key groups below the tile's key_end are multiplied (an item's own keys rarely fill a block).
 template <class E, int TM>
 inline void scores_block(const typename E::B* q, int head_dim, const typename E::T* kblock, const int* limit,
-                         int key0, float scale2, __m512 (&s)[TM][kZmmPerTile]) {
-  constexpr int P = E::kPack;
-  for (int r = 0; r < TM; ++r)
-    for (int z = 0; z < kZmmPerTile; ++z) s[r][z] = _mm512_setzero_ps();
-  for (int p = 0; p < head_dim / P; ++p) E::template step<TM>(s, q + p * P, head_dim, kblock + p * kKeyBlock * P);
+                         int key0, int key_end, float scale2, __m512 (&s)[TM][kZmmPerTile]) {
+  switch (std::min(kZmmPerTile, (key_end - key0 + 15) / 16)) {
+    case 1: scores_part<E, TM, 1>(q, head_dim, kblock, s); break;
+    case 2: scores_part<E, TM, 2>(q, head_dim, kblock, s); break;
+    case 3: scores_part<E, TM, 3>(q, head_dim, kblock, s); break;
+    default: scores_part<E, TM, kZmmPerTile>(q, head_dim, kblock, s); break;
+  }
   const __m512 neg_inf = _mm512_set1_ps(kNegInf), scale = _mm512_set1_ps(scale2);
   for (int r = 0; r < TM; ++r)
     for (int z = 0; z < kZmmPerTile; ++z)
@@ -224,9 +241,11 @@ inline void pv_block(const typename E::B (*pbuf)[kKeyBlock], const typename E::T
     __m512 acc[TM][kZmmPerTile];
     for (int r = 0; r < TM; ++r) {
       const __m512 a = _mm512_set1_ps(st.alpha[r]);
-      for (int z = 0; z < kZmmPerTile; ++z) acc[r][z] = _mm512_mul_ps(a, _mm512_loadu_ps(o + r * head_dim + c + 16 * z));
+      for (int z = 0; z < kZmmPerTile; ++z)
+        acc[r][z] = _mm512_mul_ps(a, _mm512_loadu_ps(o + r * head_dim + c + 16 * z));
     }
-    for (int j = 0; j < pairs; ++j) E::template step<TM>(acc, pbuf[0] + j * P, kKeyBlock, vblock + (j * head_dim + c) * P);
+    for (int j = 0; j < pairs; ++j)
+      E::template step<TM, kZmmPerTile>(acc, pbuf[0] + j * P, kKeyBlock, vblock + (j * head_dim + c) * P);
     for (int r = 0; r < TM; ++r)
       for (int z = 0; z < kZmmPerTile; ++z) _mm512_storeu_ps(o + r * head_dim + c + 16 * z, acc[r][z]);
   }
@@ -252,7 +271,7 @@ void attend_tile(const typename E::B* q, const int32_t* limits, const typename E
   for (int key0 = 0; key0 < key_end; key0 += kKeyBlock) {
     const int64_t block = int64_t(key0) * head_dim;  // both packed layouts hold kKeyBlock * D per block
     __m512 s[TM][kZmmPerTile];
-    scores_block<E, TM>(q, head_dim, k_packed + block, limit, key0, scale2, s);
+    scores_block<E, TM>(q, head_dim, k_packed + block, limit, key0, key_end, scale2, s);
     softmax_block<E, TM>(s, st, pbuf);
     const int pairs = (std::min(kKeyBlock, key_end - key0) + E::kPack - 1) / E::kPack;
     pv_block<E, TM>(pbuf, v_packed + block, pairs, head_dim, st, o);
