@@ -22,10 +22,11 @@ import pyscore.engine as engine_module
 import pyscore.model.decoder as decoder_module
 from bench.common import machine, question
 from pyscore.engine import Engine
-from pyscore.ops import linear, pack_linear
+from pyscore.ops import AttentionPlan, linear, pack_linear
 
-TIMED = {decoder_module: ["add_rms_norm", "rotary_", "prefix_item_attention", "silu_mul"],
-         engine_module: ["label_logprobs"]}
+# Where the decoder and the engine look the ops up (attention runs through the batch's plan, once per layer).
+TIMED = {decoder_module: ["add_rms_norm", "rotary_", "silu_mul"], engine_module: ["label_logprobs"],
+         AttentionPlan: ["run"]}
 
 
 class Timers:
@@ -70,7 +71,8 @@ def install(timers: Timers, gemm_name: str) -> Callable[[], None]:
     for module, names in TIMED.items():
         for name in names:
             original = getattr(module, name)
-            setattr(module, name, timers.wrap(name, original))
+            label = "prefix_item_attention (plan.run)" if module is AttentionPlan else name
+            setattr(module, name, timers.wrap(label, original))
             undo.append((module, name, original))
     undo.append((F, "linear", F.linear))
     F.linear = timers.wrap(gemm_name, F.linear)
