@@ -1,10 +1,11 @@
 """Where one 16-candidate MIS forward spends its time: the embedded SmolLM2 (bf16, 2 threads) scoring the bench
 question in process, with wall-clock timers around every op the decoder and the read-out call (our C++ kernels are
 invisible to the torch profiler) and the torch profiler's own table for the torch ops. Timers add a few
-microseconds per call, so the total with timers is reported next to the plain one. `--linear ours` is an
-experiment: the decoder's F.linear calls run pyscore.ops.linear on weights packed once (no fused epilogue), to
-measure what the prepacked GEMM gives inside a real forward before the decoder adopts it.
-Usage: python -m bench.profile_mis [--threads 2] [--forwards 10] [--linear torch|ours] [--out FILE]"""
+microseconds per call, so the total with timers is reported next to the plain one.
+`--gemm torch` empties `linear`'s entry in the op registry while the model loads, so the decoder runs its projections
+as F.linear + silu_mul + pending residual adds (the path of devices without a linear kernel): the same forward with
+torch's GEMM, for comparison. Scores of the two are compared in the report.
+Usage: python -m bench.profile_mis [--threads 2] [--forwards 10] [--gemm ours|torch] [--out FILE]"""
 
 from __future__ import annotations
 
@@ -22,11 +23,13 @@ import pyscore.engine as engine_module
 import pyscore.model.decoder as decoder_module
 from bench.common import machine, question
 from pyscore.engine import Engine
-from pyscore.ops import AttentionPlan, linear, pack_linear
+from pyscore.ops import AttentionPlan, _ext
 
 # Where the decoder and the engine look the ops up (attention runs through the batch's plan, once per layer).
-TIMED = {decoder_module: ["add_rms_norm", "rotary_", "silu_mul"], engine_module: ["label_logprobs"],
-         AttentionPlan: ["run"]}
+TIMED = {decoder_module: ["add_rms_norm", "rotary_", "silu_mul", "linear"], engine_module: ["label_logprobs"],
+         AttentionPlan: ["run"], F: ["linear"]}
+LABELS = {(AttentionPlan, "run"): "prefix_item_attention (plan.run)", (F, "linear"): "F.linear (torch GEMM)",
+          (decoder_module, "linear"): "linear (prepacked GEMM + epilogue)"}
 
 
 class Timers:
@@ -51,31 +54,14 @@ class Timers:
         self.calls.clear()
 
 
-def packed_linear_for_decoder() -> Callable:
-    """F.linear's signature over pyscore.ops.linear, each weight packed on first use (keyed by the tensor)."""
-    packed: dict[int, tuple[torch.Tensor, object]] = {}
-    torch_linear = F.linear
-
-    def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.dim() != 2 or x.dtype != torch.bfloat16:
-            return torch_linear(x, weight, bias)
-        if id(weight) not in packed:
-            packed[id(weight)] = (weight, pack_linear(weight, bias))
-        return linear(x, packed[id(weight)][1])
-    return run
-
-
-def install(timers: Timers, gemm_name: str) -> Callable[[], None]:
+def install(timers: Timers) -> Callable[[], None]:
     """Wraps the timed ops where the decoder and the engine look them up; returns the undo."""
     undo = []
     for module, names in TIMED.items():
         for name in names:
             original = getattr(module, name)
-            label = "prefix_item_attention (plan.run)" if module is AttentionPlan else name
-            setattr(module, name, timers.wrap(label, original))
+            setattr(module, name, timers.wrap(LABELS.get((module, name), name), original))
             undo.append((module, name, original))
-    undo.append((F, "linear", F.linear))
-    F.linear = timers.wrap(gemm_name, F.linear)
 
     def restore() -> None:
         for module, name, original in undo:
@@ -83,29 +69,39 @@ def install(timers: Timers, gemm_name: str) -> Callable[[], None]:
     return restore
 
 
+def load(threads: int, gemm: str) -> Engine:
+    """The embedded model; with gemm="torch", loaded while the registry has no linear kernel."""
+    if gemm == "ours":
+        return Engine.from_pretrained(None, dtype="bfloat16", threads=threads)
+    kernels, _ext.REGISTRY["linear"] = _ext.REGISTRY["linear"], {}  # no device has a linear kernel meanwhile
+    try:
+        return Engine.from_pretrained(None, dtype="bfloat16", threads=threads)
+    finally:
+        _ext.REGISTRY["linear"] = kernels
+
+
+def score_change(a, b) -> float:
+    return max(abs(x - y) for item_a, item_b in zip(a.scores, b.scores, strict=True)
+               for row_a, row_b in zip(item_a, item_b, strict=True) for x, y in zip(row_a, row_b, strict=True))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--forwards", type=int, default=10)
     parser.add_argument("--candidates", type=int, default=16)
-    parser.add_argument("--linear", choices=["torch", "ours"], default="torch", help="the GEMM the decoder calls")
+    parser.add_argument("--gemm", choices=["ours", "torch"], default="ours", help="the decoder's projections")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "profile_mis.txt")
     args = parser.parse_args()
-    engine = Engine.from_pretrained(None, dtype="bfloat16", threads=args.threads)
+    engine = load(args.threads, args.gemm)
+    other = load(args.threads, "torch" if args.gemm == "ours" else "ours")
     query, items = question(args.candidates, seed=args.candidates)
 
-    def forward():
-        return engine.score(query, items, labels=["Yes", "No"], mode="mis")
+    def forward(e: Engine = engine):
+        return e.score(query, items, labels=["Yes", "No"], mode="mis")
 
-    torch_linear = F.linear
-    with_torch_gemm = forward()
-    if args.linear == "ours":
-        F.linear = packed_linear_for_decoder()
-    gemm_name = "linear (ours, prepacked GEMM)" if args.linear == "ours" else "F.linear (torch GEMM)"
-
-    result = forward()
-    score_change = max(abs(a - b) for x, y in zip(result.scores, with_torch_gemm.scores, strict=True)
-                       for row_a, row_b in zip(x, y, strict=True) for a, b in zip(row_a, row_b, strict=True))
+    change = score_change(forward(), forward(other))
+    del other
     plain = []
     for _ in range(args.forwards):
         t0 = time.perf_counter()
@@ -113,9 +109,9 @@ def main() -> None:
         plain.append((time.perf_counter() - t0) * 1e3)
 
     timers = Timers()
-    undo = install(timers, gemm_name)
+    undo = install(timers)
     try:
-        forward()
+        result = forward()
         timers.reset()
         totals = []
         for _ in range(args.forwards):
@@ -127,23 +123,22 @@ def main() -> None:
             forward()
     finally:
         undo()
-        F.linear = torch_linear
 
     n = args.forwards
     total = statistics.mean(totals)
     lines = [f"machine: {machine()}",
-             f"{engine.model_name} bf16, threads {args.threads}, GEMM {args.linear}, {args.candidates} candidates MIS, "
-             f"{result.usage.computed_tokens} computed tokens ({result.usage.prompt_tokens} prompt); "
+             f"{engine.model_name} bf16, threads {args.threads}, projections: {args.gemm}, {args.candidates} "
+             f"candidates MIS, {result.usage.computed_tokens} computed tokens ({result.usage.prompt_tokens} prompt); "
              f"mean of {n} forwards",
              f"engine.score without timers: median {statistics.median(plain):.1f} ms (min {min(plain):.1f}); "
-             f"with timers: mean {total:.1f} ms; scores vs the torch-GEMM forward: max |diff| {score_change:.2e}", "",
-             f"{'op (wall time per forward)':<32}{'calls':>7}{'ms':>9}{'share':>8}"]
+             f"with timers: mean {total:.1f} ms; scores vs the other projection path: max |diff| {change:.2e}", "",
+             f"{'op (wall time per forward)':<36}{'calls':>7}{'ms':>9}{'share':>8}"]
     timed = 0.0
     for name, op_seconds in sorted(seconds.items(), key=lambda kv: -kv[1]):
         ms = op_seconds * 1e3 / n
         timed += ms
-        lines.append(f"{name:<32}{calls[name] // n:>7}{ms:>9.2f}{ms / total:>8.1%}")
-    lines.append(f"{'everything else':<32}{'':>7}{total - timed:>9.2f}{(total - timed) / total:>8.1%}")
+        lines.append(f"{name:<36}{calls[name] // n:>7}{ms:>9.2f}{ms / total:>8.1%}")
+    lines.append(f"{'everything else':<36}{'':>7}{total - timed:>9.2f}{(total - timed) / total:>8.1%}")
     lines += ["", "torch profiler, one forward (self CPU time; pyscore::* rows are our timers' labels, their "
               "self time is the C++ kernel):",
               prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)]

@@ -143,3 +143,14 @@ def test_arguments_are_checked_by_name():
         decode_attention(q, plan, LAYERS)
     with pytest.raises(ValueError, match="together"):
         decode_attention(q, plan, 0, k_new=k_new)
+
+
+def test_new_keys_and_values_with_different_strides():
+    """Qwen3.5's gated attention hands a normed (contiguous) k and a v still inside its projection output."""
+    k, v, q, k_new, v_new = make_step([7, 30], 4, 2, 64, torch.bfloat16, "cpu")
+    k_new = k_new.contiguous()
+    assert k_new.stride() != v_new.stride()
+    out = decode_attention(q, plan_decode(k, v, [7, 30]), 2, k_new, v_new, backend="kernel")
+    assert torch.equal(k[1][2, 29], k_new[1]) and torch.equal(v[1][2, 29], v_new[1])
+    ref = reference(q, k, v, [7, 30], 2)
+    assert_within(out, ref, 2 * (in_dtype(q, k, v, [7, 30], 2).float() - ref).abs().max().item() + 1e-4, "strides")
