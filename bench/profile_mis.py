@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import pyscore.engine as engine_module
 import pyscore.model.decoder as decoder_module
-from bench.common import machine, question
+from bench.common import machine, question, write_report
 from pyscore.engine import Engine
 from pyscore.ops import AttentionPlan, _ext
 
@@ -142,10 +142,7 @@ def main() -> None:
     lines += ["", "torch profiler, one forward (self CPU time; pyscore::* rows are our timers' labels, their "
               "self time is the C++ kernel):",
               prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)]
-    text = "\n".join(lines)
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text + "\n")
+    write_report(lines, args.out)
 
 
 if __name__ == "__main__":
