@@ -21,7 +21,7 @@ from pyscore.model import hybrid
 from pyscore.model.config import LINEAR_ATTENTION, ModelConfig
 from pyscore.model.packing import PackedBatch
 from pyscore.model.rope import Rotary
-from pyscore.model.weights import DecoderWeights
+from pyscore.model.weights import DecoderWeights, LayerWeights
 from pyscore.ops import (
     AttentionPlan,
     PackedLinear,
@@ -81,9 +81,10 @@ class KVCache:
 
 
 class Decoder:
-    """The residual stream x [T, H] is updated in place: each sublayer's output is added by the fused
-    add_rms_norm that normalizes the input of the next one (the last MLP output by the final norm).
-    op_backend "reference" runs every op as its torch reference (`pyscore.ops.reference`)."""
+    """The residual stream x [T, H] is updated in place: with packed projections each sublayer's output projection
+    adds into it in its epilogue; with F.linear the output is added by the fused add_rms_norm that normalizes the
+    input of the next sublayer (the last MLP output by the final norm). op_backend "reference" runs every op as its
+    torch reference (`pyscore.ops.reference`)."""
 
     def __init__(self, cfg: ModelConfig, weights: DecoderWeights, rotary: Rotary, op_backend: str = "auto"):
         self.cfg = cfg
@@ -99,7 +100,7 @@ class Decoder:
         if _ext.resolve("linear", self.device, self.dtype, op_backend)[0] is not None:
             self.packed = [self._pack(layer) for layer in weights.layers]
 
-    def _pack(self, layer) -> PackedLayer:
+    def _pack(self, layer: LayerWeights) -> PackedLayer:
         plain_attention = layer.linear is None and not self.cfg.attn_output_gate
         out = pack_linear(layer.linear.out) if layer.linear is not None else pack_linear(layer.o, layer.o_bias)
         return PackedLayer(pack_linear(layer.qkv, layer.qkv_bias) if plain_attention else None, out,
