@@ -2,12 +2,15 @@
 scores, Qwen3.5's linear attention) and a pure-PyTorch reference (`pyscore.ops.reference`)."""
 
 from pyscore.ops.add_rms_norm import add_rms_norm
+from pyscore.ops.decode_attention import DecodePlan, decode_attention, plan_decode
 from pyscore.ops.gated_delta_rule import causal_conv1d, gated_delta_rule, plan_linear_attention
 from pyscore.ops.label_logprobs import label_logprobs
+from pyscore.ops.linear import PackedLinear, linear, pack_linear
 from pyscore.ops.prefix_item_attention import AttentionPlan, prefix_item_attention
 from pyscore.ops.rotary import rotary_
 from pyscore.ops.segments import SegmentTable
 from pyscore.ops.silu_mul import silu_mul
 
-__all__ = ["AttentionPlan", "SegmentTable", "add_rms_norm", "causal_conv1d", "gated_delta_rule", "label_logprobs",
+__all__ = ["AttentionPlan", "DecodePlan", "PackedLinear", "SegmentTable", "add_rms_norm", "causal_conv1d",
+           "decode_attention", "gated_delta_rule", "label_logprobs", "linear", "pack_linear", "plan_decode",
            "plan_linear_attention", "prefix_item_attention", "rotary_", "silu_mul"]
