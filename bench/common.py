@@ -197,6 +197,14 @@ def question(num_items: int, seed: int = 0, query_words: int = 228, item_words: 
 
 
 # --- timing ------------------------------------------------------------------------------------------------------
+def write_report(lines: Sequence[str], out: Path) -> None:
+    """Prints a text report and records it at `out` (folders made as needed)."""
+    text = "\n".join(lines).rstrip() + "\n"
+    print(text, end="")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+
+
 def median_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
     """Median wall time of fn() in ms over `reps` calls after `warmup` untimed ones (run it under
     /work/tools/quiet or on an otherwise idle machine)."""

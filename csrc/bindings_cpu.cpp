@@ -8,8 +8,11 @@
 #include "common/bind_args.h"
 #include "gated_delta_rule/launch.h"
 #include "common/cpu_features.h"
+#include "common/merge_state_cpu.h"
 #include "common/threads.h"
+#include "decode_attention/launch.h"
 #include "label_logprobs/launch.h"
+#include "linear/launch.h"
 #include "prefix_item_attention/cpu_ops.h"
 #include "prefix_item_attention/plan_cpu.h"
 #include "rotary/launch.h"
@@ -35,8 +38,8 @@ void run_without_gil(const char* op, Launch launch) {
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "pyscore CPU kernels: prefix_item_attention, label_logprobs, add_rms_norm, rotary, silu_mul, causal_conv1d, "
-            "gated_delta_rule";
+  m.doc() = "pyscore CPU kernels: prefix_item_attention, decode_attention, label_logprobs, linear, add_rms_norm, "
+            "rotary, silu_mul, causal_conv1d, gated_delta_rule";
   py::class_<AttentionCpuPlan, std::shared_ptr<AttentionCpuPlan>>(
       m, "AttentionPlan", "prefix_item_attention's plan for one batch (opaque): the segment table read and "
                           "validated, the work listed, the workspaces allocated")
@@ -91,6 +94,16 @@ PYBIND11_MODULE(_C, m) {
                                     v_dim, scale, state_in, state_out, dtype);
           run_without_gil("gated_delta_rule", [&] { return gated_delta_rule_cpu(p); });
         });
+  m.def("decode_attention",
+        [](uintptr_t q, Strides qs, uintptr_t o, Strides os, uintptr_t k_new, uintptr_t v_new, Strides new_strides,
+           uintptr_t k_base, uintptr_t v_base, uintptr_t layer_stride, int32_t layer, int64_t token_stride,
+           int64_t head_stride, uintptr_t lengths, int32_t max_length, int32_t num_seqs, int32_t num_q_heads,
+           int32_t num_kv_heads, int32_t head_dim, float scale, const std::string& dtype) {
+          auto p = make_decode_params(q, qs, o, os, k_new, v_new, new_strides, k_base, v_base, layer_stride, layer,
+                                      token_stride, head_stride, lengths, max_length, num_seqs, num_q_heads,
+                                      num_kv_heads, head_dim, scale, dtype);
+          run_without_gil("decode_attention", [&] { return decode_attention_cpu(p); });
+        });
   m.def("label_logprobs",
         [](uintptr_t hidden, int64_t hidden_row_stride, uintptr_t weight, int64_t weight_row_stride,
            uintptr_t labels, uintptr_t logprobs, uintptr_t label_softmax, uintptr_t logz, int32_t num_rows,
@@ -98,6 +111,14 @@ PYBIND11_MODULE(_C, m) {
           auto p = make_label_params(hidden, hidden_row_stride, weight, weight_row_stride, labels, logprobs,
                                      label_softmax, logz, num_rows, hidden_size, vocab_size, num_labels, dtype);
           run_without_gil("label_logprobs", [&] { return label_logprobs_cpu(p); });
+        });
+  m.def("linear",
+        [](uintptr_t x, int64_t x_row_stride, uintptr_t w_packed, uintptr_t bias, uintptr_t residual,
+           int64_t residual_row_stride, uintptr_t out, int64_t out_row_stride, int32_t m, int32_t k, int32_t n_packed,
+           int32_t n_out, bool gated, const std::string& dtype) {
+          auto p = make_linear_params(x, x_row_stride, w_packed, bias, residual, residual_row_stride, out,
+                                      out_row_stride, m, k, n_packed, n_out, gated, dtype);
+          run_without_gil("linear", [&] { return linear_cpu(p); });
         });
   m.def("add_rms_norm",
         [](uintptr_t x, int64_t x_row_stride, uintptr_t delta, int64_t delta_row_stride, uintptr_t weight,
@@ -137,6 +158,10 @@ PYBIND11_MODULE(_C, m) {
     py::dict d;
     d["avx512f"] = cpu_has_avx512();
     d["avx512bf16"] = cpu_has_avx512bf16();
+    d["intel"] = cpu_is_intel();
+    // What the kernels run now (PYSCORE_DISABLE_AVX512 / PYSCORE_BF16_DOT read at each call, as the launchers do).
+    d["path"] = cpu_use_avx512bf16() ? "avx512" : "portable";
+    d["bf16_dot"] = bf16_dot_name(cpu_bf16_dot());
     return d;
   });
 }

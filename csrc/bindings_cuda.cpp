@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include "common/bind_args.h"
+#include "decode_attention/launch.h"
 #include "gated_delta_rule/launch.h"
 #include "label_logprobs/launch.h"
 #include "prefix_item_attention/launch.h"
@@ -14,7 +15,8 @@ namespace py = pybind11;
 using namespace pyscore;
 
 PYBIND11_MODULE(_C_cuda, m) {
-  m.doc() = "pyscore CUDA kernels (sm_90a): prefix_item_attention, label_logprobs, causal_conv1d and gated_delta_rule";
+  m.doc() = "pyscore CUDA kernels (sm_90a): prefix_item_attention, decode_attention, label_logprobs, causal_conv1d and "
+            "gated_delta_rule";
   m.def("prefix_item_attention_workspace_bytes",
         [](int32_t num_segments, int32_t num_tokens, int32_t num_q_heads, int32_t num_kv_heads) {
           AttentionPlanParams shape{};
@@ -85,6 +87,16 @@ PYBIND11_MODULE(_C_cuda, m) {
                                     num_segments, num_tokens, state_slot, num_slots, num_k_heads, num_v_heads, k_dim,
                                     v_dim, scale, state_in, state_out, dtype);
           throw_on_error(gated_delta_rule_cuda(p, reinterpret_cast<void*>(stream)), "gated_delta_rule");
+        });
+  m.def("decode_attention",
+        [](uintptr_t q, Strides qs, uintptr_t o, Strides os, uintptr_t k_new, uintptr_t v_new, Strides new_strides,
+           uintptr_t k_base, uintptr_t v_base, uintptr_t layer_stride, int32_t layer, int64_t token_stride,
+           int64_t head_stride, uintptr_t lengths, int32_t max_length, int32_t num_seqs, int32_t num_q_heads,
+           int32_t num_kv_heads, int32_t head_dim, float scale, const std::string& dtype, uintptr_t stream) {
+          auto p = make_decode_params(q, qs, o, os, k_new, v_new, new_strides, k_base, v_base, layer_stride, layer,
+                                      token_stride, head_stride, lengths, max_length, num_seqs, num_q_heads,
+                                      num_kv_heads, head_dim, scale, dtype);
+          throw_on_error(decode_attention_cuda(p, reinterpret_cast<void*>(stream)), "decode_attention");
         });
   m.def("label_logprobs",
         [](uintptr_t hidden, int64_t hidden_row_stride, uintptr_t weight, int64_t weight_row_stride,

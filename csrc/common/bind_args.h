@@ -10,8 +10,10 @@
 #include <utility>
 
 #include "add_rms_norm/params.h"
+#include "decode_attention/params.h"
 #include "gated_delta_rule/params.h"
 #include "label_logprobs/params.h"
+#include "linear/params.h"
 #include "prefix_item_attention/params.h"
 #include "rotary/params.h"
 #include "silu_mul/params.h"
@@ -85,6 +87,36 @@ inline PrefixItemAttentionParams make_attention_params(
   p.head_dim = head_dim;
   p.scale = scale;
   p.dtype = dtype;
+  return p;
+}
+
+inline DecodeAttentionParams make_decode_params(
+    uintptr_t q, Strides qs, uintptr_t o, Strides os, uintptr_t k_new, uintptr_t v_new, Strides new_strides,
+    uintptr_t k_base, uintptr_t v_base, uintptr_t layer_stride, int32_t layer, int64_t token_stride,
+    int64_t head_stride, uintptr_t lengths, int32_t max_length, int32_t num_seqs, int32_t num_q_heads,
+    int32_t num_kv_heads, int32_t head_dim, float scale, const std::string& dtype) {
+  DecodeAttentionParams p{};
+  p.q = reinterpret_cast<const void*>(q);
+  p.q_seq_stride = qs.first; p.q_head_stride = qs.second;
+  p.o = reinterpret_cast<void*>(o);
+  p.o_seq_stride = os.first; p.o_head_stride = os.second;
+  p.k_new = reinterpret_cast<const void*>(k_new);
+  p.v_new = reinterpret_cast<const void*>(v_new);
+  p.new_seq_stride = new_strides.first; p.new_head_stride = new_strides.second;
+  p.k_base = reinterpret_cast<const int64_t*>(k_base);
+  p.v_base = reinterpret_cast<const int64_t*>(v_base);
+  p.layer_stride = reinterpret_cast<const int64_t*>(layer_stride);
+  p.layer = layer;
+  p.token_stride = token_stride;
+  p.head_stride = head_stride;
+  p.lengths = reinterpret_cast<const int32_t*>(lengths);
+  p.max_length = max_length;
+  p.num_seqs = num_seqs;
+  p.num_q_heads = num_q_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.head_dim = head_dim;
+  p.scale = scale;
+  p.dtype = dtype_or_throw(dtype);
   return p;
 }
 
@@ -223,6 +255,28 @@ inline GatedDeltaRuleParams make_rule_params(
   p.scale = scale;
   p.state_in = reinterpret_cast<const uint64_t*>(state_in);
   p.state_out = reinterpret_cast<const uint64_t*>(state_out);
+  p.dtype = dtype_or_throw(dtype);
+  return p;
+}
+
+inline LinearParams make_linear_params(uintptr_t x, int64_t x_row_stride, uintptr_t w_packed, uintptr_t bias,
+                                       uintptr_t residual, int64_t residual_row_stride, uintptr_t out,
+                                       int64_t out_row_stride, int32_t m, int32_t k, int32_t n_packed, int32_t n_out,
+                                       bool gated, const std::string& dtype) {
+  LinearParams p{};
+  p.x = reinterpret_cast<const void*>(x);
+  p.x_row_stride = x_row_stride;
+  p.w_packed = reinterpret_cast<const void*>(w_packed);
+  p.bias = reinterpret_cast<const float*>(bias);
+  p.residual = reinterpret_cast<const void*>(residual);
+  p.residual_row_stride = residual_row_stride;
+  p.out = reinterpret_cast<void*>(out);
+  p.out_row_stride = out_row_stride;
+  p.m = m;
+  p.k = k;
+  p.n_packed = n_packed;
+  p.n_out = n_out;
+  p.gated = gated;
   p.dtype = dtype_or_throw(dtype);
   return p;
 }

@@ -25,35 +25,12 @@
 
 #include "common/bf16.h"
 #include "common/cpu_features.h"
+#include "common/merge_state_cpu.h"
 #include "common/threads.h"
 #include "prefix_item_attention/cpu_ops.h"
 #include "prefix_item_attention/plan_cpu.h"
 
 namespace pyscore {
-
-// ---- merge (the one place partial attentions are combined) -----------------------------------------------
-
-void merge_state(const float* o_a, const float* lse_a, const float* o_b, const float* lse_b, int32_t rows,
-                 int32_t dim, float* o_out, float* lse_out) {
-  for (int32_t r = 0; r < rows; ++r) {
-    const float a = lse_a[r], b = lse_b[r];
-    const float m = std::max(a, b);
-    const float* xa = o_a + int64_t(r) * dim;
-    const float* xb = o_b + int64_t(r) * dim;
-    float* out = o_out + int64_t(r) * dim;
-    if (m == -std::numeric_limits<float>::infinity()) {  // neither side saw a key
-      std::fill(out, out + dim, 0.0f);
-      if (lse_out) lse_out[r] = m;
-      continue;
-    }
-    // The larger side has weight e^0 = 1, so one exp per row suffices.
-    const float w = std::exp(std::min(a, b) - m);
-    const float wa = a >= b ? 1.0f : w, wb = a >= b ? w : 1.0f;
-    const float inv = 1.0f / (1.0f + w);
-    for (int32_t d = 0; d < dim; ++d) out[d] = (wa * xa[d] + wb * xb[d]) * inv;
-    if (lse_out) lse_out[r] = m + std::log1p(w);
-  }
-}
 
 namespace {
 
@@ -381,7 +358,7 @@ Status check_run(const AttentionCpuPlan& plan, const PrefixItemAttentionParams& 
 }
 
 const AttentionCpuOps& choose_ops(DType dtype, int32_t head_dim) {
-  const AttentionCpuOps* fast = cpu_use_avx512bf16() ? attention_ops_avx512(dtype, head_dim) : nullptr;
+  const AttentionCpuOps* fast = cpu_use_avx512bf16() ? attention_ops_avx512(dtype, head_dim, cpu_bf16_dot()) : nullptr;
   if (fast) return *fast;
   return dtype == DType::kBFloat16 ? kPortableBf16 : kPortableF32;
 }

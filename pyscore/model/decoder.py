@@ -2,10 +2,14 @@
 embed -> N x (norm -> mixer -> o -> norm -> SwiGLU) -> final norm, returned only at the read-out rows. The mixer is
 attention (qkv -> [qk-norm] -> rope(positions) -> prefix_item_attention) or, in Qwen3.5's linear-attention layers,
 Gated DeltaNet over the same segment table (pyscore.model.hybrid). A second entry point decodes one token per running
-sequence against its cache: the KV cache of the attention layers and the conv + recurrent state of the linear ones.
-A batch whose groups start with prefix-cache blocks reads their keys and values from a block pool (`BlockPool`, e.g.
-pyscore.model.prefix_cache.PrefixCache) in every attention layer; only the batch's own tokens run through
-projections, norms and MLPs."""
+sequence against its cache: the KV cache of the attention layers (all sequences in one decode_attention call per
+layer) and the conv + recurrent state of the linear ones. A batch whose groups start with prefix-cache blocks reads
+their keys and values from a block pool (`BlockPool`, e.g. pyscore.model.prefix_cache.PrefixCache) in every
+attention layer; only the batch's own tokens run through projections, norms and MLPs.
+
+Where the op registry has a `linear` kernel for the model's device and dtype, the mixer's output projection, the
+plain attention's qkv and the MLP run on weights packed once here: the residual adds and the SiLU-mul are fused
+into their epilogues, and a row's bits do not depend on the rows around it. Elsewhere they are F.linear, unfused."""
 
 from __future__ import annotations
 
@@ -20,8 +24,21 @@ from pyscore.model import hybrid
 from pyscore.model.config import LINEAR_ATTENTION, ModelConfig
 from pyscore.model.packing import PackedBatch
 from pyscore.model.rope import Rotary
-from pyscore.model.weights import DecoderWeights
-from pyscore.ops import AttentionPlan, CachedKeys, SegmentTable, add_rms_norm, rotary_, silu_mul
+from pyscore.model.weights import DecoderWeights, LayerWeights
+from pyscore.ops import (
+    AttentionPlan,
+    CachedKeys,
+    PackedLinear,
+    SegmentTable,
+    _ext,
+    add_rms_norm,
+    decode_attention,
+    linear,
+    pack_linear,
+    plan_decode,
+    rotary_,
+    silu_mul,
+)
 from pyscore.ops.gated_delta_rule import plan_linear_attention
 
 # kv_sink(slot, k [T, Hkv, D], v [T, Hkv, D]) receives each attention layer's rotated keys and values (prefill);
@@ -42,6 +59,17 @@ class BlockPool(Protocol):
     @property
     def num_blocks(self) -> int: ...
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class PackedLayer:
+    """One layer's projections packed for pyscore.ops.linear, biases included: qkv (plain attention layers only),
+    the mixer's output projection (o, or the linear-attention out_proj), gate_up (with its SiLU-mul) and down."""
+
+    qkv: PackedLinear | None
+    out: PackedLinear
+    gate_up: PackedLinear
+    down: PackedLinear
 
 
 @dataclass
@@ -68,9 +96,10 @@ class KVCache:
 
 
 class Decoder:
-    """The residual stream x [T, H] is updated in place: each sublayer's output is added by the fused
-    add_rms_norm that normalizes the input of the next one (the last MLP output by the final norm).
-    op_backend "reference" runs every op as its torch reference (`pyscore.ops.reference`)."""
+    """The residual stream x [T, H] is updated in place: with packed projections each sublayer's output projection
+    adds into it in its epilogue; with F.linear the output is added by the fused add_rms_norm that normalizes the
+    input of the next sublayer (the last MLP output by the final norm). op_backend "reference" runs every op as its
+    torch reference (`pyscore.ops.reference`)."""
 
     def __init__(self, cfg: ModelConfig, weights: DecoderWeights, rotary: Rotary, op_backend: str = "auto"):
         self.cfg = cfg
@@ -81,6 +110,17 @@ class Decoder:
         kinds = [cfg.layer_type(i) for i in range(cfg.num_layers)]
         self.slot = [kinds[:i].count(kind) for i, kind in enumerate(kinds)]
         self.num_linear = kinds.count(LINEAR_ATTENTION)
+        # Packed once, at load, when a linear kernel serves this device and dtype (None: F.linear).
+        self.packed: list[PackedLayer] | None = None
+        if _ext.resolve("linear", self.device, self.dtype, op_backend)[0] is not None:
+            self.packed = [self._pack(layer) for layer in weights.layers]
+
+    def _pack(self, layer: LayerWeights) -> PackedLayer:
+        plain_attention = layer.linear is None and not self.cfg.attn_output_gate
+        out = pack_linear(layer.linear.out) if layer.linear is not None else pack_linear(layer.o, layer.o_bias)
+        return PackedLayer(pack_linear(layer.qkv, layer.qkv_bias) if plain_attention else None, out,
+                           pack_linear(layer.gate_up, layer.gate_up_bias, gated=True),
+                           pack_linear(layer.down, layer.down_bias))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -101,7 +141,9 @@ class Decoder:
             q, k, v, gate = hybrid.gated_attention_inputs(h, layer, cfg, positions, self.rotary.cos, self.rotary.sin,
                                                           self.op_backend)
             return attend(i, q, k, v).view(h.shape[0], -1) * torch.sigmoid(gate)
-        qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(h.shape[0], -1, cfg.head_dim)  # [T, Hq + 2 Hkv, D]
+        packed = None if self.packed is None else self.packed[i].qkv
+        qkv = F.linear(h, layer.qkv, layer.qkv_bias) if packed is None else linear(h, packed)
+        qkv = qkv.view(h.shape[0], -1, cfg.head_dim)  # [T, Hq + 2 Hkv, D]
         q, k, v = qkv.split([cfg.num_q_heads, cfg.num_kv_heads, cfg.num_kv_heads], dim=1)
         rotary_(q, k, positions, self.rotary.cos, self.rotary.sin, layer.q_norm, layer.k_norm, cfg.rms_norm_eps,
                 backend=self.op_backend)  # in place, with Qwen3's qk-norm when present
@@ -109,11 +151,11 @@ class Decoder:
 
     def _layer(self, i: int, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
                attend: Attend, mix_linear: MixLinear | None, rows: torch.Tensor | None = None,
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layer i on the residual stream x [T, H], which first takes the previous layer's pending MLP output
-        `delta` (None before layer 0). Returns the stream and this layer's MLP output, pending in turn. With
-        `rows` (the last layer: only read-out rows feed the output) everything after the mixer runs on those
-        rows alone and the returned stream is x[rows]."""
+        `delta` (None before layer 0, and always with packed projections, which add into x themselves). Returns the
+        stream and this layer's pending MLP output. With `rows` (the last layer: only read-out rows feed the output)
+        everything after the mixer runs on those rows alone and the returned stream is x[rows]."""
         layer = self.w.layers[i]
         h = self._norm(x, layer.input_norm, delta)
         if layer.linear is not None:
@@ -122,9 +164,14 @@ class Decoder:
             mixed, out, out_bias = self._attention(i, h, positions, attend), layer.o, layer.o_bias
         if rows is not None:
             x, mixed = x[rows], mixed[rows]
-        h = self._norm(x, layer.post_norm, F.linear(mixed, out, out_bias))
-        act = silu_mul(F.linear(h, layer.gate_up, layer.gate_up_bias), backend=self.op_backend)  # [T, I]
-        return x, F.linear(act, layer.down, layer.down_bias)
+        if self.packed is None:
+            h = self._norm(x, layer.post_norm, F.linear(mixed, out, out_bias))
+            act = silu_mul(F.linear(h, layer.gate_up, layer.gate_up_bias), backend=self.op_backend)  # [T, I]
+            return x, F.linear(act, layer.down, layer.down_bias)
+        packed = self.packed[i]
+        x = linear(mixed, packed.out, residual=x, out=x)  # x += out(mixed), in place
+        act = linear(self._norm(x, layer.post_norm), packed.gate_up)  # [T, I], silu(gate) * up fused
+        return linear(act, packed.down, residual=x, out=x), None
 
     @torch.inference_mode()
     def hidden_at(self, batch: PackedBatch, kv_sink: KVSink | None = None,
@@ -181,30 +228,25 @@ class Decoder:
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
         """One new token per sequence (tokens [B]) at position cache.length; appends to each cache and
-        returns final-normed hidden states [B, H]."""
+        returns final-normed hidden states [B, H]. A sequence's result never depends on its batch-mates."""
         device = self.device
         positions = torch.tensor([c.length for c in caches], dtype=torch.long, device=device)
 
+        plan = plan_decode([c.k for c in caches], [c.v for c in caches], [c.length + 1 for c in caches])
+
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            outs, j = [], self.slot[i]
-            for b, cache in enumerate(caches):
-                n = cache.length
-                cache.k[j, n], cache.v[j, n] = k[b], v[b]
-                keys = cache.k[j, : n + 1].transpose(0, 1)[None]  # [1, Hkv, n+1, D]
-                values = cache.v[j, : n + 1].transpose(0, 1)[None]
-                o = F.scaled_dot_product_attention(q[b].unsqueeze(1)[None], keys, values, enable_gqa=True)
-                outs.append(o[0, :, 0])  # [Hq, D]
-            return torch.stack(outs)  # [B, Hq, D]
+            # every sequence at once; writes k, v at position length first
+            return decode_attention(q, plan, self.slot[i], k, v, backend=self.op_backend)  # [B, Hq, D]
 
         mix_linear = None
         if self.num_linear:
             steps = torch.tensor([[b, 1, b, 0] for b in range(len(caches))], dtype=torch.int32).reshape(-1, 4)
-            plan = plan_linear_attention(SegmentTable.of(steps, len(caches), device))
+            linear_plan = plan_linear_attention(SegmentTable.of(steps, len(caches), device))
 
             def mix_linear(i: int, h: torch.Tensor) -> torch.Tensor:
                 j, w = self.slot[i], self.w.layers[i].linear
                 return hybrid.linear_attention(
-                    h, w, self.cfg, plan, self.op_backend, tails_in=[c.conv[j] for c in caches],
+                    h, w, self.cfg, linear_plan, self.op_backend, tails_in=[c.conv[j] for c in caches],
                     tails_out=[c.next_conv[j] for c in caches], states_in=[c.state[j] for c in caches],
                     states_out=[c.next_state[j] for c in caches])
 

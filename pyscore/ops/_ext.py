@@ -32,7 +32,9 @@ class Kernel:
 # (op, device type) -> its kernel. An op or device missing here runs the reference.
 REGISTRY: dict[str, dict[str, Kernel]] = {
     "prefix_item_attention": {"cpu": Kernel(CPU_MODULE, _FP32_BF16), "cuda": Kernel(CUDA_MODULE, _FP32_BF16_FP16)},
+    "decode_attention": {"cpu": Kernel(CPU_MODULE, _FP32_BF16), "cuda": Kernel(CUDA_MODULE, _FP32_BF16_FP16)},
     "label_logprobs": {"cpu": Kernel(CPU_MODULE, _FP32_BF16), "cuda": Kernel(CUDA_MODULE, _FP32_BF16_FP16)},
+    "linear": {"cpu": Kernel(CPU_MODULE, _FP32_BF16)},
     "add_rms_norm": {"cpu": Kernel(CPU_MODULE, _FP32_BF16)},
     "rotary": {"cpu": Kernel(CPU_MODULE, _FP32_BF16)},
     "silu_mul": {"cpu": Kernel(CPU_MODULE, _FP32_BF16)},
@@ -131,13 +133,15 @@ def op_paths(device: torch.device, dtype: torch.dtype, backend: str = "auto") ->
 
 
 def cpu_isa(module: ModuleType) -> str:
-    """Which code path the CPU kernels dispatch to at run time (the same test as csrc/common/cpu_features.h)."""
-    off = os.environ.get("PYSCORE_DISABLE_AVX512", "")
-    if not module.cpu_features()["avx512bf16"]:
+    """Which code path the CPU kernels dispatch to at run time, as the module itself decides it
+    (csrc/common/cpu_features.h): AVX-512 with the bf16 product it uses (vdpbf16ps on AMD, bf16 pairs widened to
+    fp32 FMAs on Intel, PYSCORE_BF16_DOT forcing either), or the portable code and why."""
+    features = module.cpu_features()
+    if not features["avx512bf16"]:
         return "portable: this CPU lacks AVX512-BF16"
-    if off not in ("", "0"):
+    if features["path"] != "avx512":
         return "portable: PYSCORE_DISABLE_AVX512 is set"
-    return "AVX-512 BF16"
+    return f"AVX-512 BF16, bf16 products by {features['bf16_dot']}"
 
 
 def torch_dtype_name(dtype: torch.dtype) -> str:

@@ -2,7 +2,7 @@
 benchmark baseline. Slow and obviously right: attention is a dense masked softmax over the whole stream.
 Attention, label scores and the gated delta rule are computed in fp32; the decoder's elementwise ops (add_rms_norm,
 rotary, silu_mul, the linear layers' causal_conv1d) are computed in their inputs' dtype exactly as transformers does,
-because that rounding is their contract."""
+because that rounding is their contract; linear computes its fused epilogue in fp32 and rounds once."""
 
 from __future__ import annotations
 
@@ -58,6 +58,22 @@ def prefix_item_attention_ref(
     return (scores.softmax(-1) @ vf).transpose(0, 1).contiguous()
 
 
+def decode_attention_ref(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float | None = None
+) -> torch.Tensor:
+    """q [B, Hq, D], keys / values: per sequence [n_b, Hkv, D] -> out [B, Hq, D] (fp32): each sequence's token
+    attends to all of its keys; GQA by head groups."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    outs = []
+    for b, (k, v) in enumerate(zip(keys, values, strict=True)):
+        group = q.shape[1] // k.shape[1]
+        kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n, D]
+        vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = (kf @ q[b].float()[:, :, None])[..., 0] * scale  # [Hq, n]
+        outs.append((scores.softmax(-1)[:, None, :] @ vf)[:, 0])  # [Hq, D]
+    return torch.stack(outs)
+
+
 def attention_with_lse_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,6 +113,19 @@ def label_logprobs_ref(
     lab_logits = logits.gather(1, idx).masked_fill(~valid, float("-inf"))
     lab_soft = torch.softmax(lab_logits, dim=-1).nan_to_num(0.0)
     return lab_logp, lab_soft
+
+
+def linear_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, gated: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K], weight [N, K] -> fp32 [M, N]: F.linear in fp32, then silu(gate) * up over the two halves of N when
+    gated ([M, N / 2]), then + residual."""
+    y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    if gated:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return y if residual is None else y + residual.float()
 
 
 def add_rms_norm_ref(

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "decode_attention/decode_attention_kernels.cuh"
 #include "gated_delta_rule/gated_delta_rule_kernels.cuh"
 #include "label_logprobs/label_logprobs_kernels.cuh"
 #include "prefix_item_attention/prefix_item_attention_kernels.cuh"
@@ -536,6 +537,102 @@ void check_linear(const std::string& name, const std::vector<Segment>& segs, int
   report(name + " states", state_err, state_err, 2e-5, 2e-5);
 }
 
+// ---- decode_attention -----------------------------------------------------------------------------------------
+
+// Sequences of the given lengths (including the new token), each with its own 2-layer cache of capacity length + 3
+// and a padded token stride; the new token's k / v are passed separately when `with_new` and must land in the cache.
+template <typename T, int D>
+void check_decode(const std::string& name, const std::vector<int>& lengths, int hq, int hkv, bool with_new,
+                  uint32_t seed) {
+  using namespace decode_cuda;
+  const int batch = int(lengths.size()), layers = 2, layer = 1;
+  const int64_t token_stride = int64_t(hkv) * D + 8, head_stride = D;
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<std::vector<T>> k_cache(batch), v_cache(batch);
+  std::vector<int64_t> k_base(batch), v_base(batch), layer_stride(batch);
+  int max_length = 0;
+  for (int b = 0; b < batch; ++b) {
+    const int64_t capacity = lengths[b] + 3;
+    layer_stride[b] = capacity * token_stride;
+    for (auto* c : {&k_cache[b], &v_cache[b]}) {
+      c->resize(layers * layer_stride[b]);
+      for (auto& e : *c) e = to_t<T>(normal(rng) * 1.5f);
+    }
+    k_base[b] = int64_t(reinterpret_cast<uintptr_t>(k_cache[b].data()));
+    v_base[b] = int64_t(reinterpret_cast<uintptr_t>(v_cache[b].data()));
+    max_length = std::max(max_length, lengths[b]);
+  }
+  const int64_t q_seq = int64_t(hq) * D + 8, new_seq = int64_t(hkv) * D + 4;
+  std::vector<T> q(batch * q_seq), k_new(batch * new_seq), v_new(batch * new_seq);
+  for (auto* x : {&q, &k_new, &v_new})
+    for (auto& e : *x) e = to_t<T>(normal(rng) * 1.5f);
+  const T sentinel = to_t<T>(12345.f);
+  std::vector<T> o(batch * q_seq, sentinel);
+
+  DecodeAttentionParams p{};
+  p.q = q.data(), p.q_seq_stride = q_seq, p.q_head_stride = D;
+  p.o = o.data(), p.o_seq_stride = q_seq, p.o_head_stride = D;
+  p.k_new = with_new ? k_new.data() : nullptr, p.v_new = with_new ? v_new.data() : nullptr;
+  p.new_seq_stride = new_seq, p.new_head_stride = D;
+  p.k_base = k_base.data(), p.v_base = v_base.data(), p.layer_stride = layer_stride.data(), p.layer = layer;
+  p.token_stride = token_stride, p.head_stride = head_stride;
+  p.lengths = lengths.data(), p.max_length = max_length;
+  p.num_seqs = batch, p.num_q_heads = hq, p.num_kv_heads = hkv, p.head_dim = D;
+  p.scale = 1.f / std::sqrt(float(D));
+
+  const int max_chunks = ceil_div(max_length, kDecodeChunk);
+  const int64_t parts = int64_t(batch) * hq * max_chunks;
+  std::vector<float> o_parts(parts * D, NAN), lse_parts(parts, NAN);
+  emu::launch(dim3(max_chunks, hkv * row_slices(hq / hkv), batch), dim3(kThreads), 0,
+              [&] { decode_partial_kernel<T, D>(p, max_chunks, o_parts.data(), lse_parts.data()); });
+  if (max_chunks > 1)
+    emu::launch(dim3(ceil_div<int64_t>(int64_t(batch) * hq, kMergeChunkWarps)), dim3(kMergeChunkWarps * 32), 0,
+                [&] { merge_chunks_kernel<T, D>(p, max_chunks, o_parts.data(), lse_parts.data()); });
+
+  double max_err = 0, sum_err = 0;
+  int64_t count = 0;
+  const int group = hq / hkv;
+  for (int b = 0; b < batch; ++b) {
+    const int n = lengths[b];
+    auto cache_at = [&](const std::vector<T>& c, int t, int h) { return layer * layer_stride[b] + t * token_stride +
+                                                                         h * head_stride; };
+    if (with_new) {  // the new token must have been written, exactly
+      for (int h = 0; h < hkv; ++h)
+        for (int d = 0; d < D; ++d)
+          if (to_d(k_cache[b][cache_at(k_cache[b], n - 1, h) + d]) != to_d(k_new[b * new_seq + h * D + d]) ||
+              to_d(v_cache[b][cache_at(v_cache[b], n - 1, h) + d]) != to_d(v_new[b * new_seq + h * D + d]))
+            max_err = INFINITY;
+    }
+    for (int hqi = 0; hqi < hq; ++hqi) {
+      const int h = hqi / group;
+      std::vector<double> w(n);
+      double mx = -1e300;
+      for (int t = 0; t < n; ++t) {
+        double dot = 0;
+        for (int d = 0; d < D; ++d)
+          dot += to_d(q[b * q_seq + hqi * D + d]) * to_d(k_cache[b][cache_at(k_cache[b], t, h) + d]);
+        w[t] = dot * p.scale;
+        mx = std::max(mx, w[t]);
+      }
+      double denom = 0;
+      for (double& x : w) denom += (x = std::exp(x - mx));
+      for (int d = 0; d < D; ++d) {
+        double ref = 0;
+        for (int t = 0; t < n; ++t) ref += w[t] * to_d(v_cache[b][cache_at(v_cache[b], t, h) + d]);
+        const double err = std::fabs(to_d(o[b * q_seq + hqi * D + d]) - ref / denom);
+        max_err = std::max(max_err, std::isnan(err) ? INFINITY : err);
+        sum_err += err;
+        ++count;
+      }
+    }
+    for (int64_t e = int64_t(hq) * D; e < q_seq; ++e)  // padding between sequences must stay untouched
+      if (to_d(o[b * q_seq + e]) != to_d(sentinel)) max_err = INFINITY;
+  }
+  const bool exact = std::is_same_v<T, float>;
+  report(name, max_err, sum_err / double(count), exact ? 1e-5 : 2e-2, exact ? 1e-6 : 3e-3);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -579,6 +676,14 @@ int main(int argc, char** argv) {
                                        11);
     check_attention<float, 64>("attn simple fp32 D64 GQA 4/2, cached blocks",
                                pack({{9, {3, 20}, 1}, {0, {2, 1}, 1, true}, {0, {30, 4}, 1}}, 3), 4, 2, false, 12);
+  }
+
+  if (want("decode")) {
+    // One-token and chunk-edge lengths, a 3-chunk sequence; GQA 3 (SmolLM2), 2 (Qwen3-0.6B), 12 (two row slices).
+    check_decode<__nv_bfloat16, 64>("decode bf16 D64 GQA 9/3, new token", {1, 33, 256, 257}, 9, 3, true, 21);
+    check_decode<__nv_bfloat16, 128>("decode bf16 D128 GQA 4/2, 3 chunks", {600, 2}, 4, 2, true, 22);
+    check_decode<float, 64>("decode fp32 D64 GQA 12/1 (2 row slices)", {5, 300}, 12, 1, false, 23);
+    check_decode<__half, 128>("decode fp16 D128 MHA 2/2", {17}, 2, 2, true, 24);
   }
 
   if (want("labels")) {

@@ -173,6 +173,32 @@ def test_prefix_item_attention_portable_cpu_path(monkeypatch, heads, dtype):
     check_prefix_item_attention("cpu", "mixed", heads, dtype, fused=True)
 
 
+def bf16_dot_paths(module) -> list[str]:
+    """The bf16 product paths this CPU can run (both on any AVX512-BF16 CPU), or skip."""
+    if module is None or not module.cpu_features()["avx512bf16"]:
+        pytest.skip("needs pyscore._C on a CPU with AVX512-BF16")
+    return ["dpbf16", "widen"]
+
+
+@pytest.mark.parametrize("stream", ["mixed", "long"])
+@pytest.mark.parametrize("heads", ["gqa3-d64", "gqa4-d128"])
+def test_bf16_widened_path_is_bitwise_the_dpbf16_path(monkeypatch, stream, heads):
+    """PYSCORE_BF16_DOT=widen (FMA on widened pairs, Intel's default) gives vdpbf16ps's bits (AMD's default), and
+    both pass the reference check."""
+    hq, hkv, d = HEADS[heads]
+    segments, num_tokens = make_segments(STREAMS[stream], "cpu")
+    q, k, v = make_qkv(num_tokens, hq, hkv, d, torch.bfloat16, "cpu", fused=True, seed=3)
+    outs = {}
+    for path in bf16_dot_paths(_ext.cpu_module()):
+        monkeypatch.setenv("PYSCORE_BF16_DOT", path)
+        assert _ext.cpu_module().cpu_features()["bf16_dot"] == path
+        outs[path] = prefix_item_attention(q, k, v, segments, backend="kernel")
+        check_prefix_item_attention("cpu", stream, heads, torch.bfloat16, fused=True)
+    diff = (outs["widen"].float() - outs["dpbf16"].float()).abs()
+    assert torch.equal(outs["widen"], outs["dpbf16"]), (
+        f"max diff {diff.max().item():.3g}, mean {diff.mean().item():.3g}")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_segment_table_is_checked_again_after_in_place_change(device):
     segments, num_tokens = make_segments([(5, [3])], device)
