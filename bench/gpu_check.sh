@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
-# H200 validation of pyscore in one run (issue 6): build the extension for sm_90a, run the CUDA tests (each
+# H200 validation of pyscore in one run (issues 6, 11): build the extension for sm_90a, run the CUDA tests (each
 # kernel against the reference, MIS = SIS on the GPU, graph replay = eager), then the kernel benchmark, the
-# in-process engine benchmark on random-weight Qwen3-0.6B- and Qwen3-8B-shaped models, and a short gRPC
+# in-process engine benchmark on random-weight Qwen3-0.6B-, Qwen3-8B- and Qwen3.5-4B-shaped models, and a short gRPC
 # benchmark. Every stage runs under `timeout`, writes its JSON/log under $OUT before the next starts, and a
-# failing stage does not stop the others. Stage limits add up to 8 min (env 20 s, build 120 (the CUDA module
-# alone took 21 s on 2 cores here), tests 60, kernels 50, engine 0.6B 70, engine 8B 110, gRPC 50); expect about
-# 4-5 min. The last thing printed is bench/gpu/summary.py's table.
+# failing stage does not stop the others. Stage limits add up to 9.5 min (env 20 s, build 120 (the CUDA module
+# alone took 21 s on 2 cores here), tests 60, kernels 50, engine 0.6B 70, engine 8B 110, engine Qwen3.5-4B 100,
+# gRPC 50); expect about 5-6 min. The last thing printed is bench/gpu/summary.py's table.
 #
-# $OUT ends with at most 8 files: build.log tests.log run.log summary.txt kernels.json engine-qwen3-0.6b.json
-# engine-qwen3-8b.json grpc.json.
+# $OUT ends with at most 9 files: build.log tests.log run.log summary.txt kernels.json engine-qwen3-0.6b.json
+# engine-qwen3-8b.json engine-qwen3.5-4b.json grpc.json.
 #
 # Usage:
 #   bench/gpu_check.sh                  on the H200 machine (OUT set by the device tool)
 #   bench/gpu_check.sh --only kernels,engine8b   rerun some stages (env build tests kernels engine06b engine8b
-#                                       grpc); build is skipped when pyscore/_C_cuda*.so exists for this python
+#                                       engine35 grpc); build is skipped when pyscore/_C_cuda*.so exists for this
+#                                       python
 #   bench/gpu_check.sh --cpu-dry-run    here, on the CPU: every stage but the CUDA build/tests, at tiny sizes
 #
 # Wheels (the device has no registry; pybind11 and pytest are on its image, grpcio-tools / health / reflection
@@ -133,6 +134,10 @@ stage engine06b 70 "$RUNLOG" -- "$PY" -m bench.gpu.engine_bench "${SIZE[@]}" --s
   --out "$OUT/engine-qwen3-0.6b.json"
 stage engine8b 110 "$RUNLOG" -- "$PY" -m bench.gpu.engine_bench "${SIZE[@]}" --shape qwen3-8b --budget-s 90 \
   --out "$OUT/engine-qwen3-8b.json"
+# Qwen3.5-4B: hybrid (Gated DeltaNet + gated attention); its 256-dim attention heads take the CUDA-core attention
+# path. No CUDA-graph overhead probe: the hybrid decoder plans its linear layers on the host per batch.
+stage engine35 100 "$RUNLOG" -- "$PY" -m bench.gpu.engine_bench "${SIZE[@]}" --shape qwen3.5-4b --budget-s 80 \
+  --no-overhead --out "$OUT/engine-qwen3.5-4b.json"
 stage grpc 50 "$RUNLOG" -- "$PY" -m bench.gpu.grpc_bench "${SIZE[@]}" --shape qwen3-0.6b --out "$OUT/grpc.json"
 
 {

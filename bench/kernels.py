@@ -1,39 +1,88 @@
-"""CPU kernel micro-benchmark, measured side by side in one run: prefix_item_attention (ours vs torch SDPA with a
-dense mask vs the fp32 reference) on the MIS shape of a SmolLM2 question (prefix 270 + 16 items x 30) and its SIS
-twin (16 x 300), and label_logprobs (ours vs log_softmax(h @ W.T).gather) at R = 16 and 1, V = 49152, H = 576;
-bf16 and fp32; medians after warm-up. Writes bench/results/kernels_cpu.txt.
-Usage: python -m bench.kernels [--threads 2] [--reps 30]"""
+"""CPU kernel micro-benchmark, ours and torch measured alternately in one run (rounds of ours, torch, ours, ...; the
+figure is the median of the per-round medians, so a noisy minute hits both sides):
+- prefix_item_attention (one layer's run of a plan made once per batch, as the decoder runs it) on the MIS shape
+  of a SmolLM2 question (prefix 270 + 16 items x 30) and its SIS twin (16 x 300) vs torch SDPA with a dense mask
+  (and, for SIS, torch's batched causal SDPA); bf16 with each bf16 product path (vdpbf16ps / widened FMA);
+- label_logprobs (R = 16 and 1, V = 49152, H = 576) vs log_softmax(h @ W.T).gather;
+- gemm: linear (prepacked) vs F.linear at every projection of SmolLM2-135M and Qwen3-0.6B, M = 1, 4, 8, 16 (decode) and
+  776 (a 16-candidate MIS prefill); decode shapes cycle through ~96 MB of weight copies, as a 30-layer decode
+  step streams its weights from DRAM;
+- decode_attention (8 sequences of 200..1100 cached tokens, SmolLM2 heads) vs one SDPA call per sequence (the
+  decoder's decode path before it);
+- `--only linear`: Qwen3.5's linear-attention ops (causal_conv1d + gated_delta_rule, one layer's run of a plan made
+  once per batch) on the same MIS and SIS shapes at the Qwen3.5-0.8B layer shape, ours vs transformers' own torch
+  fallbacks (the chunked rule; MIS as the prefix, then the items batched from its final state) vs our fp32
+  reference, written to bench/results/kernels_linear_cpu.txt.
+Writes the table with the CPU (bench.common.machine: model name, family / model, microarchitecture). Usage:
+  python -m bench.kernels [--threads 2] [--rounds 5] [--out FILE] [--only attention labels gemm decode ...]"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bench.engine import machine
-from pyscore.ops import _ext, label_logprobs, prefix_item_attention
-from pyscore.ops.reference import label_logprobs_ref, prefix_item_attention_ref, segment_attention_mask
+from bench.common import machine, median_ms
+from pyscore.ops import (
+    AttentionPlan,
+    SegmentTable,
+    _ext,
+    decode_attention,
+    label_logprobs,
+    linear,
+    pack_linear,
+    plan_decode,
+)
+from pyscore.ops.gated_delta_rule import causal_conv1d, gated_delta_rule, plan_linear_attention
+from pyscore.ops.reference import (
+    causal_conv1d_ref,
+    gated_delta_rule_ref,
+    label_logprobs_ref,
+    prefix_item_attention_ref,
+    segment_attention_mask,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results" / "kernels_cpu.txt"
+LINEAR_RESULTS = Path(__file__).resolve().parent / "results" / "kernels_linear_cpu.txt"
+LIN_SHAPE = (16, 16, 128, 4)  # Qwen3.5-0.8B Gated DeltaNet: Hk, Hv, head dim, conv kernel
 HQ, HKV, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
 VOCAB, HIDDEN = 49152, 576
+# (name, K, N, gated): the decoder's projections (gate_up is [2I, K] with the SiLU-mul epilogue fused).
+LINEAR_SHAPES = [
+    ("SmolLM2 qkv", 576, 960, False), ("SmolLM2 o", 576, 576, False), ("SmolLM2 gate_up", 576, 3072, True),
+    ("SmolLM2 down", 1536, 576, False), ("Qwen3-0.6B qkv", 1024, 4096, False), ("Qwen3-0.6B o", 2048, 1024, False),
+    ("Qwen3-0.6B gate_up", 1024, 6144, True), ("Qwen3-0.6B down", 3072, 1024, False),
+]
+LINEAR_ROWS = [1, 4, 8, 16, 776]
+WEIGHT_BYTES = 96e6  # > 3x this machine's L3: decode-shaped calls read their weights from DRAM
+SECTIONS = ["attention", "labels", "gemm", "decode", "interleave", "linear"]
+DEFAULT_SECTIONS = SECTIONS[:-1]  # "linear" (Qwen3.5's linear attention) runs alone, into its own file
 
 
-def median_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+def alternate(fns: dict[str, Callable[[], object]], reps: int, rounds: int,
+              setup: dict[str, Callable[[], None]] | None = None) -> dict[str, float]:
+    """Median over `rounds` of each function's median time (ms), the functions taking turns round by round."""
+    per_round: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if setup and name in setup:
+                setup[name]()
+            per_round[name].append(median_ms(fn, reps))
+    return {name: statistics.median(times) for name, times in per_round.items()}
 
+
+def with_bf16_dot(path: str) -> Callable[[], None]:
+    def apply() -> None:
+        os.environ["PYSCORE_BF16_DOT"] = path
+    return apply
+
+
+# ---- attention and label scores -------------------------------------------------------------------------------
 
 def mis_segments() -> torch.Tensor:
     """One group: a 270-token prefix, then 16 items of 30 tokens that each see it."""
@@ -56,6 +105,13 @@ def fused_qkv(num_tokens: int, dtype: torch.dtype):
     return q, k, v
 
 
+def planned(segments: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable[[], object]:
+    """One layer's attention as the decoder runs it: the plan is made once per batch (not timed), each call runs
+    it."""
+    plan = AttentionPlan(SegmentTable.of(segments, q.shape[0]), HQ, HKV, HEAD_DIM, q.dtype, "cpu", backend="kernel")
+    return lambda: plan.run(q, k, v)
+
+
 def heads_first(q, k, v):
     """[Hq, T, D] contiguous copies with the kv heads repeated for GQA: torch SDPA's fastest input layout (made
     outside the timed region, so the baseline is not charged for it)."""
@@ -63,42 +119,260 @@ def heads_first(q, k, v):
     return tuple(x.transpose(0, 1).repeat_interleave(n, 0).contiguous() for x, n in ((q, 1), (k, group), (v, group)))
 
 
-def attention_rows(name: str, segments: torch.Tensor, dtype: torch.dtype, reps: int) -> list[str]:
+def bf16_paths(dtype: torch.dtype, default: str) -> list[str]:
+    """The bf16 product paths to time: the CPU's default first, then the other one ("fma" for fp32)."""
+    if dtype != torch.bfloat16:
+        return ["fma"]
+    return [default, "widen" if default == "dpbf16" else "dpbf16"]
+
+
+def path_setup(paths: list[str]) -> dict[str, Callable[[], None]]:
+    """Per bf16 path, what selects it before its turn (PYSCORE_BF16_DOT)."""
+    return {p: with_bf16_dot(p) for p in paths if p != "fma"}
+
+
+def attention_rows(name: str, segments: torch.Tensor, dtype: torch.dtype, reps: int, rounds: int,
+                   default: str) -> list[str]:
     num_tokens = int(segments[:, 1].sum())
     q, k, v = fused_qkv(num_tokens, dtype)
     mask = segment_attention_mask(segments, num_tokens)
     qh, kh, vh = (x[None] for x in heads_first(q, k, v))  # [1, H, T, D]: 4-d takes torch's fused CPU kernel
-    ours = median_ms(lambda: prefix_item_attention(q, k, v, segments, backend="kernel"), reps)
-    sdpa = median_ms(lambda: F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask), max(3, reps // 10), warmup=1)
+    paths = bf16_paths(dtype, default)
+    run = planned(segments, q, k, v)
+    times = alternate(dict.fromkeys(paths, run), reps, rounds, path_setup(paths))
+    os.environ["PYSCORE_BF16_DOT"] = default
+    sdpa = median_ms(lambda: F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask), max(3, reps // 10),
+                     warmup=1)
     ref = median_ms(lambda: prefix_item_attention_ref(q, k, v, segments), 3, warmup=1)
     dt = str(dtype).removeprefix("torch.")
-    return [f"{'attention ' + name:<26}{dt:<10}{ours:>9.3f}{sdpa:>11.3f}{ref:>11.3f}{sdpa / ours:>11.1f}x"
-            f"{ref / ours:>10.1f}x"]
+    return [f"{'attention ' + name:<26}{dt:<10}{p:<8}{times[p]:>9.3f}{sdpa:>11.3f}{ref:>11.3f}"
+            f"{sdpa / times[p]:>11.1f}x{ref / times[p]:>10.1f}x" for p in paths]
 
 
-def sis_batched_rows(dtype: torch.dtype, reps: int) -> list[str]:
+def sis_batched_rows(dtype: torch.dtype, reps: int, default: str) -> list[str]:
     """SIS against torch at its best: the 16 sequences as a padded-free batch [16, Hq, 300, D], is_causal."""
     segments = sis_segments()
     q, k, v = fused_qkv(int(segments[:, 1].sum()), dtype)
     # [Hq, 16 * 300, D] -> [16, Hq, 300, D]
     qb, kb, vb = (x.view(HQ, 16, 300, HEAD_DIM).transpose(0, 1).contiguous() for x in heads_first(q, k, v))
-    ours = median_ms(lambda: prefix_item_attention(q, k, v, segments, backend="kernel"), reps)
-    sdpa = median_ms(lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True), reps)
-    dt = str(dtype).removeprefix("torch.")
-    return [f"{'  (torch batched causal)':<26}{dt:<10}{ours:>9.3f}{sdpa:>11.3f}{'':>11}{sdpa / ours:>11.1f}x"]
+    times = alternate({"ours": planned(segments, q, k, v),
+                       "torch": lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True)}, reps, 2)
+    dt, path = str(dtype).removeprefix("torch."), bf16_paths(dtype, default)[0]
+    return [f"{'  (torch batched causal)':<26}{dt:<10}{path:<8}{times['ours']:>9.3f}{times['torch']:>11.3f}{'':>11}"
+            f"{times['torch'] / times['ours']:>11.1f}x"]
 
 
-def label_rows(rows: int, dtype: torch.dtype, reps: int) -> list[str]:
+def label_rows(rows: int, dtype: torch.dtype, reps: int, rounds: int, default: str) -> list[str]:
     h = torch.randn(rows, HIDDEN).to(dtype)
     w = (torch.randn(VOCAB, HIDDEN) * HIDDEN**-0.5).to(dtype)
     labels = torch.randint(0, VOCAB, (rows, 2), dtype=torch.int32)
     index = labels.long()
-    ours = median_ms(lambda: label_logprobs(h, w, labels, backend="kernel"), reps)
-    plain = median_ms(lambda: torch.log_softmax((h @ w.T).float(), -1).gather(1, index), reps)
+    paths = bf16_paths(dtype, default)
+    fns: dict[str, Callable[[], object]] = {p: (lambda: label_logprobs(h, w, labels, backend="kernel")) for p in paths}
+    fns["torch"] = lambda: torch.log_softmax((h @ w.T).float(), -1).gather(1, index)
+    times = alternate(fns, reps, rounds, path_setup(paths))
+    os.environ["PYSCORE_BF16_DOT"] = default
     ref = median_ms(lambda: label_logprobs_ref(h, w, labels), 3, warmup=1)
+    dt, plain = str(dtype).removeprefix("torch."), times["torch"]
+    return [f"{f'label_logprobs R={rows}':<26}{dt:<10}{p:<8}{times[p]:>9.3f}{plain:>11.3f}{ref:>11.3f}"
+            f"{plain / times[p]:>11.1f}x{ref / times[p]:>10.1f}x" for p in paths]
+
+
+def attention_section(reps: int, rounds: int, default: str) -> list[str]:
+    lines = ["times: median ms; 'torch' = SDPA with a dense [T, T] bool mask (attention) or "
+             "log_softmax((h @ W.T).float()).gather (labels); path = the bf16 product",
+             "",
+             f"{'op / shape':<26}{'dtype':<10}{'path':<8}{'ours':>9}{'torch':>11}{'reference':>11}{'torch/ours':>12}"
+             f"{'ref/ours':>11}"]
+    print("\n".join(lines), flush=True)
+    for dtype in (torch.bfloat16, torch.float32):
+        rows = attention_rows("MIS 270+16x30", mis_segments(), dtype, reps, rounds, default)
+        rows += attention_rows("SIS 16x300", sis_segments(), dtype, max(3, reps // 3), 2, default)
+        rows += sis_batched_rows(dtype, max(3, reps // 3), default)
+        print("\n".join(rows), flush=True)
+        lines += rows
+    return lines
+
+
+def label_section(reps: int, rounds: int, default: str) -> list[str]:
+    lines = []
+    for dtype in (torch.bfloat16, torch.float32):
+        rows = label_rows(16, dtype, reps, rounds, default) + label_rows(1, dtype, reps, rounds, default)
+        print("\n".join(rows), flush=True)
+        lines += rows
+    return lines
+
+
+# ---- gemm (the linear op) -----------------------------------------------------------------------------------
+
+def linear_row(name: str, x: torch.Tensor, weights: list[torch.Tensor], packed: list, gated: bool,
+               rounds: int) -> str:
+    """ours (prepacked, gated = fused SiLU-mul) vs F.linear (gated: + silu(gate) * up in torch, as the unfused
+    decoder computes it) at one M; decode-sized M cycles through all weight copies."""
+    (m, k), n = x.shape, weights[0].shape[0]
+    cycle = len(weights) if m <= 16 else 1  # prefill is compute bound: one weight, as one layer's call
+    turn = [0]
+
+    def ours():
+        turn[0] = (turn[0] + 1) % cycle
+        return linear(x, packed[turn[0]])
+
+    def torch_linear():
+        turn[0] = (turn[0] + 1) % cycle
+        y = F.linear(x, weights[turn[0]])
+        return F.silu(y[:, : n // 2]) * y[:, n // 2 :] if gated else y
+
+    times = alternate({"ours": ours, "torch": torch_linear}, 30 if m <= 16 else 5, rounds)
+    flop, o, t = 2 * m * n * k, times["ours"], times["torch"]
+    return (f"{name:<20}{m:>5}{k:>6}{n:>6}{o:>10.3f}{flop / o / 1e9:>8.3f}{t:>10.3f}{flop / t / 1e9:>8.3f}"
+            f"{t / o:>8.2f}x")
+
+
+def linear_rows(name: str, k: int, n: int, gated: bool, rounds: int) -> list[str]:
+    copies = max(1, int(WEIGHT_BYTES // (n * k * 2)))
+    weights = [(torch.randn(n, k) * k**-0.5).bfloat16() for _ in range(copies)]
+    packed = [pack_linear(w, gated=gated) for w in weights]
+    lines = []
+    for m in LINEAR_ROWS:
+        lines.append(linear_row(name, torch.randn(m, k).bfloat16(), weights, packed, gated, rounds))
+        print(lines[-1], flush=True)
+    return lines
+
+
+def gemm_section(rounds: int) -> list[str]:
+    lines = ["linear (bf16, prepacked) vs F.linear; gate_up: ours fuses silu(gate) * up, torch runs it after; "
+             "decode rows (M <= 16) cycle ~96 MB of weights; TF/s = 2 M N K / time",
+             f"{'shape':<20}{'M':>5}{'K':>6}{'N':>6}{'ours ms':>10}{'TF/s':>8}{'torch ms':>10}{'TF/s':>8}"
+             f"{'t/ours':>9}"]
+    print("\n".join(lines), flush=True)
+    for name, k, n, gated in LINEAR_SHAPES:
+        lines += linear_rows(name, k, n, gated, rounds)
+    return lines
+
+
+# ---- Qwen3.5's linear attention ----------------------------------------------------------------------------------
+
+def linear_inputs(num_tokens: int, dtype: torch.dtype, heads: tuple[int, int, int, int] = LIN_SHAPE,
+                  device: str = "cpu"):
+    """(x [T, C] conv input, conv weight [C, K], the rule's inputs as views into one projection output) for a
+    Gated DeltaNet layer of (Hk, Hv, D, K)."""
+    hk, hv, d, taps = heads
+    channels = 2 * hk * d + hv * d
+    g = torch.Generator(device=device).manual_seed(num_tokens)
+    x = torch.randn(num_tokens, channels, generator=g, device=device).to(dtype)
+    weight = (torch.randn(channels, taps, generator=g, device=device) * 0.5).to(dtype)
+    y = torch.randn(num_tokens, channels + 2 * hv, generator=g, device=device).to(dtype)
+    q = y[:, : hk * d].view(num_tokens, hk, d)
+    k = y[:, hk * d : 2 * hk * d].view(num_tokens, hk, d)
+    v = y[:, 2 * hk * d : channels].view(num_tokens, hv, d)
+    a, b = y[:, channels : channels + hv], y[:, channels + hv :]
+    a_log, dt_bias = torch.randn(2, hv, generator=g, device=device).unbind(0)
+    return x, weight, (q, k, v, a, b, a_log * 0.5, dt_bias)
+
+
+def transformers_linear(x, weight, rule_args, prefix: int, items: int, item_len: int):
+    """What transformers' Qwen3.5 torch fallbacks need for the same work: MIS as the prefix (final state and conv
+    tail kept), then the items batched [n, L] continuing from it; SIS (prefix 0) as a batch of n sequences. Returns
+    the items' rule outputs [n L, Hv, Dv]."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_fn, torch_chunk_gated_delta_rule
+
+    q, k, v, a, b, a_log, dt_bias = rule_args
+    g = -a_log.exp() * F.softplus(a.float() + dt_bias)
+    beta = b.sigmoid()
+
+    def rule(sl, batch, length, state=None):
+        parts = [t[sl].reshape(batch, length, *t.shape[1:]) for t in (q, k, v, g, beta)]
+        return torch_chunk_gated_delta_rule(*parts, initial_state=state, output_final_state=True,
+                                            use_qk_l2norm_in_kernel=True)
+
+    def conv(sl, batch, length, tail=None):
+        xs = x[sl].reshape(batch, length, -1).transpose(1, 2)
+        if tail is not None:
+            xs = torch.cat([tail.expand(batch, -1, -1), xs], dim=-1)
+        return causal_conv1d_fn(xs, weight, None, activation="silu")[..., -length:]
+
+    if not prefix:
+        conv(slice(None), items, item_len)
+        return rule(slice(None), items, item_len)[0].flatten(0, 1)
+    conv(slice(0, prefix), 1, prefix)
+    _, state = rule(slice(0, prefix), 1, prefix)
+    conv(slice(prefix, None), items, item_len, x[prefix - weight.shape[1] + 1 : prefix].T[None])
+    return rule(slice(prefix, None), items, item_len, state.expand(items, -1, -1, -1).contiguous())[0].flatten(0, 1)
+
+
+def linear_attention_rows(name: str, prefix: int, items: int, item_len: int, dtype: torch.dtype,
+                          reps: int) -> list[str]:
+    segments = mis_segments() if prefix else sis_segments()
+    num_tokens = int(segments[:, 1].sum())
+    x, weight, rule_args = linear_inputs(num_tokens, dtype)
+    table = SegmentTable.of(segments, num_tokens)
+    plan = plan_linear_attention(table)
+
+    def ours():
+        causal_conv1d(x, weight, table, plan, backend="kernel")
+        gated_delta_rule(*rule_args, table, plan, backend="kernel")
+
+    def reference():
+        causal_conv1d_ref(x, weight, segments)
+        gated_delta_rule_ref(*rule_args, segments)
+
+    mine = median_ms(ours, reps)
+    theirs = median_ms(lambda: transformers_linear(x, weight, rule_args, prefix, items, item_len), max(3, reps // 5),
+                       warmup=1)
+    ref = median_ms(reference, 1, warmup=0)
+    # The items' rule outputs, ours vs transformers' on the same (dtype) inputs computed in fp32.
+    got = gated_delta_rule(*rule_args, table, plan, backend="kernel")[prefix:].float()
+    want = transformers_linear(x.float(), weight.float(), [t.float() for t in rule_args], prefix, items, item_len)
     dt = str(dtype).removeprefix("torch.")
-    return [f"{f'label_logprobs R={rows}':<26}{dt:<10}{ours:>9.3f}{plain:>11.3f}{ref:>11.3f}{plain / ours:>11.1f}x"
-            f"{ref / ours:>10.1f}x"]
+    return [f"{'conv+rule ' + name:<26}{dt:<10}{mine:>9.3f}{theirs:>13.3f}{ref:>11.1f}{theirs / mine:>11.1f}x"
+            f"{ref / mine:>10.0f}x{(got - want).abs().max().item():>11.1e}"]
+
+
+def linear_attention_section(reps: int) -> list[str]:
+    lines = [
+        "Qwen3.5-0.8B linear-attention layer: Hk {}, Hv {}, Dk = Dv = {}, conv kernel {}; ".format(*LIN_SHAPE) +
+        "ours = causal_conv1d + gated_delta_rule (segment table)",
+        "'transformers' = causal_conv1d_fn + torch_chunk_gated_delta_rule (their torch fallbacks; MIS: the prefix, "
+        "then the items batched from its final state and conv tail); times: median ms; max diff: the items' rule "
+        "outputs, ours vs transformers' in fp32 on the same inputs",
+        "",
+        f"{'op / shape':<26}{'dtype':<10}{'ours':>9}{'transformers':>13}{'reference':>11}{'tf/ours':>12}"
+        f"{'ref/ours':>11}{'max diff':>11}",
+    ]
+    print("\n".join(lines), flush=True)
+    for dtype in (torch.bfloat16, torch.float32):
+        rows = linear_attention_rows("MIS 270+16x30", 270, 16, 30, dtype, reps)
+        rows += linear_attention_rows("SIS 16x300", 0, 16, 300, dtype, reps)
+        print("\n".join(rows), flush=True)
+        lines += rows
+    return lines
+
+
+# ---- decode attention -------------------------------------------------------------------------------------------
+
+def decode_section(reps: int, rounds: int) -> list[str]:
+    lengths = [200, 350, 500, 650, 800, 900, 1000, 1100]
+    layers, layer = 30, 17
+    caches_k = [torch.randn(layers, n + 16, HKV, HEAD_DIM).bfloat16() for n in lengths]
+    caches_v = [torch.randn(layers, n + 16, HKV, HEAD_DIM).bfloat16() for n in lengths]
+    q = torch.randn(len(lengths), HQ, HEAD_DIM).bfloat16()
+    plan = plan_decode(caches_k, caches_v, lengths)
+
+    def per_sequence_sdpa():  # the decoder's current decode attention: one SDPA call per sequence
+        outs = []
+        for b, n in enumerate(lengths):
+            keys = caches_k[b][layer, :n].transpose(0, 1)[None]
+            values = caches_v[b][layer, :n].transpose(0, 1)[None]
+            outs.append(F.scaled_dot_product_attention(q[b].unsqueeze(1)[None], keys, values, enable_gqa=True)[0, :, 0])
+        return torch.stack(outs)
+
+    times = alternate({"ours": lambda: decode_attention(q, plan, layer, backend="kernel"),
+                       "torch": per_sequence_sdpa}, reps, rounds)
+    line = (f"{'decode_attention 8 seqs':<26}{'bfloat16':<10}{times['ours']:>9.3f}{times['torch']:>11.3f}"
+            f"{times['torch'] / times['ours']:>11.1f}x   (200..1100 cached tokens, 9/3 heads, d 64; torch = one "
+            f"SDPA per sequence)")
+    print(line, flush=True)
+    return [f"{'op':<26}{'dtype':<10}{'ours':>9}{'torch':>11}{'torch/ours':>12}", line]
 
 
 def interleave_rows(reps: int) -> list[str]:
@@ -115,24 +389,27 @@ def interleave_rows(reps: int) -> list[str]:
     def matmuls():
         return (x @ w_qkv.T)[:, : HQ * HEAD_DIM] @ w_o.T
 
-    def kernel():
-        return prefix_item_attention(q, k, v, segments, backend="kernel")
+    kernel = planned(segments, q, k, v)
 
     def step():
         qkv = x @ w_qkv.T
-        out = prefix_item_attention(q, k, v, segments, backend="kernel")
+        out = kernel()
         return out.view(num_tokens, -1) @ w_o.T + qkv[:, :576]
 
     alone = median_ms(matmuls, reps) + median_ms(kernel, reps)
     both = median_ms(step, reps)
-    return [f"{'matmul+attention step':<26}{'bfloat16':<10}{'sum of parts alone':>20}{alone:>9.3f}"
+    return ["thread pools: torch matmuls and our kernel alternating (one decoder layer's pattern, MIS shape)",
+            f"{'matmul+attention step':<26}{'bfloat16':<10}{'sum of parts alone':>20}{alone:>9.3f}"
             f"{'interleaved':>13}{both:>9.3f}{both / alone:>9.2f}x"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--reps", type=int, default=20, help="timed calls per round")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per comparison")
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=DEFAULT_SECTIONS)
+    parser.add_argument("--out", type=Path, help="default: kernels_cpu.txt (kernels_linear_cpu.txt for --only linear)")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -140,28 +417,27 @@ def main() -> None:
     if module is None:
         raise SystemExit("pyscore._C is not built: python setup.py build_ext --inplace")
     module.set_num_threads(args.threads)
-    lines = [
-        f"machine: {machine()}",
-        f"torch {torch.__version__}, threads {args.threads}, cpu features {module.cpu_features()}",
-        "times: median ms; 'torch' = SDPA with a dense [T, T] bool mask (attention) or "
-        "log_softmax((h @ W.T).float()).gather (labels)",
-        "",
-        f"{'op / shape':<26}{'dtype':<10}{'ours':>9}{'torch':>11}{'reference':>11}{'torch/ours':>12}{'ref/ours':>11}",
-    ]
+    features = module.cpu_features()
+    default = features["bf16_dot"]
+    lines = [f"machine: {machine()}",
+             f"torch {torch.__version__}, threads {args.threads}, kernel path {features['path']}, bf16 product "
+             f"{default} by default; cpu features {features}", ""]
     print("\n".join(lines), flush=True)
-    for dtype in (torch.bfloat16, torch.float32):
-        rows = attention_rows("MIS 270+16x30", mis_segments(), dtype, args.reps)
-        rows += attention_rows("SIS 16x300", sis_segments(), dtype, args.reps) + sis_batched_rows(dtype, args.reps)
-        rows += label_rows(16, dtype, args.reps) + label_rows(1, dtype, args.reps)
-        print("\n".join(rows), flush=True)
-        lines += rows
-    rows = ["", "thread pools: torch matmuls and our kernel alternating (one decoder layer's pattern, MIS shape)"]
-    rows += interleave_rows(args.reps)
-    print("\n".join(rows), flush=True)
-    lines += rows
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text("\n".join(lines) + "\n")
-    print(f"\nwritten to {RESULTS}")
+    sections = {
+        "attention": lambda: attention_section(args.reps, args.rounds, default),
+        "labels": lambda: label_section(args.reps, args.rounds, default),
+        "gemm": lambda: gemm_section(args.rounds),
+        "decode": lambda: decode_section(args.reps, args.rounds),
+        "interleave": lambda: interleave_rows(args.reps),
+        "linear": lambda: linear_attention_section(args.reps),
+    }
+    out = args.out or (LINEAR_RESULTS if args.only == ["linear"] else RESULTS)
+    for name in args.only:
+        lines += [*sections[name](), ""]
+        print(flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines).rstrip() + "\n")
+    print(f"written to {out}")
 
 
 if __name__ == "__main__":

@@ -4,8 +4,10 @@ served by a pool of async workers large enough that the client never holds an ar
 
 Time to decision = completion of a question's last candidate - its scheduled arrival (open loop) or its
 dispatch (closed loop). Per question we record scheduled, dispatched and completed times; dispatched -
-scheduled is the client's own dispatch lag, reported as `queueing_delay_ms` and warned about when it is not
-negligible. Server-side queueing is inside `service_latency_ms` (completed - dispatched).
+scheduled is the client's own dispatch lag, reported as `dispatch_lag_ms` and warned about when it is not
+negligible. `queueing_delay_ms` is the server-side queue wait, where the target reports it (our gRPC server:
+Usage.queue_duration, the wait before the first forward pass); it is part of `service_latency_ms` (completed -
+dispatched), as is `server_compute_ms` (Usage.compute_duration).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class Record:
     calls: int = 0
     prompt_tokens: int = 0
     computed_tokens: int = 0
+    server_queue_ms: float | None = None  # as the target reports it (None: it does not)
+    server_compute_ms: float | None = None
 
     @property
     def e2e_ms(self) -> float:
@@ -54,11 +58,12 @@ class Record:
         return (self.completed - self.dispatched) * 1e3
 
     @property
-    def queue_ms(self) -> float:
+    def lag_ms(self) -> float:
+        """The client's dispatch lag: dispatched - scheduled (0 in a closed loop)."""
         return 0.0 if self.scheduled is None else (self.dispatched - self.scheduled) * 1e3
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self) | {"e2e_ms": self.e2e_ms, "service_ms": self.service_ms, "queue_ms": self.queue_ms}
+        return asdict(self) | {"e2e_ms": self.e2e_ms, "service_ms": self.service_ms, "lag_ms": self.lag_ms}
 
 
 @dataclass
@@ -121,8 +126,9 @@ def summarize_records(records: Sequence[Record], wall_s: float) -> dict[str, Any
         "achieved_qps": achieved_qps(len(good), wall_s),
         "end_to_end_latency_ms": latency_stats([r.e2e_ms for r in good]),
         "service_latency_ms": latency_stats([r.service_ms for r in good]),
-        "queueing_delay_ms": latency_stats([r.queue_ms for r in good]),
-        "dispatch_lag_ms": latency_stats([r.queue_ms for r in records]),
+        "queueing_delay_ms": latency_stats([r.server_queue_ms for r in good if r.server_queue_ms is not None]),
+        "server_compute_ms": latency_stats([r.server_compute_ms for r in good if r.server_compute_ms is not None]),
+        "dispatch_lag_ms": latency_stats([r.lag_ms for r in records]),
         "p95_by_candidates": {b: st["p95"] for b, st in bucket_stats.items()},
         "p50_by_candidates": {b: st["p50"] for b, st in bucket_stats.items()},
         "questions_by_candidates": count_by_bucket,
@@ -143,7 +149,8 @@ async def _decide(target: Target, path: str, q: Question, scheduled: float | Non
     completed = time.perf_counter() - t0
     return Record(q.id, q.num_candidates, q.bucket, scheduled, dispatched, completed, ok=True, choice=d.choice,
                   correct=None if d.choice is None else d.choice == q.answer, calls=d.calls,
-                  prompt_tokens=d.prompt_tokens, computed_tokens=d.computed_tokens)
+                  prompt_tokens=d.prompt_tokens, computed_tokens=d.computed_tokens,
+                  server_queue_ms=d.server_queue_ms, server_compute_ms=d.server_compute_ms)
 
 
 def _short(e: Exception) -> str:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -21,19 +19,11 @@ from typing import Any
 import torch
 
 import pyscore.model.decoder as decoder_module
-from bench.question import question
+from bench.common import REPO as ROOT
+from bench.common import machine, question
 from pyscore.engine import Engine
 
-ROOT = Path(__file__).resolve().parents[1]
 LABELS = [" Yes", " No"]
-
-
-def cpu() -> str:
-    """lscpu's model name with its CPU family and model (machines of one name differ)."""
-    fields = dict(line.split(":", 1) for line in subprocess.run(["lscpu"], capture_output=True, text=True,
-                                                                check=True).stdout.splitlines() if ":" in line)
-    get = lambda k: fields.get(k, "?").strip()  # noqa: E731
-    return f"{get('Model name')} (family {get('CPU family')}, model {get('Model')}), {os.cpu_count()} cores"
 
 
 def keep_residual_in_fp32(engine: Engine) -> None:
@@ -106,7 +96,7 @@ def main() -> None:
             if setup is not None:
                 setup(engine)
             runs[name] = collect(engine, questions[: args.fp32_residual], ("sis", "mis"))
-    report: dict[str, Any] = dict(when=time.strftime("%Y-%m-%d %H:%M:%S"), cpu=cpu(), model="SmolLM2-135M-Instruct",
+    report: dict[str, Any] = dict(when=time.strftime("%Y-%m-%d %H:%M:%S"), cpu=machine(), model="SmolLM2-135M-Instruct",
                                   questions=args.questions, candidates=16 * args.questions,
                                   seconds=round(time.perf_counter() - t0), runs={})
     for name, run in runs.items():

@@ -7,7 +7,7 @@ round and not in the second is a high-water mark, not a leak. Writes a JSON and 
 
     python -m bench.overload [--duration 60] [--factor 3] [--max-queue 16] [--out bench/results/hardening]
 
-The helpers here (server process, RSS, percentiles, references) are shared with bench/soak.py.
+The helpers here (percentiles, references) are shared with bench/soak.py; the server process is bench.common's.
 """
 
 from __future__ import annotations
@@ -19,76 +19,19 @@ import json
 import os
 import random
 import shlex
-import subprocess
-import sys
 import time
-import urllib.request
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from bench.question import question
+from bench.common import REPO, ServerProcess, question, spawn_server
 from pyscore.client import AsyncScorerClient, ScorerClient
 from pyscore.types import ScoreResult
 
-ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-3  # |batched - alone| on a probability above which an answer counts as wrong (bf16 serving)
-
-
-# -- the server process ---------------------------------------------------------------------------------------
-@dataclass
-class ServerProcess:
-    proc: subprocess.Popen[str]
-    target: str
-    metrics_port: int
-    log: Path
-
-    def rss_mb(self) -> float:
-        return rss_mb(self.proc.pid)
-
-    def cpu_s(self) -> float:
-        """CPU seconds the server process has used (user + system, all threads)."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def queue_depth(self) -> float:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
-            for line in r.read().decode().splitlines():
-                if line.startswith("pyscore_queue_depth "):
-                    return float(line.split()[1])
-        return float("nan")
-
-    def stop(self) -> int:
-        self.proc.terminate()
-        return self.proc.wait(60)
-
-
-def spawn_server(*flags: str, log: Path, env: dict[str, str] | None = None) -> ServerProcess:
-    """`python -m server` on a free port with a metrics endpoint, once it is SERVING (stderr goes to `log`;
-    `env` adds to the environment)."""
-    cmd = [sys.executable, "-m", "server", "--port", "0", "--metrics-port", "0", "--log-level", "WARNING", *flags]
-    err = log.open("w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})))
-    assert proc.stdout is not None
-    target, metrics_port = "", 0
-    for line in proc.stdout:
-        if line.startswith("pyscore: listening on "):
-            target = line.split()[3]
-        elif line.startswith("pyscore: metrics on "):
-            metrics_port = int(line.rsplit(":", 1)[1].split("/")[0])
-        elif line.startswith("pyscore: serving "):
-            return ServerProcess(proc, target, metrics_port, log)
-    raise RuntimeError(f"the server exited: {log.read_text()[-2000:]}")
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def machine_load() -> dict[str, Any]:
@@ -192,6 +135,21 @@ async def sample(server: ServerProcess, samples: Samples, start: float, stop: as
             await asyncio.wait_for(stop.wait(), 0.25)
 
 
+async def poisson_arrivals(rate: float, seconds: float, rng: random.Random, start: float,
+                           send: Callable[[float], Awaitable[None]]) -> None:
+    """Calls `send(seconds since start)` at Poisson arrival times (`rate` per second) until `seconds` after
+    `start` (a perf_counter time), without waiting for one before the next; returns when all have finished."""
+    tasks = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if t >= seconds:
+            break
+        await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
+        tasks.append(asyncio.ensure_future(send(time.perf_counter() - start)))
+    await asyncio.gather(*tasks)
+
+
 async def open_loop(server: ServerProcess, cases: list[ScoreCase], rate: float, seconds: float,
                     seed: int = 0) -> tuple[list[Outcome], Samples]:
     rng = random.Random(seed)
@@ -209,16 +167,8 @@ async def open_loop(server: ServerProcess, cases: list[ScoreCase], rate: float, 
             outcomes.append(Outcome(sent, time.perf_counter() - start - sent, e.code().name))
 
     sampler = asyncio.ensure_future(sample(server, samples, start, stop))
-    tasks = []
     async with AsyncScorerClient(server.target, timeout=120) as client:
-        t = 0.0
-        while True:
-            t += rng.expovariate(rate)
-            if t >= seconds:
-                break
-            await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
-            tasks.append(asyncio.ensure_future(one(client, rng.choice(cases), time.perf_counter() - start)))
-        await asyncio.gather(*tasks)
+        await poisson_arrivals(rate, seconds, rng, start, lambda sent: one(client, rng.choice(cases), sent))
     stop.set()
     await sampler
     return outcomes, samples
@@ -247,13 +197,13 @@ def main() -> None:
     ap.add_argument("--capacity-s", type=float, default=20.0, help="seconds of the capacity measurement")
     ap.add_argument("--rounds", type=int, default=2, help="load rounds on the same server (default 2)")
     ap.add_argument("--server-args", default="", help='more `python -m server` flags, e.g. "--threads 1"')
-    ap.add_argument("--out", type=Path, default=ROOT / "bench/results/hardening")
+    ap.add_argument("--out", type=Path, default=REPO / "bench/results/hardening")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
     load_before = machine_load()
     server = spawn_server("--max-queue", str(args.max_queue), *shlex.split(args.server_args),
-                          log=args.out / "overload_server.log")
+                          log=args.out / "overload_server.log", metrics=True)
     try:
         cases = mis_cases(args.pool, args.items)
         alone_s = score_alone(server.target, cases)

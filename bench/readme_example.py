@@ -3,7 +3,7 @@ so the numbers the README shows come from a recorded run: python -m bench.readme
 
 from __future__ import annotations
 
-from bench.engine import machine
+from bench.common import machine
 from pyscore.engine import Engine
 
 QUERY = ("Customer: Where is my order #1234? It was due yesterday. Should the support agent do this? "

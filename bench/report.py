@@ -233,7 +233,10 @@ def header(summaries: Sequence[dict[str, Any]]) -> list[str]:
     gpu = ", ".join(m["gpu"]) if m.get("gpu") else "none"
     commits = sorted({s.get("git_commit") or "unknown" for s in summaries})
     loads = sorted(s["loadavg_before"][0] for s in summaries if s.get("loadavg_before"))
-    return ["# Serving benchmark", "",
+    dirty = [c for c in commits if c.endswith("+dirty") or c == "unknown"]
+    warning = [f"> **WARNING: not from a clean commit ({', '.join(dirty)})**: these numbers are of code no commit "
+               "holds; rerun `make bench` on a clean tree before quoting them.", ""] if dirty else []
+    return ["# Serving benchmark", "", *warning,
             f"- machine: {m['cpu']}, {m['cores']} cores, GPU: {gpu} ({m.get('platform', '')})",
             f"- model: {s0['model']} ({s0.get('target_details', {}).get('dtype', '?')}); "
             f"targets: {', '.join(sorted({s['target'] for s in summaries}))}",

@@ -16,94 +16,25 @@ import contextlib
 import json
 import math
 import os
-import platform
 import re
-import subprocess
-import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bench import loadgen
+from bench.common import git_commit, machine_info, spawned_server
 from bench.dataset import Dataset, Question
 from bench.targets import PATHS, Target, make_target
 
-REPO = Path(__file__).resolve().parent.parent
-
 
 # --- where it ran ----------------------------------------------------------------------------------------
-def cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
-def gpus() -> list[str]:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=10, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [line.strip() for line in out.splitlines() if line.strip()]
-
-
-def machine() -> dict[str, Any]:
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "gpu": gpus() or None, "platform": platform.platform(),
-            "python": platform.python_version()}
-
-
-def git_commit() -> str | None:
-    """HEAD, with '+dirty' when the work tree differs from it (the numbers are then of uncommitted code)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head + ("+dirty" if dirty else "")
-
-
 def loadavg() -> list[float] | None:
     try:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return None
-
-
-# --- a server of our own ---------------------------------------------------------------------------------
-@contextlib.contextmanager
-def spawned_server(log_path: Path, args: Sequence[str] = (), timeout_s: float = 180.0) -> Iterator[str]:
-    """`python -m server --port 0 ...` in a subprocess; yields HOST:PORT once it prints that it is serving,
-    and stops it (SIGTERM, graceful) afterwards. Its output goes to `log_path` (per-request lines at INFO
-    would otherwise fill a pipe nobody reads)."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "server", "--port", "0", "--log-level", "WARNING", *args],
-                                cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            m = re.search(r"pyscore: serving .* on (\S+)", log_path.read_text())
-            if m:
-                break
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({proc.returncode}) before serving:\n{log_path.read_text()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the server did not serve within {timeout_s} s; see {log_path}")
-            time.sleep(0.2)
-        yield m.group(1)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 # --- one load point --------------------------------------------------------------------------------------
@@ -179,7 +110,7 @@ def run_summary(target: Target, path: str, point: LoadPoint, rep: int, measured:
         "label_token_ids": target.info.label_token_ids, "marker": target.info.marker,
         "target_details": target.info.details,
         "dataset": dataset.origin, "seed": s.seed,
-        "machine": machine(), "loadavg_before": load_before, "loadavg_after": loadavg(),
+        "machine": machine_info(), "loadavg_before": load_before, "loadavg_after": loadavg(),
         "git_commit": git_commit(), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         **s.extra,
     }
@@ -204,6 +135,7 @@ def one_line(summary: dict[str, Any]) -> str:
 
     return (f"{summary['path']:>8} {load:>9} rep{summary['rep']}: p50 {ms(e2e['p50'])} ms, p95 {ms(e2e['p95'])} ms, "
             f"achieved {summary['achieved_qps']:.2f} q/s, errors {summary['num_errors']}/{summary['num_questions']}"
+            f", server queue p50 {ms(summary['queueing_delay_ms']['p50'])} ms"
             f", lag p99 {ms(summary['dispatch_lag_ms']['p99'])} ms")
 
 
@@ -259,8 +191,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="127.0.0.1:50051",
-                   help="HOST:PORT (our gRPC server), openai-http://HOST:PORT, sglang-score-http://HOST:PORT, "
-                        "or inprocess (default %(default)s)")
+                   help="HOST:PORT (our gRPC server), openai-http://HOST:PORT, vllm-http://HOST:PORT, "
+                        "sglang-score-http://HOST:PORT, or inprocess (default %(default)s)")
     p.add_argument("--spawn-server", action="store_true",
                    help="start `python -m server` on a free port for the run (ignores --target)")
     p.add_argument("--server-arg", action="append", default=[], help="extra flag for the spawned server")
@@ -282,7 +214,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--marker", default=None, help="setwise marker token (default: a special token of the model)")
     p.add_argument("--model", default=None, help="HTTP targets: the model name (default: the first /v1/models)")
     p.add_argument("--label-token-ids", type=int, nargs=2, default=None, metavar=("YES", "NO"),
-                   help="sglang-score-http: Yes/No ids (default: the server's /tokenize)")
+                   help="sglang-score-http, vllm-http: Yes/No ids (default: the server's /tokenize)")
     p.add_argument("--timeout", type=float, default=120.0, help="per-request deadline, seconds")
     p.add_argument("--threads", type=int, default=None, help="inprocess: model threads (default: all cores)")
     p.add_argument("--dtype", default="auto", help="inprocess: model dtype (default %(default)s)")
@@ -305,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     with contextlib.ExitStack() as stack:
         target = a.target
         if a.spawn_server:
-            target = stack.enter_context(spawned_server(out / "server.log", a.server_arg))
+            target = stack.enter_context(spawned_server(out / "server.log", a.server_arg)).target
         asyncio.run(run(target, a.paths, points, dataset, settings, out, a.slo_ms, **options))
     print(f"{len(collect(out))} summaries in {out / 'results.json'}; report: python -m bench.report {out}")
 

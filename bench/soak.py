@@ -34,19 +34,8 @@ from typing import Any
 
 import grpc
 
-from bench.mis_sis_gap import cpu
-from bench.overload import (
-    ROOT,
-    TOLERANCE,
-    ScoreCase,
-    ServerProcess,
-    machine_load,
-    max_diff,
-    ms,
-    score_alone,
-    spawn_server,
-)
-from bench.question import question
+from bench.common import REPO, ServerProcess, machine, question, spawn_server
+from bench.overload import TOLERANCE, ScoreCase, machine_load, max_diff, ms, score_alone
 from pyscore.client import AsyncScorerClient, ScorerClient
 
 MARKER = " ###"  # one token in SmolLM2's vocabulary
@@ -325,7 +314,7 @@ def main() -> None:
                     help="more environment for the server, e.g. MALLOC_MMAP_THRESHOLD_=131072 or "
                          "ONEDNN_PRIMITIVE_CACHE_CAPACITY=64 (repeatable)")
     ap.add_argument("--name", help="name of the result files (default: from the variant)")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench/results/hardening")
+    ap.add_argument("--out", type=Path, default=REPO / "bench/results/hardening")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     name = variant_name(args)
@@ -333,7 +322,7 @@ def main() -> None:
     memory_log.unlink(missing_ok=True)
 
     load_before = machine_load()
-    server = spawn_server(*shlex.split(args.server_args), log=args.out / f"{name}_server.log",
+    server = spawn_server(*shlex.split(args.server_args), log=args.out / f"{name}_server.log", metrics=True,
                           env=server_env(args, memory_log))
     try:
         cases = make_cases(args.per_kind)
@@ -349,7 +338,7 @@ def main() -> None:
             server.proc.kill()
     memory = read_memory_log(memory_log)
     verdict = rss_verdict(samples)
-    result = dict(run=name, when=time.strftime("%Y-%m-%d %H:%M:%S"), cpu=cpu(),
+    result = dict(run=name, when=time.strftime("%Y-%m-%d %H:%M:%S"), cpu=machine(),
                   machine=dict(before=load_before, after=machine_load()), config=dict(vars(args), out=str(args.out)),
                   capacity_rps=round(cap, 3), offered_rps=round(rate, 3), samples=samples, memory=memory,
                   rss_verdict=verdict, server_exit_code=exit_code, **summarize(outcomes, args.minutes))

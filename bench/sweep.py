@@ -7,7 +7,8 @@
 4. results.json, report.md and the plots in the output folder.
 
 Each load point is repeated (--reps, default 3). Check that the machine is otherwise idle first (`uptime`):
-the report prints the load average seen before every run.
+the report prints the load average seen before every run. Numbers are of a commit: a tree with uncommitted
+changes to tracked files is refused unless --allow-dirty, and the report then says so at its top.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench import report, serving
+from bench.common import REPO, git_commit, spawned_server
 from bench.dataset import Dataset
 from bench.serving import LoadPoint, Settings
 
@@ -42,13 +44,24 @@ OPEN = [
 ]
 
 
+def require_clean_commit(commit: str | None, allow_dirty: bool) -> None:
+    """Refuses (SystemExit) to benchmark uncommitted code unless allowed; then warns that the report will say so."""
+    if commit is not None and not commit.endswith("+dirty"):
+        return
+    what = commit or "a tree outside git"
+    if not allow_dirty:
+        raise SystemExit(f"refusing to benchmark {what}: commit first, or pass --allow-dirty "
+                         "(make bench BENCH_ARGS=--allow-dirty) to run it marked as such")
+    print(f"WARNING: benchmarking {what}: the report will say it is not from a clean commit", flush=True)
+
+
 def run_inprocess(out: Path, reps: int, num_questions: int, threads: int | None) -> None:
     """The engine in a fresh process, so the client of step 2 never shares an interpreter with torch."""
     cmd = [sys.executable, "-m", "bench.serving", "--target", "inprocess", "--concurrency", "1", "--reps", str(reps),
            "--num-questions", str(num_questions), "--out", str(out), "--warmup", "2"]
     if threads:
         cmd += ["--threads", str(threads)]
-    subprocess.run(cmd, check=True, cwd=serving.REPO)
+    subprocess.run(cmd, check=True, cwd=REPO)
 
 
 async def run_server_steps(address: str, steps: list[Step], dataset: Dataset, s: Settings, out: Path,
@@ -72,7 +85,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="model threads (server and in-process)")
     p.add_argument("--skip-inprocess", action="store_true")
     p.add_argument("--skip-open", action="store_true")
+    p.add_argument("--allow-dirty", action="store_true", help="run on uncommitted changes (the report says so)")
     a = p.parse_args()
+    require_clean_commit(git_commit(), a.allow_dirty)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]
@@ -89,8 +104,8 @@ def main() -> None:
     steps = [CLOSED_C1, CLOSED_C8] + ([] if a.skip_open else OPEN)
     server_args = ["--threads", str(a.threads)] if a.threads else []
     t1 = time.monotonic()
-    with serving.spawned_server(out / "server.log", server_args) as address:
-        asyncio.run(run_server_steps(address, steps, dataset, replace(settings), out, slo_ms=report.SLO_MS))
+    with spawned_server(out / "server.log", server_args) as server:
+        asyncio.run(run_server_steps(server.target, steps, dataset, replace(settings), out, slo_ms=report.SLO_MS))
     phases["server_s"] = time.monotonic() - t1
     phases["total_s"] = time.monotonic() - t0
     (out / "sweep.json").write_text(json.dumps({"argv": sys.argv[1:], "phases": phases}, indent=2) + "\n")

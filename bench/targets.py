@@ -1,10 +1,16 @@
 """Where a benchmark sends its questions. Every target turns one question into one decision along a path
 (`generate`, `sis`, `mis`, `fused`, `setwise`) and knows nothing of load generation:
 
-- `GrpcTarget` (`HOST:PORT` or `grpc://HOST:PORT`): our pyscore.v1.Scorer; all five paths.
+- `GrpcTarget` (`HOST:PORT` or `grpc://HOST:PORT`): our pyscore.v1.Scorer; all five paths. Its prefix cache
+  is used as `prefix_cache` says (`cache_options`): by default with a fresh salt per question dispatch, the
+  same rule as vLLM's below.
 - `OpenAIHTTPTarget` (`openai-http://HOST:PORT`): vLLM / SGLang / llama.cpp OpenAI-compatible servers:
   `generate` = one one-token /v1/completions with logprobs per candidate, all in flight at once;
   `fused` = one one-token /v1/chat/completions with top_logprobs.
+- `VLLMHTTPTarget` (`vllm-http://HOST:PORT`): vLLM driven fairly: `sis` / `mis` = its /generative_scoring (our
+  Score's request shape), `generate` / `fused` as above, every request of one question dispatch carrying one
+  fresh `cache_salt` (a repetition never hits an earlier repetition's cache; one question's candidates still
+  share the query's cached blocks); /metrics token counters for what usage does not say.
 - `SGLangScoreTarget` (`sglang-score-http://HOST:PORT`): SGLang's /v1/score for `sis` / `mis` (whether SGLang
   runs multi-item scoring is decided by its launch flags, not by the request).
 - `InProcessTarget` (`inprocess`): pyscore.engine.Engine in this process, no gRPC (the service layer's cost).
@@ -13,6 +19,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -22,18 +29,31 @@ from bench import prompts
 from bench.dataset import Question
 
 PATHS = ("generate", "sis", "mis", "fused", "setwise")
+PREFIX_CACHE_MODES = ("dispatch", "shared", "off")
 GENERATE_TOP_LOGPROBS = 5
 FUSED_TOP_LOGPROBS = 20
 
 
 @dataclass
 class Decision:
-    """The chosen option (None when the answer named no option) and the token accounting where known."""
+    """The chosen option (None when the answer named no option), the token accounting where known, and the
+    server-side timing where the target reports it."""
 
     choice: int | None
     calls: int = 1
     prompt_tokens: int = 0
     computed_tokens: int = 0
+    server_queue_ms: float | None = None
+    server_compute_ms: float | None = None
+
+
+def usage_decision(choice: int | None, usages: Sequence[Any], timed: bool) -> Decision:
+    """A Decision from the pyscore Usage of each call it took: tokens summed; with `timed` (a server's usages),
+    its queue wait and compute time, the longest of the calls (they run at once)."""
+    return Decision(choice, calls=len(usages), prompt_tokens=sum(u.prompt_tokens for u in usages),
+                    computed_tokens=sum(u.computed_tokens for u in usages),
+                    server_queue_ms=max(u.queue_s for u in usages) * 1e3 if timed and usages else None,
+                    server_compute_ms=max(u.compute_s for u in usages) * 1e3 if timed and usages else None)
 
 
 @dataclass
@@ -78,6 +98,7 @@ class PointwiseScoring:
     """sis / mis for targets with our Score semantics: one request per question, Yes/No rows per option."""
 
     info: TargetInfo
+    timed = False  # the results' Usage carries a server's queue wait and compute time
 
     async def _score_result(self, query: str, items: list[str], mode: str) -> Any:
         """The target's ScoreResult for one pointwise prompt (Yes/No label ids, apply_softmax)."""
@@ -86,14 +107,25 @@ class PointwiseScoring:
     async def _score(self, q: Question, mode: str) -> Decision:
         p = prompts.pointwise(q)
         r = await self._score_result(p.query, p.items, mode)
-        return Decision(pointwise_choice([rows[0] for rows in r.scores]), prompt_tokens=r.usage.prompt_tokens,
-                        computed_tokens=r.usage.computed_tokens)
+        return usage_decision(pointwise_choice([rows[0] for rows in r.scores]), [r.usage], self.timed)
 
     async def _sis(self, q: Question) -> Decision:
         return await self._score(q, "sis")
 
     async def _mis(self, q: Question) -> Decision:
         return await self._score(q, "mis")
+
+
+def cache_options(mode: str) -> dict[str, Any]:
+    """The request fields of one question dispatch to our server or engine, by prefix-cache mode: "dispatch"
+    (default) a fresh prefix_cache_salt, the fair match of VLLMHTTPTarget's cache_salt (a repetition never hits an
+    earlier one's blocks; one question's candidates share theirs); "shared" the cache as any client gets it;
+    "off" bypass_prefix_cache (every call cold)."""
+    if mode not in PREFIX_CACHE_MODES:
+        raise ValueError(f"prefix_cache must be one of {PREFIX_CACHE_MODES}, got {mode!r}")
+    if mode == "off":
+        return {"bypass_prefix_cache": True}
+    return {"prefix_cache_salt": uuid.uuid4().hex} if mode == "dispatch" else {}
 
 
 # --- decisions from what the model returned ---------------------------------------------------------------
@@ -125,12 +157,15 @@ async def resolve_labels(tokenize) -> list[int]:
 
 class GrpcTarget(PointwiseScoring, Target):
     paths = PATHS
+    timed = True
 
-    def __init__(self, address: str, **kw: Any) -> None:
+    def __init__(self, address: str, *, prefix_cache: str = "dispatch", **kw: Any) -> None:
         super().__init__(**kw)
         self.address = address
         self.spec = f"grpc://{address}"
         self.client: Any = None
+        cache_options(prefix_cache)
+        self.prefix_cache = prefix_cache
 
     async def open(self) -> TargetInfo:
         from pyscore.client import AsyncScorerClient
@@ -148,7 +183,8 @@ class GrpcTarget(PointwiseScoring, Target):
             marker = prompts.pick_marker(tokenized.__getitem__, model.special_tokens.values())
         self.marker = marker
         self.info = TargetInfo(model=model.name, label_token_ids=labels, marker=marker,
-                               details=dict(dtype=model.dtype, device=model.device, architecture=model.architecture))
+                               details=dict(dtype=model.dtype, device=model.device, architecture=model.architecture,
+                                            prefix_cache=self.prefix_cache))
         return self.info
 
     async def close(self) -> None:
@@ -157,35 +193,32 @@ class GrpcTarget(PointwiseScoring, Target):
 
     async def _generate(self, q: Question) -> Decision:
         p = prompts.pointwise(q)
+        cache = cache_options(self.prefix_cache)
         results = await asyncio.gather(*(
-            self.client.generate(p.query + item, max_tokens=1, top_logprobs=GENERATE_TOP_LOGPROBS)
+            self.client.generate(p.query + item, max_tokens=1, top_logprobs=GENERATE_TOP_LOGPROBS, **cache)
             for item in p.items))
         tops = [[(t.token, t.logprob) for t in r.logprobs[0].top] if r.logprobs else [] for r in results]
-        return Decision(generate_choice(tops), calls=len(results),
-                        prompt_tokens=sum(r.usage.prompt_tokens for r in results),
-                        computed_tokens=sum(r.usage.computed_tokens for r in results))
+        return usage_decision(generate_choice(tops), [r.usage for r in results], timed=True)
 
     async def _score_result(self, query: str, items: list[str], mode: str) -> Any:
         return await self.client.score(query, items, label_token_ids=self.info.label_token_ids, apply_softmax=True,
-                                       mode=mode)
+                                       mode=mode, **cache_options(self.prefix_cache))
 
     async def _fused(self, q: Question) -> Decision:
         r = await self.client.generate(prompts.fused_choice(q), apply_chat_template=True, max_tokens=1,
-                                       top_logprobs=FUSED_TOP_LOGPROBS)
+                                       top_logprobs=FUSED_TOP_LOGPROBS, **cache_options(self.prefix_cache))
         top = [(t.token, t.logprob) for t in r.logprobs[0].top] if r.logprobs else []
-        return Decision(prompts.best_letter(top, q.num_candidates), prompt_tokens=r.usage.prompt_tokens,
-                        computed_tokens=r.usage.computed_tokens)
+        return usage_decision(prompts.best_letter(top, q.num_candidates), [r.usage], timed=True)
 
     async def _setwise(self, q: Question) -> Decision:
         assert self.marker is not None
         s = prompts.setwise(q, self.marker)
         r = await self.client.score(s.query, [s.item], label_token_ids=self.info.label_token_ids, apply_softmax=True,
-                                    score_extraction_token=self.marker)
+                                    score_extraction_token=self.marker, **cache_options(self.prefix_cache))
         rows = r.scores[0]
         if len(rows) != q.num_candidates:
             raise TargetError(f"setwise: {len(rows)} marker rows for {q.num_candidates} options")
-        return Decision(pointwise_choice(rows), prompt_tokens=r.usage.prompt_tokens,
-                        computed_tokens=r.usage.computed_tokens)
+        return usage_decision(pointwise_choice(rows), [r.usage], timed=True)
 
 
 # --- HTTP servers ----------------------------------------------------------------------------------------
@@ -239,38 +272,144 @@ class HTTPTarget(Target):
         return [int(t) for t in (await self.post("/tokenize", body))["tokens"]]
 
 
+@dataclass
+class Usage:
+    """An OpenAI-style `usage`: prompt tokens, and the prompt tokens served from the prefix cache where the
+    server says (vLLM: `prompt_tokens_details.cached_tokens`, given --enable-prompt-tokens-details)."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None
+
+    @classmethod
+    def of(cls, answer: Any) -> Usage:
+        usage = answer.get("usage") if isinstance(answer, dict) else None
+        if not isinstance(usage, dict):
+            return cls()
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        return cls(int(usage.get("prompt_tokens") or 0), None if cached is None else int(cached))
+
+
+def http_usage_decision(choice: int | None, usages: Sequence[Usage]) -> Decision:
+    """A decision with the summed token accounting; computed tokens stay 0 (unknown) unless every answer said
+    how many of its prompt tokens came from the cache."""
+    prompt = sum(u.prompt_tokens for u in usages)
+    known = all(u.cached_tokens is not None for u in usages)
+    computed = prompt - sum(u.cached_tokens or 0 for u in usages) if known else 0
+    return Decision(choice, calls=len(usages), prompt_tokens=prompt, computed_tokens=computed)
+
+
 class OpenAIHTTPTarget(HTTPTarget):
+    """`extra` (the body fields one question dispatch adds to each of its requests) is empty here; the vLLM
+    target sets a fresh cache salt in it."""
+
     paths = ("generate", "fused")
+    scheme = "openai-http"
 
     def __init__(self, base_url: str, **kw: Any) -> None:
         super().__init__(base_url, **kw)
-        self.spec = "openai-http://" + self.base_url.split("://", 1)[-1]
+        self.spec = f"{self.scheme}://" + self.base_url.split("://", 1)[-1]
 
-    async def _completion_top(self, prompt: str) -> list[tuple[str, float]]:
+    async def _completion_top(self, prompt: str, extra: dict[str, Any]) -> tuple[list[tuple[str, float]], Usage]:
         body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
-                "logprobs": GENERATE_TOP_LOGPROBS}
+                "logprobs": GENERATE_TOP_LOGPROBS, **extra}
         answer = await self.post("/v1/completions", body)
         try:
             top = answer["choices"][0]["logprobs"]["top_logprobs"][0]
         except (KeyError, IndexError, TypeError) as e:
             raise TargetError(f"/v1/completions: no top_logprobs in {str(answer)[:300]}") from e
-        return [(str(t), float(lp)) for t, lp in top.items()]
+        return [(str(t), float(lp)) for t, lp in top.items()], Usage.of(answer)
 
-    async def _generate(self, q: Question) -> Decision:
+    async def _generate(self, q: Question, extra: dict[str, Any] | None = None) -> Decision:
         p = prompts.pointwise(q)
-        tops = await asyncio.gather(*(self._completion_top(p.query + item) for item in p.items))
-        return Decision(generate_choice(tops), calls=len(tops))
+        answers = await asyncio.gather(*(self._completion_top(p.query + item, extra or {}) for item in p.items))
+        return http_usage_decision(generate_choice([top for top, _ in answers]), [u for _, u in answers])
 
-    async def _fused(self, q: Question) -> Decision:
+    async def _fused(self, q: Question, extra: dict[str, Any] | None = None) -> Decision:
         body = {"model": self.model, "messages": [{"role": "user", "content": prompts.fused_choice(q)}],
                 "max_tokens": 1, "temperature": 0.0, "logprobs": True, "top_logprobs": FUSED_TOP_LOGPROBS,
-                "chat_template_kwargs": {"enable_thinking": False}}
+                "chat_template_kwargs": {"enable_thinking": False}, **(extra or {})}
         answer = await self.post("/v1/chat/completions", body)
         try:
             top = answer["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
         except (KeyError, IndexError, TypeError) as e:
             raise TargetError(f"/v1/chat/completions: no top_logprobs in {str(answer)[:300]}") from e
-        return Decision(prompts.best_letter([(str(t["token"]), float(t["logprob"])) for t in top], q.num_candidates))
+        choice = prompts.best_letter([(str(t["token"]), float(t["logprob"])) for t in top], q.num_candidates)
+        return http_usage_decision(choice, [Usage.of(answer)])
+
+
+# vLLM's /metrics counters (Prometheus; summed over the label sets that carry every given label) that say how
+# many prompt tokens it was asked for, how many its prefix cache served and how many it computed.
+VLLM_COUNTERS = {
+    "prompt_tokens": ("vllm:prompt_tokens_total", ()),
+    "prefix_cache_queries": ("vllm:prefix_cache_queries_total", ()),
+    "prefix_cache_hits": ("vllm:prefix_cache_hits_total", ()),
+    "computed_tokens": ("vllm:prompt_tokens_by_source_total", ('source="local_compute"',)),
+}
+
+
+def prometheus_counters(text: str, names: dict[str, tuple[str, tuple[str, ...]]]) -> dict[str, float]:
+    """{key: the sum of metric names[key][0] over its label sets that contain every label of names[key][1]}
+    from a Prometheus text exposition; a metric that does not appear is absent from the result."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name, _, labels = name_labels.partition("{")
+        for key, (metric, required) in names.items():
+            if name == metric and all(label in labels for label in required):
+                out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+class VLLMHTTPTarget(OpenAIHTTPTarget):
+    """vLLM's OpenAI server, driven as fairly as we know: `sis` and `mis` send the same /generative_scoring
+    request (query, items, Yes/No label ids, apply_softmax — how vLLM runs it, one sequence per item sharing
+    the query's cached blocks, is its own choice), `generate` one one-token /v1/completions per candidate."""
+
+    paths = ("generate", "sis", "mis", "fused")
+    scheme = "vllm-http"
+
+    async def open(self) -> TargetInfo:
+        info = await super().open()
+        info.label_token_ids = self.label_token_ids or await resolve_labels(self.tokenize)
+        info.details["cache_salt"] = "fresh per question dispatch"
+        return info
+
+    async def decide(self, path: str, q: Question) -> Decision:
+        self.check_path(path)
+        extra = {"cache_salt": uuid.uuid4().hex}
+        if path in ("sis", "mis"):
+            return await self._generative_scoring(q, extra)
+        return await getattr(self, f"_{path}")(q, extra)
+
+    async def _generative_scoring(self, q: Question, extra: dict[str, Any]) -> Decision:
+        p = prompts.pointwise(q)
+        body = {"model": self.model, "query": p.query, "items": p.items, "label_token_ids": self.info.label_token_ids,
+                "apply_softmax": True, **extra}
+        answer = await self.post("/generative_scoring", body)
+        scores = generative_scoring_scores(answer, len(p.items))
+        return http_usage_decision(prompts.argmax(scores), [Usage.of(answer)])
+
+    async def counters(self) -> dict[str, float]:
+        """vLLM's cumulative token counters now (see VLLM_COUNTERS); diff two snapshots around a run."""
+        async with self.session.get(self.base_url + "/metrics") as response:
+            if response.status != 200:
+                raise TargetError(f"/metrics: HTTP {response.status}")
+            return prometheus_counters(await response.text(), VLLM_COUNTERS)
+
+
+def generative_scoring_scores(answer: Any, num_items: int) -> list[float]:
+    """P(first label) per item, in item order, from /generative_scoring's `data` ({index, score} per item; with
+    apply_softmax the score is normalised over the label ids only, as our Score's first column)."""
+    try:
+        scores = [float(r["score"]) for r in sorted(answer["data"], key=lambda r: int(r["index"]))]
+    except (KeyError, TypeError, ValueError) as e:
+        raise TargetError(f"/generative_scoring: no per-item scores in {str(answer)[:300]}") from e
+    if len(scores) != num_items:
+        raise TargetError(f"/generative_scoring: expected {num_items} scores, got {len(scores)}")
+    return scores
 
 
 class SGLangScoreTarget(HTTPTarget):
@@ -311,9 +450,11 @@ class InProcessTarget(PointwiseScoring, Target):
     paths = PATHS
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", threads: int | None = None,
-                 **kw: Any) -> None:
+                 prefix_cache: str = "dispatch", **kw: Any) -> None:
         super().__init__(**kw)
         self.model, self.dtype, self.threads = model, dtype, threads
+        cache_options(prefix_cache)
+        self.prefix_cache = prefix_cache
         self.spec = "inprocess" + (f":{model}" if model else "")
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="bench-engine")
         self.engine: Any = None
@@ -345,8 +486,10 @@ class InProcessTarget(PointwiseScoring, Target):
         from pyscore.types import GenerateRequest
 
         p = prompts.pointwise(q)
+        cache = cache_options(self.prefix_cache)
         gens = [self.engine.start_generation(GenerateRequest(prompt=p.query + item, max_tokens=1,
-                                                             top_logprobs=GENERATE_TOP_LOGPROBS)) for item in p.items]
+                                                             top_logprobs=GENERATE_TOP_LOGPROBS, **cache))
+                for item in p.items]
         while not all(g.finished for g in gens):
             self.engine.step(gens)
         results = [g.result() for g in gens]
@@ -357,14 +500,15 @@ class InProcessTarget(PointwiseScoring, Target):
         return await self.run(self._generate_sync, q)
 
     async def _score_result(self, query: str, items: list[str], mode: str) -> Any:
+        cache = cache_options(self.prefix_cache)
         return await self.run(lambda: self.engine.score(query, items, label_token_ids=self.info.label_token_ids,
-                                                        apply_softmax=True, mode=mode))
+                                                        apply_softmax=True, mode=mode, **cache))
 
     async def _fused(self, q: Question) -> Decision:
         from pyscore.types import GenerateRequest
 
         request = GenerateRequest(prompt=prompts.fused_choice(q), apply_chat_template=True, max_tokens=1,
-                                  top_logprobs=FUSED_TOP_LOGPROBS)
+                                  top_logprobs=FUSED_TOP_LOGPROBS, **cache_options(self.prefix_cache))
         r = await self.run(self.engine.generate, request)
         top = [(t.token, t.logprob) for t in r.logprobs[0].top] if r.logprobs else []
         return Decision(prompts.best_letter(top, q.num_candidates), prompt_tokens=r.usage.prompt_tokens,
@@ -373,22 +517,27 @@ class InProcessTarget(PointwiseScoring, Target):
     async def _setwise(self, q: Question) -> Decision:
         assert self.marker is not None
         s = prompts.setwise(q, self.marker)
+        cache = cache_options(self.prefix_cache)
         r = await self.run(lambda: self.engine.score(s.query, [s.item], label_token_ids=self.info.label_token_ids,
-                                                     apply_softmax=True, score_extraction_token=self.marker))
+                                                     apply_softmax=True, score_extraction_token=self.marker, **cache))
         return Decision(pointwise_choice(r.scores[0]), prompt_tokens=r.usage.prompt_tokens,
                         computed_tokens=r.usage.computed_tokens)
 
 
 def make_target(spec: str, **kw: Any) -> Target:
-    """`HOST:PORT` / `grpc://HOST:PORT`, `openai-http://HOST:PORT`, `sglang-score-http://HOST:PORT`,
-    `inprocess[:MODEL]`. HTTP-only options (model, label_token_ids) and in-process ones (dtype, threads) are
-    dropped for targets that do not take them."""
+    """`HOST:PORT` / `grpc://HOST:PORT`, `openai-http://HOST:PORT`, `vllm-http://HOST:PORT`,
+    `sglang-score-http://HOST:PORT`,
+    `inprocess[:MODEL]`. HTTP-only options (model, label_token_ids), in-process ones (dtype, threads) and ours
+    (prefix_cache) are dropped for targets that do not take them."""
     http = {k: kw.pop(k) for k in ("model", "label_token_ids") if k in kw}
     local = {k: kw.pop(k) for k in ("dtype", "threads") if k in kw}
+    ours = {k: kw.pop(k) for k in ("prefix_cache",) if k in kw}
     if spec.startswith("openai-http://"):
         return OpenAIHTTPTarget("http://" + spec.removeprefix("openai-http://"), **http, **kw)
+    if spec.startswith("vllm-http://"):
+        return VLLMHTTPTarget("http://" + spec.removeprefix("vllm-http://"), **http, **kw)
     if spec.startswith("sglang-score-http://"):
         return SGLangScoreTarget("http://" + spec.removeprefix("sglang-score-http://"), **http, **kw)
     if spec == "inprocess" or spec.startswith("inprocess:"):
-        return InProcessTarget(spec.partition(":")[2] or http.get("model"), **local, **kw)
-    return GrpcTarget(spec.removeprefix("grpc://"), **kw)
+        return InProcessTarget(spec.partition(":")[2] or http.get("model"), **local, **ours, **kw)
+    return GrpcTarget(spec.removeprefix("grpc://"), **ours, **kw)

@@ -6,29 +6,103 @@
 
 #include "add_rms_norm/launch.h"
 #include "common/bind_args.h"
+#include "gated_delta_rule/launch.h"
 #include "common/cpu_features.h"
+#include "common/merge_state_cpu.h"
 #include "common/threads.h"
+#include "decode_attention/launch.h"
 #include "label_logprobs/launch.h"
+#include "linear/launch.h"
 #include "prefix_item_attention/cpu_ops.h"
-#include "prefix_item_attention/launch.h"
+#include "prefix_item_attention/plan_cpu.h"
 #include "rotary/launch.h"
 #include "silu_mul/launch.h"
 
 namespace py = pybind11;
 using namespace pyscore;
 
+namespace {
+
+// Every kernel runs with the GIL released, the decoder's elementwise ops (tens of microseconds each) too, so the
+// server's event loop is never held up by model work; the launcher's status becomes a Python exception.
+template <class Launch>
+void run_without_gil(const char* op, Launch launch) {
+  Status status;
+  {
+    py::gil_scoped_release release;
+    status = launch();
+  }
+  throw_on_error(status, op);
+}
+
+}  // namespace
+
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "pyscore CPU kernels: prefix_item_attention, label_logprobs, add_rms_norm, rotary, silu_mul";
+  m.doc() = "pyscore CPU kernels: prefix_item_attention, decode_attention, label_logprobs, linear, add_rms_norm, "
+            "rotary, silu_mul, causal_conv1d, gated_delta_rule";
+  py::class_<AttentionCpuPlan, std::shared_ptr<AttentionCpuPlan>>(
+      m, "AttentionPlan", "prefix_item_attention's plan for one batch (opaque): the segment table read and "
+                          "validated, the work listed, the workspaces allocated")
+      .def_property_readonly("workspace_bytes", &AttentionCpuPlan::workspace_bytes)
+      .def_property_readonly("num_units", [](const AttentionCpuPlan& p) { return p.units.size(); });
+  m.def("prefix_item_attention_plan",
+        [](uintptr_t segments, int32_t num_segments, int32_t num_tokens, int32_t num_q_heads, int32_t num_kv_heads,
+           int32_t head_dim, const std::string& dtype, uintptr_t cached, uintptr_t cached_blocks,
+           int32_t num_cached_blocks, int32_t block_tokens) {
+          const AttentionPlanParams shape =
+              make_attention_plan_params(segments, num_segments, num_tokens, num_q_heads, num_kv_heads, head_dim,
+                                         dtype, cached, cached_blocks, num_cached_blocks, block_tokens);
+          auto plan = std::make_shared<AttentionCpuPlan>();
+          run_without_gil("prefix_item_attention_plan",
+                          [&] { return prefix_item_attention_plan_cpu(shape, plan.get()); });
+          return plan;
+        },
+        py::arg("segments"), py::arg("num_segments"), py::arg("num_tokens"), py::arg("num_q_heads"),
+        py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("dtype"), py::arg("cached") = 0,
+        py::arg("cached_blocks") = 0, py::arg("num_cached_blocks") = 0, py::arg("block_tokens") = 0,
+        "Plans a batch: its segment table and, optionally, its cached-key tables (read and copied now)");
   m.def("prefix_item_attention",
-        [](uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t o, Strides qs, Strides ks, Strides vs, Strides os,
-           uintptr_t segments, int32_t num_segments, int32_t num_tokens, int32_t num_q_heads, int32_t num_kv_heads,
-           int32_t head_dim, float scale, const std::string& dtype) {
-          auto p = make_attention_params(q, k, v, o, qs, ks, vs, os, segments, num_segments, num_tokens,
-                                         num_q_heads, num_kv_heads, head_dim, scale, dtype);
-          py::gil_scoped_release release;
-          Status status = prefix_item_attention_cpu(p);
-          py::gil_scoped_acquire acquire;
-          throw_on_error(status, "prefix_item_attention");
+        [](AttentionCpuPlan& plan, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t o, Strides qs, Strides ks,
+           Strides vs, Strides os, float scale, uintptr_t cache_k, uintptr_t cache_v, CacheStrides cache_strides) {
+          const AttentionPlanParams& s = plan.shape;
+          auto p = make_attention_params(q, k, v, o, qs, ks, vs, os, 0, s.num_segments, s.num_tokens, s.num_q_heads,
+                                         s.num_kv_heads, s.head_dim, scale, s.dtype);
+          set_attention_cache(p, cache_k, cache_v, cache_strides);
+          run_without_gil("prefix_item_attention", [&] { return prefix_item_attention_run_cpu(plan, p); });
+        },
+        py::arg("plan"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("q_strides"),
+        py::arg("k_strides"), py::arg("v_strides"), py::arg("o_strides"), py::arg("scale"), py::arg("cache_k") = 0,
+        py::arg("cache_v") = 0, py::arg("cache_strides") = CacheStrides{0, 0, 0},
+        "One layer's attention with a plan from prefix_item_attention_plan (the tables are read from the plan); "
+        "cache_k / cache_v: this layer's cached blocks when the plan has cached keys");
+  m.def("causal_conv1d",
+        [](uintptr_t x, int64_t x_token_stride, uintptr_t weight, uintptr_t y, int64_t y_token_stride,
+           uintptr_t segments, int32_t num_segments, int32_t num_tokens, int32_t channels, int32_t kernel_size,
+           uintptr_t tail_in, uintptr_t tail_out, const std::string& dtype) {
+          auto p = make_conv_params(x, x_token_stride, weight, y, y_token_stride, segments, num_segments, num_tokens,
+                                    channels, kernel_size, tail_in, tail_out, dtype);
+          run_without_gil("causal_conv1d", [&] { return causal_conv1d_cpu(p); });
+        });
+  m.def("gated_delta_rule",
+        [](uintptr_t q, Strides qs, uintptr_t k, Strides ks, uintptr_t v, Strides vs, uintptr_t a, int64_t a_stride,
+           uintptr_t b, int64_t b_stride, uintptr_t a_log, uintptr_t dt_bias, uintptr_t o, Strides os,
+           uintptr_t segments, int32_t num_segments, int32_t num_tokens, uintptr_t state_slot, int32_t num_slots,
+           int32_t num_k_heads, int32_t num_v_heads, int32_t k_dim, int32_t v_dim, float scale, uintptr_t state_in,
+           uintptr_t state_out, const std::string& dtype) {
+          auto p = make_rule_params(q, qs, k, ks, v, vs, a, a_stride, b, b_stride, a_log, dt_bias, o, os, segments,
+                                    num_segments, num_tokens, state_slot, num_slots, num_k_heads, num_v_heads, k_dim,
+                                    v_dim, scale, state_in, state_out, dtype);
+          run_without_gil("gated_delta_rule", [&] { return gated_delta_rule_cpu(p); });
+        });
+  m.def("decode_attention",
+        [](uintptr_t q, Strides qs, uintptr_t o, Strides os, uintptr_t k_new, uintptr_t v_new, Strides new_strides,
+           uintptr_t k_base, uintptr_t v_base, uintptr_t layer_stride, int32_t layer, int64_t token_stride,
+           int64_t head_stride, uintptr_t lengths, int32_t max_length, int32_t num_seqs, int32_t num_q_heads,
+           int32_t num_kv_heads, int32_t head_dim, float scale, const std::string& dtype) {
+          auto p = make_decode_params(q, qs, o, os, k_new, v_new, new_strides, k_base, v_base, layer_stride, layer,
+                                      token_stride, head_stride, lengths, max_length, num_seqs, num_q_heads,
+                                      num_kv_heads, head_dim, scale, dtype);
+          run_without_gil("decode_attention", [&] { return decode_attention_cpu(p); });
         });
   m.def("label_logprobs",
         [](uintptr_t hidden, int64_t hidden_row_stride, uintptr_t weight, int64_t weight_row_stride,
@@ -36,23 +110,23 @@ PYBIND11_MODULE(_C, m) {
            int32_t hidden_size, int32_t vocab_size, int32_t num_labels, const std::string& dtype) {
           auto p = make_label_params(hidden, hidden_row_stride, weight, weight_row_stride, labels, logprobs,
                                      label_softmax, logz, num_rows, hidden_size, vocab_size, num_labels, dtype);
-          py::gil_scoped_release release;
-          Status status = label_logprobs_cpu(p);
-          py::gil_scoped_acquire acquire;
-          throw_on_error(status, "label_logprobs");
+          run_without_gil("label_logprobs", [&] { return label_logprobs_cpu(p); });
         });
-  // The decoder's elementwise ops (tens of microseconds each): the GIL is released as for the big kernels so the
-  // server's event loop is never held up by model work.
+  m.def("linear",
+        [](uintptr_t x, int64_t x_row_stride, uintptr_t w_packed, uintptr_t bias, uintptr_t residual,
+           int64_t residual_row_stride, uintptr_t out, int64_t out_row_stride, int32_t m, int32_t k, int32_t n_packed,
+           int32_t n_out, bool gated, const std::string& dtype) {
+          auto p = make_linear_params(x, x_row_stride, w_packed, bias, residual, residual_row_stride, out,
+                                      out_row_stride, m, k, n_packed, n_out, gated, dtype);
+          run_without_gil("linear", [&] { return linear_cpu(p); });
+        });
   m.def("add_rms_norm",
         [](uintptr_t x, int64_t x_row_stride, uintptr_t delta, int64_t delta_row_stride, uintptr_t weight,
-           uintptr_t out, int64_t out_row_stride, int32_t num_rows, int32_t hidden_size, float eps,
+           bool weight_fp32, uintptr_t out, int64_t out_row_stride, int32_t num_rows, int32_t hidden_size, float eps,
            const std::string& dtype) {
-          auto p = make_add_rms_norm_params(x, x_row_stride, delta, delta_row_stride, weight, out, out_row_stride,
-                                            num_rows, hidden_size, eps, dtype);
-          py::gil_scoped_release release;
-          Status status = add_rms_norm_cpu(p);
-          py::gil_scoped_acquire acquire;
-          throw_on_error(status, "add_rms_norm");
+          auto p = make_add_rms_norm_params(x, x_row_stride, delta, delta_row_stride, weight, weight_fp32, out,
+                                            out_row_stride, num_rows, hidden_size, eps, dtype);
+          run_without_gil("add_rms_norm", [&] { return add_rms_norm_cpu(p); });
         });
   m.def("rotary",
         [](uintptr_t q, Strides qs, uintptr_t k, Strides ks, uintptr_t positions, uintptr_t cos, uintptr_t sin,
@@ -60,20 +134,14 @@ PYBIND11_MODULE(_C, m) {
            int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim, const std::string& dtype) {
           auto p = make_rotary_params(q, qs, k, ks, positions, cos, sin, num_positions, q_norm, k_norm, eps,
                                       num_tokens, num_q_heads, num_kv_heads, head_dim, dtype);
-          py::gil_scoped_release release;
-          Status status = rotary_cpu(p);
-          py::gil_scoped_acquire acquire;
-          throw_on_error(status, "rotary");
+          run_without_gil("rotary", [&] { return rotary_cpu(p); });
         });
   m.def("silu_mul",
         [](uintptr_t gate, int64_t gate_row_stride, uintptr_t up, int64_t up_row_stride, uintptr_t out,
            int64_t out_row_stride, int32_t num_rows, int32_t width, const std::string& dtype) {
           auto p = make_silu_mul_params(gate, gate_row_stride, up, up_row_stride, out, out_row_stride, num_rows,
                                         width, dtype);
-          py::gil_scoped_release release;
-          Status status = silu_mul_cpu(p);
-          py::gil_scoped_acquire acquire;
-          throw_on_error(status, "silu_mul");
+          run_without_gil("silu_mul", [&] { return silu_mul_cpu(p); });
         });
   // Exposed so the log-sum-exp merge of the cascade is tested alone (fp32, contiguous [rows, dim] / [rows]).
   m.def("merge_state",
@@ -90,6 +158,10 @@ PYBIND11_MODULE(_C, m) {
     py::dict d;
     d["avx512f"] = cpu_has_avx512();
     d["avx512bf16"] = cpu_has_avx512bf16();
+    d["intel"] = cpu_is_intel();
+    // What the kernels run now (PYSCORE_DISABLE_AVX512 / PYSCORE_BF16_DOT read at each call, as the launchers do).
+    d["path"] = cpu_use_avx512bf16() ? "avx512" : "portable";
+    d["bf16_dot"] = bf16_dot_name(cpu_bf16_dot());
     return d;
   });
 }

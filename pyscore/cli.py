@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 
 from pyscore.client import DEFAULT_TARGET, ScorerClient
-from pyscore.types import GenerateResult, ModelInfo, ScoreResult, TokenLogprob
+from pyscore.types import GenerateResult, ModelInfo, ScoreResult, TokenLogprob, Usage
 
 
 def _ids(text: str) -> list[int]:
@@ -32,7 +32,13 @@ def _ids(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--target", default=DEFAULT_TARGET, help="server address HOST:PORT (default %(default)s)")
+    common.add_argument("--target", default=DEFAULT_TARGET,
+                        help="server address HOST:PORT, or several replicas: ipv4:HOST:PORT,HOST:PORT or "
+                             "dns:///NAME:PORT (round_robin over the SERVING ones, UNAVAILABLE retried on another; "
+                             "default %(default)s)")
+    common.add_argument("--prefix-affinity", type=int, default=None, metavar="N",
+                        help="send x-pyscore-prefix, a hash of the query's first N characters, for a gateway that "
+                             "routes equal prefixes to one replica (deploy/envoy)")
     common.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds")
     common.add_argument("--model", default="", help="model name to check against the served one (default: any)")
     common.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -57,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--item-first", action="store_true", help="put each item before the query")
     s.add_argument("--score-extraction-token", help="setwise: read a row at every occurrence of this token")
     s.add_argument("--mode", choices=["auto", "sis", "mis"], default="auto", help="execution mode (default auto)")
+    s.add_argument("--bypass-prefix-cache", action="store_true",
+                   help="neither read nor write the server's prefix cache (cold timings)")
 
     g = sub.add_parser("generate", parents=[common], help="generate a completion")
     g.add_argument("prompt", nargs="?", help="prompt text")
@@ -70,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--top-logprobs", type=int, default=0, help="print this many alternatives per token")
     g.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    g.add_argument("--bypass-prefix-cache", action="store_true",
+                   help="neither read nor write the server's prefix cache (prefill the whole prompt)")
 
     sub.add_parser("info", parents=[common], help="describe the served model")
 
@@ -99,8 +109,17 @@ def format_score(result: ScoreResult, items: Sequence[str], labels: Sequence[str
             rows.append([number, _clip(items[i]) if j == 0 else "", *(f"{v:.4f}" for v in row)])
     u = result.usage
     label_ids = " ".join(f"{n}={i}" for n, i in zip(names, result.label_token_ids, strict=False))
-    head = f"mode {result.mode}  labels {label_ids}  tokens {u.prompt_tokens} prompt / {u.computed_tokens} computed"
+    head = f"mode {result.mode}  labels {label_ids}  {_tokens(u)}  {_server_time(u)}"
     return head + "\n" + _table(["#", "item", *names], rows)
+
+
+def _tokens(u: Usage) -> str:
+    cached = f" / {u.cached_tokens} cached" if u.cached_tokens else ""
+    return f"tokens {u.prompt_tokens} prompt / {u.computed_tokens} computed{cached}"
+
+
+def _server_time(u: Usage) -> str:
+    return f"server {u.queue_s * 1e3:.1f} ms queued / {u.compute_s * 1e3:.1f} ms computing"
 
 
 def _logprob_table(logprobs: Sequence[TokenLogprob]) -> str:
@@ -111,8 +130,7 @@ def _logprob_table(logprobs: Sequence[TokenLogprob]) -> str:
 
 def format_generate(result: GenerateResult, show_logprobs: bool) -> str:
     u = result.usage
-    out = [result.text, f"[finish {result.finish_reason}  tokens {u.prompt_tokens} prompt / "
-                        f"{u.computed_tokens} computed]"]
+    out = [result.text, f"[finish {result.finish_reason}  {_tokens(u)}  {_server_time(u)}]"]
     if show_logprobs:
         out.append(_logprob_table(result.logprobs))
     return "\n".join(out)
@@ -134,20 +152,21 @@ def run(args: argparse.Namespace, client: ScorerClient) -> None:
         items: list[Any] = args.item_ids if args.item_ids else args.item
         result = client.score(query, items, model=args.model, labels=args.labels, label_token_ids=args.label_ids,
                               apply_softmax=args.apply_softmax, item_first=args.item_first,
-                              score_extraction_token=args.score_extraction_token, mode=args.mode)
+                              score_extraction_token=args.score_extraction_token, mode=args.mode,
+                              bypass_prefix_cache=args.bypass_prefix_cache)
         shown = [str(i) if not isinstance(i, str) else i for i in items]
         print(_json(result) if args.json else format_score(result, shown, args.labels))
     elif args.command == "generate":
         prompt = args.prompt_ids if args.prompt_ids is not None else (args.prompt or "")
         options = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                       seed=args.seed, stop=args.stop, top_logprobs=args.top_logprobs, apply_chat_template=args.chat)
+                       seed=args.seed, stop=args.stop, top_logprobs=args.top_logprobs, apply_chat_template=args.chat,
+                       bypass_prefix_cache=args.bypass_prefix_cache)
         if args.stream and not args.json:
             for chunk in client.generate_stream(prompt, model=args.model, **options):
                 print(chunk.text, end="", flush=True)
                 if chunk.usage is not None:
                     u = chunk.usage
-                    print(f"\n[finish {chunk.finish_reason}  tokens {u.prompt_tokens} prompt / "
-                          f"{u.computed_tokens} computed]")
+                    print(f"\n[finish {chunk.finish_reason}  {_tokens(u)}  {_server_time(u)}]")
             return
         result = client.generate(prompt, model=args.model, **options)
         print(_json(result) if args.json else format_generate(result, args.top_logprobs > 0))
@@ -167,7 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         with ScorerClient(args.target, timeout=args.timeout, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
-                          tls_key=args.tls_key, auth_token=args.auth_token) as client:
+                          tls_key=args.tls_key, auth_token=args.auth_token,
+                          prefix_affinity=args.prefix_affinity) as client:
             run(args, client)
     except grpc.RpcError as e:
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)  # type: ignore[attr-defined]

@@ -1,13 +1,20 @@
 """Python clients of pyscore.v1.Scorer: `ScorerClient` (blocking) and `AsyncScorerClient` (asyncio). Both take
 and return pyscore.types objects (`GenerateChunk` for streamed pieces); keyword options are the fields of
 ScoreRequest / GenerateRequest. Failures raise grpc.RpcError carrying the server's status code and a
-message that names the offending field.
+message that names the offending field (`field_violations(error)` reads INVALID_ARGUMENT's structured
+google.rpc.BadRequest details).
 
     with ScorerClient("127.0.0.1:50051") as client:
         result = client.score("Is the order late?", ["Track it", "Refund it"], labels=["Yes", "No"])
 
 Security: `tls_ca` (PEM path or bytes) switches to TLS and trusts that CA; `tls_cert` + `tls_key` add a client
 certificate (mTLS); `auth_token` is sent as `authorization: Bearer <token>` on every call.
+
+Several replicas: a target such as `ipv4:10.0.0.1:50051,10.0.0.2:50051` or `dns:///pyscore-headless.ns.svc:50051`
+balances per call with round_robin, skips replicas that are not SERVING and retries UNAVAILABLE on another one
+(pyscore.balancing; `balancing=True/False` forces it on or off for any target). `prefix_affinity=N` sends the
+`x-pyscore-prefix` header, a hash of the first N characters (or token ids) of the query or prompt, for a gateway
+that routes by it (deploy/envoy).
 """
 
 from __future__ import annotations
@@ -19,8 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
 
+from pyscore import balancing as lb
 from pyscore import wire
 from pyscore._proto.pyscore.v1 import scorer_pb2 as pb
 from pyscore._proto.pyscore.v1 import scorer_pb2_grpc
@@ -41,9 +51,22 @@ class GenerateChunk:
     usage: Usage | None = None
 
 
-def _channel_options(max_message_mb: int) -> list[tuple[str, int]]:
+def field_violations(error: grpc.RpcError) -> list[tuple[str, str]]:
+    """(field, description) of each google.rpc.BadRequest field violation in the error's status details (AIP-193;
+    the server sends one with every INVALID_ARGUMENT that names a field); [] when there are none."""
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    violations = []
+    for detail in status.details if status is not None else ():
+        bad = error_details_pb2.BadRequest()
+        if detail.Unpack(bad):
+            violations += [(v.field, v.description) for v in bad.field_violations]
+    return violations
+
+
+def _channel_options(target: str, max_message_mb: int, balancing: bool | None) -> list[tuple[str, Any]]:
     size = max_message_mb * 1024 * 1024
-    return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size)]
+    return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size),
+            *lb.channel_options(target, balancing)]
 
 
 def _pem(value: str | bytes | Path | None) -> bytes | None:
@@ -61,17 +84,25 @@ def channel_credentials(tls_ca: str | bytes | Path | None = None, tls_cert: str 
 
 
 class _CallOptions:
-    """Per-call keyword arguments shared by both clients: the deadline and the auth metadata."""
+    """Per-call keyword arguments shared by both clients: the deadline, the auth metadata and, for calls with a
+    query or prompt, the prefix-affinity header."""
 
     timeout: float | None
     metadata: tuple[tuple[str, str], ...]
+    prefix_affinity: int | None
 
-    def _setup(self, timeout: float | None, auth_token: str | None) -> None:
+    def _setup(self, timeout: float | None, auth_token: str | None, prefix_affinity: int | None) -> None:
+        if prefix_affinity is not None and prefix_affinity <= 0:
+            raise ValueError(f"prefix_affinity must be a positive number of characters, got {prefix_affinity}")
         self.timeout = timeout
         self.metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        self.prefix_affinity = prefix_affinity
 
-    def _kw(self, timeout: float | None) -> dict[str, Any]:
-        return dict(timeout=self.timeout if timeout is None else timeout, metadata=self.metadata)
+    def _kw(self, timeout: float | None, prefix: str | list[int] | None = None) -> dict[str, Any]:
+        metadata = self.metadata
+        if prefix is not None and self.prefix_affinity:
+            metadata += ((lb.AFFINITY_HEADER, lb.prefix_key(prefix, self.prefix_affinity)),)
+        return dict(timeout=self.timeout if timeout is None else timeout, metadata=metadata)
 
 
 def score_message(query: str | list[int], items: list[str] | list[list[int]], model: str,
@@ -89,9 +120,10 @@ def generate_message(prompt: str | list[int], model: str, **options: Any) -> pb.
 
 
 def chunk_from_proto(msg: pb.GenerateResponse) -> GenerateChunk:
-    last = bool(msg.finish_reason)
+    finish_reason = wire.finish_reason_from_proto(msg.finish_reason)
+    last = finish_reason is not None
     return GenerateChunk(text=msg.text, token_ids=list(msg.token_ids), logprobs=wire.logprobs_from_proto(msg.logprobs),
-                         finish_reason=msg.finish_reason if last else None,
+                         finish_reason=finish_reason,
                          usage=wire.usage_from_proto(msg.usage) if last else None)
 
 
@@ -101,13 +133,14 @@ class ScorerClient(_CallOptions):
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None, max_message_mb: int = 64,
                  channel: grpc.Channel | None = None, tls_ca: str | bytes | Path | None = None,
                  tls_cert: str | bytes | Path | None = None, tls_key: str | bytes | Path | None = None,
-                 auth_token: str | None = None) -> None:
+                 auth_token: str | None = None, balancing: bool | None = None,
+                 prefix_affinity: int | None = None) -> None:
         creds = channel_credentials(tls_ca, tls_cert, tls_key)
-        options = _channel_options(max_message_mb)
+        options = _channel_options(target, max_message_mb, balancing)
         self.channel = channel or (grpc.secure_channel(target, creds, options=options) if creds
                                    else grpc.insecure_channel(target, options=options))
         self.stub = scorer_pb2_grpc.ScorerStub(self.channel)
-        self._setup(timeout, auth_token)
+        self._setup(timeout, auth_token, prefix_affinity)
 
     def __enter__(self) -> ScorerClient:
         return self
@@ -120,20 +153,22 @@ class ScorerClient(_CallOptions):
 
     def score(self, query: str | list[int], items: list[str] | list[list[int]], *, model: str = "",
               timeout: float | None = None, **options: Any) -> ScoreResult:
-        """options: labels, label_token_ids, apply_softmax, item_first, score_extraction_token, mode."""
+        """options: labels, label_token_ids, apply_softmax, item_first, score_extraction_token, mode,
+        bypass_prefix_cache, prefix_cache_salt."""
         msg = score_message(query, items, model, **options)
-        return wire.score_result_from_proto(self.stub.Score(msg, **self._kw(timeout)))
+        return wire.score_result_from_proto(self.stub.Score(msg, **self._kw(timeout, query)))
 
     def generate(self, prompt: str | list[int], *, model: str = "", timeout: float | None = None,
                  **options: Any) -> GenerateResult:
-        """options: max_tokens, temperature, top_p, top_k, seed, stop, top_logprobs, apply_chat_template."""
+        """options: max_tokens, temperature, top_p, top_k, seed, stop, top_logprobs, apply_chat_template,
+        bypass_prefix_cache, prefix_cache_salt."""
         msg = generate_message(prompt, model, **options)
-        return wire.generate_result_from_proto(self.stub.Generate(msg, **self._kw(timeout)))
+        return wire.generate_result_from_proto(self.stub.Generate(msg, **self._kw(timeout, prompt)))
 
     def generate_stream(self, prompt: str | list[int], *, model: str = "", timeout: float | None = None,
                         **options: Any) -> Iterator[GenerateChunk]:
         """Chunks as they are generated; closing the iterator early cancels the call (the server stops)."""
-        call = self.stub.GenerateStream(generate_message(prompt, model, **options), **self._kw(timeout))
+        call = self.stub.GenerateStream(generate_message(prompt, model, **options), **self._kw(timeout, prompt))
         try:
             for response in call:
                 yield chunk_from_proto(response)
@@ -172,13 +207,14 @@ class AsyncScorerClient(_CallOptions):
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None, max_message_mb: int = 64,
                  channel: grpc.aio.Channel | None = None, tls_ca: str | bytes | Path | None = None,
                  tls_cert: str | bytes | Path | None = None, tls_key: str | bytes | Path | None = None,
-                 auth_token: str | None = None) -> None:
+                 auth_token: str | None = None, balancing: bool | None = None,
+                 prefix_affinity: int | None = None) -> None:
         creds = channel_credentials(tls_ca, tls_cert, tls_key)
-        options = _channel_options(max_message_mb)
+        options = _channel_options(target, max_message_mb, balancing)
         self.channel = channel or (grpc.aio.secure_channel(target, creds, options=options) if creds
                                    else grpc.aio.insecure_channel(target, options=options))
         self.stub = scorer_pb2_grpc.ScorerStub(self.channel)
-        self._setup(timeout, auth_token)
+        self._setup(timeout, auth_token, prefix_affinity)
 
     async def __aenter__(self) -> AsyncScorerClient:
         return self
@@ -192,16 +228,16 @@ class AsyncScorerClient(_CallOptions):
     async def score(self, query: str | list[int], items: list[str] | list[list[int]], *, model: str = "",
                     timeout: float | None = None, **options: Any) -> ScoreResult:
         msg = score_message(query, items, model, **options)
-        return wire.score_result_from_proto(await self.stub.Score(msg, **self._kw(timeout)))
+        return wire.score_result_from_proto(await self.stub.Score(msg, **self._kw(timeout, query)))
 
     async def generate(self, prompt: str | list[int], *, model: str = "", timeout: float | None = None,
                        **options: Any) -> GenerateResult:
         msg = generate_message(prompt, model, **options)
-        return wire.generate_result_from_proto(await self.stub.Generate(msg, **self._kw(timeout)))
+        return wire.generate_result_from_proto(await self.stub.Generate(msg, **self._kw(timeout, prompt)))
 
     async def generate_stream(self, prompt: str | list[int], *, model: str = "", timeout: float | None = None,
                               **options: Any) -> AsyncIterator[GenerateChunk]:
-        call = self.stub.GenerateStream(generate_message(prompt, model, **options), **self._kw(timeout))
+        call = self.stub.GenerateStream(generate_message(prompt, model, **options), **self._kw(timeout, prompt))
         try:
             async for response in call:
                 yield chunk_from_proto(response)

@@ -1,7 +1,9 @@
 """Generation: validation of a GenerateRequest, the per-sequence state (KV cache, emitted tokens, stop handling,
 streamed deltas), the next-token choice with top-k logprobs, and the runner that steps sequences over the
-decoder (prefill, decode, token choice, cache bookkeeping). Reported logprobs are those of the model's raw
-distribution (before temperature / top-k / top-p). Like the engine, the runner is not thread-safe.
+decoder (prefill, decode, token choice, cache bookkeeping). A prompt's leading full blocks found in the prefix
+cache are copied into the sequence's KV cache and only the rest is prefilled; the blocks it computes are offered to
+the prefix cache. Reported logprobs are those of the model's raw distribution (before temperature / top-k /
+top-p). Like the engine, the runner is not thread-safe.
 
 Stop strings. Generation ends at the first occurrence of any stop string in the generated text: `text` is
 everything before it (the stop string is not included); `token_ids` and `logprobs` are the fewest generated
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +27,7 @@ import torch
 from pyscore.errors import FailedPrecondition, InvalidArgument
 from pyscore.model.decoder import Decoder, KVCache
 from pyscore.model.packing import Group, pack
+from pyscore.model.prefix_cache import PrefixCache, pass_lease
 from pyscore.types import GenerateRequest, GenerateResult, TokenLogprob, TopLogprob, Usage
 
 MAX_TOP_LOGPROBS = 20
@@ -83,6 +87,7 @@ class Generation:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     error: Exception | None = None  # set when this sequence failed; its batch-mates go on
+    cached_tokens: int = 0  # prompt tokens the prefill read from the prefix cache
     text: str = ""
     computed: int = 0  # tokens generated (eos excluded), including any cut off by a stop string
     _covers: list[int] = field(default_factory=list)  # [i]: characters of text final after token_ids[: i + 1]
@@ -148,7 +153,8 @@ class Generation:
         return GenerateResult(text=self.text, token_ids=list(self.token_ids), logprobs=list(self.logprobs),
                               finish_reason=self.finish_reason or "length",
                               usage=Usage(prompt_tokens=len(self.prompt),
-                                          computed_tokens=len(self.prompt) + self.computed))
+                                          computed_tokens=len(self.prompt) - self.cached_tokens + self.computed,
+                                          cached_tokens=self.cached_tokens))
 
 
 class NonFiniteLogits(RuntimeError):
@@ -206,8 +212,9 @@ def _choose(logits: torch.Tensor, logp: torch.Tensor, req: GenerateRequest, gene
 
 
 def eos_token_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
-    """Every id that ends a generation: the model config's eos_token_id (an int or a list) and the tokenizer's."""
-    eos = getattr(hf_config, "eos_token_id", None)
+    """Every id that ends a generation: the model config's eos_token_id (an int or a list; a Qwen3.5 image-text
+    config keeps it in its text config) and the tokenizer's."""
+    eos = getattr(hf_config.get_text_config(), "eos_token_id", None)
     ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
@@ -222,11 +229,13 @@ class GenerationRunner:
     (`Generation.error`). How many sequences run at once is the caller's bound (server/batcher admits them
     against --max-running-generations and --max-kv-tokens)."""
 
-    def __init__(self, decoder: Decoder, tokenizer: Any, eos_ids: frozenset[int], max_prefill_tokens: int = 8192):
+    def __init__(self, decoder: Decoder, tokenizer: Any, eos_ids: frozenset[int], max_prefill_tokens: int = 8192,
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.decoder = decoder
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefix_cache = prefix_cache
 
     def start(self, request: GenerateRequest) -> Generation:
         """Validates and tokenizes the request; no model work (the first `step` prefills it)."""
@@ -287,36 +296,62 @@ class GenerationRunner:
                     g.fail(e_alone)
 
     def _prefill(self, gens: list[Generation]) -> None:
-        batch = pack([Group(prefix=[], items=[g.prompt], readouts=[[len(g.prompt) - 1]]) for g in gens])
-        caches = [self.decoder.new_cache(len(g.prompt) + g.request.max_tokens) for g in gens]
-        starts = batch.segments[:, 0].tolist()
+        """One packed pass over the new sequences' prompts. With the prefix cache a prompt's leading full blocks
+        (leaving at least its last token, whose output chooses the first token) are read from the cache and
+        copied into the sequence's KV cache; the prompt's other full blocks are written to the cache, visible to
+        later passes once this one succeeded (they hold the prompt's keys whatever token is chosen next)."""
+        cache = self.prefix_cache
+        with pass_lease(cache) as lease:
+            groups = []
+            for g in gens:
+                n, use = len(g.prompt), None
+                if lease is not None and not g.request.bypass_prefix_cache:
+                    use = lease.use(g.prompt, n - 1, n, g.request.prefix_cache_salt)
+                groups.append(Group(prefix=[], items=[g.prompt], readouts=[[n - 1]], cache=use))
+            batch = pack(groups)
+            kv = [self.decoder.new_cache(len(g.prompt) + g.request.max_tokens) for g in gens]
+            skips = [group.cached_tokens for group in groups]
+            starts = batch.segments[:, 0].tolist()
+            to_pool = cache.writer(batch.block_writes) if cache else None
 
-        def sink(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-            for g, cache, s in zip(gens, caches, starts, strict=True):
-                n = len(g.prompt)
-                cache.k[layer, :n] = k[s : s + n]
-                cache.v[layer, :n] = v[s : s + n]
+            def sink(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+                for g, c, s, skip in zip(gens, kv, starts, skips, strict=True):
+                    n = len(g.prompt) - skip
+                    c.k[layer, skip : skip + n] = k[s : s + n]
+                    c.v[layer, skip : skip + n] = v[s : s + n]
+                if to_pool is not None:
+                    to_pool(layer, k, v)
 
-        hidden = self.decoder.hidden_at(batch, kv_sink=sink)
-        self._commit(gens, hidden, caches, [len(g.prompt) for g in gens])
+            hidden = self.decoder.hidden_at(batch, kv_sink=sink, linear_states=kv, blocks=cache)
+            if cache is not None:
+                for c, group in zip(kv, groups, strict=True):
+                    cache.read_into(group.cache.read if group.cache else (), c.k, c.v)
+        for g, skip in zip(gens, skips, strict=True):
+            g.cached_tokens = skip  # reported only if the sequence gets its first token (else it failed)
+
+        def commit(c: KVCache, g: Generation) -> None:
+            c.length = len(g.prompt)  # prefill wrote the linear layers' states into the cache's current ones
+
+        self._commit(gens, hidden, kv, commit)
 
     def _decode(self, gens: list[Generation]) -> None:
         last = torch.tensor([g.token_ids[-1] for g in gens], dtype=torch.long)
         caches = [g.cache for g in gens]
         hidden = self.decoder.decode(last, caches)  # writes slot `length` of each cache, commits nothing
-        self._commit(gens, hidden, caches, [c.length + 1 for c in caches])
+        self._commit(gens, hidden, caches, lambda c, g: c.commit())
 
     def _commit(self, gens: list[Generation], hidden: torch.Tensor, caches: list[KVCache],
-                lengths: list[int]) -> None:
+                commit: Callable[[KVCache, Generation], None]) -> None:
         """Chooses every sequence's next token from hidden [B, H]; only then commits, per sequence, its cache
-        (now `length` valid tokens) and its token. A row whose choice failed fails that sequence alone; if
-        this raises before the loop, nothing has changed and the pass can be retried."""
+        (`commit`: the pass's slot becomes valid, a hybrid model's new states current) and its token. A row whose
+        choice failed fails that sequence alone; if this raises before the loop, nothing has changed and the
+        pass can be retried."""
         logits = hidden @ self.decoder.w.lm_head.T  # [B, V]: generation needs the whole distribution
         chosen = choose_tokens(logits, gens, self.tokenizer)
-        for g, cache, length, choice in zip(gens, caches, lengths, chosen, strict=True):
+        for g, cache, choice in zip(gens, caches, chosen, strict=True):
             if isinstance(choice, Exception):
                 g.fail(choice)
                 continue
-            cache.length = length
+            commit(cache, g)
             g.cache = cache
             g.append(*choice)

@@ -5,8 +5,8 @@ Semantics follow SGLang's /v1/score: the query is tokenized as the tokenizer nor
 included), items without special tokens, and query and item are joined at the token level (`item_first` puts
 the item first). SIS and MIS see exactly the same tokens at the same positions.
 
-Mode AUTO (this module is its one definition): MIS, unless `item_first` is set (the query is then a suffix,
-not a prefix the items can share) or the model cannot run MIS; then SIS. Forcing MIS in either case is a
+Mode AUTO (this module is its one definition; the proto's SCORING_MODE_UNSPECIFIED): MIS, unless `item_first` is
+set (the query is then a suffix, not a prefix the items can share); then SIS. Forcing MIS with item_first is a
 FailedPrecondition. The result's `mode` says which ran."""
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ class ModelTraits:
     is_classifier: bool
     num_labels: int
     id2label: dict[int, str]
-    mis_supported: bool = True
 
 
 @dataclass
@@ -154,17 +153,16 @@ def _resolve_classes(req: ScoreRequest, traits: ModelTraits) -> list[int]:
     return ids
 
 
-def _resolve_mode(req: ScoreRequest, traits: ModelTraits) -> Literal["sis", "mis"]:
-    """AUTO -> MIS unless item_first or a model without MIS (see the module docstring)."""
+def _resolve_mode(req: ScoreRequest) -> Literal["sis", "mis"]:
+    """The mode that runs. "auto" (the proto's SCORING_MODE_UNSPECIFIED) is MIS unless item_first (the query is
+    then a suffix that cannot be shared); see the module docstring."""
     if req.mode not in MODES:
         raise InvalidArgument("mode", f"unknown mode {req.mode!r}; expected one of {', '.join(MODES)}")
     if req.mode == "mis" and req.item_first:
         raise FailedPrecondition("mode", "MIS shares the query as a prefix, which item_first makes a suffix; "
                                  "use SIS or AUTO with item_first")
-    if req.mode == "mis" and not traits.mis_supported:
-        raise FailedPrecondition("mode", "this model cannot run MIS; use SIS or AUTO")
     if req.mode == "auto":
-        return "sis" if req.item_first or not traits.mis_supported else "mis"
+        return "sis" if req.item_first else "mis"
     return req.mode
 
 
@@ -187,7 +185,7 @@ def _readouts(req: ScoreRequest, traits: ModelTraits, query: list[int], items: l
 
 
 def prepare_score(req: ScoreRequest, traits: ModelTraits) -> PreparedScore:
-    mode = _resolve_mode(req, traits)
+    mode = _resolve_mode(req)
     labels = _resolve_labels(req, traits)
     query, items = _tokenize_inputs(req, traits)
     readouts = _readouts(req, traits, query, items, mode)

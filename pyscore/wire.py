@@ -5,6 +5,7 @@ InvalidArgument here, naming the proto field; everything else is the engine's to
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +18,7 @@ from pyscore.types import (
     ModelInfo,
     ScoreRequest,
     ScoreResult,
+    ServerLimits,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -24,8 +26,15 @@ from pyscore.types import (
 
 DEFAULT_MAX_TOKENS = 16  # GenerateRequest.max_tokens = 0 means this
 
-_MODE_TO_PROTO: dict[str, int] = {"auto": pb.SCORING_MODE_AUTO, "sis": pb.SCORING_MODE_SIS, "mis": pb.SCORING_MODE_MIS}
+# The proto's unspecified mode is the server's choice ("auto").
+_MODE_TO_PROTO: dict[str, int] = {"auto": pb.SCORING_MODE_UNSPECIFIED, "sis": pb.SCORING_MODE_SIS,
+                                  "mis": pb.SCORING_MODE_MIS}
 _MODE_FROM_PROTO: dict[int, Mode] = {v: k for k, v in _MODE_TO_PROTO.items()}  # type: ignore[misc]
+_FINISH_TO_PROTO: dict[str, int] = {"length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP,
+                                    "eos": pb.FINISH_REASON_EOS}
+_FINISH_FROM_PROTO: dict[int, str] = {v: k for k, v in _FINISH_TO_PROTO.items()}
+_KIND_TO_PROTO: dict[str, int] = {"causal_lm": pb.MODEL_KIND_CAUSAL_LM, "classifier": pb.MODEL_KIND_CLASSIFIER}
+_KIND_FROM_PROTO: dict[int, str] = {v: k for k, v in _KIND_TO_PROTO.items()}
 
 
 def mode_from_proto(value: int) -> Mode:
@@ -36,6 +45,11 @@ def mode_from_proto(value: int) -> Mode:
 
 def mode_to_proto(mode: str) -> int:
     return _MODE_TO_PROTO[mode]
+
+
+def finish_reason_from_proto(value: int) -> str | None:
+    """The finish reason of a GenerateResponse; None while unfinished (a streamed chunk but the last)."""
+    return _FINISH_FROM_PROTO.get(value)
 
 
 # -- Score ----------------------------------------------------------------------------------------------------
@@ -57,6 +71,8 @@ def score_request_from_proto(msg: pb.ScoreRequest) -> ScoreRequest:
         item_first=msg.item_first,
         score_extraction_token=msg.score_extraction_token or None,
         mode=mode_from_proto(msg.mode),
+        bypass_prefix_cache=msg.bypass_prefix_cache,
+        prefix_cache_salt=msg.prefix_cache_salt,
     )
 
 
@@ -69,6 +85,8 @@ def score_request_to_proto(req: ScoreRequest, model: str = "") -> pb.ScoreReques
         item_first=req.item_first,
         score_extraction_token=req.score_extraction_token or "",
         mode=mode_to_proto(req.mode),
+        bypass_prefix_cache=req.bypass_prefix_cache,
+        prefix_cache_salt=req.prefix_cache_salt,
     )
     if isinstance(req.query, str):
         msg.query = req.query
@@ -102,11 +120,17 @@ def score_result_from_proto(msg: pb.ScoreResponse) -> ScoreResult:
 
 
 def usage_to_proto(usage: Usage) -> pb.Usage:
-    return pb.Usage(prompt_tokens=usage.prompt_tokens, computed_tokens=usage.computed_tokens)
+    msg = pb.Usage(prompt_tokens=usage.prompt_tokens, computed_tokens=usage.computed_tokens,
+                   cached_tokens=usage.cached_tokens)
+    msg.queue_duration.FromNanoseconds(round(usage.queue_s * 1e9))
+    msg.compute_duration.FromNanoseconds(round(usage.compute_s * 1e9))
+    return msg
 
 
 def usage_from_proto(msg: pb.Usage) -> Usage:
-    return Usage(prompt_tokens=msg.prompt_tokens, computed_tokens=msg.computed_tokens)
+    return Usage(prompt_tokens=msg.prompt_tokens, computed_tokens=msg.computed_tokens,
+                 cached_tokens=msg.cached_tokens, queue_s=msg.queue_duration.ToNanoseconds() / 1e9,
+                 compute_s=msg.compute_duration.ToNanoseconds() / 1e9)
 
 
 # -- Generate -------------------------------------------------------------------------------------------------
@@ -124,6 +148,8 @@ def generate_request_from_proto(msg: pb.GenerateRequest) -> GenerateRequest:
         seed=msg.seed if msg.HasField("seed") else None,
         stop=list(msg.stop),
         top_logprobs=msg.top_logprobs,
+        bypass_prefix_cache=msg.bypass_prefix_cache,
+        prefix_cache_salt=msg.prefix_cache_salt,
     )
 
 
@@ -140,6 +166,8 @@ def generate_request_to_proto(req: GenerateRequest, model: str = "") -> pb.Gener
         seed=req.seed,
         stop=req.stop,
         top_logprobs=req.top_logprobs,
+        bypass_prefix_cache=req.bypass_prefix_cache,
+        prefix_cache_salt=req.prefix_cache_salt,
     )
 
 
@@ -164,7 +192,7 @@ def generate_response(token_ids: Sequence[int], logprobs: Sequence[TokenLogprob]
     result, on the last chunk only) supplies finish_reason and usage."""
     msg = pb.GenerateResponse(text=text, token_ids=token_ids, logprobs=logprobs_to_proto(logprobs))
     if final is not None:
-        msg.finish_reason = final.finish_reason
+        msg.finish_reason = _FINISH_TO_PROTO[final.finish_reason]  # type: ignore[assignment]
         msg.usage.CopyFrom(usage_to_proto(final.usage))
     return msg
 
@@ -175,23 +203,31 @@ def generate_result_to_proto(result: GenerateResult) -> pb.GenerateResponse:
 
 def generate_result_from_proto(msg: pb.GenerateResponse) -> GenerateResult:
     return GenerateResult(text=msg.text, token_ids=list(msg.token_ids), logprobs=logprobs_from_proto(msg.logprobs),
-                          finish_reason=msg.finish_reason,  # type: ignore[arg-type]
+                          finish_reason=finish_reason_from_proto(msg.finish_reason),  # type: ignore[arg-type]
                           usage=usage_from_proto(msg.usage))
 
 
 # -- ModelInfo ------------------------------------------------------------------------------------------------
 def model_info_to_proto(info: ModelInfo) -> pb.ModelInfo:
-    return pb.ModelInfo(name=info.name, architecture=info.architecture, kind=info.kind, vocab_size=info.vocab_size,
-                        max_context=info.max_context, dtype=info.dtype, device=info.device,
-                        mis_supported=info.mis_supported, special_tokens=info.special_tokens,
-                        num_labels=info.num_labels)
+    msg = pb.ModelInfo(name=info.name, architecture=info.architecture, kind=_KIND_TO_PROTO[info.kind],  # type: ignore[arg-type]
+                       vocab_size=info.vocab_size, max_context=info.max_context, dtype=info.dtype, device=info.device,
+                       special_tokens=info.special_tokens, num_labels=info.num_labels, ops=info.ops,
+                       prefix_cache_block_tokens=info.prefix_cache_block_tokens,
+                       prefix_cache_bytes=info.prefix_cache_bytes)
+    if info.limits is not None:
+        msg.limits.CopyFrom(pb.ServerLimits(**dataclasses.asdict(info.limits)))
+    return msg
 
 
 def model_info_from_proto(msg: pb.ModelInfo) -> ModelInfo:
-    return ModelInfo(name=msg.name, architecture=msg.architecture, kind=msg.kind,  # type: ignore[arg-type]
+    limits = ServerLimits(**{f.name: getattr(msg.limits, f.name) for f in dataclasses.fields(ServerLimits)})
+    return ModelInfo(name=msg.name, architecture=msg.architecture,
+                     kind=_KIND_FROM_PROTO.get(msg.kind, ""),  # type: ignore[arg-type]
                      vocab_size=msg.vocab_size, max_context=msg.max_context, dtype=msg.dtype, device=msg.device,
-                     mis_supported=msg.mis_supported, special_tokens=dict(msg.special_tokens),
-                     num_labels=msg.num_labels)
+                     special_tokens=dict(msg.special_tokens), num_labels=msg.num_labels, ops=dict(msg.ops),
+                     limits=limits if msg.HasField("limits") else None,
+                     prefix_cache_block_tokens=msg.prefix_cache_block_tokens,
+                     prefix_cache_bytes=msg.prefix_cache_bytes)
 
 
 # -- undecodable bytes ----------------------------------------------------------------------------------------

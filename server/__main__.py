@@ -43,6 +43,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str]:
     p.add_argument("--max-request-tokens", type=int, default=d.max_request_tokens,
                    help="tokens one request may make the model compute (Score: as its mode computes; Generate: "
                         "prompt + max_tokens); more answer RESOURCE_EXHAUSTED; 0 = no limit (default %(default)s)")
+    p.add_argument("--prefix-cache-mb", type=float, default=d.prefix_cache_mb,
+                   help="MiB of keys/values of recent query and prompt prefixes kept for reuse (whole 64-token "
+                        "blocks, least recently used evicted; scores are the same hit or miss); 0 = off "
+                        "(default %(default)s)")
     p.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (needs --tls-key)")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", help="PEM CA certificate: require client certificates it signed (mTLS)")
@@ -52,6 +56,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str]:
                    help="serve Prometheus metrics on http://HOST:PORT/metrics (0 = any free port; default off)")
     p.add_argument("--grace-s", type=float, default=d.grace_s,
                    help="seconds in-flight requests get to finish on shutdown (default %(default)s)")
+    p.add_argument("--drain-delay-s", type=float, default=d.drain_delay_s,
+                   help="on SIGTERM, seconds to keep serving after health turns NOT_SERVING, so that balancers move "
+                        "traffic away before the listener closes (default %(default)s)")
+    p.add_argument("--max-connection-age-s", type=float, default=None,
+                   help="close each client connection (GOAWAY) after this many seconds, so long-lived clients "
+                        "re-resolve and reach new replicas (default: never)")
+    p.add_argument("--max-connection-age-grace-s", type=float, default=None,
+                   help="calls still running on an aged connection get this long (default: no limit)")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ... (default %(default)s)")
     p.add_argument("--engine", default=d.engine, help=argparse.SUPPRESS)  # test-only, see the docstring
     a = p.parse_args(argv)
@@ -66,9 +78,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str]:
                         max_batch_tokens=a.max_batch_tokens, max_queue=a.max_queue, max_items=a.max_items,
                         max_message_mb=a.max_message_mb, max_request_tokens=a.max_request_tokens or None,
                         max_running_generations=a.max_running_generations, max_kv_tokens=a.max_kv_tokens,
+                        prefix_cache_mb=a.prefix_cache_mb,
                         tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
                         auth_token_file=a.auth_token_file, metrics_port=a.metrics_port, grace_s=a.grace_s,
-                        engine=a.engine), a.log_level.upper()
+                        drain_delay_s=a.drain_delay_s, max_connection_age_s=a.max_connection_age_s,
+                        max_connection_age_grace_s=a.max_connection_age_grace_s, engine=a.engine), a.log_level.upper()
 
 
 if __name__ == "__main__":

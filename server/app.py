@@ -1,16 +1,19 @@
 """The grpc.aio server: pyscore.v1.Scorer behind the logging/error interceptor (and, with a token, the auth
-interceptor), grpc.health.v1 and server reflection, with explicit message-size limits, optional TLS / mTLS
-and an optional Prometheus endpoint.
+interceptor), grpc.health.v1 (with List) and server reflection (v1 and v1alpha), with explicit message-size
+limits, optional TLS / mTLS and an optional Prometheus endpoint. GetModelInfo reports the limits.
 
 Lifecycle: listen first with health NOT_SERVING (Scorer calls answer UNAVAILABLE); load the engine and warm
-it up off the event loop; start the batcher; go SERVING. On SIGTERM/SIGINT: health NOT_SERVING for good,
-`server.stop(grace)` (no new calls; in-flight ones get `grace` seconds), drain the batcher, return — so
-`python -m server` exits 0.
+it up off the event loop; start the batcher; go SERVING. On SIGTERM/SIGINT: health NOT_SERVING for good, keep
+serving for `drain_delay_s` so that health-checking balancers (gRPC clients watching health, Envoy's active
+checks) move their traffic elsewhere, then `server.stop(grace)` (no new calls; in-flight ones get `grace`
+seconds), drain the batcher, return — so `python -m server` exits 0. `max_connection_age_s` makes every client
+connection end (GOAWAY) after that age, so long-lived clients re-resolve their target and reach new replicas.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import logging
 import os
@@ -23,15 +26,16 @@ from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from pyscore._proto.pyscore.v1 import scorer_pb2, scorer_pb2_grpc
-from pyscore.types import GenerateRequest, ModelInfo, ScoreRequest
+from pyscore.budget import DEFAULT_PREFIX_CACHE_MB
+from pyscore.types import GenerateRequest, ModelInfo, ScoreRequest, ServerLimits
 from server.batcher import Batcher, EngineLike
+from server.health import HealthServicer
 from server.interceptors import LoggingErrorInterceptor
 from server.memory import MemoryProbe
 from server.metrics import Metrics
-from server.reflection_docs import DocumentedPool
+from server.reflection_docs import DocumentedPool, add_reflection, reflection_handlers
 from server.security import AuthInterceptor, read_token, server_credentials
 from server.servicer import ScorerServicer
 
@@ -56,7 +60,11 @@ class ServerConfig:
     max_request_tokens: int | None = 65536  # None = no limit
     max_running_generations: int = 64
     max_kv_tokens: int = 65536  # KV-cache tokens reserved by running generations (prompt + max_tokens each)
+    prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB  # the prefix cache's byte budget in MiB; 0 = off
     grace_s: float = 10.0
+    drain_delay_s: float = 0.0  # seconds between health NOT_SERVING and the listener closing, on SIGTERM
+    max_connection_age_s: float | None = None  # None = connections live for ever
+    max_connection_age_grace_s: float | None = None  # calls on an aged connection get this long; None = no limit
     tls_cert: str | None = None  # PEM certificate chain; with tls_key, serve TLS
     tls_key: str | None = None
     tls_client_ca: str | None = None  # PEM CA: clients must present a certificate it signed (mTLS)
@@ -69,7 +77,7 @@ def load_engine(config: ServerConfig) -> EngineLike:
     module, _, name = config.engine.partition(":")
     cls = getattr(importlib.import_module(module), name)
     return cls.from_pretrained(config.model, dtype=config.dtype, device=config.device, threads=config.threads,
-                               max_batch_tokens=config.max_batch_tokens)
+                               max_batch_tokens=config.max_batch_tokens, prefix_cache_mb=config.prefix_cache_mb)
 
 
 def warm_up(engine: EngineLike) -> None:
@@ -110,25 +118,31 @@ async def in_daemon_thread(fn: Callable[[], T]) -> T:
     return await future
 
 
+def server_options(config: ServerConfig) -> list[tuple[str, int]]:
+    size = config.max_message_mb * 1024 * 1024
+    options = [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size),
+               ("grpc.so_reuseport", 0)]
+    if config.max_connection_age_s is not None:
+        options.append(("grpc.max_connection_age_ms", round(config.max_connection_age_s * 1000)))
+    if config.max_connection_age_grace_s is not None:
+        options.append(("grpc.max_connection_age_grace_ms", round(config.max_connection_age_grace_s * 1000)))
+    return options
+
+
 class ScorerApp:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.metrics = Metrics()
-        size = config.max_message_mb * 1024 * 1024
         interceptors: list[grpc.aio.ServerInterceptor] = [LoggingErrorInterceptor(self.metrics)]
-        if config.auth_token_file:
-            interceptors.append(AuthInterceptor(read_token(config.auth_token_file)))  # inside: denials are logged
-        self.server = grpc.aio.server(
-            interceptors=interceptors,
-            options=[("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size),
-                     ("grpc.so_reuseport", 0)],
-        )
+        if config.auth_token_file:  # inside the logging interceptor: denials are logged
+            health_only = reflection_handlers([health.SERVICE_NAME], DocumentedPool(only=["grpc.health.v1"]))
+            interceptors.append(AuthInterceptor(read_token(config.auth_token_file), open_handlers=health_only))
+        self.server = grpc.aio.server(interceptors=interceptors, options=server_options(config))
         self.servicer = ScorerServicer(max_items=config.max_items, max_request_tokens=config.max_request_tokens)
-        self.health = health.aio.HealthServicer()
+        self.health = HealthServicer()
         scorer_pb2_grpc.add_ScorerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection((SCORER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server,
-                                            pool=DocumentedPool())  # type: ignore[arg-type]
+        add_reflection(self.server, (SCORER_SERVICE, health.SERVICE_NAME), DocumentedPool())
         self.batcher: Batcher | None = None
         self.metrics.track_queue(lambda: self.batcher.waiting() if self.batcher is not None else 0)
         self.metrics.track_generations(lambda: self.batcher.running_generations() if self.batcher is not None else 0,
@@ -168,12 +182,27 @@ class ScorerApp:
                                on_batch=self.metrics.observe_batch,
                                trim_under_load=os.environ.get("PYSCORE_TRIM_UNDER_LOAD", "") not in ("", "0"))
         self.batcher.start()
-        self.servicer.attach(self.batcher, engine.info())
+        self.metrics.track_prefix_cache(engine.prefix_cache_stats)
+        self.servicer.attach(self.batcher, self.model_info(engine))
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
 
-    async def stop(self, grace: float | None = None) -> None:
+    def model_info(self, engine: EngineLike) -> ModelInfo:
+        """The engine's description of its model plus this server's limits (0 = none)."""
+        c = self.config
+        limits = ServerLimits(max_items=c.max_items, max_request_tokens=c.max_request_tokens or 0,
+                              max_batch_tokens=c.max_batch_tokens, max_message_bytes=c.max_message_mb * 1024 * 1024,
+                              max_queue=c.max_queue)
+        return dataclasses.replace(engine.info(), limits=limits)
+
+    async def stop(self, grace: float | None = None, drain_delay: float | None = None) -> None:
+        """NOT_SERVING for good, keep serving `drain_delay` seconds (balancers see the health change and stop
+        sending), then refuse new calls and give the in-flight ones `grace` seconds."""
         grace = self.config.grace_s if grace is None else grace
+        drain_delay = self.config.drain_delay_s if drain_delay is None else drain_delay
         await self.health.enter_graceful_shutdown()
+        if drain_delay > 0:
+            log.info("NOT_SERVING; draining for %.1f s before closing the listener", drain_delay)
+            await asyncio.sleep(drain_delay)
         await self.server.stop(grace)
         if self.batcher is not None:
             await asyncio.to_thread(self.batcher.stop, grace)

@@ -7,7 +7,9 @@ job larger than the budget alone — with a single `engine.run_prepared`, (4) st
 arrival order while both generation bounds allow, and (5) advances all running generations by one token with
 a single `engine.step` (which prefills new ones up to `max_batch_tokens` prompt tokens per step). Score
 batches and decode steps thus interleave, and requests that arrive during a forward pass join the next one.
-Results reach the loop through `call_soon_threadsafe`.
+Results reach the loop through `call_soon_threadsafe`. Every result's Usage gets the server-side timing:
+`queue_s` from admission to the start of the first forward pass that included the request, `compute_s` the wall
+time of the passes that included it.
 
 Bounds (vLLM's and SGLang's scheduler limits): at most `max_queue` jobs wait (admitted, not yet running; a
 generation waits until it may run); the next one is refused at once with ResourceExhausted. At most
@@ -30,11 +32,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from pyscore.budget import count_within_budget
 from pyscore.errors import ResourceExhausted
-from pyscore.types import GenerateRequest, GenerateResult, ModelInfo, ScoreRequest, ScoreResult, TokenLogprob
+from pyscore.types import GenerateRequest, GenerateResult, ModelInfo, ScoreRequest, ScoreResult, TokenLogprob, Usage
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +90,7 @@ class EngineLike(Protocol):
     def run_prepared(self, prepared: list[Any]) -> list[ScoreResult | Exception]: ...
     def start_generation(self, request: GenerateRequest) -> GenerationLike: ...
     def step(self, generations: list[Any]) -> None: ...
+    def prefix_cache_stats(self) -> Any: ...  # pyscore.model.prefix_cache.PrefixCacheStats, or None when off
 
 
 class Unavailable(Exception):
@@ -118,6 +122,20 @@ class Job:
     cancelled: bool = False  # set on the loop when the caller stops waiting; read by the worker
     work: Any = None  # PreparedScore or Generation, once accepted
     tokens: int = 0  # Score: tokens computed; Generate: KV-cache tokens reserved (prompt + max_tokens)
+    admitted: float = field(default_factory=time.monotonic)
+    started: float | None = None  # when the first forward pass that included this job began
+    compute_s: float = 0.0  # wall time of the forward passes that included it
+
+    def timed(self, usage: Usage) -> None:
+        """Write this job's server-side timing into its result's usage."""
+        usage.queue_s = (self.started if self.started is not None else time.monotonic()) - self.admitted
+        usage.compute_s = self.compute_s
+
+    def ran(self, start: float, end: float) -> None:
+        """Account a forward pass over [start, end) that included this job."""
+        if self.started is None:
+            self.started = start
+        self.compute_s += end - start
 
     def dead(self, now: float) -> bool:
         return self.cancelled or (self.deadline is not None and now >= self.deadline)
@@ -214,7 +232,9 @@ class Batcher:
     def _admit(self, kind: Literal["score", "generate", "call"], payload: Any, timeout: float | None,
                stream: bool) -> Job:
         loop = asyncio.get_running_loop()
-        job = Job(kind, payload, loop, None if timeout is None else time.monotonic() + timeout)
+        job = Job(kind, payload, loop, None)
+        if timeout is not None:
+            job.deadline = job.admitted + timeout
         if stream:
             job.deltas = asyncio.Queue()
         else:
@@ -349,19 +369,16 @@ class Batcher:
 
     def _next_batch(self) -> list[Job]:
         """Waiting Score jobs in arrival order while they fit the token budget (the first one always)."""
-        batch: list[Job] = []
-        tokens = 0
-        while self._pending and (not batch or tokens + self._pending[0].tokens <= self.max_batch_tokens):
-            job = self._pending.popleft()
-            batch.append(job)
-            tokens += job.tokens
-        self._release(len(batch))
+        n = count_within_budget((job.tokens for job in self._pending), self.max_batch_tokens)
+        batch = [self._pending.popleft() for _ in range(n)]
+        self._release(n)
         return batch
 
     def _run_batch(self, batch: list[Job]) -> None:
         self.stats.batches += 1
         if self.on_batch is not None:
             self.on_batch(len(batch), sum(j.tokens for j in batch))
+        start = time.monotonic()
         try:
             results: list[Any] = self.engine.run_prepared([j.work for j in batch])
             if len(results) != len(batch):
@@ -369,11 +386,16 @@ class Batcher:
         except Exception as e:
             log.exception("score batch of %d requests failed", len(batch))
             results = [e] * len(batch)
+        end = time.monotonic()
         for job, result in zip(batch, results, strict=True):
+            job.ran(start, end)
+            if isinstance(result, ScoreResult):
+                job.timed(result.usage)
             self._finish(job, result)
 
     def _step(self) -> None:
         self.stats.steps += 1
+        start = time.monotonic()
         try:
             self.engine.step([j.work for j in self._active])
         except Exception as e:
@@ -382,8 +404,10 @@ class Batcher:
                 self._finish(job, e)
             self._set_active([])
             return
+        end = time.monotonic()
         still: list[Job] = []
         for job in self._active:
+            job.ran(start, end)
             gen = job.work
             error = gen.error
             if error is not None:  # this sequence alone failed; its batch-mates go on
@@ -391,7 +415,9 @@ class Batcher:
                 continue
             token_ids, logprobs, text = gen.take_delta()
             if gen.finished:
-                self._finish(job, GenerationDelta(token_ids, logprobs, text, gen.result()))
+                result = gen.result()
+                job.timed(result.usage)
+                self._finish(job, GenerationDelta(token_ids, logprobs, text, result))
             else:
                 if token_ids or text:
                     self._finish(job, GenerationDelta(token_ids, logprobs, text))

@@ -2,8 +2,10 @@
 latency, and the status the client saw — DEADLINE_EXCEEDED, not CANCELLED, when grpc ended the call at its
 deadline), records it in the metrics, and turns exceptions into gRPC statuses — pyscore.errors by kind
 (the message names the field), batcher refusals, and anything else as INTERNAL, after which the server simply
-goes on serving. Bytes that do not parse as the request message (e.g. a string field that is not UTF-8) are
-INVALID_ARGUMENT naming the field, not grpc's UNKNOWN. Health and reflection calls pass through untouched."""
+goes on serving. INVALID_ARGUMENT also carries a google.rpc.BadRequest in the status details (AIP-193) whose
+field violation names the field. Bytes that do not parse as the request message (e.g. a string field that is
+not UTF-8) are INVALID_ARGUMENT naming the field, not grpc's UNKNOWN. Health and reflection calls pass through
+untouched."""
 
 from __future__ import annotations
 
@@ -15,7 +17,10 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import grpc
+from google.protobuf import any_pb2
 from google.protobuf.message import DecodeError
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from pyscore import errors, wire
 from pyscore._proto.pyscore.v1 import scorer_pb2 as pb
@@ -43,6 +48,18 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         if isinstance(exc, kind):
             return code, str(exc)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def bad_request_metadata(exc: BaseException) -> tuple[tuple[str, bytes], ...]:
+    """Trailing metadata with the google.rpc.Status of an InvalidArgument naming a field: its BadRequest field
+    violation (field path, description), as AIP-193 asks; () for anything else."""
+    if not isinstance(exc, errors.InvalidArgument) or not exc.field:
+        return ()
+    detail = any_pb2.Any()
+    detail.Pack(error_details_pb2.BadRequest(field_violations=[
+        error_details_pb2.BadRequest.FieldViolation(field=exc.field, description=exc.message)]))
+    status = status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=str(exc), details=[detail])
+    return tuple(rpc_status.to_status(status).trailing_metadata)
 
 
 class Malformed:
@@ -151,7 +168,7 @@ class _Call:
             status = code.name
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("%s failed unexpectedly", self.name, exc_info=e)
-            await self.context.abort(code, message)
+            await self.context.abort(code, message, bad_request_metadata(e))
         finally:
             seconds = time.perf_counter() - start
             if self.metrics is not None:

@@ -1,11 +1,11 @@
 """Who may come in: TLS (optionally mutual) credentials and bearer-token auth.
 
-Token auth (`--auth-token-file`): every call must carry `authorization: Bearer <token>` metadata, compared in
-constant time (hmac.compare_digest); anything else answers UNAUTHENTICATED before any handler runs. Only
-grpc.health.v1.Health stays open — load balancers and orchestrators probe it without secrets, and it reveals
-nothing but SERVING / NOT_SERVING. Reflection needs the token like the Scorer does (`grpcurl -H
-'authorization: Bearer …'`): the schema is public in the repo, but a locked server should not even confirm
-what it serves to a stranger."""
+Token auth (`--auth-token-file`): every call must carry `authorization: Bearer <token>` metadata (the scheme
+case-insensitive, RFC 7235), the token compared in constant time (hmac.compare_digest); anything else answers
+UNAUTHENTICATED before any handler runs. grpc.health.v1.Health stays open — load balancers and orchestrators
+probe it without secrets, and it reveals nothing but SERVING / NOT_SERVING. Reflection without the token
+describes the health service alone (so `grpcurl … grpc.health.v1.Health/Check` works without a token): the
+schema is public in the repo, but a locked server should not even confirm what else it serves to a stranger."""
 
 from __future__ import annotations
 
@@ -39,15 +39,28 @@ def server_credentials(cert: str | Path, key: str | Path,
                                        require_client_auth=ca is not None)
 
 
+def bearer_credentials(metadata: Any) -> bytes | None:
+    """The credentials of the one `authorization: Bearer <credentials>` entry in `metadata` (the scheme matched
+    case-insensitively); None when there is no such single entry."""
+    values = [v for k, v in metadata or () if k == "authorization"]
+    if len(values) != 1:
+        return None
+    value = values[0] if isinstance(values[0], bytes) else values[0].encode("utf-8", "replace")
+    scheme, _, credentials = value.partition(b" ")
+    return credentials.lstrip(b" ") if scheme.lower() == b"bearer" else None
+
+
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+    """Denies calls without the token; `open_handlers` (method path -> handler) answer such calls instead of a
+    denial (the health-only reflection)."""
+
+    def __init__(self, token: str, open_handlers: dict[str, grpc.RpcMethodHandler] | None = None) -> None:
+        self._token = token.encode()
+        self._open_handlers = open_handlers or {}
 
     def authorized(self, metadata: Any) -> bool:
-        values = [v for k, v in metadata or () if k == "authorization"]
-        given = values[0] if len(values) == 1 else ""
-        given_bytes = given if isinstance(given, bytes) else given.encode("utf-8", "replace")
-        return hmac.compare_digest(given_bytes, self._expected)
+        given = bearer_credentials(metadata)
+        return given is not None and hmac.compare_digest(given, self._token)
 
     async def intercept_service(
         self,
@@ -57,6 +70,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         method: str = handler_call_details.method  # type: ignore[attr-defined]
         if method.startswith(OPEN_PREFIXES) or self.authorized(handler_call_details.invocation_metadata):  # type: ignore[attr-defined]
             return await continuation(handler_call_details)
+        if method in self._open_handlers:
+            return self._open_handlers[method]
         handler = await continuation(handler_call_details)
         return _denying(handler) if handler is not None else None  # type: ignore[return-value]
 

@@ -1,5 +1,6 @@
-"""Tiny random models built in code (Qwen3, Qwen2, Llama; causal LM and sequence classification) with a small
-byte-level BPE tokenizer trained on the spot, saved as ordinary Hugging Face directories."""
+"""Tiny random models built in code (Qwen3, Qwen2, Llama, Qwen3.5; causal LM and sequence classification, and the
+Qwen3.5 image-text-to-text checkpoint) with a small byte-level BPE tokenizer trained on the spot, saved as ordinary
+Hugging Face directories."""
 
 from __future__ import annotations
 
@@ -41,8 +42,19 @@ def make_tokenizer(path: Path):
     return fast
 
 
+# Qwen3.5 at toy size: 3 Gated DeltaNet layers then 1 gated full-attention layer, 4/2 attention heads of 16 (half of
+# each rotates), 2 key / 4 value linear heads of 16, conv kernel 4.
+QWEN3_5_TEXT = dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                    linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                    layer_types=["linear_attention"] * 3 + ["full_attention"],
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                     "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+QWEN3_5_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                      temporal_patch_size=2, spatial_merge_size=1, num_position_embeddings=16)
+
+
 def tiny_config(arch: str, vocab_size: int, classifier: bool = False, **overrides):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3_5Config, Qwen3_5TextConfig, Qwen3Config
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
@@ -56,11 +68,20 @@ def tiny_config(arch: str, vocab_size: int, classifier: bool = False, **override
                           rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0,
                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                            "original_max_position_embeddings": 128}, **common)
+    elif arch == "qwen3_5":
+        cfg = Qwen3_5TextConfig(tie_word_embeddings=False, **dict(common, num_hidden_layers=4), **QWEN3_5_TEXT)
+    elif arch == "qwen3_5_vl":  # the image-text-to-text checkpoint: the same language model nested, plus vision
+        text = dict(common, num_hidden_layers=4, tie_word_embeddings=True, **QWEN3_5_TEXT)
+        cfg = Qwen3_5Config(text_config=text, vision_config=QWEN3_5_VISION, tie_word_embeddings=True)
+        cfg.architectures = ["Qwen3_5ForConditionalGeneration"]
+        return cfg
     else:
         raise ValueError(arch)
     for k, v in overrides.items():
         setattr(cfg, k, v)
-    name = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}[arch]
+    name = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama", "qwen3_5": "Qwen3_5"}[arch]
+    if arch == "qwen3_5" and classifier:
+        name = "Qwen3_5Text"
     cfg.architectures = [f"{name}For{'SequenceClassification' if classifier else 'CausalLM'}"]
     if classifier:
         cfg.num_labels = 3
@@ -71,30 +92,40 @@ def tiny_config(arch: str, vocab_size: int, classifier: bool = False, **override
 
 def make_model_dir(path: Path, arch: str, classifier: bool = False, seed: int = 0, **overrides) -> Path:
     """A saved random tiny model with a trained tokenizer; returns the directory."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification
 
     path.mkdir(parents=True, exist_ok=True)
     tok = make_tokenizer(path)
     cfg = tiny_config(arch, vocab_size=len(tok) + 8, classifier=classifier, **overrides)
     torch.manual_seed(seed)
     auto = AutoModelForSequenceClassification if classifier else AutoModelForCausalLM
+    if arch == "qwen3_5_vl":
+        auto = AutoModelForImageTextToText
     model = auto.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # random init is tiny; make activations big enough for meaningful comparisons
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.2)
             elif p.dim() == 1:
                 p.copy_(1 + 0.1 * torch.randn_like(p))
+            if arch.startswith("qwen3_5") and name.endswith("norm.weight") and "linear_attn" not in name:
+                p.normal_(0, 0.1)  # zero-centred: the norm scales by (1 + w), ~1 like the others' w
     model.save_pretrained(path)
     return path
 
 
 def load_reference(path: Path):
-    """The stock transformers model (fp32, sdpa) for a saved directory."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    """The stock transformers model (fp32, sdpa) for a saved directory: its own architecture's class."""
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForSequenceClassification,
+    )
 
     cfg = AutoConfig.from_pretrained(path)
     auto = (AutoModelForSequenceClassification if cfg.architectures[0].endswith("SequenceClassification")
+            else AutoModelForImageTextToText if cfg.architectures[0].endswith("ForConditionalGeneration")
             else AutoModelForCausalLM)
     return auto.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
 

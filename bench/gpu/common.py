@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from bench.common import cpu
+
 # Measured on this workplace's H200s (.library/device/KINDS.md, 2026-10-28 and 2026-11-04): bf16 8192^3 matmul
 # on random data, and a device-to-device copy counting bytes read plus written. Floors below use these.
 H200_BF16_FLOPS = 788e12
@@ -75,7 +77,7 @@ def environment(device: torch.device | str) -> dict[str, Any]:
     from pyscore.ops import _ext
 
     env: dict[str, Any] = dict(python=platform.python_version(), torch=torch.__version__,
-                               torch_cuda=torch.version.cuda, cpu=platform.processor() or platform.machine(),
+                               torch_cuda=torch.version.cuda, cpu=cpu(),
                                cpu_count=os.cpu_count(), device=str(device),
                                cpu_kernels=_ext.cpu_module() is not None, cuda_kernels=_ext.cuda_module() is not None,
                                cuda_kernels_error=_ext.import_error(_ext.CUDA_MODULE))

@@ -13,6 +13,7 @@ in-process equivalent of every candidate in flight at once; the decision exists 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from functools import partial
 from typing import Any
@@ -168,7 +169,9 @@ def graph_probe(engine: Engine, q: IdQuestion, labels: list[int], reps: int) -> 
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    shape_name = "tiny" if args.tiny else args.shape
+    shape_name = args.shape
+    if args.tiny:  # the tiny model of the shape's family
+        shape_name = "tiny-qwen3.5" if SHAPES[args.shape].linear else "tiny"
     budget = Budget(args.budget_s)
     set_threads(args.threads)  # also sizes the C++ kernels' OpenMP pool, which otherwise takes every host CPU
     t0 = time.perf_counter()
@@ -176,8 +179,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                  max_batch_tokens=args.max_batch_tokens)
     device = engine.decoder.device
     sync(device)
-    report: dict[str, Any] = dict(shape=shape_name, shape_config=vars(SHAPES[shape_name]), env=environment(device),
-                                  dtype=str(engine.decoder.dtype), build_s=time.perf_counter() - t0,
+    report: dict[str, Any] = dict(shape=shape_name, shape_config=dataclasses.asdict(SHAPES[shape_name]),
+                                  env=environment(device), dtype=str(engine.decoder.dtype),
+                                  build_s=time.perf_counter() - t0,
                                   reps=args.reps, warmup=args.warmup, results={}, skipped=[])
     labels = labels_for(engine.cfg.vocab_size)
     write_json(args.out, report)

@@ -1,8 +1,9 @@
 """CUDA-graph prototype of the decoder's forward pass (`Decoder.hidden_at`) over bucketed batch shapes.
 
 Why it can work with data-dependent segment tables: the CUDA prefix_item_attention plans its tiles *on the
-device* from the segment table and sizes its grid by an upper bound computed from (T, S) alone, so a graph
-captured for one (T, S, R) replays correctly for any table of that shape copied into the static buffers. A batch
+device* from the segment table (once per forward pass, inside the captured region) and sizes its grid by an upper
+bound computed from (T, S) alone, so a graph captured for one (T, S, R) replays correctly for any table of that
+shape copied into the static buffers. Each table is validated on the host before it is copied in. A batch
 is padded up to its bucket with extra plain-causal segments of dummy tokens (isolated from the real ones by the
 segment mask, so real rows are unchanged) and extra read-out rows pointing at a dummy token.
 
@@ -17,6 +18,7 @@ import torch
 
 from pyscore.model.decoder import Decoder
 from pyscore.model.packing import PackedBatch
+from pyscore.ops import SegmentTable
 
 
 def _next_pow2(n: int, minimum: int) -> int:
@@ -80,6 +82,7 @@ class GraphedDecoder:
         of the graph's static output, valid until the next call."""
         key = bucket_of(batch, self.token_step)
         padded = pad_batch(batch, *key)
+        SegmentTable.of(padded.segments, padded.num_tokens)  # validated here: the graph trusts its buffers
         captured = self.graphs.get(key)
         if captured is None:
             captured = self.graphs[key] = self._capture(padded)
@@ -93,15 +96,15 @@ class GraphedDecoder:
         device = self.decoder.device
         inputs = PackedBatch(tokens=padded.tokens.to(device), positions=padded.positions.to(device),
                              segments=padded.segments.to(device), readout=padded.readout.to(device))
+        # The static segment buffer is the table's device copy, so the captured pass never copies it back.
+        table = SegmentTable.of(padded.segments, padded.num_tokens, device, on_device=inputs.segments)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            # Warm-up off the capture: loads kernels and cuBLAS handles, and leaves prefix_item_attention's
-            # segment-validation cache holding `inputs.segments`, so the captured calls skip its host copy.
-            for _ in range(2):
-                self.decoder.hidden_at(inputs)
+            for _ in range(2):  # warm-up off the capture: loads kernels and cuBLAS handles
+                self.decoder.hidden_at(inputs, segments=table)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=self.capture_error_mode):
-            out = self.decoder.hidden_at(inputs)
+            out = self.decoder.hidden_at(inputs, segments=table)
         return _Captured(graph=graph, inputs=inputs, out=out)

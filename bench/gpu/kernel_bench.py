@@ -3,7 +3,10 @@
   (query 300 + n items of 32 tokens, n = 2/5/9/16) with Qwen3-0.6B heads (16/8 x 128) and Qwen3-8B heads (32/8);
   plus the error of each against the fp32 reference, and the MIS-vs-SIS difference of the items' attention
   outputs (the same item tokens attended in the MIS layout and as their own query+item sequences);
-- label_logprobs (ours) vs log_softmax((h @ W.T).float()).gather at R = 16, V = 151936, H = 1024 / 4096.
+- label_logprobs (ours) vs log_softmax((h @ W.T).float()).gather at R = 16, V = 151936, H = 1024 / 4096;
+- Qwen3.5's linear-attention ops (causal_conv1d + gated_delta_rule, ours) vs transformers' torch fallbacks (the
+  chunked rule: the query, then the items batched from its state) on the same MIS streams with Qwen3.5-4B's
+  Gated DeltaNet shape (16 key / 32 value heads of 128, conv kernel 4), and the items' max difference.
 CUDA events on the GPU (median over reps after warm-up), the host clock on the CPU (`--tiny`: small shapes, for
 the plumbing tests). Writes JSON.
 
@@ -20,12 +23,15 @@ import torch
 import torch.nn.functional as F
 
 from bench.gpu.common import device_ms, environment, summarize, write_json
+from bench.kernels import linear_inputs, transformers_linear
 from pyscore.engine import set_threads
-from pyscore.ops import _ext, label_logprobs, prefix_item_attention
+from pyscore.ops import AttentionPlan, SegmentTable, _ext, label_logprobs, prefix_item_attention
+from pyscore.ops.gated_delta_rule import causal_conv1d, gated_delta_rule, plan_linear_attention
 from pyscore.ops.reference import label_logprobs_ref, prefix_item_attention_ref, segment_attention_mask
 
 HEADS = {"qwen3-0.6b": (16, 8, 128), "qwen3-8b": (32, 8, 128), "tiny": (4, 2, 64)}
 HIDDEN = {"qwen3-0.6b": 1024, "qwen3-8b": 4096, "tiny": 128}
+LINEAR = {"qwen3.5-4b": (16, 32, 128, 4), "tiny": (2, 4, 32, 4)}  # Hk, Hv, head dim, conv kernel
 
 
 def mis_segments(query: int, items: list[int]) -> torch.Tensor:
@@ -65,20 +71,20 @@ def attention_case(model: str, query: int, items: list[int], dtype: torch.dtype,
     segments = mis_segments(query, items)
     t = int(segments[:, 1].sum())
     q, k, v = fused_qkv(t, hq, hkv, d, dtype, device, seed=t)
-    seg_dev = segments.to(device)
     mask = segment_attention_mask(segments, t).to(device)
     # SDPA at its best: heads first, contiguous, kv heads repeated for GQA (made outside the timed region)
     qh, kh, vh = (x.transpose(0, 1).repeat_interleave(r, 0).contiguous()[None]
                   for x, r in ((q, 1), (k, hq // hkv), (v, hq // hkv)))
-    seg_arg = seg_dev if device != "cpu" else segments
-    ours = summarize(device_ms(lambda: prefix_item_attention(q, k, v, seg_arg, backend="kernel"), device, reps))
+    # Planned once, as a forward pass does; the timed call is one layer's run.
+    plan = AttentionPlan(SegmentTable.of(segments, t, device), hq, hkv, d, dtype, device, backend="kernel")
+    ours = summarize(device_ms(lambda: plan.run(q, k, v), device, reps))
     sdpa = summarize(device_ms(lambda: F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask), device, reps))
     out: dict[str, Any] = dict(model=model, query=query, items=len(items), tokens=t, dtype=str(dtype),
                                ours_ms=ours["p50"], sdpa_dense_mask_ms=sdpa["p50"],
                                sdpa_over_ours=sdpa["p50"] / ours["p50"])
     if ref_check:
         ref = prefix_item_attention_ref(q, k, v, segments.to(device))
-        ours_out = prefix_item_attention(q, k, v, seg_arg, backend="kernel")
+        ours_out = plan.run(q, k, v)
         sdpa_out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)[0].transpose(0, 1)
         out.update(ours_rel_err=rel_err(ours_out, ref), sdpa_rel_err=rel_err(sdpa_out, ref),
                    ours_max_abs=float((ours_out.float() - ref).abs().max()))
@@ -126,11 +132,35 @@ def label_case(hidden: int, vocab: int, rows: int, dtype: torch.dtype, device: s
                 weight_read_ms_at_4_3TBs=2 * vocab * hidden / 4.3e12 * 1e3)
 
 
+def linear_case(model: str, query: int, items: list[int], dtype: torch.dtype, device: str, reps: int
+                ) -> dict[str, Any]:
+    """conv + rule over one MIS stream, ours vs transformers' fallbacks (items of equal length, so they batch)."""
+    segments = mis_segments(query, items)
+    t = int(segments[:, 1].sum())
+    x, weight, rule_args = linear_inputs(t, dtype, LINEAR[model], device)
+    table = SegmentTable.of(segments, t, device)
+    plan = plan_linear_attention(table)  # made once per batch, as a forward pass does
+
+    def ours():
+        causal_conv1d(x, weight, table, plan, backend="kernel")
+        return gated_delta_rule(*rule_args, table, plan, backend="kernel")
+
+    mine = summarize(device_ms(ours, device, reps))
+    theirs = summarize(device_ms(lambda: transformers_linear(x, weight, rule_args, query, len(items), items[0]),
+                                 device, max(3, reps // 10)))
+    want = transformers_linear(x.float(), weight.float(), [r.float() for r in rule_args], query, len(items), items[0])
+    got = ours()[query:].float()
+    return dict(model=model, query=query, items=len(items), tokens=t, dtype=str(dtype), ours_ms=mine["p50"],
+                transformers_ms=theirs["p50"], transformers_over_ours=theirs["p50"] / mine["p50"],
+                items_max_abs=float((got - want).abs().max()), items_max_value=float(want.abs().max()))
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = args.device
     tiny = args.tiny
     module = _ext.cuda_module() if device != "cpu" else _ext.cpu_module()
-    report: dict[str, Any] = dict(env=environment(device), attention=[], mis_vs_sis=[], label_logprobs=[], errors=[])
+    report: dict[str, Any] = dict(env=environment(device), attention=[], mis_vs_sis=[], label_logprobs=[],
+                                  linear=[], errors=[])
     if module is None:
         report["errors"].append(f"no kernel module for {device}: {_ext.import_error(_ext.CUDA_MODULE)}")
         write_json(args.out, report)
@@ -160,6 +190,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         except Exception as e:
             report["errors"].append(f"label_logprobs H={hidden}: {type(e).__name__}: {e}")
         write_json(args.out, report)
+    for n in counts:
+        try:
+            report["linear"].append(linear_case("tiny" if tiny else "qwen3.5-4b", query, [item_len] * n, dtype, device,
+                                                args.reps))
+        except Exception as e:
+            report["errors"].append(f"linear n={n}: {type(e).__name__}: {e}")
+        write_json(args.out, report)
     return report
 
 
@@ -177,6 +214,10 @@ def table(report: dict[str, Any]) -> str:
         lines.append(f"label_logprobs R={r['rows']} V={r['vocab']} H={r['hidden']}: ours {r['ours_ms']:.3f} ms, "
                      f"torch {r['torch_ms']:.3f} ms ({r['torch_over_ours']:.1f}x), max abs vs fp32 ours "
                      f"{r['ours_max_abs']:.1e} torch {r['torch_max_abs']:.1e}")
+    for r in report.get("linear", []):
+        lines.append(f"conv+gated_delta_rule {r['model']} {r['query']}+{r['items']}x: ours {r['ours_ms']:.3f} ms, "
+                     f"transformers {r['transformers_ms']:.3f} ms ({r['transformers_over_ours']:.1f}x), items max abs "
+                     f"{r['items_max_abs']:.1e} (values up to {r['items_max_value']:.2f})")
     lines += [f"error: {e}" for e in report["errors"]]
     return "\n".join(lines)
 

@@ -1,6 +1,7 @@
-"""Random-weight Qwen3-shaped engines built in memory: the published Qwen3-0.6B and Qwen3-8B shapes (and a tiny
-one for CPU tests) with weights drawn on the target device, so the H200 run needs neither a model hub nor 16 GB
-of files. Latency does not depend on weight values; the scale keeps bf16 activations finite.
+"""Random-weight engines built in memory: the published Qwen3-0.6B and Qwen3-8B shapes, the hybrid Qwen3.5-0.8B and
+Qwen3.5-4B shapes (3 Gated DeltaNet layers to 1 gated attention layer), and tiny ones for CPU tests, with weights
+drawn on the target device, so the H200 run needs neither a model hub nor 16 GB of files. Latency does not depend
+on weight values; the scale keeps bf16 activations finite.
 
 `RandomEngine` is a drop-in for the server's hidden `--engine` flag:
 `python -m server --engine bench.gpu.models:RandomEngine --model qwen3-0.6b`."""
@@ -14,11 +15,24 @@ from pathlib import Path
 
 import torch
 
+from pyscore.budget import DEFAULT_PREFIX_CACHE_MB
 from pyscore.engine import Engine, resolve_device, resolve_dtype, set_threads
 from pyscore.model.config import ModelConfig
 from pyscore.model.loading import LoadedModel
 from pyscore.model.rope import Rotary, inverse_frequencies
 from pyscore.model.weights import build_weights
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """Qwen3.5's Gated DeltaNet layers: key / value heads, their dim, the conv kernel; every `interval`-th layer is
+    (gated) full attention."""
+
+    k_heads: int
+    v_heads: int
+    head_dim: int = 128
+    conv_kernel: int = 4
+    interval: int = 4
 
 
 @dataclass(frozen=True)
@@ -32,12 +46,24 @@ class Shape:
     vocab: int
     tied: bool
     max_positions: int = 40960
+    linear: LinearShape | None = None
+
+    @property
+    def num_linear(self) -> int:
+        return 0 if self.linear is None else self.layers - self.layers // self.linear.interval
 
     @property
     def matmul_params(self) -> int:
         """Weights every token multiplies through (the layers; not the embedding or the LM head)."""
-        attn = (self.q_heads + 2 * self.kv_heads + self.q_heads) * self.head_dim * self.hidden  # qkv + o
-        return self.layers * (attn + 3 * self.hidden * self.intermediate)
+        gate = self.q_heads if self.linear else 0  # Qwen3.5's q_proj also yields the output gate
+        attn = (2 * self.q_heads + 2 * self.kv_heads + gate) * self.head_dim * self.hidden  # qkv (+ gate) + o
+        mixers = (self.layers - self.num_linear) * attn
+        if self.linear:
+            lin = self.linear
+            value = lin.v_heads * lin.head_dim
+            width = 2 * lin.k_heads * lin.head_dim + 2 * value + 2 * lin.v_heads  # in_proj qkv, z, b, a
+            mixers += self.num_linear * (width + value) * self.hidden  # + out_proj
+        return mixers + self.layers * 3 * self.hidden * self.intermediate
 
     @property
     def weight_bytes_bf16(self) -> int:
@@ -51,10 +77,43 @@ SHAPES = {
                         vocab=151936, tied=True),
     "qwen3-8b": Shape(hidden=4096, layers=36, q_heads=32, kv_heads=8, head_dim=128, intermediate=12288,
                       vocab=151936, tied=False),
+    # config.json of Qwen/Qwen3.5-0.8B and Qwen/Qwen3.5-4B (text_config)
+    "qwen3.5-0.8b": Shape(hidden=1024, layers=24, q_heads=8, kv_heads=2, head_dim=256, intermediate=3584,
+                          vocab=248320, tied=True, linear=LinearShape(k_heads=16, v_heads=16)),
+    "qwen3.5-4b": Shape(hidden=2560, layers=32, q_heads=16, kv_heads=4, head_dim=256, intermediate=9216,
+                        vocab=248320, tied=True, linear=LinearShape(k_heads=16, v_heads=32)),
     # CPU tests: head_dim 64 so the CUDA kernel's tensor-core path takes it too
     "tiny": Shape(hidden=128, layers=2, q_heads=4, kv_heads=2, head_dim=64, intermediate=256, vocab=1024,
                   tied=True, max_positions=2048),
+    "tiny-qwen3.5": Shape(hidden=128, layers=4, q_heads=4, kv_heads=2, head_dim=64, intermediate=256, vocab=1024,
+                          tied=True, max_positions=2048, linear=LinearShape(k_heads=2, v_heads=4, head_dim=32)),
 }
+
+
+def hf_config(shape: Shape):
+    """The transformers config of a shape: Qwen3 or, with linear layers, Qwen3.5 text."""
+    return qwen3_config(shape) if shape.linear is None else qwen3_5_config(shape)
+
+
+def qwen3_5_config(shape: Shape):
+    """A transformers Qwen3_5TextConfig with the shape's numbers (rope theta 1e7, a quarter of each head rotating,
+    eps 1e-6 as in Qwen3.5)."""
+    from transformers import Qwen3_5TextConfig
+
+    lin = shape.linear
+    cfg = Qwen3_5TextConfig(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
+        num_attention_heads=shape.q_heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
+        intermediate_size=shape.intermediate, tie_word_embeddings=shape.tied,
+        max_position_embeddings=shape.max_positions, rms_norm_eps=1e-6, linear_num_key_heads=lin.k_heads,
+        linear_num_value_heads=lin.v_heads,
+        linear_key_head_dim=lin.head_dim, linear_value_head_dim=lin.head_dim, linear_conv_kernel_dim=lin.conv_kernel,
+        layer_types=["full_attention" if (i + 1) % lin.interval == 0 else "linear_attention"
+                     for i in range(shape.layers)],
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg.architectures = ["Qwen3_5ForCausalLM"]
+    return cfg
 
 
 def qwen3_config(shape: Shape):
@@ -72,29 +131,46 @@ def qwen3_config(shape: Shape):
 
 
 def random_getter(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0):
-    """name -> random tensor of the HF state dict, drawn directly on `device` in `dtype`. Weights have std
-    1/sqrt(fan_in) (unit-variance outputs behind each RMSNorm, logits of unit scale), norms are ones, no biases."""
+    """name -> random tensor of the HF state dict (`model.` prefix), drawn directly on `device` in `dtype`, None for
+    names it does not hold. Weights have std 1/sqrt(fan_in) (unit-variance outputs behind each RMSNorm, logits of
+    unit scale), norms are unit scales (zero-centred norms: zeros), no biases; Qwen3.5's decay parameters as
+    transformers initialises them."""
     generator = torch.Generator(device=device).manual_seed(seed)
     hd, hq, hkv = cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads
     h, inter = cfg.hidden_size, cfg.intermediate_size
-    shapes = {"q_proj": (hq * hd, h), "k_proj": (hkv * hd, h), "v_proj": (hkv * hd, h), "o_proj": (h, hq * hd),
+    q_rows = (2 if cfg.attn_output_gate else 1) * hq * hd
+    shapes = {"q_proj": (q_rows, h), "k_proj": (hkv * hd, h), "v_proj": (hkv * hd, h), "o_proj": (h, hq * hd),
               "gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
+    lin = cfg.linear
+    if lin is not None:
+        value = lin.num_v_heads * lin.v_dim
+        shapes.update(in_proj_qkv=(lin.conv_channels, h), in_proj_z=(value, h), in_proj_b=(lin.num_v_heads, h),
+                      in_proj_a=(lin.num_v_heads, h), out_proj=(h, value))
 
-    def randn(rows: int, cols: int, std: float) -> torch.Tensor:
-        w = torch.empty(rows, cols, dtype=dtype, device=device)
-        return w.normal_(0.0, std, generator=generator)
+    def randn(*size: int, std: float) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device).normal_(0.0, std, generator=generator)
 
     def get(name: str) -> torch.Tensor | None:
+        if not name.startswith(("model.layers.", "model.embed_tokens", "model.norm", "lm_head")):
+            return None
         leaf = name.rsplit(".", 2)
         if name.endswith(".bias"):
             return None
+        if name.endswith("linear_attn.norm.weight"):
+            return torch.ones(lin.v_dim, dtype=dtype, device=device)
         if name.endswith("norm.weight"):
             size = hd if leaf[-2] in ("q_norm", "k_norm") else h
-            return torch.ones(size, dtype=dtype, device=device)
+            return (torch.zeros if cfg.zero_centred_norm else torch.ones)(size, dtype=dtype, device=device)
+        if name.endswith("conv1d.weight"):
+            return randn(lin.conv_channels, 1, lin.conv_kernel, std=lin.conv_kernel**-0.5)
+        if name.endswith("A_log"):
+            return torch.empty(lin.num_v_heads, device=device).uniform_(1.0, 16.0, generator=generator).log()
+        if name.endswith("dt_bias"):
+            return torch.ones(lin.num_v_heads, device=device)
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            return randn(cfg.vocab_size, h, h**-0.5)  # logits of unit scale behind the final norm
+            return randn(cfg.vocab_size, h, std=h**-0.5)  # logits of unit scale behind the final norm
         rows, cols = shapes[leaf[-2]]
-        return randn(rows, cols, cols**-0.5)
+        return randn(rows, cols, std=cols**-0.5)
 
     return get
 
@@ -110,11 +186,11 @@ def tiny_tokenizer():
 def build_random_model(shape_name: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LoadedModel:
     if shape_name not in SHAPES:
         raise ValueError(f"unknown shape {shape_name!r}; expected one of {', '.join(SHAPES)}")
-    hf = qwen3_config(SHAPES[shape_name])
+    hf = hf_config(SHAPES[shape_name])
     cfg = ModelConfig.from_hf(hf)
     with torch.inference_mode():
         weights = build_weights(cfg, random_getter(cfg, dtype, device, seed), dtype, device)
-    inv_freq, scaling = inverse_frequencies(hf, cfg.head_dim)
+    inv_freq, scaling = inverse_frequencies(hf, cfg.rotary_dims)
     rotary = Rotary(inv_freq, scaling, cfg.max_position_embeddings, device)
     return LoadedModel(name=f"random-{shape_name}", path=Path(f"random:{shape_name}"), cfg=cfg, hf_config=hf,
                        tokenizer=tiny_tokenizer(), weights=weights, rotary=rotary)
@@ -132,8 +208,8 @@ class RandomEngine(Engine):
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, dtype: str | torch.dtype = "auto",
                         device: str = "auto", threads: int | None = None, max_batch_tokens: int = 8192,
-                        op_backend: str = "auto") -> RandomEngine:
+                        op_backend: str = "auto", prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB) -> RandomEngine:
         set_threads(threads)
         dev = resolve_device(device)
         loaded = build_random_model(str(model or "qwen3-0.6b"), resolve_dtype(dtype, dev), dev)
-        return cls(loaded, max_batch_tokens, op_backend)
+        return cls(loaded, max_batch_tokens, op_backend, prefix_cache_mb)

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 # p95 ms at 16 candidates, concurrency 1 (the study, SGLang on one H200)
-STUDY = {"qwen3-0.6b": dict(mis=18.7, generate=39.6, sis=24.3), "qwen3-8b": dict(mis=20.6, generate=54.1, sis=53.1)}
+STUDY = {"qwen3-0.6b": dict(mis=18.7, generate=39.6, sis=24.3), "qwen3-8b": dict(mis=20.6, generate=54.1, sis=53.1),
+         "qwen3.5-4b": dict(mis=55.7, generate=84.8, sis=74.4)}
 TARGET_MIS16 = {"qwen3-0.6b": 10.0, "qwen3-8b": 15.0}
 TARGET_RATIO = 1.3
 
@@ -42,9 +43,10 @@ def engine_lines(report: dict[str, Any]) -> list[str]:
                      f"mis {fmt(cell.get('mis')):>15}  (mis floor {floor:.2f})  |mis-sis| "
                      + (f"{diff:.1e}" if diff is not None else "-"))
     mis16 = report.get("results", {}).get("16", {}).get("mis", {}).get("p95")
-    if mis16 is not None and shape in TARGET_MIS16:
-        ok = "MET" if mis16 <= TARGET_MIS16[shape] else "missed"
-        lines.append(f"  MIS(16) p95 {mis16:.2f} ms vs target {TARGET_MIS16[shape]} ({ok}); study SGLang: "
+    if mis16 is not None and shape in STUDY:
+        target = TARGET_MIS16.get(shape, STUDY[shape]["mis"])  # no target of its own: the study's MIS
+        ok = "MET" if mis16 <= target else "missed"
+        lines.append(f"  MIS(16) p95 {mis16:.2f} ms vs target {target} ({ok}); study SGLang: "
                      + ", ".join(f"{k} {v}" for k, v in STUDY[shape].items()))
     if "mis16_over_mis2_p95" in report:
         r = report["mis16_over_mis2_p95"]

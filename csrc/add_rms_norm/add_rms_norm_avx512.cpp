@@ -30,6 +30,14 @@ void rows(const AddRmsNormParams& p, int32_t begin, int32_t end) {
       acc = _mm512_fmadd_ps(v, v, acc);  // masked-off lanes are 0
     }
     const __m512 r = _mm512_set1_ps(rms_scale(_mm512_reduce_add_ps(acc), n, p.eps));
+    if (p.weight_fp32) {  // one rounding of the fp32 product
+      const float* w32 = static_cast<const float*>(p.weight);
+      for (int32_t i = 0; i < n; i += 16) {
+        const __mmask16 m = lanes(i, n);
+        E::store(out + i, m, _mm512_mul_ps(_mm512_mul_ps(E::load(x + i, m), r), _mm512_maskz_loadu_ps(m, w32 + i)));
+      }
+      continue;
+    }
     for (int32_t i = 0; i < n; i += 16) {
       const __mmask16 m = lanes(i, n);
       const __m512 y = E::round(_mm512_mul_ps(E::load(x + i, m), r));

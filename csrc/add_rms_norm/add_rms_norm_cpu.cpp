@@ -27,6 +27,11 @@ void rows_portable(const AddRmsNormParams& p, int32_t begin, int32_t end) {
       for (int32_t i = 0; i < p.hidden_size; ++i) store_f32(x + i, to_f32(x[i]) + to_f32(d[i]));
     }
     const float r = rms_scale(sum_of_squares(x, p.hidden_size), p.hidden_size, p.eps);
+    if (p.weight_fp32) {  // one rounding of the fp32 product
+      const float* w32 = static_cast<const float*>(p.weight);
+      for (int32_t i = 0; i < p.hidden_size; ++i) store_f32(out + i, to_f32(x[i]) * r * w32[i]);
+      continue;
+    }
     for (int32_t i = 0; i < p.hidden_size; ++i)
       store_f32(out + i, to_f32(w[i]) * round_as(to_f32(x[i]) * r, static_cast<T*>(nullptr)));
   }

@@ -4,7 +4,10 @@
 // which is the transformers recipe bit for bit except for the order of the fp32 sum of squares: statistics in
 // fp32, the normalized row rounded to the dtype, then the weight product rounded again (for bf16 that product
 // is exact in fp32, so the only rounding is the final one). Without delta it is a plain RMSNorm and x is
-// read only. Strides in elements; the last dimension of every tensor is contiguous.
+// read only. With weight_fp32 the weight is fp32 and scales the fp32 normalized row before its one rounding:
+//   out[t] = to_dtype(weight_f32 * x_f32[t] * rsqrt(mean(x_f32[t]^2) + eps))
+// which is Qwen3.5's zero-centred RMSNorm `x_hat * (1 + w)` with weight = 1 + w (the two recipes agree in fp32).
+// Strides in elements; the last dimension of every tensor is contiguous.
 #pragma once
 #include <cstdint>
 
@@ -17,13 +20,14 @@ struct AddRmsNormParams {
   int64_t x_row_stride;
   const void* delta;  // [T, H] or nullptr
   int64_t delta_row_stride;
-  const void* weight;  // [H]
+  const void* weight;  // [H], in the dtype, or fp32 with weight_fp32
   void* out;           // [T, H], must not overlap x or delta
   int64_t out_row_stride;
   int32_t num_rows;
   int32_t hidden_size;
   float eps;
-  DType dtype;  // of x, delta, weight and out
+  bool weight_fp32;
+  DType dtype;  // of x, delta, out and (unless weight_fp32) weight
 };
 
 }  // namespace pyscore

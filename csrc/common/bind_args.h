@@ -6,10 +6,14 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "add_rms_norm/params.h"
+#include "decode_attention/params.h"
+#include "gated_delta_rule/params.h"
 #include "label_logprobs/params.h"
+#include "linear/params.h"
 #include "prefix_item_attention/params.h"
 #include "rotary/params.h"
 #include "silu_mul/params.h"
@@ -35,10 +39,37 @@ inline void throw_on_error(Status status, const char* op) {
   }
 }
 
+// The cached-key tables (params.h) are optional: cached == 0 means none.
+inline AttentionPlanParams make_attention_plan_params(uintptr_t segments, int32_t num_segments, int32_t num_tokens,
+                                                      int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim,
+                                                      const std::string& dtype, uintptr_t cached = 0,
+                                                      uintptr_t cached_blocks = 0, int32_t num_cached_blocks = 0,
+                                                      int32_t block_tokens = 0) {
+  AttentionPlanParams s{reinterpret_cast<const int32_t*>(segments), num_segments, num_tokens, num_q_heads,
+                        num_kv_heads, head_dim, dtype_or_throw(dtype)};
+  s.cached = reinterpret_cast<const int32_t*>(cached);
+  s.cached_blocks = reinterpret_cast<const int32_t*>(cached_blocks);
+  s.num_cached_blocks = num_cached_blocks;
+  s.block_tokens = block_tokens;
+  return s;
+}
+
+// One layer's cached blocks for a run: (cache_k, cache_v) pointers and (block, token, head) strides in elements.
+using CacheStrides = std::tuple<int64_t, int64_t, int64_t>;
+
+inline void set_attention_cache(PrefixItemAttentionParams& p, uintptr_t cache_k, uintptr_t cache_v,
+                                CacheStrides strides) {
+  p.cache_k = reinterpret_cast<const void*>(cache_k);
+  p.cache_v = reinterpret_cast<const void*>(cache_v);
+  p.cache_block_stride = std::get<0>(strides);
+  p.cache_token_stride = std::get<1>(strides);
+  p.cache_head_stride = std::get<2>(strides);
+}
+
 inline PrefixItemAttentionParams make_attention_params(
     uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t o, Strides qs, Strides ks, Strides vs, Strides os,
     uintptr_t segments, int32_t num_segments, int32_t num_tokens, int32_t num_q_heads, int32_t num_kv_heads,
-    int32_t head_dim, float scale, const std::string& dtype) {
+    int32_t head_dim, float scale, DType dtype) {
   PrefixItemAttentionParams p{};
   p.q = reinterpret_cast<const void*>(q);
   p.k = reinterpret_cast<const void*>(k);
@@ -51,6 +82,36 @@ inline PrefixItemAttentionParams make_attention_params(
   p.segments = reinterpret_cast<const int32_t*>(segments);
   p.num_segments = num_segments;
   p.num_tokens = num_tokens;
+  p.num_q_heads = num_q_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.head_dim = head_dim;
+  p.scale = scale;
+  p.dtype = dtype;
+  return p;
+}
+
+inline DecodeAttentionParams make_decode_params(
+    uintptr_t q, Strides qs, uintptr_t o, Strides os, uintptr_t k_new, uintptr_t v_new, Strides new_strides,
+    uintptr_t k_base, uintptr_t v_base, uintptr_t layer_stride, int32_t layer, int64_t token_stride,
+    int64_t head_stride, uintptr_t lengths, int32_t max_length, int32_t num_seqs, int32_t num_q_heads,
+    int32_t num_kv_heads, int32_t head_dim, float scale, const std::string& dtype) {
+  DecodeAttentionParams p{};
+  p.q = reinterpret_cast<const void*>(q);
+  p.q_seq_stride = qs.first; p.q_head_stride = qs.second;
+  p.o = reinterpret_cast<void*>(o);
+  p.o_seq_stride = os.first; p.o_head_stride = os.second;
+  p.k_new = reinterpret_cast<const void*>(k_new);
+  p.v_new = reinterpret_cast<const void*>(v_new);
+  p.new_seq_stride = new_strides.first; p.new_head_stride = new_strides.second;
+  p.k_base = reinterpret_cast<const int64_t*>(k_base);
+  p.v_base = reinterpret_cast<const int64_t*>(v_base);
+  p.layer_stride = reinterpret_cast<const int64_t*>(layer_stride);
+  p.layer = layer;
+  p.token_stride = token_stride;
+  p.head_stride = head_stride;
+  p.lengths = reinterpret_cast<const int32_t*>(lengths);
+  p.max_length = max_length;
+  p.num_seqs = num_seqs;
   p.num_q_heads = num_q_heads;
   p.num_kv_heads = num_kv_heads;
   p.head_dim = head_dim;
@@ -81,14 +142,16 @@ inline LabelLogprobsParams make_label_params(
 }
 
 inline AddRmsNormParams make_add_rms_norm_params(
-    uintptr_t x, int64_t x_row_stride, uintptr_t delta, int64_t delta_row_stride, uintptr_t weight, uintptr_t out,
-    int64_t out_row_stride, int32_t num_rows, int32_t hidden_size, float eps, const std::string& dtype) {
+    uintptr_t x, int64_t x_row_stride, uintptr_t delta, int64_t delta_row_stride, uintptr_t weight, bool weight_fp32,
+    uintptr_t out, int64_t out_row_stride, int32_t num_rows, int32_t hidden_size, float eps,
+    const std::string& dtype) {
   AddRmsNormParams p{};
   p.x = reinterpret_cast<void*>(x);
   p.x_row_stride = x_row_stride;
   p.delta = reinterpret_cast<const void*>(delta);
   p.delta_row_stride = delta_row_stride;
   p.weight = reinterpret_cast<const void*>(weight);
+  p.weight_fp32 = weight_fp32;
   p.out = reinterpret_cast<void*>(out);
   p.out_row_stride = out_row_stride;
   p.num_rows = num_rows;
@@ -134,6 +197,86 @@ inline SiluMulParams make_silu_mul_params(uintptr_t gate, int64_t gate_row_strid
   p.out_row_stride = out_row_stride;
   p.num_rows = num_rows;
   p.width = width;
+  p.dtype = dtype_or_throw(dtype);
+  return p;
+}
+
+inline CausalConv1dParams make_conv_params(uintptr_t x, int64_t x_token_stride, uintptr_t weight, uintptr_t y,
+                                           int64_t y_token_stride, uintptr_t segments, int32_t num_segments,
+                                           int32_t num_tokens, int32_t channels, int32_t kernel_size,
+                                           uintptr_t tail_in, uintptr_t tail_out, const std::string& dtype) {
+  CausalConv1dParams p{};
+  p.x = reinterpret_cast<const void*>(x);
+  p.x_token_stride = x_token_stride;
+  p.weight = reinterpret_cast<const void*>(weight);
+  p.y = reinterpret_cast<void*>(y);
+  p.y_token_stride = y_token_stride;
+  p.segments = reinterpret_cast<const int32_t*>(segments);
+  p.num_segments = num_segments;
+  p.num_tokens = num_tokens;
+  p.channels = channels;
+  p.kernel_size = kernel_size;
+  p.tail_in = reinterpret_cast<const uint64_t*>(tail_in);
+  p.tail_out = reinterpret_cast<const uint64_t*>(tail_out);
+  p.dtype = dtype_or_throw(dtype);
+  return p;
+}
+
+inline GatedDeltaRuleParams make_rule_params(
+    uintptr_t q, Strides qs, uintptr_t k, Strides ks, uintptr_t v, Strides vs, uintptr_t a, int64_t a_token_stride,
+    uintptr_t b, int64_t b_token_stride, uintptr_t a_log, uintptr_t dt_bias, uintptr_t o, Strides os,
+    uintptr_t segments, int32_t num_segments, int32_t num_tokens, uintptr_t state_slot, int32_t num_slots,
+    int32_t num_k_heads, int32_t num_v_heads, int32_t k_dim, int32_t v_dim, float scale, uintptr_t state_in,
+    uintptr_t state_out, const std::string& dtype) {
+  GatedDeltaRuleParams p{};
+  p.q = reinterpret_cast<const void*>(q);
+  p.q_token_stride = qs.first; p.q_head_stride = qs.second;
+  p.k = reinterpret_cast<const void*>(k);
+  p.k_token_stride = ks.first; p.k_head_stride = ks.second;
+  p.v = reinterpret_cast<const void*>(v);
+  p.v_token_stride = vs.first; p.v_head_stride = vs.second;
+  p.a = reinterpret_cast<const void*>(a);
+  p.a_token_stride = a_token_stride;
+  p.b = reinterpret_cast<const void*>(b);
+  p.b_token_stride = b_token_stride;
+  p.a_log = reinterpret_cast<const float*>(a_log);
+  p.dt_bias = reinterpret_cast<const float*>(dt_bias);
+  p.o = reinterpret_cast<void*>(o);
+  p.o_token_stride = os.first; p.o_head_stride = os.second;
+  p.segments = reinterpret_cast<const int32_t*>(segments);
+  p.num_segments = num_segments;
+  p.num_tokens = num_tokens;
+  p.state_slot = reinterpret_cast<const int32_t*>(state_slot);
+  p.num_slots = num_slots;
+  p.num_k_heads = num_k_heads;
+  p.num_v_heads = num_v_heads;
+  p.k_dim = k_dim;
+  p.v_dim = v_dim;
+  p.scale = scale;
+  p.state_in = reinterpret_cast<const uint64_t*>(state_in);
+  p.state_out = reinterpret_cast<const uint64_t*>(state_out);
+  p.dtype = dtype_or_throw(dtype);
+  return p;
+}
+
+inline LinearParams make_linear_params(uintptr_t x, int64_t x_row_stride, uintptr_t w_packed, uintptr_t bias,
+                                       uintptr_t residual, int64_t residual_row_stride, uintptr_t out,
+                                       int64_t out_row_stride, int32_t m, int32_t k, int32_t n_packed, int32_t n_out,
+                                       bool gated, const std::string& dtype) {
+  LinearParams p{};
+  p.x = reinterpret_cast<const void*>(x);
+  p.x_row_stride = x_row_stride;
+  p.w_packed = reinterpret_cast<const void*>(w_packed);
+  p.bias = reinterpret_cast<const float*>(bias);
+  p.residual = reinterpret_cast<const void*>(residual);
+  p.residual_row_stride = residual_row_stride;
+  p.out = reinterpret_cast<void*>(out);
+  p.out_row_stride = out_row_stride;
+  p.m = m;
+  p.k = k;
+  p.n_packed = n_packed;
+  p.n_out = n_out;
+  p.gated = gated;
   p.dtype = dtype_or_throw(dtype);
   return p;
 }

@@ -9,10 +9,15 @@ namespace pyscore {
 namespace avx512 {
 
 // 2^x for x <= 0 (softmax arguments), ~1 ulp: x = n + f with n = round(x), f in [-0.5, 0.5], 2^f by its
-// degree-7 Taylor polynomial (truncation < 1e-8 relative), then scalef multiplies by 2^n exactly. Inputs
-// below -126 (and -inf) give 0 after clamping, so masked scores need no special case.
+// degree-7 Taylor polynomial (truncation < 1e-8 relative), then scalef multiplies by 2^n exactly.
+// Lanes below -126 (and -inf, NaN) give 0 through a zero-masked scalef: their true results are denormals, and an
+// Intel core takes a ~90 ns microcode assist for every vector that produces one (masked scores are -inf, so
+// attention made one per masked tile). Lanes at or above -126 give exactly what the unmasked formula gives (2^f >= 1
+// for n = -126, so those results are normal); the rest are the unmasked result flushed to zero. Bitwise, this is
+// the unmasked formula under flush-to-zero (tests/cpu/simd_check.cpp).
 static inline __m512 exp2_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
+  const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));  // keeps -inf out of the arithmetic (no NaN in dead lanes)
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);  // exact
   __m512 p = _mm512_set1_ps(1.5252734e-05f);  // ln2^7 / 7!
@@ -23,6 +28,54 @@ static inline __m512 exp2_ps(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-01f));  // ln2^2 / 2!
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-01f));  // ln2
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_scalef_ps(normal, p, n);
+}
+
+// ---- bf16 pairs widened to fp32 (the Bf16Dot::kWiden path, see common/cpu_features.h) ----------------------------
+
+// A zmm of 16 bf16 pairs (dword i = elements 2i, 2i+1) as two fp32 vectors: the even elements (low halves) and the
+// odd ones (high halves). Exact.
+static inline __m512 bf16_even_ps(__m512i pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }
+static inline __m512 bf16_odd_ps(__m512i pairs) {
+  return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(int(0xFFFF0000u))));
+}
+
+// acc + a_odd * b_odd + a_even * b_even per lane, rounded as vdpbf16ps rounds: the odd product is added first, each
+// product is exact in fp32, so two FMAs in that order give vdpbf16ps's result bitwise on normal numbers (vdpbf16ps
+// also flushes denormal inputs and outputs to zero; FMA keeps them).
+static inline __m512 dot2_widened_ps(__m512 acc, __m512 a_even, __m512 a_odd, __m512 b_even, __m512 b_odd) {
+  return _mm512_fmadd_ps(a_even, b_even, _mm512_fmadd_ps(a_odd, b_odd, acc));
+}
+
+// `p` unchanged, but opaque to the optimizer. In a register-blocked tile where each vector meets several rows'
+// broadcast scalars, GCC hoists the broadcasts of all rows into registers across the vectors (12 for 6 rows of
+// pairs) and then spills accumulators in the inner loop; loading the scalars through a pointer laundered per
+// vector makes each broadcast single-use, so it folds into the FMA as an embedded {1to16} memory operand.
+template <class T>
+static inline const T* opaque(const T* p) {
+  asm volatile("" : "+r"(p));  // volatile: identical statements must not be merged
+  return p;
+}
+
+// e^x with full fp32 accuracy (for results rounded to bf16 that must land where torch's Sleef exp lands): a
+// Cody-Waite reduction x = n ln2 + r, |r| <= ln2 / 2, instead of scaling the argument by log2 e (whose rounding
+// error grows with |x|), e^r by its degree-7 Taylor polynomial (truncation < 6e-9 relative), times 2^n exactly. ~1 ulp;
+// overflows to +inf past 88.7 and underflows to 0 (through the denormals) below -103.
+static inline __m512 exp_ps(__m512 x) {
+  // Clamp with x as the second operand so a NaN passes through.
+  x = _mm512_min_ps(_mm512_set1_ps(100.0f), _mm512_max_ps(_mm512_set1_ps(-110.0f), x));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2 high part: n * it is exact
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);  // ln2 low part
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
 }
 

@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 
+#include "common/cpu_features.h"
 #include "label_logprobs/params.h"
 
 namespace pyscore {
@@ -16,7 +17,7 @@ struct LabelCpuOps {
   void (*lse_update)(const float* x, int32_t n, float* max, float* sum);
 };
 
-// nullptr when the dtype is not covered (the caller checks the CPU).
-const LabelCpuOps* label_ops_avx512(DType dtype);
+// nullptr when the dtype is not covered (the caller checks the CPU); bf16_dot picks how bf16 pairs are multiplied.
+const LabelCpuOps* label_ops_avx512(DType dtype, Bf16Dot bf16_dot);
 
 }  // namespace pyscore

@@ -3,10 +3,14 @@
 // The LM head product for R read-out rows is a skinny GEMM bound by streaming the [V, H] weight, so each tile
 // takes 4 weight rows and up to 6 hidden rows: every weight zmm loaded is used by all the tile's rows, and the
 // weight tile (4 x H) stays in L1 while the following row tiles reuse it. Dot products run along H (vdpbf16ps
-// on bf16 pairs, FMA on fp32) in lane-partial accumulators that are reduced 4 at a time at the end.
+// on bf16 pairs, FMA on fp32) in lane-partial accumulators that are reduced 4 at a time at the end. On CPUs where
+// vdpbf16ps is slow (Bf16Dot::kWiden) bf16 pairs are widened to fp32 instead: the hidden rows once per chunk into a
+// de-interleaved fp32 copy, each weight zmm in registers, and two FMAs per pair in vdpbf16ps's order give the
+// same bits.
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "common/vec_math_avx512.h"
 #include "label_logprobs/cpu_ops.h"
@@ -92,6 +96,78 @@ void dot_tile(const typename E::T* w, int64_t w_stride, const typename E::T* h, 
   }
 }
 
+// Hidden rows widened for the kWiden path: per 32-element block of a row, its 16 even elements then its 16 odd
+// ones as fp32 (exact), the ragged last block zero-filled; rows `stride` floats apart.
+struct WidenedRows {
+  const float* data;
+  int64_t stride;
+};
+
+WidenedRows widen_rows(const uint16_t* h, int64_t h_stride, int rows, int hidden) {
+  thread_local std::vector<float> buf;
+  const int blocks = (hidden + 31) / 32;
+  const int64_t stride = int64_t(blocks) * 32;
+  if (int64_t(buf.size()) < rows * stride) buf.resize(rows * stride);
+  for (int r = 0; r < rows; ++r)
+    for (int b = 0; b < blocks; ++b) {
+      const int rest = hidden - 32 * b;
+      const __mmask32 m = rest >= 32 ? ~__mmask32(0) : __mmask32((uint64_t(1) << rest) - 1);
+      const __m512i x = _mm512_maskz_loadu_epi16(m, h + r * h_stride + 32 * b);
+      _mm512_storeu_ps(buf.data() + r * stride + 32 * b, bf16_even_ps(x));
+      _mm512_storeu_ps(buf.data() + r * stride + 32 * b + 16, bf16_odd_ps(x));
+    }
+  return {buf.data(), stride};
+}
+
+// dot_tile<Bf16, VT, RT> computed with widened pairs: the same accumulation order lane by lane (odd product, then
+// even, block after block, then the same reduction), so the same bits on normal numbers. At most 4 rows: 16
+// accumulators + 8 widened weight vectors + 2 hidden vectors fit the 32 registers.
+template <int VT, int RT>
+void dot_tile_widened(const uint16_t* w, int64_t w_stride, WidenedRows h, int hidden, float* out, int64_t out_stride,
+                      bool prefetch) {
+  __m512 acc[RT][VT];
+  for (int r = 0; r < RT; ++r)
+    for (int v = 0; v < VT; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int i = 0; i < hidden; i += 32) {
+    const int rest = hidden - i;
+    const __mmask32 m = rest >= 32 ? ~__mmask32(0) : __mmask32((uint64_t(1) << rest) - 1);
+    __m512 we[VT], wo[VT];
+    for (int v = 0; v < VT; ++v) {
+      const __m512i x = _mm512_maskz_loadu_epi16(m, w + v * w_stride + i);
+      we[v] = bf16_even_ps(x);
+      wo[v] = bf16_odd_ps(x);
+    }
+    if (prefetch)
+      for (int v = 0; v < VT; ++v)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (kPrefetchRows + v) * w_stride + i), _MM_HINT_T0);
+    for (int r = 0; r < RT; ++r) {
+      const __m512 he = _mm512_loadu_ps(h.data + r * h.stride + i), ho = _mm512_loadu_ps(h.data + r * h.stride + i + 16);
+      for (int v = 0; v < VT; ++v) acc[r][v] = dot2_widened_ps(acc[r][v], he, ho, we[v], wo[v]);
+    }
+  }
+  for (int r = 0; r < RT; ++r) {
+    if constexpr (VT == 4) _mm_storeu_ps(out + r * out_stride, reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+    else out[r * out_stride] = _mm512_reduce_add_ps(acc[r][0]);
+  }
+}
+
+template <int VT>
+void dot_column_widened(const uint16_t* w, int64_t w_stride, WidenedRows h, int rows, int hidden, float* out,
+                        int64_t out_stride, bool prefetch) {
+  constexpr int kRows = 4;
+  for (int r = 0; r < rows; r += kRows) {
+    const WidenedRows hr{h.data + r * h.stride, h.stride};
+    float* o = out + r * out_stride;
+    const bool pf = r == 0 && prefetch;
+    switch (rows - r) {
+      case 1: dot_tile_widened<VT, 1>(w, w_stride, hr, hidden, o, out_stride, pf); break;
+      case 2: dot_tile_widened<VT, 2>(w, w_stride, hr, hidden, o, out_stride, pf); break;
+      case 3: dot_tile_widened<VT, 3>(w, w_stride, hr, hidden, o, out_stride, pf); break;
+      default: dot_tile_widened<VT, kRows>(w, w_stride, hr, hidden, o, out_stride, pf); break;
+    }
+  }
+}
+
 template <class E, int VT>
 void dot_column(const typename E::T* w, int64_t w_stride, const typename E::T* h, int64_t h_stride, int rows,
                 int hidden, float* out, int64_t out_stride, bool prefetch) {
@@ -139,6 +215,21 @@ void logits_chunk(const LabelLogprobsParams& p, int32_t v0, int32_t n, float* ou
                      p.hidden_size, out + j, n, false);
 }
 
+void logits_chunk_widened(const LabelLogprobsParams& p, int32_t v0, int32_t n, float* out) {
+  if (!p.weight) return copy_logits<Bf16>(p, v0, n, out);
+  const auto* w = static_cast<const uint16_t*>(p.weight) + v0 * p.weight_row_stride;
+  const WidenedRows h = widen_rows(static_cast<const uint16_t*>(p.hidden), p.hidden_row_stride, p.num_rows,
+                                   p.hidden_size);
+  const int32_t safe_end = p.vocab_size - v0 - kPrefetchRows - kWeightRows;
+  int32_t j = 0;
+  for (; j + kWeightRows <= n; j += kWeightRows)
+    dot_column_widened<kWeightRows>(w + j * p.weight_row_stride, p.weight_row_stride, h, p.num_rows, p.hidden_size,
+                                    out + j, n, j <= safe_end);
+  for (; j < n; ++j)
+    dot_column_widened<1>(w + j * p.weight_row_stride, p.weight_row_stride, h, p.num_rows, p.hidden_size, out + j, n,
+                          false);
+}
+
 void lse_update(const float* x, int32_t n, float* max, float* sum) {
   __m512 mx = _mm512_set1_ps(kNegInf);
   int32_t j = 0;
@@ -161,12 +252,13 @@ void lse_update(const float* x, int32_t n, float* max, float* sum) {
 }
 
 const LabelCpuOps kBf16Ops{logits_chunk<Bf16>, lse_update};
+const LabelCpuOps kBf16WidenOps{logits_chunk_widened, lse_update};
 const LabelCpuOps kF32Ops{logits_chunk<F32>, lse_update};
 
 }  // namespace
 
-const LabelCpuOps* label_ops_avx512(DType dtype) {
-  if (dtype == DType::kBFloat16) return &kBf16Ops;
+const LabelCpuOps* label_ops_avx512(DType dtype, Bf16Dot bf16_dot) {
+  if (dtype == DType::kBFloat16) return bf16_dot == Bf16Dot::kWiden ? &kBf16WidenOps : &kBf16Ops;
   if (dtype == DType::kFloat32) return &kF32Ops;
   return nullptr;
 }

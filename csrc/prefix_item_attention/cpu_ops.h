@@ -11,6 +11,7 @@
 #pragma once
 #include <cstdint>
 
+#include "common/cpu_features.h"
 #include "common/dtype.h"
 
 namespace pyscore {
@@ -37,13 +38,9 @@ struct AttentionCpuOps {
   void (*store_row)(const float* src, int32_t dim, void* dst);
 };
 
-// nullptr when the build or CPU lacks the ISA, or the dtype/head_dim is not covered by it.
-const AttentionCpuOps* attention_ops_avx512(DType dtype, int32_t head_dim);
+// nullptr when the dtype/head_dim is not covered by the AVX-512 ops (the caller checks the CPU); bf16_dot picks
+// how bf16 pairs are multiplied.
+const AttentionCpuOps* attention_ops_avx512(DType dtype, int32_t head_dim, Bf16Dot bf16_dot);
 const AttentionCpuOps* attention_ops_portable(DType dtype);
-
-// Merges two partial attentions of the same rows over disjoint key sets (o: [rows, dim] fp32, lse: [rows]
-// natural log) into o_out / lse_out, which may alias o_a / lse_a. A side with lse -inf contributes nothing.
-void merge_state(const float* o_a, const float* lse_a, const float* o_b, const float* lse_b, int32_t rows,
-                 int32_t dim, float* o_out, float* lse_out);
 
 }  // namespace pyscore

@@ -1,14 +1,17 @@
 // AVX-512 ops of the CPU prefix_item_attention kernel (interface and packed layouts in cpu_ops.h).
 //
-// One register-blocked flash-attention tile serves both dtypes: bf16 uses vdpbf16ps on pairs (Q.K^T with pairs
-// along head_dim, P.V with pairs along keys, P rounded to bf16 as flash-attention does on GPUs), fp32 uses
-// FMA on single elements with fp32 P. Either way a zmm of K or V is 64 bytes and the broadcast operand is one
-// 4-byte unit, so the same loops serve both. Softmax is online, in base 2 (scores pre-multiplied by
-// scale * log2(e)), with a vector exp2 accurate to ~1 ulp so the fp32 path matches the fp32 reference.
+// One register-blocked flash-attention tile serves every element type: bf16 works on pairs (Q.K^T with pairs along
+// head_dim, P.V with pairs along keys, P rounded to bf16 as flash-attention does on GPUs), fp32 on single elements
+// with fp32 P. Either way a zmm of K or V is 64 bytes and the broadcast operand is one 4-byte unit, so the same
+// loops serve both. bf16 pairs are multiplied either by vdpbf16ps or by widening them to fp32 and two FMAs in
+// vdpbf16ps's own order (Bf16Dot in common/cpu_features.h): the same bits, at the rate each CPU family runs best.
+// Softmax is online, in base 2 (scores pre-multiplied by scale * log2(e)), with a vector exp2 accurate to ~1 ulp so
+// the fp32 path matches the fp32 reference.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "common/vec_math_avx512.h"
 #include "prefix_item_attention/cpu_ops.h"
@@ -25,24 +28,78 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Element traits: the fused multiply-add of a broadcast 4-byte unit (a bf16 pair, or one fp32) with a zmm.
-struct Bf16 {
+// Element traits. T is the stored type of q, K, V and the output; B the broadcast operand of the tile's products
+// (q rows in Q.K^T, P in P.V), one 4-byte unit (kPack elements) per step. step() adds, for TM rows, the product
+// of row r's unit (b + r * b_stride) with the ZN zmm at `vec` into acc[r][0..ZN).
+struct Bf16 {  // vdpbf16ps on bf16 pairs
   using T = uint16_t;
+  using B = uint16_t;
   static constexpr int kPack = 2;
-  static __m512 dot(__m512 acc, const T* bcast, __m512 vec) {
-    int32_t pair;
-    std::memcpy(&pair, bcast, sizeof(pair));
-    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(pair), (__m512bh)vec);
+  template <int TM, int ZN>
+  static void step(__m512 (&acc)[TM][ZN], const B* b, int64_t b_stride, const T* vec) {
+    __m512 v[ZN];
+    for (int z = 0; z < ZN; ++z) v[z] = _mm512_loadu_ps(vec + z * 16 * kPack);
+    for (int r = 0; r < TM; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, b + r * b_stride, sizeof(pair));
+      const __m512bh bc = (__m512bh)_mm512_set1_epi32(pair);
+      for (int z = 0; z < ZN; ++z) acc[r][z] = _mm512_dpbf16_ps(acc[r][z], bc, (__m512bh)v[z]);
+    }
+  }
+  static const B* rows_as_b(const T* q, int32_t, int32_t) { return q; }
+  static void store_p(B* dst, __m512 p) { store_bf16_ps(dst, p); }
+  static void store(T* dst, __m512 x) { store_bf16_ps(dst, x); }
+};
+
+// bf16 pairs widened to fp32 in registers, two FMAs per pair in vdpbf16ps's order: bitwise Bf16's results on normal
+// numbers. The broadcast side is fp32 (q converted once per call, P rounded to bf16 and kept as fp32), so each
+// product is one FMA with an embedded broadcast; each K/V zmm is widened once for all TM rows.
+struct Bf16Widen {
+  using T = uint16_t;
+  using B = float;
+  static constexpr int kPack = 2;
+  template <int TM, int ZN>
+  static void step(__m512 (&acc)[TM][ZN], const B* b, int64_t b_stride, const T* vec) {
+    for (int z = 0; z < ZN; ++z) {
+      const __m512i v = _mm512_loadu_si512(vec + z * 16 * kPack);
+      const __m512 even = bf16_even_ps(v), odd = bf16_odd_ps(v);
+      const B* bz = opaque(b);  // broadcasts stay FMA memory operands instead of 2 TM registers (see opaque)
+      for (int r = 0; r < TM; ++r)
+        acc[r][z] = dot2_widened_ps(acc[r][z], _mm512_set1_ps(bz[r * b_stride]), _mm512_set1_ps(bz[r * b_stride + 1]),
+                                    even, odd);
+    }
+  }
+  // q rows [rows, D] as fp32 in a per-thread buffer (exact).
+  static const B* rows_as_b(const T* q, int32_t rows, int32_t head_dim) {
+    thread_local std::vector<float> qf;
+    const int64_t n = int64_t(rows) * head_dim;
+    if (int64_t(qf.size()) < n) qf.resize(n);
+    for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(qf.data() + i, load_bf16_ps(q + i));  // D % 64 == 0
+    return qf.data();
+  }
+  // P rounded to bf16 by the same instruction as Bf16::store_p, then widened back.
+  static void store_p(B* dst, __m512 p) {
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(p);
+    _mm512_storeu_ps(dst, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
   }
   static void store(T* dst, __m512 x) { store_bf16_ps(dst, x); }
 };
 
 struct F32 {
   using T = float;
+  using B = float;
   static constexpr int kPack = 1;
-  static __m512 dot(__m512 acc, const T* bcast, __m512 vec) {
-    return _mm512_fmadd_ps(_mm512_set1_ps(*bcast), vec, acc);
+  template <int TM, int ZN>
+  static void step(__m512 (&acc)[TM][ZN], const B* b, int64_t b_stride, const T* vec) {
+    __m512 v[ZN];
+    for (int z = 0; z < ZN; ++z) v[z] = _mm512_loadu_ps(vec + z * 16);
+    for (int r = 0; r < TM; ++r) {
+      const __m512 bc = _mm512_set1_ps(b[r * b_stride]);
+      for (int z = 0; z < ZN; ++z) acc[r][z] = _mm512_fmadd_ps(bc, v[z], acc[r][z]);
+    }
   }
+  static const B* rows_as_b(const T* q, int32_t, int32_t) { return q; }
+  static void store_p(B* dst, __m512 p) { _mm512_storeu_ps(dst, p); }
   static void store(T* dst, __m512 x) { _mm512_storeu_ps(dst, x); }
 };
 
@@ -118,19 +175,30 @@ struct alignas(64) SoftmaxState {
   float alpha[16]; // rescale factor of this key block
 };
 
-// S = Q.K^T for TM rows x 64 keys of one key block, scaled to base 2, masked per row to keys < limit.
-template <class E, int TM>
-inline void scores_block(const typename E::T* q, int head_dim, const typename E::T* kblock, const int* limit,
-                         int key0, float scale2, __m512 (&s)[TM][kZmmPerTile]) {
+// The first ZN zmm (16 keys each) of S = Q.K^T; the rest are left 0 (keys past the rows' limits, masked below).
+template <class E, int TM, int ZN>
+inline void scores_part(const typename E::B* q, int head_dim, const typename E::T* kblock,
+                        __m512 (&s)[TM][kZmmPerTile]) {
   constexpr int P = E::kPack;
+  __m512 part[TM][ZN];
   for (int r = 0; r < TM; ++r)
-    for (int z = 0; z < kZmmPerTile; ++z) s[r][z] = _mm512_setzero_ps();
-  for (int p = 0; p < head_dim / P; ++p) {
-    const typename E::T* kr = kblock + p * kKeyBlock * P;
-    __m512 kz[kZmmPerTile];
-    for (int z = 0; z < kZmmPerTile; ++z) kz[z] = _mm512_loadu_ps(kr + z * 16 * P);
-    for (int r = 0; r < TM; ++r)
-      for (int z = 0; z < kZmmPerTile; ++z) s[r][z] = E::dot(s[r][z], q + r * head_dim + p * P, kz[z]);
+    for (int z = 0; z < ZN; ++z) part[r][z] = _mm512_setzero_ps();
+  for (int p = 0; p < head_dim / P; ++p)
+    E::template step<TM, ZN>(part, q + p * P, head_dim, kblock + p * kKeyBlock * P);
+  for (int r = 0; r < TM; ++r)
+    for (int z = 0; z < kZmmPerTile; ++z) s[r][z] = z < ZN ? part[r][z] : _mm512_setzero_ps();
+}
+
+// S = Q.K^T for TM rows x 64 keys of one key block, scaled to base 2, masked per row to keys < limit. Only the
+// 16-key groups below the tile's key_end are multiplied (an item's own keys rarely fill a block).
+template <class E, int TM>
+inline void scores_block(const typename E::B* q, int head_dim, const typename E::T* kblock, const int* limit,
+                         int key0, int key_end, float scale2, __m512 (&s)[TM][kZmmPerTile]) {
+  switch (std::min(kZmmPerTile, (key_end - key0 + 15) / 16)) {
+    case 1: scores_part<E, TM, 1>(q, head_dim, kblock, s); break;
+    case 2: scores_part<E, TM, 2>(q, head_dim, kblock, s); break;
+    case 3: scores_part<E, TM, 3>(q, head_dim, kblock, s); break;
+    default: scores_part<E, TM, kZmmPerTile>(q, head_dim, kblock, s); break;
   }
   const __m512 neg_inf = _mm512_set1_ps(kNegInf), scale = _mm512_set1_ps(scale2);
   for (int r = 0; r < TM; ++r)
@@ -138,10 +206,10 @@ inline void scores_block(const typename E::T* q, int head_dim, const typename E:
       s[r][z] = _mm512_mask_mul_ps(neg_inf, first_lanes(limit[r] - key0 - 16 * z), s[r][z], scale);
 }
 
-// Online-softmax step: new row maxima, rescale factors, P = 2^(S - max) into pbuf (in E's type, as the PV
-// operand) and the running sums (from the unrounded P).
+// Online-softmax step: new row maxima, rescale factors, P = 2^(S - max) into pbuf (as the PV broadcast operand) and
+// the running sums (from the unrounded P).
 template <class E, int TM>
-inline void softmax_block(__m512 (&s)[TM][kZmmPerTile], SoftmaxState& st, typename E::T (*pbuf)[kKeyBlock]) {
+inline void softmax_block(__m512 (&s)[TM][kZmmPerTile], SoftmaxState& st, typename E::B (*pbuf)[kKeyBlock]) {
   alignas(64) float prev[16] = {}, ref[16] = {};
   for (int r = 0; r < TM; ++r) {
     __m512 mx = _mm512_max_ps(_mm512_max_ps(s[r][0], s[r][1]), _mm512_max_ps(s[r][2], s[r][3]));
@@ -158,7 +226,7 @@ inline void softmax_block(__m512 (&s)[TM][kZmmPerTile], SoftmaxState& st, typena
     for (int z = 0; z < kZmmPerTile; ++z) {
       const __m512 p = exp2_ps(_mm512_sub_ps(s[r][z], m));
       sum = _mm512_add_ps(sum, p);
-      E::store(pbuf[r] + 16 * z, p);
+      E::store_p(pbuf[r] + 16 * z, p);
     }
     st.sum[r] = st.sum[r] * st.alpha[r] + _mm512_reduce_add_ps(sum);
   }
@@ -166,30 +234,27 @@ inline void softmax_block(__m512 (&s)[TM][kZmmPerTile], SoftmaxState& st, typena
 
 // O = alpha * O + P.V for TM rows, 64 output dims at a time; `pairs` = key steps of this block that matter.
 template <class E, int TM>
-inline void pv_block(const typename E::T (*pbuf)[kKeyBlock], const typename E::T* vblock, int pairs, int head_dim,
+inline void pv_block(const typename E::B (*pbuf)[kKeyBlock], const typename E::T* vblock, int pairs, int head_dim,
                      const SoftmaxState& st, float* o) {
   constexpr int P = E::kPack;
   for (int c = 0; c < head_dim; c += 16 * kZmmPerTile) {
     __m512 acc[TM][kZmmPerTile];
     for (int r = 0; r < TM; ++r) {
       const __m512 a = _mm512_set1_ps(st.alpha[r]);
-      for (int z = 0; z < kZmmPerTile; ++z) acc[r][z] = _mm512_mul_ps(a, _mm512_loadu_ps(o + r * head_dim + c + 16 * z));
+      for (int z = 0; z < kZmmPerTile; ++z)
+        acc[r][z] = _mm512_mul_ps(a, _mm512_loadu_ps(o + r * head_dim + c + 16 * z));
     }
-    for (int j = 0; j < pairs; ++j) {
-      const typename E::T* vr = vblock + (j * head_dim + c) * P;
-      __m512 vz[kZmmPerTile];
-      for (int z = 0; z < kZmmPerTile; ++z) vz[z] = _mm512_loadu_ps(vr + z * 16 * P);
-      for (int r = 0; r < TM; ++r)
-        for (int z = 0; z < kZmmPerTile; ++z) acc[r][z] = E::dot(acc[r][z], pbuf[r] + j * P, vz[z]);
-    }
+    for (int j = 0; j < pairs; ++j)
+      E::template step<TM, kZmmPerTile>(acc, pbuf[0] + j * P, kKeyBlock, vblock + (j * head_dim + c) * P);
     for (int r = 0; r < TM; ++r)
       for (int z = 0; z < kZmmPerTile; ++z) _mm512_storeu_ps(o + r * head_dim + c + 16 * z, acc[r][z]);
   }
 }
 
-// TM query rows against a packed key range: flash-attention over key blocks up to the rows' largest limit.
+// TM query rows (q: the broadcast form of their values) against a packed key range: flash-attention over key
+// blocks up to the rows' largest limit.
 template <class E, int TM>
-void attend_tile(const typename E::T* q, const int32_t* limits, const typename E::T* k_packed,
+void attend_tile(const typename E::B* q, const int32_t* limits, const typename E::T* k_packed,
                  const typename E::T* v_packed, int32_t num_keys, int32_t head_dim, float scale2, float* o,
                  float* lse) {
   int limit[TM];
@@ -202,11 +267,11 @@ void attend_tile(const typename E::T* q, const int32_t* limits, const typename E
     st.sum[r] = 0.0f;
     std::memset(o + r * head_dim, 0, head_dim * sizeof(float));
   }
-  alignas(64) typename E::T pbuf[TM][kKeyBlock];
+  alignas(64) typename E::B pbuf[TM][kKeyBlock];
   for (int key0 = 0; key0 < key_end; key0 += kKeyBlock) {
     const int64_t block = int64_t(key0) * head_dim;  // both packed layouts hold kKeyBlock * D per block
     __m512 s[TM][kZmmPerTile];
-    scores_block<E, TM>(q, head_dim, k_packed + block, limit, key0, scale2, s);
+    scores_block<E, TM>(q, head_dim, k_packed + block, limit, key0, key_end, scale2, s);
     softmax_block<E, TM>(s, st, pbuf);
     const int pairs = (std::min(kKeyBlock, key_end - key0) + E::kPack - 1) / E::kPack;
     pv_block<E, TM>(pbuf, v_packed + block, pairs, head_dim, st, o);
@@ -224,7 +289,7 @@ template <class E>
 void attend(const void* q_, int32_t rows, const int32_t* limits, const void* k_packed, const void* v_packed,
             int32_t num_keys, int32_t head_dim, float scale, float* o, float* lse) {
   using T = typename E::T;
-  const T* q = static_cast<const T*>(q_);
+  const typename E::B* q = E::rows_as_b(static_cast<const T*>(q_), rows, head_dim);
   const T* kp = static_cast<const T*>(k_packed);
   const T* vp = static_cast<const T*>(v_packed);
   const float scale2 = scale * kLog2e;
@@ -232,7 +297,7 @@ void attend(const void* q_, int32_t rows, const int32_t* limits, const void* k_p
   for (; r + kTileRows <= rows; r += kTileRows)
     attend_tile<E, kTileRows>(q + int64_t(r) * head_dim, limits ? limits + r : nullptr, kp, vp, num_keys,
                               head_dim, scale2, o + int64_t(r) * head_dim, lse + r);
-  const T* qr = q + int64_t(r) * head_dim;
+  const typename E::B* qr = q + int64_t(r) * head_dim;
   const int32_t* lr = limits ? limits + r : nullptr;
   float* orow = o + int64_t(r) * head_dim;
   switch (rows - r) {
@@ -252,15 +317,16 @@ void store_row(const float* src, int32_t dim, void* dst_) {
 }
 
 const AttentionCpuOps kBf16Ops{pack_k<Bf16>, pack_v_bf16, attend<Bf16>, store_row<Bf16>};
+const AttentionCpuOps kBf16WidenOps{pack_k<Bf16>, pack_v_bf16, attend<Bf16Widen>, store_row<Bf16>};
 const AttentionCpuOps kF32Ops{pack_k<F32>, pack_v_f32, attend<F32>, store_row<F32>};
 
 }  // namespace
 
-const AttentionCpuOps* attention_ops_avx512(DType dtype, int32_t head_dim) {
+const AttentionCpuOps* attention_ops_avx512(DType dtype, int32_t head_dim, Bf16Dot bf16_dot) {
   // The tiles cover 64 output dims per pass; other head dims use the portable ops. The caller has checked
   // the CPU (the check lives in baseline-ISA code).
   if (head_dim % (16 * kZmmPerTile) != 0) return nullptr;
-  if (dtype == DType::kBFloat16) return &kBf16Ops;
+  if (dtype == DType::kBFloat16) return bf16_dot == Bf16Dot::kWiden ? &kBf16WidenOps : &kBf16Ops;
   if (dtype == DType::kFloat32) return &kF32Ops;
   return nullptr;
 }

@@ -1,8 +1,9 @@
 // CPU prefix_item_attention (contract in params.h): the Hydragen / FlashInfer cascade on a packed stream.
 //
-// Plan: consecutive segments sharing one prefix form a group. Every key range (each segment's own tokens, each
-// group's prefix) is packed once per kv head. Work units are (group, kv head, block of the group's tokens);
-// a unit's rows are its tokens x the Hq/Hkv query heads of that kv head, stacked. For each unit:
+// Plan (once per batch, plan_cpu.h): consecutive segments sharing one prefix form a group; the key ranges (each
+// segment's own tokens, each group's prefix) and the work units (group, kv head, block of the group's tokens)
+// are listed and the workspaces allocated. Run (once per layer): every key range is packed per kv head, then
+// each unit's rows (its tokens x the Hq/Hkv query heads of that kv head, stacked) go through:
 //   1. rows x own segment keys, causal             -> (o_b, lse_b)
 //   2. rows x the group's prefix keys, dense        -> (o_a, lse_a)   (items only; the prefix is read once
 //                                                                      per row block, not once per item)
@@ -17,40 +18,19 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <tuple>
+#include <mutex>
 #include <utility>
 #include <vector>
 
 #include "common/bf16.h"
 #include "common/cpu_features.h"
+#include "common/merge_state_cpu.h"
 #include "common/threads.h"
 #include "prefix_item_attention/cpu_ops.h"
-#include "prefix_item_attention/launch.h"
+#include "prefix_item_attention/plan_cpu.h"
 
 namespace pyscore {
-
-// ---- merge (the one place partial attentions are combined) -----------------------------------------------
-
-void merge_state(const float* o_a, const float* lse_a, const float* o_b, const float* lse_b, int32_t rows,
-                 int32_t dim, float* o_out, float* lse_out) {
-  for (int32_t r = 0; r < rows; ++r) {
-    const float a = lse_a[r], b = lse_b[r];
-    const float m = std::max(a, b);
-    const float* xa = o_a + int64_t(r) * dim;
-    const float* xb = o_b + int64_t(r) * dim;
-    float* out = o_out + int64_t(r) * dim;
-    if (m == -std::numeric_limits<float>::infinity()) {  // neither side saw a key
-      std::fill(out, out + dim, 0.0f);
-      if (lse_out) lse_out[r] = m;
-      continue;
-    }
-    // The larger side has weight e^0 = 1, so one exp per row suffices.
-    const float w = std::exp(std::min(a, b) - m);
-    const float wa = a >= b ? 1.0f : w, wb = a >= b ? w : 1.0f;
-    const float inv = 1.0f / (1.0f + w);
-    for (int32_t d = 0; d < dim; ++d) out[d] = (wa * xa[d] + wb * xb[d]) * inv;
-    if (lse_out) lse_out[r] = m + std::log1p(w);
-  }
-}
 
 namespace {
 
@@ -133,158 +113,177 @@ const AttentionCpuOps kPortableF32{pack_portable<float, k_offset>, pack_portable
 constexpr int32_t kItemUnitTokens = 32;
 constexpr int32_t kCausalUnitTokens = 64;
 
-struct Segment {
-  int32_t start, length, prefix_start, prefix_length;
-  int32_t end() const { return start + length; }
-};
-
-struct KeyRange {
-  int32_t start, length;
-  int64_t offset;  // elements from the start of one kv head's packed area
-};
-
-// Consecutive segments sharing one prefix (an MIS group's items), or one segment without prefix.
-struct Group {
-  int32_t first_segment, num_segments;
-  int32_t prefix_range;  // index into Plan::ranges, -1 without prefix
-  int32_t token_begin, token_end;
-};
-
-struct Unit {
-  int32_t group, kv_head, token_begin, token_end;
-  double cost;
-};
-
-struct Plan {
-  std::vector<Segment> segments;     // non-empty segments, in table order
-  std::vector<int32_t> own_range;    // per segment: its own tokens' key range
-  std::vector<KeyRange> ranges;
-  std::vector<Group> groups;
-  std::vector<Unit> units;           // costliest first
-  int64_t packed_elems_per_head = 0;
-  int32_t max_unit_tokens = 0;
-};
-
-Status read_segments(const PrefixItemAttentionParams& p, std::vector<Segment>* out) {
-  int64_t covered = 0;
-  for (int32_t i = 0; i < p.num_segments; ++i) {
-    const int32_t* row = p.segments + 4 * int64_t(i);
-    Segment s{row[0], row[1], row[2], row[3]};
-    if (s.start < 0 || s.length < 0 || s.prefix_start < 0 || s.prefix_length < 0 ||
-        int64_t(s.start) + s.length > p.num_tokens || int64_t(s.prefix_start) + s.prefix_length > p.num_tokens)
-      return kInvalidArgument;
-    // A prefix overlapping its own segment would count those keys twice.
-    if (s.prefix_length > 0 && s.prefix_start < s.end() && s.start < s.prefix_start + s.prefix_length)
-      return kInvalidArgument;
-    if (s.length > 0) out->push_back(s);
-    covered += s.length;
-  }
-  // Every output row must be written by exactly one segment.
-  return covered == p.num_tokens ? kOk : kInvalidArgument;
+Status check_shape(const AttentionPlanParams& s) {
+  if (s.dtype != DType::kFloat32 && s.dtype != DType::kBFloat16) return kUnsupportedDType;
+  if (s.head_dim <= 0 || (s.dtype == DType::kBFloat16 && s.head_dim % 2)) return kUnsupportedHeadDim;
+  if (s.num_tokens < 0 || s.num_segments < 0 || s.num_q_heads <= 0 || s.num_kv_heads <= 0 ||
+      s.num_q_heads % s.num_kv_heads)
+    return kInvalidArgument;
+  if (s.num_segments > 0 && !s.segments) return kInvalidArgument;
+  return kOk;
 }
 
-int32_t add_range(Plan& plan, std::map<std::pair<int32_t, int32_t>, int32_t>& index, int32_t start,
-                  int32_t length, int32_t head_dim) {
-  auto [it, inserted] = index.emplace(std::make_pair(start, length), int32_t(plan.ranges.size()));
+// The cached-key columns of segment row i (params.h): checked against the block list and the kind's rules.
+Status read_cached(const AttentionPlanParams& s, int32_t i, AttentionSegment* seg) {
+  seg->cached = {};
+  seg->cached_kind = kCachedBeforeOwn;
+  if (!s.cached) return kOk;
+  const int32_t* row = s.cached + 3 * int64_t(i);
+  const int32_t first = row[0], count = row[1], kind = row[2];
+  if (first < 0 || count < 0 || int64_t(first) + count > s.num_cached_blocks) return kInvalidArgument;
+  if (kind != kCachedBeforeOwn && kind != kCachedBeforePrefix) return kInvalidArgument;
+  // Cached keys continue a causal sequence or lead a prefix; a segment with a stream prefix cannot have them
+  // before its own tokens (they would sit between the prefix and the segment).
+  if (count > 0 && kind == kCachedBeforeOwn && seg->prefix_length > 0) return kInvalidArgument;
+  seg->cached = {first, count};
+  seg->cached_kind = kind;
+  return kOk;
+}
+
+Status read_segments(const AttentionPlanParams& s, std::vector<AttentionSegment>* out) {
+  int64_t covered = 0;
+  for (int32_t i = 0; i < s.num_segments; ++i) {
+    const int32_t* row = s.segments + 4 * int64_t(i);
+    AttentionSegment seg{row[0], row[1], row[2], row[3], {}, kCachedBeforeOwn};
+    if (seg.start < 0 || seg.length < 0 || seg.prefix_start < 0 || seg.prefix_length < 0 ||
+        int64_t(seg.start) + seg.length > s.num_tokens ||
+        int64_t(seg.prefix_start) + seg.prefix_length > s.num_tokens)
+      return kInvalidArgument;
+    // A prefix overlapping its own segment would count those keys twice.
+    if (seg.prefix_length > 0 && seg.prefix_start < seg.end() && seg.start < seg.prefix_start + seg.prefix_length)
+      return kInvalidArgument;
+    if (seg.prefix_length == 0) seg.prefix_start = 0;  // an empty stream prefix is the same wherever it "starts"
+    const Status status = read_cached(s, i, &seg);
+    if (status != kOk) return status;
+    if (seg.length > 0) out->push_back(seg);
+    covered += seg.length;
+  }
+  // Every output row must be written by exactly one segment.
+  return covered == s.num_tokens ? kOk : kInvalidArgument;
+}
+
+using RangeKey = std::tuple<int32_t, int32_t, int32_t, int32_t>;
+
+int32_t add_range(AttentionCpuPlan& plan, std::map<RangeKey, int32_t>& index, int32_t start, int32_t length,
+                  CachedSpan cached) {
+  auto [it, inserted] =
+      index.emplace(RangeKey{start, length, cached.first, cached.count}, int32_t(plan.ranges.size()));
   if (inserted) {
-    plan.ranges.push_back({start, length, plan.packed_elems_per_head});
-    plan.packed_elems_per_head += packed_kv_elems(length, head_dim);
+    plan.ranges.push_back({start, length, cached, plan.packed_elems_per_head});
+    plan.packed_elems_per_head += packed_kv_elems(plan.cached_tokens(cached) + length, plan.shape.head_dim);
   }
   return it->second;
 }
 
-bool same_group(const Segment& prev, const Segment& next) {
-  return prev.prefix_length > 0 && next.prefix_start == prev.prefix_start &&
-         next.prefix_length == prev.prefix_length && next.start == prev.end();
+bool same_group(const AttentionSegment& prev, const AttentionSegment& next) {
+  const CachedSpan a = prev.cached_before_prefix(), b = next.cached_before_prefix();
+  return prev.has_prefix() && next.prefix_start == prev.prefix_start && next.prefix_length == prev.prefix_length &&
+         a.first == b.first && a.count == b.count && next.start == prev.end();
 }
 
-void add_units(Plan& plan, int32_t group_index, int32_t num_kv_heads) {
-  const Group& g = plan.groups[group_index];
+void add_units(AttentionCpuPlan& plan, int32_t group_index) {
+  const AttentionGroup& g = plan.groups[group_index];
   const int32_t tokens = g.token_end - g.token_begin;
   const bool items = g.prefix_range >= 0;
   const int32_t target = items ? kItemUnitTokens : kCausalUnitTokens;
   const int32_t count = (tokens + target - 1) / target;
-  const int32_t prefix = items ? plan.ranges[g.prefix_range].length : 0;
+  const int32_t prefix = items ? plan.keys(plan.ranges[g.prefix_range]) : 0;
+  // A causal group is one segment: its cached keys are visited by every row.
+  const int32_t cached = items ? 0 : plan.cached_tokens(plan.segments[g.first_segment].cached_before_own());
   for (int32_t c = 0; c < count; ++c) {
     // Even split, so no unit is a small leftover.
     const int32_t t0 = g.token_begin + int64_t(tokens) * c / count;
     const int32_t t1 = g.token_begin + int64_t(tokens) * (c + 1) / count;
     // Keys visited per row: the prefix plus, causally, about the row's offset in its segment.
-    const double causal = items ? 0.5 * kItemUnitTokens : 0.5 * (t0 + t1) - g.token_begin;
+    const double causal = items ? 0.5 * kItemUnitTokens : cached + 0.5 * (t0 + t1) - g.token_begin;
     const double cost = double(t1 - t0) * (prefix + causal + kKeyBlock);
-    for (int32_t h = 0; h < num_kv_heads; ++h) plan.units.push_back({group_index, h, t0, t1, cost});
+    for (int32_t h = 0; h < plan.shape.num_kv_heads; ++h) plan.units.push_back({group_index, h, t0, t1, cost});
     plan.max_unit_tokens = std::max(plan.max_unit_tokens, t1 - t0);
   }
 }
 
-Status make_plan(const PrefixItemAttentionParams& p, Plan* plan) {
-  Status status = read_segments(p, &plan->segments);
-  if (status != kOk) return status;
-  std::map<std::pair<int32_t, int32_t>, int32_t> index;
-  const auto& segs = plan->segments;
-  for (const Segment& s : segs) plan->own_range.push_back(add_range(*plan, index, s.start, s.length, p.head_dim));
+void list_work(AttentionCpuPlan& plan) {
+  std::map<RangeKey, int32_t> index;
+  const auto& segs = plan.segments;
+  for (const AttentionSegment& s : segs)
+    plan.own_range.push_back(add_range(plan, index, s.start, s.length, s.cached_before_own()));
   for (int32_t i = 0; i < int32_t(segs.size());) {
     int32_t j = i + 1;
     while (j < int32_t(segs.size()) && same_group(segs[j - 1], segs[j])) ++j;
-    const int32_t prefix = segs[i].prefix_length > 0
-                               ? add_range(*plan, index, segs[i].prefix_start, segs[i].prefix_length, p.head_dim)
-                               : -1;
-    plan->groups.push_back({i, j - i, prefix, segs[i].start, segs[j - 1].end()});
-    add_units(*plan, int32_t(plan->groups.size()) - 1, p.num_kv_heads);
+    const int32_t prefix = segs[i].has_prefix() ? add_range(plan, index, segs[i].prefix_start, segs[i].prefix_length,
+                                                            segs[i].cached_before_prefix())
+                                                : -1;
+    plan.groups.push_back({i, j - i, prefix, segs[i].start, segs[j - 1].end()});
+    add_units(plan, int32_t(plan.groups.size()) - 1);
     i = j;
   }
-  std::stable_sort(plan->units.begin(), plan->units.end(),
-                   [](const Unit& a, const Unit& b) { return a.cost > b.cost; });
-  return kOk;
+  std::stable_sort(plan.units.begin(), plan.units.end(),
+                   [](const AttentionUnit& a, const AttentionUnit& b) { return a.cost > b.cost; });
+}
+
+// ---- workspaces ------------------------------------------------------------------------------------------
+
+size_t elem_size(DType dtype) { return dtype == DType::kBFloat16 ? 2 : 4; }
+
+constexpr size_t kLine = 64;
+size_t whole_lines(size_t bytes) { return (bytes + kLine - 1) / kLine * kLine; }
+
+void allocate_workspaces(AttentionCpuPlan& plan) {
+  const AttentionPlanParams& s = plan.shape;
+  const size_t elem = elem_size(s.dtype);
+  const size_t packed_bytes = size_t(plan.packed_elems_per_head) * s.num_kv_heads * elem;
+  plan.k_packed.allocate(packed_bytes);
+  plan.v_packed.allocate(packed_bytes);
+  const size_t rows = size_t(plan.max_unit_tokens) * (s.num_q_heads / s.num_kv_heads);
+  const size_t q_bytes = whole_lines(rows * s.head_dim * elem), o_bytes = whole_lines(rows * s.head_dim * 4);
+  const size_t row_bytes = whole_lines(rows * 4);
+  plan.scratch.resize(std::max(1, kernel_threads()));
+  for (AttentionScratch& t : plan.scratch) {
+    t.arena.allocate(q_bytes + 2 * o_bytes + 3 * row_bytes);
+    char* p = t.arena.data;
+    t.q = p;
+    t.o_a = reinterpret_cast<float*>(p += q_bytes);
+    t.o_b = reinterpret_cast<float*>(p += o_bytes);
+    t.lse_a = reinterpret_cast<float*>(p += o_bytes);
+    t.lse_b = reinterpret_cast<float*>(p += row_bytes);
+    t.limits = reinterpret_cast<int32_t*>(p += row_bytes);
+  }
 }
 
 // ---- execution -------------------------------------------------------------------------------------------
 
-size_t elem_size(DType dtype) { return dtype == DType::kBFloat16 ? 2 : 4; }
-
-// Packed K and V of every key range, [Hkv][packed_elems_per_head] each; reused across calls on this thread.
-struct PackedKeys {
-  char* k;
-  char* v;
-  int64_t head_elems;
-  size_t elem;
-  const char* k_of(const KeyRange& r, int32_t h) const { return k + (h * head_elems + r.offset) * elem; }
-  const char* v_of(const KeyRange& r, int32_t h) const { return v + (h * head_elems + r.offset) * elem; }
-};
-
-char* aligned_buffer(std::vector<char>& storage, size_t bytes) {
-  storage.resize(bytes + 64);
-  const uintptr_t base = reinterpret_cast<uintptr_t>(storage.data());
-  return reinterpret_cast<char*>((base + 63) & ~uintptr_t(63));
+char* packed_k(const AttentionCpuPlan& plan, const KeyRange& r, int32_t h) {
+  return plan.k_packed.data + (h * plan.packed_elems_per_head + r.offset) * elem_size(plan.shape.dtype);
+}
+char* packed_v(const AttentionCpuPlan& plan, const KeyRange& r, int32_t h) {
+  return plan.v_packed.data + (h * plan.packed_elems_per_head + r.offset) * elem_size(plan.shape.dtype);
 }
 
-// Per-thread scratch of one unit: stacked q rows, the two partial states, the causal limits.
-struct Scratch {
-  std::vector<char> q_storage;
-  char* q = nullptr;
-  std::vector<float> o_a, o_b, lse_a, lse_b;
-  std::vector<int32_t> limits;
-  void reserve(int32_t rows, int32_t head_dim, size_t elem) {
-    q = aligned_buffer(q_storage, size_t(rows) * head_dim * elem);
-    o_a.resize(size_t(rows) * head_dim);
-    o_b.resize(size_t(rows) * head_dim);
-    lse_a.resize(rows);
-    lse_b.resize(rows);
-    limits.resize(rows);
-  }
-};
-
-void pack_range(const PrefixItemAttentionParams& p, const AttentionCpuOps& ops, const KeyRange& r, int32_t h,
-                const PackedKeys& packed) {
+// Packs one kv head of a key range: its cached blocks (whole key tiles each) first, then its stream tokens.
+void pack_range(const PrefixItemAttentionParams& p, const AttentionCpuOps& ops, const AttentionCpuPlan& plan,
+                const KeyRange& r, int32_t h) {
   const size_t elem = elem_size(p.dtype);
+  char* dst_k = packed_k(plan, r, h);
+  char* dst_v = packed_v(plan, r, h);
+  const size_t block_bytes = packed_kv_elems(plan.block_tokens, p.head_dim) * elem;
+  for (int32_t b = 0; b < r.cached.count; ++b) {
+    const int64_t at = plan.cached_blocks[r.cached.first + b] * p.cache_block_stride + h * p.cache_head_stride;
+    ops.pack_k(static_cast<const char*>(p.cache_k) + at * elem, p.cache_token_stride, plan.block_tokens, p.head_dim,
+               dst_k);
+    ops.pack_v(static_cast<const char*>(p.cache_v) + at * elem, p.cache_token_stride, plan.block_tokens, p.head_dim,
+               dst_v);
+    dst_k += block_bytes;
+    dst_v += block_bytes;
+  }
+  if (r.length == 0) return;
   const char* k = static_cast<const char*>(p.k) + (r.start * p.k_token_stride + h * p.k_head_stride) * elem;
   const char* v = static_cast<const char*>(p.v) + (r.start * p.v_token_stride + h * p.v_head_stride) * elem;
-  ops.pack_k(k, p.k_token_stride, r.length, p.head_dim, const_cast<char*>(packed.k_of(r, h)));
-  ops.pack_v(v, p.v_token_stride, r.length, p.head_dim, const_cast<char*>(packed.v_of(r, h)));
+  ops.pack_k(k, p.k_token_stride, r.length, p.head_dim, dst_k);
+  ops.pack_v(v, p.v_token_stride, r.length, p.head_dim, dst_v);
 }
 
 // Row (t - token_begin) * ratio + j of the unit holds query head kv_head * ratio + j of token t.
-void gather_q(const PrefixItemAttentionParams& p, const Unit& u, int32_t ratio, char* dst) {
+void gather_q(const PrefixItemAttentionParams& p, const AttentionUnit& u, int32_t ratio, char* dst) {
   const size_t elem = elem_size(p.dtype);
   const size_t row_bytes = size_t(p.head_dim) * elem;
   for (int32_t t = u.token_begin; t < u.token_end; ++t)
@@ -296,8 +295,8 @@ void gather_q(const PrefixItemAttentionParams& p, const Unit& u, int32_t ratio, 
     }
 }
 
-void store_rows(const PrefixItemAttentionParams& p, const AttentionCpuOps& ops, const Unit& u, int32_t ratio,
-                const float* src) {
+void store_rows(const PrefixItemAttentionParams& p, const AttentionCpuOps& ops, const AttentionUnit& u,
+                int32_t ratio, const float* src) {
   const size_t elem = elem_size(p.dtype);
   for (int32_t t = u.token_begin; t < u.token_end; ++t)
     for (int32_t j = 0; j < ratio; ++j) {
@@ -308,88 +307,115 @@ void store_rows(const PrefixItemAttentionParams& p, const AttentionCpuOps& ops, 
 }
 
 // Step 1 of the cascade: each segment piece of the unit against its own keys, causally.
-void attend_own_keys(const PrefixItemAttentionParams& p, const AttentionCpuOps& ops, const Plan& plan,
-                     const PackedKeys& packed, const Unit& u, int32_t ratio, Scratch& s) {
-  const Group& g = plan.groups[u.group];
+void attend_own_keys(const PrefixItemAttentionParams& p, const AttentionCpuOps& ops, const AttentionCpuPlan& plan,
+                     const AttentionUnit& u, int32_t ratio, AttentionScratch& s) {
+  const AttentionGroup& g = plan.groups[u.group];
   const size_t elem = elem_size(p.dtype);
   for (int32_t i = g.first_segment; i < g.first_segment + g.num_segments; ++i) {
-    const Segment& seg = plan.segments[i];
+    const AttentionSegment& seg = plan.segments[i];
     const int32_t t0 = std::max(u.token_begin, seg.start), t1 = std::min(u.token_end, seg.end());
     if (t0 >= t1) continue;
     const int32_t row0 = (t0 - u.token_begin) * ratio, rows = (t1 - t0) * ratio;
-    for (int32_t r = 0; r < rows; ++r) s.limits[row0 + r] = t0 - seg.start + r / ratio + 1;
     const KeyRange& range = plan.ranges[plan.own_range[i]];
-    ops.attend(s.q + size_t(row0) * p.head_dim * elem, rows, s.limits.data() + row0, packed.k_of(range, u.kv_head),
-               packed.v_of(range, u.kv_head), range.length, p.head_dim, p.scale,
-               s.o_b.data() + size_t(row0) * p.head_dim, s.lse_b.data() + row0);
+    // Own keys: the segment's cached blocks (all visible), then its tokens up to the row's own.
+    const int32_t first_limit = plan.cached_tokens(range.cached) + t0 - seg.start + 1;
+    for (int32_t r = 0; r < rows; ++r) s.limits[row0 + r] = first_limit + r / ratio;
+    ops.attend(s.q + size_t(row0) * p.head_dim * elem, rows, s.limits + row0, packed_k(plan, range, u.kv_head),
+               packed_v(plan, range, u.kv_head), plan.keys(range), p.head_dim, p.scale,
+               s.o_b + size_t(row0) * p.head_dim, s.lse_b + row0);
   }
 }
 
-void run_unit(const PrefixItemAttentionParams& p, const AttentionCpuOps& ops, const Plan& plan,
-              const PackedKeys& packed, const Unit& u, Scratch& s) {
+void run_unit(const PrefixItemAttentionParams& p, const AttentionCpuOps& ops, const AttentionCpuPlan& plan,
+              const AttentionUnit& u, AttentionScratch& s) {
   const int32_t ratio = p.num_q_heads / p.num_kv_heads;
   const int32_t rows = (u.token_end - u.token_begin) * ratio;
-  const Group& g = plan.groups[u.group];
+  const AttentionGroup& g = plan.groups[u.group];
   gather_q(p, u, ratio, s.q);
-  attend_own_keys(p, ops, plan, packed, u, ratio, s);
+  attend_own_keys(p, ops, plan, u, ratio, s);
   if (g.prefix_range < 0) {
-    store_rows(p, ops, u, ratio, s.o_b.data());
+    store_rows(p, ops, u, ratio, s.o_b);
     return;
   }
   // Steps 2 and 3: all rows of the unit (every item in it, every query head of this kv head) as one dense
   // block against the shared prefix, then the log-sum-exp merge with the causal part.
   const KeyRange& prefix = plan.ranges[g.prefix_range];
-  ops.attend(s.q, rows, nullptr, packed.k_of(prefix, u.kv_head), packed.v_of(prefix, u.kv_head), prefix.length,
-             p.head_dim, p.scale, s.o_a.data(), s.lse_a.data());
-  merge_state(s.o_a.data(), s.lse_a.data(), s.o_b.data(), s.lse_b.data(), rows, p.head_dim, s.o_a.data(), nullptr);
-  store_rows(p, ops, u, ratio, s.o_a.data());
+  ops.attend(s.q, rows, nullptr, packed_k(plan, prefix, u.kv_head), packed_v(plan, prefix, u.kv_head),
+             plan.keys(prefix), p.head_dim, p.scale, s.o_a, s.lse_a);
+  merge_state(s.o_a, s.lse_a, s.o_b, s.lse_b, rows, p.head_dim, s.o_a, nullptr);
+  store_rows(p, ops, u, ratio, s.o_a);
 }
 
-Status check_params(const PrefixItemAttentionParams& p) {
-  if (p.dtype != DType::kFloat32 && p.dtype != DType::kBFloat16) return kUnsupportedDType;
-  if (p.head_dim <= 0 || (p.dtype == DType::kBFloat16 && p.head_dim % 2)) return kUnsupportedHeadDim;
-  if (p.num_tokens < 0 || p.num_segments < 0 || p.num_q_heads <= 0 || p.num_kv_heads <= 0 ||
-      p.num_q_heads % p.num_kv_heads)
+// The run's tensors must match the shape the plan was made for.
+Status check_run(const AttentionCpuPlan& plan, const PrefixItemAttentionParams& p) {
+  const AttentionPlanParams& s = plan.shape;
+  if (p.dtype != s.dtype || p.num_tokens != s.num_tokens || p.num_q_heads != s.num_q_heads ||
+      p.num_kv_heads != s.num_kv_heads || p.head_dim != s.head_dim)
     return kInvalidArgument;
-  if (p.num_tokens > 0 && (!p.q || !p.k || !p.v || !p.o || !p.segments)) return kInvalidArgument;
+  if (p.num_tokens > 0 && (!p.q || !p.k || !p.v || !p.o)) return kInvalidArgument;
+  if (!plan.cached_blocks.empty() && (!p.cache_k || !p.cache_v)) return kInvalidArgument;
   return kOk;
 }
 
 const AttentionCpuOps& choose_ops(DType dtype, int32_t head_dim) {
-  const AttentionCpuOps* fast = cpu_use_avx512bf16() ? attention_ops_avx512(dtype, head_dim) : nullptr;
+  const AttentionCpuOps* fast = cpu_use_avx512bf16() ? attention_ops_avx512(dtype, head_dim, cpu_bf16_dot()) : nullptr;
   if (fast) return *fast;
   return dtype == DType::kBFloat16 ? kPortableBf16 : kPortableF32;
 }
 
 }  // namespace
 
-Status prefix_item_attention_cpu(const PrefixItemAttentionParams& p) {
-  Status status = check_params(p);
-  if (status != kOk || p.num_tokens == 0) return status;
-  Plan plan;
-  status = make_plan(p, &plan);
-  if (status != kOk) return status;
-  const AttentionCpuOps& ops = choose_ops(p.dtype, p.head_dim);
+void AlignedBuffer::allocate(size_t n) {
+  storage.reset(new char[n + kLine]);
+  data = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(storage.get()) + kLine - 1) & ~uintptr_t(kLine - 1));
+  bytes = n;
+}
 
-  const size_t elem = elem_size(p.dtype);
-  const size_t packed_bytes = size_t(plan.packed_elems_per_head) * p.num_kv_heads * elem;
-  thread_local std::vector<char> k_storage, v_storage;
-  const PackedKeys packed{aligned_buffer(k_storage, packed_bytes), aligned_buffer(v_storage, packed_bytes),
-                          plan.packed_elems_per_head, elem};
+size_t AttentionCpuPlan::workspace_bytes() const {
+  size_t bytes = k_packed.bytes + v_packed.bytes;
+  for (const AttentionScratch& t : scratch) bytes += t.arena.bytes;
+  return bytes;
+}
+
+Status prefix_item_attention_plan_cpu(const AttentionPlanParams& shape, AttentionCpuPlan* plan) {
+  Status status = check_shape(shape);
+  if (status != kOk) return status;
+  plan->shape = shape;
+  plan->shape.segments = nullptr;  // the tables are read now; the caller's buffers may go away
+  plan->shape.cached = plan->shape.cached_blocks = nullptr;
+  if (shape.cached) {
+    if (shape.num_cached_blocks < 0 || (shape.num_cached_blocks > 0 && !shape.cached_blocks) ||
+        shape.block_tokens <= 0 || shape.block_tokens % kCachedBlockMultiple)
+      return kInvalidArgument;
+    plan->cached_blocks.assign(shape.cached_blocks, shape.cached_blocks + shape.num_cached_blocks);
+    for (int32_t b : plan->cached_blocks)
+      if (b < 0) return kInvalidArgument;
+    plan->block_tokens = shape.block_tokens;
+  }
+  status = read_segments(shape, &plan->segments);
+  if (status != kOk) return status;
+  list_work(*plan);
+  allocate_workspaces(*plan);
+  return kOk;
+}
+
+Status prefix_item_attention_run_cpu(AttentionCpuPlan& plan, const PrefixItemAttentionParams& p) {
+  Status status = check_run(plan, p);
+  if (status != kOk || p.num_tokens == 0) return status;
+  std::lock_guard<std::mutex> one_run_at_a_time(plan.running);
+  const AttentionCpuOps& ops = choose_ops(p.dtype, p.head_dim);
   const int32_t num_ranges = int32_t(plan.ranges.size());
   const int32_t num_units = int32_t(plan.units.size());
-  const int32_t max_rows = plan.max_unit_tokens * (p.num_q_heads / p.num_kv_heads);
 
-#pragma omp parallel num_threads(kernel_threads())
+#pragma omp parallel num_threads(int(plan.scratch.size()))
   {
-    thread_local Scratch scratch;
-    scratch.reserve(max_rows, p.head_dim, elem);
+    AttentionScratch& scratch = plan.scratch[omp_get_thread_num()];
 #pragma omp for schedule(dynamic, 1)
     for (int32_t i = 0; i < num_ranges * p.num_kv_heads; ++i)
-      pack_range(p, ops, plan.ranges[i / p.num_kv_heads], i % p.num_kv_heads, packed);
+      pack_range(p, ops, plan, plan.ranges[i / p.num_kv_heads], i % p.num_kv_heads);
     // (implicit barrier: every range is packed before any unit reads it)
 #pragma omp for schedule(dynamic, 1)
-    for (int32_t i = 0; i < num_units; ++i) run_unit(p, ops, plan, packed, plan.units[i], scratch);
+    for (int32_t i = 0; i < num_units; ++i) run_unit(p, ops, plan, plan.units[i], scratch);
   }
   return kOk;
 }

@@ -1,8 +1,6 @@
 // AVX-512 rows of silu_mul (interface in cpu_ops.h), 16 lanes at a time with a masked ragged end. exp needs
-// full fp32 accuracy here (the result is rounded to bf16 and must land where torch's Sleef exp lands), so it
-// uses a Cody-Waite reduction x = n ln2 + r, |r| <= ln2 / 2, instead of scaling the argument by log2 e (whose
-// rounding error grows with |x|): e^r by its degree-7 Taylor polynomial (truncation < 6e-9 relative), times
-// 2^n exactly.
+// full fp32 accuracy here (the result is rounded to bf16 and must land where torch's Sleef exp lands): exp_ps of
+// common/vec_math_avx512.h.
 #include "common/elementwise_avx512.h"
 #include "silu_mul/cpu_ops.h"
 
@@ -10,25 +8,6 @@ namespace pyscore {
 namespace {
 
 using namespace avx512;
-
-// e^x, ~1 ulp; overflows to +inf past 88.7 and underflows to 0 (through the denormals) below -103.
-inline __m512 exp_ps(__m512 x) {
-  // Clamp with x as the second operand so a NaN passes through.
-  x = _mm512_min_ps(_mm512_set1_ps(100.0f), _mm512_max_ps(_mm512_set1_ps(-110.0f), x));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2 high part: n * it is exact
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);  // ln2 low part
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 template <class E>
 inline void silu_mul_16(const typename E::T* gate, const typename E::T* up, typename E::T* out, __mmask16 m) {

@@ -1,48 +1,127 @@
-"""The decoder for Llama / Qwen2 / Qwen3 on packed tokens without padding:
-embed -> N x (norm -> qkv -> [qk-norm] -> rope(positions) -> prefix_item_attention -> o -> norm -> SwiGLU)
--> final norm, returned only at the read-out rows. A second entry point decodes one token per running
-sequence against its KV cache (generation)."""
+"""The decoder for Llama / Qwen2 / Qwen3 / Qwen3.5 on packed tokens without padding:
+embed -> N x (norm -> mixer -> o -> norm -> SwiGLU) -> final norm, returned only at the read-out rows. The mixer is
+attention (qkv -> [qk-norm] -> rope(positions) -> prefix_item_attention) or, in Qwen3.5's linear-attention layers,
+Gated DeltaNet over the same segment table (pyscore.model.hybrid). A second entry point decodes one token per running
+sequence against its cache: the KV cache of the attention layers (all sequences in one decode_attention call per
+layer) and the conv + recurrent state of the linear ones. A batch whose groups start with prefix-cache blocks reads
+their keys and values from a block pool (`BlockPool`, e.g. pyscore.model.prefix_cache.PrefixCache) in every
+attention layer; only the batch's own tokens run through projections, norms and MLPs.
+
+Where the op registry has a `linear` kernel for the model's device and dtype, the mixer's output projection, the
+plain attention's qkv and the MLP run on weights packed once here: the residual adds and the SiLU-mul are fused
+into their epilogues, and a row's bits do not depend on the rows around it. Elsewhere they are F.linear, unfused."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from pyscore.model.config import ModelConfig
+from pyscore.model import hybrid
+from pyscore.model.config import LINEAR_ATTENTION, ModelConfig
 from pyscore.model.packing import PackedBatch
 from pyscore.model.rope import Rotary
-from pyscore.model.weights import DecoderWeights
-from pyscore.ops import add_rms_norm, prefix_item_attention, rotary_, silu_mul
+from pyscore.model.weights import DecoderWeights, LayerWeights
+from pyscore.ops import (
+    AttentionPlan,
+    CachedKeys,
+    PackedLinear,
+    SegmentTable,
+    _ext,
+    add_rms_norm,
+    decode_attention,
+    linear,
+    pack_linear,
+    plan_decode,
+    rotary_,
+    silu_mul,
+)
+from pyscore.ops.gated_delta_rule import plan_linear_attention
 
-# kv_sink(layer, k [T, Hkv, D], v [T, Hkv, D]) receives each layer's rotated keys and values (prefill).
+# kv_sink(slot, k [T, Hkv, D], v [T, Hkv, D]) receives each attention layer's rotated keys and values (prefill);
+# slot is the layer's index among the attention layers (= the layer index in all-attention models).
 KVSink = Callable[[int, torch.Tensor, torch.Tensor], None]
 # attend(layer, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> attention output [T, Hq, D].
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# mix_linear(layer, h [T, H]) -> the linear-attention mixer's output [T, Hv Dv] (before out_proj).
+MixLinear = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+class BlockPool(Protocol):
+    """Where a batch's cached blocks live: num_blocks blocks of block_tokens tokens, per layer a key and a value
+    view [num_blocks, block_tokens, Hkv, D]."""
+
+    block_tokens: int
+
+    @property
+    def num_blocks(self) -> int: ...
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class PackedLayer:
+    """One layer's projections packed for pyscore.ops.linear, biases included: qkv (plain attention layers only),
+    the mixer's output projection (o, or the linear-attention out_proj), gate_up (with its SiLU-mul) and down."""
+
+    qkv: PackedLinear | None
+    out: PackedLinear
+    gate_up: PackedLinear
+    down: PackedLinear
 
 
 @dataclass
 class KVCache:
-    """One sequence's keys/values for all layers: k, v [L, capacity, Hkv, D]; `length` tokens are valid (slots
-    past it may hold the writes of a step that has not been committed)."""
+    """One sequence's cache: k, v [L_attn, capacity, Hkv, D] for the attention layers, `length` tokens valid (slots
+    past it may hold the writes of a step that has not been committed); for a hybrid model also, per
+    linear-attention layer, the conv tail [L_lin, K - 1, C] and the fp32 recurrent state [L_lin, Hv, Dk, Dv], each
+    with a spare of the same shape that a decode step writes, swapped in (`commit`) only once the whole step —
+    the token chosen included — has succeeded, so a failed step can be retried from the state before it."""
 
     k: torch.Tensor
     v: torch.Tensor
     length: int = 0
+    conv: torch.Tensor | None = None
+    state: torch.Tensor | None = None
+    next_conv: torch.Tensor | None = None
+    next_state: torch.Tensor | None = None
+
+    def commit(self) -> None:
+        """One decoded token is final: the length advances and the linear layers' new states become current."""
+        self.length += 1
+        if self.state is not None:
+            self.conv, self.next_conv = self.next_conv, self.conv
+            self.state, self.next_state = self.next_state, self.state
 
 
 class Decoder:
-    """The residual stream x [T, H] is updated in place: each sublayer's output is added by the fused
-    add_rms_norm that normalizes the input of the next one (the last MLP output by the final norm).
-    op_backend "reference" runs every op as its torch reference (`pyscore.ops.reference`)."""
+    """The residual stream x [T, H] is updated in place: with packed projections each sublayer's output projection
+    adds into it in its epilogue; with F.linear the output is added by the fused add_rms_norm that normalizes the
+    input of the next sublayer (the last MLP output by the final norm). op_backend "reference" runs every op as its
+    torch reference (`pyscore.ops.reference`)."""
 
     def __init__(self, cfg: ModelConfig, weights: DecoderWeights, rotary: Rotary, op_backend: str = "auto"):
         self.cfg = cfg
         self.w = weights
         self.rotary = rotary
         self.op_backend = op_backend
+        # Each layer's index among the layers of its kind: its slot in a cache.
+        kinds = [cfg.layer_type(i) for i in range(cfg.num_layers)]
+        self.slot = [kinds[:i].count(kind) for i, kind in enumerate(kinds)]
+        self.num_linear = kinds.count(LINEAR_ATTENTION)
+        # Packed once, at load, when a linear kernel serves this device and dtype (None: F.linear).
+        self.packed: list[PackedLayer] | None = None
+        if _ext.resolve("linear", self.device, self.dtype, op_backend)[0] is not None:
+            self.packed = [self._pack(layer) for layer in weights.layers]
+
+    def _pack(self, layer: LayerWeights) -> PackedLayer:
+        plain_attention = layer.linear is None and not self.cfg.attn_output_gate
+        out = pack_linear(layer.linear.out) if layer.linear is not None else pack_linear(layer.o, layer.o_bias)
+        return PackedLayer(pack_linear(layer.qkv, layer.qkv_bias) if plain_attention else None, out,
+                           pack_linear(layer.gate_up, layer.gate_up_bias, gated=True),
+                           pack_linear(layer.down, layer.down_bias))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -53,79 +132,160 @@ class Decoder:
         return self.w.embed.device
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
-        """RMSNorm(x += delta) [T, H]; x is updated in place."""
+        """RMSNorm(x += delta) [T, H]; x is updated in place. Zero-centred families hold fp32 weights 1 + w."""
         return add_rms_norm(x, weight, self.cfg.rms_norm_eps, delta=delta, backend=self.op_backend)
 
-    def _layer(self, i: int, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
-               attend: Attend, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i on the residual stream x [T, H], which first takes the previous layer's pending MLP output
-        `delta` (None before layer 0). Returns the stream and this layer's MLP output, pending in turn. With
-        `rows` (the last layer: only read-out rows feed the output) everything after attention runs on those
-        rows alone and the returned stream is x[rows]."""
+    def _attention(self, i: int, h: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """The attention mixer of layer i on h [T, H] -> [T, Hq D], before o_proj."""
         cfg, layer = self.cfg, self.w.layers[i]
-        h = self._norm(x, layer.input_norm, delta)
-        qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(x.shape[0], -1, cfg.head_dim)  # [T, Hq + 2 Hkv, D]
+        if cfg.attn_output_gate:
+            q, k, v, gate = hybrid.gated_attention_inputs(h, layer, cfg, positions, self.rotary.cos, self.rotary.sin,
+                                                          self.op_backend)
+            return attend(i, q, k, v).view(h.shape[0], -1) * torch.sigmoid(gate)
+        packed = None if self.packed is None else self.packed[i].qkv
+        qkv = F.linear(h, layer.qkv, layer.qkv_bias) if packed is None else linear(h, packed)
+        qkv = qkv.view(h.shape[0], -1, cfg.head_dim)  # [T, Hq + 2 Hkv, D]
         q, k, v = qkv.split([cfg.num_q_heads, cfg.num_kv_heads, cfg.num_kv_heads], dim=1)
         rotary_(q, k, positions, self.rotary.cos, self.rotary.sin, layer.q_norm, layer.k_norm, cfg.rms_norm_eps,
                 backend=self.op_backend)  # in place, with Qwen3's qk-norm when present
-        attn = attend(i, q, k, v).view(x.shape[0], -1)  # [T, Hq D]
+        return attend(i, q, k, v).view(h.shape[0], -1)
+
+    def _layer(self, i: int, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
+               attend: Attend, mix_linear: MixLinear | None, rows: torch.Tensor | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layer i on the residual stream x [T, H], which first takes the previous layer's pending MLP output
+        `delta` (None before layer 0, and always with packed projections, which add into x themselves). Returns the
+        stream and this layer's pending MLP output. With `rows` (the last layer: only read-out rows feed the output)
+        everything after the mixer runs on those rows alone and the returned stream is x[rows]."""
+        layer = self.w.layers[i]
+        h = self._norm(x, layer.input_norm, delta)
+        if layer.linear is not None:
+            mixed, out, out_bias = mix_linear(i, h), layer.linear.out, None
+        else:
+            mixed, out, out_bias = self._attention(i, h, positions, attend), layer.o, layer.o_bias
         if rows is not None:
-            x, attn = x[rows], attn[rows]
-        h = self._norm(x, layer.post_norm, F.linear(attn, layer.o, layer.o_bias))
-        act = silu_mul(F.linear(h, layer.gate_up, layer.gate_up_bias), backend=self.op_backend)  # [T, I]
-        return x, F.linear(act, layer.down, layer.down_bias)
+            x, mixed = x[rows], mixed[rows]
+        if self.packed is None:
+            h = self._norm(x, layer.post_norm, F.linear(mixed, out, out_bias))
+            act = silu_mul(F.linear(h, layer.gate_up, layer.gate_up_bias), backend=self.op_backend)  # [T, I]
+            return x, F.linear(act, layer.down, layer.down_bias)
+        packed = self.packed[i]
+        x = linear(mixed, packed.out, residual=x, out=x)  # x += out(mixed), in place
+        act = linear(self._norm(x, layer.post_norm), packed.gate_up)  # [T, I], silu(gate) * up fused
+        return linear(act, packed.down, residual=x, out=x), None
 
     @torch.inference_mode()
-    def hidden_at(self, batch: PackedBatch, kv_sink: KVSink | None = None) -> torch.Tensor:
-        """Final-normed hidden states [R, H] at the batch's read-out rows."""
-        device = self.device
+    def hidden_at(self, batch: PackedBatch, kv_sink: KVSink | None = None,
+                  segments: SegmentTable | None = None, linear_states: list[KVCache] | None = None,
+                  blocks: BlockPool | None = None) -> torch.Tensor:
+        """Final-normed hidden states [R, H] at the batch's read-out rows. The segment table is validated and
+        attention (and linear attention) planned once here, for every layer; `segments` passes a table already
+        validated and placed on the device (a CUDA graph's static buffer), else it is made from batch.segments.
+        linear_states (prefill of a hybrid model): per segment, the cache whose conv tails and recurrent states
+        receive that sequence's end states. A batch that reads cached blocks needs the pool they are in
+        (`blocks`); the kv sink runs before each layer's attention, so blocks this pass writes into the pool are
+        readable by its later groups."""
+        cfg, device = self.cfg, self.device
         tokens, positions = batch.tokens.to(device), batch.positions.to(device)
-        segments = batch.segments if device.type == "cpu" else batch.segments.to(device)
+        table = segments or SegmentTable.of(batch.segments, batch.num_tokens, device)
+        cached = None
+        if batch.cached is not None:
+            if blocks is None:
+                raise ValueError("the batch reads cached blocks: pass the block pool they are in")
+            assert batch.cached_blocks is not None
+            cached = CachedKeys.of(table, batch.cached, batch.cached_blocks, blocks.block_tokens, blocks.num_blocks,
+                                   device)
+        plan = AttentionPlan(table, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, self.dtype, device,
+                             self.op_backend, cached)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if kv_sink is not None:
-                kv_sink(i, k, v)
-            return prefix_item_attention(q, k, v, segments, backend=self.op_backend)
+                kv_sink(self.slot[i], k, v)
+            if cached is None:
+                return plan.run(q, k, v)
+            assert blocks is not None
+            cache_k, cache_v = blocks.layer(self.slot[i])
+            return plan.run(q, k, v, cache_k=cache_k, cache_v=cache_v)
+
+        mix_linear = None
+        if self.num_linear:
+            linear_plan = plan_linear_attention(table)
+            leave = linear_states is not None
+
+            def mix_linear(i: int, h: torch.Tensor) -> torch.Tensor:
+                j, w = self.slot[i], self.w.layers[i].linear
+                return hybrid.linear_attention(
+                    h, w, self.cfg, linear_plan, self.op_backend,
+                    tails_out=[c.conv[j] for c in linear_states] if leave else None,
+                    states_out=[c.state[j] for c in linear_states] if leave else None)
 
         x = self.w.embed[tokens]  # [T, H]
         delta = None
         readout, last = batch.readout.to(device), len(self.w.layers) - 1
         for i in range(len(self.w.layers)):
-            x, delta = self._layer(i, x, delta, positions, attend, rows=readout if i == last else None)
+            x, delta = self._layer(i, x, delta, positions, attend, mix_linear, rows=readout if i == last else None)
         return self._norm(x, self.w.final_norm, delta)  # [R, H]
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
         """One new token per sequence (tokens [B]) at position cache.length: writes its keys and values into
-        slot cache.length, attends over slots [0, length] and returns final-normed hidden states [B, H]. It
-        does not advance `length`: the caller commits the slot once the whole step has succeeded, so a failed
-        step retried rewrites the same slot."""
+        slot cache.length (and a hybrid model's new linear states into the spares), attends over slots
+        [0, length] and returns final-normed hidden states [B, H]. It commits nothing: the caller calls
+        cache.commit() once the whole step has succeeded, so a failed step retried rewrites the same slot. A
+        sequence's result never depends on its batch-mates."""
         device = self.device
         positions = torch.tensor([c.length for c in caches], dtype=torch.long, device=device)
 
+        plan = plan_decode([c.k for c in caches], [c.v for c in caches], [c.length + 1 for c in caches])
+
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            outs = []
-            for b, cache in enumerate(caches):
-                n = cache.length
-                cache.k[i, n], cache.v[i, n] = k[b], v[b]
-                keys = cache.k[i, : n + 1].transpose(0, 1)[None]  # [1, Hkv, n+1, D]
-                values = cache.v[i, : n + 1].transpose(0, 1)[None]
-                o = F.scaled_dot_product_attention(q[b].unsqueeze(1)[None], keys, values, enable_gqa=True)
-                outs.append(o[0, :, 0])  # [Hq, D]
-            return torch.stack(outs)  # [B, Hq, D]
+            # every sequence at once; writes k, v at position length first
+            return decode_attention(q, plan, self.slot[i], k, v, backend=self.op_backend)  # [B, Hq, D]
+
+        mix_linear = None
+        if self.num_linear:
+            steps = torch.tensor([[b, 1, b, 0] for b in range(len(caches))], dtype=torch.int32).reshape(-1, 4)
+            linear_plan = plan_linear_attention(SegmentTable.of(steps, len(caches), device))
+
+            def mix_linear(i: int, h: torch.Tensor) -> torch.Tensor:
+                j, w = self.slot[i], self.w.layers[i].linear
+                return hybrid.linear_attention(
+                    h, w, self.cfg, linear_plan, self.op_backend, tails_in=[c.conv[j] for c in caches],
+                    tails_out=[c.next_conv[j] for c in caches], states_in=[c.state[j] for c in caches],
+                    states_out=[c.next_state[j] for c in caches])
 
         x = self.w.embed[tokens.to(device)]  # [B, H]
         delta = None
         for i in range(len(self.w.layers)):
-            x, delta = self._layer(i, x, delta, positions, attend)
+            x, delta = self._layer(i, x, delta, positions, attend, mix_linear)
         return self._norm(x, self.w.final_norm, delta)
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """What one token's keys and values weigh in a KVCache (all layers)."""
-        return 2 * self.cfg.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim * self.dtype.itemsize
+        """What one token's keys and values weigh in a KVCache (its attention layers; a hybrid model's linear
+        layers hold a fixed-size state per sequence instead, `state_bytes_per_sequence`)."""
+        layers = self.cfg.num_layers - self.num_linear
+        return 2 * layers * self.cfg.num_kv_heads * self.cfg.head_dim * self.dtype.itemsize
+
+    @property
+    def state_bytes_per_sequence(self) -> int:
+        """A hybrid model's conv tails and fp32 recurrent states of one sequence, both copies (0 otherwise)."""
+        if not self.num_linear:
+            return 0
+        lin = self.cfg.linear
+        conv = (lin.conv_kernel - 1) * lin.conv_channels * self.dtype.itemsize
+        state = lin.num_v_heads * lin.k_dim * lin.v_dim * 4
+        return 2 * self.num_linear * (conv + state)
 
     def new_cache(self, capacity: int) -> KVCache:
-        shape = (self.cfg.num_layers, capacity, self.cfg.num_kv_heads, self.cfg.head_dim)
-        return KVCache(torch.empty(shape, dtype=self.dtype, device=self.device),
-                       torch.empty(shape, dtype=self.dtype, device=self.device))
+        cfg = self.cfg
+        shape = (cfg.num_layers - self.num_linear, capacity, cfg.num_kv_heads, cfg.head_dim)
+        cache = KVCache(torch.empty(shape, dtype=self.dtype, device=self.device),
+                        torch.empty(shape, dtype=self.dtype, device=self.device))
+        if self.num_linear:
+            lin = cfg.linear
+            conv = (self.num_linear, lin.conv_kernel - 1, lin.conv_channels)
+            state = (self.num_linear, lin.num_v_heads, lin.k_dim, lin.v_dim)
+            cache.conv, cache.next_conv = (torch.zeros(conv, dtype=self.dtype, device=self.device) for _ in range(2))
+            cache.state, cache.next_state = (torch.zeros(state, device=self.device) for _ in range(2))
+        return cache

@@ -128,7 +128,7 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torc
     cfg = ModelConfig.from_hf(hf_config)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     weights = build_weights(cfg, _tensor_getter(path), dtype, device)
-    inv_freq, scaling = inverse_frequencies(hf_config, cfg.head_dim)
+    inv_freq, scaling = inverse_frequencies(hf_config.get_text_config(), cfg.rotary_dims)
     rotary = Rotary(inv_freq, scaling, cfg.max_position_embeddings, device)
     return LoadedModel(name=name, path=path, cfg=cfg, hf_config=hf_config, tokenizer=tokenizer,
                        weights=weights, rotary=rotary)

@@ -1,5 +1,7 @@
 """Decoder weights in the layout the runner wants: q/k/v fused into one projection and gate/up into another,
-so each layer runs three large matmuls instead of seven. Read from a Hugging Face state dict (safetensors)."""
+so each layer runs three large matmuls instead of seven (a Qwen3.5 linear-attention layer: its four input
+projections fused into one). Read from a Hugging Face state dict (safetensors); a Qwen3.5 image-text-to-text
+checkpoint's language model sits under `model.language_model.`, and its vision tower and `mtp.*` are never read."""
 
 from __future__ import annotations
 
@@ -8,23 +10,39 @@ from dataclasses import dataclass
 
 import torch
 
-from pyscore.model.config import ModelConfig
+from pyscore.model.config import LINEAR_ATTENTION, ModelConfig
+
+
+@dataclass
+class LinearAttentionWeights:
+    """A Gated DeltaNet mixer (Qwen3.5)."""
+
+    in_proj: torch.Tensor  # [C + Hv Dv + 2 Hv, H]: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
+    conv: torch.Tensor  # [C, K] depthwise causal conv over the q|k|v part
+    a_log: torch.Tensor  # [Hv] fp32
+    dt_bias: torch.Tensor  # [Hv] fp32
+    norm: torch.Tensor  # [Dv] gated RMSNorm weight (plain, not zero-centred)
+    out: torch.Tensor  # [H, Hv Dv]
 
 
 @dataclass
 class LayerWeights:
+    """One decoder layer. Zero-centred families (Qwen3.5) keep their RMSNorm weights as fp32 (1 + w), the factor
+    transformers applies before rounding. A linear-attention layer has `linear` and no attention weights."""
+
     input_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]
+    qkv: torch.Tensor | None  # [(Hq + 2 Hkv) D, H]; Qwen3.5: [(2 Hq + 2 Hkv) D, H], q and gate per head
     qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None  # [D] (Qwen3)
+    q_norm: torch.Tensor | None  # [D] (Qwen3, Qwen3.5)
     k_norm: torch.Tensor | None
-    o: torch.Tensor  # [H, Hq D]
+    o: torch.Tensor | None  # [H, Hq D]
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor  # [H]
     gate_up: torch.Tensor  # [2 I, H]
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor  # [H, I]
     down_bias: torch.Tensor | None
+    linear: LinearAttentionWeights | None = None
 
 
 @dataclass
@@ -46,6 +64,20 @@ def _cat_optional(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
     return torch.cat(present)
 
 
+def _linear_attention(cfg: ModelConfig, p: str, need, cast) -> LinearAttentionWeights:
+    """Layer prefix p + "linear_attn." of a Qwen3.5 checkpoint."""
+    p += "linear_attn."
+    conv = need(p + "conv1d.weight")  # [C, 1, K]
+    return LinearAttentionWeights(
+        in_proj=cast(torch.cat([need(p + f"in_proj_{n}.weight") for n in ("qkv", "z", "b", "a")])),
+        conv=cast(conv.reshape(conv.shape[0], conv.shape[-1])),
+        a_log=cast(need(p + "A_log"), torch.float32),
+        dt_bias=cast(need(p + "dt_bias"), torch.float32),
+        norm=cast(need(p + "norm.weight")),
+        out=cast(need(p + "out_proj.weight")),
+    )
+
+
 def build_weights(cfg: ModelConfig, get: Callable[[str], torch.Tensor | None], dtype: torch.dtype,
                   device: torch.device) -> DecoderWeights:
     """`get(name)` returns a tensor of the HF state dict, or None when absent."""
@@ -56,32 +88,40 @@ def build_weights(cfg: ModelConfig, get: Callable[[str], torch.Tensor | None], d
             raise ValueError(f"checkpoint is missing weight {name!r}")
         return t
 
-    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(device=device, dtype=dtype).contiguous()
+    def cast(t: torch.Tensor | None, to: torch.dtype = dtype) -> torch.Tensor | None:
+        return None if t is None else t.to(device=device, dtype=to).contiguous()
 
+    def norm(name: str) -> torch.Tensor:
+        if cfg.zero_centred_norm:  # (1 + w) in fp32: transformers' `x_hat * (1.0 + w.float())`
+            return cast(1.0 + need(name).float(), torch.float32)
+        return cast(need(name))
+
+    model = "model.language_model." if get("model.language_model.embed_tokens.weight") is not None else "model."
     layers = []
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
+        p = f"{model}layers.{i}."
         attn = p + "self_attn."
+        linear = cfg.layer_type(i) == LINEAR_ATTENTION
         layers.append(LayerWeights(
-            input_norm=cast(need(p + "input_layernorm.weight")),
-            qkv=cast(torch.cat([need(attn + f"{n}_proj.weight") for n in "qkv"])),
-            qkv_bias=cast(_cat_optional([get(attn + f"{n}_proj.bias") for n in "qkv"])),
-            q_norm=cast(get(attn + "q_norm.weight")) if cfg.qk_norm else None,
-            k_norm=cast(get(attn + "k_norm.weight")) if cfg.qk_norm else None,
-            o=cast(need(attn + "o_proj.weight")),
-            o_bias=cast(get(attn + "o_proj.bias")),
-            post_norm=cast(need(p + "post_attention_layernorm.weight")),
+            input_norm=norm(p + "input_layernorm.weight"),
+            qkv=None if linear else cast(torch.cat([need(attn + f"{n}_proj.weight") for n in "qkv"])),
+            qkv_bias=None if linear else cast(_cat_optional([get(attn + f"{n}_proj.bias") for n in "qkv"])),
+            q_norm=norm(attn + "q_norm.weight") if cfg.qk_norm and not linear else None,
+            k_norm=norm(attn + "k_norm.weight") if cfg.qk_norm and not linear else None,
+            o=None if linear else cast(need(attn + "o_proj.weight")),
+            o_bias=None if linear else cast(get(attn + "o_proj.bias")),
+            post_norm=norm(p + "post_attention_layernorm.weight"),
             gate_up=cast(torch.cat([need(p + "mlp.gate_proj.weight"), need(p + "mlp.up_proj.weight")])),
             gate_up_bias=cast(_cat_optional([get(p + "mlp.gate_proj.bias"), get(p + "mlp.up_proj.bias")])),
             down=cast(need(p + "mlp.down_proj.weight")),
             down_bias=cast(get(p + "mlp.down_proj.bias")),
+            linear=_linear_attention(cfg, p, need, cast) if linear else None,
         ))
-    embed = cast(need("model.embed_tokens.weight"))
+    embed = cast(need(model + "embed_tokens.weight"))
     lm_head = score_head = score_bias = None
     if cfg.is_classifier:
         score_head, score_bias = cast(need("score.weight")), cast(get("score.bias"))
     else:
         lm_head = embed if cfg.tie_word_embeddings else cast(need("lm_head.weight"))
-    return DecoderWeights(embed=embed, layers=layers, final_norm=cast(need("model.norm.weight")),
+    return DecoderWeights(embed=embed, layers=layers, final_norm=norm(model + "norm.weight"),
                           lm_head=lm_head, score_head=score_head, score_bias=score_bias)

@@ -32,10 +32,14 @@ class Kernel:
 # (op, device type) -> its kernel. An op or device missing here runs the reference.
 REGISTRY: dict[str, dict[str, Kernel]] = {
     "prefix_item_attention": {"cpu": Kernel(CPU_MODULE, _FP32_BF16), "cuda": Kernel(CUDA_MODULE, _FP32_BF16_FP16)},
+    "decode_attention": {"cpu": Kernel(CPU_MODULE, _FP32_BF16), "cuda": Kernel(CUDA_MODULE, _FP32_BF16_FP16)},
     "label_logprobs": {"cpu": Kernel(CPU_MODULE, _FP32_BF16), "cuda": Kernel(CUDA_MODULE, _FP32_BF16_FP16)},
+    "linear": {"cpu": Kernel(CPU_MODULE, _FP32_BF16)},
     "add_rms_norm": {"cpu": Kernel(CPU_MODULE, _FP32_BF16)},
     "rotary": {"cpu": Kernel(CPU_MODULE, _FP32_BF16)},
     "silu_mul": {"cpu": Kernel(CPU_MODULE, _FP32_BF16)},
+    "causal_conv1d": {"cpu": Kernel(CPU_MODULE, _FP32_BF16), "cuda": Kernel(CUDA_MODULE, _FP32_BF16_FP16)},
+    "gated_delta_rule": {"cpu": Kernel(CPU_MODULE, _FP32_BF16), "cuda": Kernel(CUDA_MODULE, _FP32_BF16_FP16)},
 }
 
 
@@ -108,12 +112,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def kernel_for(op: str, x: torch.Tensor, backend: str = "auto") -> ModuleType | None:
-    """The module whose kernel runs `op` on tensor x, or None when the reference should; with backend "kernel",
-    a RuntimeError saying why no kernel fits instead of None."""
-    module, why = resolve(op, x.device, x.dtype, backend)
+def kernel_for(op: str, device: torch.device, dtype: torch.dtype, backend: str = "auto") -> ModuleType | None:
+    """The module whose kernel runs `op` on `dtype` tensors on `device`, or None when the reference should; with
+    backend "kernel", a RuntimeError saying why no kernel fits instead of None."""
+    module, why = resolve(op, device, dtype, backend)
     if module is None and backend == "kernel":
-        raise RuntimeError(f"no {op} kernel for {x.dtype} on {x.device}: {why}")
+        raise RuntimeError(f"no {op} kernel for {dtype} on {device}: {why}")
     return module
 
 
@@ -129,13 +133,15 @@ def op_paths(device: torch.device, dtype: torch.dtype, backend: str = "auto") ->
 
 
 def cpu_isa(module: ModuleType) -> str:
-    """Which code path the CPU kernels dispatch to at run time (the same test as csrc/common/cpu_features.h)."""
-    off = os.environ.get("PYSCORE_DISABLE_AVX512", "")
-    if not module.cpu_features()["avx512bf16"]:
+    """Which code path the CPU kernels dispatch to at run time, as the module itself decides it
+    (csrc/common/cpu_features.h): AVX-512 with the bf16 product it uses (vdpbf16ps on AMD, bf16 pairs widened to
+    fp32 FMAs on Intel, PYSCORE_BF16_DOT forcing either), or the portable code and why."""
+    features = module.cpu_features()
+    if not features["avx512bf16"]:
         return "portable: this CPU lacks AVX512-BF16"
-    if off not in ("", "0"):
+    if features["path"] != "avx512":
         return "portable: PYSCORE_DISABLE_AVX512 is set"
-    return "AVX-512 BF16"
+    return f"AVX-512 BF16, bf16 products by {features['bf16_dot']}"
 
 
 def torch_dtype_name(dtype: torch.dtype) -> str:

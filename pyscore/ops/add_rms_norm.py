@@ -17,7 +17,10 @@ def _check(x: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None, ou
     hidden = x.shape[1]
     if weight.shape != (hidden,) or weight.stride(0) != 1:
         raise ValueError(f"weight must be a contiguous [H={hidden}], got {tuple(weight.shape)}")
-    for name, t in (("weight", weight), ("delta", delta), ("out", out)):
+    if weight.device != x.device or weight.dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"weight must match x's dtype ({x.dtype}) or be float32, on x's device {x.device}, "
+                         f"got {weight.dtype}, {weight.device}")
+    for name, t in (("delta", delta), ("out", out)):
         if t is not None and (t.dtype != x.dtype or t.device != x.device):
             raise ValueError(f"{name} must match x's dtype and device ({x.dtype}, {x.device}), "
                              f"got {t.dtype}, {t.device}")
@@ -32,10 +35,11 @@ def add_rms_norm(
     out: torch.Tensor | None = None, backend: str = "auto",
 ) -> torch.Tensor:
     """x [T, H] (row stride free), weight [H], optional delta [T, H] -> RMSNorm(x) [T, H] in x's dtype, after
-    x += delta in place when delta is given. out, when given, must overlap neither x nor delta.
-    backend: "auto" | "kernel" | "reference"."""
+    x += delta in place when delta is given. weight in x's dtype: Llama's recipe (the normalized row rounded, then
+    scaled); a float32 weight scales the fp32 row before its one rounding (Qwen3.5's zero-centred norm, weight 1 + w).
+    out, when given, must overlap neither x nor delta. backend: "auto" | "kernel" | "reference"."""
     _check(x, weight, delta, out)
-    module = _ext.kernel_for("add_rms_norm", x, backend)
+    module = _ext.kernel_for("add_rms_norm", x.device, x.dtype, backend)
     if module is None:
         normed = add_rms_norm_ref(x, weight, eps, delta)
         return normed if out is None else out.copy_(normed)
@@ -43,7 +47,7 @@ def add_rms_norm(
         out = torch.empty(x.shape, dtype=x.dtype)
     module.add_rms_norm(
         x.data_ptr(), x.stride(0), 0 if delta is None else delta.data_ptr(), 0 if delta is None else delta.stride(0),
-        weight.data_ptr(), out.data_ptr(), out.stride(0), x.shape[0], x.shape[1], float(eps),
-        _ext.torch_dtype_name(x.dtype),
+        weight.data_ptr(), weight.dtype != x.dtype, out.data_ptr(), out.stride(0), x.shape[0], x.shape[1],
+        float(eps), _ext.torch_dtype_name(x.dtype),
     )
     return out

@@ -33,7 +33,7 @@ def label_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [R, H] with LM head weight [V, H], or logits [R, V] with weight None; labels [R, K] int."""
     vocab = _check(hidden, weight, labels)
-    module = _ext.kernel_for("label_logprobs", hidden, backend)
+    module = _ext.kernel_for("label_logprobs", hidden.device, hidden.dtype, backend)
     if module is None or hidden.shape[0] == 0:
         return label_logprobs_ref(hidden, weight, labels.to(hidden.device))
     rows, num_labels = labels.shape

@@ -1,98 +1,149 @@
 """prefix_item_attention: attention over a packed token stream of segments (see csrc/prefix_item_attention/
-params.h for the contract). Dispatches to the CUDA kernel for CUDA tensors, the C++ kernel for CPU tensors,
-and the fp32 reference where no kernel is built. Inputs are validated here; kernels trust them."""
+params.h for the contract), split FlashInfer's way into a plan made once per batch and a run per layer.
+
+`AttentionPlan` holds what depends only on the batch's segment table and the model's head layout: on the CPU a
+C++ plan (groups, work units, key ranges) with its packed-K/V and scratch workspaces; on CUDA the tile work list,
+planned on the device into one workspace; for the reference, the table alone. `plan.run(q, k, v)` then checks
+only the tensors. `prefix_item_attention(q, k, v, segments)` is the one-shot form (plan, then run).
+
+Cached keys: a prefix cache gives segments keys that have no row in the stream (`CachedKeys`: blocks of a block
+pool before a segment's own tokens or before its prefix). The plan takes their table at creation; each run gets
+that layer's pool (`cache_k` / `cache_v` [N, B, Hkv, D]), and the kernels read the listed blocks where a run
+without the cache has those keys, so a warm run does the arithmetic of a cold one."""
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 
 from pyscore.ops import _ext
 from pyscore.ops.reference import prefix_item_attention_ref
+from pyscore.ops.segments import CachedKeys, SegmentTable
+
+OP = "prefix_item_attention"
 
 
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if q.dim() != 3:
-        raise ValueError(f"q must have shape [T, Hq, D], got {tuple(q.shape)}")
-    num_tokens, num_q_heads, head_dim = q.shape
-    for name, x in (("k", k), ("v", v)):
-        if x.dim() != 3 or x.shape[0] != num_tokens or x.shape[2] != head_dim:
-            raise ValueError(f"{name} must have shape [T={num_tokens}, Hkv, D={head_dim}], got {tuple(x.shape)}")
-        if x.dtype != q.dtype or x.device != q.device:
-            raise ValueError(f"{name} must match q's dtype and device ({q.dtype}, {q.device}), "
-                             f"got {x.dtype}, {x.device}")
-        if x.stride(2) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension")
-    if k.shape[1] != v.shape[1] or num_q_heads % k.shape[1]:
-        raise ValueError(f"Hq={num_q_heads} must be a multiple of Hkv (k: {k.shape[1]}, v: {v.shape[1]})")
-    if q.stride(2) != 1:
-        raise ValueError("q must be contiguous in its last dimension")
+class AttentionPlan:
+    """prefix_item_attention for one packed batch: made once (the table validated, the work planned, the
+    workspaces allocated), run once per layer with that layer's q, k, v. Runs one call at a time."""
 
+    def __init__(self, table: SegmentTable, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str, backend: str = "auto",
+                 cached: CachedKeys | None = None) -> None:
+        if num_q_heads <= 0 or num_kv_heads <= 0 or num_q_heads % num_kv_heads:
+            raise ValueError(f"num_q_heads={num_q_heads} must be a positive multiple of num_kv_heads={num_kv_heads}")
+        self.table = table
+        self.cached = cached
+        self.shape = (table.num_tokens, num_q_heads, num_kv_heads, head_dim)
+        self.dtype, self.device = dtype, torch.device(device)
+        self.module = _ext.kernel_for(OP, self.device, dtype, backend)
+        self._cpu_plan = None  # the C++ plan (CPU)
+        self._workspace: torch.Tensor | None = None  # the planned tile work list (CUDA)
+        if self.module is None:
+            return
+        dims = (table.num_segments, table.num_tokens, num_q_heads, num_kv_heads)
+        if self.device.type == "cpu":
+            self._cpu_plan = self.module.prefix_item_attention_plan(
+                table.host.data_ptr(), *dims, head_dim, _ext.torch_dtype_name(dtype), *self._cached_args(host=True))
+            return
+        size = self.module.prefix_item_attention_workspace_bytes(*dims)
+        self._workspace = torch.empty(max(size, 16), dtype=torch.uint8, device=self.device)
+        self.module.prefix_item_attention_plan(table.device.data_ptr(), *dims, head_dim, _ext.torch_dtype_name(dtype),
+                                               self._workspace.data_ptr(), size, _ext.cuda_stream(self.device),
+                                               *self._cached_args(host=False))
 
-# The decoder passes one segment table to every layer: validate it once, not 30 times (the checks cost more than
-# a small batch's attention). Keyed by a weak reference and the tensor's version counter, so a table modified in
-# place, or a new one, is checked again.
-_last_valid: tuple[weakref.ref, int, int] | None = None
+    def _cached_args(self, host: bool) -> tuple[int, int, int, int]:
+        """(cached rows, cached blocks, number of blocks, block_tokens) for the kernels; zeros without."""
+        c = self.cached
+        if c is None:
+            return 0, 0, 0, 0
+        rows, blocks = (c.rows, c.blocks) if host else (c.rows_device, c.blocks_device)
+        return rows.data_ptr(), blocks.data_ptr(), c.num_blocks, c.block_tokens
 
-
-def _check_segments(segments: torch.Tensor, num_tokens: int) -> None:
-    global _last_valid
-    if _last_valid is not None and _last_valid[0]() is segments and _last_valid[1:] == (segments._version, num_tokens):
-        return
-    _check_segments_uncached(segments, num_tokens)
-    _last_valid = (weakref.ref(segments), segments._version, num_tokens)
-
-
-def _check_segments_uncached(segments: torch.Tensor, num_tokens: int) -> None:
-    if segments.dtype != torch.int32 or segments.dim() != 2 or segments.shape[1] != 4:
-        raise ValueError(f"segments must be int32 [S, 4], got {segments.dtype} {tuple(segments.shape)}")
-    if not segments.is_contiguous():
-        raise ValueError("segments must be contiguous")
-    seg = segments.cpu()
-    starts, lengths, pstarts, plens = seg.unbind(1)
-    if bool((lengths < 0).any() | (plens < 0).any() | (starts < 0).any() | (pstarts < 0).any()):
-        raise ValueError("segments must have non-negative start, length, prefix_start and prefix_length")
-    if bool(((starts + lengths) > num_tokens).any() | ((pstarts + plens) > num_tokens).any()):
-        raise ValueError(f"segments must lie inside the {num_tokens}-token stream")
-    if int(lengths.sum()) != num_tokens:
-        raise ValueError(f"segments must cover the stream exactly once: lengths sum to {int(lengths.sum())}, "
-                         f"T={num_tokens}")
-    overlap = (plens > 0) & (pstarts < starts + lengths) & (starts < pstarts + plens)
-    if bool(overlap.any()):
-        raise ValueError(f"segment {int(overlap.nonzero()[0, 0])}: its prefix range must not overlap its own tokens")
-
-
-def prefix_item_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    segments: torch.Tensor,
-    scale: float | None = None,
-    out: torch.Tensor | None = None,
-    backend: str = "auto",
-) -> torch.Tensor:
-    """q: [T, Hq, D], k/v: [T, Hkv, D] (token and head strides free, last dim contiguous), segments int32 [S, 4]
-    (on the CPU for the CPU kernel, on q's device for CUDA) -> out [T, Hq, D] in q's dtype.
-    backend: "auto" | "kernel" | "reference"."""
-    _check_qkv(q, k, v)
-    num_tokens, num_q_heads, head_dim = q.shape
-    _check_segments(segments, num_tokens)
-    scale = head_dim**-0.5 if scale is None else float(scale)
-    module = _ext.kernel_for("prefix_item_attention", q, backend)
-    if module is None:
-        return prefix_item_attention_ref(q, k, v, segments, scale).to(q.dtype)
-    if out is None:
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+            cache_k: torch.Tensor | None = None, cache_v: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] (token and head strides free, last dim contiguous), in the plan's dtype
+        and on its device -> out [T, Hq, D] in q's dtype. A plan with cached keys also needs this layer's block
+        pools cache_k / cache_v [N, B, Hkv, D] (N = the plan's pool_blocks; strides free, last dim contiguous)."""
+        self._check_qkv(q, k, v)
+        self._check_cache(cache_k, cache_v)
+        head_dim = self.shape[3]
+        scale = head_dim**-0.5 if scale is None else float(scale)
+        c = self.cached
+        if self.module is None:
+            if c is None:
+                return prefix_item_attention_ref(q, k, v, self.table.host, scale).to(q.dtype)
+            return prefix_item_attention_ref(q, k, v, self.table.host, scale, c.rows, c.blocks, cache_k,
+                                             cache_v).to(q.dtype)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    segments = segments.to(q.device)
-    args = [
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-        (q.stride(0), q.stride(1)), (k.stride(0), k.stride(1)), (v.stride(0), v.stride(1)),
-        (out.stride(0), out.stride(1)),
-        segments.data_ptr(), segments.shape[0], num_tokens, num_q_heads, k.shape[1], head_dim, scale,
-        _ext.torch_dtype_name(q.dtype),
-    ]
-    if q.is_cuda:
-        args.append(_ext.cuda_stream(q.device))
-    module.prefix_item_attention(*args)
-    return out
+        tensors = [q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                   (q.stride(0), q.stride(1)), (k.stride(0), k.stride(1)), (v.stride(0), v.stride(1)),
+                   (out.stride(0), out.stride(1))]
+        cache = (0, 0, (0, 0, 0))
+        if cache_k is not None and cache_v is not None:
+            cache = (cache_k.data_ptr(), cache_v.data_ptr(), tuple(cache_k.stride()[:3]))
+        if self._cpu_plan is not None:
+            self.module.prefix_item_attention(self._cpu_plan, *tensors, scale, *cache)
+            return out
+        assert self._workspace is not None
+        self.module.prefix_item_attention(
+            *tensors, self.table.device.data_ptr(), self.table.num_segments, *self.shape, scale,
+            _ext.torch_dtype_name(q.dtype), self._workspace.data_ptr(), self._workspace.numel(),
+            _ext.cuda_stream(q.device), *self._cached_args(host=False), *cache)
+        return out
+
+    def _check_cache(self, cache_k: torch.Tensor | None, cache_v: torch.Tensor | None) -> None:
+        c = self.cached
+        if c is None:
+            if cache_k is not None or cache_v is not None:
+                raise ValueError("cache_k / cache_v given to a plan without cached keys")
+            return
+        _, _, num_kv_heads, head_dim = self.shape
+        for name, x in (("cache_k", cache_k), ("cache_v", cache_v)):
+            if x is None:
+                raise ValueError(f"{name} is required: the plan has cached keys")
+            self._check_tensor(name, x, dict(N=c.pool_blocks, B=c.block_tokens, Hkv=num_kv_heads, D=head_dim))
+        assert cache_k is not None and cache_v is not None
+        if cache_k.stride() != cache_v.stride():
+            raise ValueError(f"cache_k and cache_v must have the same strides, got {cache_k.stride()} and "
+                             f"{cache_v.stride()}")
+
+    def _check_qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        num_tokens, num_q_heads, num_kv_heads, head_dim = self.shape
+        self._check_tensor("q", q, dict(T=num_tokens, Hq=num_q_heads, D=head_dim))
+        for name, x in (("k", k), ("v", v)):
+            self._check_tensor(name, x, dict(T=num_tokens, Hkv=num_kv_heads, D=head_dim))
+
+    def _check_tensor(self, name: str, x: torch.Tensor, dims: dict[str, int]) -> None:
+        """x must have the named sizes, the plan's dtype and device, and a contiguous last dimension."""
+        if tuple(x.shape) != tuple(dims.values()):
+            named = ", ".join(f"{k}={n}" for k, n in dims.items())
+            raise ValueError(f"{name} must have shape [{named}] (the plan's), got {tuple(x.shape)}")
+        if x.dtype != self.dtype or not _on(x, self.device):
+            raise ValueError(f"{name} must be {self.dtype} on {self.device} (the plan's), got {x.dtype} on "
+                             f"{x.device}")
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
+
+
+def _on(x: torch.Tensor, device: torch.device) -> bool:
+    return x.device.type == device.type and (device.index is None or x.device.index == device.index)
+
+
+def prefix_item_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor,
+                          scale: float | None = None, backend: str = "auto", cached: torch.Tensor | None = None,
+                          cached_blocks: torch.Tensor | None = None, cache_k: torch.Tensor | None = None,
+                          cache_v: torch.Tensor | None = None) -> torch.Tensor:
+    """One-shot: q [T, Hq, D], k/v [T, Hkv, D], segments int32 [S, 4] (any device) -> out [T, Hq, D] in q's
+    dtype; optionally cached keys: rows int32 [S, 3], blocks int32 [NB] and the pools cache_k / cache_v
+    [N, B, Hkv, D] (see `CachedKeys`). A forward pass plans once with `AttentionPlan` instead.
+    backend: "auto" | "kernel" | "reference"."""
+    if q.dim() != 3 or k.dim() != 3:
+        raise ValueError(f"q must be [T, Hq, D] and k [T, Hkv, D], got {tuple(q.shape)} and {tuple(k.shape)}")
+    table = SegmentTable.of(segments, q.shape[0], q.device)
+    keys = None
+    if cached is not None:
+        if cached_blocks is None or cache_k is None or cache_v is None:
+            raise ValueError("cached rows need cached_blocks, cache_k and cache_v")
+        keys = CachedKeys.of(table, cached, cached_blocks, cache_k.shape[1], cache_k.shape[0], q.device)
+    plan = AttentionPlan(table, q.shape[1], k.shape[1], q.shape[2], q.dtype, q.device, backend, keys)
+    return plan.run(q, k, v, scale, cache_k, cache_v)

@@ -52,7 +52,7 @@ def rotary_(
     < P) by the fp32 tables cos/sin [P, D] (`pyscore.model.rope.Rotary`), after a per-head RMSNorm with
     q_norm / k_norm [D] when given (Qwen3). backend: "auto" | "kernel" | "reference"."""
     _check(q, k, positions, cos, sin, q_norm, k_norm)
-    module = _ext.kernel_for("rotary", q, backend)
+    module = _ext.kernel_for("rotary", q.device, q.dtype, backend)
     if module is None:
         return rotary_ref(q, k, positions, cos, sin, q_norm, k_norm, eps)
     num_tokens, num_q_heads, head_dim = q.shape

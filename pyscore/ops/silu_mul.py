@@ -21,7 +21,7 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None, backend: st
                             or out.device != gate_up.device):
         raise ValueError(f"out must be [T, I]=({num_rows}, {width}) {gate_up.dtype} on {gate_up.device}, contiguous "
                          f"in its last dim, got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
-    module = _ext.kernel_for("silu_mul", gate_up, backend)
+    module = _ext.kernel_for("silu_mul", gate_up.device, gate_up.dtype, backend)
     if module is None:
         result = silu_mul_ref(gate_up)
         return result if out is None else out.copy_(result)

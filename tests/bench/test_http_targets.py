@@ -1,4 +1,5 @@
-"""The HTTP targets (OpenAI-compatible completions, SGLang /v1/score) against a stub server on loopback."""
+"""The HTTP targets (OpenAI-compatible completions, vLLM /generative_scoring, SGLang /v1/score) against a stub
+server on loopback."""
 
 from __future__ import annotations
 
@@ -11,15 +12,53 @@ from typing import ClassVar
 import pytest
 
 from bench.dataset import Question
-from bench.targets import OpenAIHTTPTarget, SGLangScoreTarget, TargetError, make_target
+from bench.targets import (
+    OpenAIHTTPTarget,
+    SGLangScoreTarget,
+    TargetError,
+    VLLMHTTPTarget,
+    generative_scoring_scores,
+    make_target,
+    prometheus_counters,
+)
 
 Q = Question(id="q", source="unit", state_json="{}", question="What next?",
              options=["Track it.", "Refund it.", "Close it."], target=[0.0, 1.0, 0.0])
 TOKENS = {" Yes": [9230], " No": [2838]}
+PROMPT_TOKENS, CACHED_TOKENS = 100, 64
+METRICS = """# HELP vllm:prefix_cache_queries Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{{engine="0",model_name="stub-model"}} {queries}
+vllm:prefix_cache_queries_created{{engine="0",model_name="stub-model"}} 1.7e9
+vllm:prefix_cache_hits_total{{engine="0",model_name="stub-model"}} {hits}
+vllm:prompt_tokens_total{{engine="0",model_name="stub-model"}} {queries}
+vllm:prompt_tokens_total{{engine="1",model_name="stub-model"}} 0.0
+vllm:prompt_tokens_by_source_total{{engine="0",model_name="stub-model",source="local_compute"}} {computed}
+vllm:prompt_tokens_by_source_total{{engine="0",model_name="stub-model",source="local_cache_hit"}} {hits}
+"""
+
+
+def usage(body, details=True):
+    """vLLM-like usage: with a cache salt, the first request of that salt computes everything and the others
+    find CACHED_TOKENS of their prompt cached (as one question's candidates sharing the query's blocks).
+    /generative_scoring's usage has no cached-token details (details=False)."""
+    out = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": 1, "total_tokens": PROMPT_TOKENS + 1}
+    salt = body.get("cache_salt")
+    with Stub.lock:
+        cached = CACHED_TOKENS if salt is not None and salt in Stub.salts else 0
+        Stub.salts.add(salt)
+        for key, n in (("queries", PROMPT_TOKENS), ("hits", cached), ("computed", PROMPT_TOKENS - cached)):
+            Stub.counts[key] += n
+    if salt is not None and details:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
 
 
 class Stub(BaseHTTPRequestHandler):
     requests: ClassVar[list[tuple[str, dict]]] = []
+    salts: ClassVar[set[str | None]] = set()
+    counts: ClassVar[dict[str, int]] = {}
+    lock = threading.Lock()
 
     def log_message(self, *args):
         pass
@@ -36,6 +75,13 @@ class Stub(BaseHTTPRequestHandler):
         self.requests.append((self.path, {}))
         if self.path == "/v1/models":
             self.reply({"object": "list", "data": [{"id": "stub-model", "object": "model"}]})
+        elif self.path == "/metrics":
+            data = METRICS.format(**{k: float(v) for k, v in self.counts.items()}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
         else:
             self.reply({"error": "no route"}, 404)
 
@@ -50,11 +96,16 @@ class Stub(BaseHTTPRequestHandler):
             yes = -0.1 if "Refund" in body["prompt"] else -3.0
             top = {" Yes": yes, " No": -0.5, "\n": -4.0}
             self.reply({"choices": [{"text": " No", "logprobs": {"tokens": [" No"], "token_logprobs": [-0.5],
-                                                                   "top_logprobs": [top]}}]})
+                                                                   "top_logprobs": [top]}}], "usage": usage(body)})
         elif self.path == "/v1/chat/completions":
             top = [{"token": "A", "logprob": -1.5}, {"token": "B", "logprob": -0.2}, {"token": "Sure", "logprob": -0.1}]
             self.reply({"choices": [{"message": {"role": "assistant", "content": "B"},
                                      "logprobs": {"content": [{"token": "B", "logprob": -0.2, "top_logprobs": top}]}}]})
+        elif self.path == "/generative_scoring":
+            assert len(body["label_token_ids"]) == 2 and body["apply_softmax"] is True
+            data = [{"index": i, "object": "score", "score": 0.9 if i == 1 else 0.2} for i in range(len(body["items"]))]
+            self.reply({"object": "list", "model": body["model"], "data": data[::-1],
+                        "usage": usage(body, details=False)})
         elif self.path == "/v1/score":
             self.reply({"scores": [[0.2, 0.8], [0.9, 0.1], [0.3, 0.7]][: len(body["items"])], "model": body["model"]})
         else:
@@ -63,7 +114,7 @@ class Stub(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def stub():
-    Stub.requests = []
+    Stub.requests, Stub.salts, Stub.counts = [], set(), dict.fromkeys(("queries", "hits", "computed"), 0)
     server = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -119,3 +170,75 @@ def test_http_errors_name_the_route(stub):
     boom = Question(id="b", source="unit", state_json="boom", question="?", options=["a", "b"], target=[1.0, 0.0])
     with pytest.raises(TargetError, match=r"/v1/score: HTTP 500"):
         asyncio.run(decide(make_target(f"sglang-score-http://{stub}", label_token_ids=[1, 2]), "sis", boom))
+
+
+async def decide_twice(target, path):
+    await target.open()
+    try:
+        return [await target.decide(path, Q) for _ in range(2)]
+    finally:
+        await target.close()
+
+
+def test_openai_generate_records_prompt_tokens_and_sends_no_salt(stub):
+    d = asyncio.run(decide(make_target(f"openai-http://{stub}"), "generate"))
+    assert (d.prompt_tokens, d.computed_tokens) == (3 * PROMPT_TOKENS, 0)  # no cache details: computed unknown
+    assert not any("cache_salt" in b for route, b in Stub.requests if route == "/v1/completions")
+
+
+def test_vllm_generate_salts_each_dispatch_and_counts_cached_tokens(stub):
+    target = make_target(f"vllm-http://{stub}", timeout=10)
+    assert isinstance(target, VLLMHTTPTarget) and target.spec == f"vllm-http://{stub}"
+    first, second = asyncio.run(decide_twice(target, "generate"))
+    sent = [b for route, b in Stub.requests if route == "/v1/completions"]
+    assert len(sent) == 6 and all(b["max_tokens"] == 1 and b["logprobs"] == 5 for b in sent)
+    salts = [b["cache_salt"] for b in sent]
+    # One salt per dispatch, shared by its candidates: the repetition cannot reuse the first one's blocks.
+    assert len(set(salts[:3])) == 1 and len(set(salts[3:])) == 1 and salts[0] != salts[3]
+    for d in (first, second):
+        assert (d.choice, d.calls, d.prompt_tokens) == (1, 3, 3 * PROMPT_TOKENS)
+        assert d.computed_tokens == 3 * PROMPT_TOKENS - 2 * CACHED_TOKENS
+
+
+@pytest.mark.parametrize("path", ["mis", "sis"])
+def test_vllm_scoring_paths_send_generative_scoring(stub, path):
+    target = make_target(f"vllm-http://{stub}", model="m")
+    first, second = asyncio.run(decide_twice(target, path))
+    assert target.info.label_token_ids == [9230, 2838]
+    bodies = [b for route, b in Stub.requests if route == "/generative_scoring"]
+    assert len(bodies) == 2 and bodies[0]["cache_salt"] != bodies[1]["cache_salt"]
+    body = bodies[0]
+    assert (body["model"], body["label_token_ids"], body["apply_softmax"]) == ("m", [9230, 2838], True)
+    assert body["query"].startswith("Context:\n{}") and len(body["items"]) == 3
+    assert body["items"][1].startswith("Proposed answer: Refund it.")
+    # results arrive out of order; the rows follow `index`
+    # its usage says no cached tokens: computed stays unknown (0); the /metrics counters say it per run
+    assert (first.choice, first.calls, first.prompt_tokens, first.computed_tokens) == (1, 1, PROMPT_TOKENS, 0)
+    assert second.choice == 1
+
+
+def test_generative_scoring_scores_check_the_answer():
+    answer = {"data": [{"index": 1, "object": "score", "score": 0.9}, {"index": 0, "object": "score", "score": 0.3}]}
+    assert generative_scoring_scores(answer, 2) == [0.3, 0.9]
+    with pytest.raises(TargetError, match="no per-item scores"):
+        generative_scoring_scores({"data": [{"index": 0}]}, 1)
+    with pytest.raises(TargetError, match="expected 3 scores, got 2"):
+        generative_scoring_scores(answer, 3)
+
+
+def test_vllm_counters_sum_label_sets(stub):
+    async def run():
+        target = make_target(f"vllm-http://{stub}", label_token_ids=[1, 2])
+        await target.open()
+        try:
+            before = await target.counters()
+            await target.decide("generate", Q)
+            return before, await target.counters()
+        finally:
+            await target.close()
+
+    before, after = asyncio.run(run())
+    assert before == {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "prompt_tokens": 0, "computed_tokens": 0}
+    assert after == {"prefix_cache_queries": 300, "prefix_cache_hits": 128, "prompt_tokens": 300,
+                     "computed_tokens": 300 - 2 * CACHED_TOKENS}
+    assert prometheus_counters("# only comments\n", {"x": ("x_total", ())}) == {}

@@ -38,8 +38,10 @@ def test_percentile_matches_numpy():
 
 def test_achieved_qps_and_summary():
     recs = [
-        Record("a", 2, 2, scheduled=0.0, dispatched=0.001, completed=0.101, ok=True, choice=0, correct=True),
-        Record("b", 16, 16, scheduled=0.5, dispatched=0.502, completed=0.902, ok=True, choice=1, correct=False),
+        Record("a", 2, 2, scheduled=0.0, dispatched=0.001, completed=0.101, ok=True, choice=0, correct=True,
+               server_queue_ms=10.0, server_compute_ms=80.0),
+        Record("b", 16, 16, scheduled=0.5, dispatched=0.502, completed=0.902, ok=True, choice=1, correct=False,
+               server_queue_ms=30.0, server_compute_ms=350.0),
         Record("c", 5, 5, scheduled=1.0, dispatched=1.0, completed=1.5, ok=False, error="UNAVAILABLE: x"),
     ]
     s = loadgen.summarize_records(recs, wall_s=2.0)
@@ -47,12 +49,16 @@ def test_achieved_qps_and_summary():
     assert s["achieved_qps"] == loadgen.achieved_qps(2, 2.0) == 1.0  # successes / wall, not arrivals / wall
     assert s["end_to_end_latency_ms"]["p50"] == pytest.approx((101 + 402) / 2)
     assert s["service_latency_ms"]["mean"] == pytest.approx((100 + 400) / 2)
-    assert s["queueing_delay_ms"]["p99"] == pytest.approx(1 + 0.99 * (2 - 1))
+    assert s["dispatch_lag_ms"]["p99"] == pytest.approx(1 + 0.98 * (2 - 1))  # the client's: 0, 1, 2 ms (all records)
+    assert s["queueing_delay_ms"]["p50"] == pytest.approx(20.0)  # the server's, as the target reported it
+    assert s["server_compute_ms"]["mean"] == pytest.approx(215.0)
+    no_timing = loadgen.summarize_records([Record("e", 2, 2, None, 0.0, 0.1, ok=True)], wall_s=1.0)
+    assert no_timing["queueing_delay_ms"]["p50"] is None  # a target that does not report it: unknown, not 0
     assert s["p95_by_candidates"] == {"2": pytest.approx(101), "5": None, "9": None, "16": pytest.approx(402)}
     assert s["accuracy"] == 0.5 and s["errors"] == ["UNAVAILABLE: x"]
     assert loadgen.achieved_qps(3, 0) == 0.0
     closed = Record("d", 2, 2, scheduled=None, dispatched=1.0, completed=1.25, ok=True)
-    assert (closed.e2e_ms, closed.queue_ms) == (250.0, 0.0)
+    assert (closed.e2e_ms, closed.lag_ms) == (250.0, 0.0)
 
 
 class SleepTarget(Target):

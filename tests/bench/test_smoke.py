@@ -18,7 +18,7 @@ from tests.server.fake_engine import FakeEngine
 
 SUMMARY_FIELDS = {"path", "target", "model", "concurrency", "target_qps", "num_questions", "num_errors",
                   "num_workers", "achieved_qps", "end_to_end_latency_ms", "service_latency_ms", "queueing_delay_ms",
-                  "p95_by_candidates", "machine", "git_commit"}
+                  "server_compute_ms", "p95_by_candidates", "machine", "git_commit"}
 
 
 class MarkerFake(FakeEngine):
@@ -58,6 +58,13 @@ def test_smoke_run_writes_summaries_and_plots(server, tmp_path):
     assert set(s["end_to_end_latency_ms"]) == {"p50", "p90", "p95", "p99", "mean"}
     assert set(s["p95_by_candidates"]) == {"2", "5", "9", "16"}
     assert 0 < s["achieved_qps"] <= 60
+    answered = [json.loads(f.read_text()) for f in files]
+    answered = [a for a in answered if a["num_errors"] < a["num_questions"]]  # fused: the fake has no chat template
+    assert {a["path"] for a in answered} == {"mis", "sis", "generate", "setwise"}
+    for summary in answered:  # the server-side queue wait and compute time, as the server reported them
+        queue, compute, service = (summary[k]["p50"] for k in ("queueing_delay_ms", "server_compute_ms",
+                                                               "service_latency_ms"))
+        assert queue >= 0 and compute > 0 and queue + compute <= service, summary["path"]
     assert s["marker"] == "<empty_output>"
     records = (files[0].parent / "records.jsonl").read_text().splitlines()
     assert len(records) == json.loads(files[0].read_text())["num_questions"]

@@ -33,6 +33,8 @@ def test_kernel_bench_tiny_writes_json(tmp_path):
     assert all(r["ours_ms"] > 0 and r["ours_rel_err"] < 1e-2 for r in report["attention"])
     assert report["mis_vs_sis"][0]["max_abs"] < 0.05
     assert report["label_logprobs"][0]["ours_max_abs"] < 1e-2
+    assert [r["items"] for r in report["linear"]] == [2, 5]
+    assert all(r["ours_ms"] > 0 and r["items_max_abs"] < 5e-2 for r in report["linear"])
 
 
 def test_grpc_bench_tiny_serves_and_stops(tmp_path):

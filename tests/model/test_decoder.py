@@ -63,3 +63,27 @@ def test_embedded_smollm2_matches_transformers(smollm2_dir):
         expected = ref(torch.tensor([ids])).logits[0]
     diff = (ours - expected).abs().max().item()
     assert diff <= 1e-5 * max(1.0, expected.abs().max().item()), f"max diff {diff}"
+
+
+def test_attention_is_planned_once_per_forward_pass(tiny, monkeypatch):
+    """Decoder.hidden_at validates the segment table and plans attention once and hands the plan to every layer."""
+    import pyscore.model.decoder as decoder_module
+
+    made, runs = [], []
+
+    class CountingPlan(decoder_module.AttentionPlan):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+        def run(self, q, k, v, scale=None):
+            runs.append(self)
+            return super().run(q, k, v, scale)
+
+    monkeypatch.setattr(decoder_module, "AttentionPlan", CountingPlan)
+    path, _ = tiny
+    m = load_model(path, torch.float32, torch.device("cpu"))
+    dec = Decoder(m.cfg, m.weights, m.rotary)
+    batch = pack([Group(prefix=[5, 6, 7], items=[[8, 9], [10]], readouts=[[1], [0]]), Group([], [[3, 4]], [[1]])])
+    dec.hidden_at(batch)
+    assert len(made) == 1 and runs == made * m.cfg.num_layers

@@ -1,7 +1,8 @@
 """add_rms_norm against its reference (the transformers recipe in the input dtype) on the AVX-512 and portable
 CPU paths: the residual add is bitwise torch's; the normalized output differs only through the order of the fp32
 sum of squares, so fp32 stays within a few ulps and bf16 within 2 ulps (one rounding flip of the normalized value,
-scaled by the weight) on a tiny fraction of elements. Odd and ragged widths, strided rows, with and without delta."""
+scaled by the weight) on a tiny fraction of elements. Odd and ragged widths, strided rows, with and without delta.
+An fp32 weight (Qwen3.5's zero-centred norm, weight 1 + w) equals transformers' Qwen3_5RMSNorm."""
 
 from __future__ import annotations
 
@@ -67,6 +68,25 @@ def test_bf16_error_within_twice_torch_bf16(isa):
     assert ours_err <= 2 * torch_err, f"ours {ours_err:.3g} vs torch bf16 {torch_err:.3g}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", ["smollm-775", "ragged-17", "odd"])
+def test_fp32_weight_is_qwen3_5_zero_centred_norm(isa, shape, dtype):
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    rows, hidden = SHAPES[shape]
+    x, delta, _ = make_inputs(rows, hidden, dtype, strided=shape == "odd")
+    norm = Qwen3_5RMSNorm(hidden, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))  # w around 0: scales 1 + w
+        expected = norm((x + delta).contiguous())
+    x_ref = x.clone()
+    out = add_rms_norm(x, 1.0 + norm.weight.detach().float(), 1e-6, delta=delta, backend="kernel")
+    ref = add_rms_norm_ref(x_ref, 1.0 + norm.weight.detach().float(), 1e-6, delta=delta)
+    assert torch.equal(x, x_ref) and out.dtype == dtype
+    assert_near_reference(out, expected, f"{shape} {dtype} {isa} vs transformers")
+    assert torch.equal(ref, expected), "the reference is transformers' recipe bit for bit"
+
+
 def test_out_argument_with_row_stride():
     x, delta, weight = make_inputs(9, 64, torch.bfloat16, strided=False)
     buffer = torch.zeros(9, 80, dtype=torch.bfloat16)
@@ -86,6 +106,7 @@ def test_zero_rows():
     (lambda x, w, d: (x.T, w, None), "x must be"),
     (lambda x, w, d: (x, w[:-1], d), "weight must be"),
     (lambda x, w, d: (x, w.double(), d), "weight must match"),
+    (lambda x, w, d: (x.bfloat16(), w.half(), None), "weight must match"),
     (lambda x, w, d: (x, w, d[:-1]), "delta must be"),
     (lambda x, w, d: (x, w, d.bfloat16()), "delta must match"),
 ])

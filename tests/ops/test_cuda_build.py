@@ -8,7 +8,14 @@ import shutil
 import pytest
 import torch
 
-from pyscore.ops import _ext, label_logprobs, prefix_item_attention
+from pyscore.ops import (
+    _ext,
+    decode_attention,
+    gated_delta_rule,
+    label_logprobs,
+    plan_decode,
+    prefix_item_attention,
+)
 
 
 @pytest.fixture
@@ -22,7 +29,8 @@ def cuda_module():
 
 
 def test_module_imports_and_exposes_the_ops(cuda_module):
-    for name in ("prefix_item_attention", "label_logprobs", "available", "device_count"):
+    for name in ("prefix_item_attention", "decode_attention", "label_logprobs", "causal_conv1d", "gated_delta_rule",
+                 "available", "device_count"):
         assert callable(getattr(cuda_module, name)), name
 
 
@@ -48,3 +56,8 @@ def test_wrappers_do_not_dispatch_cpu_tensors_to_cuda(monkeypatch):
     hidden, weight = torch.randn(2, 16), torch.randn(50, 16)
     logprobs, _ = label_logprobs(hidden, weight, torch.tensor([[1, -1], [3, 4]], dtype=torch.int32))
     assert logprobs.shape == (2, 2)
+    q, v = torch.randn(5, 1, 16), torch.randn(5, 2, 16)
+    ab = torch.randn(5, 2)
+    assert gated_delta_rule(q, q, v, ab, ab, torch.zeros(2), torch.zeros(2), segments).shape == v.shape
+    caches = [torch.randn(1, 4, 1, 64) for _ in range(2)]
+    assert decode_attention(torch.randn(1, 2, 64), plan_decode(caches[:1], caches[1:], [3]), 0).shape == (1, 2, 64)

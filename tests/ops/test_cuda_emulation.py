@@ -16,7 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 EMU = ROOT / "tests" / "emu"
 # "attention" (the full attention matrix, ~3 minutes on 2 cores) runs when PYSCORE_EMU_FULL=1.
-PARTS = ["labels", "attention-quick"] + (["attention"] if os.environ.get("PYSCORE_EMU_FULL") else [])
+FULL = ["attention"] if os.environ.get("PYSCORE_EMU_FULL") else []
+PARTS = ["labels", "attention-quick", "linear", "decode", *FULL]
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyscore.ops import label_logprobs
+from pyscore.ops import _ext, label_logprobs
 from pyscore.ops.reference import label_logprobs_ref
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -91,3 +91,20 @@ def test_label_logprobs_portable_cpu_path(monkeypatch, dtype):
     monkeypatch.setenv("PYSCORE_DISABLE_AVX512", "1")
     check_label_logprobs("cpu", "many-rows", dtype, given_logits=False, strided=True)
     check_label_logprobs("cpu", "one-row-odd-h", dtype, given_logits=True)
+
+
+@pytest.mark.parametrize("shape", ["smollm-r16", "one-row-odd-h", "many-rows"])
+def test_bf16_widened_path_is_bitwise_the_dpbf16_path(monkeypatch, shape):
+    """PYSCORE_BF16_DOT=widen (FMA on widened pairs, Intel's default) gives vdpbf16ps's bits (AMD's default)."""
+    module = _ext.cpu_module()
+    if module is None or not module.cpu_features()["avx512bf16"]:
+        pytest.skip("needs pyscore._C on a CPU with AVX512-BF16")
+    h, w, labels = make_inputs(*SHAPES[shape], torch.bfloat16, "cpu", strided=shape == "many-rows", seed=5)
+    outs = {}
+    for path in ("dpbf16", "widen"):
+        monkeypatch.setenv("PYSCORE_BF16_DOT", path)
+        assert module.cpu_features()["bf16_dot"] == path
+        outs[path] = label_logprobs(h, w, labels, backend="kernel")
+        check_label_logprobs("cpu", shape, torch.bfloat16, given_logits=False, strided=shape == "many-rows")
+    for got, want in zip(outs["widen"], outs["dpbf16"], strict=True):
+        assert torch.equal(got, want), f"max diff {max_diff(got, want)}"

@@ -64,10 +64,15 @@ def test_op_paths_name_every_op_and_the_cpu_isa(monkeypatch):
     paths = _ext.op_paths(CPU, torch.bfloat16)
     assert set(paths) == set(_ext.REGISTRY)
     features = _ext.cpu_module().cpu_features()
-    isa = "AVX-512 BF16" if features["avx512bf16"] else "portable: this CPU lacks AVX512-BF16"
+    isa = (f"AVX-512 BF16, bf16 products by {features['bf16_dot']}" if features["avx512bf16"]
+           else "portable: this CPU lacks AVX512-BF16")
     assert all(p == f"kernel: pyscore._C ({isa})" for p in paths.values()), paths
     if features["avx512bf16"]:
         monkeypatch.setenv("PYSCORE_DISABLE_AVX512", "1")
         forced = _ext.op_paths(CPU, torch.float32)["rotary"]
         assert forced == "kernel: pyscore._C (portable: PYSCORE_DISABLE_AVX512 is set)"
+        monkeypatch.delenv("PYSCORE_DISABLE_AVX512")
+        monkeypatch.setenv("PYSCORE_BF16_DOT", "widen")
+        widened = _ext.op_paths(CPU, torch.bfloat16)["linear"]
+        assert widened == "kernel: pyscore._C (AVX-512 BF16, bf16 products by widen)"
     assert set(_ext.op_paths(CPU, torch.float32, "reference").values()) == {"reference: op_backend=reference"}

@@ -80,12 +80,12 @@ class FakeTokenizer:
 
 
 class FakeEngine:
-    def __init__(self, name: str = "fake-smollm2", *, mis_supported: bool = True, delay_s: float = 0.0) -> None:
+    def __init__(self, name: str = "fake-smollm2", *, delay_s: float = 0.0) -> None:
         self.model_name = name
         self.delay_s = delay_s
         self.tokenizer = FakeTokenizer()
         self.traits = ModelTraits(tokenizer=self.tokenizer, vocab_size=VOCAB, max_context=MAX_CONTEXT,
-                                  is_classifier=False, num_labels=0, id2label={}, mis_supported=mis_supported)
+                                  is_classifier=False, num_labels=0, id2label={})
         self.batches: list[list[str]] = []  # tags of each run_prepared call, in call order
         self.steps: list[int] = []  # number of unfinished generations advanced by each step call
         self.calls = 0
@@ -97,7 +97,8 @@ class FakeEngine:
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
-                        threads: int | None = None, max_batch_tokens: int = 8192) -> FakeEngine:
+                        threads: int | None = None, max_batch_tokens: int = 8192,
+                        prefix_cache_mb: float = 0.0) -> FakeEngine:
         return cls(model or "fake-smollm2", delay_s=float(os.environ.get("FAKE_ENGINE_DELAY_S", "0")))
 
     # -- test controls -------------------------------------------------------------------------------------
@@ -130,8 +131,10 @@ class FakeEngine:
     def info(self) -> ModelInfo:
         return ModelInfo(name=self.model_name, architecture="FakeForCausalLM", kind="causal_lm", vocab_size=VOCAB,
                          max_context=MAX_CONTEXT, dtype="float32", device="cpu",
-                         mis_supported=self.traits.mis_supported, special_tokens={"bos_token": "<s>",
-                                                                                 "eos_token": "</s>"})
+                         special_tokens={"bos_token": "<s>", "eos_token": "</s>"}, ops={"fake_op": "python"})
+
+    def prefix_cache_stats(self) -> None:
+        return None  # no prefix cache
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[str]]:
         ids = self.tokenizer(text, add_special_tokens)["input_ids"]

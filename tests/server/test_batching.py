@@ -314,3 +314,21 @@ def test_generations_waiting_for_a_slot_hold_queue_places(start_server: Any, fak
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in err.value.details()
         assert [len(f.result().token_ids) for f in [running, *queued]] == [40, 2, 2]
         assert max(fake.steps[steps:]) == 1
+def test_usage_reports_server_queue_wait_and_compute_time(server: ServerThread, client: ScorerClient,
+                                                          fake: FakeEngine) -> None:
+    """Usage.queue_duration is the wait before the first forward pass that included the request, and
+    compute_duration the passes' wall time: a request queued behind a pass held for 0.3 s waited at least that
+    long; the held pass itself computed at least that long; a generation's steps add up."""
+    fake.pause()
+    first = _score_future(client, "first")
+    assert fake.wait_entered()
+    second = _score_future(client, "second")
+    wait_for(lambda: server.batcher.waiting() == 1, what="the second request to queue")
+    threading.Event().wait(0.3)
+    fake.resume()
+    held, queued = (wire.usage_from_proto(f.result(10).usage) for f in (first, second))
+    assert held.compute_s >= 0.3 and held.queue_s < 0.3
+    assert queued.queue_s >= 0.3 and queued.compute_s < 0.3
+    fake.delay_s = 0.01
+    generated = client.generate("hi there", max_tokens=5).usage
+    assert generated.compute_s >= 5 * 0.01 and generated.queue_s < generated.compute_s

@@ -1,12 +1,13 @@
 """End to end on the embedded SmolLM2: `python -m server` with its defaults, driven by the CLI, the Python
-client and the real grpcurl binary with the README's order-status example. All three must print the same
-scores, equal to pyscore.Engine called in this process."""
+client, the real grpcurl binary and the README's Node snippet with the README's order-status example. All must
+print the same scores, equal to pyscore.Engine called in this process."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import pytest
 from pyscore.client import ScorerClient
 from pyscore.engine import Engine
 from pyscore.types import GenerateRequest
+from tests.clients.readme import snippets
 from tests.server.test_lifecycle import grpcurl_binary
 
 pytestmark = [
@@ -27,6 +29,7 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
+NODE_DIR = ROOT / "tests" / "clients" / "node"  # make setup installs the README's Node packages there
 QUERY = ("Customer: Where is my order #1234? It was due yesterday. Should the support agent do this? "
          "Answer Yes or No. Action:")
 ACTIONS = [" Look up the order's shipping status. Answer:", " Reset the customer's password. Answer:",
@@ -54,7 +57,7 @@ def engine() -> Engine:
     return Engine.from_pretrained(None, device="cpu", threads=2)
 
 
-def test_order_status_example_everywhere(target: str, engine: Engine) -> None:
+def test_order_status_example_everywhere(target: str, engine: Engine, tmp_path: Path) -> None:
     with ScorerClient(target, timeout=120) as client:
         result = client.score(QUERY, ACTIONS, labels=LABELS, apply_softmax=True)
     yes = [rows[0][0] for rows in result.scores]
@@ -76,6 +79,17 @@ def test_order_status_example_everywhere(target: str, engine: Engine) -> None:
                              capture_output=True, text=True, check=True).stdout
         got = [[float(np.float32(v)) for v in item["rows"][0]["values"]] for item in json.loads(out)["scores"]]
         assert got == [rows[0] for rows in result.scores]
+
+    node = shutil.which("node")
+    if node is not None and (NODE_DIR / "node_modules").exists():
+        script = tmp_path / "score.js"
+        script.write_text(snippets("js")[0])
+        env = dict(os.environ, PYSCORE_TARGET=target, NODE_PATH=str(NODE_DIR / "node_modules"))
+        out = subprocess.run([node, str(script)], capture_output=True, text=True, check=True, cwd=ROOT, env=env).stdout
+        answer = json.loads(out)
+        assert [item["rows"][0]["values"] for item in answer["scores"]] == [rows[0] for rows in result.scores]
+        assert answer["mode"] == "SCORING_MODE_MIS"
+        assert answer["usage"]["computed_tokens"] == result.usage.computed_tokens
 
 
 def test_greedy_generation_equals_engine(target: str, engine: Engine) -> None:

@@ -1,5 +1,5 @@
-"""Bad input answers its status with a message naming the field; an engine failure answers INTERNAL; either
-way the next good request succeeds."""
+"""Bad input answers its status with a message naming the field (INVALID_ARGUMENT also with a google.rpc.BadRequest
+field violation naming it); an engine failure answers INTERNAL; either way the next good request succeeds."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from pyscore._proto.pyscore.v1 import scorer_pb2 as pb
 from pyscore._proto.pyscore.v1 import scorer_pb2_grpc
-from pyscore.client import ScorerClient, generate_message, score_message
+from pyscore.client import ScorerClient, field_violations, generate_message, score_message
 from tests.server.conftest import ServerThread, wait_for
 from tests.server.fake_engine import FakeEngine
 
@@ -44,6 +44,15 @@ GENERATE_CASES: list[tuple[str, dict[str, Any], grpc.StatusCode, str]] = [
 ]
 
 
+def assert_names_field(error: grpc.RpcError, code: grpc.StatusCode, field: str) -> None:
+    """The status, the message's field prefix and, for INVALID_ARGUMENT, the one BadRequest field violation
+    (AIP-193) with the same field and the rest of the message as its description."""
+    assert error.code() == code, error.details()
+    assert error.details().startswith(f"{field}:"), error.details()
+    expected = [(field, error.details().removeprefix(f"{field}: "))] if code == INVALID else []
+    assert field_violations(error) == expected
+
+
 @pytest.fixture
 def stub(channel: grpc.Channel) -> scorer_pb2_grpc.ScorerStub:
     return scorer_pb2_grpc.ScorerStub(channel)
@@ -54,8 +63,7 @@ def test_bad_score_request(stub: scorer_pb2_grpc.ScorerStub, fields: dict[str, A
                            field: str) -> None:
     with pytest.raises(grpc.RpcError) as err:
         stub.Score(pb.ScoreRequest(**fields), timeout=10)
-    assert err.value.code() == code, err.value.details()
-    assert err.value.details().startswith(f"{field}:"), err.value.details()
+    assert_names_field(err.value, code, field)
     assert stub.Score(pb.ScoreRequest(**GOOD), timeout=10).scores
 
 
@@ -66,18 +74,15 @@ def test_bad_generate_request(stub: scorer_pb2_grpc.ScorerStub, fields: dict[str
     for call in (stub.Generate, lambda m, timeout: list(stub.GenerateStream(m, timeout=timeout))):
         with pytest.raises(grpc.RpcError) as err:
             call(pb.GenerateRequest(**fields), timeout=10)
-        assert err.value.code() == code, err.value.details()
-        assert err.value.details().startswith(f"{field}:"), err.value.details()
+        assert_names_field(err.value, code, field)
     assert stub.Generate(pb.GenerateRequest(prompt="hi", max_tokens=2), timeout=10).token_ids
 
 
-def test_mis_on_a_model_without_it(start_server: Any) -> None:
-    server = start_server(FakeEngine(mis_supported=False))
-    with ScorerClient(server.target, timeout=10) as client:
-        with pytest.raises(grpc.RpcError) as err:
-            client.score("q", ["a", "b"], labels=["Yes"], mode="mis")
-        assert err.value.code() == PRECONDITION and err.value.details().startswith("mode:")
-        assert client.score("q", ["a", "b"], labels=["Yes"]).mode == "sis"
+def test_mis_with_item_first(client: ScorerClient) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        client.score("q", ["a", "b"], labels=["Yes"], mode="mis", item_first=True)
+    assert err.value.code() == PRECONDITION and err.value.details().startswith("mode:")
+    assert client.score("q", ["a", "b"], labels=["Yes"], item_first=True).mode == "sis"
 
 
 def test_engine_failure_is_internal_and_the_server_goes_on(server: ServerThread, client: ScorerClient,
@@ -167,8 +172,10 @@ def test_bytes_that_are_not_a_valid_request(channel: grpc.Channel, stub: scorer_
     assert err.value.code() == INVALID, err.value.details()  # not grpc's UNKNOWN
     if field:
         assert err.value.details() == f"{field}: the request is not valid UTF-8"
+        assert field_violations(err.value) == [(field, "the request is not valid UTF-8")]
     else:
         assert err.value.details().startswith("the request does not parse"), err.value.details()
+        assert field_violations(err.value) == []
     assert stub.Score(pb.ScoreRequest(**GOOD), timeout=10).scores
 
 

@@ -13,16 +13,20 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
 import numpy as np
 import pytest
+from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from pyscore.client import ScorerClient, generate_message, score_message
+from server.reflection_docs import DESCRIPTOR_SET
 from tests.server.conftest import ServerThread, wait_for
 from tests.server.fake_engine import FakeEngine
 
@@ -31,22 +35,30 @@ ROOT = Path(__file__).resolve().parents[2]
 # The public contract (issue 3): message -> field names, in field-number order.
 CONTRACT = {
     "ScoreRequest": ["model", "query", "query_token_ids", "items", "item_token_ids", "label_token_ids", "labels",
-                     "apply_softmax", "item_first", "score_extraction_token", "mode"],
+                     "apply_softmax", "item_first", "score_extraction_token", "mode", "bypass_prefix_cache",
+                     "prefix_cache_salt"],
     "TokenIds": ["ids"],
     "ScoreResponse": ["scores", "label_token_ids", "mode", "usage", "model"],
     "ItemScores": ["rows"],
     "ScoreRow": ["values"],
-    "Usage": ["prompt_tokens", "computed_tokens"],
+    "Usage": ["prompt_tokens", "computed_tokens", "cached_tokens", "queue_duration", "compute_duration"],
     "GenerateRequest": ["model", "prompt", "prompt_token_ids", "apply_chat_template", "max_tokens", "temperature",
-                        "top_p", "top_k", "seed", "stop", "top_logprobs"],
-    "GenerateResponse": ["text", "token_ids", "logprobs", "finish_reason", "usage"],
+                        "top_p", "top_k", "seed", "stop", "top_logprobs", "bypass_prefix_cache", "prefix_cache_salt"],
+    "GenerateResponse": ["text", "token_ids", "logprobs", "usage", "finish_reason"],
     "TokenLogprob": ["token_id", "token", "logprob", "top"],
     "TopLogprob": ["token_id", "token", "logprob"],
     "TokenizeRequest": ["text", "add_special_tokens"],
     "TokenizeResponse": ["token_ids", "tokens"],
     "GetModelInfoRequest": [],
-    "ModelInfo": ["name", "architecture", "kind", "vocab_size", "max_context", "dtype", "device", "mis_supported",
-                  "special_tokens", "num_labels"],
+    "ServerLimits": ["max_items", "max_request_tokens", "max_batch_tokens", "max_message_bytes", "max_queue"],
+    "ModelInfo": ["name", "architecture", "vocab_size", "max_context", "dtype", "device", "special_tokens",
+                  "num_labels", "kind", "limits", "ops", "prefix_cache_block_tokens", "prefix_cache_bytes"],
+}
+ENUMS = {
+    "ScoringMode": [("SCORING_MODE_UNSPECIFIED", 0), ("SCORING_MODE_SIS", 1), ("SCORING_MODE_MIS", 2)],
+    "FinishReason": [("FINISH_REASON_UNSPECIFIED", 0), ("FINISH_REASON_LENGTH", 1), ("FINISH_REASON_STOP", 2),
+                     ("FINISH_REASON_EOS", 3)],
+    "ModelKind": [("MODEL_KIND_UNSPECIFIED", 0), ("MODEL_KIND_CAUSAL_LM", 1), ("MODEL_KIND_CLASSIFIER", 2)],
 }
 RPCS = ["Score", "Generate", "GenerateStream", "Tokenize", "GetModelInfo"]
 
@@ -69,9 +81,55 @@ def test_health_goes_serving_after_warm_up(start_server: Any) -> None:
         assert health_status(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def test_reflection_lists_and_describes_the_contract(channel: grpc.Channel) -> None:
+def reflection_db(channel: grpc.Channel, version: str) -> ProtoReflectionDescriptorDatabase:
+    """grpcio-reflection's client database, over grpc.reflection.v1alpha or (the same messages) v1."""
     db = ProtoReflectionDescriptorDatabase(channel)
-    assert {"pyscore.v1.Scorer", "grpc.health.v1.Health"} <= set(db.get_services())
+    if version == "v1":
+        db._stub = SimpleNamespace(ServerReflectionInfo=channel.stream_stream(  # type: ignore[assignment]
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString))
+    return db
+
+
+def documented_symbols() -> dict[str, tuple[str, str]]:
+    """Every service, method, message, field, enum and enum value of the contract -> (its kind, its leading
+    comment), from the descriptor set the build writes with the .proto comments."""
+    files = descriptor_pb2.FileDescriptorSet.FromString(DESCRIPTOR_SET.read_bytes())
+    (f,) = [f for f in files.file if f.name == "pyscore/v1/scorer.proto"]
+    comments = {tuple(loc.path): loc.leading_comments.strip() for loc in f.source_code_info.location}
+    out: dict[str, tuple[str, str]] = {}
+    for i, svc in enumerate(f.service):
+        out[f"pyscore.v1.{svc.name}"] = ("service", comments.get((6, i), ""))
+        for j, m in enumerate(svc.method):
+            out[f"pyscore.v1.{svc.name}.{m.name}"] = ("method", comments.get((6, i, 2, j), ""))
+    for i, msg in enumerate(f.message_type):
+        out[f"pyscore.v1.{msg.name}"] = ("message", comments.get((4, i), ""))
+        for j, field in enumerate(msg.field):
+            out[f"pyscore.v1.{msg.name}.{field.name}"] = ("field", comments.get((4, i, 2, j), ""))
+    for i, enum in enumerate(f.enum_type):
+        out[f"pyscore.v1.{enum.name}"] = ("enum", comments.get((5, i), ""))
+        for j, value in enumerate(enum.value):
+            out[f"pyscore.v1.{enum.name}.{value.name}"] = ("value", comments.get((5, i, 2, j), ""))
+    return out
+
+
+def test_every_element_of_the_contract_is_documented() -> None:
+    symbols = documented_symbols()
+    assert {s.rsplit(".", 1)[1] for s, (kind, _) in symbols.items() if kind == "message"} == set(CONTRACT)
+    assert {s.rsplit(".", 1)[1] for s, (kind, _) in symbols.items() if kind == "enum"} == set(ENUMS)
+    undocumented = [s for s, (_, comment) in symbols.items() if not comment]
+    assert undocumented == []
+
+
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+def test_reflection_lists_and_describes_the_contract(channel: grpc.Channel, version: str) -> None:
+    db = reflection_db(channel, version)
+    services = {"pyscore.v1.Scorer", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+                "grpc.reflection.v1alpha.ServerReflection"}
+    assert set(db.get_services()) == services
+    for symbol in [*services, *(f"pyscore.v1.Scorer.{rpc}" for rpc in RPCS), "grpc.health.v1.Health.List"]:
+        assert db.FindFileContainingSymbol(symbol).name, symbol  # method symbols too (grpcurl describe asks so)
     pool = DescriptorPool(db)
     service = pool.FindServiceByName("pyscore.v1.Scorer")
     assert [m.name for m in service.methods] == RPCS
@@ -79,9 +137,8 @@ def test_reflection_lists_and_describes_the_contract(channel: grpc.Channel) -> N
     assert stream.server_streaming and not stream.client_streaming
     for message, fields in CONTRACT.items():
         assert [f.name for f in pool.FindMessageTypeByName(f"pyscore.v1.{message}").fields] == fields, message
-    enum = pool.FindEnumTypeByName("pyscore.v1.ScoringMode")
-    assert [(v.name, v.number) for v in enum.values] == [
-        ("SCORING_MODE_AUTO", 0), ("SCORING_MODE_SIS", 1), ("SCORING_MODE_MIS", 2)]
+    for enum, values in ENUMS.items():
+        assert [(v.name, v.number) for v in pool.FindEnumTypeByName(f"pyscore.v1.{enum}").values] == values, enum
     seed = pool.FindMessageTypeByName("pyscore.v1.GenerateRequest").fields_by_name["seed"]
     assert seed.has_presence  # `optional int64 seed`
 
@@ -105,8 +162,17 @@ def test_grpcurl_through_reflection(server: ServerThread, client: ScorerClient) 
     for rpc in RPCS:
         assert f"rpc {rpc} (" in described
     assert "returns ( stream .pyscore.v1.GenerateResponse )" in described
-    assert "// Scores each item given the query" in described  # the .proto comments travel with reflection
-    assert "// The query as text." in grpcurl(server.target, "describe", "pyscore.v1.ScoreRequest")
+    assert "UNAUTHENTICATED" in described  # the status codes are documented on the service
+    symbols = documented_symbols()
+    for symbol, (kind, comment) in symbols.items():  # describe every method, message and enum with its comment
+        if kind in ("field", "value"):
+            continue
+        out = grpcurl(server.target, "describe", symbol)
+        assert out.startswith(f"{symbol} is a{'n' if kind == 'enum' else ''} {kind}:"), out
+        assert f"// {comment.splitlines()[0]}" in out, (symbol, out)
+        members = [(s, c) for s, (k, c) in symbols.items() if k in ("field", "value") and s.startswith(f"{symbol}.")]
+        for member, member_comment in members:  # and the comment of each of its fields and values
+            assert f"// {member_comment.splitlines()[0]}" in out, (member, out)
     body = {"query": "where is my order", "items": ["track it", "refund it"], "labels": ["Yes", "No"],
             "mode": "SCORING_MODE_MIS"}
     answer = json.loads(grpcurl("-d", json.dumps(body), server.target, "pyscore.v1.Scorer/Score"))

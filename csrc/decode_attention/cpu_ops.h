@@ -1,0 +1,24 @@
+// Internal interface of the CPU decode_attention kernel: the launcher (decode_attention_cpu.cpp, baseline ISA) plans
+// (sequence, kv head, key chunk) units and merges their partial states; the arithmetic comes in an AVX-512 build
+// (decode_attention_avx512.cpp) and a portable one.
+#pragma once
+#include <cstdint>
+
+#include "common/dtype.h"
+
+namespace pyscore {
+
+struct DecodeCpuOps {
+  // `rows` query rows (row r at q + r * q_row_stride) against keys [0, num_keys) at k / v (key t at + t *
+  // token_stride): writes the normalized o [rows, D] (fp32) and the natural-log log-sum-exp lse [rows] of the scaled
+  // scores. num_keys >= 1.
+  void (*attend)(const void* q, int64_t q_row_stride, int32_t rows, const void* k, const void* v, int64_t token_stride,
+                 int32_t num_keys, int32_t head_dim, float scale, float* o, float* lse);
+  // Writes one fp32 row of `dim` values in the kernel's dtype.
+  void (*store_row)(const float* src, int32_t dim, void* dst);
+};
+
+// nullptr when the dtype / head_dim is not covered (the caller checks the CPU).
+const DecodeCpuOps* decode_ops_avx512(DType dtype, int32_t head_dim);
+
+}  // namespace pyscore

@@ -1,0 +1,155 @@
+// AVX-512 ops of the CPU decode_attention kernel (interface in cpu_ops.h).
+//
+// Decode is a matrix-vector product per (sequence, kv head): the few GQA query rows against keys read straight from
+// the cache (token-major rows, no packing: every key is read once per step). Keys go in blocks of 16: per row, one
+// zmm of 16 lane-partial dot products per key (vdpbf16ps on bf16 pairs, FMA on fp32) is reduced by a transposing
+// add tree into one zmm of 16 scores; online softmax in base 2 (exp2 without denormals); the block's values are
+// widened to fp32 once into L1 scratch and every row adds p_j * v_j with FMA (P stays fp32). The block's keys and
+// values stay in L1 while the rows take their turns.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "common/vec_math_avx512.h"
+#include "decode_attention/cpu_ops.h"
+
+namespace pyscore {
+namespace {
+
+using namespace avx512;
+
+constexpr int kKeysPerBlock = 16;
+constexpr int kMaxRows = 16;  // GQA query rows per call; more are done in several calls
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// lane j of the result = the sum of the 16 lanes of a[j]: four levels of pairwise interleave-and-add.
+inline __m512 reduce16(__m512 (&a)[16]) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: x02 y02 x13 y13
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's sums of 4 consecutive vectors
+    const __m512d u = _mm512_castps_pd(b[2 * i]), v = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(u, v)), _mm512_castpd_ps(_mm512_unpackhi_pd(u, v)));
+  }
+  for (int i = 0; i < 2; ++i)  // 128-bit lanes: (0+1, 2+3) of c[2i], then of c[2i + 1]
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
+
+// Element traits: a query row for the dot products is QZ = D / kPerZmm zmm; dot() adds q . (one key row)
+// lane-partially.
+struct Bf16 {
+  using T = uint16_t;
+  static constexpr int kPerZmm = 32;  // vdpbf16ps on pairs
+  template <int QZ>
+  static __m512 dot(const __m512 (&qz)[QZ], const T* k) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int c = 0; c < QZ; ++c)
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)qz[c], (__m512bh)_mm512_loadu_ps(k + kPerZmm * c));
+    return acc;
+  }
+  static __m512 widen(const T* v) { return load_bf16_ps(v); }
+  static void store(T* dst, __m512 x) { store_bf16_ps(dst, x); }
+};
+
+struct F32 {
+  using T = float;
+  static constexpr int kPerZmm = 16;
+  template <int QZ>
+  static __m512 dot(const __m512 (&qz)[QZ], const T* k) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int c = 0; c < QZ; ++c) acc = _mm512_fmadd_ps(qz[c], _mm512_loadu_ps(k + kPerZmm * c), acc);
+    return acc;
+  }
+  static __m512 widen(const T* v) { return _mm512_loadu_ps(v); }
+  static void store(T* dst, __m512 x) { _mm512_storeu_ps(dst, x); }
+};
+
+template <class E, int DZ>
+void attend(const void* q_, int64_t q_row_stride, int32_t rows, const void* k_, const void* v_,
+            int64_t token_stride, int32_t num_keys, int32_t head_dim, float scale, float* o, float* lse) {
+  using T = typename E::T;
+  constexpr int D = 16 * DZ, QZ = D / E::kPerZmm;
+  const T* q = static_cast<const T*>(q_);
+  const T* k = static_cast<const T*>(k_);
+  const T* v = static_cast<const T*>(v_);
+  const float scale2 = scale * kLog2e;
+  float max[kMaxRows], sum[kMaxRows];
+  for (int r = 0; r < rows; ++r) {
+    max[r] = kNegInf;
+    sum[r] = 0.0f;
+    std::memset(o + r * D, 0, D * sizeof(float));
+  }
+  alignas(64) float vf[kKeysPerBlock][D];  // the block's values in fp32
+  alignas(64) float p[kKeysPerBlock];
+  for (int32_t key0 = 0; key0 < num_keys; key0 += kKeysPerBlock) {
+    const int n = std::min<int32_t>(kKeysPerBlock, num_keys - key0);
+    const __mmask16 valid = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+    for (int j = 0; j < n; ++j)
+      for (int c = 0; c < DZ; ++c) _mm512_store_ps(vf[j] + 16 * c, E::widen(v + (key0 + j) * token_stride + 16 * c));
+    for (int r = 0; r < rows; ++r) {
+      __m512 qz[QZ];
+      for (int c = 0; c < QZ; ++c) qz[c] = _mm512_loadu_ps(q + r * q_row_stride + E::kPerZmm * c);
+      __m512 partial[kKeysPerBlock];
+      for (int j = 0; j < kKeysPerBlock; ++j)
+        partial[j] = j < n ? E::dot(qz, k + (key0 + j) * token_stride) : _mm512_setzero_ps();
+      const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(kNegInf), valid, reduce16(partial), _mm512_set1_ps(scale2));
+      const float new_max = std::max(max[r], _mm512_reduce_max_ps(s));  // finite: the block has a key
+      const float alpha = std::exp2(max[r] - new_max);                  // 0 on the first block
+      const __m512 pz = exp2_ps(_mm512_sub_ps(s, _mm512_set1_ps(new_max)));
+      _mm512_store_ps(p, pz);
+      sum[r] = sum[r] * alpha + _mm512_reduce_add_ps(pz);
+      max[r] = new_max;
+      __m512 acc[DZ];
+      for (int c = 0; c < DZ; ++c) acc[c] = _mm512_mul_ps(_mm512_set1_ps(alpha), _mm512_loadu_ps(o + r * D + 16 * c));
+      for (int j = 0; j < n; ++j) {
+        const __m512 pj = _mm512_set1_ps(p[j]);
+        for (int c = 0; c < DZ; ++c) acc[c] = _mm512_fmadd_ps(pj, _mm512_load_ps(vf[j] + 16 * c), acc[c]);
+      }
+      for (int c = 0; c < DZ; ++c) _mm512_storeu_ps(o + r * D + 16 * c, acc[c]);
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.0f / sum[r]);  // sum >= 1: the maximum key contributes 2^0
+    for (int c = 0; c < DZ; ++c)
+      _mm512_storeu_ps(o + r * D + 16 * c, _mm512_mul_ps(inv, _mm512_loadu_ps(o + r * D + 16 * c)));
+    lse[r] = max[r] * kLn2 + std::log(sum[r]);
+  }
+  (void)head_dim;
+}
+
+// More rows than kMaxRows in consecutive calls of up to kMaxRows.
+template <class E, int DZ>
+void attend_rows(const void* q, int64_t q_row_stride, int32_t rows, const void* k, const void* v,
+                 int64_t token_stride, int32_t num_keys, int32_t head_dim, float scale, float* o, float* lse) {
+  using T = typename E::T;
+  for (int32_t r = 0; r < rows; r += kMaxRows)
+    attend<E, DZ>(static_cast<const T*>(q) + r * q_row_stride, q_row_stride, std::min(kMaxRows, rows - r), k, v,
+                  token_stride, num_keys, head_dim, scale, o + int64_t(r) * 16 * DZ, lse + r);
+}
+
+template <class E>
+void store_row(const float* src, int32_t dim, void* dst_) {
+  auto* dst = static_cast<typename E::T*>(dst_);
+  for (int32_t d = 0; d < dim; d += 16) E::store(dst + d, _mm512_loadu_ps(src + d));
+}
+
+const DecodeCpuOps kBf16D64{attend_rows<Bf16, 4>, store_row<Bf16>};
+const DecodeCpuOps kBf16D128{attend_rows<Bf16, 8>, store_row<Bf16>};
+const DecodeCpuOps kF32D64{attend_rows<F32, 4>, store_row<F32>};
+const DecodeCpuOps kF32D128{attend_rows<F32, 8>, store_row<F32>};
+
+}  // namespace
+
+const DecodeCpuOps* decode_ops_avx512(DType dtype, int32_t head_dim) {
+  if (head_dim != 64 && head_dim != 128) return nullptr;
+  if (dtype == DType::kBFloat16) return head_dim == 64 ? &kBf16D64 : &kBf16D128;
+  if (dtype == DType::kFloat32) return head_dim == 64 ? &kF32D64 : &kF32D128;
+  return nullptr;
+}
+
+}  // namespace pyscore

@@ -1,0 +1,203 @@
+// CPU decode_attention (contract in params.h). Work units are (sequence, kv head, chunk of kDecodeChunk keys); a
+// unit's rows are the GQA query heads of its kv head (the keys are read once for all of them). Units run on OpenMP
+// threads; a sequence with several chunks gets its partial states merged by log-sum-exp in chunk order, so its bits
+// depend on its own length only, never on the batch or the thread count. When new keys / values are given they are
+// written into the caches first (one pass, before any unit reads). The arithmetic lives in DecodeCpuOps: AVX-512
+// (+BF16) when the CPU has it, else the portable loops below.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "common/bf16.h"
+#include "common/cpu_features.h"
+#include "common/merge_state_cpu.h"
+#include "common/threads.h"
+#include "decode_attention/cpu_ops.h"
+#include "decode_attention/launch.h"
+
+namespace pyscore {
+namespace {
+
+// ---- portable ops ----------------------------------------------------------------------------------------------
+
+template <class T>
+void attend_portable(const void* q_, int64_t q_row_stride, int32_t rows, const void* k_, const void* v_,
+                     int64_t token_stride, int32_t num_keys, int32_t head_dim, float scale, float* o, float* lse) {
+  const T* q = static_cast<const T*>(q_);
+  const T* k = static_cast<const T*>(k_);
+  const T* v = static_cast<const T*>(v_);
+  std::vector<float> s(num_keys);
+  for (int32_t r = 0; r < rows; ++r) {
+    const T* qr = q + r * q_row_stride;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int32_t t = 0; t < num_keys; ++t) {
+      float dot = 0.0f;
+      for (int32_t d = 0; d < head_dim; ++d) dot += to_f32(qr[d]) * to_f32(k[t * token_stride + d]);
+      s[t] = dot * scale;
+      mx = std::max(mx, s[t]);
+    }
+    float* orow = o + int64_t(r) * head_dim;
+    std::fill(orow, orow + head_dim, 0.0f);
+    float sum = 0.0f;
+    for (int32_t t = 0; t < num_keys; ++t) {
+      const float p = std::exp(s[t] - mx);
+      sum += p;
+      for (int32_t d = 0; d < head_dim; ++d) orow[d] += p * to_f32(v[t * token_stride + d]);
+    }
+    for (int32_t d = 0; d < head_dim; ++d) orow[d] /= sum;
+    lse[r] = mx + std::log(sum);
+  }
+}
+
+template <class T>
+void store_row_portable(const float* src, int32_t dim, void* dst) {
+  for (int32_t d = 0; d < dim; ++d) store_f32(static_cast<T*>(dst) + d, src[d]);
+}
+
+const DecodeCpuOps kPortableBf16{attend_portable<uint16_t>, store_row_portable<uint16_t>};
+const DecodeCpuOps kPortableF32{attend_portable<float>, store_row_portable<float>};
+
+const DecodeCpuOps& choose_ops(DType dtype, int32_t head_dim) {
+  const DecodeCpuOps* fast = cpu_use_avx512bf16() ? decode_ops_avx512(dtype, head_dim) : nullptr;
+  if (fast) return *fast;
+  return dtype == DType::kBFloat16 ? kPortableBf16 : kPortableF32;
+}
+
+// ---- plan and run ----------------------------------------------------------------------------------------------
+
+size_t elem_size(DType dtype) { return dtype == DType::kBFloat16 ? 2 : 4; }
+
+int32_t chunks_of(int32_t length) { return (length + kDecodeChunk - 1) / kDecodeChunk; }
+
+// Element address helpers (offsets in elements, scaled by the element size).
+const char* at(const void* base, int64_t elems, size_t elem) { return static_cast<const char*>(base) + elems * elem; }
+char* at(void* base, int64_t elems, size_t elem) { return static_cast<char*>(base) + elems * elem; }
+
+int64_t cache_offset(const DecodeAttentionParams& p, int32_t b, int32_t h, int32_t token) {
+  return p.layer * p.layer_stride[b] + h * p.head_stride + token * p.token_stride;
+}
+
+void write_new_token(const DecodeAttentionParams& p, int32_t b, int32_t h) {
+  const size_t elem = elem_size(p.dtype);
+  const int64_t src = b * p.new_seq_stride + h * p.new_head_stride;
+  const int64_t dst = cache_offset(p, b, h, p.lengths[b] - 1);
+  std::memcpy(reinterpret_cast<char*>(p.k_base[b]) + dst * elem, at(p.k_new, src, elem), p.head_dim * elem);
+  std::memcpy(reinterpret_cast<char*>(p.v_base[b]) + dst * elem, at(p.v_new, src, elem), p.head_dim * elem);
+}
+
+struct Unit {
+  int32_t seq, kv_head, chunk;
+  int64_t scratch_row;  // first row of this unit's partial state in the scratch (multi-chunk sequences), or -1
+};
+
+struct Plan {
+  std::vector<Unit> units;
+  std::vector<int64_t> first_unit;  // per (sequence, kv head): index of its chunk 0 unit
+  int64_t scratch_rows = 0;
+};
+
+Plan make_plan(const DecodeAttentionParams& p, int32_t group) {
+  Plan plan;
+  for (int32_t b = 0; b < p.num_seqs; ++b) {
+    const int32_t chunks = chunks_of(p.lengths[b]);
+    for (int32_t h = 0; h < p.num_kv_heads; ++h) {
+      plan.first_unit.push_back(int64_t(plan.units.size()));
+      for (int32_t c = 0; c < chunks; ++c) {
+        plan.units.push_back({b, h, c, chunks > 1 ? plan.scratch_rows : -1});
+        if (chunks > 1) plan.scratch_rows += group;
+      }
+    }
+  }
+  return plan;
+}
+
+struct Scratch {
+  std::vector<float> o, lse;  // single-chunk units' states (per thread)
+};
+
+void store_rows(const DecodeAttentionParams& p, const DecodeCpuOps& ops, int32_t b, int32_t h, int32_t group,
+                const float* o) {
+  const size_t elem = elem_size(p.dtype);
+  for (int32_t r = 0; r < group; ++r)
+    ops.store_row(o + int64_t(r) * p.head_dim, p.head_dim,
+                  at(p.o, b * p.o_seq_stride + (int64_t(h) * group + r) * p.o_head_stride, elem));
+}
+
+void run_unit(const DecodeAttentionParams& p, const DecodeCpuOps& ops, const Unit& u, int32_t group, float* o_parts,
+              float* lse_parts, Scratch& local) {
+  const size_t elem = elem_size(p.dtype);
+  const int32_t key0 = u.chunk * kDecodeChunk, keys = std::min(kDecodeChunk, p.lengths[u.seq] - key0);
+  const int64_t kv = cache_offset(p, u.seq, u.kv_head, key0);
+  const void* q = at(p.q, u.seq * p.q_seq_stride + int64_t(u.kv_head) * group * p.q_head_stride, elem);
+  float* o = u.scratch_row >= 0 ? o_parts + u.scratch_row * p.head_dim : local.o.data();
+  float* lse = u.scratch_row >= 0 ? lse_parts + u.scratch_row : local.lse.data();
+  ops.attend(q, p.q_head_stride, group, reinterpret_cast<const char*>(p.k_base[u.seq]) + kv * elem,
+             reinterpret_cast<const char*>(p.v_base[u.seq]) + kv * elem, p.token_stride, keys, p.head_dim, p.scale, o,
+             lse);
+  if (u.scratch_row < 0) store_rows(p, ops, u.seq, u.kv_head, group, o);
+}
+
+// Chunk partial states of one (sequence, kv head), merged into chunk 0's in chunk order, then stored.
+void merge_chunks(const DecodeAttentionParams& p, const DecodeCpuOps& ops, const Unit* units, int32_t chunks,
+                  int32_t group, float* o_parts, float* lse_parts) {
+  float* o0 = o_parts + units[0].scratch_row * p.head_dim;
+  float* lse0 = lse_parts + units[0].scratch_row;
+  for (int32_t c = 1; c < chunks; ++c)
+    merge_state(o0, lse0, o_parts + units[c].scratch_row * p.head_dim, lse_parts + units[c].scratch_row, group,
+                p.head_dim, o0, lse0);
+  store_rows(p, ops, units[0].seq, units[0].kv_head, group, o0);
+}
+
+Status check_params(const DecodeAttentionParams& p) {
+  if (p.dtype != DType::kFloat32 && p.dtype != DType::kBFloat16) return kUnsupportedDType;
+  if (p.head_dim <= 0 || (p.dtype == DType::kBFloat16 && p.head_dim % 2)) return kUnsupportedHeadDim;
+  if (p.num_seqs < 0 || p.num_q_heads <= 0 || p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads || p.layer < 0)
+    return kInvalidArgument;
+  if (p.num_seqs == 0) return kOk;
+  if (!p.q || !p.o || !p.k_base || !p.v_base || !p.layer_stride || !p.lengths || (!p.k_new != !p.v_new))
+    return kInvalidArgument;
+  for (int32_t b = 0; b < p.num_seqs; ++b)
+    if (p.lengths[b] < 1 || p.lengths[b] > p.max_length) return kInvalidArgument;
+  return kOk;
+}
+
+}  // namespace
+
+Status decode_attention_cpu(const DecodeAttentionParams& p) {
+  Status status = check_params(p);
+  if (status != kOk || p.num_seqs == 0) return status;
+  const DecodeCpuOps& ops = choose_ops(p.dtype, p.head_dim);
+  const int32_t group = p.num_q_heads / p.num_kv_heads;
+  const Plan plan = make_plan(p, group);
+  std::vector<float> o_parts(size_t(plan.scratch_rows) * p.head_dim), lse_parts(plan.scratch_rows);
+  const int64_t num_units = int64_t(plan.units.size()), heads = int64_t(p.num_seqs) * p.num_kv_heads;
+
+#pragma omp parallel num_threads(kernel_threads())
+  {
+    Scratch local;
+    local.o.resize(size_t(group) * p.head_dim);
+    local.lse.resize(group);
+    if (p.k_new) {
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < heads; ++i) write_new_token(p, int32_t(i / p.num_kv_heads), int32_t(i % p.num_kv_heads));
+      // (implicit barrier: the new tokens are in the caches before any unit reads them)
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_units; ++i) {
+      run_unit(p, ops, plan.units[i], group, o_parts.data(), lse_parts.data(), local);
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < heads; ++i) {
+      const int32_t chunks = chunks_of(p.lengths[i / p.num_kv_heads]);
+      if (chunks > 1)
+        merge_chunks(p, ops, &plan.units[plan.first_unit[i]], chunks, group, o_parts.data(), lse_parts.data());
+    }
+  }
+  return kOk;
+}
+
+}  // namespace pyscore

@@ -1,0 +1,96 @@
+// The linear-attention layer of Qwen3.5 (Gated DeltaNet) on a packed, unpadded token stream, as two ops that walk
+// the segment table of prefix_item_attention ([S, 4]: start, length, prefix_start, prefix_length):
+//
+//  * causal_conv1d: the depthwise causal convolution (kernel K, no bias) + SiLU over the fused q|k|v projection.
+//  * gated_delta_rule: the gated delta rule with an fp32 state per value head.
+//
+// Two ops, not one: the convolution is channel-parallel and its q/k channels are shared by several value heads
+// (GQA-style, Hv = r Hk), the recurrence is head-parallel and sequential in time; fused, the shared channels would
+// be convolved r times and their conv tails written by r tasks. The [T, C] intermediate costs one pass over the
+// activations, well under 1% of the layer's projection traffic, and is rounded to the dtype as transformers does.
+//
+// Sequences. A segment with prefix_length == 0 is a sequence of its own (a SIS sequence, or an MIS group's
+// prefix): it starts from a zero state and zero conv inputs, unless the caller supplies a state (generation). A
+// segment with prefix_length > 0 (an MIS item) continues the sequence of its prefix, which must be another row of
+// the table (start == prefix_start, length == prefix_length, prefix_length == 0): it starts from the prefix's end
+// state S_p, its conv window reaches back into the prefix's last K-1 inputs (zeros before the prefix's first token,
+// exactly as the item's SIS sequence would see), and it never changes anything the prefix or another item sees.
+//
+// causal_conv1d, for channel c and a token at position p of its segment's sequence (prefix tokens first):
+//   y[t, c] = silu(round(sum_{j < K} w[c, j] * x_seq[p - (K - 1) + j, c]))
+// with x_seq before the sequence's first token = the caller's tail (tail_in) or 0, the conv sum rounded to the
+// dtype before the SiLU (transformers runs conv1d and silu as two ops in the dtype), SiLU in fp32, rounded again.
+//
+// gated_delta_rule, for value head h (key head h / (Hv / Hk)) and each token of the sequence in order:
+//   q^ = q * rsqrt(sum q^2 + 1e-6) * scale,  k^ = k * rsqrt(sum k^2 + 1e-6)            (fp32, L2 norms)
+//   decay = exp(-exp(a_log[h]) * softplus(a[t, h] + dt_bias[h])),  beta = sigmoid(b[t, h])
+//   S = decay * S;  S = S + k^ ((v - S^T k^) * beta)^T;  o[t, h] = S^T q^                 (S: [Dk, Dv], fp32)
+// softplus(x) = x for x > 20 (torch's threshold). o is rounded to the dtype once.
+//
+// Strides are in elements; every tensor's last dimension is contiguous.
+#pragma once
+#include <cstdint>
+
+#include "common/dtype.h"
+
+namespace pyscore {
+
+struct CausalConv1dParams {
+  const void* x;  // [T, C] pre-convolution inputs (the q|k|v part of the linear layer's input projection)
+  int64_t x_token_stride;
+  const void* weight;  // [C, K] contiguous, in the dtype
+  void* y;             // [T, C], must not overlap x
+  int64_t y_token_stride;
+  const int32_t* segments;  // [num_segments, 4]
+  int32_t num_segments;
+  int32_t num_tokens;
+  int32_t channels;     // C
+  int32_t kernel_size;  // K, 1..kMaxConvKernel
+  // Generation (optional, nullptr = none), per segment the address of a contiguous [K - 1, C] tail of pre-conv
+  // inputs in the dtype, oldest first, or 0. tail_in: the (prefix_length == 0) segment continues after these inputs
+  // instead of zeros. tail_out: receives the last K - 1 inputs of the segment's sequence (zero-padded on the left
+  // when the sequence is shorter); it may alias the same segment's tail_in.
+  const uint64_t* tail_in;
+  const uint64_t* tail_out;
+  DType dtype;
+};
+
+constexpr int32_t kMaxConvKernel = 8;
+
+struct GatedDeltaRuleParams {
+  const void* q;  // [T, Hk, Dk]
+  int64_t q_token_stride, q_head_stride;
+  const void* k;  // [T, Hk, Dk]
+  int64_t k_token_stride, k_head_stride;
+  const void* v;  // [T, Hv, Dv]
+  int64_t v_token_stride, v_head_stride;
+  const void* a;  // [T, Hv] decay input (in_proj_a output)
+  int64_t a_token_stride;
+  const void* b;  // [T, Hv] update-rate input (in_proj_b output)
+  int64_t b_token_stride;
+  const float* a_log;    // [Hv]
+  const float* dt_bias;  // [Hv]
+  void* o;               // [T, Hv, Dv], in the dtype; must not overlap the inputs
+  int64_t o_token_stride, o_head_stride;
+  const int32_t* segments;  // [num_segments, 4]
+  int32_t num_segments;
+  int32_t num_tokens;
+  // The plan (pyscore.ops.gated_delta_rule.plan_linear_attention), per segment: for a prefix_length == 0 segment,
+  // the slot in which its end state is kept for its items (-1: no segment continues it); for a segment with a
+  // prefix, the slot of its prefix. Slots are 0..num_slots-1, one per prefix that has items.
+  const int32_t* state_slot;
+  int32_t num_slots;
+  int32_t num_k_heads;
+  int32_t num_v_heads;  // a multiple of num_k_heads
+  int32_t k_dim;        // Dk
+  int32_t v_dim;        // Dv
+  float scale;          // applied to q^, usually Dk^-1/2
+  // Generation (optional, nullptr = none), per segment the address of a contiguous fp32 [Hv, Dk, Dv] state, or 0.
+  // state_in: the (prefix_length == 0) segment starts from it instead of zeros. state_out: receives the segment's
+  // end state; it may alias the same segment's state_in.
+  const uint64_t* state_in;
+  const uint64_t* state_out;
+  DType dtype;  // of q, k, v, a, b and o
+};
+
+}  // namespace pyscore

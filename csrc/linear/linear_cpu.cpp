@@ -1,0 +1,151 @@
+// CPU linear (contract in params.h). The output is cut into rectangles (rows x units of 32 packed columns) over
+// OpenMP threads: with enough column units every thread takes a contiguous run of them for all rows, so each
+// weight byte is read by one thread once (decode is weight-bandwidth bound); with few columns and many rows the
+// rows are split into chunks too. A row's arithmetic never depends on the rectangle it falls in, so the split only
+// changes who computes a row, not its bits. The arithmetic lives in LinearCpuOps: AVX-512 (+BF16) when the CPU has
+// it, else the portable loops below over the same packed layout.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "common/bf16.h"
+#include "common/cpu_features.h"
+#include "common/threads.h"
+#include "linear/cpu_ops.h"
+#include "linear/launch.h"
+
+namespace pyscore {
+namespace {
+
+// Row tile of the AVX-512 micro-kernel: row chunks are multiples of it so no chunk leaves a short tile behind.
+constexpr int32_t kRowTile = 6;
+
+// ---- portable ops ----------------------------------------------------------------------------------------
+
+template <class T>
+constexpr int pack_of() { return sizeof(T) == 2 ? 2 : 1; }
+
+template <class T>
+float packed_weight(const LinearParams& p, int32_t col, int32_t k) {
+  constexpr int P = pack_of<T>();
+  const int64_t k_pad = (int64_t(p.k) + P - 1) / P * P;
+  const int64_t offset = int64_t(col / kLinearBlockN) * k_pad * kLinearBlockN +
+                         (int64_t(k / P) * kLinearBlockN + col % kLinearBlockN) * P + k % P;
+  return to_f32(static_cast<const T*>(p.w_packed)[offset]);
+}
+
+template <class T>
+void rect_portable(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1) {
+  const T* x = static_cast<const T*>(p.x);
+  std::vector<float> v(c1 - c0);
+  for (int32_t m = m0; m < m1; ++m) {
+    const T* row = x + m * p.x_row_stride;
+    for (int32_t c = c0; c < c1; ++c) {
+      float acc = 0.0f;
+      for (int32_t k = 0; k < p.k; ++k) acc += to_f32(row[k]) * packed_weight<T>(p, c, k);
+      v[c - c0] = acc + (p.bias ? p.bias[c] : 0.0f);
+    }
+    for (int32_t c = c0; c < c1; ++c) {
+      float y;
+      int32_t oc;
+      if (p.gated) {
+        if (c % kLinearUnitN >= 16) continue;  // up columns are read with their gate column
+        const float g = v[c - c0];
+        y = g / (1.0f + std::exp(-g)) * v[c + 16 - c0];
+        oc = c / kLinearUnitN * 16 + c % 16;
+      } else {
+        y = v[c - c0];
+        oc = c;
+      }
+      if (oc >= p.n_out) continue;
+      if (p.residual) y += to_f32(static_cast<const T*>(p.residual)[m * p.residual_row_stride + oc]);
+      store_f32(static_cast<T*>(p.out) + m * p.out_row_stride + oc, y);
+    }
+  }
+}
+
+const LinearCpuOps kPortableBf16{rect_portable<uint16_t>};
+const LinearCpuOps kPortableF32{rect_portable<float>};
+
+const LinearCpuOps& choose_ops(DType dtype) {
+  const LinearCpuOps* fast = cpu_use_avx512bf16() ? linear_ops_avx512(dtype, cpu_bf16_dot()) : nullptr;
+  if (fast) return *fast;
+  return dtype == DType::kBFloat16 ? kPortableBf16 : kPortableF32;
+}
+
+// ---- work split --------------------------------------------------------------------------------------------
+
+// Packed columns that produce output: all N for plain weights; for gated ones, the units up to the last output.
+int32_t needed_columns(const LinearParams& p) {
+  return p.gated ? (p.n_out + 15) / 16 * kLinearUnitN : p.n_out;
+}
+
+struct Split {
+  int32_t row_chunks, row_chunk;  // rows per chunk, a multiple of the row tile
+  int32_t units;                  // column units of kLinearUnitN
+};
+
+Split make_split(const LinearParams& p, int threads) {
+  Split s;
+  s.units = (needed_columns(p) + kLinearUnitN - 1) / kLinearUnitN;
+  const int32_t tiles = (p.m + kRowTile - 1) / kRowTile;
+  // Two cells per thread at least, so uneven cells balance; rows are split only when columns alone cannot.
+  const int32_t chunks = s.units >= 2 * threads ? 1 : std::min(tiles, (2 * threads + s.units - 1) / s.units);
+  s.row_chunk = (tiles + chunks - 1) / chunks * kRowTile;
+  s.row_chunks = (p.m + s.row_chunk - 1) / s.row_chunk;
+  return s;
+}
+
+// Thread t's share of the cells (unit-major, so a thread's cells share weight panels), as rectangles.
+void run_share(const LinearParams& p, const LinearCpuOps& ops, const Split& s, int t, int threads) {
+  const int64_t cells = int64_t(s.units) * s.row_chunks;
+  const int64_t begin = cells * t / threads, end = cells * (t + 1) / threads;
+  if (s.row_chunks == 1) {  // one rectangle: all rows, a run of column units
+    if (begin < end) ops.rect(p, 0, p.m, int32_t(begin) * kLinearUnitN, int32_t(end) * kLinearUnitN);
+    return;
+  }
+  for (int64_t cell = begin; cell < end; ++cell) {
+    const int32_t unit = int32_t(cell / s.row_chunks), chunk = int32_t(cell % s.row_chunks);
+    const int32_t m0 = chunk * s.row_chunk, m1 = std::min(p.m, m0 + s.row_chunk);
+    ops.rect(p, m0, m1, unit * kLinearUnitN, (unit + 1) * kLinearUnitN);
+  }
+}
+
+Status check_params(const LinearParams& p) {
+  if (p.dtype != DType::kFloat32 && p.dtype != DType::kBFloat16) return kUnsupportedDType;
+  if (p.m < 0 || p.k < 0 || p.n_out < 0 || p.n_packed < 0 || p.n_packed % kLinearBlockN) return kInvalidArgument;
+  if (needed_columns(p) > p.n_packed) return kInvalidArgument;
+  if (p.m > 0 && p.n_out > 0 && (!p.out || (p.k > 0 && (!p.x || !p.w_packed)))) return kInvalidArgument;
+  return kOk;
+}
+
+}  // namespace
+
+Status linear_cpu(const LinearParams& params) {
+  Status status = check_params(params);
+  if (status != kOk || params.m == 0 || params.n_out == 0) return status;
+  LinearParams p = params;
+  // bf16 works on whole pairs: an odd K runs on a copy of x with a zero column (the packed weight has a zero row
+  // there), so every path sees the same even K.
+  std::vector<uint16_t> padded;
+  if (p.dtype == DType::kBFloat16 && p.k % 2) {
+    const int64_t k2 = p.k + 1;
+    padded.assign(size_t(p.m) * k2, 0);
+    for (int32_t m = 0; m < p.m; ++m)
+      std::memcpy(padded.data() + m * k2, static_cast<const uint16_t*>(p.x) + m * p.x_row_stride, p.k * 2);
+    p.x = padded.data();
+    p.x_row_stride = k2;
+    p.k = int32_t(k2);
+  }
+  const LinearCpuOps& ops = choose_ops(p.dtype);
+  const int threads = kernel_threads();
+  const Split split = make_split(p, threads);
+#pragma omp parallel num_threads(threads)
+  run_share(p, ops, split, omp_get_thread_num(), omp_get_num_threads());
+  return kOk;
+}
+
+}  // namespace pyscore

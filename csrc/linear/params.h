@@ -1,0 +1,45 @@
+// linear: out = epilogue(x . W^T + bias) for a weight prepacked once at load (pyscore/ops/linear.py packs it).
+//
+// Packed layout, in blocks of kLinearBlockN = 64 output columns ("packed columns"): block b holds columns
+// [64 b, 64 b + 64) as [K_pad / pack][64 columns][pack], pack = 2 for bf16 (pairs along K, vdpbf16ps's operand
+// order; K_pad = K rounded up to even, the padding zero) and 1 for fp32. One zmm of a block = 16 columns x one
+// pair (or one fp32), so a micro-kernel reads the weight with aligned full-width loads and broadcasts x.
+// Columns past the last real one are zero. Plain weights: packed column j = weight row j. Gated (gate_up of a
+// SwiGLU MLP, [2I, K] = gate rows then up rows): packed columns go in units of 32, unit u = gate rows
+// [16u, 16u + 16) then up rows I + [16u, 16u + 16), each half zero-padded to a multiple of 16 rows; the unit
+// makes output columns [16u, 16u + 16).
+//
+// Epilogue, in fp32 on the accumulators, rounded once to the output dtype (round to nearest even, as torch):
+//   v = x . W^T + bias (bias in packed column order, fp32, or null)
+//   gated: out[:, o] = silu(v_gate[o]) * v_up[o]      (out [M, I]);   else out = v   (out [M, N])
+//   residual (non-null, may alias out): out = residual + that
+// Every output row is computed by the same instructions in the same order over K whatever M is and wherever the
+// row falls in the tiling (no split-K, tail rows run the same per-row arithmetic): results are batch-invariant.
+// Strides in elements.
+#pragma once
+#include <cstdint>
+
+#include "common/dtype.h"
+
+namespace pyscore {
+
+constexpr int32_t kLinearBlockN = 64;
+
+struct LinearParams {
+  const void* x;  // [M, K]
+  int64_t x_row_stride;
+  const void* w_packed;  // [N_pad / 64][K_pad / pack][64][pack], x's dtype
+  const float* bias;     // [N_pad] in packed column order, or nullptr
+  const void* residual;  // [M, n_out] in x's dtype, or nullptr
+  int64_t residual_row_stride;
+  void* out;  // [M, n_out] in x's dtype
+  int64_t out_row_stride;
+  int32_t m;
+  int32_t k;          // x's columns (K); the packed weight holds K_pad rows
+  int32_t n_packed;   // packed columns, a multiple of 64
+  int32_t n_out;      // output columns: N, or I when gated
+  bool gated;
+  DType dtype;
+};
+
+}  // namespace pyscore

@@ -1,0 +1,74 @@
+"""The sublayers of the hybrid Qwen3.5 family that the Llama-family decoder lacks, on packed tokens:
+
+* gated full attention: q_proj yields per head a query and an output gate, q/k get that norm, only the leading
+  `rotary_dim` dims of each head rotate, and the attention output is multiplied by sigmoid(gate) before o_proj;
+* the Gated DeltaNet mixer: one fused input projection, the segment-aware causal conv and gated delta rule ops
+  (pyscore.ops.gated_delta_rule: MIS items continue from their prefix's state, read-only), then the gated RMSNorm.
+
+Its zero-centred RMSNorm (`x_hat * (1 + w)`) is add_rms_norm with the fp32 weight 1 + w (one rounding). Everything
+is computed in the activation dtype where transformers computes in it, so bf16 rounds where it rounds."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from pyscore.model.config import ModelConfig
+from pyscore.model.weights import LayerWeights, LinearAttentionWeights
+from pyscore.ops import add_rms_norm, causal_conv1d, gated_delta_rule
+from pyscore.ops.gated_delta_rule import LinearAttentionPlan
+from pyscore.ops.reference import rotate_half_ref
+
+
+def gated_attention_inputs(h: torch.Tensor, layer: LayerWeights, cfg: ModelConfig, positions: torch.Tensor,
+                           cos: torch.Tensor, sin: torch.Tensor, backend: str) -> tuple[torch.Tensor, ...]:
+    """h [T, H] -> q [T, Hq, D], k [T, Hkv, D] (normed, the leading rotary_dim dims rotated), v [T, Hkv, D], and the
+    output gate [T, Hq D]. q_proj's rows are per head [query D | gate D]."""
+    num_tokens, d, hq, hkv = h.shape[0], cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads
+    proj = F.linear(h, layer.qkv, layer.qkv_bias)  # [T, 2 Hq D + 2 Hkv D]
+    query_gate = proj[:, : 2 * hq * d].view(num_tokens, hq, 2 * d)
+    # per-head norms over rows of D (a copy each: the heads' rows sit irregularly in the projection output)
+    q = add_rms_norm(query_gate[..., :d].reshape(-1, d), layer.q_norm, cfg.rms_norm_eps, backend=backend)
+    k = add_rms_norm(proj[:, 2 * hq * d : (2 * hq + hkv) * d].reshape(-1, d), layer.k_norm, cfg.rms_norm_eps,
+                     backend=backend)
+    q, k = q.view(num_tokens, hq, d), k.view(num_tokens, hkv, d)
+    v = proj[:, (2 * hq + hkv) * d :].view(num_tokens, hkv, d)
+    rd = cfg.rotary_dims
+    c, s = cos[positions].to(h.dtype)[:, None, :], sin[positions].to(h.dtype)[:, None, :]  # [T, 1, rd]
+    for x in (q, k):
+        x[..., :rd] = rotate_half_ref(x[..., :rd], c, s)
+    return q, k, v, query_gate[..., d:].reshape(num_tokens, hq * d)
+
+
+def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   backend: str) -> torch.Tensor:
+    """o, gate [T, Hv, Dv] -> transformers' Qwen3_5RMSNormGated: (weight * to_dtype(RMSNorm(o))) * silu(gate) in fp32,
+    rounded to o's dtype; the first factor is Llama's RMSNorm (add_rms_norm, weight in the dtype) per head."""
+    normed = add_rms_norm(o.view(-1, o.shape[-1]), weight, eps, backend=backend).view(o.shape)
+    return (normed * F.silu(gate.float())).to(o.dtype)
+
+
+def linear_attention(
+    h: torch.Tensor, w: LinearAttentionWeights, cfg: ModelConfig, plan: LinearAttentionPlan, backend: str, *,
+    tails_in: Sequence[torch.Tensor | None] | None = None, tails_out: Sequence[torch.Tensor | None] | None = None,
+    states_in: Sequence[torch.Tensor | None] | None = None, states_out: Sequence[torch.Tensor | None] | None = None,
+) -> torch.Tensor:
+    """The Gated DeltaNet mixer on h [T, H] over the plan's segments -> [T, Hv Dv], before out_proj. The optional
+    per-segment conv tails [K - 1, C] and fp32 states [Hv, Dk, Dv] carry generation's sequences across passes."""
+    shape = cfg.linear
+    num_tokens, channels = h.shape[0], shape.conv_channels
+    hk, hv, dk, dv = shape.num_k_heads, shape.num_v_heads, shape.k_dim, shape.v_dim
+    proj = F.linear(h, w.in_proj)  # [T, C + Hv Dv + 2 Hv]: q|k|v, z, b, a
+    mixed = causal_conv1d(proj[:, :channels], w.conv, plan.table, plan, tail_in=tails_in, tail_out=tails_out,
+                          backend=backend)  # [T, C]
+    q = mixed[:, : hk * dk].view(num_tokens, hk, dk)
+    k = mixed[:, hk * dk : 2 * hk * dk].view(num_tokens, hk, dk)
+    v = mixed[:, 2 * hk * dk :].view(num_tokens, hv, dv)
+    z = proj[:, channels : channels + hv * dv].view(num_tokens, hv, dv)
+    b = proj[:, channels + hv * dv : channels + hv * dv + hv]
+    a = proj[:, channels + hv * dv + hv :]
+    o = gated_delta_rule(q, k, v, a, b, w.a_log, w.dt_bias, plan.table, plan, state_in=states_in,
+                         state_out=states_out, backend=backend)  # [T, Hv, Dv]
+    return gated_rms_norm(o, z, w.norm, cfg.rms_norm_eps, backend).view(num_tokens, hv * dv)

@@ -1,0 +1,137 @@
+"""linear: x @ W.T (+ bias) with a fused epilogue (SiLU-mul for a SwiGLU gate_up projection, a residual add for o /
+down), on a weight prepacked once at load into the layout the CPU micro-kernel reads (see csrc/linear/params.h).
+`pack_linear` makes a PackedLinear; `linear` runs it: the kernel the registry (pyscore/ops/_ext.py) names, today C++
+for CPU fp32/bf16, else the fp32 reference (`pyscore.ops.reference.linear_ref`, F.linear in fp32 on the unpacked
+weight). A row's result is bitwise the same
+whatever the number of rows in the call (batch invariance)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pyscore.ops import _ext
+from pyscore.ops.reference import linear_ref
+
+BLOCK_N = 64  # packed columns per block
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # the kernel's dtypes
+UNIT_N = 32  # packed columns per gated unit: 16 gate then 16 up
+
+
+@dataclass(frozen=True)
+class PackedLinear:
+    """A [N, K] weight (or a gated [2I, K] gate_up) in the kernel's layout: packed [N_pad / 64, K_pad / pack, 64,
+    pack] in the weight's dtype, bias in packed column order as fp32 [N_pad] (or None)."""
+
+    packed: torch.Tensor
+    bias: torch.Tensor | None
+    in_features: int  # K
+    out_features: int  # N, or I when gated
+    gated: bool
+
+    def __post_init__(self):
+        # The kernel arguments that never change, computed once: a decode step makes ~100 of these calls.
+        object.__setattr__(self, "_kernel_args", (
+            self.packed.data_ptr(), 0 if self.bias is None else self.bias.data_ptr(), self.in_features,
+            self.packed_columns, self.out_features, self.gated))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.packed.dtype
+
+    @property
+    def packed_columns(self) -> int:
+        return self.packed.shape[0] * BLOCK_N
+
+    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The original weight [N or 2I, K] and bias (fp32), recovered from the packed layout."""
+        blocks, steps, _, pack = self.packed.shape
+        w = self.packed.permute(0, 2, 1, 3).reshape(blocks * BLOCK_N, steps * pack)[:, : self.in_features]
+        rows = _original_rows(self.out_features, self.gated, w.shape[0], w.device)  # packed column of each row
+        bias = None if self.bias is None else self.bias[rows]
+        return w[rows], bias
+
+
+def _packed_order(out_features: int, gated: bool) -> list[int]:
+    """For each packed column, the weight row it holds (-1 = zero padding)."""
+    if not gated:
+        return list(range(out_features))
+    units = (out_features + 15) // 16
+    order = []
+    for u in range(units):
+        for half in (0, out_features):  # gate rows, then up rows
+            order += [half + r if r < out_features else -1 for r in range(16 * u, 16 * u + 16)]
+    return order
+
+
+def _original_rows(out_features: int, gated: bool, packed_columns: int, device) -> torch.Tensor:
+    """Packed column of each weight row, in weight row order."""
+    order = _packed_order(out_features, gated)
+    rows = len(order) if not gated else 2 * out_features
+    where = torch.empty(rows, dtype=torch.long)
+    for column, row in enumerate(order):
+        if row >= 0:
+            where[row] = column
+    return where.to(device)
+
+
+def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, gated: bool = False) -> PackedLinear:
+    """weight [N, K] (gated: [2I, K], gate rows then up rows) and bias [N] -> PackedLinear. Done once at load."""
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [N, K], got shape {tuple(weight.shape)}")
+    rows, k = weight.shape
+    if gated and rows % 2:
+        raise ValueError(f"a gated weight must have an even number of rows [2I, K], got {rows}")
+    if bias is not None and bias.shape != (rows,):
+        raise ValueError(f"bias must be [{rows}], got {tuple(bias.shape)}")
+    out_features = rows // 2 if gated else rows
+    order = _packed_order(out_features, gated)
+    columns = (len(order) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    pack = 2 if weight.dtype in (torch.bfloat16, torch.float16) else 1
+    k_pad = (k + pack - 1) // pack * pack
+    index = torch.tensor([r if r >= 0 else rows for r in order] + [rows] * (columns - len(order)), device=weight.device)
+    padded = torch.cat([weight, weight.new_zeros(1, k)])[index]  # [N_pad, K], the zero row as padding
+    padded = torch.nn.functional.pad(padded, (0, k_pad - k))
+    packed = padded.view(columns // BLOCK_N, BLOCK_N, k_pad // pack, pack).permute(0, 2, 1, 3).contiguous()
+    packed_bias = None
+    if bias is not None:
+        packed_bias = torch.cat([bias.float(), bias.new_zeros(1, dtype=torch.float32)])[index].contiguous()
+    return PackedLinear(packed, packed_bias, k, out_features, gated)
+
+
+def _check(x: torch.Tensor, w: PackedLinear, residual: torch.Tensor | None, out: torch.Tensor | None) -> None:
+    if x.dim() != 2 or x.shape[1] != w.in_features or x.stride(1) != 1:
+        raise ValueError(f"x must be [M, K={w.in_features}] contiguous in its last dim, got shape {tuple(x.shape)} "
+                         f"strides {x.stride()}")
+    if x.dtype != w.dtype or x.device != w.packed.device:
+        raise ValueError(f"x must match the weight's dtype and device ({w.dtype}, {w.packed.device}), "
+                         f"got {x.dtype}, {x.device}")
+    for name, t in (("residual", residual), ("out", out)):
+        if t is None:
+            continue
+        if t.shape != (x.shape[0], w.out_features) or t.stride(1) != 1:
+            raise ValueError(f"{name} must be [M, N]=({x.shape[0]}, {w.out_features}) contiguous in its last dim, "
+                             f"got shape {tuple(t.shape)} strides {t.stride()}")
+        if t.dtype != x.dtype or t.device != x.device:
+            raise ValueError(f"{name} must match x's dtype and device ({x.dtype}, {x.device}), got {t.dtype}, "
+                             f"{t.device}")
+
+
+def linear(x: torch.Tensor, w: PackedLinear, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+           backend: str = "auto") -> torch.Tensor:
+    """x [M, K] (row stride free) -> [M, N] (gated: silu(gate) * up, [M, I]) in x's dtype, plus residual [M, N]
+    when given. out, when given, receives the result and may be the residual itself (an in-place residual add)
+    but must not overlap x. backend: "auto" | "kernel" | "reference"."""
+    _check(x, w, residual, out)
+    module = _ext.kernel_for("linear", x.device, x.dtype, backend)
+    if module is None:
+        result = linear_ref(x, *w.unpacked(), gated=w.gated, residual=residual).to(x.dtype)
+        return result if out is None else out.copy_(result)
+    if out is None:
+        out = torch.empty(x.shape[0], w.out_features, dtype=x.dtype)
+    packed, bias, k, columns, n_out, gated = w._kernel_args
+    module.linear(x.data_ptr(), x.stride(0), packed, bias, 0 if residual is None else residual.data_ptr(),
+                  0 if residual is None else residual.stride(0), out.data_ptr(), out.stride(0), x.shape[0], k, columns,
+                  n_out, gated, _DTYPE_NAMES[x.dtype])
+    return out

@@ -1,0 +1,45 @@
+"""bench.engine's stock-transformers contender runs the very tokens MIS runs: with one item, its last-position
+logits give MIS's scores; with many, one causal sequence of the same length."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import engine as bench_engine
+from pyscore.engine import Engine
+from pyscore.types import ScoreRequest
+from tests.helpers import make_model_dir
+
+QUERY = "Context: the order 1234 was shipped on Monday. Question: what should the agent do next?"
+ITEMS = ["Proposed answer: cancel the order. Answer Yes or No.", "Proposed answer: ask the warehouse. Yes or No"]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    return Engine.from_pretrained(make_model_dir(tmp_path_factory.mktemp("llama"), "llama"), dtype="float32",
+                                  threads=1)
+
+
+def test_stock_forward_runs_the_tokens_mis_runs(engine):
+    stock = bench_engine.stock_model(engine)
+    labels = [engine.tokenize(w, add_special_tokens=False)[0][-1] for w in (" Yes", " No")]
+    prepared = engine.prepare_score(ScoreRequest(QUERY, ITEMS, label_token_ids=labels))
+    ids = bench_engine.mis_input_ids(prepared)
+    assert ids.shape == (1, len(prepared.query) + sum(map(len, prepared.items)))
+    assert ids[0, : len(prepared.query)].tolist() == prepared.query
+    assert ids[0, -len(prepared.items[1]):].tolist() == prepared.items[1]
+
+    one = bench_engine.mis_input_ids(engine.prepare_score(ScoreRequest(QUERY, ITEMS[:1], label_token_ids=labels)))
+    full, keep1 = bench_engine.stock_forward(stock, one, None), bench_engine.stock_forward(stock, one, 1)
+    assert full.shape[1] == one.shape[1] and keep1.shape[1] == 1
+    torch.testing.assert_close(full[:, -1], keep1[:, -1])
+    expected = torch.softmax(keep1[0, -1, labels].float(), -1)
+    got = engine.score(QUERY, ITEMS[:1], label_token_ids=labels, apply_softmax=True).scores[0][0]
+    torch.testing.assert_close(torch.tensor(got), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_alternate_interleaves_after_one_warm_up():
+    order = []
+    times = bench_engine.alternate({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, reps=2)
+    assert order == ["a", "b"] * 3 and [len(v) for v in times.values()] == [2, 2]

@@ -1,0 +1,156 @@
+"""decode_attention against the fp32 reference on every device: ragged lengths (1 token, chunk edges, several
+chunks), GQA ratios, head dims, dtypes, q and new k/v as views into a fused qkv buffer, the new token written into
+each cache; a sequence's result does not depend on its batch-mates; the portable CPU path. Tolerances follow the
+other attention tests: fp32 ~1e-5, bf16 within 2x torch's own bf16 error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pyscore.ops import _ext, decode_attention, plan_decode
+from pyscore.ops.reference import decode_attention_ref
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+HEADS = {"smollm-gqa3-d64": (9, 3, 64), "qwen3-gqa2-d128": (16, 8, 128), "mha-d64": (4, 4, 64),
+         "gqa12-d128": (12, 1, 128), "gqa2-d96": (4, 2, 96)}
+LENGTHS = {"ragged": [1, 17, 256, 257, 600, 33], "one": [5], "long": [1100, 3]}
+LAYERS = 3
+
+
+def make_step(lengths, hq, hkv, d, dtype, device, seed=0):
+    """Per-sequence caches [L, capacity, Hkv, D] (random, capacity > length), and q, k_new, v_new as views into one
+    fused [B, (Hq + 2 Hkv) D] projection output, as the decoder produces them."""
+    gen = torch.Generator().manual_seed(seed)
+    k = [torch.randn(LAYERS, n + 3, hkv, d, generator=gen).to(device=device, dtype=dtype) for n in lengths]
+    v = [torch.randn(LAYERS, n + 3, hkv, d, generator=gen).to(device=device, dtype=dtype) for n in lengths]
+    qkv = torch.randn(len(lengths), (hq + 2 * hkv) * d, generator=gen).to(device=device, dtype=dtype)
+    q = qkv[:, : hq * d].view(-1, hq, d)
+    k_new = qkv[:, hq * d : (hq + hkv) * d].view(-1, hkv, d)
+    v_new = qkv[:, (hq + hkv) * d :].view(-1, hkv, d)
+    return k, v, q, k_new, v_new
+
+
+def reference(q, k, v, lengths, layer) -> torch.Tensor:
+    return decode_attention_ref(q, [c[layer, :n] for c, n in zip(k, lengths, strict=True)],
+                                [c[layer, :n] for c, n in zip(v, lengths, strict=True)])
+
+
+def in_dtype(q, k, v, lengths, layer) -> torch.Tensor:
+    """The same attention computed plainly by torch in q's dtype: the bf16 yardstick."""
+    outs = []
+    for b, n in enumerate(lengths):
+        group = q.shape[1] // k[b].shape[2]
+        kb = k[b][layer, :n].repeat_interleave(group, 1).transpose(0, 1)  # [Hq, n, D]
+        vb = v[b][layer, :n].repeat_interleave(group, 1).transpose(0, 1)
+        scores = (kb @ q[b][:, :, None])[..., 0] * q.shape[-1] ** -0.5
+        outs.append((scores.softmax(-1)[:, None, :] @ vb)[:, 0])
+    return torch.stack(outs)
+
+
+def assert_within(out, ref, atol, what) -> None:
+    diff = (out.float() - ref.float()).abs()
+    assert diff.max().item() <= atol, (
+        f"{what}: max diff {diff.max().item():.3g} (allowed {atol:.3g}), mean diff {diff.mean().item():.3g}")
+
+
+def check_decode(device, lengths, heads, dtype, with_new=True, layer=1):
+    hq, hkv, d = HEADS[heads]
+    k, v, q, k_new, v_new = make_step(lengths, hq, hkv, d, dtype, device)
+    plan = plan_decode(k, v, lengths)
+    out = decode_attention(q, plan, layer, k_new if with_new else None, v_new if with_new else None,
+                           backend="kernel")
+    if device == "cuda":
+        torch.cuda.synchronize()
+    if with_new:
+        for b, n in enumerate(lengths):
+            assert torch.equal(k[b][layer, n - 1], k_new[b]) and torch.equal(v[b][layer, n - 1], v_new[b])
+    ref = reference(q, k, v, lengths, layer)
+    assert out.shape == q.shape and out.dtype == dtype
+    what = f"{heads} lengths={lengths} {dtype}"
+    if dtype == torch.float32:
+        assert_within(out, ref, 2e-5, what)
+    else:
+        torch_err = (in_dtype(q, k, v, lengths, layer).float() - ref).abs().max().item()
+        assert_within(out, ref, 2 * torch_err + 1e-4, what)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("lengths", list(LENGTHS))
+def test_decode_attention(device, lengths, heads, dtype):
+    check_decode(device, LENGTHS[lengths], heads, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_without_new_token_reads_the_cache_as_is(device):
+    check_decode(device, LENGTHS["ragged"], "smollm-gqa3-d64", torch.float32, with_new=False, layer=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sequence_result_does_not_depend_on_batch_mates(device):
+    """A sequence's output is bitwise the same alone and in a batch (chunking depends on its own length only)."""
+    hq, hkv, d = HEADS["smollm-gqa3-d64"]
+    lengths = [600, 40, 1]
+    k, v, q, _, _ = make_step(lengths, hq, hkv, d, torch.bfloat16, device)
+    together = decode_attention(q, plan_decode(k, v, lengths), 2, backend="kernel")
+    for b, n in enumerate(lengths):
+        alone = decode_attention(q[b : b + 1], plan_decode(k[b : b + 1], v[b : b + 1], [n]), 2, backend="kernel")
+        assert torch.equal(alone[0], together[b]), f"sequence {b} (length {n})"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_attention_portable_cpu_path(monkeypatch, dtype):
+    """The scalar code that runs on CPUs without AVX-512, forced on this one."""
+    monkeypatch.setenv("PYSCORE_DISABLE_AVX512", "1")
+    check_decode("cpu", LENGTHS["ragged"], "qwen3-gqa2-d128", dtype)
+
+
+def test_cpu_thread_count_does_not_change_bits():
+    hq, hkv, d = HEADS["qwen3-gqa2-d128"]
+    lengths = LENGTHS["long"]
+    k, v, q, _, _ = make_step(lengths, hq, hkv, d, torch.bfloat16, "cpu")
+    plan = plan_decode(k, v, lengths)
+    module = _ext.cpu_module()
+    threads = module.get_num_threads()
+    try:
+        module.set_num_threads(1)
+        one = decode_attention(q, plan, 0, backend="kernel")
+        module.set_num_threads(2)
+        assert torch.equal(decode_attention(q, plan, 0, backend="kernel"), one)
+    finally:
+        module.set_num_threads(threads)
+
+
+def test_reference_backend_writes_the_new_token_too():
+    k, v, q, k_new, v_new = make_step([4, 9], 4, 2, 64, torch.float32, "cpu")
+    out = decode_attention(q, plan_decode(k, v, [4, 9]), 1, k_new, v_new, backend="reference")
+    assert torch.equal(k[1][1, 8], k_new[1]) and torch.equal(v[0][1, 3], v_new[0])
+    assert_within(out, reference(q, k, v, [4, 9], 1), 1e-6, "reference backend")
+
+
+def test_arguments_are_checked_by_name():
+    k, v, q, k_new, _ = make_step([4, 9], 4, 2, 64, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="lengths\\[1\\]"):
+        plan_decode(k, v, [4, 13])
+    with pytest.raises(ValueError, match="one entry per sequence"):
+        plan_decode(k, v[:1], [4, 9])
+    plan = plan_decode(k, v, [4, 9])
+    with pytest.raises(ValueError, match="q must be"):
+        decode_attention(q[:, :3], plan, 0)
+    with pytest.raises(ValueError, match="layer must be"):
+        decode_attention(q, plan, LAYERS)
+    with pytest.raises(ValueError, match="together"):
+        decode_attention(q, plan, 0, k_new=k_new)
+
+
+def test_new_keys_and_values_with_different_strides():
+    """Qwen3.5's gated attention hands a normed (contiguous) k and a v still inside its projection output."""
+    k, v, q, k_new, v_new = make_step([7, 30], 4, 2, 64, torch.bfloat16, "cpu")
+    k_new = k_new.contiguous()
+    assert k_new.stride() != v_new.stride()
+    out = decode_attention(q, plan_decode(k, v, [7, 30]), 2, k_new, v_new, backend="kernel")
+    assert torch.equal(k[1][2, 29], k_new[1]) and torch.equal(v[1][2, 29], v_new[1])
+    ref = reference(q, k, v, [7, 30], 2)
+    assert_within(out, ref, 2 * (in_dtype(q, k, v, [7, 30], 2).float() - ref).abs().max().item() + 1e-4, "strides")

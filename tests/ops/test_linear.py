@@ -1,0 +1,170 @@
+"""linear (prepacked weights, fused epilogues) against F.linear in fp32 at every decoder projection shape of SmolLM2
+and Qwen3-0.6B plus awkward sizes (odd K, N and I off the block sizes), bias, gated SiLU-mul, residual add (also in
+place), strided rows; both bf16 product paths bitwise; and batch invariance: a row's output is bitwise the same
+whatever the batch around it. Tolerances follow the other ops: bf16 within 2x torch's own bf16 error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pyscore.ops import _ext, linear, pack_linear
+from pyscore.ops.reference import linear_ref, silu_mul_ref
+
+# name: (K, N, gated); gated N is 2I (the gate_up projection)
+DECODER_SHAPES = {
+    "smollm-qkv": (576, 960, False), "smollm-o": (576, 576, False), "smollm-gate_up": (576, 3072, True),
+    "smollm-down": (1536, 576, False), "qwen3-qkv": (1024, 4096, False), "qwen3-o": (2048, 1024, False),
+    "qwen3-gate_up": (1024, 6144, True), "qwen3-down": (3072, 1024, False),
+}
+AWKWARD_SHAPES = {
+    "odd-k": (77, 96, False), "n-off-blocks": (64, 40, False), "n-one": (32, 1, False),
+    "tiny-gated": (50, 2 * 24, True), "gated-i-odd": (66, 2 * 37, True), "k-one": (1, 20, False),
+}
+
+
+def make_inputs(m, k, n, gated, dtype, bias: bool, residual: bool, strided: bool = False, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k + (8 if strided else 0), generator=gen)[:, :k]
+    w = torch.randn(n, k, generator=gen) * k**-0.5
+    b = torch.randn(n, generator=gen) if bias else None
+    r = torch.randn(m, n // 2 if gated else n, generator=gen) if residual else None
+    return tuple(None if t is None else t.to(dtype) for t in (x, w, b, r))
+
+
+def torch_in_dtype(x, w, b, gated, residual) -> torch.Tensor:
+    """The same computation as plain torch ops in x's dtype (F.linear, silu * up, + residual): the bf16 yardstick."""
+    y = F.linear(x, w, b)
+    if gated:
+        y = silu_mul_ref(y)
+    return y if residual is None else residual + y
+
+
+def assert_within(out: torch.Tensor, ref: torch.Tensor, atol: float, what: str) -> None:
+    diff = (out.float() - ref.float()).abs()
+    assert diff.max().item() <= atol, (
+        f"{what}: max diff {diff.max().item():.3g} (allowed {atol:.3g}), mean diff {diff.mean().item():.3g}")
+
+
+def check_linear(m, k, n, gated, dtype, bias=False, residual=False, strided=False, in_place=False, seed=0):
+    x, w, b, r = make_inputs(m, k, n, gated, dtype, bias, residual, strided, seed)
+    packed = pack_linear(w, b, gated=gated)
+    out = r.clone() if in_place else None
+    got = linear(x, packed, residual=out if in_place else r, out=out, backend="kernel")
+    ref = linear_ref(x, w, b, gated=gated, residual=r)
+    assert got.dtype == dtype and got.shape == ref.shape
+    what = f"M={m} K={k} N={n} gated={gated} bias={bias} residual={residual} {dtype}"
+    if dtype == torch.float32:
+        assert_within(got, ref, 2e-5 * max(1.0, ref.abs().max().item()), what)
+    else:
+        torch_err = (torch_in_dtype(x, w, b, gated, r).float() - ref).abs().max().item()
+        assert_within(got, ref, 2 * torch_err + 1e-6, what)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("m", [1, 16, 97])
+@pytest.mark.parametrize("shape", list(DECODER_SHAPES))
+def test_linear_at_decoder_shapes(shape, m, dtype):
+    k, n, gated = DECODER_SHAPES[shape]
+    check_linear(m, k, n, gated, dtype, residual=shape.endswith(("-o", "-down")))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", list(AWKWARD_SHAPES))
+def test_linear_awkward_shapes_and_epilogues(shape, dtype):
+    k, n, gated = AWKWARD_SHAPES[shape]
+    for m in (1, 5, 7, 13):
+        check_linear(m, k, n, gated, dtype, bias=True, residual=m % 2 == 1, strided=m > 5, seed=m)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_linear_residual_in_place(dtype):
+    check_linear(11, 576, 576, False, dtype, bias=True, residual=True, in_place=True)
+
+
+def test_pack_round_trip():
+    for k, n, gated in [*AWKWARD_SHAPES.values(), DECODER_SHAPES["smollm-gate_up"]]:
+        _, w, b, _ = make_inputs(1, k, n, gated, torch.bfloat16, bias=True, residual=False)
+        packed = pack_linear(w, b, gated=gated)
+        w2, b2 = packed.unpacked()
+        assert torch.equal(w2, w) and torch.equal(b2, b.float())
+        assert packed.packed_columns % 64 == 0
+
+
+def rows_alone(x, packed) -> torch.Tensor:
+    return torch.cat([linear(x[i : i + 1], packed, backend="kernel") for i in range(x.shape[0])])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", ["smollm-qkv", "smollm-gate_up", "n-one", "odd-k"])
+def test_batch_invariance(shape, dtype):
+    """Every row of a batch of M = 1..17 is bitwise the row computed alone, and a row placed at random positions of
+    random batches (other rows random) always comes out with the same bits; with 1 or 2 kernel threads."""
+    k, n, gated = {**DECODER_SHAPES, **AWKWARD_SHAPES}[shape]
+    x, w, b, _ = make_inputs(17, k, n, gated, dtype, bias=True, residual=False)
+    packed = pack_linear(w, b, gated=gated)
+    alone = rows_alone(x, packed)
+    for m in range(1, 18):
+        assert torch.equal(linear(x[:m], packed, backend="kernel"), alone[:m]), f"M={m}"
+    gen = torch.Generator().manual_seed(1)
+    module = _ext.cpu_module()
+    threads = module.get_num_threads()
+    try:
+        for trial in range(12):
+            module.set_num_threads(1 + trial % 2)
+            m = int(torch.randint(1, 40, (1,), generator=gen))
+            pos = int(torch.randint(0, m, (1,), generator=gen))
+            batch = torch.randn(m, k, generator=gen).to(dtype)
+            batch[pos] = x[3]
+            assert torch.equal(linear(batch, packed, backend="kernel")[pos], alone[3]), f"M={m} at row {pos}"
+    finally:
+        module.set_num_threads(threads)
+
+
+def test_bf16_widened_path_is_bitwise_the_dpbf16_path(monkeypatch):
+    module = _ext.cpu_module()
+    if module is None or not module.cpu_features()["avx512bf16"]:
+        pytest.skip("needs pyscore._C on a CPU with AVX512-BF16")
+    for shape in ("smollm-gate_up", "qwen3-down", "odd-k", "tiny-gated"):
+        k, n, gated = {**DECODER_SHAPES, **AWKWARD_SHAPES}[shape]
+        x, w, b, r = make_inputs(23, k, n, gated, torch.bfloat16, bias=True, residual=True, strided=True, seed=4)
+        packed = pack_linear(w, b, gated=gated)
+        outs = {}
+        for path in ("dpbf16", "widen"):
+            monkeypatch.setenv("PYSCORE_BF16_DOT", path)
+            assert module.cpu_features()["bf16_dot"] == path
+            outs[path] = linear(x, packed, residual=r, backend="kernel")
+        assert torch.equal(outs["widen"], outs["dpbf16"]), shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_linear_portable_cpu_path(monkeypatch, dtype):
+    """The scalar code that runs on CPUs without AVX-512, forced on this one (also batch-invariant)."""
+    monkeypatch.setenv("PYSCORE_DISABLE_AVX512", "1")
+    check_linear(7, 77, 2 * 37, True, dtype, bias=True, residual=True, strided=True)
+    check_linear(5, 64, 40, False, dtype, bias=True)
+    x, w, b, _ = make_inputs(9, 64, 40, False, dtype, bias=True, residual=False)
+    packed = pack_linear(w, b)
+    assert torch.equal(linear(x, packed, backend="kernel"), rows_alone(x, packed))
+
+
+def test_reference_backend_and_empty_batch():
+    x, w, b, r = make_inputs(4, 64, 2 * 24, True, torch.bfloat16, bias=True, residual=True)
+    packed = pack_linear(w, b, gated=True)
+    ref = linear(x, packed, residual=r, backend="reference")
+    assert torch.equal(ref, linear_ref(x, w, b, gated=True, residual=r).to(torch.bfloat16))
+    assert linear(x[:0], packed, backend="kernel").shape == (0, 24)
+
+
+def test_arguments_are_checked_by_name():
+    x, w, _, _ = make_inputs(3, 64, 32, False, torch.bfloat16, bias=False, residual=False)
+    packed = pack_linear(w)
+    with pytest.raises(ValueError, match="x must be"):
+        linear(x[:, :63], packed)
+    with pytest.raises(ValueError, match="x must match"):
+        linear(x.float(), packed)
+    with pytest.raises(ValueError, match="residual must be"):
+        linear(x, packed, residual=torch.zeros(3, 31, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="gated weight"):
+        pack_linear(w[:31], gated=True)
