@@ -1,7 +1,9 @@
 """Where a benchmark sends its questions. Every target turns one question into one decision along a path
 (`generate`, `sis`, `mis`, `fused`, `setwise`) and knows nothing of load generation:
 
-- `GrpcTarget` (`HOST:PORT` or `grpc://HOST:PORT`): our pyscore.v1.Scorer; all five paths.
+- `GrpcTarget` (`HOST:PORT` or `grpc://HOST:PORT`): our pyscore.v1.Scorer; all five paths. Its prefix cache
+  is used as `prefix_cache` says (`cache_options`): by default with a fresh salt per question dispatch, the
+  same rule as vLLM's below.
 - `OpenAIHTTPTarget` (`openai-http://HOST:PORT`): vLLM / SGLang / llama.cpp OpenAI-compatible servers:
   `generate` = one one-token /v1/completions with logprobs per candidate, all in flight at once;
   `fused` = one one-token /v1/chat/completions with top_logprobs.
@@ -27,6 +29,7 @@ from bench import prompts
 from bench.dataset import Question
 
 PATHS = ("generate", "sis", "mis", "fused", "setwise")
+PREFIX_CACHE_MODES = ("dispatch", "shared", "off")
 GENERATE_TOP_LOGPROBS = 5
 FUSED_TOP_LOGPROBS = 20
 
@@ -113,6 +116,18 @@ class PointwiseScoring:
         return await self._score(q, "mis")
 
 
+def cache_options(mode: str) -> dict[str, Any]:
+    """The request fields of one question dispatch to our server or engine, by prefix-cache mode: "dispatch"
+    (default) a fresh prefix_cache_salt, the fair match of VLLMHTTPTarget's cache_salt (a repetition never hits an
+    earlier one's blocks; one question's candidates share theirs); "shared" the cache as any client gets it;
+    "off" bypass_prefix_cache (every call cold)."""
+    if mode not in PREFIX_CACHE_MODES:
+        raise ValueError(f"prefix_cache must be one of {PREFIX_CACHE_MODES}, got {mode!r}")
+    if mode == "off":
+        return {"bypass_prefix_cache": True}
+    return {"prefix_cache_salt": uuid.uuid4().hex} if mode == "dispatch" else {}
+
+
 # --- decisions from what the model returned ---------------------------------------------------------------
 def pointwise_choice(rows: Sequence[Sequence[float]]) -> int:
     """rows[i] = option i's [P(Yes), P(No)]: the option with the highest Yes score."""
@@ -144,11 +159,13 @@ class GrpcTarget(PointwiseScoring, Target):
     paths = PATHS
     timed = True
 
-    def __init__(self, address: str, **kw: Any) -> None:
+    def __init__(self, address: str, *, prefix_cache: str = "dispatch", **kw: Any) -> None:
         super().__init__(**kw)
         self.address = address
         self.spec = f"grpc://{address}"
         self.client: Any = None
+        cache_options(prefix_cache)
+        self.prefix_cache = prefix_cache
 
     async def open(self) -> TargetInfo:
         from pyscore.client import AsyncScorerClient
@@ -166,7 +183,8 @@ class GrpcTarget(PointwiseScoring, Target):
             marker = prompts.pick_marker(tokenized.__getitem__, model.special_tokens.values())
         self.marker = marker
         self.info = TargetInfo(model=model.name, label_token_ids=labels, marker=marker,
-                               details=dict(dtype=model.dtype, device=model.device, architecture=model.architecture))
+                               details=dict(dtype=model.dtype, device=model.device, architecture=model.architecture,
+                                            prefix_cache=self.prefix_cache))
         return self.info
 
     async def close(self) -> None:
@@ -175,19 +193,20 @@ class GrpcTarget(PointwiseScoring, Target):
 
     async def _generate(self, q: Question) -> Decision:
         p = prompts.pointwise(q)
+        cache = cache_options(self.prefix_cache)
         results = await asyncio.gather(*(
-            self.client.generate(p.query + item, max_tokens=1, top_logprobs=GENERATE_TOP_LOGPROBS)
+            self.client.generate(p.query + item, max_tokens=1, top_logprobs=GENERATE_TOP_LOGPROBS, **cache)
             for item in p.items))
         tops = [[(t.token, t.logprob) for t in r.logprobs[0].top] if r.logprobs else [] for r in results]
         return usage_decision(generate_choice(tops), [r.usage for r in results], timed=True)
 
     async def _score_result(self, query: str, items: list[str], mode: str) -> Any:
         return await self.client.score(query, items, label_token_ids=self.info.label_token_ids, apply_softmax=True,
-                                       mode=mode)
+                                       mode=mode, **cache_options(self.prefix_cache))
 
     async def _fused(self, q: Question) -> Decision:
         r = await self.client.generate(prompts.fused_choice(q), apply_chat_template=True, max_tokens=1,
-                                       top_logprobs=FUSED_TOP_LOGPROBS)
+                                       top_logprobs=FUSED_TOP_LOGPROBS, **cache_options(self.prefix_cache))
         top = [(t.token, t.logprob) for t in r.logprobs[0].top] if r.logprobs else []
         return usage_decision(prompts.best_letter(top, q.num_candidates), [r.usage], timed=True)
 
@@ -195,7 +214,7 @@ class GrpcTarget(PointwiseScoring, Target):
         assert self.marker is not None
         s = prompts.setwise(q, self.marker)
         r = await self.client.score(s.query, [s.item], label_token_ids=self.info.label_token_ids, apply_softmax=True,
-                                    score_extraction_token=self.marker)
+                                    score_extraction_token=self.marker, **cache_options(self.prefix_cache))
         rows = r.scores[0]
         if len(rows) != q.num_candidates:
             raise TargetError(f"setwise: {len(rows)} marker rows for {q.num_candidates} options")
@@ -431,9 +450,11 @@ class InProcessTarget(PointwiseScoring, Target):
     paths = PATHS
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", threads: int | None = None,
-                 **kw: Any) -> None:
+                 prefix_cache: str = "dispatch", **kw: Any) -> None:
         super().__init__(**kw)
         self.model, self.dtype, self.threads = model, dtype, threads
+        cache_options(prefix_cache)
+        self.prefix_cache = prefix_cache
         self.spec = "inprocess" + (f":{model}" if model else "")
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="bench-engine")
         self.engine: Any = None
@@ -465,8 +486,10 @@ class InProcessTarget(PointwiseScoring, Target):
         from pyscore.types import GenerateRequest
 
         p = prompts.pointwise(q)
+        cache = cache_options(self.prefix_cache)
         gens = [self.engine.start_generation(GenerateRequest(prompt=p.query + item, max_tokens=1,
-                                                             top_logprobs=GENERATE_TOP_LOGPROBS)) for item in p.items]
+                                                             top_logprobs=GENERATE_TOP_LOGPROBS, **cache))
+                for item in p.items]
         while not all(g.finished for g in gens):
             self.engine.step(gens)
         results = [g.result() for g in gens]
@@ -477,14 +500,15 @@ class InProcessTarget(PointwiseScoring, Target):
         return await self.run(self._generate_sync, q)
 
     async def _score_result(self, query: str, items: list[str], mode: str) -> Any:
+        cache = cache_options(self.prefix_cache)
         return await self.run(lambda: self.engine.score(query, items, label_token_ids=self.info.label_token_ids,
-                                                        apply_softmax=True, mode=mode))
+                                                        apply_softmax=True, mode=mode, **cache))
 
     async def _fused(self, q: Question) -> Decision:
         from pyscore.types import GenerateRequest
 
         request = GenerateRequest(prompt=prompts.fused_choice(q), apply_chat_template=True, max_tokens=1,
-                                  top_logprobs=FUSED_TOP_LOGPROBS)
+                                  top_logprobs=FUSED_TOP_LOGPROBS, **cache_options(self.prefix_cache))
         r = await self.run(self.engine.generate, request)
         top = [(t.token, t.logprob) for t in r.logprobs[0].top] if r.logprobs else []
         return Decision(prompts.best_letter(top, q.num_candidates), prompt_tokens=r.usage.prompt_tokens,
@@ -493,8 +517,9 @@ class InProcessTarget(PointwiseScoring, Target):
     async def _setwise(self, q: Question) -> Decision:
         assert self.marker is not None
         s = prompts.setwise(q, self.marker)
+        cache = cache_options(self.prefix_cache)
         r = await self.run(lambda: self.engine.score(s.query, [s.item], label_token_ids=self.info.label_token_ids,
-                                                     apply_softmax=True, score_extraction_token=self.marker))
+                                                     apply_softmax=True, score_extraction_token=self.marker, **cache))
         return Decision(pointwise_choice(r.scores[0]), prompt_tokens=r.usage.prompt_tokens,
                         computed_tokens=r.usage.computed_tokens)
 
@@ -502,10 +527,11 @@ class InProcessTarget(PointwiseScoring, Target):
 def make_target(spec: str, **kw: Any) -> Target:
     """`HOST:PORT` / `grpc://HOST:PORT`, `openai-http://HOST:PORT`, `vllm-http://HOST:PORT`,
     `sglang-score-http://HOST:PORT`,
-    `inprocess[:MODEL]`. HTTP-only options (model, label_token_ids) and in-process ones (dtype, threads) are
-    dropped for targets that do not take them."""
+    `inprocess[:MODEL]`. HTTP-only options (model, label_token_ids), in-process ones (dtype, threads) and ours
+    (prefix_cache) are dropped for targets that do not take them."""
     http = {k: kw.pop(k) for k in ("model", "label_token_ids") if k in kw}
     local = {k: kw.pop(k) for k in ("dtype", "threads") if k in kw}
+    ours = {k: kw.pop(k) for k in ("prefix_cache",) if k in kw}
     if spec.startswith("openai-http://"):
         return OpenAIHTTPTarget("http://" + spec.removeprefix("openai-http://"), **http, **kw)
     if spec.startswith("vllm-http://"):
@@ -513,5 +539,5 @@ def make_target(spec: str, **kw: Any) -> Target:
     if spec.startswith("sglang-score-http://"):
         return SGLangScoreTarget("http://" + spec.removeprefix("sglang-score-http://"), **http, **kw)
     if spec == "inprocess" or spec.startswith("inprocess:"):
-        return InProcessTarget(spec.partition(":")[2] or http.get("model"), **local, **kw)
-    return GrpcTarget(spec.removeprefix("grpc://"), **kw)
+        return InProcessTarget(spec.partition(":")[2] or http.get("model"), **local, **ours, **kw)
+    return GrpcTarget(spec.removeprefix("grpc://"), **ours, **kw)

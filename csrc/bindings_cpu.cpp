@@ -47,23 +47,34 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("num_units", [](const AttentionCpuPlan& p) { return p.units.size(); });
   m.def("prefix_item_attention_plan",
         [](uintptr_t segments, int32_t num_segments, int32_t num_tokens, int32_t num_q_heads, int32_t num_kv_heads,
-           int32_t head_dim, const std::string& dtype) {
-          const AttentionPlanParams shape = make_attention_plan_params(segments, num_segments, num_tokens,
-                                                                       num_q_heads, num_kv_heads, head_dim, dtype);
+           int32_t head_dim, const std::string& dtype, uintptr_t cached, uintptr_t cached_blocks,
+           int32_t num_cached_blocks, int32_t block_tokens) {
+          const AttentionPlanParams shape =
+              make_attention_plan_params(segments, num_segments, num_tokens, num_q_heads, num_kv_heads, head_dim,
+                                         dtype, cached, cached_blocks, num_cached_blocks, block_tokens);
           auto plan = std::make_shared<AttentionCpuPlan>();
           run_without_gil("prefix_item_attention_plan",
                           [&] { return prefix_item_attention_plan_cpu(shape, plan.get()); });
           return plan;
-        });
+        },
+        py::arg("segments"), py::arg("num_segments"), py::arg("num_tokens"), py::arg("num_q_heads"),
+        py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("dtype"), py::arg("cached") = 0,
+        py::arg("cached_blocks") = 0, py::arg("num_cached_blocks") = 0, py::arg("block_tokens") = 0,
+        "Plans a batch: its segment table and, optionally, its cached-key tables (read and copied now)");
   m.def("prefix_item_attention",
         [](AttentionCpuPlan& plan, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t o, Strides qs, Strides ks,
-           Strides vs, Strides os, float scale) {
+           Strides vs, Strides os, float scale, uintptr_t cache_k, uintptr_t cache_v, CacheStrides cache_strides) {
           const AttentionPlanParams& s = plan.shape;
           auto p = make_attention_params(q, k, v, o, qs, ks, vs, os, 0, s.num_segments, s.num_tokens, s.num_q_heads,
                                          s.num_kv_heads, s.head_dim, scale, s.dtype);
+          set_attention_cache(p, cache_k, cache_v, cache_strides);
           run_without_gil("prefix_item_attention", [&] { return prefix_item_attention_run_cpu(plan, p); });
         },
-        "One layer's attention with a plan from prefix_item_attention_plan (the table is read from the plan)");
+        py::arg("plan"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("q_strides"),
+        py::arg("k_strides"), py::arg("v_strides"), py::arg("o_strides"), py::arg("scale"), py::arg("cache_k") = 0,
+        py::arg("cache_v") = 0, py::arg("cache_strides") = CacheStrides{0, 0, 0},
+        "One layer's attention with a plan from prefix_item_attention_plan (the tables are read from the plan); "
+        "cache_k / cache_v: this layer's cached blocks when the plan has cached keys");
   m.def("causal_conv1d",
         [](uintptr_t x, int64_t x_token_stride, uintptr_t weight, uintptr_t y, int64_t y_token_stride,
            uintptr_t segments, int32_t num_segments, int32_t num_tokens, int32_t channels, int32_t kernel_size,

@@ -29,26 +29,46 @@ PYBIND11_MODULE(_C_cuda, m) {
         "Bytes of the workspace a plan for this shape needs (allocate once per batch)");
   m.def("prefix_item_attention_plan",
         [](uintptr_t segments, int32_t num_segments, int32_t num_tokens, int32_t num_q_heads, int32_t num_kv_heads,
-           int32_t head_dim, const std::string& dtype, uintptr_t workspace, size_t workspace_bytes, uintptr_t stream) {
-          const AttentionPlanParams shape = make_attention_plan_params(segments, num_segments, num_tokens,
-                                                                       num_q_heads, num_kv_heads, head_dim, dtype);
+           int32_t head_dim, const std::string& dtype, uintptr_t workspace, size_t workspace_bytes, uintptr_t stream,
+           uintptr_t cached, uintptr_t cached_blocks, int32_t num_cached_blocks, int32_t block_tokens) {
+          const AttentionPlanParams shape =
+              make_attention_plan_params(segments, num_segments, num_tokens, num_q_heads, num_kv_heads, head_dim,
+                                         dtype, cached, cached_blocks, num_cached_blocks, block_tokens);
           throw_on_error(prefix_item_attention_plan_cuda(shape, reinterpret_cast<void*>(workspace), workspace_bytes,
                                                          reinterpret_cast<void*>(stream)),
                          "prefix_item_attention_plan");
         },
-        "Plans the tile work list of a segment table on the device, into the workspace (stream-ordered)");
+        py::arg("segments"), py::arg("num_segments"), py::arg("num_tokens"), py::arg("num_q_heads"),
+        py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("dtype"), py::arg("workspace"),
+        py::arg("workspace_bytes"), py::arg("stream"), py::arg("cached") = 0, py::arg("cached_blocks") = 0,
+        py::arg("num_cached_blocks") = 0, py::arg("block_tokens") = 0,
+        "Plans the tile work list of a segment table (and its cached-key tables, device pointers) on the device, "
+        "into the workspace (stream-ordered)");
   m.def("prefix_item_attention",
         [](uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t o, Strides qs, Strides ks, Strides vs, Strides os,
            uintptr_t segments, int32_t num_segments, int32_t num_tokens, int32_t num_q_heads, int32_t num_kv_heads,
            int32_t head_dim, float scale, const std::string& dtype, uintptr_t workspace, size_t workspace_bytes,
-           uintptr_t stream) {
+           uintptr_t stream, uintptr_t cached, uintptr_t cached_blocks, int32_t num_cached_blocks,
+           int32_t block_tokens, uintptr_t cache_k, uintptr_t cache_v, CacheStrides cache_strides) {
           auto p = make_attention_params(q, k, v, o, qs, ks, vs, os, segments, num_segments, num_tokens,
                                          num_q_heads, num_kv_heads, head_dim, scale, dtype_or_throw(dtype));
+          p.cached = reinterpret_cast<const int32_t*>(cached);
+          p.cached_blocks = reinterpret_cast<const int32_t*>(cached_blocks);
+          p.num_cached_blocks = num_cached_blocks;
+          p.block_tokens = block_tokens;
+          set_attention_cache(p, cache_k, cache_v, cache_strides);
           throw_on_error(prefix_item_attention_run_cuda(p, reinterpret_cast<const void*>(workspace), workspace_bytes,
                                                         reinterpret_cast<void*>(stream)),
                          "prefix_item_attention");
         },
-        "One layer's attention with a workspace planned by prefix_item_attention_plan for the same shape");
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("q_strides"), py::arg("k_strides"),
+        py::arg("v_strides"), py::arg("o_strides"), py::arg("segments"), py::arg("num_segments"),
+        py::arg("num_tokens"), py::arg("num_q_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"),
+        py::arg("dtype"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"), py::arg("cached") = 0,
+        py::arg("cached_blocks") = 0, py::arg("num_cached_blocks") = 0, py::arg("block_tokens") = 0,
+        py::arg("cache_k") = 0, py::arg("cache_v") = 0, py::arg("cache_strides") = CacheStrides{0, 0, 0},
+        "One layer's attention with a workspace planned by prefix_item_attention_plan for the same shape (and the "
+        "same cached-key tables); cache_k / cache_v: this layer's cached blocks");
   m.def("causal_conv1d",
         [](uintptr_t x, int64_t x_token_stride, uintptr_t weight, uintptr_t y, int64_t y_token_stride,
            uintptr_t segments, int32_t num_segments, int32_t num_tokens, int32_t channels, int32_t kernel_size,

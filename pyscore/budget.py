@@ -1,10 +1,15 @@
 """The token-budget cut, written once: the server's batcher uses it to choose which waiting requests join one
 engine call, and the engine to choose which packed groups share one forward pass. Work is taken in arrival
-order while it fits; the first piece always goes, so a piece larger than the budget runs alone."""
+order while it fits; the first piece always goes, so a piece larger than the budget runs alone. Also the prefix
+cache's default byte budget, which the engine and the server's flag share."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+# The prefix cache's default budget (MiB): ~45k tokens of SmolLM2-135M's keys and values in bf16 (23 KiB a token),
+# ~9k of a Qwen3-0.6B's; its pool's pages take memory only once written.
+DEFAULT_PREFIX_CACHE_MB = 1024.0
 
 
 def count_within_budget(sizes: Iterable[int], budget: int) -> int:

@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--item-first", action="store_true", help="put each item before the query")
     s.add_argument("--score-extraction-token", help="setwise: read a row at every occurrence of this token")
     s.add_argument("--mode", choices=["auto", "sis", "mis"], default="auto", help="execution mode (default auto)")
+    s.add_argument("--bypass-prefix-cache", action="store_true",
+                   help="neither read nor write the server's prefix cache (cold timings)")
 
     g = sub.add_parser("generate", parents=[common], help="generate a completion")
     g.add_argument("prompt", nargs="?", help="prompt text")
@@ -76,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--top-logprobs", type=int, default=0, help="print this many alternatives per token")
     g.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    g.add_argument("--bypass-prefix-cache", action="store_true",
+                   help="neither read nor write the server's prefix cache (prefill the whole prompt)")
 
     sub.add_parser("info", parents=[common], help="describe the served model")
 
@@ -105,9 +109,13 @@ def format_score(result: ScoreResult, items: Sequence[str], labels: Sequence[str
             rows.append([number, _clip(items[i]) if j == 0 else "", *(f"{v:.4f}" for v in row)])
     u = result.usage
     label_ids = " ".join(f"{n}={i}" for n, i in zip(names, result.label_token_ids, strict=False))
-    head = (f"mode {result.mode}  labels {label_ids}  tokens {u.prompt_tokens} prompt / {u.computed_tokens} computed"
-            f"  {_server_time(u)}")
+    head = f"mode {result.mode}  labels {label_ids}  {_tokens(u)}  {_server_time(u)}"
     return head + "\n" + _table(["#", "item", *names], rows)
+
+
+def _tokens(u: Usage) -> str:
+    cached = f" / {u.cached_tokens} cached" if u.cached_tokens else ""
+    return f"tokens {u.prompt_tokens} prompt / {u.computed_tokens} computed{cached}"
 
 
 def _server_time(u: Usage) -> str:
@@ -122,8 +130,7 @@ def _logprob_table(logprobs: Sequence[TokenLogprob]) -> str:
 
 def format_generate(result: GenerateResult, show_logprobs: bool) -> str:
     u = result.usage
-    out = [result.text, f"[finish {result.finish_reason}  tokens {u.prompt_tokens} prompt / "
-                        f"{u.computed_tokens} computed  {_server_time(u)}]"]
+    out = [result.text, f"[finish {result.finish_reason}  {_tokens(u)}  {_server_time(u)}]"]
     if show_logprobs:
         out.append(_logprob_table(result.logprobs))
     return "\n".join(out)
@@ -145,20 +152,21 @@ def run(args: argparse.Namespace, client: ScorerClient) -> None:
         items: list[Any] = args.item_ids if args.item_ids else args.item
         result = client.score(query, items, model=args.model, labels=args.labels, label_token_ids=args.label_ids,
                               apply_softmax=args.apply_softmax, item_first=args.item_first,
-                              score_extraction_token=args.score_extraction_token, mode=args.mode)
+                              score_extraction_token=args.score_extraction_token, mode=args.mode,
+                              bypass_prefix_cache=args.bypass_prefix_cache)
         shown = [str(i) if not isinstance(i, str) else i for i in items]
         print(_json(result) if args.json else format_score(result, shown, args.labels))
     elif args.command == "generate":
         prompt = args.prompt_ids if args.prompt_ids is not None else (args.prompt or "")
         options = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                       seed=args.seed, stop=args.stop, top_logprobs=args.top_logprobs, apply_chat_template=args.chat)
+                       seed=args.seed, stop=args.stop, top_logprobs=args.top_logprobs, apply_chat_template=args.chat,
+                       bypass_prefix_cache=args.bypass_prefix_cache)
         if args.stream and not args.json:
             for chunk in client.generate_stream(prompt, model=args.model, **options):
                 print(chunk.text, end="", flush=True)
                 if chunk.usage is not None:
                     u = chunk.usage
-                    print(f"\n[finish {chunk.finish_reason}  tokens {u.prompt_tokens} prompt / "
-                          f"{u.computed_tokens} computed  {_server_time(u)}]")
+                    print(f"\n[finish {chunk.finish_reason}  {_tokens(u)}  {_server_time(u)}]")
             return
         result = client.generate(prompt, model=args.model, **options)
         print(_json(result) if args.json else format_generate(result, args.top_logprobs > 0))

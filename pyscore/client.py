@@ -153,13 +153,15 @@ class ScorerClient(_CallOptions):
 
     def score(self, query: str | list[int], items: list[str] | list[list[int]], *, model: str = "",
               timeout: float | None = None, **options: Any) -> ScoreResult:
-        """options: labels, label_token_ids, apply_softmax, item_first, score_extraction_token, mode."""
+        """options: labels, label_token_ids, apply_softmax, item_first, score_extraction_token, mode,
+        bypass_prefix_cache, prefix_cache_salt."""
         msg = score_message(query, items, model, **options)
         return wire.score_result_from_proto(self.stub.Score(msg, **self._kw(timeout, query)))
 
     def generate(self, prompt: str | list[int], *, model: str = "", timeout: float | None = None,
                  **options: Any) -> GenerateResult:
-        """options: max_tokens, temperature, top_p, top_k, seed, stop, top_logprobs, apply_chat_template."""
+        """options: max_tokens, temperature, top_p, top_k, seed, stop, top_logprobs, apply_chat_template,
+        bypass_prefix_cache, prefix_cache_salt."""
         msg = generate_message(prompt, model, **options)
         return wire.generate_result_from_proto(self.stub.Generate(msg, **self._kw(timeout, prompt)))
 

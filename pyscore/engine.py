@@ -1,22 +1,25 @@
 """pyscore.Engine: construction of one loaded model and the facade over it. Label scoring (SIS / MIS / setwise,
 causal LMs and classification heads) runs here; generation is stepped by `pyscore.generation.GenerationRunner`.
-The engine knows nothing of gRPC: it takes and returns `pyscore.types` objects and raises `pyscore.errors` for
-bad requests. It is not thread-safe: one worker owns it (see server/batcher)."""
+Both reuse the keys and values of earlier query / prompt prefixes through the prefix cache
+(`pyscore.model.prefix_cache`). The engine knows nothing of gRPC: it takes and returns `pyscore.types` objects and
+raises `pyscore.errors` for bad requests. It is not thread-safe: one worker owns it (see server/batcher)."""
 
 from __future__ import annotations
 
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
-from pyscore.budget import count_within_budget
+from pyscore.budget import DEFAULT_PREFIX_CACHE_MB, count_within_budget
 from pyscore.errors import RequestError
 from pyscore.generation import Generation, GenerationRunner, eos_token_ids
 from pyscore.model.decoder import Decoder
 from pyscore.model.loading import LoadedModel, load_model
 from pyscore.model.packing import Group, pack
+from pyscore.model.prefix_cache import CacheLease, PrefixCache, PrefixCacheStats, pass_lease, unsupported_reason
 from pyscore.ops import _ext, label_logprobs
 from pyscore.scoring import ModelTraits, PreparedScore, prepare_score
 from pyscore.types import GenerateRequest, GenerateResult, ModelInfo, ScoreRequest, ScoreResult, Usage
@@ -51,8 +54,28 @@ def set_threads(threads: int | None) -> None:
         cpu.set_num_threads(threads)
 
 
+def make_prefix_cache(loaded: LoadedModel, decoder: Decoder, budget_mb: float) -> PrefixCache | None:
+    """The engine's prefix cache, or None when off (budget 0, or a model it cannot serve: logged with why)."""
+    if budget_mb <= 0:
+        return None
+    cfg = loaded.cfg
+    reason = unsupported_reason(cfg)
+    if reason is not None:
+        log.warning("prefix cache off for %s: %s", loaded.name, reason)
+        return None
+    identity = f"{loaded.name}|{loaded.path}|{cfg}"
+    try:
+        return PrefixCache(int(budget_mb * 2**20), num_layers=cfg.num_layers - decoder.num_linear,
+                           num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=decoder.dtype,
+                           device=decoder.device, identity=identity)
+    except ValueError as e:
+        log.warning("prefix cache off: %s", e)
+        return None
+
+
 class Engine:
-    def __init__(self, loaded: LoadedModel, max_batch_tokens: int = 8192, op_backend: str = "auto"):
+    def __init__(self, loaded: LoadedModel, max_batch_tokens: int = 8192, op_backend: str = "auto",
+                 prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB):
         self.model = loaded
         self.cfg = loaded.cfg
         self.tokenizer = loaded.tokenizer
@@ -63,23 +86,29 @@ class Engine:
                                   max_context=loaded.cfg.max_position_embeddings,
                                   is_classifier=loaded.cfg.is_classifier, num_labels=loaded.cfg.num_labels,
                                   id2label=loaded.cfg.id2label)
+        self.prefix_cache = make_prefix_cache(loaded, self.decoder, prefix_cache_mb)
         self.generation = GenerationRunner(self.decoder, loaded.tokenizer,
-                                           eos_token_ids(loaded.hf_config, loaded.tokenizer))
+                                           eos_token_ids(loaded.hf_config, loaded.tokenizer), self.prefix_cache)
         # Which path every op takes on this model's device and dtype, decided once by the op registry.
         self.op_paths = _ext.op_paths(self.decoder.device, self.decoder.dtype, op_backend)
         log.info("%s; model on %s in %s", _ext.cuda_status()[1], self.decoder.device,
                  str(self.decoder.dtype).removeprefix("torch."))
         for op, path in self.op_paths.items():
             log.info("op %s: %s", op, path)
+        if self.prefix_cache is not None:
+            c = self.prefix_cache
+            log.info("prefix cache: %d blocks of %d tokens (%.0f MiB)", c.capacity, c.block_tokens,
+                     c.stats.capacity_bytes / 2**20)
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, dtype: str | torch.dtype = "auto",
                         device: str = "auto", threads: int | None = None, max_batch_tokens: int = 8192,
-                        op_backend: str = "auto") -> Engine:
-        """model: a local HF directory, a .gguf file, or None for the embedded SmolLM2-135M-Instruct."""
+                        op_backend: str = "auto", prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB) -> Engine:
+        """model: a local HF directory, a .gguf file, or None for the embedded SmolLM2-135M-Instruct.
+        prefix_cache_mb: the prefix cache's byte budget in MiB (0 = off)."""
         set_threads(threads)
         dev = resolve_device(device)
-        return cls(load_model(model, resolve_dtype(dtype, dev), dev), max_batch_tokens, op_backend)
+        return cls(load_model(model, resolve_dtype(dtype, dev), dev), max_batch_tokens, op_backend, prefix_cache_mb)
 
     # --- model facts ---------------------------------------------------------------------------------
     def info(self) -> ModelInfo:
@@ -89,7 +118,13 @@ class Engine:
                          kind="classifier" if self.cfg.is_classifier else "causal_lm",
                          vocab_size=self.cfg.vocab_size, max_context=self.cfg.max_position_embeddings,
                          dtype=str(self.decoder.dtype).removeprefix("torch."), device=str(self.decoder.device),
-                         special_tokens=special, num_labels=self.cfg.num_labels, ops=dict(self.op_paths))
+                         special_tokens=special, num_labels=self.cfg.num_labels, ops=dict(self.op_paths),
+                         prefix_cache_block_tokens=self.prefix_cache.block_tokens if self.prefix_cache else 0,
+                         prefix_cache_bytes=self.prefix_cache.stats.capacity_bytes if self.prefix_cache else 0)
+
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The prefix cache's counters and what it holds (None when off); safe to read from another thread."""
+        return self.prefix_cache.stats if self.prefix_cache else None
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[str]]:
         """Token ids and each token's text: its decoding alone (" Yes", not the BPE piece "ĠYes"), the same
@@ -122,20 +157,21 @@ class Engine:
         """Packs all requests' groups into as few forward passes as the token budget allows. If a pass fails,
         its requests are retried one by one so a single bad request cannot fail its batch-mates."""
         rows: list[list[list[list[float]]]] = [[[] for _ in p.items] for p in prepared]
+        cached = [0] * len(prepared)  # per request: query tokens read from the prefix cache
         errors: dict[int, Exception] = {}
         for chunk in self._passes(prepared):
             try:
-                self._run_pass(chunk, prepared, rows)
+                self._run_pass(chunk, prepared, rows, cached)
             except Exception as e:
                 if len({r for r, _, _ in chunk}) == 1:
                     errors[chunk[0][0]] = e
                     continue
                 for r in sorted({r for r, _, _ in chunk}):
                     try:
-                        self._run_pass([u for u in chunk if u[0] == r], prepared, rows)
+                        self._run_pass([u for u in chunk if u[0] == r], prepared, rows, cached)
                     except Exception as e2:
                         errors[r] = e2
-        return [errors.get(r) or self._result(p, rows[r]) for r, p in enumerate(prepared)]
+        return [errors.get(r) or self._result(p, rows[r], cached[r]) for r, p in enumerate(prepared)]
 
     def _passes(self, prepared: Sequence[PreparedScore]) -> list[list[tuple[int, int, Group]]]:
         """Units (request, first item index, group) in arrival order, cut into passes of at most
@@ -155,15 +191,30 @@ class Engine:
         return passes
 
     def _run_pass(self, chunk: list[tuple[int, int, Group]], prepared: Sequence[PreparedScore],
-                  rows: list[list[list[list[float]]]]) -> None:
-        batch = pack([g for _, _, g in chunk])
-        hidden = self.decoder.hidden_at(batch)  # [R, H]
-        request_of_row = [r for (r, _, g), group_rows in zip(chunk, batch.rows, strict=True)
-                          for item_rows in group_rows for _ in item_rows]
-        values = self._row_scores(hidden, [prepared[r] for r in request_of_row])
-        for (r, first, _), group_rows in zip(chunk, batch.rows, strict=True):
+                  rows: list[list[list[list[float]]]], cached: list[int]) -> None:
+        """One forward pass over the chunk's groups; the prefix cache's blocks it reads stay pinned and the ones
+        it writes become visible to later passes only once its scores are out."""
+        with pass_lease(self.prefix_cache) as lease:
+            groups = [self._with_cache(lease, prepared[r], g) for r, _, g in chunk]
+            batch = pack(groups)
+            sink = self.prefix_cache.writer(batch.block_writes) if self.prefix_cache else None
+            hidden = self.decoder.hidden_at(batch, kv_sink=sink, blocks=self.prefix_cache)  # [R, H]
+            request_of_row = [r for (r, _, g), group_rows in zip(chunk, batch.rows, strict=True)
+                              for item_rows in group_rows for _ in item_rows]
+            values = self._row_scores(hidden, [prepared[r] for r in request_of_row])
+        for (r, first, _), group, group_rows in zip(chunk, groups, batch.rows, strict=True):
+            cached[r] += group.cached_tokens
             for i, item_rows in enumerate(group_rows):
                 rows[r][first + i] = [values[j] for j in item_rows]
+
+    def _with_cache(self, lease: CacheLease | None, p: PreparedScore, group: Group) -> Group:
+        """The group with its prefix-cache blocks: the query's leading full blocks are read where cached and
+        written where not. Only causally computed query tokens are cached: the MIS prefix, or the query that leads
+        a SIS sequence (not after an item: item_first); never item tokens."""
+        if lease is None or p.request.bypass_prefix_cache or (p.mode == "sis" and p.request.item_first):
+            return group
+        tokens = group.prefix if p.mode == "mis" else group.items[0]
+        return replace(group, cache=lease.use(tokens, len(p.query), len(p.query), p.request.prefix_cache_salt))
 
     def _row_scores(self, hidden: torch.Tensor, owners: list[PreparedScore]) -> list[list[float]]:
         """Per read-out row, its request's label scores (label probabilities or label-only softmax)."""
@@ -192,10 +243,11 @@ class Engine:
         return out
 
     @staticmethod
-    def _result(p: PreparedScore, rows: list[list[list[float]]]) -> ScoreResult:
+    def _result(p: PreparedScore, rows: list[list[list[float]]], cached: int) -> ScoreResult:
         return ScoreResult(scores=rows, label_token_ids=list(p.labels), mode=p.mode,
                            usage=Usage(prompt_tokens=p.prompt_tokens,
-                                       computed_tokens=p.computed_tokens if p.items else 0))
+                                       computed_tokens=p.computed_tokens - cached if p.items else 0,
+                                       cached_tokens=cached))
 
     # --- generation (pyscore.generation.GenerationRunner does the stepping) -------------------------------
     def start_generation(self, request: GenerateRequest) -> Generation:

@@ -1,7 +1,9 @@
 """Generation: validation of a GenerateRequest, the per-sequence state (KV cache, emitted tokens, stop handling,
 streamed deltas), the next-token choice with top-k logprobs, and the runner that steps sequences over the
-decoder (prefill, decode, token choice, cache bookkeeping). Reported logprobs are those of the model's raw
-distribution (before temperature / top-k / top-p). Like the engine, the runner is not thread-safe."""
+decoder (prefill, decode, token choice, cache bookkeeping). A prompt's leading full blocks found in the prefix
+cache are copied into the sequence's KV cache and only the rest is prefilled; the blocks it computes are offered to
+the prefix cache. Reported logprobs are those of the model's raw distribution (before temperature / top-k /
+top-p). Like the engine, the runner is not thread-safe."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 from pyscore.errors import FailedPrecondition, InvalidArgument
 from pyscore.model.decoder import Decoder, KVCache
 from pyscore.model.packing import Group, pack
+from pyscore.model.prefix_cache import PrefixCache, pass_lease
 from pyscore.types import GenerateRequest, GenerateResult, TokenLogprob, TopLogprob, Usage
 
 MAX_TOP_LOGPROBS = 20
@@ -73,6 +76,7 @@ class Generation:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     error: Exception | None = None  # set when this sequence failed; its batch-mates go on
+    cached_tokens: int = 0  # prompt tokens the prefill read from the prefix cache
     text: str = ""
     _sent_tokens: int = 0
     _sent_chars: int = 0
@@ -125,7 +129,8 @@ class Generation:
         return GenerateResult(text=self.text, token_ids=list(self.token_ids), logprobs=list(self.logprobs),
                               finish_reason=self.finish_reason or "length",
                               usage=Usage(prompt_tokens=len(self.prompt),
-                                          computed_tokens=len(self.prompt) + len(self.token_ids)))
+                                          computed_tokens=len(self.prompt) - self.cached_tokens + len(self.token_ids),
+                                          cached_tokens=self.cached_tokens))
 
 
 def _filtered_logits(logits: torch.Tensor, req: GenerateRequest) -> torch.Tensor:
@@ -177,10 +182,12 @@ class GenerationRunner:
     ones decode together against their KV caches, and each then gets its next token. A pass that fails is
     retried one sequence at a time, so only the failing sequence fails (`Generation.error`)."""
 
-    def __init__(self, decoder: Decoder, tokenizer: Any, eos_ids: frozenset[int]) -> None:
+    def __init__(self, decoder: Decoder, tokenizer: Any, eos_ids: frozenset[int],
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.decoder = decoder
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
+        self.prefix_cache = prefix_cache
 
     def start(self, request: GenerateRequest) -> Generation:
         """Validates and tokenizes the request; no model work (the first `step` prefills it)."""
@@ -228,19 +235,38 @@ class GenerationRunner:
                     g.fail(e_alone)
 
     def _prefill(self, gens: list[Generation]) -> None:
-        batch = pack([Group(prefix=[], items=[g.prompt], readouts=[[len(g.prompt) - 1]]) for g in gens])
-        for g in gens:
-            g.cache = self.decoder.new_cache(len(g.prompt) + g.request.max_tokens)
-        starts = batch.segments[:, 0].tolist()
+        """One packed pass over the new sequences' prompts. With the prefix cache a prompt's leading full blocks
+        (leaving at least its last token, whose output chooses the first token) are read from the cache and
+        copied into the sequence's KV cache; the prompt's other full blocks are written to the cache, visible to
+        later passes once this one succeeded."""
+        cache = self.prefix_cache
+        with pass_lease(cache) as lease:
+            groups = []
+            for g in gens:
+                n, use = len(g.prompt), None
+                if lease is not None and not g.request.bypass_prefix_cache:
+                    use = lease.use(g.prompt, n - 1, n, g.request.prefix_cache_salt)
+                groups.append(Group(prefix=[], items=[g.prompt], readouts=[[n - 1]], cache=use))
+            batch = pack(groups)
+            kv = [self.decoder.new_cache(len(g.prompt) + g.request.max_tokens) for g in gens]
+            skips = [group.cached_tokens for group in groups]
+            starts = batch.segments[:, 0].tolist()
+            to_pool = cache.writer(batch.block_writes) if cache else None
 
-        def sink(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-            for g, s in zip(gens, starts, strict=True):
-                n = len(g.prompt)
-                g.cache.k[layer, :n] = k[s : s + n]
-                g.cache.v[layer, :n] = v[s : s + n]
+            def sink(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+                for g, c, s, skip in zip(gens, kv, starts, skips, strict=True):
+                    n = len(g.prompt) - skip
+                    c.k[layer, skip : skip + n] = k[s : s + n]
+                    c.v[layer, skip : skip + n] = v[s : s + n]
+                if to_pool is not None:
+                    to_pool(layer, k, v)
 
-        hidden = self.decoder.hidden_at(batch, kv_sink=sink, linear_states=[g.cache for g in gens])
-        for g in gens:
+            hidden = self.decoder.hidden_at(batch, kv_sink=sink, linear_states=kv, blocks=cache)
+            if cache is not None:
+                for c, group in zip(kv, groups, strict=True):
+                    cache.read_into(group.cache.read if group.cache else (), c.k, c.v)
+        for g, c, skip in zip(gens, kv, skips, strict=True):
+            g.cache, g.cached_tokens = c, skip
             g.cache.length = len(g.prompt)
         self._append(gens, hidden)
 

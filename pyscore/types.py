@@ -22,13 +22,15 @@ class ScoreRequest:
     item_first: bool = False
     score_extraction_token: str | None = None
     mode: Mode = "auto"
+    bypass_prefix_cache: bool = False  # neither read nor write the prefix cache (cold timings)
+    prefix_cache_salt: str = ""  # requests with different salts never share cached blocks
 
 
 @dataclass
 class Usage:
     prompt_tokens: int = 0  # tokens of all query+item sequences as SIS would see them
     computed_tokens: int = 0  # tokens actually run through the model (MIS computes the query once)
-    cached_tokens: int = 0  # tokens read from a prefix cache instead of computed (0 until there is one)
+    cached_tokens: int = 0  # query / prompt tokens read from the prefix cache instead of computed
     # Server-side timing (0 in process), a measurement rather than part of the answer: not compared by ==.
     queue_s: float = field(default=0.0, compare=False)  # admission to the first forward pass that included it
     compute_s: float = field(default=0.0, compare=False)  # wall time of the passes that included it (shared)
@@ -57,6 +59,8 @@ class GenerateRequest:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     top_logprobs: int = 0
+    bypass_prefix_cache: bool = False  # neither read nor write the prefix cache (cold timings)
+    prefix_cache_salt: str = ""  # requests with different salts never share cached blocks
 
 
 @dataclass
@@ -80,7 +84,7 @@ class GenerateResult:
     token_ids: list[int]
     logprobs: list[TokenLogprob]
     finish_reason: Literal["length", "stop", "eos"]
-    usage: Usage = field(default_factory=Usage)  # prompt_tokens, computed_tokens = prompt + generated
+    usage: Usage = field(default_factory=Usage)  # prompt_tokens, computed = prompt - cached + generated
 
 
 @dataclass
@@ -107,3 +111,5 @@ class ModelInfo:
     num_labels: int = 0  # classifiers: number of classes
     ops: dict[str, str] = field(default_factory=dict)  # op -> the path it takes and why ("kernel: pyscore._C (...)")
     limits: ServerLimits | None = None  # set by a server (the engine has none)
+    prefix_cache_block_tokens: int = 0  # the prefix cache's block (0: no prefix cache)
+    prefix_cache_bytes: int = 0  # its byte budget

@@ -71,6 +71,8 @@ def score_request_from_proto(msg: pb.ScoreRequest) -> ScoreRequest:
         item_first=msg.item_first,
         score_extraction_token=msg.score_extraction_token or None,
         mode=mode_from_proto(msg.mode),
+        bypass_prefix_cache=msg.bypass_prefix_cache,
+        prefix_cache_salt=msg.prefix_cache_salt,
     )
 
 
@@ -83,6 +85,8 @@ def score_request_to_proto(req: ScoreRequest, model: str = "") -> pb.ScoreReques
         item_first=req.item_first,
         score_extraction_token=req.score_extraction_token or "",
         mode=mode_to_proto(req.mode),
+        bypass_prefix_cache=req.bypass_prefix_cache,
+        prefix_cache_salt=req.prefix_cache_salt,
     )
     if isinstance(req.query, str):
         msg.query = req.query
@@ -144,6 +148,8 @@ def generate_request_from_proto(msg: pb.GenerateRequest) -> GenerateRequest:
         seed=msg.seed if msg.HasField("seed") else None,
         stop=list(msg.stop),
         top_logprobs=msg.top_logprobs,
+        bypass_prefix_cache=msg.bypass_prefix_cache,
+        prefix_cache_salt=msg.prefix_cache_salt,
     )
 
 
@@ -160,6 +166,8 @@ def generate_request_to_proto(req: GenerateRequest, model: str = "") -> pb.Gener
         seed=req.seed,
         stop=req.stop,
         top_logprobs=req.top_logprobs,
+        bypass_prefix_cache=req.bypass_prefix_cache,
+        prefix_cache_salt=req.prefix_cache_salt,
     )
 
 
@@ -203,7 +211,9 @@ def generate_result_from_proto(msg: pb.GenerateResponse) -> GenerateResult:
 def model_info_to_proto(info: ModelInfo) -> pb.ModelInfo:
     msg = pb.ModelInfo(name=info.name, architecture=info.architecture, kind=_KIND_TO_PROTO[info.kind],  # type: ignore[arg-type]
                        vocab_size=info.vocab_size, max_context=info.max_context, dtype=info.dtype, device=info.device,
-                       special_tokens=info.special_tokens, num_labels=info.num_labels, ops=info.ops)
+                       special_tokens=info.special_tokens, num_labels=info.num_labels, ops=info.ops,
+                       prefix_cache_block_tokens=info.prefix_cache_block_tokens,
+                       prefix_cache_bytes=info.prefix_cache_bytes)
     if info.limits is not None:
         msg.limits.CopyFrom(pb.ServerLimits(**dataclasses.asdict(info.limits)))
     return msg
@@ -215,7 +225,9 @@ def model_info_from_proto(msg: pb.ModelInfo) -> ModelInfo:
                      kind=_KIND_FROM_PROTO.get(msg.kind, ""),  # type: ignore[arg-type]
                      vocab_size=msg.vocab_size, max_context=msg.max_context, dtype=msg.dtype, device=msg.device,
                      special_tokens=dict(msg.special_tokens), num_labels=msg.num_labels, ops=dict(msg.ops),
-                     limits=limits if msg.HasField("limits") else None)
+                     limits=limits if msg.HasField("limits") else None,
+                     prefix_cache_block_tokens=msg.prefix_cache_block_tokens,
+                     prefix_cache_bytes=msg.prefix_cache_bytes)
 
 
 # -- undecodable bytes ----------------------------------------------------------------------------------------

@@ -36,6 +36,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str]:
     p.add_argument("--max-request-tokens", type=int, default=d.max_request_tokens,
                    help="tokens one request may make the model compute (Score: as its mode computes; Generate: "
                         "prompt + max_tokens); more answer RESOURCE_EXHAUSTED; 0 = no limit (default %(default)s)")
+    p.add_argument("--prefix-cache-mb", type=float, default=d.prefix_cache_mb,
+                   help="MiB of keys/values of recent query and prompt prefixes kept for reuse (whole 64-token "
+                        "blocks, least recently used evicted; scores are the same hit or miss); 0 = off "
+                        "(default %(default)s)")
     p.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (needs --tls-key)")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", help="PEM CA certificate: require client certificates it signed (mTLS)")
@@ -63,6 +67,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str]:
     return ServerConfig(model=a.model, host=a.host, port=a.port, dtype=a.dtype, device=a.device, threads=a.threads,
                         max_batch_tokens=a.max_batch_tokens, max_queue=a.max_queue, max_items=a.max_items,
                         max_message_mb=a.max_message_mb, max_request_tokens=a.max_request_tokens or None,
+                        prefix_cache_mb=a.prefix_cache_mb,
                         tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
                         auth_token_file=a.auth_token_file, metrics_port=a.metrics_port, grace_s=a.grace_s,
                         drain_delay_s=a.drain_delay_s, max_connection_age_s=a.max_connection_age_s,

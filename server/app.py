@@ -27,6 +27,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pyscore._proto.pyscore.v1 import scorer_pb2, scorer_pb2_grpc
+from pyscore.budget import DEFAULT_PREFIX_CACHE_MB
 from pyscore.types import GenerateRequest, ModelInfo, ScoreRequest, ServerLimits
 from server.batcher import Batcher, EngineLike
 from server.health import HealthServicer
@@ -55,6 +56,7 @@ class ServerConfig:
     max_items: int = 1024
     max_message_mb: int = 64
     max_request_tokens: int | None = 65536  # None = no limit
+    prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB  # the prefix cache's byte budget in MiB; 0 = off
     grace_s: float = 10.0
     drain_delay_s: float = 0.0  # seconds between health NOT_SERVING and the listener closing, on SIGTERM
     max_connection_age_s: float | None = None  # None = connections live for ever
@@ -71,7 +73,7 @@ def load_engine(config: ServerConfig) -> EngineLike:
     module, _, name = config.engine.partition(":")
     cls = getattr(importlib.import_module(module), name)
     return cls.from_pretrained(config.model, dtype=config.dtype, device=config.device, threads=config.threads,
-                               max_batch_tokens=config.max_batch_tokens)
+                               max_batch_tokens=config.max_batch_tokens, prefix_cache_mb=config.prefix_cache_mb)
 
 
 def warm_up(engine: EngineLike) -> None:
@@ -168,6 +170,7 @@ class ScorerApp:
                                max_request_tokens=self.config.max_request_tokens,
                                on_batch=self.metrics.observe_batch)
         self.batcher.start()
+        self.metrics.track_prefix_cache(engine.prefix_cache_stats)
         self.servicer.attach(self.batcher, self.model_info(engine))
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
 

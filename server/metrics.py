@@ -1,7 +1,8 @@
 """Prometheus metrics of one server (prometheus-client, a registry of its own so that several servers can live
-in one process): requests by method and status, requests in flight, latency, queue depth, batch sizes, and
-token accounting — computed tokens, and the tokens MIS saved against SIS (prompt − computed). Exposed over
-HTTP on `--metrics-port` (no auth: counts only, no request content)."""
+in one process): requests by method and status, requests in flight, latency, queue depth, batch sizes, token
+accounting — computed tokens, tokens read from the prefix cache, and the tokens MIS saved against SIS
+(prompt − computed) — and the prefix cache itself (hit and missed tokens, evicted blocks, bytes held), read from
+the engine at each scrape. Exposed over HTTP on `--metrics-port` (no auth: counts only, no request content)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -39,10 +42,17 @@ class Metrics:
         self.tokens_saved = Counter("pyscore_tokens_saved_by_mis",
                                     "Score tokens MIS did not compute that SIS would have (prompt - computed)",
                                     registry=r)
+        self.tokens_cached = Counter("pyscore_tokens_cached",
+                                     "query / prompt tokens read from the prefix cache instead of computed, by method",
+                                     ["method"], registry=r)
         self._http: Any = None
 
     def track_queue(self, depth: Callable[[], int]) -> None:
         self.queue_depth.set_function(depth)
+
+    def track_prefix_cache(self, stats: Callable[[], Any]) -> None:
+        """Export the engine's prefix cache counters (`stats()`: a PrefixCacheStats, or None when off)."""
+        self.registry.register(PrefixCacheCollector(stats))
 
     def observe_call(self, method: str, status: str, seconds: float, response: Any) -> None:
         """One finished Scorer call; `response` is its (last streamed) response message or None."""
@@ -54,6 +64,7 @@ class Metrics:
         prompt, computed = response.usage.prompt_tokens, response.usage.computed_tokens
         self.tokens_prompt.labels(method).inc(prompt)
         self.tokens_computed.labels(method).inc(computed)
+        self.tokens_cached.labels(method).inc(response.usage.cached_tokens)
         if method == "Score":
             self.tokens_saved.inc(max(0, prompt - computed))
 
@@ -76,3 +87,29 @@ class Metrics:
             http, self._http = self._http, None
             http.shutdown()
             http.server_close()
+
+
+class PrefixCacheCollector(Collector):
+    """The prefix cache's counters and gauges, read at scrape time (ints the engine's worker updates)."""
+
+    def __init__(self, stats: Callable[[], Any]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Any:
+        s = self.stats()
+        if s is None:
+            return
+        for name, doc, value in (
+                ("pyscore_prefix_cache_hit_tokens", "cacheable query/prompt tokens found in the prefix cache",
+                 s.hit_tokens),
+                ("pyscore_prefix_cache_miss_tokens", "cacheable tokens (whole blocks) looked up and not found",
+                 s.miss_tokens),
+                ("pyscore_prefix_cache_evicted_blocks", "blocks evicted to make room (least recently used first)",
+                 s.evicted_blocks)):
+            yield CounterMetricFamily(name, doc, value=value)
+        for name, doc, value in (
+                ("pyscore_prefix_cache_bytes", "bytes of keys/values the prefix cache holds", s.bytes),
+                ("pyscore_prefix_cache_blocks", "blocks the prefix cache holds", s.blocks),
+                ("pyscore_prefix_cache_capacity_bytes", "the prefix cache's byte budget (--prefix-cache-mb)",
+                 s.capacity_bytes)):
+            yield GaugeMetricFamily(name, doc, value=value)

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "add_rms_norm/params.h"
@@ -38,11 +39,31 @@ inline void throw_on_error(Status status, const char* op) {
   }
 }
 
+// The cached-key tables (params.h) are optional: cached == 0 means none.
 inline AttentionPlanParams make_attention_plan_params(uintptr_t segments, int32_t num_segments, int32_t num_tokens,
                                                       int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim,
-                                                      const std::string& dtype) {
-  return {reinterpret_cast<const int32_t*>(segments), num_segments, num_tokens, num_q_heads, num_kv_heads, head_dim,
-          dtype_or_throw(dtype)};
+                                                      const std::string& dtype, uintptr_t cached = 0,
+                                                      uintptr_t cached_blocks = 0, int32_t num_cached_blocks = 0,
+                                                      int32_t block_tokens = 0) {
+  AttentionPlanParams s{reinterpret_cast<const int32_t*>(segments), num_segments, num_tokens, num_q_heads,
+                        num_kv_heads, head_dim, dtype_or_throw(dtype)};
+  s.cached = reinterpret_cast<const int32_t*>(cached);
+  s.cached_blocks = reinterpret_cast<const int32_t*>(cached_blocks);
+  s.num_cached_blocks = num_cached_blocks;
+  s.block_tokens = block_tokens;
+  return s;
+}
+
+// One layer's cached blocks for a run: (cache_k, cache_v) pointers and (block, token, head) strides in elements.
+using CacheStrides = std::tuple<int64_t, int64_t, int64_t>;
+
+inline void set_attention_cache(PrefixItemAttentionParams& p, uintptr_t cache_k, uintptr_t cache_v,
+                                CacheStrides strides) {
+  p.cache_k = reinterpret_cast<const void*>(cache_k);
+  p.cache_v = reinterpret_cast<const void*>(cache_v);
+  p.cache_block_stride = std::get<0>(strides);
+  p.cache_token_stride = std::get<1>(strides);
+  p.cache_head_stride = std::get<2>(strides);
 }
 
 inline PrefixItemAttentionParams make_attention_params(

@@ -10,6 +10,20 @@
 //
 // Strides are in elements. GQA: query head h reads kv head h / (num_q_heads / num_kv_heads).
 //
+// Cached keys (a prefix cache's blocks, optional): a segment may be preceded by keys that have no query row in
+// this stream, `count` blocks of `block_tokens` keys each, listed at cached_blocks[first .. first + count) as
+// block indices into the layer's cache_k / cache_v. Every token of the segment sees all of them. Where they sit
+// in the key order follows the segment's `kind`, chosen to reproduce the layout of a run without the cache so
+// that a warm run does the same arithmetic as a cold one:
+//   kCachedBeforeOwn    (a causal sequence that continues cached tokens: a SIS sequence, a Generate prompt, the
+//                        uncached rest of an MIS prefix) — the cached keys precede the segment's own tokens and
+//                        form one causal key range with them; prefix_length must be 0.
+//   kCachedBeforePrefix (the items of an MIS group whose prefix starts with cached tokens) — the cached keys
+//                        precede the prefix range [prefix_start, +prefix_length), which may be empty when the
+//                        whole prefix is cached; the group's items share that one range.
+// block_tokens is a multiple of 64 (the kernels' key tile), so a cached block is whole key tiles and a cached
+// range followed by stream keys tiles exactly as the same keys in one stream range would.
+//
 // The work that depends only on the segment table and the head layout is planned once per batch
 // (AttentionPlanParams; plan_cpu.h on the CPU, the tile work list on CUDA) and every layer runs with it.
 #pragma once
@@ -18,6 +32,9 @@
 #include "common/dtype.h"
 
 namespace pyscore {
+
+enum CachedKind : int32_t { kCachedBeforeOwn = 0, kCachedBeforePrefix = 1 };
+constexpr int32_t kCachedBlockMultiple = 64;
 
 // What a plan depends on: the batch's segment table and the model's head layout, no tensors.
 struct AttentionPlanParams {
@@ -28,6 +45,11 @@ struct AttentionPlanParams {
   int32_t num_kv_heads;
   int32_t head_dim;
   DType dtype;
+  // Cached keys; cached == nullptr: none (then the other three are ignored).
+  const int32_t* cached = nullptr;         // [num_segments, 3]: first, count, kind (CachedKind)
+  const int32_t* cached_blocks = nullptr;  // [num_cached_blocks]: block index into cache_k / cache_v
+  int32_t num_cached_blocks = 0;
+  int32_t block_tokens = 0;
 };
 
 // One layer's run: the plan's shape plus that layer's tensors.
@@ -41,6 +63,11 @@ struct PrefixItemAttentionParams : AttentionPlanParams {
   int64_t v_token_stride, v_head_stride;
   int64_t o_token_stride, o_head_stride;
   float scale;  // softmax scale, usually 1/sqrt(head_dim)
+  // This layer's cached blocks (with a plan that has cached keys): key j of block b, kv head h at
+  // cache_k + b * cache_block_stride + j * cache_token_stride + h * cache_head_stride; the same strides for cache_v.
+  const void* cache_k = nullptr;
+  const void* cache_v = nullptr;
+  int64_t cache_block_stride = 0, cache_token_stride = 0, cache_head_stride = 0;
 };
 
 }  // namespace pyscore

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <tuple>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -122,11 +123,28 @@ Status check_shape(const AttentionPlanParams& s) {
   return kOk;
 }
 
+// The cached-key columns of segment row i (params.h): checked against the block list and the kind's rules.
+Status read_cached(const AttentionPlanParams& s, int32_t i, AttentionSegment* seg) {
+  seg->cached = {};
+  seg->cached_kind = kCachedBeforeOwn;
+  if (!s.cached) return kOk;
+  const int32_t* row = s.cached + 3 * int64_t(i);
+  const int32_t first = row[0], count = row[1], kind = row[2];
+  if (first < 0 || count < 0 || int64_t(first) + count > s.num_cached_blocks) return kInvalidArgument;
+  if (kind != kCachedBeforeOwn && kind != kCachedBeforePrefix) return kInvalidArgument;
+  // Cached keys continue a causal sequence or lead a prefix; a segment with a stream prefix cannot have them
+  // before its own tokens (they would sit between the prefix and the segment).
+  if (count > 0 && kind == kCachedBeforeOwn && seg->prefix_length > 0) return kInvalidArgument;
+  seg->cached = {first, count};
+  seg->cached_kind = kind;
+  return kOk;
+}
+
 Status read_segments(const AttentionPlanParams& s, std::vector<AttentionSegment>* out) {
   int64_t covered = 0;
   for (int32_t i = 0; i < s.num_segments; ++i) {
     const int32_t* row = s.segments + 4 * int64_t(i);
-    AttentionSegment seg{row[0], row[1], row[2], row[3]};
+    AttentionSegment seg{row[0], row[1], row[2], row[3], {}, kCachedBeforeOwn};
     if (seg.start < 0 || seg.length < 0 || seg.prefix_start < 0 || seg.prefix_length < 0 ||
         int64_t(seg.start) + seg.length > s.num_tokens ||
         int64_t(seg.prefix_start) + seg.prefix_length > s.num_tokens)
@@ -134,6 +152,9 @@ Status read_segments(const AttentionPlanParams& s, std::vector<AttentionSegment>
     // A prefix overlapping its own segment would count those keys twice.
     if (seg.prefix_length > 0 && seg.prefix_start < seg.end() && seg.start < seg.prefix_start + seg.prefix_length)
       return kInvalidArgument;
+    if (seg.prefix_length == 0) seg.prefix_start = 0;  // an empty stream prefix is the same wherever it "starts"
+    const Status status = read_cached(s, i, &seg);
+    if (status != kOk) return status;
     if (seg.length > 0) out->push_back(seg);
     covered += seg.length;
   }
@@ -141,19 +162,23 @@ Status read_segments(const AttentionPlanParams& s, std::vector<AttentionSegment>
   return covered == s.num_tokens ? kOk : kInvalidArgument;
 }
 
-int32_t add_range(AttentionCpuPlan& plan, std::map<std::pair<int32_t, int32_t>, int32_t>& index, int32_t start,
-                  int32_t length) {
-  auto [it, inserted] = index.emplace(std::make_pair(start, length), int32_t(plan.ranges.size()));
+using RangeKey = std::tuple<int32_t, int32_t, int32_t, int32_t>;
+
+int32_t add_range(AttentionCpuPlan& plan, std::map<RangeKey, int32_t>& index, int32_t start, int32_t length,
+                  CachedSpan cached) {
+  auto [it, inserted] =
+      index.emplace(RangeKey{start, length, cached.first, cached.count}, int32_t(plan.ranges.size()));
   if (inserted) {
-    plan.ranges.push_back({start, length, plan.packed_elems_per_head});
-    plan.packed_elems_per_head += packed_kv_elems(length, plan.shape.head_dim);
+    plan.ranges.push_back({start, length, cached, plan.packed_elems_per_head});
+    plan.packed_elems_per_head += packed_kv_elems(plan.cached_tokens(cached) + length, plan.shape.head_dim);
   }
   return it->second;
 }
 
 bool same_group(const AttentionSegment& prev, const AttentionSegment& next) {
-  return prev.prefix_length > 0 && next.prefix_start == prev.prefix_start &&
-         next.prefix_length == prev.prefix_length && next.start == prev.end();
+  const CachedSpan a = prev.cached_before_prefix(), b = next.cached_before_prefix();
+  return prev.has_prefix() && next.prefix_start == prev.prefix_start && next.prefix_length == prev.prefix_length &&
+         a.first == b.first && a.count == b.count && next.start == prev.end();
 }
 
 void add_units(AttentionCpuPlan& plan, int32_t group_index) {
@@ -162,13 +187,15 @@ void add_units(AttentionCpuPlan& plan, int32_t group_index) {
   const bool items = g.prefix_range >= 0;
   const int32_t target = items ? kItemUnitTokens : kCausalUnitTokens;
   const int32_t count = (tokens + target - 1) / target;
-  const int32_t prefix = items ? plan.ranges[g.prefix_range].length : 0;
+  const int32_t prefix = items ? plan.keys(plan.ranges[g.prefix_range]) : 0;
+  // A causal group is one segment: its cached keys are visited by every row.
+  const int32_t cached = items ? 0 : plan.cached_tokens(plan.segments[g.first_segment].cached_before_own());
   for (int32_t c = 0; c < count; ++c) {
     // Even split, so no unit is a small leftover.
     const int32_t t0 = g.token_begin + int64_t(tokens) * c / count;
     const int32_t t1 = g.token_begin + int64_t(tokens) * (c + 1) / count;
     // Keys visited per row: the prefix plus, causally, about the row's offset in its segment.
-    const double causal = items ? 0.5 * kItemUnitTokens : 0.5 * (t0 + t1) - g.token_begin;
+    const double causal = items ? 0.5 * kItemUnitTokens : cached + 0.5 * (t0 + t1) - g.token_begin;
     const double cost = double(t1 - t0) * (prefix + causal + kKeyBlock);
     for (int32_t h = 0; h < plan.shape.num_kv_heads; ++h) plan.units.push_back({group_index, h, t0, t1, cost});
     plan.max_unit_tokens = std::max(plan.max_unit_tokens, t1 - t0);
@@ -176,14 +203,16 @@ void add_units(AttentionCpuPlan& plan, int32_t group_index) {
 }
 
 void list_work(AttentionCpuPlan& plan) {
-  std::map<std::pair<int32_t, int32_t>, int32_t> index;
+  std::map<RangeKey, int32_t> index;
   const auto& segs = plan.segments;
-  for (const AttentionSegment& s : segs) plan.own_range.push_back(add_range(plan, index, s.start, s.length));
+  for (const AttentionSegment& s : segs)
+    plan.own_range.push_back(add_range(plan, index, s.start, s.length, s.cached_before_own()));
   for (int32_t i = 0; i < int32_t(segs.size());) {
     int32_t j = i + 1;
     while (j < int32_t(segs.size()) && same_group(segs[j - 1], segs[j])) ++j;
-    const int32_t prefix =
-        segs[i].prefix_length > 0 ? add_range(plan, index, segs[i].prefix_start, segs[i].prefix_length) : -1;
+    const int32_t prefix = segs[i].has_prefix() ? add_range(plan, index, segs[i].prefix_start, segs[i].prefix_length,
+                                                            segs[i].cached_before_prefix())
+                                                : -1;
     plan.groups.push_back({i, j - i, prefix, segs[i].start, segs[j - 1].end()});
     add_units(plan, int32_t(plan.groups.size()) - 1);
     i = j;
@@ -230,13 +259,27 @@ char* packed_v(const AttentionCpuPlan& plan, const KeyRange& r, int32_t h) {
   return plan.v_packed.data + (h * plan.packed_elems_per_head + r.offset) * elem_size(plan.shape.dtype);
 }
 
+// Packs one kv head of a key range: its cached blocks (whole key tiles each) first, then its stream tokens.
 void pack_range(const PrefixItemAttentionParams& p, const AttentionCpuOps& ops, const AttentionCpuPlan& plan,
                 const KeyRange& r, int32_t h) {
   const size_t elem = elem_size(p.dtype);
+  char* dst_k = packed_k(plan, r, h);
+  char* dst_v = packed_v(plan, r, h);
+  const size_t block_bytes = packed_kv_elems(plan.block_tokens, p.head_dim) * elem;
+  for (int32_t b = 0; b < r.cached.count; ++b) {
+    const int64_t at = plan.cached_blocks[r.cached.first + b] * p.cache_block_stride + h * p.cache_head_stride;
+    ops.pack_k(static_cast<const char*>(p.cache_k) + at * elem, p.cache_token_stride, plan.block_tokens, p.head_dim,
+               dst_k);
+    ops.pack_v(static_cast<const char*>(p.cache_v) + at * elem, p.cache_token_stride, plan.block_tokens, p.head_dim,
+               dst_v);
+    dst_k += block_bytes;
+    dst_v += block_bytes;
+  }
+  if (r.length == 0) return;
   const char* k = static_cast<const char*>(p.k) + (r.start * p.k_token_stride + h * p.k_head_stride) * elem;
   const char* v = static_cast<const char*>(p.v) + (r.start * p.v_token_stride + h * p.v_head_stride) * elem;
-  ops.pack_k(k, p.k_token_stride, r.length, p.head_dim, packed_k(plan, r, h));
-  ops.pack_v(v, p.v_token_stride, r.length, p.head_dim, packed_v(plan, r, h));
+  ops.pack_k(k, p.k_token_stride, r.length, p.head_dim, dst_k);
+  ops.pack_v(v, p.v_token_stride, r.length, p.head_dim, dst_v);
 }
 
 // Row (t - token_begin) * ratio + j of the unit holds query head kv_head * ratio + j of token t.
@@ -273,11 +316,13 @@ void attend_own_keys(const PrefixItemAttentionParams& p, const AttentionCpuOps& 
     const int32_t t0 = std::max(u.token_begin, seg.start), t1 = std::min(u.token_end, seg.end());
     if (t0 >= t1) continue;
     const int32_t row0 = (t0 - u.token_begin) * ratio, rows = (t1 - t0) * ratio;
-    for (int32_t r = 0; r < rows; ++r) s.limits[row0 + r] = t0 - seg.start + r / ratio + 1;
     const KeyRange& range = plan.ranges[plan.own_range[i]];
+    // Own keys: the segment's cached blocks (all visible), then its tokens up to the row's own.
+    const int32_t first_limit = plan.cached_tokens(range.cached) + t0 - seg.start + 1;
+    for (int32_t r = 0; r < rows; ++r) s.limits[row0 + r] = first_limit + r / ratio;
     ops.attend(s.q + size_t(row0) * p.head_dim * elem, rows, s.limits + row0, packed_k(plan, range, u.kv_head),
-               packed_v(plan, range, u.kv_head), range.length, p.head_dim, p.scale, s.o_b + size_t(row0) * p.head_dim,
-               s.lse_b + row0);
+               packed_v(plan, range, u.kv_head), plan.keys(range), p.head_dim, p.scale,
+               s.o_b + size_t(row0) * p.head_dim, s.lse_b + row0);
   }
 }
 
@@ -295,8 +340,8 @@ void run_unit(const PrefixItemAttentionParams& p, const AttentionCpuOps& ops, co
   // Steps 2 and 3: all rows of the unit (every item in it, every query head of this kv head) as one dense
   // block against the shared prefix, then the log-sum-exp merge with the causal part.
   const KeyRange& prefix = plan.ranges[g.prefix_range];
-  ops.attend(s.q, rows, nullptr, packed_k(plan, prefix, u.kv_head), packed_v(plan, prefix, u.kv_head), prefix.length,
-             p.head_dim, p.scale, s.o_a, s.lse_a);
+  ops.attend(s.q, rows, nullptr, packed_k(plan, prefix, u.kv_head), packed_v(plan, prefix, u.kv_head),
+             plan.keys(prefix), p.head_dim, p.scale, s.o_a, s.lse_a);
   merge_state(s.o_a, s.lse_a, s.o_b, s.lse_b, rows, p.head_dim, s.o_a, nullptr);
   store_rows(p, ops, u, ratio, s.o_a);
 }
@@ -308,6 +353,7 @@ Status check_run(const AttentionCpuPlan& plan, const PrefixItemAttentionParams& 
       p.num_kv_heads != s.num_kv_heads || p.head_dim != s.head_dim)
     return kInvalidArgument;
   if (p.num_tokens > 0 && (!p.q || !p.k || !p.v || !p.o)) return kInvalidArgument;
+  if (!plan.cached_blocks.empty() && (!p.cache_k || !p.cache_v)) return kInvalidArgument;
   return kOk;
 }
 
@@ -335,7 +381,17 @@ Status prefix_item_attention_plan_cpu(const AttentionPlanParams& shape, Attentio
   Status status = check_shape(shape);
   if (status != kOk) return status;
   plan->shape = shape;
-  plan->shape.segments = nullptr;  // the table is read now; the caller's buffer may go away
+  plan->shape.segments = nullptr;  // the tables are read now; the caller's buffers may go away
+  plan->shape.cached = plan->shape.cached_blocks = nullptr;
+  if (shape.cached) {
+    if (shape.num_cached_blocks < 0 || (shape.num_cached_blocks > 0 && !shape.cached_blocks) ||
+        shape.block_tokens <= 0 || shape.block_tokens % kCachedBlockMultiple)
+      return kInvalidArgument;
+    plan->cached_blocks.assign(shape.cached_blocks, shape.cached_blocks + shape.num_cached_blocks);
+    for (int32_t b : plan->cached_blocks)
+      if (b < 0) return kInvalidArgument;
+    plan->block_tokens = shape.block_tokens;
+  }
   status = read_segments(shape, &plan->segments);
   if (status != kOk) return status;
   list_work(*plan);

@@ -8,7 +8,9 @@
 //  * Each CTA walks two key ranges with a single online softmax (which *is* the log-sum-exp merge of the two
 //    partial attentions of DESIGN.md): the shared prefix [prefix_start, +prefix_length) with no mask, then
 //    the run's own keys [first row's segment start, last row's token] with the per-row mask
-//    segment_start(row) <= key <= token(row), i.e. causal inside the row's own segment only.
+//    segment_start(row) <= key <= token(row), i.e. causal inside the row's own segment only. Cached keys (a
+//    prefix cache's blocks, params.h) come first, whole 64-key tiles read from the block pool with no mask; a
+//    segment whose cached keys precede its own tokens is a run by itself.
 //  * K/V tiles of 64 keys are double-buffered with cp.async into XOR-swizzled shared memory and read with
 //    ldmatrix (V transposed); S and O accumulate in fp32 registers; P is rounded to the input dtype for the
 //    PV product (as in FlashAttention-2), the row sums use the fp32 P.
@@ -39,10 +41,11 @@ Status launch_simple(const PrefixItemAttentionParams& p, cudaStream_t stream) {
   return kOk;
 }
 
-// The plan's workspace, carved from one caller-allocated buffer (16-byte aligned): the tile work list and its
-// length, the planner's per-segment scratch, and each token's segment start.
+// The plan's workspace, carved from one caller-allocated buffer (16-byte aligned): the tile work list, each
+// tile's cached blocks, the list's length, the planner's per-segment scratch, and each token's segment start.
 struct PlanLayout {
   int4* work;
+  int2* work_cached;
   int* num_work;
   int* seg_head;
   int* run_end;
@@ -54,14 +57,15 @@ TileConfig tile_config_of(const AttentionPlanParams& s) {
 }
 
 size_t plan_bytes(const AttentionPlanParams& s) {
-  return sizeof(int4) * size_t(tile_config_of(s).max_tiles) +
+  return (sizeof(int4) + sizeof(int2)) * size_t(tile_config_of(s).max_tiles) +
          sizeof(int) * (1 + 2 * size_t(s.num_segments) + size_t(s.num_tokens));
 }
 
 PlanLayout plan_layout(const void* workspace, const AttentionPlanParams& s) {
   PlanLayout b;
   b.work = static_cast<int4*>(const_cast<void*>(workspace));
-  b.num_work = reinterpret_cast<int*>(b.work + tile_config_of(s).max_tiles);
+  b.work_cached = reinterpret_cast<int2*>(b.work + tile_config_of(s).max_tiles);
+  b.num_work = reinterpret_cast<int*>(b.work_cached + tile_config_of(s).max_tiles);
   b.seg_head = b.num_work + 1;
   b.run_end = b.seg_head + s.num_segments;
   b.tok_seg_start = b.run_end + s.num_segments;
@@ -75,6 +79,11 @@ Status check_shape(const AttentionPlanParams& s) {
   }
   if (s.num_tokens < 0 || s.num_segments < 0 || s.num_q_heads <= 0 || s.num_kv_heads <= 0 ||
       s.num_q_heads % s.num_kv_heads != 0 || s.num_q_heads > 65535) {
+    return kInvalidArgument;
+  }
+  // Cached keys: whole key tiles per block, and the tables they need (device pointers, not read here).
+  if (s.cached && (s.block_tokens <= 0 || s.block_tokens % kBlockN || s.num_cached_blocks < 0 ||
+                   (s.num_cached_blocks > 0 && !s.cached_blocks))) {
     return kInvalidArgument;
   }
   const TileConfig cfg = tile_config_of(s);
@@ -91,8 +100,8 @@ Status launch_tensor_core(const PrefixItemAttentionParams& p, const void* worksp
   constexpr int smem = attention_smem_bytes<D>();
   PYSCORE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(static_cast<unsigned>(cfg.max_tiles), static_cast<unsigned>(p.num_kv_heads * cfg.head_chunks));
-  kernel<<<grid, kThreads, smem, stream>>>(p, b.work, b.num_work, b.tok_seg_start, cfg.heads_per_cta,
-                                           cfg.head_chunks);
+  kernel<<<grid, kThreads, smem, stream>>>(p, b.work, b.work_cached, b.num_work, b.tok_seg_start,
+                                           cfg.heads_per_cta, cfg.head_chunks);
   PYSCORE_CUDA_TRY(cudaGetLastError());
   return kOk;
 }
@@ -119,6 +128,10 @@ bool rows_are_16b_aligned(const PrefixItemAttentionParams& p) {
   for (int64_t s : strides) {
     if (s % 8 != 0) return false;  // 8 x 16-bit elements = 16 bytes
   }
+  if (p.cached && (p.cache_block_stride % 8 || p.cache_token_stride % 8 || p.cache_head_stride % 8 ||
+                   !aligned_to(p.cache_k, 16) || !aligned_to(p.cache_v, 16))) {
+    return false;
+  }
   return aligned_to(p.q, 16) && aligned_to(p.k, 16) && aligned_to(p.v, 16) && aligned_to(p.o, 16);
 }
 
@@ -140,9 +153,9 @@ Status prefix_item_attention_plan_cuda(const AttentionPlanParams& shape, void* w
   CudaDeviceGuard guard;
   PYSCORE_CUDA_TRY(guard.set_from_pointer(workspace));
   const auto s = static_cast<cudaStream_t>(stream);
-  plan_tiles_kernel<<<1, kPlanThreads, 0, s>>>(shape.segments, shape.num_segments, cfg.tile_tokens,
+  plan_tiles_kernel<<<1, kPlanThreads, 0, s>>>(shape.segments, shape.cached, shape.num_segments, cfg.tile_tokens,
                                                static_cast<int>(cfg.max_tiles), b.seg_head, b.run_end, b.work,
-                                               b.num_work);
+                                               b.work_cached, b.num_work);
   PYSCORE_CUDA_TRY(cudaGetLastError());
   const unsigned seg_blocks = static_cast<unsigned>(shape.num_segments < 4096 ? shape.num_segments : 4096);
   token_segment_start_kernel<<<seg_blocks, 128, 0, s>>>(shape.segments, shape.num_segments, shape.num_tokens,
@@ -159,6 +172,7 @@ Status prefix_item_attention_run_cuda(const PrefixItemAttentionParams& p, const 
   if (!p.q || !p.k || !p.v || !p.o || !p.segments || !workspace || workspace_bytes < plan_bytes(p)) {
     return kInvalidArgument;
   }
+  if (p.cached && p.num_cached_blocks > 0 && (!p.cache_k || !p.cache_v)) return kInvalidArgument;
 
   CudaDeviceGuard guard;
   PYSCORE_CUDA_TRY(guard.set_from_pointer(p.o));

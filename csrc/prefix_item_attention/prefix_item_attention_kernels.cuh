@@ -46,12 +46,24 @@ __device__ __forceinline__ int4 load_segment(const int32_t* seg, int i) {
   return make_int4(seg[4 * i], seg[4 * i + 1], seg[4 * i + 2], seg[4 * i + 3]);
 }
 
-// True when segment i extends the run of segment i - 1: it starts where i - 1 ends and sees the same prefix.
-__device__ __forceinline__ bool continues_run(const int32_t* seg, int i) {
+// Segment i's cached keys (params.h): (first, count, kind, 0); zeros without a cached table.
+__device__ __forceinline__ int4 load_cached(const int32_t* cached, int i) {
+  if (cached == nullptr) return make_int4(0, 0, 0, 0);
+  return make_int4(cached[3 * i], cached[3 * i + 1], cached[3 * i + 2], 0);
+}
+
+// True when segment i extends the run of segment i - 1: it starts where i - 1 ends and sees the same prefix,
+// cached keys included. Cached keys before a segment's own tokens are that segment's alone (every row of a tile
+// sees the tile's cached keys), so such a segment is a run by itself.
+__device__ __forceinline__ bool continues_run(const int32_t* seg, const int32_t* cached, int i) {
   if (i == 0) return false;
   const int4 a = load_segment(seg, i - 1);
   const int4 b = load_segment(seg, i);
-  return b.x == a.x + a.y && b.w == a.w && (b.w == 0 || b.z == a.z);
+  const int4 ca = load_cached(cached, i - 1);
+  const int4 cb = load_cached(cached, i);
+  if ((ca.y > 0 && ca.z == kCachedBeforeOwn) || (cb.y > 0 && cb.z == kCachedBeforeOwn)) return false;
+  const bool same_cached = ca.y == cb.y && (ca.y == 0 || ca.x == cb.x);
+  return b.x == a.x + a.y && b.w == a.w && (b.w == 0 || b.z == a.z) && same_cached;
 }
 
 struct MaxOp {
@@ -63,15 +75,15 @@ struct MaxOp {
 constexpr int kPlanThreads = 1024;
 
 // One block. Splits every run into tiles of `tile_tokens` tokens (the last one shorter) and writes one work
-// entry per tile: (token begin, token end, prefix_start, prefix_length). A tile is listed by the segment that
-// holds its first token, so the entries come out in table order. Two passes over the table, each a chunked
+// entry per tile: (token begin, token end, prefix_start, prefix_length) and its cached blocks (first, count). A
+// tile is listed by the segment that holds its first token, so the entries come out in table order. Two passes over the table, each a chunked
 // block scan carrying its running value across chunks:
 //   A: run head of every segment (inclusive max-scan of "i if i starts a run"), and each run's end token;
 //   B: tiles starting inside each segment (exclusive sum-scan -> output offsets), then the entries.
 __global__ void __launch_bounds__(kPlanThreads)
-    plan_tiles_kernel(const int32_t* __restrict__ seg, int num_segments, int tile_tokens, int max_tiles,
-                      int* __restrict__ seg_head, int* __restrict__ run_end, int4* __restrict__ work,
-                      int* __restrict__ num_work) {
+    plan_tiles_kernel(const int32_t* __restrict__ seg, const int32_t* __restrict__ cached, int num_segments,
+                      int tile_tokens, int max_tiles, int* __restrict__ seg_head, int* __restrict__ run_end,
+                      int4* __restrict__ work, int2* __restrict__ work_cached, int* __restrict__ num_work) {
   using Scan = cub::BlockScan<int, kPlanThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   __shared__ int carry;
@@ -81,7 +93,7 @@ __global__ void __launch_bounds__(kPlanThreads)
   __syncthreads();
   for (int base = 0; base < num_segments; base += kPlanThreads) {
     const int i = base + tid;
-    const int is_head = (i < num_segments && !continues_run(seg, i)) ? i : -1;
+    const int is_head = (i < num_segments && !continues_run(seg, cached, i)) ? i : -1;
     int head;
     Scan(scan_storage).InclusiveScan(is_head, head, MaxOp());
     head = max(head, carry);  // segment 0 is always a head, so head >= 0 for every real i
@@ -89,7 +101,7 @@ __global__ void __launch_bounds__(kPlanThreads)
     if (tid == kPlanThreads - 1) carry = head;
     if (i < num_segments) {
       seg_head[i] = head;
-      if (i == num_segments - 1 || !continues_run(seg, i + 1)) {
+      if (i == num_segments - 1 || !continues_run(seg, cached, i + 1)) {
         const int4 s = load_segment(seg, i);
         run_end[head] = s.x + s.y;
       }
@@ -103,8 +115,10 @@ __global__ void __launch_bounds__(kPlanThreads)
     const int i = base + tid;
     int count = 0, first = 0, run_start = 0, end = 0;
     int4 s = make_int4(0, 0, 0, 0);
+    int4 c = make_int4(0, 0, 0, 0);
     if (i < num_segments) {
       s = load_segment(seg, i);
+      c = load_cached(cached, i);
       const int head = seg_head[i];
       run_start = seg[4 * head];
       end = run_end[head];
@@ -121,6 +135,7 @@ __global__ void __launch_bounds__(kPlanThreads)
       if (offset + j >= max_tiles) break;  // only on a malformed table; the host bound covers valid ones
       const int begin = run_start + (first + j) * tile_tokens;
       work[offset + j] = make_int4(begin, min(begin + tile_tokens, end), s.z, s.w);
+      work_cached[offset + j] = make_int2(c.x, c.y);
     }
     __syncthreads();
   }
@@ -148,8 +163,8 @@ constexpr int attention_smem_bytes() {
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads)
     prefix_item_attention_tc_kernel(PrefixItemAttentionParams p, const int4* __restrict__ work,
-                                    const int* __restrict__ num_work, const int* __restrict__ tok_seg_start,
-                                    int heads_per_cta, int head_chunks) {
+                                    const int2* __restrict__ work_cached, const int* __restrict__ num_work,
+                                    const int* __restrict__ tok_seg_start, int heads_per_cta, int head_chunks) {
   static_assert(D == 64 || D == 128, "head_dim 64 or 128");
   static_assert(sizeof(T) == 2, "tensor-core path is for 16-bit inputs");
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
@@ -167,6 +182,7 @@ __global__ void __launch_bounds__(kThreads)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int4 w = work[blockIdx.x];
   const int tok_begin = w.x, tok_end = w.y, prefix_start = w.z, prefix_len = w.w;
+  const int2 wc = work_cached[blockIdx.x];  // cached blocks (first, count): key tiles before everything else
   const int group = p.num_q_heads / p.num_kv_heads;
   const int kv_head = blockIdx.y / head_chunks;
   const int head_base = (blockIdx.y % head_chunks) * heads_per_cta;  // first stacked head, within the group
@@ -187,10 +203,14 @@ __global__ void __launch_bounds__(kThreads)
   // Row 0 is always valid (tok_begin < tok_end, head_base < group) and holds the run's earliest segment start.
   const int own_lo = s_row_lo[0];
   const int own_hi = tok_end;  // exclusive
-  const int n_prefix = ceil_div(prefix_len, kBlockN);
+  // Key tiles in order: cached (whole tiles, every key visible to every row), prefix, own. Cached keys come
+  // first whatever they lead (a prefix or a causal sequence), which is where they sit in a run without the cache.
+  const int tiles_per_block = p.block_tokens / kBlockN;
+  const int n_cached = wc.y * tiles_per_block;
+  const int n_prefix = n_cached + ceil_div(prefix_len, kBlockN);
   const int n_tiles = n_prefix + ceil_div(own_hi - own_lo, kBlockN);
   auto tile_first_key = [&](int n) {
-    return n < n_prefix ? prefix_start + n * kBlockN : own_lo + (n - n_prefix) * kBlockN;
+    return n < n_prefix ? prefix_start + (n - n_cached) * kBlockN : own_lo + (n - n_prefix) * kBlockN;
   };
 
   const T* q = static_cast<const T*>(p.q);
@@ -205,10 +225,22 @@ __global__ void __launch_bounds__(kThreads)
   }
   // Keys outside the tile's range are zero-filled: their probabilities are 0 and 0 * garbage could be NaN.
   auto load_kv = [&](int n, int buf) {
-    const int key0 = tile_first_key(n);
-    const int key_end = n < n_prefix ? prefix_start + prefix_len : own_hi;
     T* dk = s_k + buf * kBlockN * D;
     T* dv = s_v + buf * kBlockN * D;
+    if (n < n_cached) {  // one whole tile of a cached block
+      const int64_t at = int64_t(p.cached_blocks[wc.x + n / tiles_per_block]) * p.cache_block_stride +
+                         int64_t(n % tiles_per_block) * kBlockN * p.cache_token_stride + kv_head * p.cache_head_stride;
+      const T* ck = static_cast<const T*>(p.cache_k) + at;
+      const T* cv = static_cast<const T*>(p.cache_v) + at;
+      for (int idx = tid; idx < kBlockN * kChunks; idx += kThreads) {
+        const int r = idx / kChunks, c = (idx % kChunks) * 8;
+        cp_async_16(dk + swizzle<D>(r, c), ck + r * p.cache_token_stride + c, true);
+        cp_async_16(dv + swizzle<D>(r, c), cv + r * p.cache_token_stride + c, true);
+      }
+      return;
+    }
+    const int key0 = tile_first_key(n);
+    const int key_end = n < n_prefix ? prefix_start + prefix_len : own_hi;
     for (int idx = tid; idx < kBlockN * kChunks; idx += kThreads) {
       const int r = idx / kChunks, c = (idx % kChunks) * 8;
       const int key = key0 + r;
@@ -281,6 +313,7 @@ __global__ void __launch_bounds__(kThreads)
 
     // Scale and mask. Element e of s[j] is (row_a + 8 * (e >> 1), key0 + 8 j + 2 (lane % 4) + (e & 1)).
     const int key0 = tile_first_key(n);
+    const bool cached_tile = n < n_cached;
     const bool prefix_tile = n < n_prefix;
     const int prefix_end = prefix_start + prefix_len;
 #pragma unroll
@@ -289,7 +322,8 @@ __global__ void __launch_bounds__(kThreads)
       for (int e = 0; e < 4; ++e) {
         const int key = key0 + j * 8 + 2 * (lane & 3) + (e & 1);
         const int i = e >> 1;
-        const bool visible = prefix_tile ? key < prefix_end : (key >= row_lo[i] && key <= row_hi[i]);
+        const bool visible =
+            cached_tile || (prefix_tile ? key < prefix_end : (key >= row_lo[i] && key <= row_hi[i]));
         s[j][e] = visible ? s[j][e] * scale_log2 : -INFINITY;
       }
     }
@@ -394,9 +428,7 @@ __global__ void __launch_bounds__(kSimpleWarps * 32)
       acc[i] = 0.f;
     }
     float m = -INFINITY, l = 0.f;  // running max (log2 units) and sum
-    auto visit = [&](int key) {
-      const T* kr = k + key * p.k_token_stride;
-      const T* vr = v + key * p.v_token_stride;
+    auto visit_row = [&](const T* kr, const T* vr) {
       float dot = 0.f;
 #pragma unroll
       for (int i = 0; i < kPerLane; ++i) dot += qv[i] * to_float(kr[lane + 32 * i]);
@@ -409,6 +441,16 @@ __global__ void __launch_bounds__(kSimpleWarps * 32)
       for (int i = 0; i < kPerLane; ++i) acc[i] = acc[i] * alpha + prob * to_float(vr[lane + 32 * i]);
       m = m_new;
     };
+    auto visit = [&](int key) { visit_row(k + key * p.k_token_stride, v + key * p.v_token_stride); };
+    // Cached keys first (params.h: where they sit without the cache), then the prefix, then the own tokens.
+    const int4 c = load_cached(p.cached, blockIdx.x);
+    for (int b = 0; b < c.y; ++b) {
+      const int64_t at = int64_t(p.cached_blocks[c.x + b]) * p.cache_block_stride + kv_head * p.cache_head_stride;
+      for (int j = 0; j < p.block_tokens; ++j) {
+        visit_row(static_cast<const T*>(p.cache_k) + at + j * p.cache_token_stride,
+                  static_cast<const T*>(p.cache_v) + at + j * p.cache_token_stride);
+      }
+    }
     for (int key = s.z; key < s.z + s.w; ++key) visit(key);
     for (int key = s.x; key <= t; ++key) visit(key);
     T* dst = o + t * p.o_token_stride + head * p.o_head_stride;

@@ -3,7 +3,9 @@ embed -> N x (norm -> mixer -> o -> norm -> SwiGLU) -> final norm, returned only
 attention (qkv -> [qk-norm] -> rope(positions) -> prefix_item_attention) or, in Qwen3.5's linear-attention layers,
 Gated DeltaNet over the same segment table (pyscore.model.hybrid). A second entry point decodes one token per running
 sequence against its cache: the KV cache of the attention layers (all sequences in one decode_attention call per
-layer) and the conv + recurrent state of the linear ones.
+layer) and the conv + recurrent state of the linear ones. A batch whose groups start with prefix-cache blocks reads
+their keys and values from a block pool (`BlockPool`, e.g. pyscore.model.prefix_cache.PrefixCache) in every
+attention layer; only the batch's own tokens run through projections, norms and MLPs.
 
 Where the op registry has a `linear` kernel for the model's device and dtype, the mixer's output projection, the
 plain attention's qkv and the MLP run on weights packed once here: the residual adds and the SiLU-mul are fused
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +27,7 @@ from pyscore.model.rope import Rotary
 from pyscore.model.weights import DecoderWeights, LayerWeights
 from pyscore.ops import (
     AttentionPlan,
+    CachedKeys,
     PackedLinear,
     SegmentTable,
     _ext,
@@ -44,6 +48,17 @@ KVSink = Callable[[int, torch.Tensor, torch.Tensor], None]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # mix_linear(layer, h [T, H]) -> the linear-attention mixer's output [T, Hv Dv] (before out_proj).
 MixLinear = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+class BlockPool(Protocol):
+    """Where a batch's cached blocks live: num_blocks blocks of block_tokens tokens, per layer a key and a value
+    view [num_blocks, block_tokens, Hkv, D]."""
+
+    block_tokens: int
+
+    @property
+    def num_blocks(self) -> int: ...
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -160,22 +175,36 @@ class Decoder:
 
     @torch.inference_mode()
     def hidden_at(self, batch: PackedBatch, kv_sink: KVSink | None = None,
-                  segments: SegmentTable | None = None, linear_states: list[KVCache] | None = None) -> torch.Tensor:
+                  segments: SegmentTable | None = None, linear_states: list[KVCache] | None = None,
+                  blocks: BlockPool | None = None) -> torch.Tensor:
         """Final-normed hidden states [R, H] at the batch's read-out rows. The segment table is validated and
         attention (and linear attention) planned once here, for every layer; `segments` passes a table already
         validated and placed on the device (a CUDA graph's static buffer), else it is made from batch.segments.
         linear_states (prefill of a hybrid model): per segment, the cache whose conv tails and recurrent states
-        receive that sequence's end states."""
+        receive that sequence's end states. A batch that reads cached blocks needs the pool they are in
+        (`blocks`); the kv sink runs before each layer's attention, so blocks this pass writes into the pool are
+        readable by its later groups."""
         cfg, device = self.cfg, self.device
         tokens, positions = batch.tokens.to(device), batch.positions.to(device)
         table = segments or SegmentTable.of(batch.segments, batch.num_tokens, device)
+        cached = None
+        if batch.cached is not None:
+            if blocks is None:
+                raise ValueError("the batch reads cached blocks: pass the block pool they are in")
+            assert batch.cached_blocks is not None
+            cached = CachedKeys.of(table, batch.cached, batch.cached_blocks, blocks.block_tokens, blocks.num_blocks,
+                                   device)
         plan = AttentionPlan(table, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, self.dtype, device,
-                             self.op_backend)
+                             self.op_backend, cached)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if kv_sink is not None:
                 kv_sink(self.slot[i], k, v)
-            return plan.run(q, k, v)
+            if cached is None:
+                return plan.run(q, k, v)
+            assert blocks is not None
+            cache_k, cache_v = blocks.layer(self.slot[i])
+            return plan.run(q, k, v, cache_k=cache_k, cache_v=cache_v)
 
         mix_linear = None
         if self.num_linear:

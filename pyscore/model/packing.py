@@ -4,7 +4,12 @@ table for prefix_item_attention and the read-out rows.
 A group is a prefix (possibly empty) followed by its items. SIS puts each query+item in its own group with an
 empty prefix; MIS puts one request's query in the prefix and its items after it. Item token j of a group with
 prefix length P sits at position P + j, exactly where it would be in SIS, whatever its place in the stream,
-so a request's scores do not depend on its batch-mates."""
+so a request's scores do not depend on its batch-mates.
+
+With a prefix cache a group may begin with cached tokens (`CacheUse`): the first blocks of its prefix (MIS) or of
+its single item (SIS, a Generate prompt) are read from the cache's block pool and get no row in the stream; the
+batch lists them per segment (`cached`, `cached_blocks`: pyscore.ops.CachedKeys) and the tokens after them keep
+their positions. Full blocks the pass computes and the cache should keep are listed in `block_writes`."""
 
 from __future__ import annotations
 
@@ -12,12 +17,34 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pyscore.ops.segments import CACHED_BEFORE_OWN, CACHED_BEFORE_PREFIX
+
+
+@dataclass(frozen=True)
+class CacheUse:
+    """A group's use of the prefix cache: its first len(read) blocks of `block_tokens` tokens (of the prefix, or
+    of its single item when it has no prefix) are the pool blocks `read`; `write` lists (j, pool block) for full
+    blocks j >= len(read), computed in this pass, that go to the pool."""
+
+    block_tokens: int
+    read: tuple[int, ...] = ()
+    write: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def cached_tokens(self) -> int:
+        return len(self.read) * self.block_tokens
+
 
 @dataclass
 class Group:
     prefix: list[int]
     items: list[list[int]]
     readouts: list[list[int]]  # per item: offsets inside the item whose next-token distribution is read
+    cache: CacheUse | None = None
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.cache.cached_tokens if self.cache else 0
 
 
 @dataclass
@@ -28,6 +55,9 @@ class PackedBatch:
     readout: torch.Tensor  # [R] int64 stream indices
     # rows[g][i] = the read-out row indices (into readout) of item i of group g
     rows: list[list[list[int]]] = field(default_factory=list)
+    cached: torch.Tensor | None = None  # [S, 3] int32 (first, count, kind) when a group reads cached blocks
+    cached_blocks: torch.Tensor | None = None  # [NB] int32 pool blocks listed by `cached`
+    block_writes: list[tuple[int, int]] = field(default_factory=list)  # (stream index of a block's start, pool block)
 
     @property
     def num_tokens(self) -> int:
@@ -35,30 +65,97 @@ class PackedBatch:
 
 
 def pack(groups: list[Group]) -> PackedBatch:
-    tokens: list[int] = []
-    positions: list[int] = []
-    segments: list[tuple[int, int, int, int]] = []
-    readout: list[int] = []
-    rows: list[list[list[int]]] = []
+    out = _Packer()
     for group in groups:
-        prefix_start, prefix_length = len(tokens), len(group.prefix)
-        if prefix_length:
-            segments.append((prefix_start, prefix_length, prefix_start, 0))
-            tokens += group.prefix
-            positions += range(prefix_length)
+        out.add(group)
+    return out.batch()
+
+
+class _Packer:
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.positions: list[int] = []
+        self.segments: list[tuple[int, int, int, int]] = []
+        self.cached: list[tuple[int, int, int]] = []
+        self.cached_blocks: list[int] = []
+        self.block_writes: list[tuple[int, int]] = []
+        self.readout: list[int] = []
+        self.rows: list[list[list[int]]] = []
+
+    def add(self, group: Group) -> None:
+        use = group.cache or CacheUse(block_tokens=1)
+        skip = use.cached_tokens
+        first = len(self.cached_blocks)
+        self.cached_blocks += use.read
+        if group.prefix:
+            if skip > len(group.prefix):
+                raise ValueError(f"{skip} cached tokens exceed the {len(group.prefix)}-token prefix")
+            self._add_mis(group, use, skip, first)
+        else:
+            if (use.read or use.write) and (len(group.items) != 1 or skip >= len(group.items[0])):
+                raise ValueError("cached blocks of a group without prefix must lead its single item and leave at "
+                                 "least one token to compute")
+            self._add_sequence(group, use, skip, first)
+
+    def _segment(self, start: int, length: int, prefix_start: int, prefix_length: int, cached: tuple[int, int, int]):
+        self.segments.append((start, length, prefix_start, prefix_length))
+        self.cached.append(cached)
+
+    def _writes(self, use: CacheUse, first_token_at: int) -> None:
+        """The blocks to write, as stream indices: block j starts at token j * B, which sits at first_token_at +
+        j * B - (cached tokens)."""
+        b, skip = use.block_tokens, use.cached_tokens
+        for j, slot in use.write:
+            assert j >= len(use.read), "a cached block is read, not written"
+            self.block_writes.append((first_token_at + j * b - skip, slot))
+
+    def _add_mis(self, group: Group, use: CacheUse, skip: int, first: int) -> None:
+        prefix_start, computed = len(self.tokens), len(group.prefix) - skip
+        n = len(use.read)
+        if computed:
+            self._segment(prefix_start, computed, prefix_start, 0, (first, n, CACHED_BEFORE_OWN))
+            self.tokens += group.prefix[skip:]
+            self.positions += range(skip, len(group.prefix))
+        self._writes(use, prefix_start)
         group_rows = []
         for item, offsets in zip(group.items, group.readouts, strict=True):
-            start = len(tokens)
-            segments.append((start, len(item), prefix_start if prefix_length else start, prefix_length))
-            tokens += item
-            positions += range(prefix_length, prefix_length + len(item))
-            group_rows.append(list(range(len(readout), len(readout) + len(offsets))))
-            readout += [start + o for o in offsets]
-        rows.append(group_rows)
-    return PackedBatch(
-        tokens=torch.tensor(tokens, dtype=torch.long),
-        positions=torch.tensor(positions, dtype=torch.long),
-        segments=torch.tensor(segments, dtype=torch.int32).reshape(-1, 4),
-        readout=torch.tensor(readout, dtype=torch.long),
-        rows=rows,
-    )
+            start = len(self.tokens)
+            self._segment(start, len(item), prefix_start if computed else start, computed,
+                          (first, n, CACHED_BEFORE_PREFIX))
+            self.tokens += item
+            self.positions += range(len(group.prefix), len(group.prefix) + len(item))
+            group_rows.append(self._readouts(start, offsets))
+        self.rows.append(group_rows)
+
+    def _add_sequence(self, group: Group, use: CacheUse, skip: int, first: int) -> None:
+        """A prefix-less group: each item its own causal sequence (the first may continue cached tokens)."""
+        group_rows = []
+        for item, offsets in zip(group.items, group.readouts, strict=True):
+            start = len(self.tokens)
+            self._segment(start, len(item) - skip, start, 0, (first, len(use.read), CACHED_BEFORE_OWN))
+            self._writes(use, start)
+            self.tokens += item[skip:]
+            self.positions += range(skip, len(item))
+            if min(offsets, default=skip) < skip:
+                raise ValueError("a read-out token cannot be a cached one")
+            group_rows.append(self._readouts(start - skip, offsets))
+        self.rows.append(group_rows)
+
+    def _readouts(self, item_at: int, offsets: list[int]) -> list[int]:
+        """Read-out rows of an item whose token 0 sits (or would sit) at stream index item_at."""
+        rows = list(range(len(self.readout), len(self.readout) + len(offsets)))
+        self.readout += [item_at + o for o in offsets]
+        return rows
+
+    def batch(self) -> PackedBatch:
+        any_cached = bool(self.cached_blocks)
+        return PackedBatch(
+            tokens=torch.tensor(self.tokens, dtype=torch.long),
+            positions=torch.tensor(self.positions, dtype=torch.long),
+            segments=torch.tensor(self.segments, dtype=torch.int32).reshape(-1, 4),
+            readout=torch.tensor(self.readout, dtype=torch.long),
+            rows=self.rows,
+            cached=torch.tensor(self.cached, dtype=torch.int32).reshape(-1, 3) if any_cached else None,
+            cached_blocks=torch.tensor(self.cached_blocks, dtype=torch.int32) if any_cached else None,
+            block_writes=self.block_writes,
+        )

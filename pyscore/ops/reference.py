@@ -10,30 +10,50 @@ import torch
 import torch.nn.functional as F
 
 
-def segment_attention_mask(segments: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Boolean [T, T] mask (True = may attend) for a segment table [S, 4] of (start, length, prefix_start,
-    prefix_length): a token sees its segment's prefix and, causally, its own segment."""
-    mask = torch.zeros(num_tokens, num_tokens, dtype=torch.bool)
-    for start, length, prefix_start, prefix_length in segments.tolist():
+def segment_attention_mask(segments: torch.Tensor, num_tokens: int, cached: torch.Tensor | None = None,
+                           cached_keys: int = 0, block_tokens: int = 0) -> torch.Tensor:
+    """Boolean [T, T + cached_keys] mask (True = may attend) for a segment table [S, 4] of (start, length,
+    prefix_start, prefix_length): a token sees its segment's prefix and, causally, its own segment. With cached
+    rows [S, 3] (first, count, kind; see pyscore.ops.segments.CachedKeys) the columns after T are the listed
+    cached blocks' keys in list order, and a token also sees all of its segment's."""
+    mask = torch.zeros(num_tokens, num_tokens + cached_keys, dtype=torch.bool)
+    cached_rows = cached.tolist() if cached is not None else [(0, 0, 0)] * segments.shape[0]
+    for (start, length, prefix_start, prefix_length), (first, count, _) in zip(segments.tolist(), cached_rows,
+                                                                                 strict=True):
         end = start + length
         mask[start:end, start:end] = torch.tril(torch.ones(length, length, dtype=torch.bool))
         if prefix_length:
             mask[start:end, prefix_start : prefix_start + prefix_length] = True
+        if count:
+            mask[start:end, num_tokens + first * block_tokens : num_tokens + (first + count) * block_tokens] = True
     return mask
 
 
 def prefix_item_attention_ref(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor, scale: float | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor, scale: float | None = None,
+    cached: torch.Tensor | None = None, cached_blocks: torch.Tensor | None = None,
+    cache_k: torch.Tensor | None = None, cache_v: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [T, Hq, D], k/v: [T, Hkv, D] -> out [T, Hq, D] (fp32) with the segment mask; GQA by head groups."""
+    """q: [T, Hq, D], k/v: [T, Hkv, D] -> out [T, Hq, D] (fp32) with the segment mask; GQA by head groups. With
+    cached rows [S, 3] and blocks [NB] (pyscore.ops.segments.CachedKeys), the listed blocks of the pools
+    cache_k / cache_v [N, B, Hkv, D] are more keys, seen by their segments' tokens."""
     num_tokens, num_q_heads, head_dim = q.shape
     group = num_q_heads // k.shape[1]
     scale = head_dim**-0.5 if scale is None else scale
-    qf, kf, vf = (x.float().transpose(0, 1) for x in (q, k, v))  # [H, T, D]
+    cached_keys = block_tokens = 0
+    if cached is not None:
+        assert cached_blocks is not None and cache_k is not None and cache_v is not None
+        index = cached_blocks.long().to(cache_k.device)
+        block_tokens = cache_k.shape[1]
+        k = torch.cat([k, cache_k[index].reshape(-1, *k.shape[1:])])  # [T + NB B, Hkv, D]
+        v = torch.cat([v, cache_v[index].reshape(-1, *v.shape[1:])])
+        cached_keys = k.shape[0] - num_tokens
+    qf, kf, vf = (x.float().transpose(0, 1) for x in (q, k, v))  # [H, T (+ cached), D]
     kf = kf.repeat_interleave(group, dim=0)
     vf = vf.repeat_interleave(group, dim=0)
-    scores = (qf @ kf.transpose(1, 2)) * scale  # [Hq, T, T]
-    mask = segment_attention_mask(segments.cpu(), num_tokens).to(scores.device)
+    scores = (qf @ kf.transpose(1, 2)) * scale  # [Hq, T, T + cached]
+    cached = cached.cpu() if cached is not None else None
+    mask = segment_attention_mask(segments.cpu(), num_tokens, cached, cached_keys, block_tokens).to(scores.device)
     scores = scores.masked_fill(~mask, float("-inf"))
     return (scores.softmax(-1) @ vf).transpose(0, 1).contiguous()
 

@@ -37,6 +37,10 @@ struct int4 {
   int x, y, z, w;
 };
 inline int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
+struct int2 {
+  int x, y;
+};
+inline int2 make_int2(int x, int y) { return {x, y}; }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline float __expf(float x) { return expf(x); }

@@ -51,40 +51,62 @@ double to_d(T x) {
 
 struct Segment {
   int start, length, prefix_start, prefix_length;
+  int cached_first = 0, cached_count = 0, cached_kind = kCachedBeforeOwn;  // params.h
 };
 
-// A packed stream: each group is a prefix (0 = plain causal sequences) followed by item lengths. With a prefix
-// the table lists the prefix row, then its items; without, every length is its own causal sequence.
+// A packed stream: each group is a prefix (0 = plain causal sequences) followed by item lengths, optionally
+// preceded by `cached` blocks of a block pool. An MIS group (a prefix, or `shared` cached blocks and no
+// prefix: a fully cached one) lists its prefix row (cached blocks before its own tokens), then its items (cached
+// blocks before the prefix); otherwise every length is its own causal sequence with `cached` blocks of its own.
 struct Group {
   int prefix;
   std::vector<int> items;
+  int cached = 0;
+  bool shared = false;
 };
 
-std::vector<Segment> pack(const std::vector<Group>& groups) {
+// Cached blocks are numbered in order of use; entry b of the list is pool block (7 * b + 3) % pool_blocks, so
+// the list is not the identity and some pool blocks stay unused.
+struct Stream {
   std::vector<Segment> segs;
+  std::vector<int32_t> cached_blocks;
+  int pool_blocks = 1;
+};
+
+Stream pack(const std::vector<Group>& groups, int pool_blocks = 1) {
+  Stream out;
+  out.pool_blocks = pool_blocks;
+  auto take = [&](int count) {
+    const int first = int(out.cached_blocks.size());
+    for (int b = 0; b < count; ++b) out.cached_blocks.push_back((7 * (first + b) + 3) % pool_blocks);
+    return first;
+  };
   int t = 0;
   for (const Group& g : groups) {
-    if (g.prefix > 0) {
+    if (g.prefix > 0 || g.shared) {
+      const int first = g.cached > 0 ? take(g.cached) : 0;
       const int p0 = t;
-      segs.push_back({t, g.prefix, 0, 0});
+      if (g.prefix > 0) out.segs.push_back({t, g.prefix, 0, 0, first, g.cached, kCachedBeforeOwn});
       t += g.prefix;
       for (int len : g.items) {
-        segs.push_back({t, len, p0, g.prefix});
+        out.segs.push_back({t, len, g.prefix > 0 ? p0 : 0, g.prefix, first, g.cached, kCachedBeforePrefix});
         t += len;
       }
     } else {
       for (int len : g.items) {
-        segs.push_back({t, len, 0, 0});
+        const int first = g.cached > 0 ? take(g.cached) : 0;
+        out.segs.push_back({t, len, 0, 0, first, g.cached, kCachedBeforeOwn});
         t += len;
       }
     }
   }
-  return segs;
+  return out;
 }
 
 template <typename T, int D>
-void check_attention(const std::string& name, const std::vector<Segment>& segs, int hq, int hkv, bool tensor_cores,
-                     uint32_t seed) {
+void check_attention(const std::string& name, const Stream& stream, int hq, int hkv, bool tensor_cores,
+                     uint32_t seed, int block_tokens = 64) {
+  const std::vector<Segment>& segs = stream.segs;
   int num_tokens = 0;
   for (const Segment& s : segs) num_tokens = std::max(num_tokens, s.start + s.length);
   const int num_segments = int(segs.size());
@@ -102,8 +124,18 @@ void check_attention(const std::string& name, const std::vector<Segment>& segs, 
   fill(v, num_tokens * kv_ts, 1.f);
   const T sentinel = to_t<T>(12345.f);
   std::vector<T> o(num_tokens * o_ts, sentinel);
-  std::vector<int32_t> table;
-  for (const Segment& s : segs) table.insert(table.end(), {s.start, s.length, s.prefix_start, s.prefix_length});
+  std::vector<int32_t> table, cached_table;
+  bool any_cached = false;
+  for (const Segment& s : segs) {
+    table.insert(table.end(), {s.start, s.length, s.prefix_start, s.prefix_length});
+    cached_table.insert(cached_table.end(), {s.cached_first, s.cached_count, s.cached_kind});
+    any_cached |= s.cached_count > 0;
+  }
+  // The block pool: [pool_blocks][block_tokens][hkv][D] with a padded token stride, K and V apart.
+  const int64_t c_ts = int64_t(hkv) * D + 8, c_bs = block_tokens * c_ts + 24;
+  std::vector<T> cache_k, cache_v;
+  fill(cache_k, stream.pool_blocks * c_bs, 1.5f);
+  fill(cache_v, stream.pool_blocks * c_bs, 1.f);
 
   PrefixItemAttentionParams p{};
   p.q = q.data();
@@ -121,6 +153,15 @@ void check_attention(const std::string& name, const std::vector<Segment>& segs, 
   p.num_kv_heads = hkv;
   p.head_dim = D;
   p.scale = 1.f / std::sqrt(float(D));
+  if (any_cached) {
+    p.cached = cached_table.data();
+    p.cached_blocks = stream.cached_blocks.data();
+    p.num_cached_blocks = int(stream.cached_blocks.size());
+    p.block_tokens = block_tokens;
+    p.cache_k = cache_k.data();
+    p.cache_v = cache_v.data();
+    p.cache_block_stride = c_bs, p.cache_token_stride = c_ts, p.cache_head_stride = D;
+  }
 
   using namespace attention_cuda;
   if (tensor_cores) {
@@ -128,11 +169,12 @@ void check_attention(const std::string& name, const std::vector<Segment>& segs, 
       const TileConfig cfg = tile_config(hq, hkv, num_tokens, num_segments);
       const int max_tiles = int(cfg.max_tiles);
       std::vector<int4> work(max_tiles, int4{-1, -1, -1, -1});
+      std::vector<int2> work_cached(max_tiles, int2{-1, -1});
       std::vector<int> seg_head(num_segments, -7), run_end(num_segments, -7), tok_seg_start(num_tokens, -7);
       int num_work = -7;
       emu::launch(dim3(1), dim3(kPlanThreads), 0, [&] {
-        plan_tiles_kernel(table.data(), num_segments, cfg.tile_tokens, max_tiles, seg_head.data(), run_end.data(),
-                          work.data(), &num_work);
+        plan_tiles_kernel(table.data(), p.cached, num_segments, cfg.tile_tokens, max_tiles, seg_head.data(),
+                          run_end.data(), work.data(), work_cached.data(), &num_work);
       });
       emu::launch(dim3(std::min(num_segments, 4096)), dim3(128), 0, [&] {
         token_segment_start_kernel(table.data(), num_segments, num_tokens, tok_seg_start.data());
@@ -154,8 +196,8 @@ void check_attention(const std::string& name, const std::vector<Segment>& segs, 
         }
       }
       emu::launch(dim3(max_tiles, hkv * cfg.head_chunks), dim3(kThreads), attention_smem_bytes<D>(), [&] {
-        prefix_item_attention_tc_kernel<T, D>(p, work.data(), &num_work, tok_seg_start.data(), cfg.heads_per_cta,
-                                              cfg.head_chunks);
+        prefix_item_attention_tc_kernel<T, D>(p, work.data(), work_cached.data(), &num_work, tok_seg_start.data(),
+                                              cfg.heads_per_cta, cfg.head_chunks);
       });
     }
   } else {
@@ -171,16 +213,22 @@ void check_attention(const std::string& name, const std::vector<Segment>& segs, 
     for (int t = s.start; t < s.start + s.length; ++t) {
       for (int h = 0; h < hq; ++h) {
         const int kvh = h / group;
-        std::vector<int> keys;
-        for (int j = s.prefix_start; j < s.prefix_start + s.prefix_length; ++j) keys.push_back(j);
-        for (int j = s.start; j <= t; ++j) keys.push_back(j);
+        // Every key the token sees, as (K row, V row) pointers: cached, prefix, own up to itself.
+        std::vector<std::pair<const T*, const T*>> keys;
+        for (int j = 0; j < s.cached_count * block_tokens; ++j) {
+          const int64_t at = int64_t(stream.cached_blocks[s.cached_first + j / block_tokens]) * c_bs +
+                             (j % block_tokens) * c_ts + kvh * D;
+          keys.push_back({cache_k.data() + at, cache_v.data() + at});
+        }
+        for (int j = s.prefix_start; j < s.prefix_start + s.prefix_length; ++j)
+          keys.push_back({k.data() + j * kv_ts + kvh * D, v.data() + j * kv_ts + kvh * D});
+        for (int j = s.start; j <= t; ++j)
+          keys.push_back({k.data() + j * kv_ts + kvh * D, v.data() + j * kv_ts + kvh * D});
         std::vector<double> w(keys.size());
         double mx = -1e300;
         for (size_t i = 0; i < keys.size(); ++i) {
           double dot = 0;
-          for (int d = 0; d < D; ++d) {
-            dot += to_d(q[t * q_ts + h * D + d]) * to_d(k[keys[i] * kv_ts + kvh * D + d]);
-          }
+          for (int d = 0; d < D; ++d) dot += to_d(q[t * q_ts + h * D + d]) * to_d(keys[i].first[d]);
           w[i] = dot * p.scale;
           mx = std::max(mx, w[i]);
         }
@@ -188,7 +236,7 @@ void check_attention(const std::string& name, const std::vector<Segment>& segs, 
         for (double& x : w) denom += (x = std::exp(x - mx));
         for (int d = 0; d < D; ++d) {
           double ref = 0;
-          for (size_t i = 0; i < keys.size(); ++i) ref += w[i] * to_d(v[keys[i] * kv_ts + kvh * D + d]);
+          for (size_t i = 0; i < keys.size(); ++i) ref += w[i] * to_d(keys[i].second[d]);
           ref /= denom;
           const double err = std::fabs(to_d(o[t * o_ts + h * D + d]) - ref);
           max_err = std::max(max_err, std::isnan(err) ? INFINITY : err);
@@ -595,13 +643,15 @@ int main(int argc, char** argv) {
     // Two MIS groups (items of 1..70 tokens, one longer than a tile), plain causal sequences back to back
     // (runs of several segments), a 1-token sequence, and a short sequence right after a 130-token one (its
     // rows share a tile whose first key tiles they cannot see at all: the -inf row-max case).
-    const std::vector<Segment> mixed =
-        pack({{70, {1, 5, 17, 70}}, {0, {33, 1, 9}}, {3, {2, 64, 9}}, {0, {130, 5}}});
+    const Stream mixed = pack({{70, {1, 5, 17, 70}}, {0, {33, 1, 9}}, {3, {2, 64, 9}}, {0, {130, 5}}});
     // The same stream with the table rows reordered (groups stay contiguous) plus a zero-length row.
-    std::vector<Segment> reordered = pack({{70, {1, 5, 17, 70}}, {0, {33, 1, 9}}, {3, {2, 64, 9}}, {0, {130, 5}}});
-    std::rotate(reordered.begin(), reordered.begin() + 5, reordered.end());
-    std::swap(reordered[0], reordered[1]);
-    reordered.push_back({reordered[2].start, 0, 0, 0});
+    Stream reordered = pack({{70, {1, 5, 17, 70}}, {0, {33, 1, 9}}, {3, {2, 64, 9}}, {0, {130, 5}}});
+    std::rotate(reordered.segs.begin(), reordered.segs.begin() + 5, reordered.segs.end());
+    std::swap(reordered.segs[0], reordered.segs[1]);
+    reordered.segs.push_back({reordered.segs[2].start, 0, 0, 0});
+    // Cached blocks: an MIS group with a cached head and an uncached rest, a fully cached MIS group, causal
+    // sequences continuing cached tokens next to plain ones (runs must break around them).
+    const Stream cached = pack({{40, {3, 70}, 2}, {0, {5, 1}, 1, true}, {0, {9, 20}, 1}, {0, {7}}, {0, {66}, 2}}, 5);
     check_attention<__nv_bfloat16, 64>("attn tc bf16 D64 MHA 4/4", mixed, 4, 4, true, 1);
     check_attention<__nv_bfloat16, 64>("attn tc bf16 D64 GQA 6/2 (3 stacked)", mixed, 6, 2, true, 2);
     check_attention<__nv_bfloat16, 128>("attn tc bf16 D128 GQA 8/1 (8 stacked)", mixed, 8, 1, true, 3);
@@ -609,6 +659,10 @@ int main(int argc, char** argv) {
     check_attention<__nv_bfloat16, 64>("attn tc bf16 D64 GQA 8/2, reordered table", reordered, 8, 2, true, 5);
     check_attention<float, 64>("attn simple fp32 D64 GQA 6/2", mixed, 6, 2, false, 6);
     check_attention<__nv_bfloat16, 128>("attn simple bf16 D128 GQA 4/1, reordered", reordered, 4, 1, false, 7);
+    check_attention<__nv_bfloat16, 64>("attn tc bf16 D64 GQA 6/2, cached blocks", cached, 6, 2, true, 8);
+    check_attention<__nv_bfloat16, 128>("attn tc bf16 D128 GQA 8/1, cached 128-key blocks", cached, 8, 1, true, 9,
+                                        128);
+    check_attention<float, 64>("attn simple fp32 D64 GQA 6/2, cached blocks", cached, 6, 2, false, 10);
   }
 
   if (want("attention-quick")) {
@@ -616,6 +670,12 @@ int main(int argc, char** argv) {
                                        pack({{70, {1, 5, 17}}, {0, {100, 3}}}), 6, 2, true, 2);
     check_attention<__nv_bfloat16, 256>("attn simple bf16 D256 GQA 4/1 (Qwen3.5 heads)",
                                         pack({{9, {1, 4}}, {0, {6}}}), 4, 1, false, 9);
+    // Cached blocks before an MIS prefix, a fully cached group, a causal sequence continuing cached tokens.
+    check_attention<__nv_bfloat16, 64>("attn tc bf16 D64 GQA 6/2, cached blocks",
+                                       pack({{9, {3, 20}, 1}, {0, {2, 1}, 1, true}, {0, {30, 4}, 1}}, 3), 6, 2, true,
+                                       11);
+    check_attention<float, 64>("attn simple fp32 D64 GQA 4/2, cached blocks",
+                               pack({{9, {3, 20}, 1}, {0, {2, 1}, 1, true}, {0, {30, 4}, 1}}, 3), 4, 2, false, 12);
   }
 
   if (want("decode")) {
@@ -638,13 +698,13 @@ int main(int argc, char** argv) {
     // Two MIS groups (items of 1..5 tokens and one longer than a staging chunk; a prefix shorter than the conv
     // window), plain sequences, a zero-length row and two sequences continuing from caller states (decode-style,
     // one of them a single token).
-    const std::vector<Segment> mixed = pack({{7, {1, 2, 3, 4, 20}}, {0, {5, 1, 17}}, {2, {3, 1}}});
+    const std::vector<Segment> mixed = pack({{7, {1, 2, 3, 4, 20}}, {0, {5, 1, 17}}, {2, {3, 1}}}).segs;
     std::vector<Segment> with_empty = mixed;
     with_empty.push_back({mixed[6].start, 0, 0, 0});
     check_linear<float>("linear fp32 Hk 2 Hv 4 Dk 16 Dv 24 K 4", with_empty, 2, 4, 16, 24, 4, {7, 8}, 21);
     check_linear<__nv_bfloat16>("linear bf16 Hk 1 Hv 2 Dk 32 Dv 16 K 4", mixed, 1, 2, 32, 16, 4, {6}, 22);
-    check_linear<float>("linear fp32 Hk 2 Hv 2 Dk 13 Dv 20 K 3", pack({{0, {1, 9}}, {4, {2, 6}}}), 2, 2, 13, 20, 3,
-                        {0, 1}, 23);
+    check_linear<float>("linear fp32 Hk 2 Hv 2 Dk 13 Dv 20 K 3", pack({{0, {1, 9}}, {4, {2, 6}}}).segs, 2, 2, 13, 20,
+                        3, {0, 1}, 23);
   }
   std::printf("%s\n", g_failures ? "FAILED" : "ALL OK");
   return g_failures ? 1 : 0;

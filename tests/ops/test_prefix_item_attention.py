@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyscore.ops import AttentionPlan, SegmentTable, _ext, prefix_item_attention
+from pyscore.ops import AttentionPlan, CachedKeys, SegmentTable, _ext, prefix_item_attention
 from pyscore.ops.reference import (
     attention_with_lse_ref,
     merge_state_ref,
@@ -245,3 +245,166 @@ def test_cpu_plan_owns_its_workspaces_and_rejects_a_bad_table():
     bad[-1, 1] += 1  # one token past the stream
     with pytest.raises(ValueError, match="prefix_item_attention_plan: invalid argument"):
         module.prefix_item_attention_plan(bad.data_ptr(), bad.shape[0], num_tokens, 9, 3, 64, "bfloat16")
+
+
+# ---- cached keys (a prefix cache's blocks before a segment's own tokens or before its prefix) -------------------
+
+BLOCK = 64
+# Groups (prefix_length, item_lengths, cached_blocks): an MIS group's cached blocks are its prefix's first
+# tokens (all of them when cached_blocks * BLOCK == prefix_length); a SIS sequence's are its own first tokens.
+CACHED_STREAMS = {
+    "mis-partial": [(150, [5, 1, 30], 2)],
+    "mis-whole": [(128, [7, 64, 1], 2)],
+    "sis": [(0, [70], 1), (0, [13], 0), (0, [200], 3)],
+    "mixed": [(0, [9], 0), (64, [3, 40], 1), (0, [65], 1), (300, [2], 4), (17, [5], 0), (128, [1, 1], 2)],
+}
+
+
+def cold_and_warm(groups, hq, hkv, d, dtype, device, seed=0):
+    """The same attention twice: cold, every token in the stream; warm, the cached tokens' keys moved into a
+    block pool (blocks at scattered slots) and their rows dropped. Returns (cold segments, q, k, v), (warm
+    segments, cached rows, blocks, pool_k, pool_v) and the cold rows the warm stream keeps, in warm order."""
+    cold_rows, warm_rows, cached_rows, blocks, kept = [], [], [], [], []
+    t = w = 0
+    cached_tokens = []  # (cold token start, blocks) per cached run of keys
+    for prefix, items, cached in groups:
+        c = cached * BLOCK
+        if prefix:
+            cold_rows.append([t, prefix, 0, 0])
+            first = len(blocks)
+            blocks += list(range(first, first + cached))
+            cached_tokens.append((t, cached))
+            if prefix > c:
+                warm_rows.append([w, prefix - c, 0, 0])
+                cached_rows.append([first, cached, 0])
+            kept += range(t + c, t + prefix)
+            p0, wp0 = t, w
+            t, w = t + prefix, w + prefix - c
+            for n in items:
+                cold_rows.append([t, n, p0, prefix])
+                warm_rows.append([w, n, wp0 if prefix > c else 0, prefix - c])
+                cached_rows.append([first, cached, 1])
+                kept += range(t, t + n)
+                t, w = t + n, w + n
+            continue
+        for n in items:
+            first = len(blocks)
+            blocks += list(range(first, first + cached))
+            cached_tokens.append((t, cached))
+            cold_rows.append([t, n, t, 0])
+            warm_rows.append([w, n - c, w, 0])
+            cached_rows.append([first, cached, 0])
+            kept += range(t + c, t + n)
+            t, w = t + n, w + n - c
+    q, k, v = make_qkv(t, hq, hkv, d, dtype, device, fused=True, seed=seed)
+    pool = len(blocks) + 3
+    pool += pool % 7 == 0  # not a multiple of 7, so the slots below are one-to-one
+    slot = [(7 * b + 3) % pool for b in range(len(blocks))]  # scattered, some pool blocks unused
+    assert len(set(slot)) == len(slot)
+    gen = torch.Generator().manual_seed(seed + 1)
+    pool_k, pool_v = (torch.randn(pool, BLOCK, hkv, d, generator=gen).to(device=device, dtype=dtype) for _ in "kv")
+    b = 0
+    for start, count in cached_tokens:
+        for j in range(count):
+            pool_k[slot[b]] = k[start + j * BLOCK : start + (j + 1) * BLOCK]
+            pool_v[slot[b]] = v[start + j * BLOCK : start + (j + 1) * BLOCK]
+            b += 1
+    i32 = dict(dtype=torch.int32, device=device)
+    cold = (torch.tensor(cold_rows, **i32), q, k, v)
+    warm = (torch.tensor(warm_rows, **i32), torch.tensor(cached_rows, **i32), torch.tensor(slot, **i32), pool_k,
+            pool_v)
+    return cold, warm, torch.tensor(kept, device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", ["gqa3-d64", "gqa4-d128"])
+@pytest.mark.parametrize("stream", list(CACHED_STREAMS))
+def test_cached_keys_match_reference_and_the_cold_run(device, stream, heads, dtype):
+    """Keys read from a block pool give the reference's attention, and on the CPU exactly (bitwise) what the cold
+    run gives the same rows: the cached blocks fill the same key tiles the stream keys filled."""
+    hq, hkv, d = HEADS[heads]
+    (cold_seg, q, k, v), (seg, rows, blocks, pool_k, pool_v), kept = cold_and_warm(
+        CACHED_STREAMS[stream], hq, hkv, d, dtype, device)
+    cached = dict(cached=rows, cached_blocks=blocks, cache_k=pool_k, cache_v=pool_v)
+    wq, wk, wv = q[kept], k[kept], v[kept]
+    warm = prefix_item_attention(wq, wk, wv, seg, backend="kernel", **cached)
+    ref = prefix_item_attention_ref(wq, wk, wv, seg, None, rows, blocks, pool_k, pool_v)
+    cold = prefix_item_attention(q, k, v, cold_seg, backend="kernel")[kept]
+    assert_within(ref, prefix_item_attention_ref(q, k, v, cold_seg)[kept], 1e-5, "reference warm vs cold")
+    if dtype == torch.float32:
+        assert_within(warm, ref, 2e-5, f"{stream}/{heads} fp32 vs reference")
+    else:
+        torch_err = (attention_in_dtype(q, k, v, cold_seg)[kept].float() - ref).abs().max().item()
+        assert_within(warm, ref, 2 * torch_err + 1e-4, f"{stream}/{heads} {dtype} vs reference")
+    if device == "cpu":
+        assert torch.equal(warm, cold), f"{stream}: warm differs from cold, max {(warm - cold).abs().max()}"
+    else:
+        assert_within(warm, cold, 2e-5 if dtype == torch.float32 else 2e-2, "warm vs cold")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cached_keys_on_the_portable_cpu_path(monkeypatch, dtype):
+    monkeypatch.setenv("PYSCORE_DISABLE_AVX512", "1")
+    hq, hkv, d = HEADS["gqa3-d64"]
+    (cold_seg, q, k, v), (seg, rows, blocks, pool_k, pool_v), kept = cold_and_warm(
+        CACHED_STREAMS["mixed"], hq, hkv, d, dtype, "cpu")
+    warm = prefix_item_attention(q[kept], k[kept], v[kept], seg, backend="kernel", cached=rows, cached_blocks=blocks,
+                                 cache_k=pool_k, cache_v=pool_v)
+    assert torch.equal(warm, prefix_item_attention(q, k, v, cold_seg, backend="kernel")[kept])
+
+
+@pytest.mark.parametrize("backend", ["kernel", "reference"])
+def test_one_cached_plan_runs_every_layer_with_its_own_pool(backend):
+    """The plan holds the cached table; each layer passes its own pool views (here: slices of one pool tensor
+    laid out [N, 2, L, B, Hkv, D], as the prefix cache keeps them)."""
+    hq, hkv, d = HEADS["gqa3-d64"]
+    (_, q, k, v), (seg, rows, blocks, pool_k, pool_v), kept = cold_and_warm(
+        CACHED_STREAMS["mixed"], hq, hkv, d, torch.bfloat16, "cpu")
+    layers = 3
+    pool = torch.stack([torch.stack([pool_k.roll(i, dims=-1), pool_v.roll(i, dims=-1)]) for i in range(layers)])
+    pool = pool.permute(2, 1, 0, 3, 4, 5).contiguous()  # [N, 2, L, B, Hkv, D]
+    table = SegmentTable.of(seg, len(kept))
+    keys = CachedKeys.of(table, rows, blocks, BLOCK, pool.shape[0])
+    plan = AttentionPlan(table, hq, hkv, d, torch.bfloat16, "cpu", backend, keys)
+    for i in range(layers):
+        got = plan.run(q[kept], k[kept], v[kept], cache_k=pool[:, 0, i], cache_v=pool[:, 1, i])
+        want = prefix_item_attention(q[kept], k[kept], v[kept], seg, backend=backend, cached=rows,
+                                     cached_blocks=blocks, cache_k=pool_k.roll(i, dims=-1),
+                                     cache_v=pool_v.roll(i, dims=-1))
+        assert torch.equal(got, want), f"layer {i}"
+
+
+def test_cached_keys_are_checked_at_the_door():
+    hq, hkv, d = HEADS["gqa3-d64"]
+    (_, q, k, v), (seg, rows, blocks, pool_k, pool_v), kept = cold_and_warm(
+        CACHED_STREAMS["mis-partial"], hq, hkv, d, torch.float32, "cpu")
+    table = SegmentTable.of(seg, len(kept))
+    bad_kind = rows.clone()
+    bad_kind[0, 2] = 2
+    with pytest.raises(ValueError, match="cached kind"):
+        CachedKeys.of(table, bad_kind, blocks, BLOCK, pool_k.shape[0])
+    own_with_prefix = rows.clone()
+    own_with_prefix[1, 2] = 0  # an item (it has a stream prefix) with cached keys before its own tokens
+    with pytest.raises(ValueError, match="cannot have cached keys before its own tokens"):
+        CachedKeys.of(table, own_with_prefix, blocks, BLOCK, pool_k.shape[0])
+    with pytest.raises(ValueError, match=r"block indices in \[0, 2\)"):
+        CachedKeys.of(table, rows, blocks, BLOCK, 2)
+    with pytest.raises(ValueError, match="inside the 1 given"):
+        CachedKeys.of(table, rows, blocks[:1], BLOCK, pool_k.shape[0])
+    with pytest.raises(ValueError, match="multiple of 64"):
+        CachedKeys.of(table, rows, blocks, 32, pool_k.shape[0])
+    plan = AttentionPlan(table, hq, hkv, d, torch.float32, "cpu", "kernel",
+                         CachedKeys.of(table, rows, blocks, BLOCK, pool_k.shape[0]))
+    with pytest.raises(ValueError, match="cache_k is required"):
+        plan.run(q[kept], k[kept], v[kept])
+    with pytest.raises(ValueError, match=r"cache_v must have shape \[N=\d+, B=64"):
+        plan.run(q[kept], k[kept], v[kept], cache_k=pool_k, cache_v=pool_v[:, :32])
+    with pytest.raises(ValueError, match="plan without cached keys"):
+        AttentionPlan(table, hq, hkv, d, torch.float32, "cpu").run(q[kept], k[kept], v[kept], cache_k=pool_k,
+                                                                    cache_v=pool_v)
+    module = _ext.cpu_module()  # the C++ plan checks the rules too
+    with pytest.raises(ValueError, match="invalid argument"):
+        module.prefix_item_attention_plan(seg.data_ptr(), seg.shape[0], len(kept), hq, hkv, d, "float32",
+                                          cached=own_with_prefix.data_ptr(), cached_blocks=blocks.data_ptr(),
+                                          num_cached_blocks=blocks.shape[0], block_tokens=BLOCK)

@@ -109,7 +109,8 @@ class FakeEngine:
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
-                        threads: int | None = None, max_batch_tokens: int = 8192) -> FakeEngine:
+                        threads: int | None = None, max_batch_tokens: int = 8192,
+                        prefix_cache_mb: float = 0.0) -> FakeEngine:
         return cls(model or "fake-smollm2", delay_s=float(os.environ.get("FAKE_ENGINE_DELAY_S", "0")))
 
     # -- test controls -------------------------------------------------------------------------------------
@@ -143,6 +144,9 @@ class FakeEngine:
         return ModelInfo(name=self.model_name, architecture="FakeForCausalLM", kind="causal_lm", vocab_size=VOCAB,
                          max_context=MAX_CONTEXT, dtype="float32", device="cpu",
                          special_tokens={"bos_token": "<s>", "eos_token": "</s>"}, ops={"fake_op": "python"})
+
+    def prefix_cache_stats(self) -> None:
+        return None  # no prefix cache
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[str]]:
         words = text.split()

@@ -35,14 +35,15 @@ ROOT = Path(__file__).resolve().parents[2]
 # The public contract (issue 3): message -> field names, in field-number order.
 CONTRACT = {
     "ScoreRequest": ["model", "query", "query_token_ids", "items", "item_token_ids", "label_token_ids", "labels",
-                     "apply_softmax", "item_first", "score_extraction_token", "mode"],
+                     "apply_softmax", "item_first", "score_extraction_token", "mode", "bypass_prefix_cache",
+                     "prefix_cache_salt"],
     "TokenIds": ["ids"],
     "ScoreResponse": ["scores", "label_token_ids", "mode", "usage", "model"],
     "ItemScores": ["rows"],
     "ScoreRow": ["values"],
     "Usage": ["prompt_tokens", "computed_tokens", "cached_tokens", "queue_duration", "compute_duration"],
     "GenerateRequest": ["model", "prompt", "prompt_token_ids", "apply_chat_template", "max_tokens", "temperature",
-                        "top_p", "top_k", "seed", "stop", "top_logprobs"],
+                        "top_p", "top_k", "seed", "stop", "top_logprobs", "bypass_prefix_cache", "prefix_cache_salt"],
     "GenerateResponse": ["text", "token_ids", "logprobs", "usage", "finish_reason"],
     "TokenLogprob": ["token_id", "token", "logprob", "top"],
     "TopLogprob": ["token_id", "token", "logprob"],
@@ -51,7 +52,7 @@ CONTRACT = {
     "GetModelInfoRequest": [],
     "ServerLimits": ["max_items", "max_request_tokens", "max_batch_tokens", "max_message_bytes", "max_queue"],
     "ModelInfo": ["name", "architecture", "vocab_size", "max_context", "dtype", "device", "special_tokens",
-                  "num_labels", "kind", "limits", "ops"],
+                  "num_labels", "kind", "limits", "ops", "prefix_cache_block_tokens", "prefix_cache_bytes"],
 }
 ENUMS = {
     "ScoringMode": [("SCORING_MODE_UNSPECIFIED", 0), ("SCORING_MODE_SIS", 1), ("SCORING_MODE_MIS", 2)],

@@ -153,3 +153,33 @@ def test_classifier_scores_its_classes(start_server: Any, tmp_path: Path) -> Non
         expected = direct.score(QUERY, ITEMS, apply_softmax=True)
         assert got.label_token_ids == [0, 1, 2] == expected.label_token_ids
         assert max_abs_diff(got.scores, expected.scores) <= 1e-7
+
+
+def test_prefix_cache_usage_and_metrics_over_the_wire(start_server: Any, model_dir: Path) -> None:
+    """A long query's second request reads its whole blocks from the cache: Usage.cached_tokens says so, the
+    scores do not change, the opt-out and the salt travel, and the Prometheus endpoint counts it all."""
+    from tests.server.test_metrics import scrape
+
+    server = start_server(make_engine(model_dir), metrics_port=0)
+    query = (QUERY + " ") * 5  # ~150 tokens: two whole blocks
+    with ScorerClient(server.target, timeout=30) as client:
+        info = client.model_info()
+        assert info.prefix_cache_block_tokens == 64 and info.prefix_cache_bytes > 0
+        full = len(client.tokenize(query)[0]) // 64 * 64
+        assert full >= 128
+        first = client.score(query, ITEMS, labels=["Yes", "No"])
+        second = client.score(query, ITEMS, labels=["Yes", "No"])
+        cold = client.score(query, ITEMS, labels=["Yes", "No"], bypass_prefix_cache=True)
+        salted = client.score(query, ITEMS, labels=["Yes", "No"], prefix_cache_salt="tenant")
+        generated = client.generate(query, max_tokens=2)
+    assert (first.usage.cached_tokens, second.usage.cached_tokens, cold.usage.cached_tokens) == (0, full, 0)
+    assert salted.usage.cached_tokens == 0 and generated.usage.cached_tokens == full
+    assert second.usage.computed_tokens == first.usage.computed_tokens - full
+    assert first.scores == second.scores == cold.scores == salted.scores
+    m = scrape(server.app.metrics_port)
+    assert m[("pyscore_prefix_cache_hit_tokens_total", ())] == 2 * full
+    assert m[("pyscore_prefix_cache_miss_tokens_total", ())] == 2 * full  # the first and the salted request
+    assert m[("pyscore_prefix_cache_blocks", ())] == 2 * full // 64  # unsalted and salted chains
+    assert m[("pyscore_prefix_cache_bytes", ())] > 0 and m[("pyscore_prefix_cache_evicted_blocks_total", ())] == 0
+    assert m[("pyscore_tokens_cached_total", (("method", "Score"),))] == full
+    assert m[("pyscore_tokens_cached_total", (("method", "Generate"),))] == full

@@ -1,0 +1,197 @@
+"""The prefix cache's block table on its own (no model): chained hashes (a block matches only after its whole
+prefix), collisions handled by comparing tokens, salts and roots, pinning, pending blocks visible to their own
+pass only, abort, LRU eviction under a tiny budget, and a long stream of requests with evictions in the middle
+where every hit must hold exactly the keys written for those tokens."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pyscore.model.prefix_cache import CacheLease, PrefixCache, unsupported_reason
+
+B = 64
+DIMS = dict(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32, device="cpu")
+BLOCK_BYTES = 2 * 2 * B * 1 * 4 * 4  # K and V, 2 layers, 64 tokens, 1 head, 4 dims, fp32
+
+
+def make_cache(blocks: int, identity: str = "model-a") -> PrefixCache:
+    cache = PrefixCache(blocks * BLOCK_BYTES, identity=identity, **DIMS)
+    assert cache.capacity == blocks and cache.block_bytes == BLOCK_BYTES
+    return cache
+
+
+def tokens(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000) for _ in range(n)]
+
+
+def fingerprint(block_tokens: tuple[int, ...]) -> torch.Tensor:
+    """What a pass "computes" for a block: values that depend on its tokens (and only on them)."""
+    return torch.tensor(block_tokens, dtype=torch.float32).sum() + torch.arange(4, dtype=torch.float32)
+
+
+def run_pass(cache: PrefixCache, seq: list[int], limit: int | None = None, salt: str = "",
+             commit: bool = True) -> tuple[int, CacheLease]:
+    """One request's pass: match, store and write the rest (each block's tokens' fingerprint into its slot, as the
+    kv sink would), then commit. Returns the cached tokens and the lease."""
+    lease = cache.lease()
+    limit = len(seq) if limit is None else limit
+    chain = lease.match(seq, limit, salt)
+    for j, block in enumerate(chain):  # every hit holds what was written for exactly these tokens
+        assert block.tokens == tuple(seq[j * B : (j + 1) * B])
+        assert torch.equal(cache.pool[block.slot, 0, 1, 0, 0], fingerprint(block.tokens)), "a stale slot was read"
+    for _, block in lease.store(chain, seq, len(seq), salt):
+        cache.pool[block.slot, 0, 1, 0, 0] = fingerprint(block.tokens)
+    if commit:
+        lease.commit()
+    return len(chain) * B, lease
+
+
+def test_chained_hash_matches_only_whole_prefixes():
+    cache = make_cache(16)
+    a = tokens(200)
+    assert run_pass(cache, a)[0] == 0
+    assert cache.stats.blocks == 3  # 200 tokens: three whole blocks
+    assert run_pass(cache, a)[0] == 192
+    assert run_pass(cache, a + tokens(50, 1))[0] == 192
+    assert run_pass(cache, a, limit=191)[0] == 128  # a block ends at or before the limit
+    # One token changed in the middle of block 1: only block 0 is shared; block 2 (same tokens as a's block 2,
+    # after a different block 1) is not a match either: the chain carries the whole prefix.
+    b = list(a)
+    b[100] += 1
+    assert run_pass(cache, b)[0] == 64
+    assert run_pass(cache, tokens(200, 2))[0] == 0  # a different first block: nothing shared
+    assert cache.stats.hit_tokens == 192 + 192 + 128 + 64
+    assert run_pass(cache, b)[0] == 192  # b's own blocks 1 and 2 were stored by its first pass
+
+
+def test_a_hash_collision_is_a_miss_not_a_wrong_block(monkeypatch):
+    cache = make_cache(8)
+    a, b = tokens(64, 1), tokens(64, 2)
+    monkeypatch.setattr(cache, "_key", lambda root, parent, toks: b"same key for every block")
+    assert run_pass(cache, a)[0] == 0
+    assert run_pass(cache, b)[0] == 0  # same key, other tokens: a miss, and b is not stored over a
+    assert cache.stats.blocks == 1
+    assert run_pass(cache, a)[0] == 64
+
+
+def test_roots_and_salts_keep_caches_apart():
+    seq = tokens(128)
+    a, b = make_cache(8, "model-a"), make_cache(8, "model-b")
+    run_pass(a, seq)
+    assert a._key(a._root, None, seq[:B]) != b._key(b._root, None, seq[:B])  # the root covers the model...
+    assert make_cache(8, "model-a")._root == a._root
+    bf16 = PrefixCache(8 * BLOCK_BYTES, identity="model-a", **{**DIMS, "dtype": torch.bfloat16})
+    assert bf16._root != a._root  # ...and the dtype
+    assert run_pass(a, seq, salt="tenant-1")[0] == 0  # another salt: nothing shared with the unsalted chain
+    assert run_pass(a, seq, salt="tenant-1")[0] == 128
+    assert run_pass(a, seq, salt="tenant-2")[0] == 0
+    assert run_pass(a, seq)[0] == 128
+
+
+def test_pending_blocks_are_seen_by_their_own_pass_only_and_abort_frees_them():
+    cache = make_cache(8)
+    seq = tokens(130)
+    _, writer = run_pass(cache, seq, commit=False)
+    assert writer.match(seq, 130) and len(writer.match(seq, 130)) == 2  # a later group of the same pass
+    other = cache.lease()
+    assert other.match(seq, 130) == []  # another pass does not see them
+    assert other.store([], seq, 130) == []  # nor writes them again
+    other.commit()
+    writer.abort()
+    assert cache.stats.blocks == 0 and len(cache._free) == 8
+    assert run_pass(cache, seq)[0] == 0
+    with pytest.raises(RuntimeError, match="once"):
+        writer.commit()
+
+
+def test_pinned_blocks_are_never_evicted_and_a_full_cache_just_does_not_store():
+    cache = make_cache(2)
+    a, b = tokens(128, 1), tokens(128, 2)
+    run_pass(cache, a)
+    reader = cache.lease()
+    assert len(reader.match(a, 128)) == 2  # both blocks pinned by a running pass
+    writer = cache.lease()
+    assert writer.store([], b, 128) == []  # nothing to evict: b is simply not stored
+    writer.commit()
+    reader.commit()
+    assert cache.stats.evicted_blocks == 0
+    assert run_pass(cache, b)[0] == 0 and cache.stats.evicted_blocks == 2  # now a's blocks go
+    assert run_pass(cache, b)[0] == 128
+
+
+def test_lru_evicts_least_recently_used_leaves_first():
+    cache = make_cache(3)
+    a, b, c = tokens(128, 1), tokens(64, 2), tokens(64, 3)
+    run_pass(cache, a)  # blocks a0 -> a1
+    run_pass(cache, b)
+    run_pass(cache, a)  # a used again: b is now the least recent
+    run_pass(cache, c)  # needs one slot: b goes
+    assert cache.stats.evicted_blocks == 1
+    assert run_pass(cache, a)[0] == 128 and run_pass(cache, c)[0] == 64
+    assert run_pass(cache, b)[0] == 0  # evicted (and stored again, evicting the LRU: a's leaf a1, not a0)
+    assert run_pass(cache, a)[0] == 64
+
+
+def test_an_evicted_block_takes_its_descendants():
+    cache = make_cache(3)
+    a = tokens(192, 1)
+    run_pass(cache, a)
+    root = cache._blocks[cache._key(cache._root, None, a[:B])]
+    cache._lru.move_to_end(root, last=False)  # make the root the least recent (as if its leaves were used later)
+    assert cache._evict_one()
+    assert cache.stats.blocks == 0 and cache.stats.evicted_blocks == 3 and len(cache._free) == 3
+
+
+def test_a_stream_of_requests_with_evictions_in_the_middle():
+    """300 requests over 12 prefixes sharing 5 system prompts, a 7-block budget: every hit's slot holds the
+    fingerprint written for exactly its tokens, slots are never shared, counters add up."""
+    cache = make_cache(7)
+    rng = random.Random(5)
+    systems = [tokens(64 * rng.randrange(1, 4), 100 + i) for i in range(5)]
+    prefixes = [rng.choice(systems) + tokens(rng.randrange(0, 150), 200 + i) for i in range(12)]
+    hits = looked_up = 0
+    for _ in range(300):
+        seq = rng.choice(prefixes)
+        cached, _ = run_pass(cache, seq)
+        hits += cached
+        looked_up += len(seq) // B * B
+        held = list(cache._blocks.values())
+        assert len(held) == cache.stats.blocks <= cache.capacity
+        assert len({b.slot for b in held}) == len(held) and not set(cache._free) & {b.slot for b in held}
+        assert all(b.refs == 0 and b.writer is None for b in held)
+        assert all(b.parent is None or b.parent in held for b in held)
+    s = cache.stats
+    assert s.evicted_blocks > 0 and hits > 0
+    assert s.hit_tokens == hits and s.hit_tokens + s.miss_tokens == looked_up
+    assert s.bytes == s.blocks * BLOCK_BYTES
+
+
+def test_a_budget_below_one_block_is_refused():
+    with pytest.raises(ValueError, match="holds no block"):
+        PrefixCache(BLOCK_BYTES - 1, identity="m", **DIMS)
+
+
+def test_writer_copies_whole_blocks_into_their_slots_at_every_layer():
+    cache = make_cache(4)
+    k = torch.randn(200, 1, 4)
+    v = torch.randn(200, 1, 4)
+    sink = cache.writer([(10, 3), (74, 0)])
+    for layer in range(2):
+        sink(layer, k * (layer + 1), v - layer)
+    for layer in range(2):
+        ck, cv = cache.layer(layer)
+        assert torch.equal(ck[3], k[10:74] * (layer + 1)) and torch.equal(ck[0], k[74:138] * (layer + 1))
+        assert torch.equal(cv[3], v[10:74] - layer)
+    assert cache.writer([]) is None
+
+
+def test_hybrid_models_are_refused_with_a_reason():
+    assert unsupported_reason(SimpleNamespace()) is None
+    assert unsupported_reason(SimpleNamespace(layer_types=("full_attention",) * 4)) is None
+    reason = unsupported_reason(SimpleNamespace(layer_types=("linear_attention", "full_attention")))
+    assert reason and "linear_attention" in reason and "recurrent state" in reason

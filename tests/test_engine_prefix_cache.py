@@ -1,0 +1,248 @@
+"""The prefix cache in the engine: a request scores the same with its query read from the cache as computed
+(bitwise on the kernel path), MIS = SIS = the transformers reference with the cache warm, prefixes share exactly
+their common whole blocks, requests sharing a prefix inside one batch read each other's blocks, a budget that
+makes every request evict changes nothing, a failed pass publishes nothing, Generate's greedy tokens and
+logprobs do not change, and Usage says what was cached."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+
+from pyscore.engine import Engine, make_prefix_cache
+from pyscore.types import GenerateRequest, ScoreRequest
+from tests.helpers import load_reference, make_model_dir
+from tests.reference_scoring import max_abs_diff, reference_scores
+
+# ~300 tokens of the tiny tokenizer: four whole cache blocks and a partial one.
+QUERY = ("Context: the order 1234 was shipped on Monday and is in transit. The customer asked twice. "
+         "The warehouse says the stock is fine and the carrier confirms the route. ") * 3 + \
+        "Question: what should the agent do next? Answer Yes or No."
+ITEMS = [" Proposed answer: tell the customer the order is on its way. Is this proposed answer correct?",
+         " Proposed answer: cancel the order.",
+         " A",
+         " Proposed answer: ask the warehouse to check the stock and the quick brown fox. Yes or No?"]
+SETWISE_ITEMS = [" A) ship B) cancel Scores: <|marker|> <|marker|>", "<|marker|> x <|marker|> y <|marker|>"]
+FP32_TOL = 1e-5
+B = 64
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def model_dir(request, tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def block_mib(model_dir) -> float:
+    """The tiny fp32 model's cache block in MiB: 2 (K, V) x layers x 64 tokens x kv heads x head_dim x 4 bytes."""
+    cfg = engine(model_dir, prefix_cache_mb=0).cfg
+    return 2 * cfg.num_layers * B * cfg.num_kv_heads * cfg.head_dim * 4 / 2**20
+
+
+def engine(path, backend="auto", dtype="float32", **kw) -> Engine:
+    return Engine.from_pretrained(path, dtype=dtype, device="cpu", threads=2, op_backend=backend, **kw)
+
+
+def ids(e: Engine, text: str) -> list[int]:
+    return e.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def cold_first_warm(e: Engine, **request) -> tuple:
+    """The same request three times: bypassing the cache, then filling it, then reading it."""
+    cold = e.score(**request, bypass_prefix_cache=True)
+    first = e.score(**request)
+    warm = e.score(**request)
+    return cold, first, warm
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mode", ["sis", "mis"])
+def test_warm_scores_are_bitwise_the_cold_ones(model_dir, mode, dtype):
+    """The kernel path computes cached keys exactly as a cold run would (same GEMM rows: oneDNN's bf16 rows and
+    its fp32 rows for 12+ rows do not depend on M, and every pass here computes more) and reads them in the
+    same key tiles: the scores do not change by a bit."""
+    e = engine(model_dir, "kernel", dtype)
+    query = e.tokenize(QUERY)[0]
+    assert len(query) % B and len(query) >= 2 * B
+    cold, first, warm = cold_first_warm(e, query=QUERY, items=ITEMS, labels=["Yes", "No"], mode=mode)
+    assert cold.scores == first.scores == warm.scores
+    full = len(query) // B * B
+    assert cold.usage.cached_tokens == 0 and first.usage.cached_tokens == (0 if mode == "mis" else 3 * full)
+    assert warm.usage.cached_tokens == full * (1 if mode == "mis" else len(ITEMS))
+    assert warm.usage.computed_tokens == cold.usage.computed_tokens - warm.usage.cached_tokens
+    assert warm.usage.prompt_tokens == cold.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("mode", ["sis", "mis"])
+def test_setwise_and_classifier_warm_equal_cold(tmp_path, model_dir, mode):
+    e = engine(model_dir, "kernel")
+    labels = [ids(e, "Yes")[0], ids(e, "No")[0]]
+    cold, _, warm = cold_first_warm(e, query=QUERY, items=SETWISE_ITEMS, label_token_ids=labels, mode=mode,
+                                    score_extraction_token="<|marker|>")
+    assert [len(rows) for rows in warm.scores] == [2, 3] and warm.usage.cached_tokens > 0
+    assert cold.scores == warm.scores
+    clf = engine(make_model_dir(tmp_path / "clf", "qwen3", classifier=True), "kernel")
+    cold, _, warm = cold_first_warm(clf, query=QUERY, items=ITEMS, apply_softmax=True, mode=mode)
+    assert warm.usage.cached_tokens > 0 and cold.scores == warm.scores
+
+
+@pytest.mark.parametrize("backend", ["kernel", "reference"])
+def test_mis_equals_sis_equals_transformers_with_the_cache_warm(model_dir, backend):
+    e = engine(model_dir, backend)
+    ref = load_reference(model_dir)
+    labels = [ids(e, "Yes")[0], ids(e, "No")[0], ids(e, " A")[0]]
+    query = e.tokenize(QUERY)[0]
+    expected = reference_scores(ref, query, [ids(e, i) for i in ITEMS], labels)
+    for mode in ("mis", "sis", "mis", "sis"):  # the second round reads what the first stored
+        result = e.score(QUERY, ITEMS, label_token_ids=labels, mode=mode)
+        assert max_abs_diff(result.scores, expected) <= FP32_TOL, (mode, backend)
+    assert result.usage.cached_tokens == len(query) // B * B * len(ITEMS)
+    marker = e.tokenizer.convert_tokens_to_ids("<|marker|>")
+    expected = reference_scores(ref, query, [ids(e, i) for i in SETWISE_ITEMS], labels, marker=marker)
+    for mode in ("mis", "sis"):
+        result = e.score(QUERY, SETWISE_ITEMS, label_token_ids=labels, mode=mode, score_extraction_token="<|marker|>")
+        assert result.usage.cached_tokens > 0 and max_abs_diff(result.scores, expected) <= FP32_TOL
+
+
+def test_prefixes_differing_mid_block_share_only_the_blocks_before(model_dir):
+    e = engine(model_dir, "kernel")
+    query = e.tokenize(QUERY)[0]
+    other = list(query)
+    other[B + B // 2] = ids(e, " fox")[0]  # one token changed in the middle of block 1
+    e.score(query, [ids(e, i) for i in ITEMS], labels=["Yes", "No"])
+    result = e.score(other, [ids(e, i) for i in ITEMS], labels=["Yes", "No"])
+    assert result.usage.cached_tokens == B
+    cold = e.score(other, [ids(e, i) for i in ITEMS], labels=["Yes", "No"], bypass_prefix_cache=True)
+    assert result.scores == cold.scores
+    assert e.score(other, [ids(e, i) for i in ITEMS], labels=["Yes", "No"]).usage.cached_tokens == len(other) // B * B
+
+
+def test_item_first_and_bypass_never_touch_the_cache(model_dir):
+    e = engine(model_dir, "kernel")
+    for request in (dict(item_first=True), dict(bypass_prefix_cache=True)):
+        for _ in range(2):
+            assert e.score(QUERY, ITEMS, labels=["Yes"], **request).usage.cached_tokens == 0
+    assert e.prefix_cache_stats().blocks == 0
+
+
+def test_different_dtypes_and_salts_never_share(model_dir):
+    fp32, bf16 = engine(model_dir, "kernel"), engine(model_dir, "kernel", "bfloat16")
+    fp32.score(QUERY, ITEMS, labels=["Yes"])
+    assert bf16.score(QUERY, ITEMS, labels=["Yes"]).usage.cached_tokens == 0  # its own cache, its own root
+    assert fp32.prefix_cache._root != bf16.prefix_cache._root
+    assert fp32.score(QUERY, ITEMS, labels=["Yes"], prefix_cache_salt="t1").usage.cached_tokens == 0
+    assert fp32.score(QUERY, ITEMS, labels=["Yes"], prefix_cache_salt="t1").usage.cached_tokens > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_requests_sharing_a_prefix_in_one_batch(model_dir, dtype):
+    """On an empty cache, the batch's first group computes the query's blocks and the later groups of the same
+    pass read them as cached keys (their rows only); every request still gets what it gets alone, within the
+    batch-mate tolerance of test_engine_scores (the last layer's read-out rows are one GEMM for the whole batch,
+    and oneDNN's fp32 rows for a handful of rows depend on how many)."""
+    e = engine(model_dir, "kernel", dtype)
+    requests = [ScoreRequest(QUERY, ITEMS[:2], labels=["Yes", "No"]),
+                ScoreRequest(QUERY, ITEMS[2:], labels=["No"], mode="sis"),
+                ScoreRequest("héllo wörld", [" A", " B"], labels=["Yes"]),
+                ScoreRequest(QUERY, ITEMS, labels=["Yes", "No"], mode="mis")]
+    alone = [e.score_batch([dataclasses.replace(r, bypass_prefix_cache=True)])[0] for r in requests]
+    together = e.score_batch(requests)
+    full = len(e.tokenize(QUERY)[0]) // B * B
+    assert [r.usage.cached_tokens for r in together] == [0, 2 * full, 0, full]
+    for a, t in zip(alone, together, strict=True):
+        assert max_abs_diff(a.scores, t.scores) <= (1e-6 if dtype == "float32" else 2e-3)
+        assert t.usage.computed_tokens == a.usage.computed_tokens - t.usage.cached_tokens
+
+
+def test_a_budget_so_small_that_every_request_evicts(model_dir):
+    e = engine(model_dir, "kernel", prefix_cache_mb=2.5 * block_mib(model_dir))
+    assert e.prefix_cache.capacity == 2
+    queries = [QUERY, "Preamble. " + QUERY, "Another preamble, longer. " + QUERY]
+    for _ in range(2):
+        for q in queries:
+            result = e.score(q, ITEMS, labels=["Yes", "No"], mode="sis")
+            assert result.scores == e.score(q, ITEMS, labels=["Yes", "No"], mode="sis",
+                                            bypass_prefix_cache=True).scores
+            # items 2..4 read the blocks item 1 wrote in the same pass; nothing survives to the next request
+            assert result.usage.cached_tokens == (len(ITEMS) - 1) * 2 * B
+    stats = e.prefix_cache_stats()
+    assert stats.evicted_blocks >= 2 * (2 * len(queries) - 1) and stats.blocks <= 2
+
+
+def test_a_failed_pass_publishes_nothing(model_dir, monkeypatch):
+    e = engine(model_dir, "kernel")
+    real = e.decoder.hidden_at
+
+    def fail_after_writing(batch, **kw):
+        real(batch, **kw)  # the blocks are written into the pool...
+        raise RuntimeError("boom")  # ...but the pass fails
+
+    monkeypatch.setattr(e.decoder, "hidden_at", fail_after_writing)
+    with pytest.raises(RuntimeError, match="boom"):
+        e.score(QUERY, ITEMS, labels=["Yes"])
+    assert e.prefix_cache_stats().blocks == 0 and e.prefix_cache_stats().hit_tokens == 0
+    monkeypatch.setattr(e.decoder, "hidden_at", real)
+    assert e.score(QUERY, ITEMS, labels=["Yes"]).usage.cached_tokens == 0
+
+
+def test_generate_greedy_tokens_and_logprobs_do_not_change(model_dir):
+    e = engine(model_dir, "kernel")
+    for prompt in (QUERY, "x" * 128):
+        n = len(e.tokenize(prompt)[0])
+        request = dict(prompt=prompt, max_tokens=6, top_logprobs=3)
+        cold = e.generate(GenerateRequest(**request, bypass_prefix_cache=True))
+        first = e.generate(GenerateRequest(**request))
+        warm = e.generate(GenerateRequest(**request))
+        assert cold.token_ids == first.token_ids == warm.token_ids and cold.text == warm.text
+        assert cold.logprobs == warm.logprobs  # the chosen and the top alternatives' logprobs, bitwise
+        assert warm.usage.cached_tokens == (n - 1) // B * B > 0  # the last prompt token is always computed
+        assert warm.usage.computed_tokens == n - warm.usage.cached_tokens + len(warm.token_ids)
+    # A Score request's query and a Generate prompt with the same tokens share blocks.
+    assert e.score(QUERY, ITEMS, labels=["Yes"]).usage.cached_tokens > 0
+
+
+def test_generations_prefilled_together_share_the_prompt(model_dir):
+    e = engine(model_dir, "kernel")
+    gens = [e.start_generation(GenerateRequest(prompt=QUERY + suffix, max_tokens=3)) for suffix in ("", " Yes", " No")]
+    while not all(g.finished for g in gens):
+        e.step(gens)
+    cached = [g.result().usage.cached_tokens for g in gens]
+    assert cached[0] == 0 and cached[1] == cached[2] > 0
+    for g in gens:  # alone vs with batch-mates: the same tokens, logprobs within the batch-mate rounding
+        alone = e.generate(GenerateRequest(prompt=g.request.prompt, max_tokens=3, bypass_prefix_cache=True))
+        assert g.result().token_ids == alone.token_ids
+        pairs = zip(g.result().logprobs, alone.logprobs, strict=True)
+        assert max(abs(a.logprob - b.logprob) for a, b in pairs) <= 1e-5
+
+
+def test_cache_off_and_below_one_block(model_dir):
+    e = engine(model_dir, prefix_cache_mb=0)
+    assert e.prefix_cache is None and e.prefix_cache_stats() is None
+    assert e.info().prefix_cache_block_tokens == 0
+    assert e.score(QUERY, ITEMS, labels=["Yes"]).usage.cached_tokens == 0
+    on = engine(model_dir)
+    assert on.info().prefix_cache_block_tokens == B and on.info().prefix_cache_bytes == 1024 * 2**20
+    assert make_prefix_cache(on.model, on.decoder, 1e-6) is None  # below one block: off, not an error
+
+
+def test_hybrid_models_run_without_the_cache_and_say_why(tmp_path, caplog):
+    """Qwen3.5's linear-attention layers carry a recurrent and a conv state that a block of keys and values does not
+    hold: reading only the attention layers' keys from the cache would give wrong scores, so the cache is off."""
+    path = make_model_dir(tmp_path / "qwen3_5", "qwen3_5")
+    with caplog.at_level(logging.WARNING, logger="pyscore.engine"):
+        e = engine(path, "kernel")
+    assert e.prefix_cache is None and "prefix cache off" in caplog.text and "recurrent state" in caplog.text
+    assert e.info().prefix_cache_block_tokens == 0
+    first, second = (e.score(QUERY, ITEMS, labels=["Yes", "No"]) for _ in range(2))
+    assert second.usage.cached_tokens == 0 and first.scores == second.scores
+
+
+def test_float32_passes_of_few_rows_stay_within_1e6(model_dir):
+    """oneDNN's fp32 GEMM rounds differently for a handful of rows (M < 12, not a multiple of 4): a warm pass that
+    computes so few tokens may differ from the cold one in the last bits, within 1e-6."""
+    e = engine(model_dir, "kernel")
+    query = e.tokenize(QUERY)[0][: 2 * B + 1]  # two whole blocks and one token
+    cold, _, warm = cold_first_warm(e, query=query, items=[[5]], labels=["Yes", "No"])
+    assert warm.usage.computed_tokens == 2 and warm.usage.cached_tokens == 2 * B
+    assert max_abs_diff(cold.scores, warm.scores) <= 1e-6
