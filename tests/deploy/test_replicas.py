@@ -49,6 +49,10 @@ def client_side(replicas: list[Replica]) -> Route:
 def through_envoy(envoy: Envoy) -> Route:
     def unpicked(r: Replica) -> None:
         wait_for(lambda: all(r.port not in envoy.healthy_ports(c) for c in CLUSTERS), what=f"Envoy to drop {r.target}")
+        # The admin view changes on Envoy's main thread first; its workers get the new host set by a posted
+        # update, and a call a worker picked just before is still on its way: on a busy 2-core machine both
+        # took long enough to be counted as "new" calls. Give them a moment, as the client-side route does.
+        time.sleep(1.0)
 
     return Route("envoy", lambda **kw: ScorerClient(envoy.target, timeout=10, **kw), unpicked)
 
