@@ -132,10 +132,6 @@ STRANGERS = [ScoreRequest("Question: B?", [" x", " the quick brown fox"], labels
              ScoreRequest(QUERY + QUERY, ITEMS[:2], labels=["Yes", "No"], item_first=True),
              ScoreRequest("Yes", [" No"] * 9, labels=["Yes"], mode="mis"),
              ScoreRequest(QUERY, [" " + "fox " * 40], labels=["No"], apply_softmax=True, mode="sis")]
-FP32_GEMM_XFAIL = pytest.mark.xfail(strict=True, reason=(
-    "torch's fp32 CPU GEMM (MKL sgemm) takes other micro-kernels for small M (1-15 rows): a row's bits depend on "
-    "how many rows share the call (1 ulp). Expected to pass once the decoder's GEMMs run pyscore.ops.linear, the "
-    "batch-invariant kernel of issue 9 (branch i9-kernels); strict, so that it then fails here until unmarked."))
 
 
 @pytest.fixture(scope="module", params=["tiny", "smollm2-wide"])
@@ -147,7 +143,7 @@ def shaped_dir(request, tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp(request.param), "qwen3", **overrides)
 
 
-@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=FP32_GEMM_XFAIL), "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_scores_alone_and_packed_with_strangers_are_bitwise_equal(shaped_dir, dtype):
     """A request's scores, alone and packed with strangers of several shapes (SIS, MIS, item_first, many short
     items, one long item; before and after it), are bitwise equal: nothing a row computes may depend on its

@@ -10,11 +10,6 @@ from pyscore.types import GenerateRequest
 from tests.helpers import make_model_dir
 
 MAX_TOKENS = 6
-BATCH_GEMM_XFAIL = pytest.mark.xfail(strict=True, reason=(
-    "the decoder's GEMMs are torch's (oneDNN bf16): a row's bits change with the number of rows in the call "
-    "(seen: the K=1536 down projection gives the same input row other bits at 1 and 2 rows). Expected to pass "
-    "once prefill and decode run pyscore.ops.linear and decode_attention, the batch-invariant kernels of issue 9 "
-    "(branch i9-kernels); strict, so that it then fails here until unmarked."))
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +35,6 @@ def run_together(e: Engine, requests: list[GenerateRequest]) -> list[tuple[list[
     return [(g.result().token_ids, [lp.logprob for lp in g.result().logprobs]) for g in gens]
 
 
-@BATCH_GEMM_XFAIL
 def test_greedy_bf16_decoding_is_batch_invariant(e):
     requests = prompts()
     alone = [run_together(e, [r])[0] for r in requests]
