@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import re
 import threading
 import time
 import zlib
@@ -46,6 +47,10 @@ SPECIAL = {BOS: "<s>", EOS: "</s>"}
 
 
 def word_id(word: str) -> int:
+    """A word's id; special-looking tokens (`<empty_output>`) get ids below the words', as added tokens do, so
+    that a setwise marker never collides with a word of the query."""
+    if word.startswith("<") and word.endswith(">") and len(word) > 2:
+        return EOS + 1 + zlib.crc32(word.encode()) % (FIRST_WORD_ID - EOS - 1)
     return FIRST_WORD_ID + zlib.crc32(word.encode()) % (VOCAB - FIRST_WORD_ID)
 
 
@@ -59,8 +64,11 @@ class FakeTokenizer:
         self._words: dict[int, str] = dict(SPECIAL)
 
     def encode_words(self, text: str) -> list[int]:
-        ids = [word_id(w) for w in text.split()]
-        for i, w in zip(ids, text.split(), strict=True):
+        """Words on whitespace; a special-looking token (`<empty_output>`) is split off the text around it, as
+        real tokenizers do."""
+        words = re.sub(r"(<[^<>\s]+>)", r" \1 ", text).split()
+        ids = [word_id(w) for w in words]
+        for i, w in zip(ids, words, strict=True):
             self._words.setdefault(i, w)
         return ids
 
@@ -80,10 +88,11 @@ class FakeTokenizer:
 
 
 class FakeEngine:
-    def __init__(self, name: str = "fake-smollm2", *, delay_s: float = 0.0) -> None:
+    def __init__(self, name: str = "fake-smollm2", *, delay_s: float = 0.0,
+                 tokenizer: FakeTokenizer | None = None) -> None:
         self.model_name = name
         self.delay_s = delay_s
-        self.tokenizer = FakeTokenizer()
+        self.tokenizer = tokenizer or FakeTokenizer()
         self.traits = ModelTraits(tokenizer=self.tokenizer, vocab_size=VOCAB, max_context=MAX_CONTEXT,
                                   is_classifier=False, num_labels=0, id2label={})
         self.batches: list[list[str]] = []  # tags of each run_prepared call, in call order
