@@ -130,15 +130,16 @@ class ServerProcess:
             return self.proc.wait()
 
 
-def spawn_server(*flags: str, log: Path, metrics: bool = False, timeout_s: float = 180.0) -> ServerProcess:
+def spawn_server(*flags: str, log: Path, metrics: bool = False, timeout_s: float = 180.0,
+                 env: dict[str, str] | None = None) -> ServerProcess:
     """`python -m server --port 0 ...` in a subprocess, returned once it prints that it is serving (its output
-    goes to `log`: per-request lines would otherwise fill a pipe nobody reads)."""
+    goes to `log`: per-request lines would otherwise fill a pipe nobody reads; `env` adds to its environment)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "server", "--port", "0", "--log-level", "WARNING",
            *(["--metrics-port", "0"] if metrics else []), *flags]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env or {})})
     deadline = time.monotonic() + timeout_s
     while True:
         text = log.read_text()

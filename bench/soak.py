@@ -2,9 +2,21 @@
 capacity, from `--clients` clients (each its own channel, Poisson arrivals), for `--minutes` (default 10)
 against `python -m server` on the embedded model. Every Score answer is checked against the same request
 scored alone beforehand (Generate, greedy, against its text generated alone). Reports requests served,
-errors, wrong answers, p95, and the server's RSS over time. Not a CI test: it produces figures.
+errors, wrong answers, p95, and the server's memory: RSS every 10 s, and every `--memory-every-s` (60) the
+server's own probe (server/memory.py: RSS, glibc's mallinfo2 and malloc_info totals, and with `--tracemalloc`
+the Python allocation sites that grew); a PNG of the curves, and whether RSS after minute 5 stayed within
+±10% of its minute-5 value. Not a CI test: it produces figures.
+
+Controls, to tell allocator retention from a leak: `--trim-under-load` (the worker calls malloc_trim every
+10 s even while busy), `--allocator jemalloc|tcmalloc` (LD_PRELOAD of Debian's libjemalloc2 /
+libtcmalloc-minimal4: `apt-get install libjemalloc2 libtcmalloc-minimal4`), `--server-env KEY=VALUE` (e.g. a
+fixed MALLOC_MMAP_THRESHOLD_, or ONEDNN_PRIMITIVE_CACHE_CAPACITY; see bench/gemm_shapes_memory.py for why).
+Results are named after the variant (soak, soak-trim, soak-jemalloc, ...) so that runs do not overwrite each
+other.
 
     python -m bench.soak [--minutes 10] [--clients 4] [--load 0.7] [--out bench/results/hardening]
+    python -m bench.soak --minutes 30 --tracemalloc 1            # the long soak
+    python -m bench.soak --minutes 30 --allocator jemalloc       # a control
 """
 
 from __future__ import annotations
@@ -22,11 +34,15 @@ from typing import Any
 
 import grpc
 
-from bench.common import REPO, ServerProcess, question, spawn_server
+from bench.common import REPO, ServerProcess, machine, question, spawn_server
 from bench.overload import TOLERANCE, ScoreCase, machine_load, max_diff, ms, score_alone
 from pyscore.client import AsyncScorerClient, ScorerClient
 
 MARKER = " ###"  # one token in SmolLM2's vocabulary
+ALLOCATORS = {"glibc": None, "jemalloc": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
+              "tcmalloc": "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"}
+PACKAGES = {"jemalloc": "libjemalloc2", "tcmalloc": "libtcmalloc-minimal4"}
+STEADY_AFTER_MIN = 5.0  # the target: RSS after this minute stays within +-10% of its value then
 MIX = {"sis": 0.3, "mis": 0.3, "setwise": 0.2, "generate": 0.2}
 
 
@@ -178,8 +194,9 @@ def summarize(outcomes: list[Outcome], minutes: float) -> dict[str, Any]:
 def report(r: dict[str, Any]) -> str:
     c = r["config"]
     lines = [
-        f"# soak {r['when']}: {c['minutes']} min, {c['clients']} clients, {c['load']:.0%} of capacity; load average "
-        f"before {r['machine']['before']['loadavg']}, {r['machine']['before']['cpus']} CPUs",
+        f"# {r['run']} {r['when']} | {r['cpu']}: {c['minutes']} min, {c['clients']} clients, "
+        f"{c['load']:.0%} of capacity; load average before {r['machine']['before']['loadavg']}, "
+        f"{r['machine']['before']['cpus']} CPUs",
         f"mix {MIX}; capacity (closed loop, 4 callers) {r['capacity_rps']} req/s -> offered {r['offered_rps']} req/s",
         f"sent {r['sent']}, served {r['served']}, errors {r['errors'] or 0}, wrong Score answers {r['wrong_scores']} "
         f"(|diff| > {TOLERANCE}; max |diff| {r['max_abs_score_diff']:.2e}), Generate texts differing from alone "
@@ -198,6 +215,88 @@ def report(r: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def variant_name(args: argparse.Namespace) -> str:
+    return args.name or "-".join(["soak", *(["trim"] if args.trim_under_load else []),
+                                  *([args.allocator] if args.allocator != "glibc" else []),
+                                  *(kv.split("=", 1)[0].strip("_").lower() for kv in args.server_env)])
+
+
+def server_env(args: argparse.Namespace, memory_log: Path) -> dict[str, str]:
+    env = dict(kv.split("=", 1) for kv in args.server_env)
+    env.update(PYSCORE_MEMORY_LOG=str(memory_log), PYSCORE_MEMORY_EVERY_S=str(args.memory_every_s))
+    if args.trim_under_load:
+        env["PYSCORE_TRIM_UNDER_LOAD"] = "1"
+    if args.tracemalloc:
+        env["PYTHONTRACEMALLOC"] = str(args.tracemalloc)
+    library = ALLOCATORS[args.allocator]
+    if library is not None:
+        if not Path(library).exists():
+            raise SystemExit(f"{library} is missing: apt-get install {PACKAGES[args.allocator]}")
+        env["LD_PRELOAD"] = library
+    return env
+
+
+def rss_verdict(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """RSS at minute 5 and its range afterwards: the target is within +-10% until the end."""
+    after = [s for s in samples if s["t"] >= STEADY_AFTER_MIN * 60]
+    if not after:
+        return dict(note=f"shorter than {STEADY_AFTER_MIN:g} minutes: no verdict")
+    ref = after[0]["rss_mb"]
+    low, high = min(s["rss_mb"] for s in after), max(s["rss_mb"] for s in after)
+    return dict(rss_at_5min_mb=ref, min_mb=low, max_mb=high, end_mb=after[-1]["rss_mb"],
+                within_10_percent=bool(low >= 0.9 * ref and high <= 1.1 * ref),
+                drift_percent=round(100 * (after[-1]["rss_mb"] - ref) / ref, 1))
+
+
+def plot(samples: list[dict[str, Any]], memory: list[dict[str, Any]], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    ax.plot([s["t"] / 60 for s in samples], [s["rss_mb"] for s in samples], label="RSS (every 10 s)")
+    if memory and "mallinfo2" in memory[0]:
+        glibc = [(m["mallinfo2"]["uordblks"] + m["mallinfo2"]["hblkhd"]) / 2**20 for m in memory]
+        ax.plot([m["t"] / 60 for m in memory], glibc, "o-", label="glibc malloc in use (mallinfo2)")
+        held = [m["malloc_info"].get("system_current", 0) / 2**20 + m["mallinfo2"]["hblkhd"] / 2**20 for m in memory]
+        ax.plot([m["t"] / 60 for m in memory], held, "s--", label="glibc heap held + mmapped")
+    verdict = rss_verdict(samples)
+    if "rss_at_5min_mb" in verdict:
+        ref = verdict["rss_at_5min_mb"]
+        ax.axhspan(0.9 * ref, 1.1 * ref, color="green", alpha=0.1, label="±10% of RSS at minute 5")
+        ax.axvline(STEADY_AFTER_MIN, color="gray", lw=0.8)
+    ax.set_xlabel("minutes")
+    ax.set_ylabel("MiB")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def read_memory_log(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def memory_report(memory: list[dict[str, Any]], verdict: dict[str, Any]) -> list[str]:
+    lines = [f"RSS verdict (target: within ±10% of minute {STEADY_AFTER_MIN:g} until the end): {verdict}",
+             "probe t s  RSS MiB  peak MiB  glibc in use MiB  glibc free MiB  mmapped MiB  arenas  Python traced MiB"]
+    for m in memory:
+        mi, info = m.get("mallinfo2", {}), m.get("malloc_info", {})
+        traced = m.get("tracemalloc", {}).get("traced")
+        lines.append(f"{m['t']:9.0f} {m['VmRSS'] / 1024:8.1f} {m['VmHWM'] / 1024:9.1f} "
+                     f"{mi.get('uordblks', 0) / 2**20:17.1f} {mi.get('fordblks', 0) / 2**20:15.1f} "
+                     f"{mi.get('hblkhd', 0) / 2**20:12.1f} {info.get('heaps', 0):7d} "
+                     f"{'' if traced is None else f'{traced / 2**20:.1f}':>18}")
+    grown = memory[-1].get("tracemalloc", {}).get("grown_since_first", []) if memory else []
+    if grown:
+        lines.append("Python allocation sites grown since the first probe (tracemalloc):")
+        lines += [f"  {g['bytes'] / 2**20:8.2f} MiB {g['count']:+8d} blocks  {g['site']}" for g in grown]
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=10.0, help="length of the soak (default 10)")
@@ -206,12 +305,25 @@ def main() -> None:
     ap.add_argument("--per-kind", type=int, default=6, help="distinct requests of each kind (default 6)")
     ap.add_argument("--capacity-s", type=float, default=30.0, help="seconds of the capacity measurement")
     ap.add_argument("--server-args", default="", help='more `python -m server` flags, e.g. "--threads 1"')
+    ap.add_argument("--allocator", choices=list(ALLOCATORS), default="glibc",
+                    help="the server's malloc: glibc, or jemalloc / tcmalloc by LD_PRELOAD (default glibc)")
+    ap.add_argument("--trim-under-load", action="store_true", help="the worker calls malloc_trim even while busy")
+    ap.add_argument("--tracemalloc", type=int, default=0, help="trace Python allocations with N frames (0 = off)")
+    ap.add_argument("--memory-every-s", type=float, default=60.0, help="seconds between memory probes (default 60)")
+    ap.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="more environment for the server, e.g. MALLOC_MMAP_THRESHOLD_=131072 or "
+                         "ONEDNN_PRIMITIVE_CACHE_CAPACITY=64 (repeatable)")
+    ap.add_argument("--name", help="name of the result files (default: from the variant)")
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/hardening")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    name = variant_name(args)
+    memory_log = args.out / f"{name}_memory.jsonl"
+    memory_log.unlink(missing_ok=True)
 
     load_before = machine_load()
-    server = spawn_server(*shlex.split(args.server_args), log=args.out / "soak_server.log", metrics=True)
+    server = spawn_server(*shlex.split(args.server_args), log=args.out / f"{name}_server.log", metrics=True,
+                          env=server_env(args, memory_log))
     try:
         cases = make_cases(args.per_kind)
         score_alone(server.target, [c for k in ("sis", "mis", "setwise") for c in cases[k]])  # type: ignore[misc]
@@ -224,13 +336,16 @@ def main() -> None:
     finally:
         if server.proc.poll() is None:
             server.proc.kill()
-    result = dict(run="soak", when=time.strftime("%Y-%m-%d %H:%M:%S"),
+    memory = read_memory_log(memory_log)
+    verdict = rss_verdict(samples)
+    result = dict(run=name, when=time.strftime("%Y-%m-%d %H:%M:%S"), cpu=machine(),
                   machine=dict(before=load_before, after=machine_load()), config=dict(vars(args), out=str(args.out)),
-                  capacity_rps=round(cap, 3), offered_rps=round(rate, 3), samples=samples,
-                  server_exit_code=exit_code, **summarize(outcomes, args.minutes))
-    (args.out / "soak.json").write_text(json.dumps(result, indent=1))
-    text = report(result)
-    (args.out / "soak.txt").write_text(text)
+                  capacity_rps=round(cap, 3), offered_rps=round(rate, 3), samples=samples, memory=memory,
+                  rss_verdict=verdict, server_exit_code=exit_code, **summarize(outcomes, args.minutes))
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    text = report(result) + "\n".join(memory_report(memory, verdict)) + "\n"
+    (args.out / f"{name}.txt").write_text(text)
+    plot(samples, memory, f"{name}: {args.minutes:g} min, {result['cpu']}", args.out / f"{name}_rss.png")
     print(text)
 
 

@@ -31,19 +31,34 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.f
 
 
 def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if _ext.cuda_status()[0] else "cpu")
-    return torch.device(device)
+    """"auto": CUDA when pyscore's CUDA kernels can run, else the CPU; a GPU that torch sees but pyscore cannot
+    use (e.g. `_C_cuda` was not built or failed to load) is a WARNING, never a silent fall-back."""
+    if device != "auto":
+        return torch.device(device)
+    usable, why = _ext.cuda_status()
+    if usable:
+        return torch.device("cuda")
+    if torch.cuda.is_available():
+        log.warning("torch sees %d CUDA device(s) but pyscore cannot use them (%s): serving on the CPU. Fix the "
+                    "CUDA build, or pass --device cpu to choose the CPU deliberately.", torch.cuda.device_count(), why)
+    return torch.device("cpu")
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """float16 on the CPU is served, correctly, by the ops' PyTorch references (no CPU kernel takes fp16 and
+    x86 CPUs without AVX512-FP16 have no fp16 arithmetic): several times slower than bfloat16, so a WARNING."""
     if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.bfloat16  # AVX512-BF16 / AMX on CPUs, tensor cores on GPUs
-    if dtype not in DTYPES:
+        resolved = dtype
+    elif dtype == "auto":
+        resolved = torch.bfloat16  # AVX512-BF16 / AMX on CPUs, tensor cores on GPUs
+    elif dtype in DTYPES:
+        resolved = DTYPES[dtype]
+    else:
         raise ValueError(f"unknown dtype {dtype!r}; expected auto, {', '.join(DTYPES)}")
-    return DTYPES[dtype]
+    if resolved == torch.float16 and device.type == "cpu":
+        log.warning("float16 on the CPU: no CPU kernel takes fp16, so every op runs its PyTorch reference (correct, "
+                    "several times slower than bfloat16). Use --dtype bfloat16 (the default) or float32 on the CPU.")
+    return resolved
 
 
 def set_threads(threads: int | None) -> None:
@@ -88,13 +103,16 @@ class Engine:
                                   id2label=loaded.cfg.id2label)
         self.prefix_cache = make_prefix_cache(loaded, self.decoder, prefix_cache_mb)
         self.generation = GenerationRunner(self.decoder, loaded.tokenizer,
-                                           eos_token_ids(loaded.hf_config, loaded.tokenizer), self.prefix_cache)
+                                           eos_token_ids(loaded.hf_config, loaded.tokenizer), max_batch_tokens,
+                                           self.prefix_cache)
         # Which path every op takes on this model's device and dtype, decided once by the op registry.
         self.op_paths = _ext.op_paths(self.decoder.device, self.decoder.dtype, op_backend)
         log.info("%s; model on %s in %s", _ext.cuda_status()[1], self.decoder.device,
                  str(self.decoder.dtype).removeprefix("torch."))
         for op, path in self.op_paths.items():
             log.info("op %s: %s", op, path)
+        log.info("generation KV cache: %d bytes per token (65536 tokens = %.2f GiB)",
+                 self.decoder.kv_bytes_per_token, 65536 * self.decoder.kv_bytes_per_token / 2**30)
         if self.prefix_cache is not None:
             c = self.prefix_cache
             log.info("prefix cache: %d blocks of %d tokens (%.0f MiB)", c.capacity, c.block_tokens,

@@ -3,11 +3,22 @@ streamed deltas), the next-token choice with top-k logprobs, and the runner that
 decoder (prefill, decode, token choice, cache bookkeeping). A prompt's leading full blocks found in the prefix
 cache are copied into the sequence's KV cache and only the rest is prefilled; the blocks it computes are offered to
 the prefix cache. Reported logprobs are those of the model's raw distribution (before temperature / top-k /
-top-p). Like the engine, the runner is not thread-safe."""
+top-p). Like the engine, the runner is not thread-safe.
+
+Stop strings. Generation ends at the first occurrence of any stop string in the generated text: `text` is
+everything before it (the stop string is not included); `token_ids` and `logprobs` are the fewest generated
+tokens whose text covers `text` — the last one may reach into the stop string, none begins at or after it.
+An end-of-sequence token is never part of the result. Streamed chunks carry exactly these tokens and this
+text, in order, and each chunk's text is what its tokens add (a token is held back until its text is final:
+not an incomplete UTF-8 character, and not possibly the start of a stop string), except that the last chunk
+of a stopped generation ends its text at the stop.
+"""
 
 from __future__ import annotations
 
+import bisect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,12 +83,15 @@ class Generation:
     eos_ids: frozenset[int]
     generator: torch.Generator | None
     cache: KVCache | None = None
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # the result's tokens (see the module's stop rule)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     error: Exception | None = None  # set when this sequence failed; its batch-mates go on
     cached_tokens: int = 0  # prompt tokens the prefill read from the prefix cache
     text: str = ""
+    computed: int = 0  # tokens generated (eos excluded), including any cut off by a stop string
+    _covers: list[int] = field(default_factory=list)  # [i]: characters of text final after token_ids[: i + 1]
+    _whole: list[bool] = field(default_factory=list)  # [i]: token_ids[: i + 1] ends on a whole character
     _sent_tokens: int = 0
     _sent_chars: int = 0
 
@@ -92,50 +106,66 @@ class Generation:
         self.cache = None
 
     def append(self, token: int, logprob: TokenLogprob) -> None:
-        """Records the sampled token and decides whether generation is over (eos / stop / length)."""
+        """Records the chosen token and decides whether generation is over (eos / stop / length)."""
         if token in self.eos_ids:
             self.finish_reason = "eos"
         else:
+            self.computed += 1
             self.token_ids.append(token)
             self.logprobs.append(logprob)
             self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+            final = self.text.rstrip("\ufffd")  # an incomplete UTF-8 tail is not final yet
+            self._covers.append(len(final))
+            self._whole.append(len(final) == len(self.text))
             cut = min((i for i in (self.text.find(s) for s in self.request.stop) if i >= 0), default=-1)
             if cut >= 0:
-                self.text, self.finish_reason = self.text[:cut], "stop"
+                self._stop_at(cut)
             elif len(self.token_ids) >= self.request.max_tokens:
                 self.finish_reason = "length"
         if self.finished:
             self.cache = None  # free the KV cache as soon as the sequence ends
 
-    def _safe_text_end(self) -> int:
-        """How much of the text can be streamed: not an incomplete UTF-8 tail, not a possible stop prefix."""
-        if self.finished:
-            return len(self.text)
-        end = len(self.text)
-        while end and self.text[end - 1] == "\ufffd":
-            end -= 1
-        hold = max((len(s) - 1 for s in self.request.stop), default=0)
-        return max(self._sent_chars, end - hold)
+    def _stop_at(self, cut: int) -> None:
+        """Ends the text at character `cut` and keeps the fewest tokens that cover it."""
+        keep = bisect.bisect_left(self._covers, cut) + 1 if cut else 0
+        del self.token_ids[keep:], self.logprobs[keep:], self._covers[keep:], self._whole[keep:]
+        self.text, self.finish_reason = self.text[:cut], "stop"
 
     def take_delta(self) -> tuple[list[int], list[TokenLogprob], str]:
-        """New tokens, their logprobs and new text since the last call."""
-        end = self._safe_text_end()
-        delta = (self.token_ids[self._sent_tokens:], self.logprobs[self._sent_tokens:],
-                 self.text[self._sent_chars:end])
-        self._sent_tokens, self._sent_chars = len(self.token_ids), end
+        """The tokens, their logprobs and the text that became final since the last call: tokens that end on a
+        whole character before the last (longest stop - 1) characters, which might begin a stop string; on the
+        last call, everything left."""
+        if self.finished:
+            tokens, chars = len(self.token_ids), len(self.text)
+        else:
+            hold = max((len(s) - 1 for s in self.request.stop), default=0)
+            tokens = bisect.bisect_right(self._covers, self._covers[-1] - hold) if self._covers else 0
+            while tokens > self._sent_tokens and not self._whole[tokens - 1]:
+                tokens -= 1
+            tokens = max(tokens, self._sent_tokens)
+            chars = self._covers[tokens - 1] if tokens else 0
+        delta = (self.token_ids[self._sent_tokens : tokens], self.logprobs[self._sent_tokens : tokens],
+                 self.text[self._sent_chars : chars])
+        self._sent_tokens, self._sent_chars = tokens, chars
         return delta
 
     def result(self) -> GenerateResult:
         return GenerateResult(text=self.text, token_ids=list(self.token_ids), logprobs=list(self.logprobs),
                               finish_reason=self.finish_reason or "length",
                               usage=Usage(prompt_tokens=len(self.prompt),
-                                          computed_tokens=len(self.prompt) - self.cached_tokens + len(self.token_ids),
+                                          computed_tokens=len(self.prompt) - self.cached_tokens + self.computed,
                                           cached_tokens=self.cached_tokens))
 
 
+class NonFiniteLogits(RuntimeError):
+    """The model produced NaN or inf logits for one sequence (its generation stops; INTERNAL for its caller)."""
+
+
 def _filtered_logits(logits: torch.Tensor, req: GenerateRequest) -> torch.Tensor:
-    """Temperature, top-k and top-p applied to one row of fp32 logits [V]."""
-    logits = logits / req.temperature
+    """Temperature, top-k and top-p applied to one row of finite fp32 logits [V]. The row's maximum is
+    subtracted before dividing by the temperature, so no temperature > 0 can overflow: every value is <= 0,
+    and as T -> 0 the distribution tends to the argmax instead of inf / inf = NaN."""
+    logits = (logits - logits.max()) / req.temperature
     if req.top_k:
         kth = torch.topk(logits, min(req.top_k, logits.shape[-1])).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -147,24 +177,38 @@ def _filtered_logits(logits: torch.Tensor, req: GenerateRequest) -> torch.Tensor
     return logits
 
 
-def choose_tokens(logits: torch.Tensor, gens: list[Generation], tokenizer: Any) -> list[tuple[int, TokenLogprob]]:
-    """logits [B, V] (any dtype) -> per generation the next token and its logprob entry."""
+Choice = tuple[int, TokenLogprob]
+
+
+def choose_tokens(logits: torch.Tensor, gens: list[Generation], tokenizer: Any) -> list[Choice | Exception]:
+    """logits [B, V] (any dtype) -> per generation its next token and logprob entry, or the exception that
+    fails that sequence alone (NonFiniteLogits for a NaN / inf row)."""
     logits = logits.float()
+    finite = torch.isfinite(logits).all(dim=-1).tolist()
     logp = torch.log_softmax(logits, dim=-1)
-    out = []
+    out: list[Choice | Exception] = []
     for row, gen in enumerate(gens):
-        req = gen.request
-        if req.temperature == 0:
-            token = int(torch.argmax(logits[row]))
-        else:
-            probs = _filtered_logits(logits[row], req).softmax(-1)
-            token = int(torch.multinomial(probs, 1, generator=gen.generator))
-        top = []
-        if req.top_logprobs:
-            values, ids = torch.topk(logp[row], req.top_logprobs)
-            top = [TopLogprob(int(i), tokenizer.decode([int(i)]), float(v)) for v, i in zip(values, ids, strict=True)]
-        out.append((token, TokenLogprob(token, tokenizer.decode([token]), float(logp[row, token]), top)))
+        if not finite[row]:
+            out.append(NonFiniteLogits(f"the model's logits for this sequence are not finite (NaN or inf) at "
+                                       f"generated token {len(gen.token_ids) + 1}; its generation stopped"))
+            continue
+        out.append(_choose(logits[row], logp[row], gen.request, gen.generator, tokenizer))
     return out
+
+
+def _choose(logits: torch.Tensor, logp: torch.Tensor, req: GenerateRequest, generator: torch.Generator | None,
+            tokenizer: Any) -> Choice:
+    """One row: the next token (greedy or sampled) and its logprob entry with the top alternatives."""
+    if req.temperature == 0:
+        token = int(torch.argmax(logits))
+    else:
+        probs = _filtered_logits(logits, req).softmax(-1)
+        token = int(torch.multinomial(probs, 1, generator=generator))
+    top = []
+    if req.top_logprobs:
+        values, ids = torch.topk(logp, req.top_logprobs)
+        top = [TopLogprob(int(i), tokenizer.decode([int(i)]), float(v)) for v, i in zip(values, ids, strict=True)]
+    return token, TokenLogprob(token, tokenizer.decode([token]), float(logp[token]), top)
 
 
 def eos_token_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
@@ -178,15 +222,19 @@ def eos_token_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
 
 
 class GenerationRunner:
-    """Steps generations over the decoder: new sequences are prefilled together in one packed pass, running
-    ones decode together against their KV caches, and each then gets its next token. A pass that fails is
-    retried one sequence at a time, so only the failing sequence fails (`Generation.error`)."""
+    """Steps generations over the decoder: new sequences are prefilled together in one packed pass of at most
+    `max_prefill_tokens` prompt tokens (taken in arrival order; one larger prompt alone; the others wait for
+    the next step), running ones decode together against their KV caches, and each then gets its next token.
+    A pass that fails is retried one sequence at a time, so only the failing sequence fails
+    (`Generation.error`). How many sequences run at once is the caller's bound (server/batcher admits them
+    against --max-running-generations and --max-kv-tokens)."""
 
-    def __init__(self, decoder: Decoder, tokenizer: Any, eos_ids: frozenset[int],
+    def __init__(self, decoder: Decoder, tokenizer: Any, eos_ids: frozenset[int], max_prefill_tokens: int = 8192,
                  prefix_cache: PrefixCache | None = None) -> None:
         self.decoder = decoder
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
+        self.max_prefill_tokens = max_prefill_tokens
         self.prefix_cache = prefix_cache
 
     def start(self, request: GenerateRequest) -> Generation:
@@ -202,13 +250,25 @@ class GenerationRunner:
                           generator=generator)
 
     def step(self, generations: list[Generation]) -> None:
-        """Advances every unfinished generation by one token."""
-        new = [g for g in generations if not g.finished and g.cache is None and not g.token_ids]
-        running = [g for g in generations if not g.finished and g.cache is not None and g not in new]
-        if new:
-            self._together_or_alone(self._prefill, new)
+        """Advances every running generation by one token and prefills (which yields the first token) as many
+        new ones as the prefill budget allows."""
+        new = [g for g in generations if not g.finished and g.cache is None]
+        running = [g for g in generations if not g.finished and g.cache is not None]
+        prefill = self._within_prefill_budget(new)
+        if prefill:
+            self._together_or_alone(self._prefill, prefill)
         if running:
             self._together_or_alone(self._decode, running)
+
+    def _within_prefill_budget(self, new: list[Generation]) -> list[Generation]:
+        """The longest arrival-order prefix of `new` whose prompts fit max_prefill_tokens (at least one)."""
+        taken, tokens = [], 0
+        for g in new:
+            if taken and tokens + len(g.prompt) > self.max_prefill_tokens:
+                break
+            taken.append(g)
+            tokens += len(g.prompt)
+        return taken
 
     def generate(self, request: GenerateRequest) -> GenerateResult:
         gen = self.start(request)
@@ -221,7 +281,8 @@ class GenerationRunner:
     @staticmethod
     def _together_or_alone(run: Any, gens: list[Generation]) -> None:
         """run(gens) as one batch; if that raises, each alone, so only the failing sequence fails. Safe to
-        retry: a failed pass leaves no token appended and rewrites the same KV cache slots."""
+        retry: a pass commits nothing (no cache length, no token) until it has succeeded, and a retried pass
+        rewrites the same KV slots."""
         try:
             run(gens)
         except Exception as e:
@@ -238,7 +299,7 @@ class GenerationRunner:
         """One packed pass over the new sequences' prompts. With the prefix cache a prompt's leading full blocks
         (leaving at least its last token, whose output chooses the first token) are read from the cache and
         copied into the sequence's KV cache; the prompt's other full blocks are written to the cache, visible to
-        later passes once this one succeeded."""
+        later passes once this one succeeded (they hold the prompt's keys whatever token is chosen next)."""
         cache = self.prefix_cache
         with pass_lease(cache) as lease:
             groups = []
@@ -265,19 +326,32 @@ class GenerationRunner:
             if cache is not None:
                 for c, group in zip(kv, groups, strict=True):
                     cache.read_into(group.cache.read if group.cache else (), c.k, c.v)
-        for g, c, skip in zip(gens, kv, skips, strict=True):
-            g.cache, g.cached_tokens = c, skip
-            g.cache.length = len(g.prompt)
-        self._append(gens, hidden)
+        for g, skip in zip(gens, skips, strict=True):
+            g.cached_tokens = skip  # reported only if the sequence gets its first token (else it failed)
+
+        def commit(c: KVCache, g: Generation) -> None:
+            c.length = len(g.prompt)  # prefill wrote the linear layers' states into the cache's current ones
+
+        self._commit(gens, hidden, kv, commit)
 
     def _decode(self, gens: list[Generation]) -> None:
         last = torch.tensor([g.token_ids[-1] for g in gens], dtype=torch.long)
-        self._append(gens, self.decoder.decode(last, [g.cache for g in gens]))
+        caches = [g.cache for g in gens]
+        hidden = self.decoder.decode(last, caches)  # writes slot `length` of each cache, commits nothing
+        self._commit(gens, hidden, caches, lambda c, g: c.commit())
 
-    def _append(self, gens: list[Generation], hidden: torch.Tensor) -> None:
-        """Chooses every sequence's next token from hidden [B, H], then appends them: all are chosen before
-        any is appended, so a failure here leaves every sequence as it was before the token."""
+    def _commit(self, gens: list[Generation], hidden: torch.Tensor, caches: list[KVCache],
+                commit: Callable[[KVCache, Generation], None]) -> None:
+        """Chooses every sequence's next token from hidden [B, H]; only then commits, per sequence, its cache
+        (`commit`: the pass's slot becomes valid, a hybrid model's new states current) and its token. A row whose
+        choice failed fails that sequence alone; if this raises before the loop, nothing has changed and the
+        pass can be retried."""
         logits = hidden @ self.decoder.w.lm_head.T  # [B, V]: generation needs the whole distribution
         chosen = choose_tokens(logits, gens, self.tokenizer)
-        for g, (token, logprob) in zip(gens, chosen, strict=True):
-            g.append(token, logprob)
+        for g, cache, choice in zip(gens, caches, chosen, strict=True):
+            if isinstance(choice, Exception):
+                g.fail(choice)
+                continue
+            commit(cache, g)
+            g.cache = cache
+            g.append(*choice)

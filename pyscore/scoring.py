@@ -3,7 +3,11 @@ no model work and no torch. Every refusal is an InvalidArgument / FailedPrecondi
 
 Semantics follow SGLang's /v1/score: the query is tokenized as the tokenizer normally does (special tokens
 included), items without special tokens, and query and item are joined at the token level (`item_first` puts
-the item first). SIS and MIS see exactly the same tokens at the same positions."""
+the item first). SIS and MIS see exactly the same tokens at the same positions.
+
+Mode AUTO (this module is its one definition; the proto's SCORING_MODE_UNSPECIFIED): MIS, unless `item_first` is
+set (the query is then a suffix, not a prefix the items can share); then SIS. Forcing MIS with item_first is a
+FailedPrecondition. The result's `mode` says which ran."""
 
 from __future__ import annotations
 
@@ -150,8 +154,8 @@ def _resolve_classes(req: ScoreRequest, traits: ModelTraits) -> list[int]:
 
 
 def _resolve_mode(req: ScoreRequest) -> Literal["sis", "mis"]:
-    """The mode that runs. "auto" (the proto's SCORING_MODE_UNSPECIFIED, whose comment states this rule) is MIS
-    unless item_first, which makes the query a suffix that cannot be shared."""
+    """The mode that runs. "auto" (the proto's SCORING_MODE_UNSPECIFIED) is MIS unless item_first (the query is
+    then a suffix that cannot be shared); see the module docstring."""
     if req.mode not in MODES:
         raise InvalidArgument("mode", f"unknown mode {req.mode!r}; expected one of {', '.join(MODES)}")
     if req.mode == "mis" and req.item_first:

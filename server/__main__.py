@@ -1,7 +1,7 @@
 """`python -m server`: serve pyscore.v1.Scorer on the given model (default: the embedded SmolLM2).
 
 Prints `pyscore: listening on HOST:PORT` as soon as it listens (health NOT_SERVING while the model loads) and
-`pyscore: serving MODEL on HOST:PORT` once SERVING. SIGTERM/SIGINT stop it gracefully; it then exits 0.
+`pyscore: serving MODEL on HOST:PORT (DEVICE, DTYPE)` once SERVING. SIGTERM/SIGINT stop it gracefully; it then exits 0.
 
 Test-only: the hidden `--engine module:Class` flag replaces pyscore.engine.Engine with any class that has
 the same `from_pretrained` and API (the server tests pass tests.server.fake_engine:FakeEngine).
@@ -22,7 +22,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str]:
     p.add_argument("--model", default=d.model, help="model directory, file or name (default: embedded SmolLM2)")
     p.add_argument("--host", default=d.host, help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=int, default=d.port, help="port (0 = any free one; default %(default)s)")
-    p.add_argument("--dtype", default=d.dtype, help="auto, bfloat16, float16 or float32 (default %(default)s)")
+    p.add_argument("--dtype", default=d.dtype,
+                   help="auto, bfloat16, float16 or float32; float16 on the CPU runs the slow reference ops "
+                        "(default %(default)s)")
     p.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N] (default %(default)s)")
     p.add_argument("--threads", type=int, default=d.threads, help="CPU threads for the model (default: all cores)")
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
@@ -33,6 +35,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str]:
                    help="items per Score request; more answer RESOURCE_EXHAUSTED (default %(default)s)")
     p.add_argument("--max-message-mb", type=int, default=d.max_message_mb,
                    help="largest gRPC message sent or received, MiB (default %(default)s)")
+    p.add_argument("--max-running-generations", type=int, default=d.max_running_generations,
+                   help="generations decoded at once; more wait in the queue (default %(default)s)")
+    p.add_argument("--max-kv-tokens", type=int, default=d.max_kv_tokens,
+                   help="KV-cache tokens the running generations may reserve, prompt + max_tokens each; more wait "
+                        "in the queue, and one that can never fit answers RESOURCE_EXHAUSTED (default %(default)s)")
     p.add_argument("--max-request-tokens", type=int, default=d.max_request_tokens,
                    help="tokens one request may make the model compute (Score: as its mode computes; Generate: "
                         "prompt + max_tokens); more answer RESOURCE_EXHAUSTED; 0 = no limit (default %(default)s)")
@@ -60,6 +67,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str]:
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ... (default %(default)s)")
     p.add_argument("--engine", default=d.engine, help=argparse.SUPPRESS)  # test-only, see the docstring
     a = p.parse_args(argv)
+    for flag in ("max_batch_tokens", "max_queue", "max_items", "max_running_generations", "max_kv_tokens"):
+        if getattr(a, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be at least 1")
     if bool(a.tls_cert) != bool(a.tls_key):
         p.error("--tls-cert and --tls-key go together")
     if a.tls_client_ca and not a.tls_cert:
@@ -67,6 +77,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str]:
     return ServerConfig(model=a.model, host=a.host, port=a.port, dtype=a.dtype, device=a.device, threads=a.threads,
                         max_batch_tokens=a.max_batch_tokens, max_queue=a.max_queue, max_items=a.max_items,
                         max_message_mb=a.max_message_mb, max_request_tokens=a.max_request_tokens or None,
+                        max_running_generations=a.max_running_generations, max_kv_tokens=a.max_kv_tokens,
                         prefix_cache_mb=a.prefix_cache_mb,
                         tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
                         auth_token_file=a.auth_token_file, metrics_port=a.metrics_port, grace_s=a.grace_s,

@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import importlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -32,6 +33,7 @@ from pyscore.types import GenerateRequest, ModelInfo, ScoreRequest, ServerLimits
 from server.batcher import Batcher, EngineLike
 from server.health import HealthServicer
 from server.interceptors import LoggingErrorInterceptor
+from server.memory import MemoryProbe
 from server.metrics import Metrics
 from server.reflection_docs import DocumentedPool, add_reflection, reflection_handlers
 from server.security import AuthInterceptor, read_token, server_credentials
@@ -56,6 +58,8 @@ class ServerConfig:
     max_items: int = 1024
     max_message_mb: int = 64
     max_request_tokens: int | None = 65536  # None = no limit
+    max_running_generations: int = 64
+    max_kv_tokens: int = 65536  # KV-cache tokens reserved by running generations (prompt + max_tokens each)
     prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB  # the prefix cache's byte budget in MiB; 0 = off
     grace_s: float = 10.0
     drain_delay_s: float = 0.0  # seconds between health NOT_SERVING and the listener closing, on SIGTERM
@@ -141,8 +145,11 @@ class ScorerApp:
         add_reflection(self.server, (SCORER_SERVICE, health.SERVICE_NAME), DocumentedPool())
         self.batcher: Batcher | None = None
         self.metrics.track_queue(lambda: self.batcher.waiting() if self.batcher is not None else 0)
+        self.metrics.track_generations(lambda: self.batcher.running_generations() if self.batcher is not None else 0,
+                                       lambda: self.batcher.kv_tokens_reserved() if self.batcher is not None else 0)
         self.port = 0
         self.metrics_port = 0
+        self.memory_probe = MemoryProbe.from_env()  # bench/soak.py's diagnostics; None unless asked for
 
     async def start(self) -> int:
         """Listen (health NOT_SERVING); returns the bound port."""
@@ -161,14 +168,19 @@ class ScorerApp:
             self.metrics_port = self.metrics.serve(c.host, c.metrics_port)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
+        if self.memory_probe is not None:
+            self.memory_probe.start()
         return self.port
 
     async def serve_engine(self, engine: EngineLike) -> None:
         """Warm the engine up (off the loop), start the batcher on it and go SERVING."""
         await in_daemon_thread(lambda: warm_up(engine))
-        self.batcher = Batcher(engine, max_batch_tokens=self.config.max_batch_tokens, max_queue=self.config.max_queue,
-                               max_request_tokens=self.config.max_request_tokens,
-                               on_batch=self.metrics.observe_batch)
+        c = self.config
+        self.batcher = Batcher(engine, max_batch_tokens=c.max_batch_tokens, max_queue=c.max_queue,
+                               max_request_tokens=c.max_request_tokens,
+                               max_running_generations=c.max_running_generations, max_kv_tokens=c.max_kv_tokens,
+                               on_batch=self.metrics.observe_batch,
+                               trim_under_load=os.environ.get("PYSCORE_TRIM_UNDER_LOAD", "") not in ("", "0"))
         self.batcher.start()
         self.metrics.track_prefix_cache(engine.prefix_cache_stats)
         self.servicer.attach(self.batcher, self.model_info(engine))
@@ -195,6 +207,8 @@ class ScorerApp:
         if self.batcher is not None:
             await asyncio.to_thread(self.batcher.stop, grace)
         await asyncio.to_thread(self.metrics.stop)
+        if self.memory_probe is not None:
+            await asyncio.to_thread(self.memory_probe.stop)
 
     async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
         for service in ("", SCORER_SERVICE):
@@ -220,7 +234,8 @@ async def serve(config: ServerConfig) -> int:
         log.error("could not load the model", exc_info=loading.exception())
         code = 1
     elif loading.done():
-        print(f"pyscore: serving {loading.result()} on {config.host}:{port}", flush=True)
+        info = loading.result()
+        print(f"pyscore: serving {info.name} on {config.host}:{port} ({info.device}, {info.dtype})", flush=True)
         await stopping
     print("pyscore: shutting down", flush=True)
     loading.cancel()
@@ -228,10 +243,10 @@ async def serve(config: ServerConfig) -> int:
     return code
 
 
-async def _load_and_serve(app: ScorerApp, config: ServerConfig) -> str:
+async def _load_and_serve(app: ScorerApp, config: ServerConfig) -> ModelInfo:
     engine = await in_daemon_thread(lambda: load_engine(config))
     await app.serve_engine(engine)
-    return engine.model_name
+    return engine.info()
 
 
 def main(config: ServerConfig) -> None:

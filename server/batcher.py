@@ -3,17 +3,23 @@
 Each worker iteration: (1) accepts the jobs that arrived (prepare_score / start_generation validate and
 tokenize; a bad request is answered at once), (2) drops jobs whose client went away or whose deadline passed,
 (3) runs one score batch — the waiting Score jobs in arrival order up to `max_batch_tokens` computed tokens, a
-job larger than the budget alone — with a single `engine.run_prepared`, and (4) advances all running
-generations by one token with a single `engine.step`. Score batches and decode steps thus interleave, and
-requests that arrive during a forward pass join the next one. Results reach the loop through
-`call_soon_threadsafe`. At most `max_queue` jobs wait (admitted, not yet running); the next one is refused
-at once with ResourceExhausted. A request larger than `max_request_tokens` (Score: the tokens its mode
-computes; Generate: prompt + max_tokens) is refused with ResourceExhausted right after tokenization, before
-any model work. Every result's Usage gets the server-side timing: `queue_s` from admission to the start of the
-first forward pass that included the request, `compute_s` the wall time of the passes that included it. When
-the worker runs out of work it hands freed heap memory back to the OS (glibc's
-malloc_trim, at most every `TRIM_EVERY_S`): without it, RSS stays at the high-water mark of the largest
-batches seen.
+job larger than the budget alone — with a single `engine.run_prepared`, (4) starts waiting generations in
+arrival order while both generation bounds allow, and (5) advances all running generations by one token with
+a single `engine.step` (which prefills new ones up to `max_batch_tokens` prompt tokens per step). Score
+batches and decode steps thus interleave, and requests that arrive during a forward pass join the next one.
+Results reach the loop through `call_soon_threadsafe`. Every result's Usage gets the server-side timing:
+`queue_s` from admission to the start of the first forward pass that included the request, `compute_s` the wall
+time of the passes that included it.
+
+Bounds (vLLM's and SGLang's scheduler limits): at most `max_queue` jobs wait (admitted, not yet running; a
+generation waits until it may run); the next one is refused at once with ResourceExhausted. At most
+`max_running_generations` generations run, and the KV-cache tokens they reserve — prompt + max_tokens each,
+what the engine allocates — stay within `max_kv_tokens`; a generation that does not fit waits in the queue
+(first come, first served: none overtakes it), and one that could never fit is refused right after
+tokenization. So is a request larger than `max_request_tokens` (Score: the tokens its mode computes; Generate:
+prompt + max_tokens), before any model work. When the worker runs out of work it hands freed heap memory back
+to the OS (glibc's malloc_trim, at most every `TRIM_EVERY_S`): without it, RSS stays at the high-water mark of
+the largest batches seen. `trim_under_load` trims at that pace even while busy (a control of bench/soak.py).
 """
 
 from __future__ import annotations
@@ -115,7 +121,7 @@ class Job:
     deltas: asyncio.Queue[GenerationDelta | BaseException] | None = None  # generate
     cancelled: bool = False  # set on the loop when the caller stops waiting; read by the worker
     work: Any = None  # PreparedScore or Generation, once accepted
-    tokens: int = 0
+    tokens: int = 0  # Score: tokens computed; Generate: KV-cache tokens reserved (prompt + max_tokens)
     admitted: float = field(default_factory=time.monotonic)
     started: float | None = None  # when the first forward pass that included this job began
     compute_s: float = 0.0  # wall time of the forward passes that included it
@@ -155,12 +161,16 @@ class Stats:
 
 class Batcher:
     def __init__(self, engine: EngineLike, *, max_batch_tokens: int = 8192, max_queue: int = 256,
-                 max_request_tokens: int | None = None,
-                 on_batch: Callable[[int, int], None] | None = None) -> None:
+                 max_request_tokens: int | None = None, max_running_generations: int = 64,
+                 max_kv_tokens: int = 65536, on_batch: Callable[[int, int], None] | None = None,
+                 trim_under_load: bool = False) -> None:
         self.engine = engine
         self.max_batch_tokens = max_batch_tokens
         self.max_queue = max_queue
         self.max_request_tokens = max_request_tokens  # None = no limit
+        self.max_running_generations = max_running_generations
+        self.max_kv_tokens = max_kv_tokens
+        self.trim_under_load = trim_under_load
         self.on_batch = on_batch  # (requests, computed tokens) of every score batch, on the worker thread
         self.stats = Stats()
         self._cond = threading.Condition()
@@ -168,7 +178,9 @@ class Batcher:
         self._waiting = 0  # admitted jobs not yet running; guarded by _cond
         self._stopping = False  # guarded by _cond
         self._pending: deque[Job] = deque()  # prepared Score jobs; worker only
+        self._starting: deque[Job] = deque()  # accepted generations waiting for a running slot; worker only
         self._active: list[Job] = []  # running generations; worker only
+        self._kv_reserved = 0  # sum of tokens over _active; written by the worker only
         self._thread = threading.Thread(target=self._run, name="pyscore-engine", daemon=True)
         self._trimmed = time.monotonic()  # worker only
 
@@ -180,6 +192,13 @@ class Batcher:
         """Jobs admitted and not yet running."""
         with self._cond:
             return self._waiting
+
+    def running_generations(self) -> int:
+        return len(self._active)
+
+    def kv_tokens_reserved(self) -> int:
+        """KV-cache tokens the running generations hold (prompt + max_tokens each)."""
+        return self._kv_reserved
 
     async def score(self, request: ScoreRequest, timeout: float | None = None) -> ScoreResult:
         return await self._await(self._admit("score", request, timeout, stream=False))
@@ -243,25 +262,30 @@ class Batcher:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._inbox or self._pending or self._active or self._stopping):
+                while not (self._inbox or self._has_work() or self._stopping):
                     if not self._cond.wait(TRIM_EVERY_S):
                         break  # idle for a while: go round once, so that the heap gets trimmed
-                if self._stopping and not (self._inbox or self._pending or self._active):
+                if self._stopping and not (self._inbox or self._has_work()):
                     return
                 arrived, self._inbox = self._inbox, []
             try:
                 self._iterate(arrived)
             except Exception as e:  # a bug here must not kill the worker: fail what is in flight
                 log.exception("batcher iteration failed")
-                for job in [*self._pending, *self._active]:
+                for job in [*self._pending, *self._starting, *self._active]:
                     self._finish(job, e)
-                self._release(len(self._pending))
+                self._release(len(self._pending) + len(self._starting))
                 self._pending.clear()
-                self._active.clear()
-            self._trim_when_idle()
+                self._starting.clear()
+                self._set_active([])
+            self._trim()
 
-    def _trim_when_idle(self) -> None:
-        if self._pending or self._active or time.monotonic() - self._trimmed < TRIM_EVERY_S:
+    def _has_work(self) -> bool:
+        return bool(self._pending or self._starting or self._active)
+
+    def _trim(self) -> None:
+        """malloc_trim at most every TRIM_EVERY_S, when idle (or always, with trim_under_load)."""
+        if (self._has_work() and not self.trim_under_load) or time.monotonic() - self._trimmed < TRIM_EVERY_S:
             return
         with self._cond:
             if self._inbox:
@@ -276,6 +300,7 @@ class Batcher:
         batch = self._next_batch()
         if batch:
             self._run_batch(batch)
+        self._start_generations()
         if self._active:
             self._step()
 
@@ -294,12 +319,17 @@ class Batcher:
             if job.kind == "generate":
                 job.work = self.engine.start_generation(job.payload)
                 prompt = len(job.work.prompt)
+                job.tokens = prompt + job.work.request.max_tokens
                 self._check_size("prompt", prompt, "the prompt is")
-                self._check_size("max_tokens", prompt + job.work.request.max_tokens, "prompt + max_tokens is")
-                self._active.append(job)
-            else:
-                fn, args = job.payload
-                self._finish(job, fn(*args))
+                self._check_size("max_tokens", job.tokens, "prompt + max_tokens is")
+                if job.tokens > self.max_kv_tokens:
+                    raise ResourceExhausted("max_tokens", f"prompt + max_tokens is {job.tokens} tokens, more than "
+                                            f"this server's KV-cache budget of {self.max_kv_tokens} tokens "
+                                            "(--max-kv-tokens)")
+                self._starting.append(job)  # keeps its queue place until it runs
+                return
+            fn, args = job.payload
+            self._finish(job, fn(*args))
         except Exception as e:
             self._finish(job, e)
         self._release(1)
@@ -310,17 +340,32 @@ class Batcher:
                                            f"{self.max_request_tokens} per request (--max-request-tokens)")
 
     def _drop_dead(self) -> None:
+        """Drops cancelled and expired jobs: waiting ones give their queue place back."""
         now = time.monotonic()
-        alive = deque(j for j in self._pending if not j.dead(now))
-        dead = len(self._pending) - len(alive)
-        for job in self._pending:
-            if job.dead(now):
+        for queue in (self._pending, self._starting):
+            dead = [j for j in queue if j.dead(now)]
+            for job in dead:
+                queue.remove(job)
                 self._drop(job)
-        self._pending = alive
-        self._release(dead)
-        for job in [j for j in self._active if j.dead(now)]:
+            self._release(len(dead))
+        dead = [j for j in self._active if j.dead(now)]
+        for job in dead:
             self._drop(job)
-            self._active.remove(job)
+        if dead:
+            self._set_active([j for j in self._active if j not in dead])
+
+    def _start_generations(self) -> None:
+        """Waiting generations in arrival order while a running slot and their KV tokens are free."""
+        started = 0
+        while (self._starting and len(self._active) < self.max_running_generations
+               and self._kv_reserved + self._starting[0].tokens <= self.max_kv_tokens):
+            self._set_active([*self._active, self._starting.popleft()])
+            started += 1
+        self._release(started)
+
+    def _set_active(self, jobs: list[Job]) -> None:
+        self._active = jobs
+        self._kv_reserved = sum(j.tokens for j in jobs)
 
     def _next_batch(self) -> list[Job]:
         """Waiting Score jobs in arrival order while they fit the token budget (the first one always)."""
@@ -357,7 +402,7 @@ class Batcher:
             log.exception("generation step of %d sequences failed", len(self._active))
             for job in self._active:
                 self._finish(job, e)
-            self._active.clear()
+            self._set_active([])
             return
         end = time.monotonic()
         still: list[Job] = []
@@ -377,7 +422,7 @@ class Batcher:
                 if token_ids or text:
                     self._finish(job, GenerationDelta(token_ids, logprobs, text))
                 still.append(job)
-        self._active = still
+        self._set_active(still)
 
     def _drop(self, job: Job) -> None:
         self.stats.dropped += 1

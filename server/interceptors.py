@@ -1,5 +1,6 @@
 """The one server interceptor: for every pyscore.v1.Scorer call it logs one line (method, items, tokens, mode,
-latency, status), records it in the metrics, and turns exceptions into gRPC statuses — pyscore.errors by kind
+latency, and the status the client saw — DEADLINE_EXCEEDED, not CANCELLED, when grpc ended the call at its
+deadline), records it in the metrics, and turns exceptions into gRPC statuses — pyscore.errors by kind
 (the message names the field), batcher refusals, and anything else as INTERNAL, after which the server simply
 goes on serving. INVALID_ARGUMENT also carries a google.rpc.BadRequest in the status details (AIP-193) whose
 field violation names the field. Bytes that do not parse as the request message (e.g. a string field that is
@@ -29,6 +30,7 @@ from server.metrics import Metrics
 log = logging.getLogger("server.requests")
 
 SERVICE_PREFIX = "/pyscore.v1.Scorer/"
+DEADLINE_SLACK_S = 0.1  # a call ended this close to its deadline ended because of it
 
 _STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (errors.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
@@ -156,7 +158,7 @@ class _Call:
         try:
             yield
         except (asyncio.CancelledError, GeneratorExit):  # client cancelled, deadline passed, or stream closed
-            status = "CANCELLED"
+            status = self._ended_early()
             raise
         except grpc.aio.AbortError:
             status = _status_name(self.context.code())
@@ -174,6 +176,15 @@ class _Call:
             ms = seconds * 1e3
             log.info("%s %s%slatency_ms=%.1f status=%s", self.name, _request_summary(self.request),
                      _response_summary(self.response), ms, status)
+
+
+    def _ended_early(self) -> str:
+        """What the client saw when grpc ended the call under the handler: DEADLINE_EXCEEDED at its deadline,
+        else CANCELLED (the client cancelled or went away). At the deadline either side may end the call first:
+        the client cancels when its own clock says so, which reaches the server up to a network latency before
+        the server's copy of the deadline (set on arrival) passes — hence the slack."""
+        remaining = self.context.time_remaining()
+        return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= DEADLINE_SLACK_S else "CANCELLED"
 
 
 def _wrap_unary(name: str, behavior: Callable[..., Awaitable[Any]],

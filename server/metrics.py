@@ -1,8 +1,9 @@
 """Prometheus metrics of one server (prometheus-client, a registry of its own so that several servers can live
-in one process): requests by method and status, requests in flight, latency, queue depth, batch sizes, token
-accounting — computed tokens, tokens read from the prefix cache, and the tokens MIS saved against SIS
-(prompt − computed) — and the prefix cache itself (hit and missed tokens, evicted blocks, bytes held), read from
-the engine at each scrape. Exposed over HTTP on `--metrics-port` (no auth: counts only, no request content)."""
+in one process): requests by method and status, requests in flight, latency, queue depth, running generations and
+the KV-cache tokens they reserve, batch sizes, token accounting — computed tokens, tokens read from the prefix
+cache, and the tokens MIS saved against SIS (prompt − computed) — and the prefix cache itself (hit and missed
+tokens, evicted blocks, bytes held), read from the engine at each scrape. Exposed over HTTP on `--metrics-port`
+(no auth: counts only, no request content)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,11 @@ class Metrics:
                                ["method"], registry=r)
         self.queue_depth = Gauge("pyscore_queue_depth", "requests admitted and waiting to run (--max-queue)",
                                  registry=r)
+        self.generations_running = Gauge("pyscore_generations_running",
+                                         "generations running (--max-running-generations)", registry=r)
+        self.kv_tokens_reserved = Gauge("pyscore_kv_tokens_reserved",
+                                        "KV-cache tokens reserved by running generations (--max-kv-tokens)",
+                                        registry=r)
         self.batch_requests = Histogram("pyscore_batch_requests", "Score requests per packed forward pass",
                                         buckets=BATCH_BUCKETS, registry=r)
         self.batch_tokens = Histogram("pyscore_batch_tokens", "computed tokens per packed forward pass",
@@ -50,6 +56,9 @@ class Metrics:
     def track_queue(self, depth: Callable[[], int]) -> None:
         self.queue_depth.set_function(depth)
 
+    def track_generations(self, running: Callable[[], int], kv_tokens: Callable[[], int]) -> None:
+        self.generations_running.set_function(running)
+        self.kv_tokens_reserved.set_function(kv_tokens)
     def track_prefix_cache(self, stats: Callable[[], Any]) -> None:
         """Export the engine's prefix cache counters (`stats()`: a PrefixCacheStats, or None when off)."""
         self.registry.register(PrefixCacheCollector(stats))

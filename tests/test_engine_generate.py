@@ -125,3 +125,90 @@ def test_one_failing_sequence_does_not_fail_its_batch_mates(model_dir):
     with pytest.raises(RuntimeError, match="injected"):
         e.decoder.decode = lambda tokens, caches: (_ for _ in ()).throw(RuntimeError("injected"))
         e.generate(reqs[0])
+
+
+def _three(e: Engine) -> tuple[list[GenerateRequest], list[list[int]]]:
+    reqs = [GenerateRequest(prompt=PROMPT, max_tokens=6), GenerateRequest(prompt="héllo wörld", max_tokens=6),
+            GenerateRequest(prompt_token_ids=[5, 6, 7, 8], max_tokens=6)]
+    return reqs, [e.generate(r).token_ids for r in reqs]
+
+
+def test_retry_after_a_failure_past_the_kv_write_keeps_batch_mates_exact(model_dir, monkeypatch):
+    """Token choice fails for the whole batch after decode wrote every sequence's KV slot; the one-by-one retry
+    must rewrite the same slots, so the survivors generate exactly what they generate alone."""
+    from pyscore import generation
+
+    e = engine(model_dir)
+    e.generation.eos_ids = frozenset()
+    reqs, alone = _three(e)
+    gens = [e.start_generation(r) for r in reqs]
+    e.step(gens)  # prefill all three together
+    bad, choose = gens[1], generation.choose_tokens
+
+    def failing_choice(logits, batch, tokenizer):
+        if any(g is bad for g in batch):
+            raise RuntimeError("injected token-choice failure")
+        return choose(logits, batch, tokenizer)
+
+    monkeypatch.setattr(generation, "choose_tokens", failing_choice)
+    while not all(g.finished for g in gens):
+        e.step(gens)
+    assert isinstance(bad.error, RuntimeError) and bad.cache is None
+    assert [gens[0].result().token_ids, gens[2].result().token_ids] == [alone[0], alone[2]]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_non_finite_logits_fail_that_sequence_alone(model_dir, temperature):
+    """A NaN hidden row (after the KV write) fails its sequence with a clear error, greedy or sampled; the
+    batch-mates go on, exact."""
+    e = engine(model_dir)
+    e.generation.eos_ids = frozenset()
+    reqs, alone = _three(e)
+    reqs[1] = GenerateRequest(prompt="héllo wörld", max_tokens=6, temperature=temperature, seed=3)
+    gens = [e.start_generation(r) for r in reqs]
+    e.step(gens)
+    bad, decode = gens[1], e.decoder.decode
+
+    def poisoned_decode(tokens, caches):
+        hidden = decode(tokens, caches).clone()  # an inference tensor: write to a copy
+        for row, cache in enumerate(caches):
+            if cache is bad.cache:
+                hidden[row] = float("nan")
+        return hidden
+
+    e.decoder.decode = poisoned_decode
+    while not all(g.finished for g in gens):
+        e.step(gens)
+    assert bad.error is not None and "not finite" in str(bad.error), bad.error
+    assert len(bad.token_ids) == 1  # the token from the prefill; nothing chosen from the NaN row
+    assert [gens[0].result().token_ids, gens[2].result().token_ids] == [alone[0], alone[2]]
+
+
+@pytest.mark.parametrize("filters", [{}, dict(top_p=0.5, top_k=3)])
+@pytest.mark.parametrize("temperature", [1e-38, 1e-45])
+def test_tiny_temperature_samples_the_argmax(model_dir, temperature, filters):
+    """logits / 1e-38 overflows fp32; sampling must still be defined: the limit of T -> 0 is greedy."""
+    e = engine(model_dir)
+    greedy = e.generate(GenerateRequest(prompt=PROMPT, max_tokens=6))
+    cold = e.generate(GenerateRequest(prompt=PROMPT, max_tokens=6, temperature=temperature, seed=1, **filters))
+    assert cold.token_ids == greedy.token_ids
+
+
+def test_prefill_is_capped_by_the_token_budget(model_dir):
+    """New sequences are prefilled in arrival order while their prompts fit max_batch_tokens (one larger than
+    the budget alone); the rest wait for the next step. Tokens are the same as alone."""
+    e = Engine.from_pretrained(model_dir, dtype="float32", device="cpu", threads=2, max_batch_tokens=24)
+    reqs = [GenerateRequest(prompt_token_ids=list(range(5, 5 + n)), max_tokens=3) for n in (10, 12, 9, 30)]
+    alone = [e.generate(r).token_ids for r in reqs]
+    passes, hidden_at = [], e.decoder.hidden_at
+
+    def counting_hidden_at(batch, **kw):
+        passes.append(int(batch.tokens.numel()))
+        return hidden_at(batch, **kw)
+
+    e.decoder.hidden_at = counting_hidden_at
+    gens = [e.start_generation(r) for r in reqs]
+    while not all(g.finished for g in gens):
+        e.step(gens)
+    assert passes == [22, 9, 30]
+    assert [g.result().token_ids for g in gens] == alone

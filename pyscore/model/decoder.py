@@ -74,10 +74,11 @@ class PackedLayer:
 
 @dataclass
 class KVCache:
-    """One sequence's cache: k, v [L_attn, capacity, Hkv, D] for the attention layers, `length` tokens valid; for a
-    hybrid model also, per linear-attention layer, the conv tail [L_lin, K - 1, C] and the fp32 recurrent state
-    [L_lin, Hv, Dk, Dv], each with a spare of the same shape that a decode step writes, swapped in (`commit`) only
-    once the whole step has succeeded, so a failed step can be retried from the state before it."""
+    """One sequence's cache: k, v [L_attn, capacity, Hkv, D] for the attention layers, `length` tokens valid (slots
+    past it may hold the writes of a step that has not been committed); for a hybrid model also, per
+    linear-attention layer, the conv tail [L_lin, K - 1, C] and the fp32 recurrent state [L_lin, Hv, Dk, Dv], each
+    with a spare of the same shape that a decode step writes, swapped in (`commit`) only once the whole step —
+    the token chosen included — has succeeded, so a failed step can be retried from the state before it."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -227,8 +228,11 @@ class Decoder:
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
-        """One new token per sequence (tokens [B]) at position cache.length; appends to each cache and
-        returns final-normed hidden states [B, H]. A sequence's result never depends on its batch-mates."""
+        """One new token per sequence (tokens [B]) at position cache.length: writes its keys and values into
+        slot cache.length (and a hybrid model's new linear states into the spares), attends over slots
+        [0, length] and returns final-normed hidden states [B, H]. It commits nothing: the caller calls
+        cache.commit() once the whole step has succeeded, so a failed step retried rewrites the same slot. A
+        sequence's result never depends on its batch-mates."""
         device = self.device
         positions = torch.tensor([c.length for c in caches], dtype=torch.long, device=device)
 
@@ -254,9 +258,24 @@ class Decoder:
         delta = None
         for i in range(len(self.w.layers)):
             x, delta = self._layer(i, x, delta, positions, attend, mix_linear)
-        for cache in caches:
-            cache.commit()
         return self._norm(x, self.w.final_norm, delta)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """What one token's keys and values weigh in a KVCache (its attention layers; a hybrid model's linear
+        layers hold a fixed-size state per sequence instead, `state_bytes_per_sequence`)."""
+        layers = self.cfg.num_layers - self.num_linear
+        return 2 * layers * self.cfg.num_kv_heads * self.cfg.head_dim * self.dtype.itemsize
+
+    @property
+    def state_bytes_per_sequence(self) -> int:
+        """A hybrid model's conv tails and fp32 recurrent states of one sequence, both copies (0 otherwise)."""
+        if not self.num_linear:
+            return 0
+        lin = self.cfg.linear
+        conv = (lin.conv_kernel - 1) * lin.conv_channels * self.dtype.itemsize
+        state = lin.num_v_heads * lin.k_dim * lin.v_dim * 4
+        return 2 * self.num_linear * (conv + state)
 
     def new_cache(self, capacity: int) -> KVCache:
         cfg = self.cfg

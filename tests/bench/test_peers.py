@@ -11,9 +11,9 @@ import pytest
 from bench import peers
 from bench.peers import Plan
 from tests.bench.test_http_targets import CACHED_TOKENS, PROMPT_TOKENS, stub  # noqa: F401 (a fixture)
-from tests.bench.test_smoke import MarkerFake
 from tests.server import fake_engine
 from tests.server.conftest import ServerThread
+from tests.server.fake_engine import FakeEngine
 
 
 def test_blocks_alternate_one_server_at_a_time_and_report_both_sides(stub, tmp_path, monkeypatch):  # noqa: F811
@@ -25,7 +25,7 @@ def test_blocks_alternate_one_server_at_a_time_and_report_both_sides(stub, tmp_p
         assert not running, f"{side} started while {running} still runs"
         running.append(side)
         events.append((block, side))
-        server = ServerThread(MarkerFake(delay_s=0.001)) if side == "pyscore" else None
+        server = ServerThread(FakeEngine(delay_s=0.001)) if side == "pyscore" else None
         try:
             if server is not None:
                 yield {"spec": server.target, "ready_s": 0.1}

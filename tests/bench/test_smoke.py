@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 
 import pytest
 
@@ -21,17 +20,10 @@ SUMMARY_FIELDS = {"path", "target", "model", "concurrency", "target_qps", "num_q
                   "server_compute_ms", "p95_by_candidates", "machine", "git_commit"}
 
 
-class MarkerFake(FakeEngine):
-    """The fake tokenizes on whitespace; real tokenizers split special tokens off the text around them."""
-
-    def tokenize(self, text: str, add_special_tokens: bool = True):
-        return super().tokenize(re.sub(r"(<[^<>\s]+>)", r" \1 ", text), add_special_tokens)
-
-
 @pytest.fixture
 def server(monkeypatch):
     monkeypatch.setattr(fake_engine, "MAX_CONTEXT", 4096)  # a 16-option setwise prompt is ~600 fake words
-    s = ServerThread(MarkerFake(delay_s=0.002))
+    s = ServerThread(FakeEngine(delay_s=0.002))
     yield s
     s.stop()
 

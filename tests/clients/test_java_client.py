@@ -19,7 +19,7 @@ from pyscore.client import ScorerClient
 from tests.clients.conftest import ROOT
 from tests.clients.readme import ORDER_STATUS, snippets
 from tests.server.conftest import ServerThread
-from tests.server.fake_engine import FakeEngine
+from tests.server.fake_engine import FakeEngine, FakeTokenizer
 
 JARS = Path("/usr/share/java")
 # Debian's unversioned jar names: grpc-java, its transport and runtime, and javax.annotation.Generated (which the
@@ -81,11 +81,11 @@ def readme_scores(client: ScorerClient) -> list[list[float]]:
     return [rows[0] for rows in result.scores]
 
 
-class SplitsYes(FakeEngine):
+class SplitsYes(FakeTokenizer):
     """A vocabulary in which "Yes" is two tokens, so the README's labels are refused."""
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[str]]:
-        return super().tokenize(text.replace("Yes", "Y es"), add_special_tokens)
+    def encode_words(self, text: str) -> list[int]:
+        return super().encode_words(text.replace("Yes", "Y es"))
 
 
 def test_readme_java_snippet(classes: str, start_server: Any, tmp_path: Path) -> None:
@@ -109,9 +109,9 @@ def test_readme_java_snippet(classes: str, start_server: Any, tmp_path: Path) ->
 
 def test_readme_java_snippet_reads_the_field_violation(classes: str, start_server: Any) -> None:
     """INVALID_ARGUMENT: the snippet prints the status and then the BadRequest field violation naming the labels."""
-    server: ServerThread = start_server(SplitsYes())
+    server: ServerThread = start_server(FakeEngine(tokenizer=SplitsYes()))
     done = run_score(classes, server.target)
     assert done.returncode == 1
     first, *violations = done.stderr.splitlines()
-    assert first.startswith("INVALID_ARGUMENT: labels: "), done.stderr
+    assert first.startswith("INVALID_ARGUMENT: labels[0]: "), done.stderr
     assert violations == [first.removeprefix("INVALID_ARGUMENT: ")]

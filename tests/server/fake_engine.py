@@ -1,11 +1,14 @@
 """A fake `pyscore.engine.Engine` for the server tests: the exact Engine API, no model (nanochat tests its
-engine against a mock model the same way). Only the plumbing is under test here.
+engine against a mock model the same way). Only the plumbing is under test here; the rules are the real ones:
+Score requests are prepared by `pyscore.scoring.prepare_score` and generations are validated, stopped and
+streamed by `pyscore.generation` (validate_generate, Generation), both over `FakeTokenizer`.
 
-Tokens are whitespace-separated words with ids from crc32. A score is a fixed function of the query's, the
-item's and the label's token ids, so a request's scores can never depend on its batch-mates; generation
-emits a fixed token sequence derived from the prompt (or from `seed` when sampling). Every `run_prepared`
-and `step` call is recorded, and `pause()` holds the engine worker at the start of the next call, so tests
-can pile requests up behind it deterministically.
+Tokens are whitespace-separated words with ids from crc32 (BOS first when special tokens are added); a token
+decodes as " word". A score is a fixed function of the query's, the item's and the label's token ids, so a
+request's scores can never depend on its batch-mates; generation emits a fixed token sequence derived from
+the prompt (or from `seed` when sampling). Every `run_prepared` and `step` call is recorded, and `pause()`
+holds the engine worker at the start of the next call, so tests can pile requests up behind it
+deterministically.
 
 Magic inputs: query "boom" fails that request alone inside `run_prepared` (RuntimeError); prompt "boom"
 makes `step` raise for the whole step. Env FAKE_ENGINE_DELAY_S adds a sleep to every model call (for the
@@ -17,12 +20,14 @@ from __future__ import annotations
 import math
 import os
 import random
+import re
 import threading
 import time
 import zlib
-from dataclasses import dataclass, field
+from typing import Any
 
-from pyscore.errors import FailedPrecondition, InvalidArgument
+from pyscore.generation import Generation, validate_generate
+from pyscore.scoring import ModelTraits, PreparedScore, prepare_score
 from pyscore.types import (
     GenerateRequest,
     GenerateResult,
@@ -38,65 +43,58 @@ VOCAB = 1000
 BOS, EOS = 1, 2
 FIRST_WORD_ID = 10
 MAX_CONTEXT = 512
-MAX_TOP_LOGPROBS = 20  # as pyscore.generation
+SPECIAL = {BOS: "<s>", EOS: "</s>"}
 
 
 def word_id(word: str) -> int:
+    """A word's id; special-looking tokens (`<empty_output>`) get ids below the words', as added tokens do, so
+    that a setwise marker never collides with a word of the query."""
+    if word.startswith("<") and word.endswith(">") and len(word) > 2:
+        return EOS + 1 + zlib.crc32(word.encode()) % (FIRST_WORD_ID - EOS - 1)
     return FIRST_WORD_ID + zlib.crc32(word.encode()) % (VOCAB - FIRST_WORD_ID)
 
 
-@dataclass
-class PreparedScore:
-    request: ScoreRequest
-    query_ids: list[int]
-    item_ids: list[list[int]]
-    label_ids: list[int]
-    marker_id: int | None
-    mode: str
-    computed_tokens: int
-    prompt_tokens: int
-    tag: str  # what the batch log records: the query text, or "ids:<first id>"
+class FakeTokenizer:
+    """The slice of a Hugging Face tokenizer that pyscore.scoring and pyscore.generation use."""
 
-    @property
-    def num_items(self) -> int:
-        return len(self.item_ids)
+    chat_template = None
+    eos_token_id = EOS
 
+    def __init__(self) -> None:
+        self._words: dict[int, str] = dict(SPECIAL)
 
-@dataclass
-class FakeGeneration:
-    request: GenerateRequest
-    prompt: list[int]
-    max_tokens: int
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str = "length"
-    error: Exception | None = None  # as pyscore.generation.Generation: set when this sequence alone failed
-    _text: str = ""
-    _sent_tokens: int = 0
-    _sent_chars: int = 0
-    _rng: random.Random | None = None
+    def encode_words(self, text: str) -> list[int]:
+        """Words on whitespace; a special-looking token (`<empty_output>`) is split off the text around it, as
+        real tokenizers do."""
+        words = re.sub(r"(<[^<>\s]+>)", r" \1 ", text).split()
+        ids = [word_id(w) for w in words]
+        for i, w in zip(ids, words, strict=True):
+            self._words.setdefault(i, w)
+        return ids
 
-    def take_delta(self) -> tuple[list[int], list[TokenLogprob], str]:
-        """New tokens since the last call, their logprobs, and the text that can no longer change (text
-        that might turn out to begin a stop string is held back until it cannot)."""
-        holdback = 0 if self.finished else max((len(s) - 1 for s in self.request.stop), default=0)
-        safe = self._text[: max(self._sent_chars, len(self._text) - holdback)]
-        delta = (self.token_ids[self._sent_tokens :], self.logprobs[self._sent_tokens :], safe[self._sent_chars :])
-        self._sent_tokens, self._sent_chars = len(self.token_ids), len(safe)
-        return delta
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> dict[str, Any]:
+        if isinstance(text, list):
+            return {"input_ids": [self(t, add_special_tokens)["input_ids"] for t in text]}
+        return {"input_ids": [BOS] * add_special_tokens + self.encode_words(text)}
 
-    def result(self) -> GenerateResult:
-        n = len(self.prompt)
-        return GenerateResult(text=self._text, token_ids=list(self.token_ids), logprobs=list(self.logprobs),
-                              finish_reason=self.finish_reason,  # type: ignore[arg-type]
-                              usage=Usage(prompt_tokens=n, computed_tokens=n + len(self.token_ids)))
+    def word(self, token_id: int) -> str:
+        return self._words.get(token_id, f"w{token_id}")
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [self.word(i) for i in ids]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(" " + self.word(i) for i in ids if not (skip_special_tokens and i in SPECIAL))
 
 
 class FakeEngine:
-    def __init__(self, name: str = "fake-smollm2", *, delay_s: float = 0.0) -> None:
+    def __init__(self, name: str = "fake-smollm2", *, delay_s: float = 0.0,
+                 tokenizer: FakeTokenizer | None = None) -> None:
         self.model_name = name
         self.delay_s = delay_s
+        self.tokenizer = tokenizer or FakeTokenizer()
+        self.traits = ModelTraits(tokenizer=self.tokenizer, vocab_size=VOCAB, max_context=MAX_CONTEXT,
+                                  is_classifier=False, num_labels=0, id2label={})
         self.batches: list[list[str]] = []  # tags of each run_prepared call, in call order
         self.steps: list[int] = []  # number of unfinished generations advanced by each step call
         self.calls = 0
@@ -105,7 +103,6 @@ class FakeEngine:
         self._gate.set()
         self._let_through = 0  # model calls still allowed through after pause(after=...)
         self._entered = threading.Event()
-        self._words: dict[int, str] = {BOS: "<s>", EOS: "</s>"}
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
@@ -149,93 +146,35 @@ class FakeEngine:
         return None  # no prefix cache
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[str]]:
-        words = text.split()
-        ids = [word_id(w) for w in words]
-        for i, w in zip(ids, words, strict=True):
-            self._words.setdefault(i, w)
-        if add_special_tokens:
-            return [BOS, *ids], ["<s>", *words]
-        return ids, words
-
-    def _token(self, token_id: int) -> str:
-        return self._words.get(token_id, f"w{token_id}")
-
-    def _check_ids(self, ids: list[int], name: str) -> None:
-        bad = [i for i in ids if not 0 <= i < VOCAB]
-        if bad:
-            raise InvalidArgument(name, f"token id {bad[0]} is outside the vocabulary [0, {VOCAB})")
-
-    def _single_token(self, text: str, name: str) -> int:
-        ids, _ = self.tokenize(text, add_special_tokens=False)
-        if len(ids) != 1:
-            raise InvalidArgument(name, f"{text!r} is {len(ids)} tokens, not exactly one")
-        return ids[0]
+        ids = self.tokenizer(text, add_special_tokens)["input_ids"]
+        return ids, self.tokenizer.convert_ids_to_tokens(ids)
 
     def prepare_score(self, request: ScoreRequest) -> PreparedScore:
-        if isinstance(request.query, str):
-            if not request.query:
-                raise InvalidArgument("query", "must not be empty")
-            query_ids = self.tokenize(request.query)[0]
-            tag = request.query
-        else:
-            if not request.query:
-                raise InvalidArgument("query", "must not be empty")
-            self._check_ids(request.query, "query_token_ids")
-            query_ids, tag = list(request.query), f"ids:{request.query[0]}"
-        item_ids: list[list[int]] = []
-        for item in request.items:
-            if isinstance(item, str) != isinstance(request.query, str):
-                raise InvalidArgument("items", "query and items must both be text or both be token ids")
-            if isinstance(item, str):
-                item_ids.append(self.tokenize(item, add_special_tokens=False)[0])
-            else:
-                self._check_ids(item, "item_token_ids")
-                item_ids.append(list(item))
-        if request.label_token_ids:
-            self._check_ids(request.label_token_ids, "label_token_ids")
-            label_ids = list(request.label_token_ids)
-        elif request.labels:
-            label_ids = [self._single_token(label, "labels") for label in request.labels]
-        else:
-            raise InvalidArgument("labels", "give labels or label_token_ids (a causal LM has no default labels)")
-        if len(set(label_ids)) != len(label_ids):
-            raise InvalidArgument("labels", "duplicate labels")
-        marker_id = None
-        if request.score_extraction_token:
-            marker_id = self._single_token(request.score_extraction_token, "score_extraction_token")
-            for i, ids in enumerate(item_ids):
-                if marker_id not in ids:
-                    raise InvalidArgument("items", f"item {i} has no score_extraction_token")
-        if request.mode not in ("auto", "sis", "mis"):
-            raise InvalidArgument("mode", f"unknown mode {request.mode!r}")
-        if request.mode == "mis" and request.item_first:
-            raise FailedPrecondition("mode", "MIS shares the query as a prefix, which item_first makes a suffix")
-        mode = request.mode
-        if mode == "auto":  # as pyscore.scoring
-            mode = "sis" if request.item_first else "mis"
-        if any(len(query_ids) + len(ids) > MAX_CONTEXT for ids in item_ids):
-            raise InvalidArgument("items", f"query + item exceeds the model's context of {MAX_CONTEXT} tokens")
-        prompt = sum(len(query_ids) + len(ids) for ids in item_ids)
-        computed = len(query_ids) + sum(map(len, item_ids)) if mode == "mis" and item_ids else prompt
-        return PreparedScore(request, query_ids, item_ids, label_ids, marker_id, mode, computed, prompt, tag)
+        return prepare_score(request, self.traits)
 
     def run_prepared(self, prepared: list[PreparedScore]) -> list[ScoreResult | Exception]:
         self._model_call()
-        self.batches.append([p.tag for p in prepared])
+        self.batches.append([self._tag(p) for p in prepared])
         if self.fail_next_run:
             self.fail_next_run = False
             raise RuntimeError("injected failure of the whole batch")
         return [self._score_one(p) for p in prepared]
 
+    @staticmethod
+    def _tag(p: PreparedScore) -> str:
+        """What the batch log records: the query text, or "ids:<first id>"."""
+        return p.request.query if isinstance(p.request.query, str) else f"ids:{p.request.query[0]}"
+
     def _score_one(self, p: PreparedScore) -> ScoreResult | Exception:
-        if p.tag == "boom":
+        if self._tag(p) == "boom":
             return RuntimeError("injected failure of one request")
-        rows: list[list[list[float]]] = []
-        for ids in p.item_ids:
-            ends = [i + 1 for i, t in enumerate(ids) if t == p.marker_id] if p.marker_id is not None else [len(ids)]
-            rows.append([self._row(p.query_ids, ids[:end], p.label_ids, p.request) for end in ends])
-        return ScoreResult(scores=rows, label_token_ids=p.label_ids, mode=p.mode,  # type: ignore[arg-type]
-                           usage=Usage(prompt_tokens=p.prompt_tokens, computed_tokens=p.computed_tokens))
+        # read-out offsets inside the item: SIS offsets count the query when it comes first
+        shift = len(p.query) if p.mode == "sis" and not p.request.item_first else 0
+        rows = [[self._row(p.query, item[: offset - shift + 1], p.labels, p.request) for offset in offsets]
+                for item, offsets in zip(p.items, p.readouts, strict=True)]
+        return ScoreResult(scores=rows, label_token_ids=list(p.labels), mode=p.mode,
+                           usage=Usage(prompt_tokens=p.prompt_tokens,
+                                       computed_tokens=p.computed_tokens if p.items else 0))
 
     @staticmethod
     def _row(query: list[int], item: list[int], labels: list[int], request: ScoreRequest) -> list[float]:
@@ -263,56 +202,28 @@ class FakeEngine:
         return result
 
     # -- generation ----------------------------------------------------------------------------------------
-    def start_generation(self, request: GenerateRequest) -> FakeGeneration:
-        if request.apply_chat_template:
-            raise FailedPrecondition("apply_chat_template", "this model's tokenizer has no chat template")
-        if request.prompt and request.prompt_token_ids:
-            raise InvalidArgument("prompt", "give prompt or prompt_token_ids, not both")
-        if request.prompt_token_ids:
-            self._check_ids(request.prompt_token_ids, "prompt_token_ids")
-            ids = list(request.prompt_token_ids)
-        elif request.prompt:
-            ids = self.tokenize(request.prompt)[0]
-        else:
-            raise InvalidArgument("prompt", "must not be empty")
-        if request.max_tokens < 0:
-            raise InvalidArgument("max_tokens", "must be >= 0")
-        if len(ids) + request.max_tokens > MAX_CONTEXT:
-            raise InvalidArgument("max_tokens", f"prompt + max_tokens exceeds the context of {MAX_CONTEXT}")
-        if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidArgument("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
-        if request.temperature < 0:
-            raise InvalidArgument("temperature", "must be >= 0")
-        rng = random.Random(request.seed) if request.temperature > 0 else None
-        gen = FakeGeneration(request, ids, request.max_tokens, _rng=rng)
-        gen.finished = request.max_tokens == 0
-        return gen
+    def start_generation(self, request: GenerateRequest) -> Generation:
+        prompt = validate_generate(request, self.tokenizer, VOCAB, MAX_CONTEXT)
+        return Generation(request=request, prompt=prompt, tokenizer=self.tokenizer, eos_ids=frozenset({EOS}),
+                          generator=None)
 
-    def step(self, generations: list[FakeGeneration]) -> None:
+    def step(self, generations: list[Generation]) -> None:
         self._model_call()
         active = [g for g in generations if not g.finished]
         self.steps.append(len(active))
         if any(g.request.prompt == "boom" for g in active):
             raise RuntimeError("injected failure of a generation step")
         for g in active:
-            self._advance(g)
+            g.append(*self._next_token(g))
 
-    def _advance(self, g: FakeGeneration) -> None:
-        n = len(g.token_ids)
-        base = g._rng.randrange(VOCAB) if g._rng else sum(g.prompt) + 7 * n
+    def _next_token(self, g: Generation) -> tuple[int, TokenLogprob]:
+        n, req = g.computed, g.request
+        base = random.Random(f"{req.seed}:{n}").randrange(VOCAB) if req.temperature > 0 else sum(g.prompt) + 7 * n
         token_id = FIRST_WORD_ID + base % (VOCAB - FIRST_WORD_ID)
         logprob = -((token_id % 97) / 10.0) - 0.01
-        top = [TopLogprob(token_id + k, self._token(token_id + k), logprob - k) for k in range(g.request.top_logprobs)]
-        g.token_ids.append(token_id)
-        g.logprobs.append(TokenLogprob(token_id, self._token(token_id), logprob, top))
-        g._text += " " + self._token(token_id)
-        for s in g.request.stop:
-            if s and s in g._text:
-                g._text = g._text[: g._text.index(s)]
-                g.finished, g.finish_reason = True, "stop"
-                return
-        if len(g.token_ids) >= g.max_tokens:
-            g.finished, g.finish_reason = True, "length"
+        word = self.tokenizer.word
+        top = [TopLogprob(token_id + k, word(token_id + k), logprob - k) for k in range(req.top_logprobs)]
+        return token_id, TokenLogprob(token_id, word(token_id), logprob, top)
 
     def generate(self, request: GenerateRequest) -> GenerateResult:
         gen = self.start_generation(request)

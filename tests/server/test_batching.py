@@ -202,7 +202,8 @@ def test_cancel_and_deadline_mid_batch(server: ServerThread, client: ScorerClien
     assert fake.wait_entered()  # the batch of four is inside run_prepared now
     futures["cancels"].cancel()
     assert futures["expires"].exception(5).code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_for(lambda: sum("status=CANCELLED" in r.getMessage() for r in caplog.records) == 2, what="both seen")
+    wait_for(lambda: [sum(f"status={s}" in r.getMessage() for r in caplog.records)
+                      for s in ("CANCELLED", "DEADLINE_EXCEEDED")] == [1, 1], what="both seen, as their clients saw")
     fake.resume()
     for q in ("stays", "stays too"):
         got = wire.score_result_from_proto(futures[q].result())
@@ -228,7 +229,8 @@ def test_generation_cancelled_or_expired_mid_batch(server: ServerThread, client:
     assert fake.wait_entered()
     cancelled.cancel()
     assert expiring.exception(5).code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_for(lambda: sum("status=CANCELLED" in r.getMessage() for r in caplog.records) == 2, what="both seen")
+    wait_for(lambda: [sum(f"status={s}" in r.getMessage() for r in caplog.records)
+                      for s in ("CANCELLED", "DEADLINE_EXCEEDED")] == [1, 1], what="both seen, as their clients saw")
     fake.resume()
     result = survivor.result()
     assert list(result.token_ids) == alone.token_ids and result.text == alone.text
@@ -250,6 +252,68 @@ def test_idle_worker_trims_the_heap(server: ServerThread, client: ScorerClient,
     batcher_module.trim_heap()  # the real one runs here (glibc) or does nothing
 
 
+def _generate_future(client: ScorerClient, prompt: str, max_tokens: int, timeout: float = 10) -> grpc.Future:
+    return client.stub.Generate.future(generate_message(prompt, "", max_tokens=max_tokens), timeout=timeout)
+
+
+def test_generations_past_max_running_wait_their_turn(start_server: Any, fake: FakeEngine) -> None:
+    server = start_server(fake, max_running_generations=2)
+    with ScorerClient(server.target, timeout=10) as client:
+        fake.pause()
+        blocker = _score_future(client, "first")
+        assert fake.wait_entered()
+        gens = [_generate_future(client, f"prompt {i}", 3) for i in range(5)]
+        wait_for(lambda: server.batcher.waiting() == 5, what="5 waiting generations")
+        steps_before = len(fake.steps)
+        fake.resume()
+        blocker.result()
+        assert [len(g.result().token_ids) for g in gens] == [3] * 5
+        # two run at a time; a finished one's place is taken at the next step, in arrival order
+        assert fake.steps[steps_before:] == [2, 2, 2, 2, 2, 2, 1, 1, 1]
+
+
+def test_kv_budget_reserves_prompt_plus_max_tokens(start_server: Any, fake: FakeEngine) -> None:
+    # each generation reserves 1 (BOS) + 2 prompt + 6 new = 9 tokens; a 20-token budget runs two at a time
+    server = start_server(fake, max_kv_tokens=20)
+    with ScorerClient(server.target, timeout=10) as client:
+        fake.pause()
+        blocker = _score_future(client, "first")
+        assert fake.wait_entered()
+        gens = [_generate_future(client, f"prompt {i}", 6) for i in range(3)]
+        wait_for(lambda: server.batcher.waiting() == 3, what="3 waiting generations")
+        steps_before = len(fake.steps)
+        fake.resume()
+        blocker.result()
+        assert [len(g.result().token_ids) for g in gens] == [6] * 3
+        assert max(fake.steps[steps_before:]) == 2 and sum(fake.steps[steps_before:]) == 18
+
+
+def test_generation_that_can_never_fit_is_refused_at_once(start_server: Any, fake: FakeEngine) -> None:
+    server = start_server(fake, max_kv_tokens=20)
+    with ScorerClient(server.target, timeout=10) as client:
+        steps = len(fake.steps)
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate("a long prompt of words", max_tokens=16)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert err.value.details().startswith("max_tokens:") and "--max-kv-tokens" in err.value.details()
+        assert fake.steps[steps:] == []
+        assert client.generate("short", max_tokens=2).token_ids
+
+
+def test_generations_waiting_for_a_slot_hold_queue_places(start_server: Any, fake: FakeEngine) -> None:
+    server = start_server(fake, max_running_generations=1, max_queue=2)
+    with ScorerClient(server.target, timeout=20) as client:
+        fake.delay_s = 0.02  # the running generation takes 40 steps, ~1 s
+        steps = len(fake.steps)  # the warm-up's
+        running = _generate_future(client, "running", 40)
+        wait_for(lambda: len(fake.steps) > steps, what="the first generation to run")
+        queued = [_generate_future(client, f"queued {i}", 2) for i in range(2)]
+        wait_for(lambda: server.batcher.waiting() == 2 and len(fake.steps) > steps + 3, what="2 generations waiting")
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate("refused", max_tokens=2, timeout=2)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in err.value.details()
+        assert [len(f.result().token_ids) for f in [running, *queued]] == [40, 2, 2]
+        assert max(fake.steps[steps:]) == 1
 def test_usage_reports_server_queue_wait_and_compute_time(server: ServerThread, client: ScorerClient,
                                                           fake: FakeEngine) -> None:
     """Usage.queue_duration is the wait before the first forward pass that included the request, and

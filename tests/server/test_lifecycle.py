@@ -194,7 +194,7 @@ def spawn_server(port: int = 0, *flags: str) -> tuple[subprocess.Popen[str], str
     line = proc.stdout.readline()
     if line.startswith("pyscore: metrics on "):
         line = proc.stdout.readline()
-    assert line.startswith("pyscore: serving fake-smollm2 on "), line
+    assert line.startswith("pyscore: serving fake-smollm2 on ") and line.rstrip().endswith("(cpu, float32)"), line
     return proc, listening.split()[3]
 
 

@@ -69,3 +69,41 @@ def test_metrics_endpoint(start_server: Any) -> None:
     computed = sis.usage.computed_tokens + mis.usage.computed_tokens + 4 * 3  # "first"/"qN": BOS + query + item
     assert m[("pyscore_tokens_computed_total", (("method", "Score"),))] == computed
     assert m[("pyscore_tokens_computed_total", (("method", "Generate"),))] == gen.usage.computed_tokens
+
+
+def test_deadline_expiry_is_logged_and_counted_as_the_client_saw_it(start_server: Any,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A deadline that passes while the request waits (Score, Generate, GenerateStream) is DEADLINE_EXCEEDED for
+    the client, in the request log and in the metrics; a client that cancels is CANCELLED in all three."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="server.requests")
+    engine = FakeEngine()
+    server: ServerThread = start_server(engine, metrics_port=0)
+    with ScorerClient(server.target, timeout=10) as client:
+        engine.pause()
+        first = client.stub.Score.future(score_message("first", ["a"], "", labels=["Yes"]), timeout=30)
+        assert engine.wait_entered()
+        seen = []
+        for call in (lambda: client.score("late", ["a"], labels=["Yes"], timeout=0.3),
+                     lambda: client.generate("late", max_tokens=2, timeout=0.3),
+                     lambda: list(client.generate_stream("late", max_tokens=2, timeout=0.3))):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            seen.append(err.value.code())
+        cancelled = client.stub.Score.future(score_message("cancelled", ["a"], "", labels=["Yes"]), timeout=10)
+        wait_for(lambda: server.batcher.waiting() == 4, what="the request to be queued behind the late ones")
+        cancelled.cancel()
+        wait_for(lambda: sum("status=" in r.getMessage() for r in caplog.records) >= 4, what="four log lines")
+        engine.resume()
+        first.result()
+    assert seen == [grpc.StatusCode.DEADLINE_EXCEEDED] * 3
+    lines = [r.getMessage() for r in caplog.records if "status=" in r.getMessage()]
+    statuses = sorted(line.split()[0] + " " + line.rsplit("status=", 1)[1] for line in lines
+                      if "status=OK" not in line)
+    assert statuses == ["Generate DEADLINE_EXCEEDED", "GenerateStream DEADLINE_EXCEEDED", "Score CANCELLED",
+                        "Score DEADLINE_EXCEEDED"], lines
+    m = scrape(server.app.metrics_port)
+    for method in ("Score", "Generate", "GenerateStream"):
+        assert m[("pyscore_requests_total", (("method", method), ("status", "DEADLINE_EXCEEDED")))] == 1, method
+    assert m[("pyscore_requests_total", (("method", "Score"), ("status", "CANCELLED")))] == 1

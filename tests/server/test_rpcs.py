@@ -9,6 +9,7 @@ import json
 import re
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
@@ -142,4 +143,18 @@ def test_cli_other_commands(server: ServerThread, capsys: pytest.CaptureFixture[
     assert cli.main(["tokenize", "hello world", "--json", *t]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == ["<s>", "hello", "world"]
     assert cli.main(["score", "--query", "q", "--item", "a", *t]) == 1
-    assert "error: INVALID_ARGUMENT: labels" in capsys.readouterr().err
+    assert "error: INVALID_ARGUMENT: label_token_ids" in capsys.readouterr().err
+
+
+def test_server_tests_run_the_real_scoring_rules(client: ScorerClient) -> None:
+    """The fake engine prepares Score requests with pyscore.scoring itself (one source of truth for
+    validation and for AUTO: MIS unless item_first), so these server tests exercise the real rules."""
+    from pyscore import scoring
+    from pyscore.types import ScoreRequest
+
+    assert isinstance(FakeEngine().prepare_score(ScoreRequest("q", ["a"], labels=["Yes"])), scoring.PreparedScore)
+    assert client.score("q", ["a"], labels=["Yes"]).mode == "mis"
+    assert client.score("q", ["a", "b"], labels=["Yes"], item_first=True).mode == "sis"
+    with pytest.raises(grpc.RpcError) as err:
+        client.score("q", ["a"])
+    assert err.value.details().startswith("label_token_ids:")  # as Engine says it
