@@ -227,12 +227,12 @@ class Engine:
 
     def _with_cache(self, lease: CacheLease | None, p: PreparedScore, group: Group) -> Group:
         """The group with its prefix-cache blocks: the query's leading full blocks are read where cached and
-        written where not. Only causally computed query tokens are cached: the MIS prefix, or the query that leads
-        a SIS sequence (not after an item: item_first); never item tokens."""
+        written where not. Only causally computed query tokens are cached: the query, which is the group's prefix in
+        MIS and in SIS (not after an item: item_first); never item tokens."""
         if lease is None or p.request.bypass_prefix_cache or (p.mode == "sis" and p.request.item_first):
             return group
-        tokens = group.prefix if p.mode == "mis" else group.items[0]
-        return replace(group, cache=lease.use(tokens, len(p.query), len(p.query), p.request.prefix_cache_salt))
+        # the query is the group's prefix in MIS and SIS alike (PreparedScore.groups)
+        return replace(group, cache=lease.use(group.prefix, len(p.query), len(p.query), p.request.prefix_cache_salt))
 
     def _row_scores(self, hidden: torch.Tensor, owners: list[PreparedScore]) -> list[list[float]]:
         """Per read-out row, its request's label scores (label probabilities or label-only softmax)."""

@@ -57,13 +57,21 @@ class PreparedScore:
         return self.prompt_tokens
 
     def groups(self) -> list[Group]:
-        """MIS: one group (query as the shared prefix). SIS: one prefix-less group per query+item."""
+        """MIS: one group, the query as the shared prefix of all items. SIS: one group per query+item, the query
+        as the prefix of that one item — the same causal sequence, but the attention kernels then break their
+        key tiles at the query/item boundary exactly as in MIS, so SIS and MIS do the same arithmetic for an item
+        and give bitwise equal scores (a prefix-less query+item puts query and item keys in shared tiles, which
+        changes the softmax's summation order: ~1e-2 in a bf16 probability). item_first SIS is one plain
+        sequence (item + query; there is no MIS for it)."""
         if not self.items:
             return []
         if self.mode == "mis":
             return [Group(prefix=self.query, items=self.items, readouts=self.readouts)]
-        first = self.request.item_first
-        return [Group(prefix=[], items=[item + self.query if first else self.query + item], readouts=[offsets])
+        if self.request.item_first:
+            return [Group(prefix=[], items=[item + self.query], readouts=[offsets])
+                    for item, offsets in zip(self.items, self.readouts, strict=True)]
+        n = len(self.query)  # SIS read-outs count from the sequence's start; a group's from its item's
+        return [Group(prefix=self.query, items=[item], readouts=[[o - n for o in offsets]])
                 for item, offsets in zip(self.items, self.readouts, strict=True)]
 
 

@@ -64,6 +64,20 @@ def test_mis_equals_sis_and_computes_less(model_dir):
     assert mis.usage.computed_tokens < sis.usage.computed_tokens
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mis_and_sis_are_bitwise_equal_on_the_kernel_path(model_dir, dtype):
+    """SIS runs each query+item as its own sequence whose query is its prefix, so the attention kernel splits key
+    tiles where MIS does: same arithmetic, same bits, in bf16 too (setwise and apply_softmax alike)."""
+    e = engine(model_dir, "kernel", dtype)
+    for kw in (dict(labels=["Yes", "No"]), dict(labels=["Yes"], apply_softmax=True)):
+        sis, mis = (e.score(QUERY, ITEMS, mode=m, **kw) for m in ("sis", "mis"))
+        assert sis.scores == mis.scores, max_abs_diff(sis.scores, mis.scores)
+    items = [" first <|marker|> then <|marker|> end", " one <|marker|>"]
+    sis, mis = (e.score(QUERY, items, labels=["Yes"], score_extraction_token="<|marker|>", mode=m)
+                for m in ("sis", "mis"))
+    assert sis.scores == mis.scores and [len(r) for r in mis.scores] == [2, 1]
+
+
 def test_bf16_within_torch_bf16_error(model_dir, reference):
     e = engine(model_dir, dtype="bfloat16")
     labels = label_ids(e)
