@@ -69,28 +69,17 @@ def child(shapes: int) -> dict[str, list[float]]:
 
 
 def speed_child(label: str) -> str:
-    import statistics
-    import time
 
-    from bench.question import question
+    from bench.common import median_ms, question
     from pyscore.engine import Engine
     from pyscore.types import GenerateRequest
 
     engine = Engine.from_pretrained(None, dtype="bfloat16", threads=2)
     questions = [question(16, seed=s) for s in range(3)]
 
-    def median_ms(fn, reps: int = 3) -> float:
-        fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e3
-
-    mis = median_ms(lambda: [engine.score(q, i, labels=[" Yes", " No"], mode="mis") for q, i in questions])
-    sis = median_ms(lambda: [engine.score(q, i, labels=[" Yes", " No"], mode="sis") for q, i in questions[:1]])
-    gen = median_ms(lambda: engine.generate(GenerateRequest(prompt=questions[0][0], max_tokens=16)))
+    mis = median_ms(lambda: [engine.score(q, i, labels=[" Yes", " No"], mode="mis") for q, i in questions], 3, 1)
+    sis = median_ms(lambda: [engine.score(q, i, labels=[" Yes", " No"], mode="sis") for q, i in questions[:1]], 3, 1)
+    gen = median_ms(lambda: engine.generate(GenerateRequest(prompt=questions[0][0], max_tokens=16)), 3, 1)
     return f"{label:44s} {mis:12.0f} {sis:12.0f} {gen:12.0f}"
 
 

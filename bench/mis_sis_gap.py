@@ -1,5 +1,5 @@
 """The MIS–SIS gap: how far multi-item scoring's answers are from single-item scoring's on the bench questions
-(bench/question.py: a ~270-token query and 16 candidates of ~31 tokens), embedded SmolLM2, in bf16 and fp32.
+(bench/common.py: a ~270-token query and 16 candidates of ~31 tokens), embedded SmolLM2, in bf16 and fp32.
 Per candidate it records P(" Yes") under the label softmax (apply_softmax, what the README example shows) and
 under the full vocabulary, for MIS and SIS in the dtype, and SIS in fp32 as the truth; then the distribution of
 |MIS − SIS| and of each one's distance to the truth. `--fp32-residual` reruns bf16 with the residual stream
