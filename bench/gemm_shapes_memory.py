@@ -4,7 +4,8 @@ glibc's malloc, whose mmap threshold rises with the largest block freed, leaves 
 varying activation sizes. One child process per variant runs SmolLM2's four decoder GEMMs (qkv, o, gate_up,
 down) in bf16 over `--shapes` distinct M in 50..4200 (what packed batches look like), records RSS growth, then
 calls malloc_trim. Variants: glibc; glibc with a fixed mmap threshold; jemalloc and tcmalloc by LD_PRELOAD
-(Debian's libjemalloc2 / libtcmalloc-minimal4); oneDNN's cache cut to 64 primitives.
+(Debian's libjemalloc2 / libtcmalloc-minimal4); oneDNN's cache cut to 64 primitives; and pyscore.ops.linear, the
+prepacked kernel the decoder runs its projections on since issue 9, under plain glibc.
 
 `--speed` instead times the engine under the allocators that bound memory (run it under /work/tools/quiet):
 three 16-candidate questions in MIS, one in SIS, and a 16-token generation, bf16, variants alternated, twice.
@@ -23,7 +24,9 @@ import os
 import random
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 LIB = "/usr/lib/x86_64-linux-gnu"
@@ -33,6 +36,7 @@ VARIANTS = {
     "jemalloc": {"LD_PRELOAD": f"{LIB}/libjemalloc.so.2"},
     "tcmalloc": {"LD_PRELOAD": f"{LIB}/libtcmalloc_minimal.so.4"},
     "glibc, ONEDNN_PRIMITIVE_CACHE_CAPACITY=64": {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"},
+    "glibc, pyscore.ops.linear (prepacked)": {"BENCH_GEMM": "pyscore"},  # what the decoder runs since issue 9
 }
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N) of qkv, o, gate_up, down
 
@@ -51,16 +55,21 @@ def child(shapes: int) -> dict[str, list[float]]:
     torch.set_num_threads(2)
     weights = [torch.randn(n, k).bfloat16() for k, n in SHAPES]
     x = {k: torch.randn(4200, k).bfloat16() for k in {k for k, _ in SHAPES}}
+    gemm: Callable[[torch.Tensor, Any], torch.Tensor] = F.linear
+    if os.environ.get("BENCH_GEMM") == "pyscore":  # our kernel: no per-shape primitive, no per-M workspace
+        from pyscore.ops import linear, pack_linear
+
+        weights, gemm = [pack_linear(w) for w in weights], linear
     for m in range(1, 50):  # warm the small shapes and the thread pool
-        for w in weights:
-            F.linear(x[w.shape[1]][:m], w)
+        for (k, _), w in zip(SHAPES, weights, strict=True):
+            gemm(x[k][:m], w)
     base = rss_mib()
     sizes = list(range(50, 4200, 3))
     random.Random(0).shuffle(sizes)
     growth = []
     for i, m in enumerate(sizes[:shapes]):
-        for w in weights:
-            F.linear(x[w.shape[1]][:m], w)
+        for (k, _), w in zip(SHAPES, weights, strict=True):
+            gemm(x[k][:m], w)
         if (i + 1) % (shapes // 4) == 0:
             growth.append(round(rss_mib() - base, 1))
     with contextlib.suppress(OSError, AttributeError):
