@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import loadgen, serving
-from bench.common import machine, machine_info
+from bench.common import machine, machine_info, spawned_server
 from bench.dataset import Question, synthetic_question
 from bench.targets import Target, make_target
 
@@ -120,8 +120,8 @@ def pid_alive(pid: int) -> bool:
 @contextlib.contextmanager
 def pyscore_server(log: Path, threads: int | None) -> Iterator[dict[str, Any]]:
     t0 = time.monotonic()
-    with serving.spawned_server(log, ["--threads", str(threads)] if threads else []) as address:
-        yield {"spec": address, "ready_s": round(time.monotonic() - t0, 1)}
+    with spawned_server(log, ["--threads", str(threads)] if threads else []) as server:
+        yield {"spec": server.target, "ready_s": round(time.monotonic() - t0, 1)}
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@ vLLM, one server at a time; the report's ratios, targets and token counts follow
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 
@@ -10,6 +11,7 @@ import pytest
 
 from bench import peers
 from bench.peers import Plan
+from bench.targets import make_target
 from tests.bench.test_http_targets import CACHED_TOKENS, PROMPT_TOKENS, stub  # noqa: F401 (a fixture)
 from tests.server import fake_engine
 from tests.server.conftest import ServerThread
@@ -105,3 +107,19 @@ def test_question_sets_are_the_same_for_every_call():
     assert [q.options for q in a[16]] == [q.options for q in b[16]]
     assert {len(q.options) for q in a[16]} == {16} and {len(q.options) for q in a[2]} == {2}
     assert len({q.state_json for q in a[16]}) == 3
+
+
+def test_the_pyscore_block_serves_a_target_the_bench_can_open(tmp_path):
+    """The real server a pyscore block starts (the embedded model) gives a spec that make_target opens."""
+    with peers.pyscore_server(tmp_path / "server.log", threads=1) as server:
+        assert isinstance(server["spec"], str) and server["ready_s"] > 0
+        target = make_target(server["spec"])
+        info = asyncio.run(_open_and_close(target))
+    assert info.model == "SmolLM2-135M-Instruct"
+
+
+async def _open_and_close(target):
+    try:
+        return await target.open()
+    finally:
+        await target.close()
