@@ -263,19 +263,10 @@ class Decoder:
     @property
     def kv_bytes_per_token(self) -> int:
         """What one token's keys and values weigh in a KVCache (its attention layers; a hybrid model's linear
-        layers hold a fixed-size state per sequence instead, `state_bytes_per_sequence`)."""
+        layers hold a fixed-size state per sequence instead, outside this count)."""
         layers = self.cfg.num_layers - self.num_linear
         return 2 * layers * self.cfg.num_kv_heads * self.cfg.head_dim * self.dtype.itemsize
 
-    @property
-    def state_bytes_per_sequence(self) -> int:
-        """A hybrid model's conv tails and fp32 recurrent states of one sequence, both copies (0 otherwise)."""
-        if not self.num_linear:
-            return 0
-        lin = self.cfg.linear
-        conv = (lin.conv_kernel - 1) * lin.conv_channels * self.dtype.itemsize
-        state = lin.num_v_heads * lin.k_dim * lin.v_dim * 4
-        return 2 * self.num_linear * (conv + state)
 
     def new_cache(self, capacity: int) -> KVCache:
         cfg = self.cfg
