@@ -227,11 +227,10 @@ class Engine:
 
     def _with_cache(self, lease: CacheLease | None, p: PreparedScore, group: Group) -> Group:
         """The group with its prefix-cache blocks: the query's leading full blocks are read where cached and
-        written where not. Only causally computed query tokens are cached: the query, which is the group's prefix in
-        MIS and in SIS (not after an item: item_first); never item tokens."""
-        if lease is None or p.request.bypass_prefix_cache or (p.mode == "sis" and p.request.item_first):
+        written where not. Only causally computed query tokens are cached: a group's prefix, which is the query in
+        MIS and SIS (PreparedScore.groups); an item_first sequence has none; never item tokens."""
+        if lease is None or p.request.bypass_prefix_cache or not group.prefix:
             return group
-        # the query is the group's prefix in MIS and SIS alike (PreparedScore.groups)
         return replace(group, cache=lease.use(group.prefix, len(p.query), len(p.query), p.request.prefix_cache_salt))
 
     def _row_scores(self, hidden: torch.Tensor, owners: list[PreparedScore]) -> list[list[float]]:

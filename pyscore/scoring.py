@@ -40,7 +40,8 @@ class PreparedScore:
     items: list[list[int]]
     labels: list[int]  # label token ids (causal LM) or class indices (classifier)
     mode: Literal["sis", "mis"]
-    readouts: list[list[int]]  # per item: read-out offsets inside the item (MIS) or the whole sequence (SIS)
+    readouts: list[list[int]]  # per item: read-out offsets after the group's prefix: in the item (MIS, SIS), in
+    # item + query (item_first SIS, which has no prefix)
 
     @property
     def num_items(self) -> int:
@@ -70,8 +71,7 @@ class PreparedScore:
         if self.request.item_first:
             return [Group(prefix=[], items=[item + self.query], readouts=[offsets])
                     for item, offsets in zip(self.items, self.readouts, strict=True)]
-        n = len(self.query)  # SIS read-outs count from the sequence's start; a group's from its item's
-        return [Group(prefix=self.query, items=[item], readouts=[[o - n for o in offsets]])
+        return [Group(prefix=self.query, items=[item], readouts=[offsets])
                 for item, offsets in zip(self.items, self.readouts, strict=True)]
 
 
@@ -174,18 +174,19 @@ def _resolve_mode(req: ScoreRequest) -> Literal["sis", "mis"]:
     return req.mode
 
 
-def _readouts(req: ScoreRequest, traits: ModelTraits, query: list[int], items: list[list[int]],
-              mode: str) -> list[list[int]]:
-    """Read-out offsets per item: the last token (pointwise) or every marker token (setwise)."""
-    shift = 0 if (mode == "mis" or req.item_first) else len(query)
+def _readouts(req: ScoreRequest, traits: ModelTraits, query: list[int], items: list[list[int]]) -> list[list[int]]:
+    """Read-out offsets per item, after the group's prefix (PreparedScore.readouts): the last token (pointwise:
+    the item's, or with item_first the query's, which follows the item) or every marker token (setwise; markers
+    are in the item, which starts the sequence after the prefix in every mode)."""
     if not req.score_extraction_token:
-        return [[(len(item) - 1 if mode == "mis" else len(query) + len(item) - 1)] for item in items]
+        tail = len(query) if req.item_first else 0
+        return [[len(item) + tail - 1] for item in items]
     marker = single_token(traits.tokenizer, req.score_extraction_token, "score_extraction_token")
     if marker in query:
         raise InvalidArgument("score_extraction_token", "the marker token must not occur in the query")
     readouts = []
     for i, item in enumerate(items):
-        offsets = [shift + j for j, t in enumerate(item) if t == marker]
+        offsets = [j for j, t in enumerate(item) if t == marker]
         if not offsets:
             raise InvalidArgument(f"items[{i}]", f"has no score_extraction_token {req.score_extraction_token!r}")
         readouts.append(offsets)
@@ -196,6 +197,6 @@ def prepare_score(req: ScoreRequest, traits: ModelTraits) -> PreparedScore:
     mode = _resolve_mode(req)
     labels = _resolve_labels(req, traits)
     query, items = _tokenize_inputs(req, traits)
-    readouts = _readouts(req, traits, query, items, mode)
+    readouts = _readouts(req, traits, query, items)
     return PreparedScore(request=req, query=query, items=items, labels=labels, mode=mode, readouts=readouts)
 

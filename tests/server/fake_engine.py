@@ -168,9 +168,8 @@ class FakeEngine:
     def _score_one(self, p: PreparedScore) -> ScoreResult | Exception:
         if self._tag(p) == "boom":
             return RuntimeError("injected failure of one request")
-        # read-out offsets inside the item: SIS offsets count the query when it comes first
-        shift = len(p.query) if p.mode == "sis" and not p.request.item_first else 0
-        rows = [[self._row(p.query, item[: offset - shift + 1], p.labels, p.request) for offset in offsets]
+        # read-out offsets count from the item's start (an item_first one reads past its end: the whole item)
+        rows = [[self._row(p.query, item[: offset + 1], p.labels, p.request) for offset in offsets]
                 for item, offsets in zip(p.items, p.readouts, strict=True)]
         return ScoreResult(scores=rows, label_token_ids=list(p.labels), mode=p.mode,
                            usage=Usage(prompt_tokens=p.prompt_tokens,
