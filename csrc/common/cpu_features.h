@@ -8,6 +8,10 @@
 #if defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>
 #endif
+#if defined(__x86_64__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace pyscore {
 
@@ -65,9 +69,23 @@ inline bool cpu_has_avx2() {
 #endif
 }
 
+// Linux hands a process the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, once);
+// without it the first tile instruction faults. Asked once; false where refused or not Linux.
+inline bool cpu_amx_permitted() {
+#if defined(__x86_64__) && defined(__linux__)
+  static const bool ok = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
 inline bool cpu_has_amx_bf16() {
 #if defined(__x86_64__)
-  return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16");
+  return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && cpu_amx_permitted();
 #else
   return false;
 #endif
