@@ -140,7 +140,8 @@ class Engine:
                          kind="classifier" if self.cfg.is_classifier else "causal_lm",
                          vocab_size=self.cfg.vocab_size, max_context=self.cfg.max_position_embeddings,
                          dtype=str(self.decoder.dtype).removeprefix("torch."), device=str(self.decoder.device),
-                         special_tokens=special, num_labels=self.cfg.num_labels, ops=dict(self.op_paths), cpu_tier=self.cpu_tier,
+                         special_tokens=special, num_labels=self.cfg.num_labels, ops=dict(self.op_paths),
+                         cpu_tier=self.cpu_tier,
                          prefix_cache_block_tokens=self.prefix_cache.block_tokens if self.prefix_cache else 0,
                          prefix_cache_bytes=self.prefix_cache.stats.capacity_bytes if self.prefix_cache else 0)
 
