@@ -6,6 +6,8 @@ raises `pyscore.errors` for bad requests. It is not thread-safe: one worker owns
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import os
 from collections.abc import Sequence
@@ -91,6 +93,14 @@ def make_prefix_cache(loaded: LoadedModel, decoder: Decoder, budget_mb: float) -
         return None
 
 
+def release_freed_memory() -> None:
+    """Hand the heap pages that loading freed (converted and replaced weights) back to the OS: glibc keeps freed
+    chunks below its mmap threshold in the heap, which RSS (and a pod's memory limit) still counts."""
+    name = ctypes.util.find_library("c")
+    if name and "libc.so" in name:
+        ctypes.CDLL(name).malloc_trim(0)
+
+
 class Engine:
     def __init__(self, loaded: LoadedModel, max_batch_tokens: int = 8192, op_backend: str = "auto",
                  prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB):
@@ -100,6 +110,7 @@ class Engine:
         self.model_name = loaded.name
         self.max_batch_tokens = max_batch_tokens
         self.decoder = Decoder(loaded.cfg, loaded.weights, loaded.rotary, op_backend)
+        release_freed_memory()
         self.traits = ModelTraits(tokenizer=loaded.tokenizer, vocab_size=loaded.cfg.vocab_size,
                                   max_context=loaded.cfg.max_position_embeddings,
                                   is_classifier=loaded.cfg.is_classifier, num_labels=loaded.cfg.num_labels,
