@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -161,6 +162,7 @@ def curl(*args: str) -> tuple[int, Any]:
     return int(code), json.loads(body)
 
 
+@pytest.mark.skipif(shutil.which("curl") is None, reason="no curl on this machine")
 def test_curl(base: str, client: ScorerClient) -> None:
     """The README's curl examples, as they stand there (label strings, a chat)."""
     code, scored = curl(f"{base}/v1/score", "-H", "Content-Type: application/json", "-d", json.dumps(
