@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import logging
 import socket
 import ssl
 import time
@@ -159,6 +160,7 @@ class HttpFrontDoor:
         """Listen on host:port in the running loop; returns the bound port."""
         sock = bind(host, port)
         self.tls = bool(tls_cert)
+        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # its "Started server process" is ours
         config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off", ws="none",
                                 ssl_certfile=tls_cert, ssl_keyfile=tls_key, ssl_ca_certs=tls_client_ca,
                                 ssl_cert_reqs=ssl.CERT_REQUIRED if tls_client_ca else ssl.CERT_NONE)

@@ -293,3 +293,41 @@ def test_responses_are_not_held_back_by_nagle(http: ServerThread) -> None:
         for connection in connections:
             sock = connection.transport.get_extra_info("socket")
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+
+
+def test_python_m_server_with_http_drains_on_sigterm_and_exits_0() -> None:
+    """The front door in `python -m server`: its address line, and SIGTERM (the app's, not uvicorn's) lets an
+    HTTP request in flight finish, then the process exits 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, FAKE_ENGINE_DELAY_S="0.5", PYTHONPATH=str(root))
+    proc = subprocess.Popen([sys.executable, "-m", "server", "--engine", "tests.server.fake_engine:FakeEngine",
+                             "--port", "0", "--http-port", "0", "--grace-s", "5"], cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline() for _ in range(3)]
+        assert lines[0].startswith("pyscore: listening on ") and lines[2].startswith("pyscore: serving "), lines
+        assert lines[1].startswith("pyscore: HTTP on http://127.0.0.1:"), lines
+        base = lines[1].split()[3]
+        assert requests.get(f"{base}/health", timeout=10).status_code == 200
+        answers: list[requests.Response] = []
+        worker = threading.Thread(target=lambda: answers.append(requests.post(f"{base}/v1/score", json=SCORE,
+                                                                               timeout=10)))
+        worker.start()
+        time.sleep(0.2)  # inside the 0.5 s model call
+        proc.send_signal(signal.SIGTERM)
+        worker.join(10)
+        assert answers and answers[0].status_code == 200
+        assert proc.wait(15) == 0
+        assert "http /v1/score items=2 tokens=" in proc.stderr.read()  # type: ignore[union-attr]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
