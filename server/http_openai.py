@@ -19,10 +19,11 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from pyscore.errors import FailedPrecondition, InvalidArgument
 from pyscore.types import GenerateRequest, GenerateResult, TokenLogprob, Usage
@@ -39,12 +40,21 @@ RESERVED_TEMPLATE_KWARGS = {"conversation", "tokenize", "add_generation_prompt",
 
 
 class EventStream(StreamingResponse):
-    """Server-sent events; the call is finished (logged, counted) when the stream ends, not when it starts."""
+    """Server-sent events; the call is finished (logged, counted) when the stream ends, not when it starts.
+    `on_close` runs however the response ends, even if the client left before the first event was pulled (an
+    async generator never started runs no `finally`)."""
 
     streaming = True
 
-    def __init__(self, events: AsyncIterator[str]) -> None:
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> None:
         super().__init__(events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.on_close()
 
 
 def event(data: Any) -> str:
@@ -248,4 +258,8 @@ async def stream(call: Call, deltas: AsyncIterator[GenerationDelta], renames: di
             call.finish(status, 200)
         yield "data: [DONE]\n\n"
 
-    return EventStream(events())
+    async def on_close() -> None:  # both idempotent: a no-op after a stream that ran its course
+        await deltas.aclose()  # type: ignore[attr-defined]
+        call.finish("CANCELLED", 200)
+
+    return EventStream(events(), on_close)

@@ -195,6 +195,22 @@ def test_http_and_grpc_share_a_forward_pass(http: ServerThread, fake: FakeEngine
     assert fake.batches[-2:] == [["blocker"], ["over http", "over grpc"]]
 
 
+def test_a_full_queue_is_429(start_server: Any, fake: FakeEngine) -> None:
+    server = start_server(fake, http_port=0, max_queue=1)
+    fake.pause()
+    with ScorerClient(server.target, timeout=30) as client:
+        running = client.stub.Score.future(_score_message("running"), timeout=30)
+        assert fake.wait_entered()
+        waiting = client.stub.Score.future(_score_message("waiting"), timeout=30)
+        wait_for(lambda: server.batcher.waiting() == 1, what="one waiting")
+        r = post(server, "/v1/score", SCORE)
+        assert r.status_code == 429 and error_of(r)["code"] == "RESOURCE_EXHAUSTED", r.text
+        assert "--max-queue" in error_of(r)["message"]
+        fake.resume()
+        running.result()
+        waiting.result()
+
+
 def _score_message(query: str) -> Any:
     from pyscore._proto.pyscore.v1 import scorer_pb2 as pb
 
@@ -239,6 +255,9 @@ def test_a_stream_whose_client_goes_away_frees_its_sequence(http: ServerThread, 
     sock.close()
     wait_for(lambda: http.batcher.running_generations() == 0, what="the sequence freed")
     assert len(fake.steps) < 500
+    metrics = requests.get(url(http, "/metrics"), timeout=10).text  # counted once, as cancelled, and done
+    assert 'pyscore_requests_total{method="Generate",status="CANCELLED"} 1.0' in metrics
+    assert 'pyscore_requests_in_flight{method="Generate"} 0.0' in metrics
 
 
 @pytest.fixture(scope="module")
