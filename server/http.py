@@ -153,13 +153,11 @@ class HttpFrontDoor:
         self.app = app
         self._server: _EmbeddedUvicorn | None = None
         self._task: asyncio.Task[None] | None = None
-        self.tls = False
 
     async def start(self, host: str, port: int, *, tls_cert: str | None = None, tls_key: str | None = None,
                     tls_client_ca: str | None = None) -> int:
         """Listen on host:port in the running loop; returns the bound port."""
         sock = bind(host, port)
-        self.tls = bool(tls_cert)
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # its "Started server process" is ours
         config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off", ws="none",
                                 ssl_certfile=tls_cert, ssl_keyfile=tls_key, ssl_ca_certs=tls_client_ca,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -115,10 +114,6 @@ def fp32(values: list[float]) -> list[float]:
     import numpy as np
 
     return np.asarray(values, dtype=np.float32).tolist()
-
-
-def fp32_scalar(value: float | None) -> float | None:
-    return None if value is None or not math.isfinite(value) else fp32([value])[0]
 
 
 async def read_body(request: Request, limit: int) -> bytes:
