@@ -1,6 +1,8 @@
 """The grpc.aio server: pyscore.v1.Scorer behind the logging/error interceptor (and, with a token, the auth
 interceptor), grpc.health.v1 (with List) and server reflection (v1 and v1alpha), with explicit message-size
-limits, optional TLS / mTLS and an optional Prometheus endpoint. GetModelInfo reports the limits.
+limits, optional TLS / mTLS and an optional Prometheus endpoint. GetModelInfo reports the limits. With `http_port`,
+the HTTP/JSON front door (server/http.py) serves from the same loop over the same servicer, batcher and metrics,
+and stops together with gRPC.
 
 Lifecycle: listen first with health NOT_SERVING (Scorer calls answer UNAVAILABLE); load the engine and warm
 it up off the event loop; start the batcher; go SERVING. On SIGTERM/SIGINT: health NOT_SERVING for good, keep
