@@ -1,6 +1,8 @@
 """The grpc.aio server: pyscore.v1.Scorer behind the logging/error interceptor (and, with a token, the auth
 interceptor), grpc.health.v1 (with List) and server reflection (v1 and v1alpha), with explicit message-size
-limits, optional TLS / mTLS and an optional Prometheus endpoint. GetModelInfo reports the limits.
+limits, optional TLS / mTLS and an optional Prometheus endpoint. GetModelInfo reports the limits. With `http_port`,
+the HTTP/JSON front door (server/http.py) serves from the same loop over the same servicer, batcher and metrics,
+and stops together with gRPC.
 
 Lifecycle: listen first with health NOT_SERVING (Scorer calls answer UNAVAILABLE); load the engine and warm
 it up off the event loop; start the batcher; go SERVING. On SIGTERM/SIGINT: health NOT_SERVING for good, keep
@@ -32,6 +34,8 @@ from pyscore.budget import DEFAULT_PREFIX_CACHE_MB
 from pyscore.types import GenerateRequest, ModelInfo, ScoreRequest, ServerLimits
 from server.batcher import Batcher, EngineLike
 from server.health import HealthServicer
+from server.http import HttpFrontDoor
+from server.http import build_app as build_http_app
 from server.interceptors import LoggingErrorInterceptor
 from server.memory import MemoryProbe
 from server.metrics import Metrics
@@ -70,6 +74,7 @@ class ServerConfig:
     tls_client_ca: str | None = None  # PEM CA: clients must present a certificate it signed (mTLS)
     auth_token_file: str | None = None  # calls must carry `authorization: Bearer <the token in this file>`
     metrics_port: int | None = None  # Prometheus /metrics on host:port (0 = any free port); None = off
+    http_port: int | None = None  # the HTTP/JSON front door (server/http.py) on host:port (0 = any free); None = off
     engine: str = "pyscore.engine:Engine"  # "module:Class" with from_pretrained; tests swap in a fake
 
 
@@ -149,6 +154,8 @@ class ScorerApp:
                                        lambda: self.batcher.kv_tokens_reserved() if self.batcher is not None else 0)
         self.port = 0
         self.metrics_port = 0
+        self.http: HttpFrontDoor | None = None
+        self.http_port = 0
         self.memory_probe = MemoryProbe.from_env()  # bench/soak.py's diagnostics; None unless asked for
 
     async def start(self) -> int:
@@ -168,9 +175,21 @@ class ScorerApp:
             self.metrics_port = self.metrics.serve(c.host, c.metrics_port)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
+        if c.http_port is not None:
+            self.http_port = await self._start_http()
         if self.memory_probe is not None:
             self.memory_probe.start()
         return self.port
+
+    async def _start_http(self) -> int:
+        """The HTTP front door in this loop, over this server's servicer, batcher, token, TLS and metrics."""
+        c = self.config
+        app = build_http_app(self.servicer, self.metrics, self.health.serving,
+                             max_body_bytes=c.max_message_mb * 1024 * 1024,
+                             token=read_token(c.auth_token_file) if c.auth_token_file else None)
+        self.http = HttpFrontDoor(app)
+        return await self.http.start(c.host, c.http_port or 0, tls_cert=c.tls_cert, tls_key=c.tls_key,
+                                     tls_client_ca=c.tls_client_ca)
 
     async def serve_engine(self, engine: EngineLike) -> None:
         """Warm the engine up (off the loop), start the batcher on it and go SERVING."""
@@ -203,7 +222,7 @@ class ScorerApp:
         if drain_delay > 0:
             log.info("NOT_SERVING; draining for %.1f s before closing the listener", drain_delay)
             await asyncio.sleep(drain_delay)
-        await self.server.stop(grace)
+        await asyncio.gather(self.server.stop(grace), self.http.stop(grace) if self.http else asyncio.sleep(0))
         if self.batcher is not None:
             await asyncio.to_thread(self.batcher.stop, grace)
         await asyncio.to_thread(self.metrics.stop)
@@ -226,6 +245,10 @@ async def serve(config: ServerConfig) -> int:
     print(f"pyscore: listening on {config.host}:{port} (loading the model)", flush=True)
     if app.metrics_port:
         print(f"pyscore: metrics on http://{config.host}:{app.metrics_port}/metrics", flush=True)
+    if app.http is not None:
+        scheme = "https" if config.tls_cert else "http"
+        print(f"pyscore: HTTP on {scheme}://{config.host}:{app.http_port} (/v1/score, /generative_scoring, "
+              "/v1/completions, /v1/chat/completions)", flush=True)
     loading = asyncio.ensure_future(_load_and_serve(app, config))
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
