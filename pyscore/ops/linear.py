@@ -179,6 +179,8 @@ def linear(x: torch.Tensor, w: LinearWeight, residual: torch.Tensor | None = Non
     height (PREFILL_ROWS or DECODE_ROWS; a row's bits depend on it, never on the other rows)."""
     _check(x, w, residual, out)
     module, path = _ext.path_for("linear", x.device, x.dtype, backend)
+    if path == "kernel" and isinstance(w, PlainLinear) and backend != "kernel":
+        path = "torch"  # prepared for torch's GEMM (under another tier table): run it there, no repacking per call
     if path == "torch":
         weight, bias = w.unpacked() if isinstance(w, PlainLinear) else _native(w)
         return _torch_linear(x, weight, bias, w.gated, residual, out, rows_per_call)
@@ -186,7 +188,7 @@ def linear(x: torch.Tensor, w: LinearWeight, residual: torch.Tensor | None = Non
         result = linear_ref(x, *w.unpacked(), gated=w.gated, residual=residual).to(x.dtype)
         return result if out is None else out.copy_(result)
     if not isinstance(w, PackedLinear):
-        raise ValueError("linear's kernel path reads a PackedLinear: prepare the weight with prepare_linear")
+        raise ValueError("linear's kernel backend reads a PackedLinear: prepare the weight with prepare_linear")
     if out is None:
         out = torch.empty(x.shape[0], w.out_features, dtype=x.dtype)
     packed, bias, k, columns, n_out, gated = w._kernel_args
