@@ -18,7 +18,7 @@ import grpc
 from pyscore import wire
 from pyscore._proto.pyscore.v1 import scorer_pb2 as pb
 from pyscore._proto.pyscore.v1 import scorer_pb2_grpc
-from pyscore.errors import NotFound, ResourceExhausted
+from pyscore.errors import NotFound, ResourceExhausted, quoted
 from pyscore.types import ModelInfo
 from server.batcher import Batcher, DeadlineExceeded, GenerationDelta, Unavailable
 
@@ -46,7 +46,7 @@ class ScorerServicer(scorer_pb2_grpc.ScorerServicer):
         if self._batcher is None or self._info is None:
             raise Unavailable("the model is still loading")
         if model and model != self._info.name:
-            raise NotFound("model", f"this server serves {self._info.name!r}, not {model!r}")
+            raise NotFound("model", f"this server serves {self._info.name!r}, not {quoted(model)}")
         return self._batcher, self._info
 
     def _check_ids(self, field: str, n: int) -> None:
