@@ -56,3 +56,9 @@ class NotFound(RequestError):
 
 class ResourceExhausted(RequestError):
     """The request exceeds a configured limit of this server (gRPC RESOURCE_EXHAUSTED)."""
+
+
+class PassInterrupted(Exception):
+    """A forward pass stopped at a layer boundary because its `interrupt` check said so (every caller of the pass
+    gave up, or the server is shutting down). Nothing of the pass is committed — no prefix-cache block, no KV-cache
+    length, no token — so the requests can be run again from where they were; it is never one request's error."""

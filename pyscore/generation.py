@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from pyscore.errors import FailedPrecondition, InvalidArgument
+from pyscore.errors import FailedPrecondition, InvalidArgument, PassInterrupted
 from pyscore.model.decoder import Decoder, KVCache
 from pyscore.model.packing import Group, pack
 from pyscore.model.prefix_cache import PrefixCache, pass_lease
@@ -285,6 +285,8 @@ class GenerationRunner:
         rewrites the same KV slots."""
         try:
             run(gens)
+        except PassInterrupted:
+            raise  # asked to stop, not a failure: nothing is committed, the sequences are as before
         except Exception as e:
             if len(gens) == 1:
                 gens[0].fail(e)
@@ -292,6 +294,8 @@ class GenerationRunner:
             for g in gens:
                 try:
                     run([g])
+                except PassInterrupted:
+                    raise
                 except Exception as e_alone:
                     g.fail(e_alone)
 

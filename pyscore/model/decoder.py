@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from pyscore.errors import PassInterrupted
 from pyscore.model import hybrid
 from pyscore.model.config import LINEAR_ATTENTION, ModelConfig
 from pyscore.model.packing import PackedBatch
@@ -111,6 +112,9 @@ class Decoder:
         kinds = [cfg.layer_type(i) for i in range(cfg.num_layers)]
         self.slot = [kinds[:i].count(kind) for i, kind in enumerate(kinds)]
         self.num_linear = kinds.count(LINEAR_ATTENTION)
+        # Asked at every layer boundary of a pass: True stops the pass there (PassInterrupted). The engine's owner
+        # sets it (server/batcher: every caller of the pass gone, or shutting down).
+        self.interrupt: Callable[[], bool] | None = None
         # Packed once, at load, when a linear kernel serves this device and dtype (None: F.linear).
         self.packed: list[PackedLayer] | None = None
         if _ext.resolve("linear", self.device, self.dtype, op_backend)[0] is not None:
@@ -223,6 +227,7 @@ class Decoder:
         delta = None
         readout, last = batch.readout.to(device), len(self.w.layers) - 1
         for i in range(len(self.w.layers)):
+            self._layer_boundary()
             x, delta = self._layer(i, x, delta, positions, attend, mix_linear, rows=readout if i == last else None)
         return self._norm(x, self.w.final_norm, delta)  # [R, H]
 
@@ -257,8 +262,14 @@ class Decoder:
         x = self.w.embed[tokens.to(device)]  # [B, H]
         delta = None
         for i in range(len(self.w.layers)):
+            self._layer_boundary()
             x, delta = self._layer(i, x, delta, positions, attend, mix_linear)
         return self._norm(x, self.w.final_norm, delta)
+
+    def _layer_boundary(self) -> None:
+        """A safe point: the pass has written only its own buffers (and pending cache blocks), so it can stop."""
+        if self.interrupt is not None and self.interrupt():
+            raise PassInterrupted("the forward pass was interrupted at a layer boundary")
 
     @property
     def kv_bytes_per_token(self) -> int:
