@@ -28,11 +28,16 @@ from pyscore.errors import FailedPrecondition, InvalidArgument, PassInterrupted
 from pyscore.model.decoder import Decoder, KVCache
 from pyscore.model.packing import Group, pack
 from pyscore.model.prefix_cache import PrefixCache, pass_lease
-from pyscore.types import GenerateRequest, GenerateResult, TokenLogprob, TopLogprob, Usage
-
-MAX_TOP_LOGPROBS = 20
-MAX_STOP_STRINGS = 16
-MAX_STOP_LENGTH = 256
+from pyscore.types import (
+    MAX_STOP_LENGTH,
+    MAX_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
+    GenerateRequest,
+    GenerateResult,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 
 
 def validate_generate(req: GenerateRequest, tokenizer: Any, vocab_size: int, max_context: int) -> list[int]:

@@ -35,6 +35,12 @@ def generate(**fields: Any) -> bytes:
 
 # (name, method, request bytes, status, field named first in the message; "" for none)
 CASES: list[tuple[str, str, bytes, grpc.StatusCode, str]] = [
+    # repeated fields that would take a second or more to turn into Python lists on the event loop
+    ("16M label ids", "Score", score(labels=[], label_token_ids=[7] * 2**24), INVALID, "label_token_ids"),
+    ("4M labels", "Score", score(labels=["a"] * 2**22), INVALID, "labels"),
+    ("4M stop strings", "Generate", generate(stop=["a"] * 2**22), INVALID, "stop"),
+    ("2M item_token_ids beside items", "Score", score(item_token_ids=[pb.TokenIds(ids=[5])] * 2**21),
+     grpc.StatusCode.RESOURCE_EXHAUSTED, "items"),
     ("1 MB of 0xFF", "Score", b"\xff" * 2**20, INVALID, ""),
     ("1 MB of 0xFF, generate", "Generate", b"\xff" * 2**20, INVALID, ""),
     ("1M tiny items, then a label that is not UTF-8", "Score",
