@@ -7,7 +7,10 @@ job larger than the budget alone — with a single `engine.run_prepared`, (4) st
 arrival order while both generation bounds allow, and (5) advances all running generations by one token with
 a single `engine.step` (which prefills new ones up to `max_batch_tokens` prompt tokens per step). Score
 batches and decode steps thus interleave, and requests that arrive during a forward pass join the next one.
-Results reach the loop through `call_soon_threadsafe`. Every result's Usage gets the server-side timing:
+Results reach the loop through `call_soon_threadsafe`. The engine asks the batcher at every layer boundary whether
+to go on (`set_interrupt`): a pass whose jobs are all cancelled or past their deadline stops there, committing
+nothing, and so does any pass once `halt()` (the end of the shutdown's grace period) has answered every waiting
+caller UNAVAILABLE. Every result's Usage gets the server-side timing:
 `queue_s` from admission to the start of the first forward pass that included the request, `compute_s` the wall
 time of the passes that included it.
 
