@@ -10,13 +10,13 @@ import ctypes
 import ctypes.util
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
 
 from pyscore.budget import DEFAULT_PREFIX_CACHE_MB, count_within_budget
-from pyscore.errors import RequestError
+from pyscore.errors import PassInterrupted, RequestError
 from pyscore.generation import Generation, GenerationRunner, eos_token_ids
 from pyscore.model.decoder import Decoder
 from pyscore.model.loading import LoadedModel, load_model
@@ -187,15 +187,23 @@ class Engine:
         results = iter(self.run_prepared(valid))
         return [p if isinstance(p, Exception) else next(results) for p in prepared]
 
+    def set_interrupt(self, interrupt: Callable[[], bool] | None) -> None:
+        """`interrupt()` is asked at every layer boundary of every forward pass (Score and Generate); when it says
+        True the pass stops there and `run_prepared` / `step` raise PassInterrupted, having committed nothing."""
+        self.decoder.interrupt = interrupt
+
     def run_prepared(self, prepared: Sequence[PreparedScore]) -> list[ScoreResult | Exception]:
         """Packs all requests' groups into as few forward passes as the token budget allows. If a pass fails,
-        its requests are retried one by one so a single bad request cannot fail its batch-mates."""
+        its requests are retried one by one so a single bad request cannot fail its batch-mates. An interrupted
+        pass (PassInterrupted) ends the call: no request gets a result."""
         rows: list[list[list[list[float]]]] = [[[] for _ in p.items] for p in prepared]
         cached = [0] * len(prepared)  # per request: query tokens read from the prefix cache
         errors: dict[int, Exception] = {}
         for chunk in self._passes(prepared):
             try:
                 self._run_pass(chunk, prepared, rows, cached)
+            except PassInterrupted:
+                raise  # not one request's fault: the caller asked the passes to stop
             except Exception as e:
                 if len({r for r, _, _ in chunk}) == 1:
                     errors[chunk[0][0]] = e
@@ -288,7 +296,8 @@ class Engine:
 
     def step(self, generations: Sequence[Generation]) -> None:
         """Advances every unfinished generation by one token; a sequence whose step fails is marked failed
-        (`Generation.error`) without failing its batch-mates."""
+        (`Generation.error`) without failing its batch-mates. An interrupted pass raises PassInterrupted; the
+        generations are then as before the pass that stopped."""
         self.generation.step(list(generations))
 
     def generate(self, request: GenerateRequest) -> GenerateResult:

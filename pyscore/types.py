@@ -8,6 +8,11 @@ from typing import Literal
 
 Mode = Literal["auto", "sis", "mis"]
 
+# Generation's fixed caps (pyscore.generation validates them; the server also counts stop strings at the door).
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+
 
 @dataclass
 class ScoreRequest:

@@ -7,8 +7,9 @@ and stops together with gRPC.
 Lifecycle: listen first with health NOT_SERVING (Scorer calls answer UNAVAILABLE); load the engine and warm
 it up off the event loop; start the batcher; go SERVING. On SIGTERM/SIGINT: health NOT_SERVING for good, keep
 serving for `drain_delay_s` so that health-checking balancers (gRPC clients watching health, Envoy's active
-checks) move their traffic elsewhere, then `server.stop(grace)` (no new calls; in-flight ones get `grace`
-seconds), drain the batcher, return — so `python -m server` exits 0. `max_connection_age_s` makes every client
+checks) move their traffic elsewhere, then stop the listener (no new calls; in-flight ones get `grace` seconds;
+past it they answer UNAVAILABLE and the engine thread stops at its next layer boundary), join the engine thread,
+return — so `python -m server` exits 0. `max_connection_age_s` makes every client
 connection end (GOAWAY) after that age, so long-lived clients re-resolve their target and reach new replicas.
 """
 
@@ -46,6 +47,7 @@ from server.servicer import ScorerServicer
 log = logging.getLogger(__name__)
 
 SCORER_SERVICE = scorer_pb2.DESCRIPTOR.services_by_name["Scorer"].full_name  # "pyscore.v1.Scorer"
+HALT_MARGIN_S = 1.0  # past the grace period, how long halted calls get to send their status before gRPC cancels
 T = TypeVar("T")
 
 
@@ -215,16 +217,26 @@ class ScorerApp:
 
     async def stop(self, grace: float | None = None, drain_delay: float | None = None) -> None:
         """NOT_SERVING for good, keep serving `drain_delay` seconds (balancers see the health change and stop
-        sending), then refuse new calls and give the in-flight ones `grace` seconds."""
+        sending), then refuse new calls and give the in-flight ones `grace` seconds. Calls still unfinished then
+        answer UNAVAILABLE (batcher.HALTED; logged as such) and the engine thread stops at its next layer
+        boundary; it is joined before this returns, so that no model code runs while the process exits."""
         grace = self.config.grace_s if grace is None else grace
         drain_delay = self.config.drain_delay_s if drain_delay is None else drain_delay
         await self.health.enter_graceful_shutdown()
         if drain_delay > 0:
             log.info("NOT_SERVING; draining for %.1f s before closing the listener", drain_delay)
             await asyncio.sleep(drain_delay)
-        await asyncio.gather(self.server.stop(grace), self.http.stop(grace) if self.http else asyncio.sleep(0))
+        # gRPC would cancel what is left at its grace; ours ends first, so callers get our status, not a cancel
+        closing = asyncio.ensure_future(self.server.stop(grace + HALT_MARGIN_S))
+        http_closing = asyncio.ensure_future(self.http.stop(grace) if self.http else asyncio.sleep(0))
+        done, _ = await asyncio.wait([closing], timeout=grace)
+        if not done and self.batcher is not None:
+            log.warning("grace period over: unfinished calls answer UNAVAILABLE; the engine stops at its next "
+                        "layer boundary")
+            self.batcher.halt()
+        await asyncio.gather(closing, http_closing)
         if self.batcher is not None:
-            await asyncio.to_thread(self.batcher.stop, grace)
+            await asyncio.to_thread(self.batcher.stop)
         await asyncio.to_thread(self.metrics.stop)
         if self.memory_probe is not None:
             await asyncio.to_thread(self.memory_probe.stop)

@@ -20,6 +20,7 @@ from typing import Protocol
 
 import torch
 
+from pyscore.errors import PassInterrupted
 from pyscore.model import hybrid
 from pyscore.model.config import LINEAR_ATTENTION, ModelConfig
 from pyscore.model.packing import PackedBatch
@@ -97,6 +98,9 @@ class Decoder:
         kinds = [cfg.layer_type(i) for i in range(cfg.num_layers)]
         self.slot = [kinds[:i].count(kind) for i, kind in enumerate(kinds)]
         self.num_linear = kinds.count(LINEAR_ATTENTION)
+        # Asked at every layer boundary of a pass: True stops the pass there (PassInterrupted). The engine's owner
+        # sets it (server/batcher: every caller of the pass gone, or shutting down).
+        self.interrupt: Callable[[], bool] | None = None
         for layer in weights.layers:
             self._prepare(layer)
 
@@ -203,6 +207,7 @@ class Decoder:
         x = self.w.embed[tokens]  # [T, H]
         readout, last = batch.readout.to(device), len(self.w.layers) - 1
         for i in range(len(self.w.layers)):
+            self._layer_boundary()
             x = self._layer(i, x, positions, attend, mix_linear, PREFILL_ROWS, rows=readout if i == last else None)
         return self._norm(x, self.w.final_norm)  # [R, H]
 
@@ -236,8 +241,14 @@ class Decoder:
 
         x = self.w.embed[tokens.to(device)]  # [B, H]
         for i in range(len(self.w.layers)):
+            self._layer_boundary()
             x = self._layer(i, x, positions, attend, mix_linear, DECODE_ROWS)
         return self._norm(x, self.w.final_norm)
+
+    def _layer_boundary(self) -> None:
+        """A safe point: the pass has written only its own buffers (and pending cache blocks), so it can stop."""
+        if self.interrupt is not None and self.interrupt():
+            raise PassInterrupted("the forward pass was interrupted at a layer boundary")
 
     @property
     def kv_bytes_per_token(self) -> int:
