@@ -26,6 +26,7 @@ from bench.targets import Target
 # Dispatch lag (p99) above which an open-loop run warns that the client, not the server, shaped the latencies:
 # more than 5 ms and more than 2 % of the run's median time to decision.
 LAG_WARN_MS, LAG_WARN_FRACTION = 5.0, 0.02
+LATENCY_STATS = ("p50", "p90", "p95", "p99", "mean")  # each latency's fields in summary.json
 
 
 @dataclass
@@ -77,7 +78,7 @@ class RunResult:
 def latency_stats(values: Sequence[float]) -> dict[str, float | None]:
     """{p50, p90, p95, p99, mean} in the values' unit (bench.summary's percentile); None (JSON null) for no
     values."""
-    return Summary.of(values).pick("p50", "p90", "p95", "p99", "mean", empty=None)
+    return Summary.of(values).pick(*LATENCY_STATS, empty=None)
 
 
 def poisson_schedule(qps: float, num_arrivals: int, seed: int = 0) -> list[float]:
@@ -106,7 +107,7 @@ def summarize_records(records: Sequence[Record], wall_s: float) -> dict[str, Any
         "errors": sorted({r.error for r in records if r.error})[:5],
         "wall_s": wall_s,
         "achieved_qps": e2e.throughput,
-        "end_to_end_latency_ms": e2e.pick("p50", "p90", "p95", "p99", "mean", empty=None),
+        "end_to_end_latency_ms": e2e.pick(*LATENCY_STATS, empty=None),
         "service_latency_ms": latency_stats([r.service_ms for r in good]),
         "queueing_delay_ms": latency_stats([r.server_queue_ms for r in good if r.server_queue_ms is not None]),
         "server_compute_ms": latency_stats([r.server_compute_ms for r in good if r.server_compute_ms is not None]),
