@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.common import machine, write_report
+from bench.common import machine
+from bench.summary import write_report
 from pyscore.ops import PlainLinear, _ext, linear, pack_linear, tiers
 from pyscore.ops.linear import DECODE_ROWS, PREFILL_ROWS
 
