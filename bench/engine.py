@@ -148,7 +148,8 @@ def main() -> None:
               "the ratio issue #9 sets its target on, uses the default forward (logits at every position); "
               "keep-1/MIS the forward with logits_to_keep=1 (no LM head over the other positions)")
     write_json(args.out, dict(machine=machine(), cpu=machine_info(), tier=engine.cpu_tier, dtype=dtype,
-                              threads=args.threads, model=engine.model_name, ratio_uses="stock (default forward) / MIS", rows=rows),
+                              threads=args.threads, model=engine.model_name,
+                              ratio_uses="stock (default forward) / MIS", rows=rows),
                indent=2)
 
 
