@@ -161,18 +161,15 @@ class Decoder:
 
     @torch.inference_mode()
     def hidden_at(self, batch: PackedBatch, kv_sink: KVSink | None = None,
-                  segments: SegmentTable | None = None, linear_states: list[KVCache] | None = None,
-                  blocks: BlockPool | None = None) -> torch.Tensor:
+                  linear_states: list[KVCache] | None = None, blocks: BlockPool | None = None) -> torch.Tensor:
         """Final-normed hidden states [R, H] at the batch's read-out rows. The segment table is validated and
-        attention (and linear attention) planned once here, for every layer; `segments` passes a table already
-        validated and placed on the device (a CUDA graph's static buffer), else it is made from batch.segments.
-        linear_states (prefill of a hybrid model): per segment, the cache whose conv tails and recurrent states
-        receive that sequence's end states. A batch that reads cached blocks needs the pool they are in
-        (`blocks`); the kv sink runs before each layer's attention, so blocks this pass writes into the pool are
-        readable by its later groups."""
+        attention (and linear attention) planned once here, for every layer. linear_states (prefill of a hybrid
+        model): per segment, the cache whose conv tails and recurrent states receive that sequence's end states. A
+        batch that reads cached blocks needs the pool they are in (`blocks`); the kv sink runs before each layer's
+        attention, so blocks this pass writes into the pool are readable by its later groups."""
         cfg, device = self.cfg, self.device
         tokens, positions = batch.tokens.to(device), batch.positions.to(device)
-        table = segments or SegmentTable.of(batch.segments, batch.num_tokens, device)
+        table = SegmentTable.of(batch.segments, batch.num_tokens, device)
         cached = None
         if batch.cached is not None:
             if blocks is None:
@@ -256,7 +253,6 @@ class Decoder:
         layers hold a fixed-size state per sequence instead, outside this count)."""
         layers = self.cfg.num_layers - self.num_linear
         return 2 * layers * self.cfg.num_kv_heads * self.cfg.head_dim * self.dtype.itemsize
-
 
     def new_cache(self, capacity: int) -> KVCache:
         cfg = self.cfg

@@ -20,26 +20,17 @@ class SegmentTable:
     num_tokens: int
 
     @classmethod
-    def of(cls, segments: torch.Tensor, num_tokens: int, device: torch.device | str = "cpu",
-           on_device: torch.Tensor | None = None) -> SegmentTable:
+    def of(cls, segments: torch.Tensor, num_tokens: int, device: torch.device | str = "cpu") -> SegmentTable:
         """Validates `segments` (on any device; read on the host once) for a stream of num_tokens tokens and
-        places a copy on `device`, or uses `on_device` when it already holds the same rows there (a CUDA graph's
-        static buffer, which must not be copied back during capture). Raises ValueError naming what is wrong."""
-        for name, t in (("segments", segments), ("on_device", on_device)):
-            if t is None:
-                continue
-            if t.dtype != torch.int32 or t.dim() != 2 or t.shape[1] != 4:
-                raise ValueError(f"{name} must be int32 [S, 4], got {t.dtype} {tuple(t.shape)}")
-            if not t.is_contiguous():
-                raise ValueError(f"{name} must be contiguous")
+        places a copy on `device`. Raises ValueError naming what is wrong."""
+        if segments.dtype != torch.int32 or segments.dim() != 2 or segments.shape[1] != 4:
+            raise ValueError(f"segments must be int32 [S, 4], got {segments.dtype} {tuple(segments.shape)}")
+        if not segments.is_contiguous():
+            raise ValueError("segments must be contiguous")
         host = segments.cpu()
         _check_rows(host, num_tokens)
         device = torch.device(device)
-        if on_device is not None and (on_device.shape != host.shape or on_device.device.type != device.type):
-            raise ValueError(f"on_device must be [S={host.shape[0]}, 4] on {device}, got {tuple(on_device.shape)} "
-                             f"on {on_device.device}")
-        if on_device is None:
-            on_device = host if device.type == "cpu" else host.to(device)
+        on_device = host if device.type == "cpu" else host.to(device)
         return cls(host=host, device=on_device, num_tokens=num_tokens)
 
     @property
