@@ -242,9 +242,14 @@ def describe(plan: MemoryPlan) -> str:
 
 def _advice(plan: MemoryPlan, short: int, pools: Pools) -> str:
     """What would make it fit: the pools first (they are settings), then the machine."""
+    anyway = "(set PYSCORE_MEMORY_CHECK=0 to start anyway)"
     if plan.kv_bytes_per_token and plan.kv_budget_bytes > short:
         tokens = (plan.kv_budget_bytes - short) // plan.kv_bytes_per_token
         return (f"Lower --max-kv-tokens (now {pools.max_kv_tokens}) to at most {tokens}, or --prefix-cache-mb "
-                f"(now {pools.prefix_cache_mb:g}), or give it more memory (set PYSCORE_MEMORY_CHECK=0 to start "
-                "anyway).")
-    return ("Give it more memory, or serve a smaller dtype or model (set PYSCORE_MEMORY_CHECK=0 to start anyway).")
+                f"(now {pools.prefix_cache_mb:g}), or give it more memory {anyway}.")
+    pools_left = plan.kv_budget_bytes + plan.linear_state_bytes + plan.prefix_cache_bytes + plan.activation_bytes
+    if pools_left > short:
+        return (f"Lower --max-kv-tokens (now {pools.max_kv_tokens}), --max-running-generations (now "
+                f"{pools.max_running_generations}), --prefix-cache-mb (now {pools.prefix_cache_mb:g}) or "
+                f"--max-batch-tokens (now {pools.max_batch_tokens}), or give it more memory {anyway}.")
+    return f"The weights alone do not fit: give it more memory, or serve a smaller dtype or model {anyway}."
