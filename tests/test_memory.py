@@ -11,6 +11,7 @@ import torch
 
 import pyscore.model.loading as loading
 from pyscore import memory, wire
+from pyscore.cli import format_info
 from pyscore.engine import Engine, tensor_bytes
 from pyscore.memory import InsufficientMemoryError, Pools, cgroup_room
 from pyscore.model.decoder import Decoder
@@ -135,6 +136,8 @@ def test_the_engine_and_model_info_report_the_plan(model_dirs) -> None:
     msg = wire.model_info_to_proto(engine.info())
     assert msg.memory.expected_total_bytes == plan.expected_total_bytes
     assert wire.model_info_from_proto(msg).memory == plan
+    shown = [line.split() for line in format_info(engine.info()).splitlines()]
+    assert ["memory.expected_total_bytes", str(plan.expected_total_bytes)] in [row[:2] for row in shown]
 
 
 def test_model_info_without_a_plan_leaves_the_field_unset() -> None:
