@@ -148,3 +148,24 @@ def test_model_info_without_a_plan_leaves_the_field_unset() -> None:
     msg = wire.model_info_to_proto(info)
     assert not msg.HasField("memory") and wire.model_info_from_proto(msg).memory is None
     assert MemoryPlan(weight_bytes=1, runtime_bytes=2).expected_total_bytes == 3
+
+
+def test_freed_heap_pages_between_live_blocks_go_back_to_the_system() -> None:
+    """What loading leaves behind: blocks freed between blocks still in use (glibc keeps them resident)."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    block, count = 64 * 1024, 2048  # 128 MiB in blocks under any mmap threshold: the heap
+    blocks = [libc.malloc(block) for _ in range(count)]
+    for b in blocks:
+        ctypes.memset(b, 1, block)
+    for b in blocks[:-1:2]:  # every other one: holes between live blocks, nothing at the top to shrink
+        libc.free(b)
+    before = memory.resident_bytes()
+    memory.release_free_heap()
+    released = before - memory.resident_bytes()
+    for b in blocks[1::2]:
+        libc.free(b)
+    assert released > 32 * 2**20, released
