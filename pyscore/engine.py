@@ -25,7 +25,7 @@ from pyscore.budget import (
 )
 from pyscore.errors import PassInterrupted, RequestError
 from pyscore.generation import Generation, GenerationRunner, eos_token_ids
-from pyscore.memory import Pools, describe, plan_memory, release_free_heap, resident_bytes
+from pyscore.memory import Pools, describe, plan_memory, resident_bytes
 from pyscore.model.decoder import Decoder
 from pyscore.model.loading import LoadedModel, load_model
 from pyscore.model.packing import Group, pack
@@ -167,7 +167,6 @@ class Engine:
             c = self.prefix_cache
             log.info("prefix cache: %d blocks of %d tokens (%.0f MiB)", c.capacity, c.block_tokens,
                      c.stats.capacity_bytes / 2**20)
-        release_free_heap()  # what loading and packing freed, so that the RSS below is the engine's own
         pools = Pools(max_batch_tokens, max_kv_tokens, max_running_generations, prefix_cache_mb)
         self.memory = final_memory_plan(loaded, self.decoder, pools,
                                         self.prefix_cache.stats.capacity_bytes if self.prefix_cache else 0)

@@ -14,7 +14,6 @@ killed halfway through loading. `PYSCORE_MEMORY_CHECK=0` turns the refusal into 
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 from dataclasses import dataclass
@@ -205,18 +204,6 @@ def available_memory(device: torch.device) -> tuple[int, str]:
     if room is not None and room[0] < physical:
         return room
     return physical, "MemAvailable of the machine"
-
-
-def release_free_heap() -> None:
-    """Hands the C heap's free pages back to the system (glibc's malloc_trim; nothing elsewhere). Loading frees a
-    plain copy of every projection once it is packed, and tensors under glibc's mmap threshold (32 MiB, e.g. a
-    Qwen3-4B layer's q or o) leave their holes between packed weights: ~50 MB a layer that would stay resident."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim(0)
 
 
 def resident_bytes() -> int:

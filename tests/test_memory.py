@@ -151,8 +151,11 @@ def test_model_info_without_a_plan_leaves_the_field_unset() -> None:
 
 
 def test_freed_heap_pages_between_live_blocks_go_back_to_the_system() -> None:
-    """What loading leaves behind: blocks freed between blocks still in use (glibc keeps them resident)."""
+    """What loading leaves behind (engine.release_freed_memory, called once the model is packed): blocks freed
+    between blocks still in use, which glibc keeps resident."""
     import ctypes
+
+    from pyscore.engine import release_freed_memory
 
     libc = ctypes.CDLL("libc.so.6")
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
@@ -164,7 +167,7 @@ def test_freed_heap_pages_between_live_blocks_go_back_to_the_system() -> None:
     for b in blocks[:-1:2]:  # every other one: holes between live blocks, nothing at the top to shrink
         libc.free(b)
     before = memory.resident_bytes()
-    memory.release_free_heap()
+    release_freed_memory()
     released = before - memory.resident_bytes()
     for b in blocks[1::2]:
         libc.free(b)
