@@ -6,8 +6,6 @@ raises `pyscore.errors` for bad requests. It is not thread-safe: one worker owns
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import dataclasses
 import logging
 import os
@@ -25,7 +23,7 @@ from pyscore.budget import (
 )
 from pyscore.errors import PassInterrupted, RequestError
 from pyscore.generation import Generation, GenerationRunner, eos_token_ids
-from pyscore.memory import Pools, describe, plan_memory, resident_bytes
+from pyscore.memory import Pools, describe, plan_memory, release_freed_memory, resident_bytes
 from pyscore.model.decoder import Decoder
 from pyscore.model.loading import LoadedModel, load_model
 from pyscore.model.packing import Group, pack
@@ -99,14 +97,6 @@ def make_prefix_cache(loaded: LoadedModel, decoder: Decoder, budget_mb: float) -
     except ValueError as e:
         log.warning("prefix cache off: %s", e)
         return None
-
-
-def release_freed_memory() -> None:
-    """Hand the heap pages that loading freed (converted and replaced weights) back to the OS: glibc keeps freed
-    chunks below its mmap threshold in the heap, which RSS (and a pod's memory limit) still counts."""
-    name = ctypes.util.find_library("c")
-    if name and "libc.so" in name:
-        ctypes.CDLL(name).malloc_trim(0)
 
 
 def tensor_bytes(obj: object) -> int:

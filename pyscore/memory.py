@@ -14,10 +14,13 @@ killed halfway through loading. `PYSCORE_MEMORY_CHECK=0` turns the refusal into 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,9 +30,11 @@ from pyscore.budget import (
     DEFAULT_MAX_RUNNING_GENERATIONS,
     DEFAULT_PREFIX_CACHE_MB,
 )
-from pyscore.model.checkpoint import TensorSpec
 from pyscore.model.config import LINEAR_ATTENTION, ModelConfig
 from pyscore.types import MemoryPlan
+
+if TYPE_CHECKING:
+    from pyscore.model.checkpoint import TensorSpec
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +209,16 @@ def available_memory(device: torch.device) -> tuple[int, str]:
     if room is not None and room[0] < physical:
         return room
     return physical, "MemAvailable of the machine"
+
+
+def release_freed_memory() -> None:
+    """Hand the heap pages that loading freed (converted and replaced weights) back to the OS: glibc keeps freed
+    chunks below its mmap threshold in the heap, which RSS (and a pod's memory limit) still counts. The loader
+    calls it once the weights are built (the sources of every fused projection are freed), the engine once they
+    are packed (every plain projection is)."""
+    name = ctypes.util.find_library("c")
+    if name and "libc.so" in name:
+        ctypes.CDLL(name).malloc_trim(0)
 
 
 def resident_bytes() -> int:

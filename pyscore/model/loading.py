@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pyscore.memory import Pools, available_memory, check_fits, plan_memory, weight_bytes
+from pyscore.memory import Pools, available_memory, check_fits, plan_memory, release_freed_memory, weight_bytes
 from pyscore.model.checkpoint import Checkpoint
 from pyscore.model.config import ModelConfig
 from pyscore.model.gguf import convert_gguf
@@ -118,6 +118,7 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torc
     check_fits(plan, name, device, pools, available)
     plan = replace(plan, available_bytes=available[0])
     weights = build_weights(cfg, checkpoint.get, dtype, device)
+    release_freed_memory()  # the holes the fused projections' sources left, before packing allocates again
     inv_freq, scaling = inverse_frequencies(hf_config.get_text_config(), cfg.rotary_dims)
     rotary = Rotary(inv_freq, scaling, cfg.max_position_embeddings, device)
     return LoadedModel(name=name, path=path, cfg=cfg, hf_config=hf_config, tokenizer=tokenizer,
