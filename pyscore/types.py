@@ -115,7 +115,9 @@ class MemoryPlan:
     prefix_cache_bytes: int = 0
     activation_bytes: int = 0  # an estimate of one forward pass at max_batch_tokens
     runtime_bytes: int = 0
-    available_bytes: int = 0  # what the machine / cgroup / GPU had free when the server started (0: unknown)
+    # What the machine / cgroup / GPU had free when the model was loaded (0: unknown): a measurement of the moment,
+    # not part of the plan, so not compared by ==.
+    available_bytes: int = field(default=0, compare=False)
 
     @property
     def expected_total_bytes(self) -> int:
