@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import REPO, git_commit, machine, machine_info, question
+from server.memory import proc_status_kib
 
 GiB = 2**30
 MODELS = ["embedded", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3.5-4b"]
@@ -95,10 +96,7 @@ def model_path(name: str, cache: Path) -> Path | None:
 
 # --- one measurement (a child process) ---------------------------------------------------------------------------
 def status_bytes(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
+    return proc_status_kib(field)[field] * 1024
 
 
 def measure(model: str | None) -> dict[str, Any]:
