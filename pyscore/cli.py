@@ -137,8 +137,13 @@ def format_generate(result: GenerateResult, show_logprobs: bool) -> str:
 
 
 def format_info(info: ModelInfo) -> str:
-    rows = [[f.name, str(getattr(info, f.name))] for f in dataclasses.fields(info) if f.name != "special_tokens"]
+    rows = [[f.name, str(getattr(info, f.name))] for f in dataclasses.fields(info)
+            if f.name not in ("special_tokens", "memory")]
     rows += [[f"special_tokens.{k}", repr(v)] for k, v in sorted(info.special_tokens.items())]
+    if info.memory is not None:
+        sizes = {**dataclasses.asdict(info.memory), "expected_total_bytes": info.memory.expected_total_bytes}
+        rows += [[f"memory.{k}", f"{v} ({v / 2**30:.2f} GiB)" if k != "kv_bytes_per_token" else str(v)]
+                 for k, v in sizes.items()]
     return _table(["field", "value"], rows)
 
 

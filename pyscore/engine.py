@@ -6,8 +6,7 @@ raises `pyscore.errors` for bad requests. It is not thread-safe: one worker owns
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -15,16 +14,23 @@ from dataclasses import replace
 
 import torch
 
-from pyscore.budget import DEFAULT_PREFIX_CACHE_MB, count_within_budget
+from pyscore.budget import (
+    DEFAULT_MAX_BATCH_TOKENS,
+    DEFAULT_MAX_KV_TOKENS,
+    DEFAULT_MAX_RUNNING_GENERATIONS,
+    DEFAULT_PREFIX_CACHE_MB,
+    count_within_budget,
+)
 from pyscore.errors import PassInterrupted, RequestError
 from pyscore.generation import Generation, GenerationRunner, eos_token_ids
+from pyscore.memory import Pools, describe, plan_memory, release_freed_memory, resident_bytes
 from pyscore.model.decoder import Decoder
 from pyscore.model.loading import LoadedModel, load_model
 from pyscore.model.packing import Group, pack
 from pyscore.model.prefix_cache import CacheLease, PrefixCache, PrefixCacheStats, pass_lease, unsupported_reason
 from pyscore.ops import _ext, label_logprobs
 from pyscore.scoring import ModelTraits, PreparedScore, prepare_score
-from pyscore.types import GenerateRequest, GenerateResult, ModelInfo, ScoreRequest, ScoreResult, Usage
+from pyscore.types import GenerateRequest, GenerateResult, MemoryPlan, ModelInfo, ScoreRequest, ScoreResult, Usage
 
 log = logging.getLogger(__name__)
 
@@ -93,17 +99,36 @@ def make_prefix_cache(loaded: LoadedModel, decoder: Decoder, budget_mb: float) -
         return None
 
 
-def release_freed_memory() -> None:
-    """Hand the heap pages that loading freed (converted and replaced weights) back to the OS: glibc keeps freed
-    chunks below its mmap threshold in the heap, which RSS (and a pod's memory limit) still counts."""
-    name = ctypes.util.find_library("c")
-    if name and "libc.so" in name:
-        ctypes.CDLL(name).malloc_trim(0)
+def tensor_bytes(obj: object) -> int:
+    """Bytes of the tensors in a tree of dataclasses and lists (each storage once: a tied head is the embedding)."""
+    seen: dict[int, int] = {}
+
+    def walk(o: object) -> None:
+        if isinstance(o, torch.Tensor):
+            seen[o.untyped_storage().data_ptr()] = o.untyped_storage().nbytes()
+        elif isinstance(o, (list, tuple)):
+            for x in o:
+                walk(x)
+        elif dataclasses.is_dataclass(o):
+            for f in dataclasses.fields(o):
+                walk(getattr(o, f.name))
+
+    walk(obj)
+    return sum(seen.values())
+
+
+def final_memory_plan(loaded: LoadedModel, decoder: Decoder, pools: Pools, prefix_cache_bytes: int) -> MemoryPlan:
+    """The loader's plan with the prefix cache the engine really got; for a model built in code (no checkpoint to
+    plan from), planned from the weights it holds."""
+    if loaded.memory is None:
+        return plan_memory(loaded.cfg, tensor_bytes(loaded.weights), decoder.dtype, pools, prefix_cache_bytes)
+    return replace(loaded.memory, prefix_cache_bytes=prefix_cache_bytes)
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, max_batch_tokens: int = 8192, op_backend: str = "auto",
-                 prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB):
+    def __init__(self, loaded: LoadedModel, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, op_backend: str = "auto",
+                 prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
+                 max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS):
         self.model = loaded
         self.cfg = loaded.cfg
         self.tokenizer = loaded.tokenizer
@@ -132,16 +157,29 @@ class Engine:
             c = self.prefix_cache
             log.info("prefix cache: %d blocks of %d tokens (%.0f MiB)", c.capacity, c.block_tokens,
                      c.stats.capacity_bytes / 2**20)
+        pools = Pools(max_batch_tokens, max_kv_tokens, max_running_generations, prefix_cache_mb)
+        self.memory = final_memory_plan(loaded, self.decoder, pools,
+                                        self.prefix_cache.stats.capacity_bytes if self.prefix_cache else 0)
+        log.info("memory: %s expected when every pool is full (--max-kv-tokens %d, --prefix-cache-mb %g, "
+                 "--max-batch-tokens %d); resident now %.2f GiB", describe(self.memory), max_kv_tokens,
+                 prefix_cache_mb, max_batch_tokens, resident_bytes() / 2**30)
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, dtype: str | torch.dtype = "auto",
-                        device: str = "auto", threads: int | None = None, max_batch_tokens: int = 8192,
-                        op_backend: str = "auto", prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB) -> Engine:
+                        device: str = "auto", threads: int | None = None,
+                        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, op_backend: str = "auto",
+                        prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
+                        max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS) -> Engine:
         """model: a local HF directory, a .gguf file, or None for the embedded SmolLM2-135M-Instruct.
-        prefix_cache_mb: the prefix cache's byte budget in MiB (0 = off)."""
+        prefix_cache_mb: the prefix cache's byte budget in MiB (0 = off). max_kv_tokens and
+        max_running_generations are what the server admits generations under (its flags of the same names): the
+        engine plans memory with them and refuses, before loading, a model that cannot fit
+        (pyscore.memory.InsufficientMemoryError)."""
         set_threads(threads)
         dev = resolve_device(device)
-        return cls(load_model(model, resolve_dtype(dtype, dev), dev), max_batch_tokens, op_backend, prefix_cache_mb)
+        pools = Pools(max_batch_tokens, max_kv_tokens, max_running_generations, prefix_cache_mb)
+        return cls(load_model(model, resolve_dtype(dtype, dev), dev, pools), max_batch_tokens, op_backend,
+                   prefix_cache_mb, max_kv_tokens, max_running_generations)
 
     # --- model facts ---------------------------------------------------------------------------------
     def info(self) -> ModelInfo:
@@ -154,7 +192,8 @@ class Engine:
                          special_tokens=special, num_labels=self.cfg.num_labels, ops=dict(self.op_paths),
                          cpu_tier=self.cpu_tier,
                          prefix_cache_block_tokens=self.prefix_cache.block_tokens if self.prefix_cache else 0,
-                         prefix_cache_bytes=self.prefix_cache.stats.capacity_bytes if self.prefix_cache else 0)
+                         prefix_cache_bytes=self.prefix_cache.stats.capacity_bytes if self.prefix_cache else 0,
+                         memory=self.memory)
 
     def prefix_cache_stats(self) -> PrefixCacheStats | None:
         """The prefix cache's counters and what it holds (None when off); safe to read from another thread."""

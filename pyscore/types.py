@@ -104,6 +104,28 @@ class ServerLimits:
 
 
 @dataclass
+class MemoryPlan:
+    """What the served model takes in memory, in bytes (see pyscore.v1.MemoryPlan and pyscore.memory): the weights,
+    the pools it grows into under load, one pass's activations and the runtime; their sum sizes a pod."""
+
+    weight_bytes: int = 0
+    kv_bytes_per_token: int = 0
+    kv_budget_bytes: int = 0  # max_kv_tokens x kv_bytes_per_token
+    linear_state_bytes: int = 0  # hybrid models: max_running_generations x the per-sequence recurrent state
+    prefix_cache_bytes: int = 0
+    activation_bytes: int = 0  # an estimate of one forward pass at max_batch_tokens
+    runtime_bytes: int = 0
+    # What the machine / cgroup / GPU had free when the model was loaded (0: unknown): a measurement of the moment,
+    # not part of the plan, so not compared by ==.
+    available_bytes: int = field(default=0, compare=False)
+
+    @property
+    def expected_total_bytes(self) -> int:
+        return (self.weight_bytes + self.kv_budget_bytes + self.linear_state_bytes + self.prefix_cache_bytes
+                + self.activation_bytes + self.runtime_bytes)
+
+
+@dataclass
 class ModelInfo:
     name: str
     architecture: str
@@ -119,3 +141,4 @@ class ModelInfo:
     prefix_cache_block_tokens: int = 0  # the prefix cache's block (0: no prefix cache)
     prefix_cache_bytes: int = 0  # its byte budget
     cpu_tier: str = ""  # CPU models: the tier the CPU kernels run (pyscore/ops/tiers.py), "" elsewhere
+    memory: MemoryPlan | None = None  # what the model takes in memory (None: not known, e.g. a fake engine)

@@ -18,6 +18,7 @@ from pyscore.errors import InvalidArgument
 from pyscore.types import (
     GenerateRequest,
     GenerateResult,
+    MemoryPlan,
     Mode,
     ModelInfo,
     ScoreRequest,
@@ -220,6 +221,9 @@ def model_info_to_proto(info: ModelInfo) -> pb.ModelInfo:
                        prefix_cache_bytes=info.prefix_cache_bytes)
     if info.limits is not None:
         msg.limits.CopyFrom(pb.ServerLimits(**dataclasses.asdict(info.limits)))
+    if info.memory is not None:
+        msg.memory.CopyFrom(pb.MemoryPlan(**dataclasses.asdict(info.memory),
+                                          expected_total_bytes=info.memory.expected_total_bytes))
     return msg
 
 
@@ -231,7 +235,9 @@ def model_info_from_proto(msg: pb.ModelInfo) -> ModelInfo:
                      special_tokens=dict(msg.special_tokens), num_labels=msg.num_labels, ops=dict(msg.ops),
                      limits=limits if msg.HasField("limits") else None,
                      prefix_cache_block_tokens=msg.prefix_cache_block_tokens,
-                     prefix_cache_bytes=msg.prefix_cache_bytes)
+                     prefix_cache_bytes=msg.prefix_cache_bytes,
+                     memory=MemoryPlan(**{f.name: getattr(msg.memory, f.name) for f in dataclasses.fields(MemoryPlan)})
+                     if msg.HasField("memory") else None)
 
 
 # -- undecodable bytes ----------------------------------------------------------------------------------------

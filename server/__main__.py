@@ -2,6 +2,9 @@
 
 Prints `pyscore: listening on HOST:PORT` as soon as it listens (health NOT_SERVING while the model loads) and
 `pyscore: serving MODEL on HOST:PORT (DEVICE, DTYPE)` once SERVING. SIGTERM/SIGINT stop it gracefully; it then exits 0.
+A model that cannot fit in the memory available exits 1 before loading, naming the numbers. `--plan-memory` prints
+what the model takes in memory with the other flags given (no weight is read) and the memory request to give a
+replica, and exits.
 
 Test-only: the hidden `--engine module:Class` flag replaces pyscore.engine.Engine with any class that has
 the same `from_pretrained` and API (the server tests pass tests.server.fake_engine:FakeEngine).
@@ -12,11 +15,18 @@ from __future__ import annotations
 import argparse
 import logging
 
+from pyscore.types import MemoryPlan
 from server.app import ServerConfig, main
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str]:
     """The server config and the log level."""
+    config, level, _ = parse_command(argv)
+    return config, level
+
+
+def parse_command(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool]:
+    """The server config, the log level and whether only the memory plan is asked for."""
     d = ServerConfig()
     p = argparse.ArgumentParser(prog="python -m server", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=d.model, help="model directory, file or name (default: embedded SmolLM2)")
@@ -68,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str]:
                         "re-resolve and reach new replicas (default: never)")
     p.add_argument("--max-connection-age-grace-s", type=float, default=None,
                    help="calls still running on an aged connection get this long (default: no limit)")
+    p.add_argument("--plan-memory", action="store_true",
+                   help="print what the model takes in memory under these flags (weights, pools, expected total) "
+                        "and the memory request to give a replica, then exit without loading it")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ... (default %(default)s)")
     p.add_argument("--engine", default=d.engine, help=argparse.SUPPRESS)  # test-only, see the docstring
     a = p.parse_args(argv)
@@ -87,10 +100,40 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str]:
                         auth_token_file=a.auth_token_file, metrics_port=a.metrics_port, http_port=a.http_port,
                         grace_s=a.grace_s,
                         drain_delay_s=a.drain_delay_s, max_connection_age_s=a.max_connection_age_s,
-                        max_connection_age_grace_s=a.max_connection_age_grace_s, engine=a.engine), a.log_level.upper()
+                        max_connection_age_grace_s=a.max_connection_age_grace_s, engine=a.engine), \
+        a.log_level.upper(), a.plan_memory
+
+
+def plan_memory(config: ServerConfig) -> tuple[str, MemoryPlan]:
+    """(what it is, the plan) of serving config.model with the config's dtype, device and pools."""
+    from pyscore.engine import resolve_device, resolve_dtype
+    from pyscore.memory import Pools
+    from pyscore.model.loading import memory_plan
+
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    pools = Pools(config.max_batch_tokens, config.max_kv_tokens, config.max_running_generations,
+                  config.prefix_cache_mb)
+    name, plan = memory_plan(config.model, dtype, pools)
+    return f"{name} in {str(dtype).removeprefix('torch.')} on {device}", plan
+
+
+def memory_request(plan: MemoryPlan) -> str:
+    """The plan's expected total rounded up to whole GiB, as a Kubernetes quantity."""
+    return f"{-(-plan.expected_total_bytes // 2**30)}Gi"
 
 
 if __name__ == "__main__":
-    config, level = parse_args()
+    config, level, plan_only = parse_command()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    main(config)
+    if plan_only:
+        from pyscore.memory import describe
+
+        what, plan = plan_memory(config)
+        print(f"pyscore: {what} takes {describe(plan)} with every pool full")
+        if what.endswith(" on cpu"):
+            print(f"memory request: {memory_request(plan)}")
+        else:  # the weights and pools live on the GPU, which the server checks at start; the host keeps the runtime
+            print(f"GPU memory: {(plan.expected_total_bytes - plan.runtime_bytes) / 2**30:.2f} GiB")
+    else:
+        main(config)

@@ -31,7 +31,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pyscore._proto.pyscore.v1 import scorer_pb2, scorer_pb2_grpc
-from pyscore.budget import DEFAULT_PREFIX_CACHE_MB
+from pyscore.budget import (
+    DEFAULT_MAX_BATCH_TOKENS,
+    DEFAULT_MAX_KV_TOKENS,
+    DEFAULT_MAX_RUNNING_GENERATIONS,
+    DEFAULT_PREFIX_CACHE_MB,
+)
+from pyscore.memory import InsufficientMemoryError
 from pyscore.types import GenerateRequest, ModelInfo, ScoreRequest, ServerLimits
 from server.batcher import Batcher, EngineLike
 from server.health import HealthServicer
@@ -59,13 +65,13 @@ class ServerConfig:
     dtype: str = "auto"
     device: str = "auto"
     threads: int | None = None
-    max_batch_tokens: int = 8192
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
     max_queue: int = 256
     max_items: int = 1024
     max_message_mb: int = 64
     max_request_tokens: int | None = 65536  # None = no limit
-    max_running_generations: int = 64
-    max_kv_tokens: int = 65536  # KV-cache tokens reserved by running generations (prompt + max_tokens each)
+    max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS
+    max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS  # KV-cache tokens reserved by running generations (prompt + max_tokens)
     prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB  # the prefix cache's byte budget in MiB; 0 = off
     grace_s: float = 10.0
     drain_delay_s: float = 0.0  # seconds between health NOT_SERVING and the listener closing, on SIGTERM
@@ -84,7 +90,9 @@ def load_engine(config: ServerConfig) -> EngineLike:
     module, _, name = config.engine.partition(":")
     cls = getattr(importlib.import_module(module), name)
     return cls.from_pretrained(config.model, dtype=config.dtype, device=config.device, threads=config.threads,
-                               max_batch_tokens=config.max_batch_tokens, prefix_cache_mb=config.prefix_cache_mb)
+                               max_batch_tokens=config.max_batch_tokens, prefix_cache_mb=config.prefix_cache_mb,
+                               max_kv_tokens=config.max_kv_tokens,
+                               max_running_generations=config.max_running_generations)
 
 
 def warm_up(engine: EngineLike) -> None:
@@ -265,7 +273,10 @@ async def serve(config: ServerConfig) -> int:
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
     code = 0
-    if loading.done() and loading.exception() is not None:
+    if loading.done() and isinstance(loading.exception(), InsufficientMemoryError):
+        print(f"pyscore: {loading.exception()}", file=sys.stderr, flush=True)  # the numbers, not a traceback
+        code = 1
+    elif loading.done() and loading.exception() is not None:
         log.error("could not load the model", exc_info=loading.exception())
         code = 1
     elif loading.done():

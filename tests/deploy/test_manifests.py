@@ -1,11 +1,13 @@
 """deploy/: every Kubernetes manifest validates (strict schema, offline, `kubernetes-validate`) against the
 oldest release it needs (1.30: native gRPC probes, the preStop `sleep` action) and the newest known; the objects
 agree with each other and with the server (selectors, ports, flags the server parses, probe service, drain
-timing, the HPA's metric); the real Envoy binary accepts deploy/envoy/envoy.yaml as shipped."""
+timing, the HPA's metric, the memory request the server's plan asks for); the real Envoy binary accepts
+deploy/envoy/envoy.yaml as shipped."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy.fleet import ENVOY_CONFIG, Envoy, envoy_binary
 from pyscore.balancing import SCORER_SERVICE
-from server.__main__ import parse_args
+from server.__main__ import memory_request, parse_args, plan_memory
 from server.metrics import Metrics
 from tests.deploy.helpers import needs_envoy, wait_for
 from tests.server.test_lifecycle import free_port
@@ -79,6 +81,16 @@ def test_the_deployment_agrees_with_the_server_and_the_services(variant: str) ->
     assert {p["targetPort"] for p in headless["spec"]["ports"]} <= ports.keys()
     if variant == "gpu":
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1 and config.device == "cuda"
+
+
+def test_the_cpu_memory_request_is_the_servers_memory_plan(smollm2_dir: Path) -> None:
+    """requests = limits = the plan's expected total for the manifest's flags, rounded up to GiB (what
+    `python -m server --plan-memory` prints): a flag that grows a pool must grow the request with it."""
+    c = container(find("Deployment", "pyscore", K8S / "cpu" / "deployment.yaml"))
+    config, _ = parse_args(c["args"])
+    _, plan = plan_memory(dataclasses.replace(config, device="cpu"))
+    resources = c["resources"]
+    assert resources["requests"]["memory"] == resources["limits"]["memory"] == memory_request(plan)
 
 
 def test_the_hpa_scales_the_deployment_on_a_metric_the_server_exports() -> None:

@@ -111,7 +111,8 @@ class FakeEngine:
     @classmethod
     def from_pretrained(cls, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
                         threads: int | None = None, max_batch_tokens: int = 8192,
-                        prefix_cache_mb: float = 0.0) -> FakeEngine:
+                        prefix_cache_mb: float = 0.0, max_kv_tokens: int = 65536,
+                        max_running_generations: int = 64) -> FakeEngine:
         return cls(model or "fake-smollm2", delay_s=float(os.environ.get("FAKE_ENGINE_DELAY_S", "0")))
 
     # -- test controls -------------------------------------------------------------------------------------

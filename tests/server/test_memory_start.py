@@ -1,0 +1,44 @@
+"""`python -m server` and memory: a model whose pools cannot fit exits 1 at start, before loading, with the numbers
+(never an OOM kill halfway); `--plan-memory` prints the plan and the memory request without loading anything."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import make_model_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("qwen3"), "qwen3")
+
+
+def run_server(*flags: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "server", "--port", "0", "--threads", "1", "--device", "cpu",
+                           *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_a_kv_budget_beyond_the_machine_exits_before_loading(model_dir: Path) -> None:
+    done = run_server("--model", str(model_dir), "--max-kv-tokens", str(10**12))
+    assert done.returncode == 1, done.stderr[-2000:]
+    (line,) = [x for x in done.stderr.splitlines() if x.startswith("pyscore: ")]
+    assert "does not fit" in line and "KV budget" in line and "Lower --max-kv-tokens (now 1000000000000)" in line
+    assert "pyscore: serving" not in done.stdout and "Traceback" not in done.stderr
+
+
+def test_plan_memory_prints_the_plan_and_the_request(model_dir: Path) -> None:
+    done = run_server("--model", str(model_dir), "--max-kv-tokens", "1024", "--prefix-cache-mb", "0",
+                      "--plan-memory")
+    assert done.returncode == 0, done.stderr[-2000:]
+    plan, request = done.stdout.strip().splitlines()[-2:]
+    assert plan.startswith(f"pyscore: {model_dir.name} in bfloat16 on cpu takes ") and "weights" in plan
+    assert "prefix cache" not in plan and request == "memory request: 1Gi"  # a tiny model: mostly the runtime
+    assert "listening" not in done.stdout
