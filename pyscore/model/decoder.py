@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from pyscore.errors import PassInterrupted
+from pyscore.memory import release_freed_memory
 from pyscore.model import hybrid
 from pyscore.model.config import LINEAR_ATTENTION, ModelConfig
 from pyscore.model.packing import PackedBatch
@@ -103,6 +104,7 @@ class Decoder:
         self.interrupt: Callable[[], bool] | None = None
         for layer in weights.layers:
             self._prepare(layer)
+            release_freed_memory()  # the layer's replaced plain projections, before the next layer's packs
 
     def _prepare(self, layer: LayerWeights) -> None:
         """Each projection in the form its linear path reads, one at a time, each replacing its source so that
