@@ -1,4 +1,5 @@
-"""`python -m server`: serve pyscore.v1.Scorer on the given model (default: the embedded SmolLM2).
+"""`python -m server` (installed: `pyscore-server`, or `python -m pyscore_server`): serve pyscore.v1.Scorer on
+the given model (default: the embedded SmolLM2).
 
 Prints `pyscore: listening on HOST:PORT` as soon as it listens (health NOT_SERVING while the model loads) and
 `pyscore: serving MODEL on HOST:PORT (DEVICE, DTYPE)` once SERVING. SIGTERM/SIGINT stop it gracefully; it then exits 0.
@@ -12,13 +13,14 @@ from __future__ import annotations
 import argparse
 import logging
 
-from server.app import ServerConfig, main
+from .app import ServerConfig, main
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str]:
+def parse_args(argv: list[str] | None = None, prog: str | None = None) -> tuple[ServerConfig, str]:
     """The server config and the log level."""
     d = ServerConfig()
-    p = argparse.ArgumentParser(prog="python -m server", description=__doc__.split("\n\n")[0])
+    # `python -m server` in a checkout, `python -m pyscore_server` where the wheel is installed
+    p = argparse.ArgumentParser(prog=prog or f"python -m {__package__}", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=d.model, help="model directory, file or name (default: embedded SmolLM2)")
     p.add_argument("--host", default=d.host, help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=int, default=d.port, help="port (0 = any free one; default %(default)s)")
@@ -85,7 +87,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str]:
                         max_connection_age_grace_s=a.max_connection_age_grace_s, engine=a.engine), a.log_level.upper()
 
 
-if __name__ == "__main__":
-    config, level = parse_args()
+def serve(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """Parse the command line and serve until SIGTERM / SIGINT."""
+    config, level = parse_args(argv, prog)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     main(config)
+
+
+if __name__ == "__main__":
+    serve()

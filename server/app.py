@@ -30,14 +30,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from pyscore._proto.pyscore.v1 import scorer_pb2, scorer_pb2_grpc
 from pyscore.budget import DEFAULT_PREFIX_CACHE_MB
 from pyscore.types import GenerateRequest, ModelInfo, ScoreRequest, ServerLimits
-from server.batcher import Batcher, EngineLike
-from server.health import HealthServicer
-from server.interceptors import LoggingErrorInterceptor
-from server.memory import MemoryProbe
-from server.metrics import Metrics
-from server.reflection_docs import DocumentedPool, add_reflection, reflection_handlers
-from server.security import AuthInterceptor, read_token, server_credentials
-from server.servicer import ScorerServicer
+
+from .batcher import Batcher, EngineLike
+from .health import HealthServicer
+from .interceptors import LoggingErrorInterceptor
+from .memory import MemoryProbe
+from .metrics import Metrics
+from .reflection_docs import DocumentedPool, add_reflection, reflection_handlers
+from .security import AuthInterceptor, read_token, server_credentials
+from .servicer import ScorerServicer
 
 log = logging.getLogger(__name__)
 
