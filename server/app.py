@@ -1,6 +1,6 @@
 """The grpc.aio server: pyscore.v1.Scorer behind the logging/error interceptor (and, with a token, the auth
 interceptor), grpc.health.v1 (with List) and server reflection (v1 and v1alpha), with explicit message-size
-limits, optional TLS / mTLS and an optional Prometheus endpoint. GetModelInfo reports the limits.
+limits, optional TLS / mTLS and an optional Prometheus endpoint. GetModelInfo reports the limits and the version.
 
 Lifecycle: listen first with health NOT_SERVING (Scorer calls answer UNAVAILABLE); load the engine and warm
 it up off the event loop; start the batcher; go SERVING. On SIGTERM/SIGINT: health NOT_SERVING for good, keep
@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+import pyscore
 from pyscore._proto.pyscore.v1 import scorer_pb2, scorer_pb2_grpc
 from pyscore.budget import DEFAULT_PREFIX_CACHE_MB
 from pyscore.types import GenerateRequest, ModelInfo, ScoreRequest, ServerLimits
@@ -193,7 +194,7 @@ class ScorerApp:
         limits = ServerLimits(max_items=c.max_items, max_request_tokens=c.max_request_tokens or 0,
                               max_batch_tokens=c.max_batch_tokens, max_message_bytes=c.max_message_mb * 1024 * 1024,
                               max_queue=c.max_queue)
-        return dataclasses.replace(engine.info(), limits=limits)
+        return dataclasses.replace(engine.info(), limits=limits, server_version=pyscore.__version__)
 
     async def stop(self, grace: float | None = None, drain_delay: float | None = None) -> None:
         """NOT_SERVING for good, keep serving `drain_delay` seconds (balancers see the health change and stop

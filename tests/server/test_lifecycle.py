@@ -52,7 +52,8 @@ CONTRACT = {
     "GetModelInfoRequest": [],
     "ServerLimits": ["max_items", "max_request_tokens", "max_batch_tokens", "max_message_bytes", "max_queue"],
     "ModelInfo": ["name", "architecture", "vocab_size", "max_context", "dtype", "device", "special_tokens",
-                  "num_labels", "kind", "limits", "ops", "prefix_cache_block_tokens", "prefix_cache_bytes"],
+                  "num_labels", "kind", "limits", "ops", "prefix_cache_block_tokens", "prefix_cache_bytes",
+                  "server_version"],
 }
 ENUMS = {
     "ScoringMode": [("SCORING_MODE_UNSPECIFIED", 0), ("SCORING_MODE_SIS", 1), ("SCORING_MODE_MIS", 2)],
