@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,8 +63,13 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def dist(work: Path) -> Dist:
     out = work / "dist"
-    # The sdist as `python -m build --sdist` makes it (the setuptools backend), from the checkout.
+    # The sdist as `python -m build --sdist` makes it (the setuptools backend), from the checkout. Its egg-info
+    # folder would otherwise stay in the checkout, where importlib.metadata would take it for an installed pyscore.
+    egg_info = ROOT / "pyscore.egg-info"
+    had_egg_info = egg_info.exists()
     run([sys.executable, "-c", f"from setuptools import build_meta as b; b.build_sdist({str(out)!r})"], ROOT)
+    if not had_egg_info:
+        shutil.rmtree(egg_info, ignore_errors=True)
     (sdist,) = out.glob("pyscore-*.tar.gz")
     # The wheel from the sdist, as pip builds any sdist: isolated, with only [build-system].requires installed.
     run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", out, sdist], work, PYSCORE_NO_CUDA="1")
