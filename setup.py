@@ -55,7 +55,7 @@ def proto_packages() -> list[str]:
 def packages() -> list[str]:
     """pyscore and its subpackages, the generated ones, and server/ as pyscore_server (its subpackages too)."""
     ours = find_packages(include=["pyscore", "pyscore.*"], exclude=["pyscore._proto", "pyscore._proto.*"])
-    server = ["pyscore_server" + name.removeprefix("server") for name in find_packages(include=["server*"])]
+    server = ["pyscore_server" + name.removeprefix("server") for name in find_packages(include=["server", "server.*"])]
     return sorted({*ours, *proto_packages(), *server})
 
 
