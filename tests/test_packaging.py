@@ -72,14 +72,18 @@ def dist(work: Path) -> Dist:
         shutil.rmtree(egg_info, ignore_errors=True)
     (sdist,) = out.glob("pyscore-*.tar.gz")
     # The wheel from the sdist, as pip builds any sdist: isolated, with only [build-system].requires installed.
+    start = time.monotonic()
     run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", out, sdist], work, PYSCORE_NO_CUDA="1")
     (wheel,) = out.glob("pyscore-*.whl")
+    print(f"\nwheel from the sdist: {time.monotonic() - start:.1f} s, {wheel.stat().st_size / 2**10:.0f} KiB "
+          f"(sdist {sdist.stat().st_size / 2**10:.0f} KiB)")
     return Dist(sdist, wheel)
 
 
 def make_venv(path: Path, *install: str | Path) -> Path:
     """A fresh venv at `path` with `install` pip-installed (the CI's pins as constraints); its bin folder. Prints
-    the install's time and the venv's size (`pytest -s` shows them; nothing asserts on them)."""
+    the install's time and the venv's size (`pytest -s` shows them, bench/results/install.txt records them;
+    nothing asserts on them)."""
     run([sys.executable, "-m", "venv", path], path.parent)
     start = time.monotonic()
     run([path / "bin" / "python", "-m", "pip", "install", "-q", "-c", ROOT / "constraints.txt", *install], path.parent)
