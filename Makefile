@@ -52,8 +52,10 @@ proto-check: $(STAMP) $(NODE_STAMP)
 	$(BUF) lint
 	$(PY) scripts/buf_breaking.py --buf $(BUF)
 
+# SERVE_ARGS: flags for the server, e.g. SERVE_ARGS="--http-port 8000" (the HTTP front door beside gRPC).
+SERVE_ARGS ?=
 serve: build
-	$(PY) -m server
+	$(PY) -m server $(SERVE_ARGS)
 
 # The CPU-sized serving sweep (~11 min on 2 cores; it starts and stops its own server), then the report. It
 # refuses a tree with uncommitted changes: BENCH_ARGS=--allow-dirty runs it anyway, marked in the report.

@@ -96,6 +96,7 @@ def git_commit(tree: Path = REPO) -> str | None:
 # --- a server of our own -----------------------------------------------------------------------------------------
 SERVING = re.compile(r"pyscore: serving .* on (\S+)")
 METRICS = re.compile(r"pyscore: metrics on \S+:(\d+)")
+HTTP = re.compile(r"pyscore: HTTP on \S+:(\d+)")
 
 
 @dataclass
@@ -104,6 +105,7 @@ class ServerProcess:
     target: str  # host:port
     metrics_port: int | None
     log: Path  # the server's stdout and stderr
+    http_port: int | None = None  # the HTTP front door's port, when started with --http-port
 
     def rss_mb(self) -> float:
         return rss_mb(self.proc.pid)
@@ -145,8 +147,9 @@ def spawn_server(*flags: str, log: Path, metrics: bool = False, timeout_s: float
         text = log.read_text()
         serving = SERVING.search(text)
         if serving:
-            port = METRICS.search(text)
-            return ServerProcess(proc, serving.group(1), int(port.group(1)) if port else None, log)
+            port, http = METRICS.search(text), HTTP.search(text)
+            return ServerProcess(proc, serving.group(1), int(port.group(1)) if port else None, log,
+                                 int(http.group(1)) if http else None)
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited ({proc.returncode}) before serving:\n{text[-2000:]}")
         if time.monotonic() > deadline:

@@ -6,12 +6,16 @@ are timed alternately (SIS, MIS, stock, stock keep-1, SIS, ...) so the machine's
 Prints a table and writes bench/results/engine_cpu.json. `--shape qwen3.5-0.8b` (any bench.gpu.models shape) times
 a random-weight model of that shape instead, on token-id questions of the same lengths (bench.gpu.workload; no
 stock comparison: the random model has no checkpoint).
-Usage: python -m bench.engine [--dtype bfloat16] [--threads 2] [--reps 5] [--no-stock] [--shape NAME --out FILE]"""
+`--tier avx2` forces a lower CPU tier (PYSCORE_CPU_TIER) for the whole run; the header names the tier and the dtype
+(`--dtype auto`, the default, is the tier's: bf16 where the CPU multiplies bf16, else fp32; stock runs in the same).
+Usage: python -m bench.engine [--tier T] [--dtype auto] [--threads 2] [--reps 5] [--no-stock] [--shape NAME]
+       [--out FILE]"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -100,7 +104,8 @@ def load(args: argparse.Namespace) -> tuple[Engine, Callable[[int], tuple[Any, l
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--tier", default=None, help="force this CPU tier (PYSCORE_CPU_TIER), at or below the CPU's")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--candidates", type=int, nargs="+", default=[2, 5, 9, 16])
@@ -108,11 +113,14 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/engine_cpu.json")
     ap.add_argument("--shape", default=None, help="a bench.gpu.models shape with random weights (token-id questions)")
     args = ap.parse_args()
+    if args.tier:
+        os.environ["PYSCORE_CPU_TIER"] = args.tier
     engine, ask, labels = load(args)
+    dtype = str(engine.decoder.dtype).removeprefix("torch.")
     stock = None if args.no_stock or args.shape else stock_model(engine)
     rows = []
-    print(f"# {machine()} | {engine.model_name} {args.dtype} threads={args.threads} (torch {torch.get_num_threads()}) "
-          f"reps={args.reps}, alternating")
+    print(f"# {machine()} | CPU tier {engine.cpu_tier or '-'} | {engine.model_name} {dtype} threads={args.threads} "
+          f"(torch {torch.get_num_threads()}) reps={args.reps}, alternating")
     print(f"{'items':>5} {'tokens q/item':>14} {'SIS p50 ms':>11} {'MIS p50 ms':>11} {'MIS/SIS':>8}"
           + ("" if stock is None else f" {'stock ms':>9} {'keep-1 ms':>10} {'stock/MIS':>10} {'keep-1/MIS':>11}"))
     for n in args.candidates:
@@ -142,7 +150,7 @@ def main() -> None:
               "the ratio issue #9 sets its target on, uses the default forward (logits at every position); "
               "keep-1/MIS the forward with logits_to_keep=1 (no LM head over the other positions)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(dict(machine=machine(), cpu=machine_info(), dtype=args.dtype,
+    Path(args.out).write_text(json.dumps(dict(machine=machine(), cpu=machine_info(), tier=engine.cpu_tier, dtype=dtype,
                                               threads=args.threads, model=engine.model_name,
                                               ratio_uses="stock (default forward) / MIS", rows=rows), indent=2))
 

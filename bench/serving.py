@@ -191,8 +191,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="127.0.0.1:50051",
-                   help="HOST:PORT (our gRPC server), openai-http://HOST:PORT, vllm-http://HOST:PORT, "
-                        "sglang-score-http://HOST:PORT, or inprocess (default %(default)s)")
+                   help="HOST:PORT (our gRPC server), pyscore-http://HOST:PORT (our HTTP front door), "
+                        "openai-http://HOST:PORT, vllm-http://HOST:PORT, sglang-score-http://HOST:PORT, or inprocess "
+                        "(default %(default)s)")
     p.add_argument("--spawn-server", action="store_true",
                    help="start `python -m server` on a free port for the run (ignores --target)")
     p.add_argument("--server-arg", action="append", default=[], help="extra flag for the spawned server")

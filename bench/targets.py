@@ -13,6 +13,9 @@
   share the query's cached blocks); /metrics token counters for what usage does not say.
 - `SGLangScoreTarget` (`sglang-score-http://HOST:PORT`): SGLang's /v1/score for `sis` / `mis` (whether SGLang
   runs multi-item scoring is decided by its launch flags, not by the request).
+- `PyscoreHTTPTarget` (`pyscore-http://HOST:PORT`): our own HTTP front door (`--http-port`): the five paths with
+  GrpcTarget's requests as JSON (/v1/score, /v1/completions, /v1/chat/completions) and its prefix-cache rule;
+  against GrpcTarget on the same server it measures what HTTP adds per call.
 - `InProcessTarget` (`inprocess`): pyscore.engine.Engine in this process, no gRPC (the service layer's cost).
 """
 
@@ -442,6 +445,83 @@ class SGLangScoreTarget(HTTPTarget):
         return await self._score(q)
 
 
+class PyscoreHTTPTarget(PointwiseScoring, HTTPTarget):
+    """pyscore's HTTP front door, asked exactly what GrpcTarget asks (same label ids, marker rule, cache
+    options); its answers carry the server's queue wait and compute time in `usage`, as gRPC's do."""
+
+    paths = PATHS
+    timed = True
+
+    def __init__(self, base_url: str, *, prefix_cache: str = "dispatch", **kw: Any) -> None:
+        super().__init__(base_url, **kw)
+        self.spec = "pyscore-http://" + self.base_url.split("://", 1)[-1]
+        cache_options(prefix_cache)
+        self.prefix_cache = prefix_cache
+
+    async def open(self) -> TargetInfo:
+        info = await super().open()
+        info.label_token_ids = self.label_token_ids or await resolve_labels(self.tokenize)
+        if self.marker is None:
+            tokenized = {}
+            for candidate in prompts.MARKER_CANDIDATES:
+                answer = await self.post("/tokenize", {"prompt": candidate, "add_special_tokens": False,
+                                                       "return_token_strs": True})
+                tokenized[candidate] = (answer["tokens"], answer["token_strs"])
+            self.marker = prompts.pick_marker(tokenized.__getitem__, ())
+        info.marker = self.marker
+        info.details["prefix_cache"] = self.prefix_cache
+        return info
+
+    @staticmethod
+    def usage(answer: Any) -> Any:
+        """pyscore's Usage from an answer's `usage` (OpenAI's fields plus computed tokens and server timing)."""
+        from pyscore.types import Usage as PyscoreUsage
+
+        u = answer["usage"]
+        return PyscoreUsage(prompt_tokens=u["prompt_tokens"], computed_tokens=u["computed_tokens"],
+                            cached_tokens=u["prompt_tokens_details"]["cached_tokens"], queue_s=u["queue_s"],
+                            compute_s=u["compute_s"])
+
+    async def _score_answer(self, query: str, items: list[str], **fields: Any) -> Any:
+        return await self.post("/v1/score", {"model": self.model, "query": query, "items": items,
+                                             "label_token_ids": self.info.label_token_ids, "apply_softmax": True,
+                                             **fields, **cache_options(self.prefix_cache)})
+
+    async def _score_result(self, query: str, items: list[str], mode: str) -> Any:
+        from pyscore.types import ScoreResult
+
+        answer = await self._score_answer(query, items, mode=mode)
+        return ScoreResult(scores=[[row] for row in answer["scores"]], label_token_ids=answer["label_token_ids"],
+                           mode=answer["mode"], usage=self.usage(answer))
+
+    async def _generate(self, q: Question) -> Decision:
+        p = prompts.pointwise(q)
+        cache = cache_options(self.prefix_cache)
+        answers = await asyncio.gather(*(self.post("/v1/completions", {
+            "model": self.model, "prompt": p.query + item, "max_tokens": 1, "temperature": 0.0,
+            "logprobs": GENERATE_TOP_LOGPROBS, **cache}) for item in p.items))
+        tops = [list(a["choices"][0]["logprobs"]["top_logprobs"][0].items()) for a in answers]
+        return usage_decision(generate_choice(tops), [self.usage(a) for a in answers], timed=True)
+
+    async def _fused(self, q: Question) -> Decision:
+        answer = await self.post("/v1/chat/completions", {
+            "model": self.model, "messages": [{"role": "user", "content": prompts.fused_choice(q)}], "max_tokens": 1,
+            "temperature": 0.0, "logprobs": True, "top_logprobs": FUSED_TOP_LOGPROBS,
+            **cache_options(self.prefix_cache)})
+        content = answer["choices"][0]["logprobs"]["content"]
+        top = [(t["token"], t["logprob"]) for t in content[0]["top_logprobs"]] if content else []
+        return usage_decision(prompts.best_letter(top, q.num_candidates), [self.usage(answer)], timed=True)
+
+    async def _setwise(self, q: Question) -> Decision:
+        assert self.marker is not None
+        s = prompts.setwise(q, self.marker)
+        answer = await self._score_answer(s.query, [s.item], score_extraction_token=self.marker)
+        rows = answer["scores"][0]
+        if len(rows) != q.num_candidates:
+            raise TargetError(f"setwise: {len(rows)} marker rows for {q.num_candidates} options")
+        return usage_decision(pointwise_choice(rows), [self.usage(answer)], timed=True)
+
+
 # --- the engine in this process --------------------------------------------------------------------------
 class InProcessTarget(PointwiseScoring, Target):
     """pyscore.engine.Engine behind one worker thread (as in the server), without gRPC or the batcher:
@@ -525,13 +605,15 @@ class InProcessTarget(PointwiseScoring, Target):
 
 
 def make_target(spec: str, **kw: Any) -> Target:
-    """`HOST:PORT` / `grpc://HOST:PORT`, `openai-http://HOST:PORT`, `vllm-http://HOST:PORT`,
-    `sglang-score-http://HOST:PORT`,
+    """`HOST:PORT` / `grpc://HOST:PORT`, `pyscore-http://HOST:PORT`, `openai-http://HOST:PORT`,
+    `vllm-http://HOST:PORT`, `sglang-score-http://HOST:PORT`,
     `inprocess[:MODEL]`. HTTP-only options (model, label_token_ids), in-process ones (dtype, threads) and ours
     (prefix_cache) are dropped for targets that do not take them."""
     http = {k: kw.pop(k) for k in ("model", "label_token_ids") if k in kw}
     local = {k: kw.pop(k) for k in ("dtype", "threads") if k in kw}
     ours = {k: kw.pop(k) for k in ("prefix_cache",) if k in kw}
+    if spec.startswith("pyscore-http://"):
+        return PyscoreHTTPTarget("http://" + spec.removeprefix("pyscore-http://"), **http, **ours, **kw)
     if spec.startswith("openai-http://"):
         return OpenAIHTTPTarget("http://" + spec.removeprefix("openai-http://"), **http, **kw)
     if spec.startswith("vllm-http://"):

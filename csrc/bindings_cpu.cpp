@@ -158,8 +158,14 @@ PYBIND11_MODULE(_C, m) {
     py::dict d;
     d["avx512f"] = cpu_has_avx512();
     d["avx512bf16"] = cpu_has_avx512bf16();
+    d["avx2"] = cpu_has_avx2();
+    d["amx_bf16"] = cpu_has_amx_bf16();
+    d["arm_bf16"] = cpu_has_arm_bf16();
+    d["arm_i8mm"] = cpu_has_arm_i8mm();
     d["intel"] = cpu_is_intel();
-    // What the kernels run now (PYSCORE_DISABLE_AVX512 / PYSCORE_BF16_DOT read at each call, as the launchers do).
+    d["hardware_tier"] = tier_name(cpu_hardware_tier());
+    // What the kernels run now (PYSCORE_CPU_TIER / PYSCORE_BF16_DOT read at each call, as the launchers do).
+    d["tier"] = tier_name(cpu_tier());
     d["path"] = cpu_use_avx512bf16() ? "avx512" : "portable";
     d["bf16_dot"] = bf16_dot_name(cpu_bf16_dot());
     return d;

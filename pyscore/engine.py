@@ -6,15 +6,17 @@ raises `pyscore.errors` for bad requests. It is not thread-safe: one worker owns
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
 
 from pyscore.budget import DEFAULT_PREFIX_CACHE_MB, count_within_budget
-from pyscore.errors import RequestError
+from pyscore.errors import PassInterrupted, RequestError
 from pyscore.generation import Generation, GenerationRunner, eos_token_ids
 from pyscore.model.decoder import Decoder
 from pyscore.model.loading import LoadedModel, load_model
@@ -49,8 +51,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     x86 CPUs without AVX512-FP16 have no fp16 arithmetic): several times slower than bfloat16, so a WARNING."""
     if isinstance(dtype, torch.dtype):
         resolved = dtype
+    elif dtype == "auto" and device.type == "cpu":
+        resolved, why = _ext.default_cpu_dtype()  # bf16 only where the CPU multiplies bf16
+        log.info("dtype auto -> %s", why)
     elif dtype == "auto":
-        resolved = torch.bfloat16  # AVX512-BF16 / AMX on CPUs, tensor cores on GPUs
+        resolved = torch.bfloat16  # tensor cores
     elif dtype in DTYPES:
         resolved = DTYPES[dtype]
     else:
@@ -88,6 +93,14 @@ def make_prefix_cache(loaded: LoadedModel, decoder: Decoder, budget_mb: float) -
         return None
 
 
+def release_freed_memory() -> None:
+    """Hand the heap pages that loading freed (converted and replaced weights) back to the OS: glibc keeps freed
+    chunks below its mmap threshold in the heap, which RSS (and a pod's memory limit) still counts."""
+    name = ctypes.util.find_library("c")
+    if name and "libc.so" in name:
+        ctypes.CDLL(name).malloc_trim(0)
+
+
 class Engine:
     def __init__(self, loaded: LoadedModel, max_batch_tokens: int = 8192, op_backend: str = "auto",
                  prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB):
@@ -97,6 +110,7 @@ class Engine:
         self.model_name = loaded.name
         self.max_batch_tokens = max_batch_tokens
         self.decoder = Decoder(loaded.cfg, loaded.weights, loaded.rotary, op_backend)
+        release_freed_memory()
         self.traits = ModelTraits(tokenizer=loaded.tokenizer, vocab_size=loaded.cfg.vocab_size,
                                   max_context=loaded.cfg.max_position_embeddings,
                                   is_classifier=loaded.cfg.is_classifier, num_labels=loaded.cfg.num_labels,
@@ -107,8 +121,9 @@ class Engine:
                                            self.prefix_cache)
         # Which path every op takes on this model's device and dtype, decided once by the op registry.
         self.op_paths = _ext.op_paths(self.decoder.device, self.decoder.dtype, op_backend)
-        log.info("%s; model on %s in %s", _ext.cuda_status()[1], self.decoder.device,
-                 str(self.decoder.dtype).removeprefix("torch."))
+        self.cpu_tier = _ext.cpu_tier() if self.decoder.device.type == "cpu" else ""
+        log.info("%s; model on %s in %s%s", _ext.cuda_status()[1], self.decoder.device,
+                 str(self.decoder.dtype).removeprefix("torch."), f", CPU tier {self.cpu_tier}" * bool(self.cpu_tier))
         for op, path in self.op_paths.items():
             log.info("op %s: %s", op, path)
         log.info("generation KV cache: %d bytes per token (65536 tokens = %.2f GiB)",
@@ -137,6 +152,7 @@ class Engine:
                          vocab_size=self.cfg.vocab_size, max_context=self.cfg.max_position_embeddings,
                          dtype=str(self.decoder.dtype).removeprefix("torch."), device=str(self.decoder.device),
                          special_tokens=special, num_labels=self.cfg.num_labels, ops=dict(self.op_paths),
+                         cpu_tier=self.cpu_tier,
                          prefix_cache_block_tokens=self.prefix_cache.block_tokens if self.prefix_cache else 0,
                          prefix_cache_bytes=self.prefix_cache.stats.capacity_bytes if self.prefix_cache else 0)
 
@@ -171,15 +187,23 @@ class Engine:
         results = iter(self.run_prepared(valid))
         return [p if isinstance(p, Exception) else next(results) for p in prepared]
 
+    def set_interrupt(self, interrupt: Callable[[], bool] | None) -> None:
+        """`interrupt()` is asked at every layer boundary of every forward pass (Score and Generate); when it says
+        True the pass stops there and `run_prepared` / `step` raise PassInterrupted, having committed nothing."""
+        self.decoder.interrupt = interrupt
+
     def run_prepared(self, prepared: Sequence[PreparedScore]) -> list[ScoreResult | Exception]:
         """Packs all requests' groups into as few forward passes as the token budget allows. If a pass fails,
-        its requests are retried one by one so a single bad request cannot fail its batch-mates."""
+        its requests are retried one by one so a single bad request cannot fail its batch-mates. An interrupted
+        pass (PassInterrupted) ends the call: no request gets a result."""
         rows: list[list[list[list[float]]]] = [[[] for _ in p.items] for p in prepared]
         cached = [0] * len(prepared)  # per request: query tokens read from the prefix cache
         errors: dict[int, Exception] = {}
         for chunk in self._passes(prepared):
             try:
                 self._run_pass(chunk, prepared, rows, cached)
+            except PassInterrupted:
+                raise  # not one request's fault: the caller asked the passes to stop
             except Exception as e:
                 if len({r for r, _, _ in chunk}) == 1:
                     errors[chunk[0][0]] = e
@@ -272,7 +296,8 @@ class Engine:
 
     def step(self, generations: Sequence[Generation]) -> None:
         """Advances every unfinished generation by one token; a sequence whose step fails is marked failed
-        (`Generation.error`) without failing its batch-mates."""
+        (`Generation.error`) without failing its batch-mates. An interrupted pass raises PassInterrupted; the
+        generations are then as before the pass that stopped."""
         self.generation.step(list(generations))
 
     def generate(self, request: GenerateRequest) -> GenerateResult:

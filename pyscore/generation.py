@@ -24,15 +24,20 @@ from typing import Any
 
 import torch
 
-from pyscore.errors import FailedPrecondition, InvalidArgument
+from pyscore.errors import FailedPrecondition, InvalidArgument, PassInterrupted
 from pyscore.model.decoder import Decoder, KVCache
 from pyscore.model.packing import Group, pack
 from pyscore.model.prefix_cache import PrefixCache, pass_lease
-from pyscore.types import GenerateRequest, GenerateResult, TokenLogprob, TopLogprob, Usage
-
-MAX_TOP_LOGPROBS = 20
-MAX_STOP_STRINGS = 16
-MAX_STOP_LENGTH = 256
+from pyscore.types import (
+    MAX_STOP_LENGTH,
+    MAX_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
+    GenerateRequest,
+    GenerateResult,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 
 
 def validate_generate(req: GenerateRequest, tokenizer: Any, vocab_size: int, max_context: int) -> list[int]:
@@ -285,6 +290,8 @@ class GenerationRunner:
         rewrites the same KV slots."""
         try:
             run(gens)
+        except PassInterrupted:
+            raise  # asked to stop, not a failure: nothing is committed, the sequences are as before
         except Exception as e:
             if len(gens) == 1:
                 gens[0].fail(e)
@@ -292,6 +299,8 @@ class GenerationRunner:
             for g in gens:
                 try:
                     run([g])
+                except PassInterrupted:
+                    raise
                 except Exception as e_alone:
                     g.fail(e_alone)
 

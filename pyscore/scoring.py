@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pyscore.errors import FailedPrecondition, InvalidArgument
+from pyscore.errors import FailedPrecondition, InvalidArgument, quoted
 from pyscore.model.packing import Group
 from pyscore.types import ScoreRequest
 
@@ -117,7 +117,8 @@ def _tokenize_inputs(req: ScoreRequest, traits: ModelTraits) -> tuple[list[int],
 def single_token(tokenizer: Any, text: str, field: str) -> int:
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) != 1:
-        raise InvalidArgument(field, f"{text!r} is {len(ids)} tokens {list(ids)}; it must be exactly one token")
+        raise InvalidArgument(field, f"{quoted(text)} is {len(ids)} tokens {quoted(list(ids))}; it must be "
+                                     "exactly one token")
     return int(ids[0])
 
 
@@ -134,9 +135,16 @@ def _resolve_labels(req: ScoreRequest, traits: ModelTraits) -> list[int]:
         field = "label_token_ids"
     else:
         raise InvalidArgument("label_token_ids", "a causal LM needs labels: give label_token_ids or labels")
-    if len(set(ids)) != len(ids):
-        raise InvalidArgument(field, f"duplicate labels in {ids}")
+    _check_unique(ids, field)
     return ids
+
+
+def _check_unique(ids: list[int], field: str) -> None:
+    seen: set[int] = set()
+    for i in ids:
+        if i in seen:
+            raise InvalidArgument(field, f"duplicate labels: {i} occurs more than once in {quoted(ids)}")
+        seen.add(i)
 
 
 def _resolve_classes(req: ScoreRequest, traits: ModelTraits) -> list[int]:
@@ -147,7 +155,7 @@ def _resolve_classes(req: ScoreRequest, traits: ModelTraits) -> list[int]:
         by_name = {name: idx for idx, name in traits.id2label.items()}
         missing = [label for label in req.labels if label not in by_name]
         if missing:
-            raise InvalidArgument("labels", f"unknown class {missing[0]!r}; classes: {sorted(by_name)}")
+            raise InvalidArgument("labels", f"unknown class {quoted(missing[0])}; classes: {quoted(sorted(by_name))}")
         ids, field = [by_name[label] for label in req.labels], "labels"
     elif req.label_token_ids:
         ids, field = [int(i) for i in req.label_token_ids], "label_token_ids"
@@ -156,8 +164,7 @@ def _resolve_classes(req: ScoreRequest, traits: ModelTraits) -> list[int]:
             raise InvalidArgument(field, f"class index {bad[0]} is outside [0, {n})")
     else:
         return list(range(n))
-    if len(set(ids)) != len(ids):
-        raise InvalidArgument(field, f"duplicate labels in {ids}")
+    _check_unique(ids, field)
     return ids
 
 
@@ -165,7 +172,7 @@ def _resolve_mode(req: ScoreRequest) -> Literal["sis", "mis"]:
     """The mode that runs. "auto" (the proto's SCORING_MODE_UNSPECIFIED) is MIS unless item_first (the query is
     then a suffix that cannot be shared); see the module docstring."""
     if req.mode not in MODES:
-        raise InvalidArgument("mode", f"unknown mode {req.mode!r}; expected one of {', '.join(MODES)}")
+        raise InvalidArgument("mode", f"unknown mode {quoted(req.mode)}; expected one of {', '.join(MODES)}")
     if req.mode == "mis" and req.item_first:
         raise FailedPrecondition("mode", "MIS shares the query as a prefix, which item_first makes a suffix; "
                                  "use SIS or AUTO with item_first")
@@ -188,7 +195,7 @@ def _readouts(req: ScoreRequest, traits: ModelTraits, query: list[int], items: l
     for i, item in enumerate(items):
         offsets = [j for j, t in enumerate(item) if t == marker]
         if not offsets:
-            raise InvalidArgument(f"items[{i}]", f"has no score_extraction_token {req.score_extraction_token!r}")
+            raise InvalidArgument(f"items[{i}]", f"has no score_extraction_token {quoted(req.score_extraction_token)}")
         readouts.append(offsets)
     return readouts
 

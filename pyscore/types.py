@@ -8,6 +8,11 @@ from typing import Literal
 
 Mode = Literal["auto", "sis", "mis"]
 
+# Generation's fixed caps (pyscore.generation validates them; the server also counts stop strings at the door).
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+
 
 @dataclass
 class ScoreRequest:
@@ -113,4 +118,5 @@ class ModelInfo:
     limits: ServerLimits | None = None  # set by a server (the engine has none)
     prefix_cache_block_tokens: int = 0  # the prefix cache's block (0: no prefix cache)
     prefix_cache_bytes: int = 0  # its byte budget
+    cpu_tier: str = ""  # CPU models: the tier the CPU kernels run (pyscore/ops/tiers.py), "" elsewhere
     server_version: str = ""  # set by a server: its pyscore.__version__

@@ -6,8 +6,12 @@ InvalidArgument here, naming the proto field; everything else is the engine's to
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
+
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import DecodeError, Message
 
 from pyscore._proto.pyscore.v1 import scorer_pb2 as pb
 from pyscore.errors import InvalidArgument
@@ -233,37 +237,60 @@ def model_info_from_proto(msg: pb.ModelInfo) -> ModelInfo:
 # -- undecodable bytes ----------------------------------------------------------------------------------------
 def undecodable_field(descriptor: Any, data: bytes) -> str:
     """Names the top-level string field of message type `descriptor` whose bytes in `data` are not UTF-8 (what
-    protobuf refuses to parse without saying where), or '' when that is not the reason `data` does not parse."""
-    pos = 0
+    protobuf refuses to parse without saying where), or '' when that is not the reason `data` does not parse.
+
+    It runs on the server's event loop (inside gRPC's deserializer), so its cost is bounded by protobuf's own
+    parse, in C: `data` is parsed once with every string read as bytes (malformed bytes fail here, e.g. a varint
+    longer than 10 bytes), then once more per repeated string field present, with that field alone read as text.
+    A singular field is checked by one C-level decode. No Python loop runs over the bytes or the entries."""
     try:
-        while pos < len(data):
-            tag, pos = _varint(data, pos)
-            number, wire_type = tag >> 3, tag & 7
-            if wire_type == 0:
-                _, pos = _varint(data, pos)
-            elif wire_type in (1, 5):
-                pos += 8 if wire_type == 1 else 4
-            elif wire_type == 2:
-                size, pos = _varint(data, pos)
-                chunk, pos = data[pos : pos + size], pos + size
-                field = descriptor.fields_by_number.get(number)
-                if field is not None and field.type == field.TYPE_STRING:
-                    chunk.decode("utf-8")
-            else:
-                return ""
-    except UnicodeDecodeError:
-        return field.name
-    except IndexError:
+        parsed = _lenient_class(descriptor, "").FromString(data)
+    except DecodeError:
         return ""
+    for field in descriptor.fields:
+        if field.type != field.TYPE_STRING:
+            continue
+        if field.is_repeated:
+            if len(getattr(parsed, field.name)) and not _parses(_lenient_class(descriptor, field.name), data):
+                return field.name
+        elif not _is_utf8(getattr(parsed, field.name)):
+            return field.name
     return ""
 
 
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos
-        shift += 7
+def _is_utf8(value: bytes) -> bool:
+    try:
+        value.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _parses(cls: type[Message], data: bytes) -> bool:
+    try:
+        cls.FromString(data)
+    except DecodeError:
+        return False
+    return True
+
+
+@functools.cache
+def _lenient_class(descriptor: Any, text_field: str) -> type[Message]:
+    """A message class with `descriptor`'s field numbers and wire types in which every string field except
+    `text_field` is bytes (no UTF-8 check), nested messages are opaque bytes and enums plain int32: it parses
+    whatever `descriptor` parses, and also what fails only because of a string that is not UTF-8."""
+    proto = descriptor_pb2.DescriptorProto()
+    descriptor.CopyToProto(proto)
+    del proto.nested_type[:], proto.enum_type[:]
+    for f in proto.field:
+        if f.type == f.TYPE_MESSAGE or (f.type == f.TYPE_STRING and f.name != text_field):
+            f.type = f.TYPE_BYTES
+        elif f.type == f.TYPE_ENUM:
+            f.type = f.TYPE_INT32
+        f.ClearField("type_name")
+    package = "pyscore_lenient"
+    file = descriptor_pb2.FileDescriptorProto(name=f"{package}/{descriptor.full_name}/{text_field}.proto",
+                                              package=package, syntax="proto3", message_type=[proto])
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{package}.{proto.name}"))

@@ -56,6 +56,10 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> tuple[
                    help="file holding a token; calls must send `authorization: Bearer <token>` (health stays open)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on http://HOST:PORT/metrics (0 = any free port; default off)")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="also serve the HTTP/JSON front door (SGLang /v1/score, vLLM /generative_scoring, OpenAI "
+                        "/v1/completions and /v1/chat/completions, /health, /metrics) on http(s)://HOST:PORT, with "
+                        "the same token, TLS and limits (0 = any free port; default off)")
     p.add_argument("--grace-s", type=float, default=d.grace_s,
                    help="seconds in-flight requests get to finish on shutdown (default %(default)s)")
     p.add_argument("--drain-delay-s", type=float, default=d.drain_delay_s,
@@ -82,7 +86,8 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> tuple[
                         max_running_generations=a.max_running_generations, max_kv_tokens=a.max_kv_tokens,
                         prefix_cache_mb=a.prefix_cache_mb,
                         tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
-                        auth_token_file=a.auth_token_file, metrics_port=a.metrics_port, grace_s=a.grace_s,
+                        auth_token_file=a.auth_token_file, metrics_port=a.metrics_port, http_port=a.http_port,
+                        grace_s=a.grace_s,
                         drain_delay_s=a.drain_delay_s, max_connection_age_s=a.max_connection_age_s,
                         max_connection_age_grace_s=a.max_connection_age_grace_s, engine=a.engine), a.log_level.upper()
 

@@ -1,12 +1,15 @@
 """The grpc.aio server: pyscore.v1.Scorer behind the logging/error interceptor (and, with a token, the auth
 interceptor), grpc.health.v1 (with List) and server reflection (v1 and v1alpha), with explicit message-size
-limits, optional TLS / mTLS and an optional Prometheus endpoint. GetModelInfo reports the limits and the version.
+limits, optional TLS / mTLS and an optional Prometheus endpoint. GetModelInfo reports the limits and the
+version. With `http_port`, the HTTP/JSON front door (server/http.py) serves from the same loop over the same
+servicer, batcher and metrics, and stops together with gRPC.
 
 Lifecycle: listen first with health NOT_SERVING (Scorer calls answer UNAVAILABLE); load the engine and warm
 it up off the event loop; start the batcher; go SERVING. On SIGTERM/SIGINT: health NOT_SERVING for good, keep
 serving for `drain_delay_s` so that health-checking balancers (gRPC clients watching health, Envoy's active
-checks) move their traffic elsewhere, then `server.stop(grace)` (no new calls; in-flight ones get `grace`
-seconds), drain the batcher, return — so `python -m server` exits 0. `max_connection_age_s` makes every client
+checks) move their traffic elsewhere, then stop the listener (no new calls; in-flight ones get `grace` seconds;
+past it they answer UNAVAILABLE and the engine thread stops at its next layer boundary), join the engine thread,
+return — so `python -m server` exits 0. `max_connection_age_s` makes every client
 connection end (GOAWAY) after that age, so long-lived clients re-resolve their target and reach new replicas.
 """
 
@@ -34,6 +37,8 @@ from pyscore.types import GenerateRequest, ModelInfo, ScoreRequest, ServerLimits
 
 from .batcher import Batcher, EngineLike
 from .health import HealthServicer
+from .http import HttpFrontDoor
+from .http import build_app as build_http_app
 from .interceptors import LoggingErrorInterceptor
 from .memory import MemoryProbe
 from .metrics import Metrics
@@ -44,6 +49,7 @@ from .servicer import ScorerServicer
 log = logging.getLogger(__name__)
 
 SCORER_SERVICE = scorer_pb2.DESCRIPTOR.services_by_name["Scorer"].full_name  # "pyscore.v1.Scorer"
+HALT_MARGIN_S = 1.0  # past the grace period, how long halted calls get to send their status before gRPC cancels
 T = TypeVar("T")
 
 
@@ -72,6 +78,7 @@ class ServerConfig:
     tls_client_ca: str | None = None  # PEM CA: clients must present a certificate it signed (mTLS)
     auth_token_file: str | None = None  # calls must carry `authorization: Bearer <the token in this file>`
     metrics_port: int | None = None  # Prometheus /metrics on host:port (0 = any free port); None = off
+    http_port: int | None = None  # the HTTP/JSON front door (server/http.py) on host:port (0 = any free); None = off
     engine: str = "pyscore.engine:Engine"  # "module:Class" with from_pretrained; tests swap in a fake
 
 
@@ -151,6 +158,8 @@ class ScorerApp:
                                        lambda: self.batcher.kv_tokens_reserved() if self.batcher is not None else 0)
         self.port = 0
         self.metrics_port = 0
+        self.http: HttpFrontDoor | None = None
+        self.http_port = 0
         self.memory_probe = MemoryProbe.from_env()  # bench/soak.py's diagnostics; None unless asked for
 
     async def start(self) -> int:
@@ -170,9 +179,21 @@ class ScorerApp:
             self.metrics_port = self.metrics.serve(c.host, c.metrics_port)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
+        if c.http_port is not None:
+            self.http_port = await self._start_http()
         if self.memory_probe is not None:
             self.memory_probe.start()
         return self.port
+
+    async def _start_http(self) -> int:
+        """The HTTP front door in this loop, over this server's servicer, batcher, token, TLS and metrics."""
+        c = self.config
+        app = build_http_app(self.servicer, self.metrics, self.health.serving,
+                             max_body_bytes=c.max_message_mb * 1024 * 1024,
+                             token=read_token(c.auth_token_file) if c.auth_token_file else None)
+        self.http = HttpFrontDoor(app)
+        return await self.http.start(c.host, c.http_port or 0, tls_cert=c.tls_cert, tls_key=c.tls_key,
+                                     tls_client_ca=c.tls_client_ca)
 
     async def serve_engine(self, engine: EngineLike) -> None:
         """Warm the engine up (off the loop), start the batcher on it and go SERVING."""
@@ -198,16 +219,26 @@ class ScorerApp:
 
     async def stop(self, grace: float | None = None, drain_delay: float | None = None) -> None:
         """NOT_SERVING for good, keep serving `drain_delay` seconds (balancers see the health change and stop
-        sending), then refuse new calls and give the in-flight ones `grace` seconds."""
+        sending), then refuse new calls and give the in-flight ones `grace` seconds. Calls still unfinished then
+        answer UNAVAILABLE (batcher.HALTED; logged as such) and the engine thread stops at its next layer
+        boundary; it is joined before this returns, so that no model code runs while the process exits."""
         grace = self.config.grace_s if grace is None else grace
         drain_delay = self.config.drain_delay_s if drain_delay is None else drain_delay
         await self.health.enter_graceful_shutdown()
         if drain_delay > 0:
             log.info("NOT_SERVING; draining for %.1f s before closing the listener", drain_delay)
             await asyncio.sleep(drain_delay)
-        await self.server.stop(grace)
+        # gRPC would cancel what is left at its grace; ours ends first, so callers get our status, not a cancel
+        closing = asyncio.ensure_future(self.server.stop(grace + HALT_MARGIN_S))
+        http_closing = asyncio.ensure_future(self.http.stop(grace) if self.http else asyncio.sleep(0))
+        done, _ = await asyncio.wait([closing], timeout=grace)
+        if not done and self.batcher is not None:
+            log.warning("grace period over: unfinished calls answer UNAVAILABLE; the engine stops at its next "
+                        "layer boundary")
+            self.batcher.halt()
+        await asyncio.gather(closing, http_closing)
         if self.batcher is not None:
-            await asyncio.to_thread(self.batcher.stop, grace)
+            await asyncio.to_thread(self.batcher.stop)
         await asyncio.to_thread(self.metrics.stop)
         if self.memory_probe is not None:
             await asyncio.to_thread(self.memory_probe.stop)
@@ -228,6 +259,10 @@ async def serve(config: ServerConfig) -> int:
     print(f"pyscore: listening on {config.host}:{port} (loading the model)", flush=True)
     if app.metrics_port:
         print(f"pyscore: metrics on http://{config.host}:{app.metrics_port}/metrics", flush=True)
+    if app.http is not None:
+        scheme = "https" if config.tls_cert else "http"
+        print(f"pyscore: HTTP on {scheme}://{config.host}:{app.http_port} (/v1/score, /generative_scoring, "
+              "/v1/completions, /v1/chat/completions)", flush=True)
     loading = asyncio.ensure_future(_load_and_serve(app, config))
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
@@ -237,7 +272,8 @@ async def serve(config: ServerConfig) -> int:
         code = 1
     elif loading.done():
         info = loading.result()
-        print(f"pyscore: serving {info.name} on {config.host}:{port} ({info.device}, {info.dtype})", flush=True)
+        tier = f", CPU tier {info.cpu_tier}" if info.cpu_tier else ""
+        print(f"pyscore: serving {info.name} on {config.host}:{port} ({info.device}, {info.dtype}{tier})", flush=True)
         await stopping
     print("pyscore: shutting down", flush=True)
     loading.cancel()

@@ -7,7 +7,10 @@ job larger than the budget alone — with a single `engine.run_prepared`, (4) st
 arrival order while both generation bounds allow, and (5) advances all running generations by one token with
 a single `engine.step` (which prefills new ones up to `max_batch_tokens` prompt tokens per step). Score
 batches and decode steps thus interleave, and requests that arrive during a forward pass join the next one.
-Results reach the loop through `call_soon_threadsafe`. Every result's Usage gets the server-side timing:
+Results reach the loop through `call_soon_threadsafe`. The engine asks the batcher at every layer boundary whether
+to go on (`set_interrupt`): a pass whose jobs are all cancelled or past their deadline stops there, committing
+nothing, and so does any pass once `halt()` (the end of the shutdown's grace period) has answered every waiting
+caller UNAVAILABLE. Every result's Usage gets the server-side timing:
 `queue_s` from admission to the start of the first forward pass that included the request, `compute_s` the wall
 time of the passes that included it.
 
@@ -36,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from pyscore.budget import count_within_budget
-from pyscore.errors import ResourceExhausted
+from pyscore.errors import PassInterrupted, ResourceExhausted
 from pyscore.types import GenerateRequest, GenerateResult, ModelInfo, ScoreRequest, ScoreResult, TokenLogprob, Usage
 
 log = logging.getLogger(__name__)
@@ -91,10 +94,14 @@ class EngineLike(Protocol):
     def start_generation(self, request: GenerateRequest) -> GenerationLike: ...
     def step(self, generations: list[Any]) -> None: ...
     def prefix_cache_stats(self) -> Any: ...  # pyscore.model.prefix_cache.PrefixCacheStats, or None when off
+    def set_interrupt(self, interrupt: Callable[[], bool] | None) -> None: ...  # asked at every layer boundary
 
 
 class Unavailable(Exception):
     """The batcher is stopping (gRPC UNAVAILABLE)."""
+
+
+HALTED = "the server is shutting down and the request did not finish within its grace period (--grace-s)"
 
 
 class DeadlineExceeded(Exception):
@@ -111,7 +118,7 @@ class GenerationDelta:
     final: GenerateResult | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: the loop keeps the live ones in a set
 class Job:
     kind: Literal["score", "generate", "call"]
     payload: Any  # ScoreRequest | GenerateRequest | (fn, args)
@@ -156,6 +163,7 @@ class Stats:
     batches: int = 0  # run_prepared calls
     steps: int = 0  # engine.step calls
     dropped: int = 0  # jobs dropped before running (cancelled or past deadline)
+    interrupted: int = 0  # forward passes stopped at a layer boundary (callers all gone, or halted)
     refused: int = 0  # jobs refused because the queue was full
 
 
@@ -177,6 +185,9 @@ class Batcher:
         self._inbox: list[Job] = []  # guarded by _cond
         self._waiting = 0  # admitted jobs not yet running; guarded by _cond
         self._stopping = False  # guarded by _cond
+        self._halted = False  # set once by halt(), on the loop; read by the worker at every layer boundary
+        self._live: set[Job] = set()  # admitted jobs whose caller still waits; loop only
+        self._in_pass: list[Job] = []  # the jobs of the forward pass running now; worker only
         self._pending: deque[Job] = deque()  # prepared Score jobs; worker only
         self._starting: deque[Job] = deque()  # accepted generations waiting for a running slot; worker only
         self._active: list[Job] = []  # running generations; worker only
@@ -186,6 +197,7 @@ class Batcher:
 
     # -- loop side ----------------------------------------------------------------------------------------
     def start(self) -> None:
+        self.engine.set_interrupt(self._interrupted)
         self._thread.start()
 
     def waiting(self) -> int:
@@ -211,6 +223,7 @@ class Batcher:
         """The generation's deltas as they are produced; the last carries `final`."""
         job = self._admit("generate", request, timeout, stream=True)
         assert job.deltas is not None
+        self._live.add(job)
         try:
             while True:
                 delta = await job.deltas.get()
@@ -221,13 +234,16 @@ class Batcher:
                     return
         finally:
             job.cancelled = True  # the caller stopped listening: free the sequence
+            self._live.discard(job)
 
     async def _await(self, job: Job) -> Any:
         assert job.future is not None
+        self._live.add(job)
         try:
             return await job.future
         finally:
             job.cancelled = True  # harmless once done; drops the job if the caller was cancelled
+            self._live.discard(job)
 
     def _admit(self, kind: Literal["score", "generate", "call"], payload: Any, timeout: float | None,
                stream: bool) -> Job:
@@ -250,8 +266,19 @@ class Batcher:
             self._cond.notify()
         return job
 
+    def halt(self) -> None:
+        """On the loop, when the grace period is over: every caller still waiting gets Unavailable(HALTED) now, new
+        jobs are refused, and the worker stops at its next safe point (the next layer boundary of a running pass,
+        which then commits nothing) and runs nothing more. stop() then joins it."""
+        with self._cond:
+            self._stopping = self._halted = True
+            self._cond.notify()
+        for job in list(self._live):
+            job.deliver(Unavailable(HALTED))
+
     def stop(self, timeout: float | None = None) -> None:
-        """Refuse new jobs, let the worker finish the admitted ones, and join it (blocking)."""
+        """Refuse new jobs, let the worker finish the admitted ones (all of them fail fast once halted), and join
+        it (blocking)."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
@@ -268,17 +295,24 @@ class Batcher:
                 if self._stopping and not (self._inbox or self._has_work()):
                     return
                 arrived, self._inbox = self._inbox, []
+            if self._halted:
+                self._fail_all(arrived, Unavailable(HALTED))
+                return
             try:
                 self._iterate(arrived)
             except Exception as e:  # a bug here must not kill the worker: fail what is in flight
                 log.exception("batcher iteration failed")
-                for job in [*self._pending, *self._starting, *self._active]:
-                    self._finish(job, e)
-                self._release(len(self._pending) + len(self._starting))
-                self._pending.clear()
-                self._starting.clear()
-                self._set_active([])
+                self._fail_all([], e)
             self._trim()
+
+    def _fail_all(self, arrived: list[Job], error: Exception) -> None:
+        """Every job the worker holds (and `arrived`, not yet accepted) ends with `error`."""
+        for job in [*arrived, *self._pending, *self._starting, *self._active]:
+            self._finish(job, error)
+        self._release(len(arrived) + len(self._pending) + len(self._starting))
+        self._pending.clear()
+        self._starting.clear()
+        self._set_active([])
 
     def _has_work(self) -> bool:
         return bool(self._pending or self._starting or self._active)
@@ -300,6 +334,8 @@ class Batcher:
         batch = self._next_batch()
         if batch:
             self._run_batch(batch)
+        if self._halted:
+            return  # no step: _run fails what is left
         self._start_generations()
         if self._active:
             self._step()
@@ -374,18 +410,43 @@ class Batcher:
         self._release(n)
         return batch
 
+    def _interrupted(self) -> bool:
+        """Asked by the engine at every layer boundary (worker thread): stop the running pass when the server is
+        halting or when every job in it is cancelled or past its deadline (its answers would be discarded)."""
+        if self._halted:
+            return True
+        now = time.monotonic()
+        return bool(self._in_pass) and all(job.dead(now) for job in self._in_pass)
+
+    def _stopped(self, jobs: list[Job]) -> None:
+        """The pass over `jobs` was interrupted: halted, they fail with HALTED; else all are dead and dropped."""
+        self.stats.interrupted += 1
+        log.info("a forward pass of %d requests stopped at a layer boundary: %s", len(jobs),
+                 "the server is halting" if self._halted else "all its callers gave up")
+        for job in jobs:
+            if self._halted:
+                self._finish(job, Unavailable(HALTED))
+            else:
+                self._drop(job)
+
     def _run_batch(self, batch: list[Job]) -> None:
         self.stats.batches += 1
         if self.on_batch is not None:
             self.on_batch(len(batch), sum(j.tokens for j in batch))
         start = time.monotonic()
+        self._in_pass = batch
         try:
             results: list[Any] = self.engine.run_prepared([j.work for j in batch])
             if len(results) != len(batch):
                 raise RuntimeError(f"engine returned {len(results)} results for {len(batch)} requests")
+        except PassInterrupted:
+            self._stopped(batch)
+            return
         except Exception as e:
             log.exception("score batch of %d requests failed", len(batch))
             results = [e] * len(batch)
+        finally:
+            self._in_pass = []
         end = time.monotonic()
         for job, result in zip(batch, results, strict=True):
             job.ran(start, end)
@@ -396,14 +457,24 @@ class Batcher:
     def _step(self) -> None:
         self.stats.steps += 1
         start = time.monotonic()
+        self._in_pass = self._active
         try:
             self.engine.step([j.work for j in self._active])
+        except PassInterrupted:  # the generations are as before the step: dead ones go at the next _drop_dead
+            if self._halted:
+                self._stopped(self._active)
+                self._set_active([])
+            else:
+                self.stats.interrupted += 1
+            return
         except Exception as e:
             log.exception("generation step of %d sequences failed", len(self._active))
             for job in self._active:
                 self._finish(job, e)
             self._set_active([])
             return
+        finally:
+            self._in_pass = []
         end = time.monotonic()
         still: list[Job] = []
         for job in self._active:

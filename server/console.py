@@ -7,9 +7,9 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-# The [server] extra's packages that the server imports first: torch (the engine) and the two server-only
-# gRPC/metrics packages; the rest come with them or fail with their own names.
-SERVER_EXTRA_MODULES = ("torch", "transformers", "grpc_reflection", "prometheus_client")
+# The [server] extra's packages that the server imports first: the engine's (torch, transformers) and the
+# server's own (reflection, metrics, the HTTP front door); the rest come with them or fail with their own names.
+SERVER_EXTRA_MODULES = ("torch", "transformers", "grpc_reflection", "prometheus_client", "starlette", "uvicorn")
 
 
 def missing_server_modules() -> list[str]:

@@ -32,6 +32,10 @@ log = logging.getLogger("server.requests")
 
 SERVICE_PREFIX = "/pyscore.v1.Scorer/"
 DEADLINE_SLACK_S = 0.1  # a call ended this close to its deadline ended because of it
+# A status message's UTF-8 bytes at most. It travels percent-encoded in grpc-message (non-ASCII bytes x3) and
+# twice more (message and field violation) in the base64 grpc-status-details-bin: < 6 KiB in all, within the
+# 8 KiB "soft limit" above which a default gRPC client starts refusing metadata (and 16 KiB, where it always does).
+MAX_STATUS_BYTES = 1000
 
 _STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (errors.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
@@ -44,11 +48,22 @@ _STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status and message a client sees for an exception raised while serving its call."""
+    """The status and message a client sees for an exception raised while serving its call. Messages quote client
+    input through pyscore.errors.quoted; this cap is the backstop for any that does not (an unexpected exception's
+    text), so that no status outgrows a default client's metadata limit."""
     for kind, code in _STATUS:
         if isinstance(exc, kind):
-            return code, str(exc)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+            return code, bounded(str(exc))
+    return grpc.StatusCode.INTERNAL, bounded(f"internal error: {type(exc).__name__}: {exc}")
+
+
+def bounded(message: str) -> str:
+    """message, elided in the middle until it is at most MAX_STATUS_BYTES of UTF-8."""
+    text, limit = message, MAX_STATUS_BYTES
+    while len(text.encode()) > MAX_STATUS_BYTES:
+        limit //= 2
+        text = errors.elide(message, limit)
+    return text
 
 
 def bad_request_metadata(exc: BaseException) -> tuple[tuple[str, bytes], ...]:
@@ -58,8 +73,9 @@ def bad_request_metadata(exc: BaseException) -> tuple[tuple[str, bytes], ...]:
         return ()
     detail = any_pb2.Any()
     detail.Pack(error_details_pb2.BadRequest(field_violations=[
-        error_details_pb2.BadRequest.FieldViolation(field=exc.field, description=exc.message)]))
-    status = status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=str(exc), details=[detail])
+        error_details_pb2.BadRequest.FieldViolation(field=exc.field,
+                                                    description=bounded(exc.message))]))
+    status = status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=status_for(exc)[1], details=[detail])
     return tuple(rpc_status.to_status(status).trailing_metadata)
 
 

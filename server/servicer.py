@@ -7,6 +7,10 @@ more than `max_items` items is RESOURCE_EXHAUSTED (a limit of this server, not a
 message names `items`); so are more token ids than `max_request_tokens` (text is counted by the batcher once
 tokenized); a call whose deadline has already passed is DEADLINE_EXCEEDED without being queued. Until the
 model is loaded and warmed every call answers UNAVAILABLE.
+
+These handlers run on the event loop, so every repeated field is counted (len, O(1)) before anything walks it:
+items against max_items, token ids against max_request_tokens, labels against the model's distinct labels (more
+must repeat), stop strings against their cap. Only then does `wire` turn the message into lists.
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ import grpc
 from pyscore import wire
 from pyscore._proto.pyscore.v1 import scorer_pb2 as pb
 from pyscore._proto.pyscore.v1 import scorer_pb2_grpc
-from pyscore.errors import NotFound, ResourceExhausted
-from pyscore.types import ModelInfo
+from pyscore.errors import InvalidArgument, NotFound, ResourceExhausted, quoted
+from pyscore.types import MAX_STOP_STRINGS, ModelInfo
 
 from .batcher import Batcher, DeadlineExceeded, GenerationDelta, Unavailable
 
@@ -47,7 +51,7 @@ class ScorerServicer(scorer_pb2_grpc.ScorerServicer):
         if self._batcher is None or self._info is None:
             raise Unavailable("the model is still loading")
         if model and model != self._info.name:
-            raise NotFound("model", f"this server serves {self._info.name!r}, not {model!r}")
+            raise NotFound("model", f"this server serves {self._info.name!r}, not {quoted(model)}")
         return self._batcher, self._info
 
     def _check_ids(self, field: str, n: int) -> None:
@@ -57,12 +61,13 @@ class ScorerServicer(scorer_pb2_grpc.ScorerServicer):
 
     async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
         batcher, info = self._ready(request.model)
-        n = len(request.items) or len(request.item_token_ids)
+        n = max(len(request.items), len(request.item_token_ids))
         if n > self.max_items:
             raise ResourceExhausted("items", f"{n} items exceed this server's limit of {self.max_items} (--max-items)")
         # token ids count exactly without tokenizing: query + items is what MIS computes, the least any mode does
         ids = len(request.query_token_ids) + sum(len(t.ids) for t in request.item_token_ids)
         self._check_ids("item_token_ids", ids)
+        _check_label_count(request, info)
         result = await batcher.score(wire.score_request_from_proto(request), time_left(context))
         return wire.score_result_to_proto(result, info.name)
 
@@ -81,6 +86,8 @@ class ScorerServicer(scorer_pb2_grpc.ScorerServicer):
                   context: grpc.aio.ServicerContext) -> AsyncIterator[GenerationDelta]:
         batcher, _ = self._ready(request.model)
         self._check_ids("prompt_token_ids", len(request.prompt_token_ids))
+        if len(request.stop) > MAX_STOP_STRINGS:
+            raise InvalidArgument("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}")
         return batcher.generate(wire.generate_request_from_proto(request), time_left(context))
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
@@ -92,3 +99,13 @@ class ScorerServicer(scorer_pb2_grpc.ScorerServicer):
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         _, info = self._ready("")
         return wire.model_info_to_proto(info)
+
+
+def _check_label_count(request: pb.ScoreRequest, info: ModelInfo) -> None:
+    """More labels than the model has distinct ones (tokens, or a classifier's classes) must repeat: refused as
+    the engine would (a duplicate), but before millions of them are copied into a list on the event loop."""
+    distinct = info.num_labels if info.kind == "classifier" else info.vocab_size
+    for field in ("labels", "label_token_ids"):
+        n = len(getattr(request, field))
+        if distinct and n > distinct:
+            raise InvalidArgument(field, f"duplicate labels: {n} labels, and the model has {distinct} distinct ones")

@@ -13,7 +13,7 @@ import pytest
 
 from pyscore.engine import Engine, make_prefix_cache
 from pyscore.types import GenerateRequest, ScoreRequest
-from tests.helpers import load_reference, make_model_dir
+from tests.helpers import REFERENCE_TOL, load_reference, make_model_dir
 from tests.reference_scoring import max_abs_diff, reference_scores
 
 # ~300 tokens of the tiny tokenizer: four whole cache blocks and a partial one.
@@ -235,6 +235,18 @@ def test_hybrid_models_run_without_the_cache_and_say_why(tmp_path, caplog):
     assert e.info().prefix_cache_block_tokens == 0
     first, second = (e.score(QUERY, ITEMS, labels=["Yes", "No"]) for _ in range(2))
     assert second.usage.cached_tokens == 0 and first.scores == second.scores
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mode", ["sis", "mis"])
+def test_warm_is_within_tolerance_of_cold_on_the_reference_path(model_dir, mode, dtype):
+    """The reference path reads the same cached keys but sums a different key axis (its dense softmax) and its
+    GEMMs block other row counts: warm = cold within REFERENCE_TOL, not bitwise (what the README says)."""
+    e = engine(model_dir, "reference", dtype)
+    cold, first, warm = cold_first_warm(e, query=QUERY, items=ITEMS, labels=["Yes", "No"], mode=mode)
+    assert warm.usage.cached_tokens > 0
+    assert max_abs_diff(cold.scores, warm.scores) <= REFERENCE_TOL[dtype]
+    assert max_abs_diff(cold.scores, first.scores) <= REFERENCE_TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -9,7 +9,7 @@ import torch
 
 from pyscore.engine import Engine
 from pyscore.types import ScoreRequest
-from tests.helpers import load_reference, make_model_dir
+from tests.helpers import REFERENCE_TOL, load_reference, make_model_dir
 from tests.reference_scoring import max_abs_diff, reference_scores
 
 QUERY = "Context: the order 1234 was shipped on Monday and is in transit.\nQuestion: what should the agent do?"
@@ -158,18 +158,23 @@ def shaped_dir(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_scores_alone_and_packed_with_strangers_are_bitwise_equal(shaped_dir, dtype):
+@pytest.mark.parametrize("backend", ["kernel", "reference"])
+def test_scores_alone_and_packed_with_strangers(shaped_dir, backend, dtype):
     """A request's scores, alone and packed with strangers of several shapes (SIS, MIS, item_first, many short
-    items, one long item; before and after it), are bitwise equal: nothing a row computes may depend on its
-    batch-mates."""
-    e = engine(shaped_dir, dtype=dtype)
+    items, one long item; before and after it). On the kernel path they are bitwise equal: nothing a row computes
+    depends on its batch-mates. On the reference path torch's GEMMs block rows by the row count and the dense
+    softmax sums the whole stream's keys, so they agree within REFERENCE_TOL (what the README and the proto say)."""
+    e = engine(shaped_dir, backend, dtype)
     for target in (ScoreRequest(QUERY, ITEMS, labels=["Yes", "No"], apply_softmax=True),
                    ScoreRequest(QUERY, ITEMS[1:3], labels=["Yes"], mode="sis")):
         alone = e.score_batch([target])[0]
         for k in range(len(STRANGERS) + 1):
             batch = [*STRANGERS[:k], target, *STRANGERS[k:]]
             together = e.score_batch(batch)[k]
-            assert together.scores == alone.scores, (k, max_abs_diff(alone.scores, together.scores))
+            if backend == "kernel":
+                assert together.scores == alone.scores, (k, max_abs_diff(alone.scores, together.scores))
+            else:
+                assert max_abs_diff(alone.scores, together.scores) <= REFERENCE_TOL[dtype], k
 
 
 def test_small_token_budget_splits_passes_without_changing_scores(model_dir):

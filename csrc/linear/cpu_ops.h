@@ -15,9 +15,12 @@ constexpr int32_t kLinearUnitN = 32;
 struct LinearCpuOps {
   // Rows [m0, m1) x packed columns [c0, c1) (multiples of kLinearUnitN) of the output, epilogue included.
   void (*rect)(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1);
+  int32_t row_tile;  // rows the micro-kernel takes at once: row chunks are multiples of it (no short tile left)
 };
 
 // nullptr when the dtype is not covered (the caller checks the CPU); bf16_dot picks how bf16 pairs are multiplied.
 const LinearCpuOps* linear_ops_avx512(DType dtype, Bf16Dot bf16_dot);
+// The AMX tile GEMM (bf16 only; nullptr for other dtypes or when the OS does not grant the tile state).
+const LinearCpuOps* linear_ops_amx(DType dtype);
 
 }  // namespace pyscore

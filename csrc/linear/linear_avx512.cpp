@@ -1,5 +1,7 @@
 // AVX-512 ops of the CPU linear kernel (interface in cpu_ops.h, packed layout in params.h).
 //
+// At tier amx, bf16 runs on AMX tiles instead (rect_amx below).
+//
 // Micro-kernel: TM <= 6 rows x ZN <= 4 zmm (64 packed columns) of fp32 accumulators held in registers over the whole
 // K (24 + 4 weight operands + 1 broadcast <= 32 zmm); each step loads ZN weight zmm (16 columns x one pair) and
 // broadcasts one x pair per row. Over a rectangle, the weight panel of a block (K x 64) is reused from L2 by every
@@ -181,11 +183,110 @@ void rect(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1)
   }
 }
 
-const LinearCpuOps kBf16Ops{rect<Bf16>};
-const LinearCpuOps kBf16WidenOps{rect<Bf16Widen>};
-const LinearCpuOps kF32Ops{rect<F32>};
+const LinearCpuOps kBf16Ops{rect<Bf16>, kTileRows};
+const LinearCpuOps kBf16WidenOps{rect<Bf16Widen>, kTileRows};
+const LinearCpuOps kF32Ops{rect<F32>, kTileRows};
+
+// ---- AMX (bf16) ------------------------------------------------------------------------------------------------
+// Tiles 0-3: fp32 accumulators C[2][2] (16 rows x 16 columns each); 4-5: A (16 rows of x x 32 K); 6-7: B (16 K pairs
+// x 16 packed columns x 2), read straight from the packed layout: a block's K-pair rows are 64 columns x 2 bf16 =
+// 256 bytes apart, and 16 columns x one pair is one 64-byte row of a B tile. One micro-step covers 32 rows x one
+// 32-column unit over the whole K; each output element is the same TDPBF16PS sequence over K whatever M is and
+// wherever its row falls (tail rows run in a zero-padded copy), so rows are batch-invariant as on the other paths.
+// Needs K % 32 == 0 (every K of the supported families); other K run the widened-FMA path for the whole weight.
+constexpr int kAmxRows = 32, kAmxK = 32;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void load_tile_config() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// acc [32][32] fp32 = rows a (kAmxRows rows, a_stride elements apart) x unit w (a block's K-pair rows from w) over k.
+void amx_unit(const uint16_t* a, int64_t a_stride, const uint16_t* w, int32_t k, float* acc) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t a_bytes = a_stride * 2, b_bytes = kLinearBlockN * 2 * 2;
+  for (int32_t s = 0; s < k; s += kAmxK) {
+    const uint16_t* b = w + int64_t(s / 2) * kLinearBlockN * 2;
+    _tile_loadd(4, a + s, a_bytes);
+    _tile_loadd(5, a + 16 * a_stride + s, a_bytes);
+    _tile_loadd(6, b, b_bytes);
+    _tile_loadd(7, b + 32, b_bytes);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, acc, kAmxRows * 4);
+  _tile_stored(1, acc + 16, kAmxRows * 4);
+  _tile_stored(2, acc + 16 * kAmxRows, kAmxRows * 4);
+  _tile_stored(3, acc + 16 * kAmxRows + 16, kAmxRows * 4);
+}
+
+// The epilogue of rows [m, m + rows) of one unit at packed column c, from acc [32][32].
+void amx_epilogue(const LinearParams& p, int32_t m, int32_t rows, int32_t c, const float* acc) {
+  const __m512 b0 = p.bias ? _mm512_loadu_ps(p.bias + c) : _mm512_setzero_ps();
+  const __m512 b1 = p.bias ? _mm512_loadu_ps(p.bias + c + 16) : _mm512_setzero_ps();
+  for (int32_t r = 0; r < rows; ++r) {
+    const __m512 v0 = _mm512_add_ps(_mm512_loadu_ps(acc + r * kAmxRows), b0);
+    const __m512 v1 = _mm512_add_ps(_mm512_loadu_ps(acc + r * kAmxRows + 16), b1);
+    if (p.gated) {
+      store_out<Bf16>(p, m + r, c / 2, _mm512_mul_ps(silu_ps(v0), v1));
+    } else {
+      store_out<Bf16>(p, m + r, c, v0);
+      store_out<Bf16>(p, m + r, c + 16, v1);
+    }
+  }
+}
+
+void rect_amx(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1) {
+  if (p.k % kAmxK) return rect<Bf16Widen>(p, m0, m1, c0, c1);
+  const uint16_t* x = static_cast<const uint16_t*>(p.x);
+  const uint16_t* packed = static_cast<const uint16_t*>(p.w_packed);
+  const int64_t k_pairs = p.k / 2;
+  // The rows of a short last group, zero-padded to 32 (fresh per call: the tile config and buffer are per thread).
+  thread_local std::vector<uint16_t> tail;
+  alignas(64) float acc[kAmxRows * kAmxRows];
+  load_tile_config();
+  const int32_t whole = m0 + (m1 - m0) / kAmxRows * kAmxRows;
+  if (whole < m1) {
+    tail.assign(size_t(kAmxRows) * p.k, 0);
+    for (int32_t m = whole; m < m1; ++m)
+      std::memcpy(tail.data() + int64_t(m - whole) * p.k, x + m * p.x_row_stride, size_t(p.k) * 2);
+  }
+  for (int32_t c = c0; c < c1; c += kLinearUnitN) {
+    const uint16_t* w = packed + (int64_t(c / kLinearBlockN) * k_pairs * kLinearBlockN + c % kLinearBlockN) * 2;
+    for (int32_t m = m0; m < whole; m += kAmxRows) {
+      amx_unit(x + m * p.x_row_stride, p.x_row_stride, w, p.k, acc);
+      amx_epilogue(p, m, kAmxRows, c, acc);
+    }
+    if (whole < m1) {
+      amx_unit(tail.data(), p.k, w, p.k, acc);
+      amx_epilogue(p, whole, m1 - whole, c, acc);
+    }
+  }
+  _tile_release();
+}
+
+const LinearCpuOps kBf16AmxOps{rect_amx, kAmxRows};
 
 }  // namespace
+
+const LinearCpuOps* linear_ops_amx(DType dtype) {
+  return dtype == DType::kBFloat16 && cpu_amx_permitted() ? &kBf16AmxOps : nullptr;
+}
 
 const LinearCpuOps* linear_ops_avx512(DType dtype, Bf16Dot bf16_dot) {
   if (dtype == DType::kBFloat16) return bf16_dot == Bf16Dot::kWiden ? &kBf16WidenOps : &kBf16Ops;

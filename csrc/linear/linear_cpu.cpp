@@ -20,7 +20,7 @@
 namespace pyscore {
 namespace {
 
-// Row tile of the AVX-512 micro-kernel: row chunks are multiples of it so no chunk leaves a short tile behind.
+// Row tile of the AVX-512 micro-kernel (and the portable loops, which share its split).
 constexpr int32_t kRowTile = 6;
 
 // ---- portable ops ----------------------------------------------------------------------------------------
@@ -67,11 +67,12 @@ void rect_portable(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, in
   }
 }
 
-const LinearCpuOps kPortableBf16{rect_portable<uint16_t>};
-const LinearCpuOps kPortableF32{rect_portable<float>};
+const LinearCpuOps kPortableBf16{rect_portable<uint16_t>, kRowTile};
+const LinearCpuOps kPortableF32{rect_portable<float>, kRowTile};
 
 const LinearCpuOps& choose_ops(DType dtype) {
-  const LinearCpuOps* fast = cpu_use_avx512bf16() ? linear_ops_avx512(dtype, cpu_bf16_dot()) : nullptr;
+  const LinearCpuOps* fast = cpu_tier() == CpuTier::kAmx ? linear_ops_amx(dtype) : nullptr;
+  if (!fast && cpu_use_avx512bf16()) fast = linear_ops_avx512(dtype, cpu_bf16_dot());
   if (fast) return *fast;
   return dtype == DType::kBFloat16 ? kPortableBf16 : kPortableF32;
 }
@@ -88,13 +89,13 @@ struct Split {
   int32_t units;                  // column units of kLinearUnitN
 };
 
-Split make_split(const LinearParams& p, int threads) {
+Split make_split(const LinearParams& p, int threads, int32_t row_tile) {
   Split s;
   s.units = (needed_columns(p) + kLinearUnitN - 1) / kLinearUnitN;
-  const int32_t tiles = (p.m + kRowTile - 1) / kRowTile;
+  const int32_t tiles = (p.m + row_tile - 1) / row_tile;
   // Two cells per thread at least, so uneven cells balance; rows are split only when columns alone cannot.
   const int32_t chunks = s.units >= 2 * threads ? 1 : std::min(tiles, (2 * threads + s.units - 1) / s.units);
-  s.row_chunk = (tiles + chunks - 1) / chunks * kRowTile;
+  s.row_chunk = (tiles + chunks - 1) / chunks * row_tile;
   s.row_chunks = (p.m + s.row_chunk - 1) / s.row_chunk;
   return s;
 }
@@ -142,7 +143,7 @@ Status linear_cpu(const LinearParams& params) {
   }
   const LinearCpuOps& ops = choose_ops(p.dtype);
   const int threads = kernel_threads();
-  const Split split = make_split(p, threads);
+  const Split split = make_split(p, threads, ops.row_tile);
 #pragma omp parallel num_threads(threads)
   run_share(p, ops, split, omp_get_thread_num(), omp_get_num_threads());
   return kOk;

@@ -1,6 +1,7 @@
 """linear (prepacked weights, fused epilogues) against F.linear in fp32 at every decoder projection shape of SmolLM2
 and Qwen3-0.6B plus awkward sizes (odd K, N and I off the block sizes), bias, gated SiLU-mul, residual add (also in
-place), strided rows; both bf16 product paths bitwise; and batch invariance: a row's output is bitwise the same
+place), strided rows; both bf16 product paths bitwise (and the AMX tiles at tier amx, within the same tolerance);
+and batch invariance: a row's output is bitwise the same
 whatever the batch around it. Tolerances follow the other ops: bf16 within 2x torch's own bf16 error."""
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ def test_bf16_widened_path_is_bitwise_the_dpbf16_path(monkeypatch):
     module = _ext.cpu_module()
     if module is None or not module.cpu_features()["avx512bf16"]:
         pytest.skip("needs pyscore._C on a CPU with AVX512-BF16")
+    monkeypatch.setenv("PYSCORE_CPU_TIER", "avx512bf16")  # not the AMX tiles, which an amx tier runs
     for shape in ("smollm-gate_up", "qwen3-down", "odd-k", "tiny-gated"):
         k, n, gated = {**DECODER_SHAPES, **AWKWARD_SHAPES}[shape]
         x, w, b, r = make_inputs(23, k, n, gated, torch.bfloat16, bias=True, residual=True, strided=True, seed=4)

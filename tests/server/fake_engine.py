@@ -12,7 +12,8 @@ deterministically.
 
 Magic inputs: query "boom" fails that request alone inside `run_prepared` (RuntimeError); prompt "boom"
 makes `step` raise for the whole step. Env FAKE_ENGINE_DELAY_S adds a sleep to every model call (for the
-subprocess tests, which cannot reach `pause()`).
+subprocess tests, which cannot reach `pause()`), slept in "layers" of LAYER_S between which the interrupt that
+`set_interrupt` installs is asked, as the real decoder asks it between layers.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import time
 import zlib
 from typing import Any
 
+from pyscore.errors import PassInterrupted
 from pyscore.generation import Generation, validate_generate
 from pyscore.scoring import ModelTraits, PreparedScore, prepare_score
 from pyscore.types import (
@@ -44,6 +46,7 @@ BOS, EOS = 1, 2
 FIRST_WORD_ID = 10
 MAX_CONTEXT = 512
 SPECIAL = {BOS: "<s>", EOS: "</s>"}
+LAYER_S = 0.01  # a model call's delay is slept in steps of this, checking the interrupt between them
 
 
 def word_id(word: str) -> int:
@@ -103,6 +106,7 @@ class FakeEngine:
         self._gate.set()
         self._let_through = 0  # model calls still allowed through after pause(after=...)
         self._entered = threading.Event()
+        self.interrupt: Any = None  # set_interrupt's check, asked every LAYER_S of a model call's delay
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
@@ -133,8 +137,11 @@ class FakeEngine:
             self._entered.set()
             if not self._gate.wait(timeout=30):
                 raise RuntimeError("fake engine left paused")
-        if self.delay_s:
-            time.sleep(self.delay_s)
+        end = time.monotonic() + self.delay_s
+        while time.monotonic() < end:  # "layers": a pass stops between them when asked to, as the decoder's does
+            if self.interrupt is not None and self.interrupt():
+                raise PassInterrupted("the fake pass was interrupted")
+            time.sleep(min(LAYER_S, max(0.0, end - time.monotonic())))
 
     # -- API -----------------------------------------------------------------------------------------------
     def info(self) -> ModelInfo:
@@ -144,6 +151,9 @@ class FakeEngine:
 
     def prefix_cache_stats(self) -> None:
         return None  # no prefix cache
+
+    def set_interrupt(self, interrupt: Any) -> None:
+        self.interrupt = interrupt
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[str]]:
         ids = self.tokenizer(text, add_special_tokens)["input_ids"]

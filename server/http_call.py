@@ -1,0 +1,243 @@
+"""One HTTP call's way through the front door, the counterpart of the gRPC interceptor: read the body under the
+size limit, parse it as JSON into the endpoint's schema, run the handler while watching for the client to go
+away (a disconnect cancels the handler, and so the batcher drops the job, as a gRPC cancel does), turn what it
+raises into a status, and log and count the call in the same metrics as gRPC (under the gRPC method it stands
+for).
+
+Statuses map as the gRPC-HTTP convention does: INVALID_ARGUMENT and FAILED_PRECONDITION -> 400, NOT_FOUND -> 404,
+RESOURCE_EXHAUSTED -> 429 (a body over --max-message-mb -> 413), UNAUTHENTICATED -> 401, UNAVAILABLE -> 503,
+DEADLINE_EXCEEDED -> 504, anything else -> 500. The body is OpenAI's error object, whose `param` names the field
+in the endpoint's own terms (`items[2]`, not the proto's `item_token_ids[2]`) and whose `code` is the gRPC
+status."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from pyscore import errors, wire
+from pyscore._proto.pyscore.v1 import scorer_pb2 as pb
+from pyscore.types import ModelInfo, Usage
+
+from .batcher import Batcher
+from .interceptors import status_for
+from .metrics import Metrics
+from .servicer import ScorerServicer
+
+log = logging.getLogger("server.requests")
+
+HTTP_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429,
+               "UNAUTHENTICATED": 401, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504, "INTERNAL": 500}
+ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405:
+              "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+M = TypeVar("M", bound=BaseModel)
+
+
+class BodyTooLarge(errors.ResourceExhausted):
+    """The request body is over --max-message-mb (HTTP 413)."""
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the answer was ready."""
+
+
+class JSON(JSONResponse):
+    """JSON that keeps a NaN or infinite score (as Python's json writes it) rather than failing the answer."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def error_body(status: str, message: str, param: str | None, http_status: int) -> dict[str, Any]:
+    return {"error": {"message": message, "type": ERROR_TYPE.get(http_status, "server_error"), "param": param,
+                      "code": status}}
+
+
+def error_response(status: str, message: str, param: str | None = None, http_status: int | None = None,
+                   headers: Mapping[str, str] | None = None) -> JSON:
+    code = http_status or HTTP_STATUS.get(status, 500)
+    return JSON(error_body(status, message, param, code), status_code=code, headers=headers)
+
+
+def http_field(name: str, renames: Mapping[str, str]) -> str:
+    """An engine / proto field path (`item_token_ids[2]`) in the endpoint's terms (`items[2]`)."""
+    head, bracket, rest = name.partition("[")
+    return renames.get(head, head) + bracket + rest
+
+
+def described(exc: BaseException, renames: Mapping[str, str]) -> tuple[str, str, str | None, int]:
+    """(gRPC status name, message, param, HTTP status) for an exception raised while serving a call."""
+    if isinstance(exc, ValidationError):
+        return ("INVALID_ARGUMENT", *_validation_message(exc), 400)
+    code, message = status_for(exc)
+    param = None
+    if isinstance(exc, errors.RequestError):
+        param = http_field(exc.field, renames) if exc.field else None
+        message = f"{param}: {exc.message}" if param else exc.message
+    http_status = 413 if isinstance(exc, BodyTooLarge) else HTTP_STATUS.get(code.name, 500)
+    return code.name, message, param, http_status
+
+
+def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    """The first field pydantic refused, named as a client wrote it (`messages[0].content`); a value that fits
+    none of a union's types lists what each type said."""
+    problems = exc.errors(include_url=False, include_input=False)
+    param = _field_path(problems[0]["loc"])
+    said = list(dict.fromkeys(p["msg"] for p in problems if _field_path(p["loc"]) == param))
+    what = said[0] if len(said) == 1 else "fits none of its types (" + "; ".join(said) + ")"
+    return (f"{param}: {what}" if param else f"the body: {what}"), param
+
+
+TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic's names of a union's members
+
+
+def _field_path(loc: tuple[Any, ...]) -> str | None:
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part.isidentifier() and part.lower() not in TYPE_TAGS and not part[0].isupper():
+            path += f".{part}" if path else part
+    return path or None
+
+
+def fp32(values: list[float]) -> list[float]:
+    """Values rounded to float32, the proto's `float`: HTTP answers what gRPC answers, bit for bit."""
+    import numpy as np
+
+    return np.asarray(values, dtype=np.float32).tolist()
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, refused (413) as soon as it is known to exceed `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge("", f"the body is {int(declared)} bytes, over this server's limit of {limit} "
+                               "(--max-message-mb)")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge("", f"the body is over this server's limit of {limit} bytes (--max-message-mb)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse(schema: type[M], body: bytes) -> M:
+    """The body as `schema`; not JSON, or not of the schema's shape and types, is INVALID_ARGUMENT."""
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise errors.InvalidArgument("", f"the body is not valid JSON: {e}") from None
+    return schema.model_validate(data)
+
+
+async def unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """`work`'s result; if the client disconnects first, `work` is cancelled and ClientGone raised."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientGone()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+@dataclass
+class Call:
+    """One call's bookkeeping: the gRPC method it counts as, the usage for the metrics, the log line."""
+
+    method: str
+    path: str
+    metrics: Metrics | None
+    summary: str = ""  # "items=3 " etc., for the log line
+    usage: Usage | None = None
+    started: float = field(default_factory=time.perf_counter)
+    done: bool = False
+
+    def __post_init__(self) -> None:
+        if self.metrics is not None:
+            self.metrics.call_started(self.method)
+
+    def finish(self, status: str, http_status: int) -> None:
+        if self.done:
+            return
+        self.done = True
+        seconds = time.perf_counter() - self.started
+        response = None
+        if self.usage is not None:  # the metrics read token counts from a message with a `usage`
+            response = pb.ScoreResponse(usage=wire.usage_to_proto(self.usage))
+        if self.metrics is not None:
+            self.metrics.observe_call(self.method, status, seconds, response)
+        tokens = f"tokens={self.usage.prompt_tokens}/{self.usage.computed_tokens} " if self.usage else ""
+        log.info("http %s %s%slatency_ms=%.1f status=%s http=%d", self.path, self.summary, tokens, seconds * 1e3,
+                 status, http_status)
+
+
+Handler = Callable[[Call, Any], Awaitable[Response]]
+
+
+def endpoint(method: str, schema: type[BaseModel] | None, handle: Handler, *, limit: int,
+             metrics: Metrics | None, renames: Mapping[str, str] = {}) -> Callable[[Request], Awaitable[Response]]:
+    """A Starlette endpoint: body -> schema -> handle(call, body), racing the client's disconnect; errors become
+    OpenAI error objects. A handler that streams takes over `call.finish` (it finishes when the stream ends)."""
+
+    async def run(request: Request) -> Response:
+        call = Call(method, request.url.path, metrics)
+        try:
+            body = parse(schema, await read_body(request, limit)) if schema is not None else None
+            response = await unless_disconnected(request, handle(call, body))
+        except ClientGone:
+            call.finish("CANCELLED", 499)
+            return Response(status_code=499)  # nobody reads it: the connection is gone
+        except Exception as e:
+            status, message, param, http_status = described(e, renames)
+            if status == "INTERNAL":
+                log.exception("http %s failed unexpectedly", call.path, exc_info=e)
+            call.finish(status, http_status)
+            return error_response(status, message, param, http_status)
+        if not getattr(response, "streaming", False):
+            call.finish("OK", response.status_code)
+        return response
+
+    return run
+
+
+class Gate:
+    """The servicer's own admission, shared: UNAVAILABLE until the model is loaded, NOT_FOUND for another model,
+    RESOURCE_EXHAUSTED over --max-items or --max-request-tokens (token ids counted before any model work)."""
+
+    def __init__(self, servicer: ScorerServicer) -> None:
+        self.servicer = servicer
+
+    def ready(self, model: str | None) -> tuple[Batcher, ModelInfo]:
+        return self.servicer._ready(model or "")
+
+    def check_items(self, n: int) -> None:
+        if n > self.servicer.max_items:
+            raise errors.ResourceExhausted("items", f"{n} items exceed this server's limit of "
+                                                    f"{self.servicer.max_items} (--max-items)")
+
+    def check_ids(self, field: str, n: int) -> None:
+        self.servicer._check_ids(field, n)

@@ -1,0 +1,119 @@
+"""The HTTP front door's request bodies, shaped exactly like the peers' so that their clients work unchanged:
+SGLang's `ScoringRequest` (/v1/score), vLLM's `GenerativeScoringRequest` (/generative_scoring), OpenAI's
+completion and chat-completion requests, and vLLM's /tokenize. pydantic, strict (a string is not a number, 1 is
+not `true`), unknown fields ignored as the peers ignore them. pyscore's own extras are optional fields the
+peers' clients never send. Fields a peer accepts but pyscore cannot honour are refused by the handlers, naming
+the field, never silently ignored."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class CacheOptions(Body):
+    """pyscore's prefix-cache controls (vLLM's `cache_salt` is taken as `prefix_cache_salt`)."""
+
+    prefix_cache_salt: str | None = None
+    cache_salt: str | None = None
+    bypass_prefix_cache: bool = False
+
+    def salt(self) -> str:
+        return self.prefix_cache_salt or self.cache_salt or ""
+
+
+class ScoringBody(CacheOptions):
+    """SGLang's ScoringRequest: `items` may be one string; scores come back [item][label] (setwise:
+    [item][row][label])."""
+
+    query: str | list[int] | None = None
+    items: str | list[str] | list[list[int]] | None = None
+    label_token_ids: list[int] | None = None
+    apply_softmax: bool = False
+    item_first: bool = False
+    model: str | None = None
+    # pyscore's extras
+    labels: list[str] | None = None
+    mode: Literal["auto", "sis", "mis"] = "auto"
+    score_extraction_token: str | None = None
+
+
+class GenerativeScoringBody(CacheOptions):
+    """vLLM's GenerativeScoringRequest: one score per item, the first label's probability."""
+
+    query: str | list[int]
+    items: list[str] | list[list[int]]
+    label_token_ids: list[int]
+    apply_softmax: bool = True
+    item_first: bool = False
+    add_special_tokens: bool = True
+    model: str | None = None
+    priority: int = 0  # accepted, as vLLM does without a priority scheduler; pyscore serves in arrival order
+    request_id: str | None = None
+
+
+class StreamOptions(Body):
+    include_usage: bool | None = False
+
+
+class SamplingBody(CacheOptions):
+    """What OpenAI's completion and chat requests share."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM's extension; -1 or 0 = off
+    n: int = 1
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class CompletionBody(SamplingBody):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None  # top alternatives per token (OpenAI allows up to 5; pyscore up to 20)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Body):
+    model_config = ConfigDict(strict=True, extra="allow")  # name, tool_call_id, ... reach the template
+
+    role: str
+    content: str | list[TextPart] | None = None
+
+
+class ChatCompletionBody(SamplingBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class TokenizeBody(Body):
+    """vLLM's /tokenize (SGLang's takes the same `prompt`)."""
+
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+    model: str | None = None

@@ -1,0 +1,101 @@
+"""Scoring over HTTP: SGLang's `POST /v1/score` and vLLM's `POST /generative_scoring`, each turned into the same
+pyscore ScoreRequest a gRPC Score call makes and sent through the same batcher, so HTTP and gRPC requests share
+forward passes and answer the same question with the same bits (scores rounded to float32, as the proto's
+`float` rounds them).
+
+/v1/score answers SGLang's ScoringResponse: `scores` [item][label] ([item][row][label] with a setwise
+`score_extraction_token`), `model`, `usage`, `object: "scoring"`, plus pyscore's `mode` and `label_token_ids`.
+/generative_scoring answers vLLM's shape: `data: [{index, object: "score", score}]` with `score` the first label's
+probability (over the labels with `apply_softmax`, vLLM's default, else over the vocabulary). Where vLLM
+tokenizes query and items separately (`add_special_tokens: false`, or text and token ids mixed), the text is
+tokenized here first, on the engine thread, exactly as the engine would: the query with (or, as asked, without)
+special tokens, items without."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from starlette.responses import Response
+
+from pyscore.types import ScoreRequest, ScoreResult, Usage
+
+from .http_call import JSON, Call, Gate, fp32
+from .http_schema import GenerativeScoringBody, ScoringBody
+
+# engine / proto field -> the field a client of these endpoints wrote
+SCORE_FIELDS = {"query_token_ids": "query", "item_token_ids": "items"}
+
+
+def usage_json(usage: Usage, completion_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage (cached tokens in prompt_tokens_details) plus what pyscore measured: tokens computed and
+    the server-side queue wait and compute time."""
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": usage.prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+            "computed_tokens": usage.computed_tokens, "queue_s": usage.queue_s, "compute_s": usage.compute_s}
+
+
+def token_ids_in(query: str | list[int], items: list[str] | list[list[int]]) -> int:
+    """Token ids given as ids (what the servicer counts against --max-request-tokens before any model work)."""
+    return (0 if isinstance(query, str) else len(query)) + sum(len(i) for i in items if not isinstance(i, str))
+
+
+class ScoreEndpoints:
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+
+    async def _score(self, call: Call, model: str | None, request: ScoreRequest) -> tuple[ScoreResult, str]:
+        batcher, info = self.gate.ready(model)
+        self.gate.check_items(len(request.items))
+        self.gate.check_ids("items", token_ids_in(request.query, request.items))  # type: ignore[arg-type]
+        call.summary = f"items={len(request.items)} "
+        result = await batcher.score(request)
+        call.usage = result.usage
+        return result, info.name
+
+    async def score(self, call: Call, body: ScoringBody) -> Response:
+        """SGLang's /v1/score."""
+        items = [body.items] if isinstance(body.items, str) else list(body.items or [])
+        request = ScoreRequest(query=body.query if body.query is not None else "", items=items,
+                               label_token_ids=body.label_token_ids or None, labels=body.labels or None,
+                               apply_softmax=body.apply_softmax, item_first=body.item_first,
+                               score_extraction_token=body.score_extraction_token or None, mode=body.mode,
+                               bypass_prefix_cache=body.bypass_prefix_cache, prefix_cache_salt=body.salt())
+        result, name = await self._score(call, body.model, request)
+        if body.score_extraction_token:
+            scores: list[Any] = [[fp32(row) for row in rows] for rows in result.scores]
+        else:
+            scores = [fp32(rows[0]) for rows in result.scores]
+        return JSON({"scores": scores, "model": name, "usage": usage_json(result.usage), "object": "scoring",
+                     "mode": result.mode, "label_token_ids": result.label_token_ids})
+
+    async def generative_scoring(self, call: Call, body: GenerativeScoringBody) -> Response:
+        """vLLM's /generative_scoring."""
+        query, items = await self._vllm_tokens(body)
+        request = ScoreRequest(query=query, items=items, label_token_ids=body.label_token_ids or None,
+                               apply_softmax=body.apply_softmax, item_first=body.item_first,
+                               bypass_prefix_cache=body.bypass_prefix_cache, prefix_cache_salt=body.salt())
+        result, name = await self._score(call, body.model, request)
+        data = [{"index": i, "object": "score", "score": fp32(rows[0][:1])[0] if rows[0] else None}
+                for i, rows in enumerate(result.scores)]
+        return JSON({"id": f"generative-scoring-{body.request_id or uuid.uuid4().hex}", "object": "list",
+                     "created": int(time.time()), "model": name, "data": data, "usage": usage_json(result.usage)})
+
+    async def _vllm_tokens(self, body: GenerativeScoringBody) -> tuple[Any, Any]:
+        """query and items as the engine takes them: unchanged, unless vLLM's rules differ from the engine's
+        (no special tokens on the query, or text mixed with ids): then the text is tokenized here."""
+        query, items = body.query, list(body.items)
+        text_query = isinstance(query, str)
+        mixed = bool(items) and text_query != isinstance(items[0], str)
+        if not mixed and (body.add_special_tokens or not text_query):
+            return query, items
+        batcher, _ = self.gate.ready(body.model)
+        engine, special = batcher.engine, body.add_special_tokens
+
+        def tokenize() -> tuple[list[int], list[list[int]]]:
+            ids = engine.tokenize(query, special)[0] if isinstance(query, str) else query
+            return ids, [engine.tokenize(i, False)[0] if isinstance(i, str) else i for i in items]
+
+        return await batcher.call(tokenize)

@@ -1,0 +1,77 @@
+"""bench's `pyscore-http` target asks our HTTP front door what the gRPC target asks over gRPC: on one server (the
+fake engine) both decide every question the same way with the same token accounting, and a serving run over it
+reports the server-side timing."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from bench import serving
+from bench.dataset import Dataset
+from bench.serving import LoadPoint, Settings
+from bench.targets import GrpcTarget, PyscoreHTTPTarget, make_target
+from tests.server import fake_engine
+from tests.server.conftest import ServerThread
+from tests.server.fake_engine import FakeEngine
+
+PATHS = ["mis", "sis", "generate", "setwise"]  # fused: the fake engine has no chat template
+
+
+@pytest.fixture
+def server(monkeypatch):
+    monkeypatch.setattr(fake_engine, "MAX_CONTEXT", 4096)  # a 16-option setwise prompt is ~600 fake words
+    s = ServerThread(FakeEngine(), http_port=0)
+    yield s
+    s.stop()
+
+
+def test_http_target_decides_as_the_grpc_target(server):
+    http_spec = f"pyscore-http://127.0.0.1:{server.app.http_port}"
+    assert isinstance(make_target(http_spec, prefix_cache="off"), PyscoreHTTPTarget)
+
+    def outcome(d):
+        return {k: v for k, v in dataclasses.asdict(d).items() if not k.startswith("server_")}
+
+    async def both():
+        grpc_target, http_target = GrpcTarget(server.target), make_target(http_spec)
+        grpc_info, http_info = await grpc_target.open(), await http_target.open()
+        try:
+            assert (http_info.model, http_info.label_token_ids, http_info.marker) == (
+                grpc_info.model, grpc_info.label_token_ids, grpc_info.marker)
+            for q in Dataset.synthetic(4, seed=3).questions:
+                for path in PATHS:
+                    over_http = await http_target.decide(path, q)
+                    assert outcome(over_http) == outcome(await grpc_target.decide(path, q)), path
+                    assert over_http.server_compute_ms is not None and over_http.server_compute_ms > 0
+        finally:
+            await grpc_target.close()
+            await http_target.close()
+
+    asyncio.run(both())
+
+
+def test_a_serving_run_over_http(server, tmp_path):
+    spec = f"pyscore-http://127.0.0.1:{server.app.http_port}"
+    settings = Settings(reps=1, num_questions=4, duration_s=0.3, warmup=1, progress=False)
+    summaries = asyncio.run(serving.run(spec, PATHS, [LoadPoint(concurrency=2)], Dataset.synthetic(4, seed=1),
+                                        settings, tmp_path, timeout=10))
+    assert [s["num_errors"] for s in summaries] == [0] * len(PATHS)
+    assert all(s["target"] == spec and s["server_compute_ms"]["p50"] > 0 for s in summaries)
+
+
+def test_http_overhead_report(server, tmp_path):
+    """bench.http_overhead end to end on a tiny run (its numbers mean nothing here: the fake engine)."""
+    from bench import http_overhead
+
+    a = http_overhead.parse_args(["--concurrency", "1", "2", "--questions", "2", "--blocks", "2", "--warmup", "1",
+                                  "--pool", "8", "--out", str(tmp_path / "overhead")])
+    results = asyncio.run(http_overhead.run(server.target, f"127.0.0.1:{server.app.http_port}", a))
+    assert set(results) == {"c=1", "c=2"}
+    for r in results.values():
+        assert r["grpc"]["questions"] == r["http"]["questions"] == 4 and r["grpc"]["errors"] == r["http"]["errors"] == 0
+        assert len(r["http"]["block_p50_ms"]) == 2
+    lines = http_overhead.report(results, a)
+    assert lines[1].startswith("machine: ") and len(lines) == 7

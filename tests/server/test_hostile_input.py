@@ -1,0 +1,134 @@
+"""Hostile input against the real engine on a tiny model, through default-settings Python clients: bytes that make
+protobuf give up, and requests whose error messages would otherwise quote megabytes of input. Each is answered
+with its intended status (not the client's own RESOURCE_EXHAUSTED "received metadata size exceeds hard limit"),
+a short message that starts with the field, and the event loop stays free: Health answers within a second
+throughout (issue 23: 1 MB of 0xFF used to hold the loop for ~30 s)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pyscore._proto.pyscore.v1 import scorer_pb2 as pb
+from tests.server.conftest import ServerThread
+from tests.server.test_bad_input_matrix import GOOD_GENERATE, GOOD_SCORE, LONG, field_of
+
+INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
+NOT_UTF8 = b"\xc3\x28\xff"
+MAX_DETAILS = 1000  # UTF-8 bytes of a status message (server/interceptors.MAX_STATUS_BYTES)
+SOFT_LIMIT = 8192  # metadata bytes above which a default client may refuse a response (it must at 16 KiB)
+
+
+def score(**fields: Any) -> bytes:
+    return pb.ScoreRequest(**(GOOD_SCORE | fields)).SerializeToString()
+
+
+def generate(**fields: Any) -> bytes:
+    return pb.GenerateRequest(**(GOOD_GENERATE | fields)).SerializeToString()
+
+
+# (name, method, request bytes, status, field named first in the message; "" for none)
+CASES: list[tuple[str, str, bytes, grpc.StatusCode, str]] = [
+    # repeated fields that would take a second or more to turn into Python lists on the event loop
+    ("16M label ids", "Score", score(labels=[], label_token_ids=[7] * 2**24), INVALID, "label_token_ids"),
+    ("4M labels", "Score", score(labels=["a"] * 2**22), INVALID, "labels"),
+    ("4M stop strings", "Generate", generate(stop=["a"] * 2**22), INVALID, "stop"),
+    ("2M item_token_ids beside items", "Score", score(item_token_ids=[pb.TokenIds(ids=[5])] * 2**21),
+     grpc.StatusCode.RESOURCE_EXHAUSTED, "items"),
+    ("1 MB of 0xFF", "Score", b"\xff" * 2**20, INVALID, ""),
+    ("1 MB of 0xFF, generate", "Generate", b"\xff" * 2**20, INVALID, ""),
+    ("1M tiny items, then a label that is not UTF-8", "Score",
+     pb.ScoreRequest(query="q", items=["a"] * 2**20).SerializeToString() + b"\x3a\x03" + NOT_UTF8, INVALID, "labels"),
+    ("1,000 duplicate label ids", "Score", score(labels=[], label_token_ids=[7] * 1000), INVALID, "label_token_ids"),
+    ("460 KB label", "Score", score(labels=["Yes" * 153_000]), INVALID, "labels"),
+    ("460 KB label of 4-byte characters", "Score", score(labels=["\U0001f642" * 115_000]), INVALID, "labels"),
+    ("160 KB score_extraction_token", "Score", score(score_extraction_token="x y" * 53_000), INVALID,
+     "score_extraction_token"),
+    ("200 KB model name", "Score", score(model="m" * 200_000), NOT_FOUND, "model"),
+    ("200 KB model name, generate", "Generate", generate(model="m" * 200_000), NOT_FOUND, "model"),
+    ("200 KB stop string", "Generate", generate(stop=["s" * 200_000]), INVALID, "stop"),
+    ("5,000 stop strings of 200 characters", "Generate", generate(stop=["s" * 200] * 5000), INVALID, "stop"),
+    ("item over the context", "Score", score(items=[LONG * 50]), INVALID, "items"),
+]
+
+
+class HealthProbe:
+    """Health checks back to back on their own channel, from a thread, recording each one's latency (a failed
+    check counts as infinitely slow)."""
+
+    def __init__(self, target: str) -> None:
+        self.latencies: list[float] = []
+        self._stop = threading.Event()
+        self._channel = grpc.insecure_channel(target)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        while not self._stop.is_set():
+            start = time.monotonic()
+            try:
+                stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                self.latencies.append(time.monotonic() - start)
+            except grpc.RpcError:
+                self.latencies.append(float("inf"))
+            time.sleep(0.01)
+
+    def __enter__(self) -> HealthProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self._channel.close()
+
+
+@pytest.fixture(scope="module")
+def channel(tiny_server: ServerThread) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(tiny_server.target) as ch:  # default settings: 16 KiB of metadata at most
+        yield ch
+
+
+def metadata_bytes(error: grpc.RpcError) -> int:
+    """What the status's trailers weigh on the wire: grpc-message percent-encodes all but printable ASCII."""
+    message = sum(1 if 0x20 <= b < 0x7F and b != 0x25 else 3 for b in error.details().encode())
+    return message + sum(len(k) + len(v) for k, v in error.trailing_metadata() or ())
+
+
+def raw_call(channel: grpc.Channel, method: str) -> Callable[..., bytes]:
+    return channel.unary_unary(f"/pyscore.v1.Scorer/{method}")  # bytes in, bytes out
+
+
+@pytest.mark.parametrize(("method", "payload", "code", "field"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_the_intended_status_reaches_a_default_client(channel: grpc.Channel, method: str, payload: bytes,
+                                                      code: grpc.StatusCode, field: str) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        raw_call(channel, method)(payload, timeout=60)
+    details = err.value.details()
+    assert err.value.code() == code, details
+    assert len(details.encode()) <= MAX_DETAILS, details
+    assert metadata_bytes(err.value) < SOFT_LIMIT  # not refused by chance, at any client's default
+    if field:
+        assert field_of(details) == field, details
+    else:
+        assert details.startswith("the request does not parse"), details
+    assert raw_call(channel, "Score")(score(), timeout=30)  # and the server goes on serving
+
+
+def test_health_stays_responsive_while_the_worst_inputs_arrive(tiny_server: ServerThread,
+                                                               channel: grpc.Channel) -> None:
+    with HealthProbe(tiny_server.target) as probe:
+        for _ in range(2):
+            for _, method, payload, code, _ in CASES:
+                with pytest.raises(grpc.RpcError) as err:
+                    raw_call(channel, method)(payload, timeout=60)
+                assert err.value.code() == code, err.value.details()
+        time.sleep(0.05)
+    assert len(probe.latencies) > 10
+    assert max(probe.latencies) < 1.0, sorted(probe.latencies)[-5:]

@@ -1,0 +1,296 @@
+"""The HTTP front door on the real engine (tiny random Qwen3, fp32), with the peers' own clients: the `openai`
+package (completions, chat, streaming, logprobs, errors), `curl`, and `requests` posting SGLang's and vLLM's
+documented example payloads. The same question asked over HTTP and over gRPC gets the same bits; a concurrent
+mix of both gets what each gets alone; and every bad-input case of the gRPC matrix answers over HTTP with the
+mapped status, naming the field as the HTTP client wrote it."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import openai
+import pytest
+import requests
+
+from pyscore.client import ScorerClient
+from server.http_openai import COMPLETION_FIELDS
+from server.http_score import SCORE_FIELDS
+from tests.server.conftest import ServerThread, make_tiny_engine
+from tests.server.test_bad_input_matrix import GENERATE, GOOD_GENERATE, GOOD_SCORE, SCORE
+
+QUERY = "Context: the order 1234 was shipped on Monday and is in transit.\nQuestion: what should the agent do?"
+ITEMS = [" Proposed answer: tell the customer the order is on its way.", " Proposed answer: cancel the order.", " A"]
+PROMPT = "The quick brown fox"
+HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
+               grpc.StatusCode.NOT_FOUND: 404}
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir: Path) -> Iterator[ServerThread]:
+    server = ServerThread(make_tiny_engine(tiny_model_dir), max_batch_tokens=256, http_port=0)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def base(served: ServerThread) -> str:
+    return f"http://127.0.0.1:{served.app.http_port}"
+
+
+@pytest.fixture(scope="module")
+def client(served: ServerThread) -> Iterator[ScorerClient]:
+    with ScorerClient(served.target, timeout=30) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oa(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def name(client: ScorerClient) -> str:
+    return client.model_info().name
+
+
+@pytest.fixture(scope="module")
+def labels(base: str) -> list[int]:
+    ids = [requests.post(f"{base}/tokenize", json={"prompt": w, "add_special_tokens": False}, timeout=30).json()
+           ["tokens"] for w in ("Yes", "No")]
+    assert all(len(i) == 1 for i in ids)
+    return [i[0] for i in ids]
+
+
+def post(base: str, path: str, body: Any) -> requests.Response:
+    """POST `body` as JSON; NaN and infinities as Python writes them (requests' json= refuses them)."""
+    return requests.post(base + path, data=json.dumps(body), headers={"content-type": "application/json"},
+                         timeout=60)
+
+
+@pytest.mark.parametrize("options", [dict(apply_softmax=True), dict(apply_softmax=False), dict(mode="sis"),
+                                     dict(item_first=True), dict(prefix_cache_salt="tenant-a")])
+def test_score_over_http_equals_grpc_bitwise(base: str, client: ScorerClient, labels: list[int],
+                                             options: dict[str, Any]) -> None:
+    over_grpc = client.score(QUERY, ITEMS, label_token_ids=labels, **options)
+    body = post(base, "/v1/score", {"query": QUERY, "items": ITEMS, "label_token_ids": labels, **options}).json()
+    assert body["scores"] == [rows[0] for rows in over_grpc.scores]  # == on floats: the same bits
+    assert body["mode"] == over_grpc.mode and body["label_token_ids"] == labels
+    assert (body["usage"]["prompt_tokens"], body["usage"]["computed_tokens"]) == (
+        over_grpc.usage.prompt_tokens, over_grpc.usage.computed_tokens)
+    vllm = post(base, "/generative_scoring", {"query": QUERY, "items": ITEMS, "label_token_ids": labels,
+                                              "apply_softmax": False,  # vLLM's default is True, the proto's False
+                                              **{k: v for k, v in options.items() if k != "mode"}}).json()
+    if "mode" not in options:
+        assert [d["score"] for d in vllm["data"]] == [rows[0][0] for rows in over_grpc.scores]
+
+
+def test_setwise_over_http_equals_grpc(base: str, client: ScorerClient, labels: list[int]) -> None:
+    item = " first <|marker|> second <|marker|> third <|marker|>"
+    over_grpc = client.score(QUERY, [item], label_token_ids=labels, score_extraction_token="<|marker|>")
+    body = post(base, "/v1/score", {"query": QUERY, "items": [item], "label_token_ids": labels,
+                                    "score_extraction_token": "<|marker|>"}).json()
+    assert body["scores"] == over_grpc.scores and len(body["scores"][0]) == 3
+
+
+def test_completions_over_http_equal_grpc(base: str, client: ScorerClient, oa: openai.OpenAI, name: str) -> None:
+    over_grpc = client.generate(PROMPT, max_tokens=6, top_logprobs=3)
+    c = oa.completions.create(model=name, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
+    choice = c.choices[0]
+    assert choice.text == over_grpc.text
+    assert choice.logprobs.token_logprobs == [lp.logprob for lp in over_grpc.logprobs]
+    assert choice.logprobs.top_logprobs == [{t.token: t.logprob for t in lp.top} for lp in over_grpc.logprobs]
+    assert c.usage.prompt_tokens == over_grpc.usage.prompt_tokens
+    assert c.usage.completion_tokens == len(over_grpc.token_ids)
+    streamed = oa.completions.create(model=name, prompt=PROMPT, max_tokens=6, temperature=0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == over_grpc.text
+    # sampled: the same seed and temperature (float32 on both wires) draw the same tokens
+    sampled = client.generate(PROMPT, max_tokens=6, temperature=0.7, seed=11)
+    c = oa.completions.create(model=name, prompt=PROMPT, max_tokens=6, temperature=0.7, seed=11)
+    assert c.choices[0].text == sampled.text
+    by_ids = oa.completions.create(model=name, prompt=client.tokenize(PROMPT)[0], max_tokens=6, temperature=0)
+    assert by_ids.choices[0].text == over_grpc.text
+
+
+def test_chat_over_http_equals_grpc_with_the_template(client: ScorerClient, oa: openai.OpenAI, name: str) -> None:
+    question = "Where is my order 1234?"
+    over_grpc = client.generate(question, apply_chat_template=True, max_tokens=5, top_logprobs=2)
+    chat = oa.chat.completions.create(model=name, messages=[{"role": "user", "content": question}], max_tokens=5,
+                                      temperature=0, logprobs=True, top_logprobs=2)
+    choice = chat.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == over_grpc.text
+    assert [e.logprob for e in choice.logprobs.content] == [lp.logprob for lp in over_grpc.logprobs]
+    assert [[t.token for t in e.top_logprobs] for e in choice.logprobs.content] == [
+        [t.token for t in lp.top] for lp in over_grpc.logprobs]
+    assert chat.usage.prompt_tokens == over_grpc.usage.prompt_tokens
+    stream = oa.chat.completions.create(model=name, messages=[{"role": "user", "content": question}], max_tokens=5,
+                                        temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == over_grpc.text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len(over_grpc.token_ids)
+    multi = oa.chat.completions.create(model=name, max_tokens=3, temperature=0, messages=[
+        {"role": "system", "content": "You are a support agent."},
+        {"role": "user", "content": [{"type": "text", "text": question}]}])
+    assert multi.usage.prompt_tokens > chat.usage.prompt_tokens  # the system turn went through the template
+
+
+def test_openai_client_sees_errors(oa: openai.OpenAI, name: str) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        oa.completions.create(model=name, prompt=PROMPT, temperature=-1)
+    assert bad.value.status_code == 400 and bad.value.body["param"] == "temperature"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        oa.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError) as stream_bad:  # refused before the stream starts
+        list(oa.completions.create(model=name, prompt=PROMPT, top_p=2.0, stream=True))
+    assert stream_bad.value.body["param"] == "top_p"  # type: ignore[index]
+    assert [m.id for m in oa.models.list()] == [name]
+
+
+def curl(*args: str) -> tuple[int, Any]:
+    out = subprocess.run(["curl", "-sS", "-w", "\n%{http_code}", *args], capture_output=True, text=True, timeout=60,
+                         check=True).stdout
+    body, _, code = out.rpartition("\n")
+    return int(code), json.loads(body)
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="no curl on this machine")
+def test_curl(base: str, client: ScorerClient) -> None:
+    """curl with the README's requests (label strings and apply_softmax; a chat), an error and /health."""
+    code, scored = curl(f"{base}/v1/score", "-H", "Content-Type: application/json", "-d", json.dumps(
+        {"query": QUERY, "items": ITEMS[:2], "labels": ["Yes", "No"], "apply_softmax": True}))
+    assert code == 200
+    assert scored["scores"] == [r[0] for r in client.score(QUERY, ITEMS[:2], labels=["Yes", "No"],
+                                                           apply_softmax=True).scores]
+    code, chat = curl(f"{base}/v1/chat/completions", "-H", "Content-Type: application/json", "-d", json.dumps(
+        {"messages": [{"role": "user", "content": "Where is my order?"}], "max_tokens": 4, "temperature": 0}))
+    assert code == 200 and chat["object"] == "chat.completion"
+    code, error = curl(f"{base}/v1/score", "-d", '{"query": "q", "items": ["a"], "label_token_ids": [7, 7]}')
+    assert code == 400 and error["error"]["param"] == "label_token_ids"
+    code, health = curl(f"{base}/health")
+    assert code == 200 and health == {"status": "SERVING"}
+
+
+def test_sglang_documented_payloads(base: str, client: ScorerClient, name: str) -> None:
+    """SGLang's own /v1/score tests: text query and items with label ids from the items' first tokens, the same
+    with token ids, and item_first; each answer is what pyscore's gRPC Score gives."""
+    query, items = "The capital of France is", ["Paris", "London", "Berlin"]
+    label_ids = [client.tokenize(item, add_special_tokens=False)[0][0] for item in items]
+    for item_first in (False, True):
+        body = {"model": name, "query": query, "items": items, "label_token_ids": label_ids, "apply_softmax": False,
+                "item_first": item_first}
+        answer = post(base, "/v1/score", body).json()
+        assert answer["object"] == "scoring" and len(answer["scores"]) == 3
+        assert all(0 < v < 1 for row in answer["scores"] for v in row)
+        expected = client.score(query, items, label_token_ids=label_ids, item_first=item_first)
+        assert answer["scores"] == [rows[0] for rows in expected.scores]
+    query_ids = client.tokenize(query)[0]
+    item_ids = [client.tokenize(item, add_special_tokens=False)[0] for item in items]
+    by_ids = post(base, "/v1/score", {"model": name, "query": query_ids, "items": item_ids,
+                                      "label_token_ids": label_ids, "apply_softmax": True}).json()
+    softmaxed = post(base, "/v1/score", {"query": query, "items": items, "label_token_ids": label_ids,
+                                         "apply_softmax": True}).json()
+    assert by_ids["scores"] == softmaxed["scores"]
+    assert all(math.isclose(sum(row), 1.0, rel_tol=1e-5) for row in by_ids["scores"])
+
+
+def test_vllm_documented_payloads(base: str, client: ScorerClient, labels: list[int]) -> None:
+    """vLLM's /generative_scoring docstring example (a chat-tagged query, one item per city) and the request
+    bench/peers.md sends it (with a cache_salt): the score is P(first label) over the labels."""
+    query = "<|im_start|>Is the following city the capital of France? "
+    items = ["Paris <|im_end|>", "London <|im_end|>", "Berlin <|im_end|>"]
+    answer = post(base, "/generative_scoring", {"query": query, "items": items, "label_token_ids": labels,
+                                                "apply_softmax": True, "item_first": False}).json()
+    expected = client.score(query, items, label_token_ids=labels, apply_softmax=True)
+    assert [d["score"] for d in answer["data"]] == [rows[0][0] for rows in expected.scores]
+    assert [d["index"] for d in answer["data"]] == [0, 1, 2] and answer["usage"]["prompt_tokens"] > 0
+    peers = post(base, "/generative_scoring", {
+        "model": "", "query": "Context: order 1234 shipped on Monday.\nQuestion: what should the agent do next?\n",
+        "items": ["Proposed answer: track it.\nIs this proposed answer correct? Answer Yes or No.",
+                  "Proposed answer: refund it.\nIs this proposed answer correct? Answer Yes or No."],
+        "label_token_ids": labels, "apply_softmax": True, "cache_salt": "any-fresh-string"})
+    assert peers.status_code == 200 and len(peers.json()["data"]) == 2
+
+
+def test_a_concurrent_mix_of_http_and_grpc(base: str, client: ScorerClient, labels: list[int],
+                                          served: ServerThread) -> None:
+    """Every call answered, each with what it gets alone, while HTTP and gRPC calls share the batcher."""
+    questions = [(f"{QUERY} Case {i}.", ITEMS[: 1 + i % 3]) for i in range(12)]
+    alone = [client.score(q, items, label_token_ids=labels).scores for q, items in questions]
+    batches = served.batcher.stats.batches
+
+    def ask(i: int) -> Any:
+        q, items = questions[i]
+        if i % 2:
+            return [rows[0] for rows in client.score(q, items, label_token_ids=labels).scores]
+        return post(base, "/v1/score", {"query": q, "items": items, "label_token_ids": labels}).json()["scores"]
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(len(questions))))
+    assert answers == [[rows[0] for rows in a] for a in alone]
+    assert served.batcher.stats.batches - batches <= len(questions)
+
+
+def http_score_body(fields: dict[str, Any]) -> dict[str, Any]:
+    """A gRPC ScoreRequest's fields (test_bad_input_matrix) as the /v1/score body that asks the same."""
+    from pyscore._proto.pyscore.v1 import scorer_pb2 as pb
+
+    f = GOOD_SCORE | fields
+    body = {"query": f.get("query_token_ids") or f.get("query", ""),
+            "items": [list(t.ids) for t in f["item_token_ids"]] if f.get("item_token_ids") else f.get("items", [])}
+    for key in ("labels", "label_token_ids", "apply_softmax", "item_first", "score_extraction_token", "model"):
+        if f.get(key):
+            body[key] = f[key]
+    if "mode" in f:
+        body["mode"] = pb.ScoringMode.Name(f["mode"]).removeprefix("SCORING_MODE_").lower()
+    return body
+
+
+def http_completion_body(fields: dict[str, Any]) -> dict[str, Any]:
+    f = GOOD_GENERATE | fields
+    body = {"prompt": f.get("prompt_token_ids") or f["prompt"], "temperature": f.get("temperature", 0.0)}
+    for key, name in (("max_tokens", "max_tokens"), ("top_p", "top_p"), ("top_k", "top_k"), ("stop", "stop"),
+                      ("top_logprobs", "logprobs")):
+        if key in f:
+            body[name] = f[key]
+    if body.get("top_k") == -1:
+        body["top_k"] = -2  # -1 is vLLM's (and so this endpoint's) "off"; any other negative is refused
+    return body
+
+
+def field_of(param: str | None) -> str:
+    return (param or "").split("[")[0]
+
+
+@pytest.mark.parametrize(("fields", "code", "field"), [c[1:] for c in SCORE], ids=[c[0] for c in SCORE])
+def test_bad_score_over_http(base: str, fields: dict[str, Any], code: grpc.StatusCode, field: str) -> None:
+    r = post(base, "/v1/score", http_score_body(fields))
+    assert r.status_code == HTTP_STATUS[code], r.text
+    error = r.json()["error"]
+    assert error["code"] == code.name and field_of(error["param"]) == SCORE_FIELDS.get(field, field), error
+    assert error["message"].startswith(error["param"]), error
+    assert len(post(base, "/v1/score", http_score_body({})).json()["scores"]) == 2
+
+
+GENERATE_OVER_HTTP = [c for c in GENERATE if "apply_chat_template" not in c[1]]  # no such field in OpenAI's
+
+
+@pytest.mark.parametrize(("fields", "code", "field"), [c[1:] for c in GENERATE_OVER_HTTP],
+                         ids=[c[0] for c in GENERATE_OVER_HTTP])
+@pytest.mark.parametrize("stream", [False, True])
+def test_bad_generate_over_http(base: str, fields: dict[str, Any], code: grpc.StatusCode, field: str,
+                                stream: bool) -> None:
+    r = post(base, "/v1/completions", http_completion_body(fields) | {"stream": stream})
+    assert r.status_code == HTTP_STATUS[code], r.text
+    error = r.json()["error"]
+    assert error["code"] == code.name and field_of(error["param"]) == COMPLETION_FIELDS.get(field, field), error
+    good = post(base, "/v1/completions", http_completion_body({})).json()
+    assert good["usage"]["completion_tokens"] == 3

@@ -1,0 +1,101 @@
+"""The engine on every CPU tier this machine runs (forced with PYSCORE_CPU_TIER; an AVX-512 machine also runs the
+avx2 and avx512 tiers' code): the production path of each tier (pyscore/ops/tiers.py) scores like the transformers
+reference, and keeps the exactness guarantees that the tier table promises. Where every attention op of a tier is
+our kernel, MIS = SIS, warm = cold and alone = with batch-mates hold bitwise (linear's torch path is
+batch-invariant by its fixed-height calls); where torch's dense attention runs, they hold within fp32 rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pyscore.engine import Engine
+from pyscore.ops import _ext, tiers
+from pyscore.types import ScoreRequest
+from tests.helpers import load_reference, make_model_dir
+from tests.reference_scoring import max_abs_diff, reference_scores
+from tests.test_engine_scores import ITEMS, QUERY, STRANGERS
+
+ATTENTION_OPS = ("prefix_item_attention", "decode_attention")
+X86_TIERS = ["generic", "avx2", "avx512", "avx512bf16", "amx"]
+
+
+def tiers_here() -> list[str]:
+    module = _ext.cpu_module()
+    if module is None:
+        return []
+    hardware = module.cpu_features()["hardware_tier"]
+    return ["generic", "neon"] if hardware == "neon" else X86_TIERS[: X86_TIERS.index(hardware) + 1]
+
+
+def exact(tier: str, dtype: torch.dtype) -> bool:
+    """Whether the tier's production path promises bitwise batch invariance (its attention is our kernel)."""
+    return all(tiers.cpu_choice(op, tier, dtype).path == "kernel" for op in ATTENTION_OPS)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    # SmolLM2's widths (K = 576 and 1536: AMX-sized, and where oneDNN's row blocking was seen to move bits)
+    return make_model_dir(tmp_path_factory.mktemp("tiers"), "qwen3", hidden_size=576, intermediate_size=1536,
+                          num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+
+
+@pytest.fixture(params=tiers_here())
+def tier(request, monkeypatch):
+    monkeypatch.setenv("PYSCORE_CPU_TIER", request.param)
+    assert _ext.cpu_tier() == request.param
+    return request.param
+
+
+def engine(path, dtype: str, **kw) -> Engine:
+    return Engine.from_pretrained(path, dtype=dtype, device="cpu", threads=2, **kw)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_each_tier_scores_like_transformers(model_dir, tier, dtype):
+    e = engine(model_dir, dtype)
+    labels = [e.tokenizer(t, add_special_tokens=False)["input_ids"][0] for t in ("Yes", "No")]
+    result = e.score(QUERY, ITEMS, label_token_ids=labels, apply_softmax=True)
+    query = e.prepare_score(ScoreRequest(QUERY, ITEMS, label_token_ids=labels)).query
+    items = [e.tokenizer(i, add_special_tokens=False)["input_ids"] for i in ITEMS]
+    reference = load_reference(model_dir)
+    expected = reference_scores(reference, query, items, labels, apply_softmax=True)
+    tol = 1e-5
+    if dtype == "bfloat16":  # the house rule: within 2x torch's own bf16 error
+        torch_bf16 = reference_scores(reference.to(torch.bfloat16), query, items, labels, apply_softmax=True)
+        tol = 2 * max_abs_diff(torch_bf16, expected) + 1e-4
+    assert max_abs_diff(result.scores, expected) <= tol, (tier, max_abs_diff(result.scores, expected), tol)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_each_tier_keeps_its_exactness_promise(model_dir, tier, dtype):
+    e = engine(model_dir, dtype)
+    bitwise = exact(tier, e.decoder.dtype)
+    tol = 0.0 if bitwise else (1e-6 if dtype == "float32" else 2e-3)
+
+    def same(a, b, what):
+        assert max_abs_diff(a.scores, b.scores) <= tol, (tier, what, max_abs_diff(a.scores, b.scores))
+
+    sis, mis = (e.score(QUERY, ITEMS, labels=["Yes", "No"], mode=m) for m in ("sis", "mis"))
+    same(sis, mis, "MIS = SIS")
+    target = ScoreRequest(QUERY, ITEMS, labels=["Yes", "No"], apply_softmax=True)
+    alone = e.score_batch([target])[0]
+    for k in (0, 2, len(STRANGERS)):
+        same(alone, e.score_batch([*STRANGERS[:k], target, *STRANGERS[k:]])[k], f"with {k} strangers before")
+    long_query = QUERY * 4  # whole cache blocks
+    cold = e.score(long_query, ITEMS, labels=["Yes"], bypass_prefix_cache=True)
+    e.score(long_query, ITEMS, labels=["Yes"])
+    warm = e.score(long_query, ITEMS, labels=["Yes"])
+    assert warm.usage.cached_tokens > 0
+    same(cold, warm, "warm = cold")
+
+
+def test_the_start_up_facts_name_the_tier(model_dir, tier):
+    e = engine(model_dir, "auto")
+    info = e.info()
+    assert info.cpu_tier == tier
+    expected_dtype = _ext.default_cpu_dtype()[0]
+    assert info.dtype == str(expected_dtype).removeprefix("torch.")
+    for op, path in info.ops.items():
+        choice = tiers.cpu_choice(op, tier, expected_dtype)
+        assert path.startswith("kernel" if choice.path == "kernel" else "torch"), (op, path)
