@@ -8,7 +8,6 @@ import os
 import platform
 import random
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from bench.summary import percentile
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -201,14 +202,6 @@ def question(num_items: int, seed: int = 0, query_words: int = 228, item_words: 
 
 
 # --- timing ------------------------------------------------------------------------------------------------------
-def write_report(lines: Sequence[str], out: Path) -> None:
-    """Prints a text report and records it at `out` (folders made as needed)."""
-    text = "\n".join(lines).rstrip() + "\n"
-    print(text, end="")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-
-
 def median_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
     """Median wall time of fn() in ms over `reps` calls after `warmup` untimed ones (run it under
     /work/tools/quiet or on an otherwise idle machine)."""
@@ -219,4 +212,4 @@ def median_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return percentile(times, 50) * 1e3

@@ -11,8 +11,9 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.common import machine, question, write_report
+from bench.common import machine, question
 from bench.profile_mis import load
+from bench.summary import write_report
 from pyscore.engine import Engine
 from pyscore.types import GenerateRequest
 

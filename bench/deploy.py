@@ -33,7 +33,8 @@ from typing import Any
 
 import grpc
 
-from bench.overload import Outcome, ScoreCase, closed_loop_capacity, mis_cases, ms, pct, poisson_arrivals
+from bench.overload import Outcome, ScoreCase, closed_loop_capacity, mis_cases, ms, poisson_arrivals
+from bench.summary import Summary, write_json, write_report
 from deploy.fleet import Envoy, Replica, client_target, start_replicas, stop_replicas
 from pyscore import balancing as lb
 from pyscore.client import AsyncScorerClient, ScorerClient
@@ -164,8 +165,7 @@ def tokenize_overhead(direct: str, via_envoy: str, blocks: int, calls: int) -> d
                     t0 = time.perf_counter()
                     client.tokenize(text)
                     times[name].append(time.perf_counter() - t0)
-    out: dict[str, Any] = {name: {k: round(v * 1e3, 3) for k, v in (("p50", pct(t, 50)), ("p95", pct(t, 95)))}
-                           for name, t in times.items()}
+    out: dict[str, Any] = {name: Summary.of(t, scale=1e3).pick("p50", "p95", digits=3) for name, t in times.items()}
     out["added_ms"] = {k: round(out["envoy"][k] - out["direct"][k], 3) for k in ("p50", "p95")}
     out["calls_each"] = blocks * calls
     return out
@@ -285,10 +285,8 @@ def main() -> None:
     result = dict(phase=args.phase, when=time.strftime("%Y-%m-%d %H:%M:%S"), machine=before, config=config,
                   loadavg_after=os.getloadavg(), **result)
     name = f"{args.phase}-load{args.load:g}"
-    (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
-    text = report(args.phase, result)
-    (args.out / f"{name}.txt").write_text(text)
-    print(text)
+    write_json(args.out / f"{name}.json", result)
+    write_report(report(args.phase, result), args.out / f"{name}.txt")
 
 
 if __name__ == "__main__":

@@ -14,17 +14,15 @@ Usage: python -m bench.engine [--tier T] [--dtype auto] [--threads 2] [--reps 5]
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from bench.common import machine, machine_info, question
+from bench.summary import percentile, write_json
 from pyscore.engine import Engine
 from pyscore.scoring import PreparedScore
 from pyscore.types import ScoreRequest
@@ -128,7 +126,7 @@ def main() -> None:
         prepared = engine.prepare_score(ScoreRequest(query, items, **labels))
         item_len = sum(map(len, prepared.items)) / n
         times = alternate(contenders(engine, stock, query, items, labels), args.reps)
-        p50 = {name: statistics.median(ts) for name, ts in times.items()}
+        p50 = {name: percentile(ts, 50) for name, ts in times.items()}
         row: dict[str, Any] = dict(items=n, query_tokens=len(prepared.query), item_tokens=item_len,
                                    sis_ms=p50["sis"], mis_ms=p50["mis"], sis_all=times["sis"], mis_all=times["mis"])
         line = (f"{n:>5} {len(prepared.query):>6}/{item_len:<7.1f} {row['sis_ms']:>11.1f} {row['mis_ms']:>11.1f} "
@@ -149,10 +147,10 @@ def main() -> None:
         print("stock = one AutoModelForCausalLM forward over the query+items tokens (use_cache=False); stock/MIS, "
               "the ratio issue #9 sets its target on, uses the default forward (logits at every position); "
               "keep-1/MIS the forward with logits_to_keep=1 (no LM head over the other positions)")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(dict(machine=machine(), cpu=machine_info(), tier=engine.cpu_tier, dtype=dtype,
-                                              threads=args.threads, model=engine.model_name,
-                                              ratio_uses="stock (default forward) / MIS", rows=rows), indent=2))
+    write_json(args.out, dict(machine=machine(), cpu=machine_info(), tier=engine.cpu_tier, dtype=dtype,
+                              threads=args.threads, model=engine.model_name,
+                              ratio_uses="stock (default forward) / MIS", rows=rows),
+               indent=2)
 
 
 if __name__ == "__main__":

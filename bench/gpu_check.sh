@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # H200 validation of pyscore in one run (issues 6, 11): build the extension for sm_90a, run the CUDA tests (each
-# kernel against the reference, MIS = SIS on the GPU, graph replay = eager), then the kernel benchmark, the
+# kernel against the reference, MIS = SIS on the GPU), then the kernel benchmark, the
 # in-process engine benchmark on random-weight Qwen3-0.6B-, Qwen3-8B- and Qwen3.5-4B-shaped models, and a short gRPC
 # benchmark. Every stage runs under `timeout`, writes its JSON/log under $OUT before the next starts, and a
 # failing stage does not stop the others. Stage limits add up to 9.5 min (env 20 s, build 120 (the CUDA module
@@ -135,7 +135,7 @@ stage engine06b 70 "$RUNLOG" -- "$PY" -m bench.gpu.engine_bench "${SIZE[@]}" --s
 stage engine8b 110 "$RUNLOG" -- "$PY" -m bench.gpu.engine_bench "${SIZE[@]}" --shape qwen3-8b --budget-s 90 \
   --out "$OUT/engine-qwen3-8b.json"
 # Qwen3.5-4B: hybrid (Gated DeltaNet + gated attention); its 256-dim attention heads take the CUDA-core attention
-# path. No CUDA-graph overhead probe: the hybrid decoder plans its linear layers on the host per batch.
+# path. No overhead probe (--no-overhead).
 stage engine35 100 "$RUNLOG" -- "$PY" -m bench.gpu.engine_bench "${SIZE[@]}" --shape qwen3.5-4b --budget-s 80 \
   --no-overhead --out "$OUT/engine-qwen3.5-4b.json"
 stage grpc 50 "$RUNLOG" -- "$PY" -m bench.gpu.grpc_bench "${SIZE[@]}" --shape qwen3-0.6b --out "$OUT/grpc.json"

@@ -11,15 +11,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine, spawned_server, write_report
+from bench.common import machine, spawned_server
 from bench.dataset import Dataset, Question
-from bench.loadgen import closed_loop, percentile
+from bench.loadgen import closed_loop
+from bench.summary import percentile, write_json, write_report
 from bench.targets import GrpcTarget, PyscoreHTTPTarget, Target
 
 
@@ -115,8 +115,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if http_address is None:
             raise SystemExit("--http goes with --grpc")
         results = asyncio.run(run(grpc_address, http_address, a))
-    out.with_suffix(".json").write_text(json.dumps({"machine": machine(), "args": vars(a), "results": results},
-                                                   indent=1))
+    write_json(out.with_suffix(".json"), {"machine": machine(), "args": vars(a), "results": results})
     write_report(report(results, a), out.with_suffix(".txt"))
 
 

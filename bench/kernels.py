@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import machine, median_ms
+from bench.summary import write_report
 from pyscore.ops import (
     AttentionPlan,
     SegmentTable,
@@ -435,8 +436,7 @@ def main() -> None:
     for name in args.only:
         lines += [*sections[name](), ""]
         print(flush=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines).rstrip() + "\n")
+    write_report(lines, out, echo=False)
     print(f"written to {out}")
 
 

@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.common import machine, write_report
-from pyscore.ops import PlainLinear, _ext, linear, pack_linear
+from bench.common import machine
+from bench.summary import write_report
+from pyscore.ops import PlainLinear, _ext, linear, pack_linear, tiers
 from pyscore.ops.linear import DECODE_ROWS, PREFILL_ROWS
 
 SHAPES = {"smollm-gate_up": (576, 3072), "smollm-down": (1536, 576), "qwen3-8b-qkv": (4096, 6144),
@@ -49,7 +50,9 @@ def contenders(x: torch.Tensor, w: torch.Tensor, rows: int) -> dict[str, Callabl
         os.environ["PYSCORE_CPU_TIER"] = "avx2"  # a tier whose linear is torch's
         return linear(x, plain, rows_per_call=rows)
 
-    runs = {f"ours@{t}": ours(t) for t in tiers_here()}
+    # ours at the tiers whose linear is ours (elsewhere it is the portable loop, which the table never picks)
+    runs = {f"ours@{t}": ours(t) for t in tiers_here()
+            if tiers.cpu_choice("linear", t, x.dtype).path == "kernel"}
     runs["torch F.linear"] = lambda: F.linear(x, w)
     runs[f"torch path ({rows}-row calls)"] = torch_path
     return runs

@@ -13,7 +13,6 @@ dispatched), as is `server_compute_ms` (Usage.compute_duration).
 from __future__ import annotations
 
 import asyncio
-import math
 import random
 import time
 from collections.abc import Sequence
@@ -21,11 +20,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from bench.dataset import BUCKETS, Question
+from bench.summary import Summary
 from bench.targets import Target
 
 # Dispatch lag (p99) above which an open-loop run warns that the client, not the server, shaped the latencies:
 # more than 5 ms and more than 2 % of the run's median time to decision.
 LAG_WARN_MS, LAG_WARN_FRACTION = 5.0, 0.02
+LATENCY_STATS = ("p50", "p90", "p95", "p99", "mean")  # each latency's fields in summary.json
 
 
 @dataclass
@@ -74,29 +75,10 @@ class RunResult:
 
 
 # --- arithmetic ------------------------------------------------------------------------------------------
-def percentile(values: Sequence[float], p: float) -> float:
-    """The p-th percentile (0-100) by linear interpolation between closest ranks (numpy's default method);
-    NaN for no values."""
-    if not values:
-        return math.nan
-    xs = sorted(values)
-    rank = (len(xs) - 1) * p / 100
-    lo = math.floor(rank)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (rank - lo)
-
-
 def latency_stats(values: Sequence[float]) -> dict[str, float | None]:
-    """{p50, p90, p95, p99, mean} in the values' unit; None (JSON null) for no values."""
-    if not values:
-        return {k: None for k in ("p50", "p90", "p95", "p99", "mean")}
-    stats = {f"p{p}": percentile(values, p) for p in (50, 90, 95, 99)}
-    return stats | {"mean": sum(values) / len(values)}
-
-
-def achieved_qps(num_successes: int, wall_s: float) -> float:
-    """Decisions per second over the whole run, drain included: successes / wall time."""
-    return num_successes / wall_s if wall_s > 0 else 0.0
+    """{p50, p90, p95, p99, mean} in the values' unit (bench.summary's percentile); None (JSON null) for no
+    values."""
+    return Summary.of(values).pick(*LATENCY_STATS, empty=None)
 
 
 def poisson_schedule(qps: float, num_arrivals: int, seed: int = 0) -> list[float]:
@@ -115,16 +97,17 @@ def poisson_schedule(qps: float, num_arrivals: int, seed: int = 0) -> list[float
 def summarize_records(records: Sequence[Record], wall_s: float) -> dict[str, Any]:
     """The measured part of summary.json."""
     good = [r for r in records if r.ok]
+    e2e = Summary.of([r.e2e_ms for r in good], errors=len(records) - len(good), wall_s=wall_s)
     decided = [r for r in good if r.correct is not None]
     bucket_stats = {str(b): latency_stats([r.e2e_ms for r in good if r.bucket == b]) for b in BUCKETS}
     count_by_bucket = {str(b): sum(r.bucket == b for r in good) for b in BUCKETS}
     return {
         "num_questions": len(records),
-        "num_errors": len(records) - len(good),
+        "num_errors": e2e.errors,
         "errors": sorted({r.error for r in records if r.error})[:5],
         "wall_s": wall_s,
-        "achieved_qps": achieved_qps(len(good), wall_s),
-        "end_to_end_latency_ms": latency_stats([r.e2e_ms for r in good]),
+        "achieved_qps": e2e.throughput,
+        "end_to_end_latency_ms": e2e.pick(*LATENCY_STATS, empty=None),
         "service_latency_ms": latency_stats([r.service_ms for r in good]),
         "queueing_delay_ms": latency_stats([r.server_queue_ms for r in good if r.server_queue_ms is not None]),
         "server_compute_ms": latency_stats([r.server_compute_ms for r in good if r.server_compute_ms is not None]),

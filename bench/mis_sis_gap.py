@@ -11,7 +11,6 @@ kept in fp32 (an experiment on the reference ops: x in fp32, GEMM inputs in bf16
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ import torch
 import pyscore.model.decoder as decoder_module
 from bench.common import REPO as ROOT
 from bench.common import machine, question
+from bench.summary import Summary, write_json, write_report
 from pyscore.engine import Engine
 
 LABELS = [" Yes", " No"]
@@ -61,9 +61,9 @@ def collect(engine: Engine, questions: list[tuple[str, list[str]]], modes: tuple
 
 
 def distribution(values: list[float]) -> dict[str, float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    return {k: float(v) for k, v in (("median", t.median()), ("p90", t.quantile(0.9)), ("p99", t.quantile(0.99)),
-                                     ("max", t.max()), ("mean", t.mean()))}
+    """median (p50), p90, p99, max and mean (bench.summary's percentile)."""
+    s = Summary.of(values)
+    return dict(median=s.p50, p90=s.p90, p99=s.p99, max=s.max, mean=s.mean)
 
 
 def gaps(a: list[float], b: list[float]) -> dict[str, float]:
@@ -106,11 +106,8 @@ def main() -> None:
                        mis_vs_fp32_sis=gaps(run["mis"][kind], truth[kind][:n]),
                        sis_vs_fp32_sis=gaps(run["sis"][kind], truth[kind][:n]))
             for kind in ("label", "vocab")}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(dict(report, raw=runs), indent=1))
-    text = render(report)
-    args.out.with_suffix(".txt").write_text(text)
-    print(text)
+    write_json(args.out.with_suffix(".json"), dict(report, raw=runs))
+    write_report(render(report), args.out.with_suffix(".txt"))
 
 
 def render(r: dict[str, Any]) -> str:

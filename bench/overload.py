@@ -7,7 +7,7 @@ round and not in the second is a high-water mark, not a leak. Writes a JSON and 
 
     python -m bench.overload [--duration 60] [--factor 3] [--max-queue 16] [--out bench/results/hardening]
 
-The helpers here (percentiles, references) are shared with bench/soak.py; the server process is bench.common's.
+The helpers here (latency summaries, references) are shared with bench/soak.py; the server process is bench.common's.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import random
 import shlex
@@ -28,6 +27,7 @@ from typing import Any
 import grpc
 
 from bench.common import REPO, ServerProcess, question, spawn_server
+from bench.summary import Summary, write_json, write_report
 from pyscore.client import AsyncScorerClient, ScorerClient
 from pyscore.types import ScoreResult
 
@@ -78,16 +78,10 @@ def mis_cases(n: int, items: int) -> list[ScoreCase]:
     return out
 
 
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
 def ms(values: list[float]) -> dict[str, float]:
-    return {k: round(v * 1e3, 1) for k, v in (("p50", pct(values, 50)), ("p95", pct(values, 95)),
-                                              ("p99", pct(values, 99)), ("max", max(values, default=float("nan"))))}
+    """p50, p95, p99 and max in ms (1 decimal; NaN for none) of latencies in seconds (bench.summary's
+    percentile)."""
+    return Summary.of(values, scale=1e3).pick("p50", "p95", "p99", "max", digits=1)
 
 
 async def closed_loop_capacity(target: str, cases: list[ScoreCase], concurrency: int, seconds: float) -> float:
@@ -235,10 +229,8 @@ def main() -> None:
         usage_of_one_request=asdict(usage) if usage else None, alone_latency_ms=ms(alone_s),
         capacity_rps=round(capacity, 3), offered_rps=round(rate, 3), rss_mb_before=round(rss_before, 1),
         server_exit_code=exit_code, rounds=rounds)
-    (args.out / "overload.json").write_text(json.dumps(result, indent=1))
-    text = report(result)
-    (args.out / "overload.txt").write_text(text)
-    print(text)
+    write_json(args.out / "overload.json", result)
+    write_report(report(result), args.out / "overload.txt")
 
 
 def report(r: dict[str, Any]) -> str:

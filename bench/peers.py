@@ -36,6 +36,7 @@ from typing import Any
 from bench import loadgen, serving
 from bench.common import machine, machine_info, spawned_server
 from bench.dataset import Question, synthetic_question
+from bench.summary import write_json, write_report
 from bench.targets import Target, make_target
 
 # What each side runs: report label -> target path.
@@ -402,9 +403,9 @@ def run(plan: Plan, servers: ServerFactory, out: Path, idle: Callable[[], float]
             phases += got
             rec.writelines(json.dumps(r) + "\n" for r in records)
     meta["took_s"] = time.monotonic() - t0
-    (out / "peers.json").write_text(json.dumps({"meta": meta, "phases": phases}, indent=2) + "\n")
+    write_json(out / "peers.json", {"meta": meta, "phases": phases}, indent=2)
     report = out / "report.md"
-    report.write_text(render(meta, phases, plan))
+    write_report(render(meta, phases, plan), report, echo=False)
     return report
 
 

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
-import statistics
 import tempfile
 import time
 import urllib.request
@@ -31,6 +29,7 @@ from bench import prompts
 from bench.common import WORDS, git_commit, machine, machine_info, spawned_server
 from bench.dataset import Question
 from bench.loadgen import open_loop, poisson_schedule, summarize_records
+from bench.summary import percentile, write_json
 from bench.targets import GrpcTarget
 from pyscore.engine import Engine
 from pyscore.types import GenerateRequest, Usage
@@ -103,7 +102,7 @@ def closed_loop_row(engine: Engine, path: str, qs: list[Question]) -> dict[str, 
             t0 = time.perf_counter()
             usage[kind] = run(engine, q, kind == "cold")
             times[kind].append((time.perf_counter() - t0) * 1e3)
-    p50 = {k: statistics.median(v) for k, v in times.items()}
+    p50 = {k: percentile(v, 50) for k, v in times.items()}
     tokens = {k: (sum(u.computed_tokens for u in us), sum(u.cached_tokens for u in us)) for k, us in usage.items()}
     return dict(path=path, candidates=qs[0].num_candidates, cold_ms=p50["cold"], warm_ms=p50["warm"],
                 speedup=p50["cold"] / p50["warm"], cold_all=times["cold"], warm_all=times["warm"],
@@ -224,8 +223,7 @@ def main() -> None:
     if args.only != "closed":
         result.update(served(engine, args))  # the engine only tokenizes there; the servers do the work
     out = Path(args.out or f"bench/results/prefix_cache_cpu{'_' + args.only if args.only else ''}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_json(out, result, indent=2)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 import pyscore.engine as engine_module
 import pyscore.model.decoder as decoder_module
-from bench.common import machine, question, write_report
+from bench.common import machine, question
+from bench.summary import write_report
 from pyscore.engine import Engine
 from pyscore.ops import AttentionPlan, _ext
 

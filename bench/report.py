@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.dataset import BUCKETS
+from bench.summary import write_report
 
 SLO_MS = 1000.0
 PATH_ORDER = ("mis", "sis", "generate", "setwise", "fused")
@@ -90,6 +91,13 @@ def ms(x: float | None) -> str:
 def spread_ms(point: Point, *keys: str) -> str:
     s = point.spread(*keys)
     return "" if s is None or len(point.runs) < 2 else f" ({s[0]:,.0f}–{s[1]:,.0f})"
+
+
+def e2e_cells(point: Point) -> str:
+    """The p50 | p95 (min–max) | p99 cells of a point's time to decision: medians over its repetitions."""
+    e2e = "end_to_end_latency_ms"
+    return (f"{ms(point.median(e2e, 'p50'))} | {ms(point.median(e2e, 'p95'))}{spread_ms(point, e2e, 'p95')}"
+            f" | {ms(point.median(e2e, 'p99'))}")
 
 
 def label(point: Point, many_targets: bool) -> str:
@@ -167,10 +175,9 @@ def closed_table(points: Sequence[Point], many: bool) -> list[str]:
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for p in rows:
         acc = p.median("accuracy")
-        lines.append(f"| {label(p, many)} | {p.load:g} | {len(p.runs)} | {ms(p.median('end_to_end_latency_ms', 'p50'))}"
-                     f" | {ms(p.median('end_to_end_latency_ms', 'p95'))}{spread_ms(p, 'end_to_end_latency_ms', 'p95')}"
-                     f" | {ms(p.median('end_to_end_latency_ms', 'p99'))} | {p.median('achieved_qps') or 0:.2f}"
-                     f" | {p.errors}/{p.questions} | {'–' if acc is None else f'{acc:.2f}'} |")
+        lines.append(f"| {label(p, many)} | {p.load:g} | {len(p.runs)} | {e2e_cells(p)} | "
+                     f"{p.median('achieved_qps') or 0:.2f} | {p.errors}/{p.questions} | "
+                     f"{'–' if acc is None else f'{acc:.2f}'} |")
     return [*lines, ""]
 
 
@@ -185,10 +192,7 @@ def open_table(points: Sequence[Point], many: bool) -> list[str]:
              "| path | offered q/s | achieved q/s | p50 | p95 | p99 | dispatch lag p99 | errors |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for p in rows:
-        lines.append(f"| {label(p, many)} | {p.load:g} | {p.median('achieved_qps') or 0:.2f}"
-                     f" | {ms(p.median('end_to_end_latency_ms', 'p50'))}"
-                     f" | {ms(p.median('end_to_end_latency_ms', 'p95'))}{spread_ms(p, 'end_to_end_latency_ms', 'p95')}"
-                     f" | {ms(p.median('end_to_end_latency_ms', 'p99'))}"
+        lines.append(f"| {label(p, many)} | {p.load:g} | {p.median('achieved_qps') or 0:.2f} | {e2e_cells(p)}"
                      f" | {p.median('dispatch_lag_ms', 'p99') or 0:.1f} | {p.errors}/{p.questions} |")
     worst = max(rows, key=lambda p: (p.median("dispatch_lag_ms", "p99") or 0)
                 / max(p.median("end_to_end_latency_ms", "p50") or 1, 1))
@@ -255,7 +259,7 @@ def write_markdown(results_dir: Path, summaries: Sequence[dict[str, Any]], point
     lines += closed_table(points, many) + open_table(points, many)
     lines += ["## Plots", ""] + [f"![{name}]({name})" for name in plots] + [""]
     path = results_dir / "report.md"
-    path.write_text("\n".join(lines))
+    write_report(lines, path, echo=False)
     return path
 
 

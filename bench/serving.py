@@ -26,6 +26,7 @@ from typing import Any
 from bench import loadgen
 from bench.common import git_commit, machine_info, spawned_server
 from bench.dataset import Dataset, Question
+from bench.summary import percentile, write_json
 from bench.targets import PATHS, Target, make_target
 
 
@@ -120,8 +121,7 @@ def write_run(out: Path, summary: dict[str, Any], records: Sequence[loadgen.Reco
     target_slug = re.sub(r"[^A-Za-z0-9._-]+", "_", summary["target"])
     point = LoadPoint(summary["concurrency"], summary["target_qps"])
     run_dir = out / "runs" / target_slug / summary["path"] / point.name / f"rep{summary['rep']}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_json(run_dir / "summary.json", summary, indent=2)
     (run_dir / "records.jsonl").write_text("".join(json.dumps(r.to_json()) + "\n" for r in records))
     return run_dir
 
@@ -165,7 +165,7 @@ async def sweep(target: Target, paths: Sequence[str], points: Sequence[LoadPoint
                 p95s.append(summary["end_to_end_latency_ms"]["p95"] or math.inf)
                 if summary["num_errors"]:
                     p95s[-1] = math.inf
-            if slo_ms is not None and point.qps is not None and sorted(p95s)[len(p95s) // 2] > slo_ms:
+            if slo_ms is not None and point.qps is not None and percentile(p95s, 50) > slo_ms:
                 over_slo = True
     return summaries
 
@@ -173,7 +173,7 @@ async def sweep(target: Target, paths: Sequence[str], points: Sequence[LoadPoint
 def collect(out: Path) -> list[dict[str, Any]]:
     """All summaries under `out/runs`, written to `out/results.json`."""
     summaries = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("**/summary.json"))]
-    (out / "results.json").write_text(json.dumps(summaries, indent=2) + "\n")
+    write_json(out / "results.json", summaries, indent=2)
     return summaries
 
 

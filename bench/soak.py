@@ -36,6 +36,7 @@ import grpc
 
 from bench.common import REPO, ServerProcess, machine, question, spawn_server
 from bench.overload import TOLERANCE, ScoreCase, machine_load, max_diff, ms, score_alone
+from bench.summary import write_json, write_report
 from pyscore.client import AsyncScorerClient, ScorerClient
 
 MARKER = " ###"  # one token in SmolLM2's vocabulary
@@ -342,11 +343,9 @@ def main() -> None:
                   machine=dict(before=load_before, after=machine_load()), config=dict(vars(args), out=str(args.out)),
                   capacity_rps=round(cap, 3), offered_rps=round(rate, 3), samples=samples, memory=memory,
                   rss_verdict=verdict, server_exit_code=exit_code, **summarize(outcomes, args.minutes))
-    (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
-    text = report(result) + "\n".join(memory_report(memory, verdict)) + "\n"
-    (args.out / f"{name}.txt").write_text(text)
+    write_json(args.out / f"{name}.json", result)
     plot(samples, memory, f"{name}: {args.minutes:g} min, {result['cpu']}", args.out / f"{name}_rss.png")
-    print(text)
+    write_report(report(result) + "\n".join(memory_report(memory, verdict)), args.out / f"{name}.txt")
 
 
 if __name__ == "__main__":

@@ -1,83 +1,42 @@
-"""Generation: validation of a GenerateRequest, the per-sequence state (KV cache, emitted tokens, stop handling,
-streamed deltas), the next-token choice with top-k logprobs, and the runner that steps sequences over the
-decoder (prefill, decode, token choice, cache bookkeeping). A prompt's leading full blocks found in the prefix
-cache are copied into the sequence's KV cache and only the rest is prefilled; the blocks it computes are offered to
-the prefix cache. Reported logprobs are those of the model's raw distribution (before temperature / top-k /
-top-p). Like the engine, the runner is not thread-safe.
+"""Generation: a sequence's state (waiting for its prefill, running with a KV cache, finished) and the runner
+that steps sequences over the decoder (prefill, decode, cache bookkeeping). A prompt's leading full blocks found
+in the prefix cache are copied into the sequence's KV cache and only the rest is prefilled; the blocks it
+computes are offered to the prefix cache. Like the engine, the runner is not thread-safe.
 
-Stop strings. Generation ends at the first occurrence of any stop string in the generated text: `text` is
-everything before it (the stop string is not included); `token_ids` and `logprobs` are the fewest generated
-tokens whose text covers `text` — the last one may reach into the stop string, none begins at or after it.
-An end-of-sequence token is never part of the result. Streamed chunks carry exactly these tokens and this
-text, in order, and each chunk's text is what its tokens add (a token is held back until its text is final:
-not an incomplete UTF-8 character, and not possibly the start of a stop string), except that the last chunk
-of a stopped generation ends its text at the stop.
+Its parts live beside it: request validation in `pyscore.gen_validate`, the stop-string and streaming text rule
+in `pyscore.gen_text`, the next-token choice (sampling, raw-distribution logprobs) in `pyscore.gen_sampling`.
+Their public names are importable from here too.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from pyscore.errors import FailedPrecondition, InvalidArgument, PassInterrupted
+from pyscore.errors import FailedPrecondition, PassInterrupted
+from pyscore.gen_sampling import Choice, NonFiniteLogits, choose_tokens
+from pyscore.gen_text import StopText
+from pyscore.gen_validate import MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, validate_generate
 from pyscore.model.decoder import Decoder, KVCache
 from pyscore.model.packing import Group, pack
 from pyscore.model.prefix_cache import PrefixCache, pass_lease
-from pyscore.types import (
-    MAX_STOP_LENGTH,
-    MAX_STOP_STRINGS,
-    MAX_TOP_LOGPROBS,
-    GenerateRequest,
-    GenerateResult,
-    TokenLogprob,
-    TopLogprob,
-    Usage,
-)
+from pyscore.types import GenerateRequest, GenerateResult, TokenLogprob, Usage
+
+__all__ = ["MAX_STOP_LENGTH", "MAX_STOP_STRINGS", "MAX_TOP_LOGPROBS", "Choice", "Generation", "GenerationRunner",
+           "NonFiniteLogits", "SeqState", "choose_tokens", "eos_token_ids", "validate_generate"]
 
 
-def validate_generate(req: GenerateRequest, tokenizer: Any, vocab_size: int, max_context: int) -> list[int]:
-    """Checks every field and returns the prompt's token ids."""
-    if req.prompt and req.prompt_token_ids:
-        raise InvalidArgument("prompt", "give prompt or prompt_token_ids, not both")
-    if not req.prompt and not req.prompt_token_ids:
-        raise InvalidArgument("prompt", "is empty: give prompt or prompt_token_ids")
-    if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise InvalidArgument("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
-    if not math.isfinite(req.temperature) or req.temperature < 0:
-        raise InvalidArgument("temperature", f"must be a finite number >= 0, got {req.temperature}")
-    if not (math.isfinite(req.top_p) and 0 < req.top_p <= 1):
-        raise InvalidArgument("top_p", f"must be in (0, 1], got {req.top_p}")
-    if req.top_k < 0:
-        raise InvalidArgument("top_k", f"must be >= 0 (0 = off), got {req.top_k}")
-    if len(req.stop) > MAX_STOP_STRINGS:
-        raise InvalidArgument("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(req.stop)}")
-    if any(not s or len(s) > MAX_STOP_LENGTH for s in req.stop):
-        raise InvalidArgument("stop", f"stop strings must be 1..{MAX_STOP_LENGTH} characters")
-    if req.prompt_token_ids:
-        if req.apply_chat_template:
-            raise InvalidArgument("apply_chat_template", "applies to a text prompt, not prompt_token_ids")
-        bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise InvalidArgument("prompt_token_ids", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-        prompt = [int(t) for t in req.prompt_token_ids]
-    elif req.apply_chat_template:
-        if not getattr(tokenizer, "chat_template", None):
-            raise FailedPrecondition("apply_chat_template", "this model's tokenizer has no chat template")
-        prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": req.prompt}], tokenize=True,
-                                                    add_generation_prompt=True, return_dict=False))
-    else:
-        prompt = list(tokenizer(req.prompt, add_special_tokens=True)["input_ids"])
-    if req.max_tokens <= 0:
-        raise InvalidArgument("max_tokens", f"must be > 0, got {req.max_tokens}")
-    if len(prompt) + req.max_tokens > max_context:
-        raise InvalidArgument("max_tokens", f"prompt ({len(prompt)} tokens) + max_tokens ({req.max_tokens}) "
-                              f"exceeds the model's context of {max_context}")
-    return prompt
+class SeqState(enum.Enum):
+    """Where a sequence is: WAITING for its prefill (no KV cache yet), RUNNING (decodes against `cache`), or
+    FINISHED (`finish_reason` says why; the cache is freed)."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
 
 
 @dataclass
@@ -87,72 +46,60 @@ class Generation:
     tokenizer: Any
     eos_ids: frozenset[int]
     generator: torch.Generator | None
-    cache: KVCache | None = None
-    token_ids: list[int] = field(default_factory=list)  # the result's tokens (see the module's stop rule)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+    state: SeqState = SeqState.WAITING
+    cache: KVCache | None = None  # set exactly while RUNNING
     finish_reason: str | None = None
     error: Exception | None = None  # set when this sequence failed; its batch-mates go on
     cached_tokens: int = 0  # prompt tokens the prefill read from the prefix cache
-    text: str = ""
     computed: int = 0  # tokens generated (eos excluded), including any cut off by a stop string
-    _covers: list[int] = field(default_factory=list)  # [i]: characters of text final after token_ids[: i + 1]
-    _whole: list[bool] = field(default_factory=list)  # [i]: token_ids[: i + 1] ends on a whole character
-    _sent_tokens: int = 0
-    _sent_chars: int = 0
+    out: StopText = field(init=False)  # the result's tokens and text (see pyscore.gen_text's rule)
+
+    def __post_init__(self) -> None:
+        self.out = StopText(self.request.stop, self.tokenizer)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.out.token_ids
+
+    @property
+    def logprobs(self) -> list[TokenLogprob]:
+        return self.out.logprobs
+
+    @property
+    def text(self) -> str:
+        return self.out.text
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return self.state is SeqState.FINISHED
+
+    def run_with(self, cache: KVCache) -> None:
+        """The sequence's first pass succeeded: it now decodes against `cache`."""
+        self.cache, self.state = cache, SeqState.RUNNING
+
+    def _finish(self, reason: str) -> None:
+        self.finish_reason = self.finish_reason or reason
+        self.state, self.cache = SeqState.FINISHED, None  # free the KV cache as soon as the sequence ends
 
     def fail(self, error: Exception) -> None:
         """Marks the generation finished without a result (its request failed); frees the cache."""
         self.error = error
-        self.finish_reason = self.finish_reason or "error"
-        self.cache = None
+        self._finish("error")
 
     def append(self, token: int, logprob: TokenLogprob) -> None:
         """Records the chosen token and decides whether generation is over (eos / stop / length)."""
         if token in self.eos_ids:
-            self.finish_reason = "eos"
-        else:
-            self.computed += 1
-            self.token_ids.append(token)
-            self.logprobs.append(logprob)
-            self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-            final = self.text.rstrip("\ufffd")  # an incomplete UTF-8 tail is not final yet
-            self._covers.append(len(final))
-            self._whole.append(len(final) == len(self.text))
-            cut = min((i for i in (self.text.find(s) for s in self.request.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                self._stop_at(cut)
-            elif len(self.token_ids) >= self.request.max_tokens:
-                self.finish_reason = "length"
-        if self.finished:
-            self.cache = None  # free the KV cache as soon as the sequence ends
-
-    def _stop_at(self, cut: int) -> None:
-        """Ends the text at character `cut` and keeps the fewest tokens that cover it."""
-        keep = bisect.bisect_left(self._covers, cut) + 1 if cut else 0
-        del self.token_ids[keep:], self.logprobs[keep:], self._covers[keep:], self._whole[keep:]
-        self.text, self.finish_reason = self.text[:cut], "stop"
+            self._finish("eos")
+            return
+        self.computed += 1
+        if self.out.add(token, logprob):
+            self._finish("stop")
+        elif len(self.out.token_ids) >= self.request.max_tokens:
+            self._finish("length")
 
     def take_delta(self) -> tuple[list[int], list[TokenLogprob], str]:
-        """The tokens, their logprobs and the text that became final since the last call: tokens that end on a
-        whole character before the last (longest stop - 1) characters, which might begin a stop string; on the
-        last call, everything left."""
-        if self.finished:
-            tokens, chars = len(self.token_ids), len(self.text)
-        else:
-            hold = max((len(s) - 1 for s in self.request.stop), default=0)
-            tokens = bisect.bisect_right(self._covers, self._covers[-1] - hold) if self._covers else 0
-            while tokens > self._sent_tokens and not self._whole[tokens - 1]:
-                tokens -= 1
-            tokens = max(tokens, self._sent_tokens)
-            chars = self._covers[tokens - 1] if tokens else 0
-        delta = (self.token_ids[self._sent_tokens : tokens], self.logprobs[self._sent_tokens : tokens],
-                 self.text[self._sent_chars : chars])
-        self._sent_tokens, self._sent_chars = tokens, chars
-        return delta
+        """What became final since the last call (pyscore.gen_text's streaming rule)."""
+        return self.out.take_delta(self.finished)
 
     def result(self) -> GenerateResult:
         return GenerateResult(text=self.text, token_ids=list(self.token_ids), logprobs=list(self.logprobs),
@@ -160,60 +107,6 @@ class Generation:
                               usage=Usage(prompt_tokens=len(self.prompt),
                                           computed_tokens=len(self.prompt) - self.cached_tokens + self.computed,
                                           cached_tokens=self.cached_tokens))
-
-
-class NonFiniteLogits(RuntimeError):
-    """The model produced NaN or inf logits for one sequence (its generation stops; INTERNAL for its caller)."""
-
-
-def _filtered_logits(logits: torch.Tensor, req: GenerateRequest) -> torch.Tensor:
-    """Temperature, top-k and top-p applied to one row of finite fp32 logits [V]. The row's maximum is
-    subtracted before dividing by the temperature, so no temperature > 0 can overflow: every value is <= 0,
-    and as T -> 0 the distribution tends to the argmax instead of inf / inf = NaN."""
-    logits = (logits - logits.max()) / req.temperature
-    if req.top_k:
-        kth = torch.topk(logits, min(req.top_k, logits.shape[-1])).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if req.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cumulative - sorted_logits.softmax(-1) >= req.top_p  # keep the smallest set reaching top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return logits
-
-
-Choice = tuple[int, TokenLogprob]
-
-
-def choose_tokens(logits: torch.Tensor, gens: list[Generation], tokenizer: Any) -> list[Choice | Exception]:
-    """logits [B, V] (any dtype) -> per generation its next token and logprob entry, or the exception that
-    fails that sequence alone (NonFiniteLogits for a NaN / inf row)."""
-    logits = logits.float()
-    finite = torch.isfinite(logits).all(dim=-1).tolist()
-    logp = torch.log_softmax(logits, dim=-1)
-    out: list[Choice | Exception] = []
-    for row, gen in enumerate(gens):
-        if not finite[row]:
-            out.append(NonFiniteLogits(f"the model's logits for this sequence are not finite (NaN or inf) at "
-                                       f"generated token {len(gen.token_ids) + 1}; its generation stopped"))
-            continue
-        out.append(_choose(logits[row], logp[row], gen.request, gen.generator, tokenizer))
-    return out
-
-
-def _choose(logits: torch.Tensor, logp: torch.Tensor, req: GenerateRequest, generator: torch.Generator | None,
-            tokenizer: Any) -> Choice:
-    """One row: the next token (greedy or sampled) and its logprob entry with the top alternatives."""
-    if req.temperature == 0:
-        token = int(torch.argmax(logits))
-    else:
-        probs = _filtered_logits(logits, req).softmax(-1)
-        token = int(torch.multinomial(probs, 1, generator=generator))
-    top = []
-    if req.top_logprobs:
-        values, ids = torch.topk(logp, req.top_logprobs)
-        top = [TopLogprob(int(i), tokenizer.decode([int(i)]), float(v)) for v, i in zip(values, ids, strict=True)]
-    return token, TokenLogprob(token, tokenizer.decode([token]), float(logp[token]), top)
 
 
 def eos_token_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
@@ -257,8 +150,8 @@ class GenerationRunner:
     def step(self, generations: list[Generation]) -> None:
         """Advances every running generation by one token and prefills (which yields the first token) as many
         new ones as the prefill budget allows."""
-        new = [g for g in generations if not g.finished and g.cache is None]
-        running = [g for g in generations if not g.finished and g.cache is not None]
+        new = [g for g in generations if g.state is SeqState.WAITING]
+        running = [g for g in generations if g.state is SeqState.RUNNING]
         prefill = self._within_prefill_budget(new)
         if prefill:
             self._together_or_alone(self._prefill, prefill)
@@ -362,5 +255,5 @@ class GenerationRunner:
                 g.fail(choice)
                 continue
             commit(cache, g)
-            g.cache = cache
+            g.run_with(cache)
             g.append(*choice)

@@ -1,22 +1,21 @@
 """What the GPU benchmarks share: device synchronisation, timing (CUDA events on the GPU, the host clock on the
-CPU), percentile summaries, the measured H200 ceilings, and JSON written atomically after every step so a stage
-killed by its timeout still leaves what it measured."""
+CPU), summaries (bench.summary's percentile) and the measured H200 ceilings. The benchmarks write their JSON with
+bench.summary.write_json (atomic) after every step, so a stage killed by its timeout still leaves what it
+measured."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from bench.common import cpu
+from bench.summary import Summary
 
 # Measured on this workplace's H200s (.library/device/KINDS.md, 2026-10-28 and 2026-11-04): bf16 8192^3 matmul
 # on random data, and a device-to-device copy counting bytes read plus written. Floors below use these.
@@ -29,22 +28,10 @@ def sync(device: torch.device | str) -> None:
         torch.cuda.synchronize()
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    s = sorted(values)
-    if not s:
-        return float("nan")
-    pos = (len(s) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
 def summarize(times_ms: list[float]) -> dict[str, Any]:
-    return dict(n=len(times_ms), p50=percentile(times_ms, 50), p95=percentile(times_ms, 95),
-                mean=statistics.fmean(times_ms) if times_ms else float("nan"),
-                min=min(times_ms, default=float("nan")), max=max(times_ms, default=float("nan")),
-                all=[round(t, 4) for t in times_ms])
+    """n, p50, p95, mean, min, max (bench.summary's percentile) and every time."""
+    s = Summary.of(times_ms)
+    return dict(n=s.count, p50=s.p50, p95=s.p95, mean=s.mean, min=s.min, max=s.max, all=[round(t, 4) for t in times_ms])
 
 
 def wall_ms(fn: Callable[[], object], device: torch.device | str) -> float:
@@ -85,15 +72,6 @@ def environment(device: torch.device | str) -> dict[str, Any]:
         props = torch.cuda.get_device_properties(torch.device(device))
         env.update(gpu=props.name, sms=props.multi_processor_count, gpu_mem_gib=round(props.total_memory / 2**30, 1))
     return env
-
-
-def write_json(path: str | Path, data: Any) -> None:
-    """Atomic: a reader (or a timeout kill) never sees half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    os.replace(tmp, path)
 
 
 def add_run_args(p: argparse.ArgumentParser, what: str) -> None:

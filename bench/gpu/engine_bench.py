@@ -1,7 +1,6 @@
 """In-process engine benchmark on a random-weight Qwen3-shaped model: time to decision at concurrency 1 for
 Generate, SIS and MIS at 2/5/9/16 candidates (p50/p95 over distinct token-id questions), MIS(16)/MIS(2), the
-MIS-vs-SIS score difference, and where the time of a 16-candidate MIS goes (host enqueue vs device; the
-decoder replayed as a CUDA graph).
+MIS-vs-SIS score difference, and where the time of a 16-candidate MIS goes (host enqueue vs device).
 
 Generate: one GenerateRequest (max_tokens=1) per candidate, all prefilled in one `engine.step` batch — the
 in-process equivalent of every candidate in flight at once; the decision exists when every first token is out.
@@ -18,8 +17,6 @@ import time
 from functools import partial
 from typing import Any
 
-import torch
-
 from bench.gpu.common import (
     H200_BF16_FLOPS,
     H200_BYTES_PER_S,
@@ -31,10 +28,10 @@ from bench.gpu.common import (
     summarize,
     sync,
     wall_ms,
-    write_json,
 )
 from bench.gpu.models import SHAPES, Shape, build_random_engine
 from bench.gpu.workload import IdQuestion, id_questions, labels_for
+from bench.summary import write_json
 from pyscore.engine import Engine, set_threads
 from pyscore.model.packing import pack
 from pyscore.types import GenerateRequest, ScoreRequest
@@ -89,8 +86,7 @@ def mis_sis_difference(engine: Engine, q: IdQuestion, labels: list[int]) -> dict
 
 def overhead_probe(engine: Engine, q: IdQuestion, labels: list[int], reps: int) -> dict[str, Any]:
     """Where a pointwise MIS decision's time goes: host-side preparation and packing, the decoder (host enqueue
-    time vs. the synchronised total: equal means the GPU waits on Python launches), the label read-out, and the
-    decoder replayed from a CUDA graph (what launch-overhead cuts can reach)."""
+    time vs. the synchronised total: equal means the GPU waits on Python launches) and the label read-out."""
     decoder, device = engine.decoder, engine.decoder.device
     request = ScoreRequest(query=q.query, items=q.items, label_token_ids=labels, mode="mis")
     prepared = engine.prepare_score(request)
@@ -118,54 +114,7 @@ def overhead_probe(engine: Engine, q: IdQuestion, labels: list[int], reps: int) 
     hidden = decoder.hidden_at(batch)
     out["readout_ms"] = summarize(device_ms(lambda: engine._row_scores(hidden, [prepared] * hidden.shape[0]),
                                             device, reps))["p50"]
-    if device.type == "cuda":
-        out.update(graph_probe(engine, q, labels, reps))
-    else:
-        out["graph"] = "skipped: CUDA graphs need a GPU"
     return out
-
-
-def graph_probe(engine: Engine, q: IdQuestion, labels: list[int], reps: int) -> dict[str, Any]:
-    """Replays Decoder.hidden_at from a CUDA graph (bucketed shape) and checks it against eager on questions with
-    other segment tables of the same bucket. Any failure is recorded, not raised."""
-    from bench.gpu.graphs import GraphedDecoder, bucket_of
-
-    decoder = engine.decoder
-    batch = pack(engine.prepare_score(ScoreRequest(query=q.query, items=q.items, label_token_ids=labels)).groups())
-    out: dict[str, Any] = dict(bucket=list(bucket_of(batch)))
-    for mode in ("global", "relaxed"):
-        try:
-            graphed = GraphedDecoder(decoder, capture_error_mode=mode)
-            t0 = time.perf_counter()
-            graphed.hidden_at(batch)
-            sync(decoder.device)
-            out["capture_ms"] = (time.perf_counter() - t0) * 1e3
-            out["capture_error_mode"] = mode
-            break
-        except Exception as e:
-            out[f"capture_error_{mode}"] = f"{type(e).__name__}: {e}"
-            torch.cuda.synchronize()
-    else:
-        return dict(graph=out)
-    out["replay_ms"] = summarize(device_ms(lambda: graphed.hidden_at(batch), decoder.device, reps))["p50"]
-    # Same bucket, other tables: questions of the same candidate count with other lengths.
-    worst = 0.0
-    for other in id_questions(len(q.items), 4, engine.cfg.vocab_size, seed=99):
-        b = pack(engine.prepare_score(ScoreRequest(query=other.query, items=other.items,
-                                                   label_token_ids=labels)).groups())
-        if bucket_of(b) != tuple(out["bucket"]):
-            continue
-        eager = decoder.hidden_at(b).float()
-        worst = max(worst, float((graphed.hidden_at(b).float() - eager).abs().max()))
-    out["replay_vs_eager_max_abs"] = worst
-
-    def decide() -> list[list[float]]:
-        prepared = engine.prepare_score(ScoreRequest(query=q.query, items=q.items, label_token_ids=labels))
-        hidden = graphed.hidden_at(pack(prepared.groups()))
-        return engine._row_scores(hidden, [prepared] * hidden.shape[0])
-
-    out["graph_decision_ms"] = summarize([wall_ms(decide, decoder.device) for _ in range(reps)])
-    return dict(graph=out)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -21,9 +21,10 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from bench.gpu.common import add_run_args, resolve_run_args, summarize, write_json
+from bench.gpu.common import add_run_args, resolve_run_args, summarize
 from bench.gpu.models import SHAPES
 from bench.gpu.workload import id_questions, labels_for
+from bench.summary import write_json
 
 ROOT = Path(__file__).resolve().parents[2]
 LISTENING = re.compile(r"pyscore: listening on (\S+):(\d+)")

@@ -22,8 +22,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.gpu.common import device_ms, environment, summarize, write_json
+from bench.gpu.common import device_ms, environment, summarize
 from bench.kernels import linear_inputs, transformers_linear
+from bench.summary import write_json
 from pyscore.engine import set_threads
 from pyscore.ops import AttentionPlan, SegmentTable, _ext, label_logprobs, prefix_item_attention
 from pyscore.ops.gated_delta_rule import causal_conv1d, gated_delta_rule, plan_linear_attention

@@ -266,14 +266,24 @@ void rect_amx(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t
     for (int32_t m = whole; m < m1; ++m)
       std::memcpy(tail.data() + int64_t(m - whole) * p.k, x + m * p.x_row_stride, size_t(p.k) * 2);
   }
-  for (int32_t c = c0; c < c1; c += kLinearUnitN) {
-    const uint16_t* w = packed + (int64_t(c / kLinearBlockN) * k_pairs * kLinearBlockN + c % kLinearBlockN) * 2;
-    for (int32_t m = m0; m < whole; m += kAmxRows) {
-      amx_unit(x + m * p.x_row_stride, p.x_row_stride, w, p.k, acc);
-      amx_epilogue(p, m, kAmxRows, c, acc);
+  auto unit_weights = [&](int32_t c) {
+    return packed + (int64_t(c / kLinearBlockN) * k_pairs * kLinearBlockN + c % kLinearBlockN) * 2;
+  };
+  // Rows in blocks whose x slab stays in L2 (~1 MiB) while every unit of the rectangle passes over it; for a large
+  // K (Qwen3-8B's 4096 / 12288) x would otherwise be re-read from memory once per 32 columns.
+  const int32_t block_rows = std::max<int32_t>(kAmxRows, (1 << 20) / (p.k * 2) / kAmxRows * kAmxRows);
+  for (int32_t r0 = m0; r0 < whole; r0 += block_rows) {
+    const int32_t r1 = std::min(whole, r0 + block_rows);
+    for (int32_t c = c0; c < c1; c += kLinearUnitN) {
+      for (int32_t m = r0; m < r1; m += kAmxRows) {
+        amx_unit(x + m * p.x_row_stride, p.x_row_stride, unit_weights(c), p.k, acc);
+        amx_epilogue(p, m, kAmxRows, c, acc);
+      }
     }
-    if (whole < m1) {
-      amx_unit(tail.data(), p.k, w, p.k, acc);
+  }
+  if (whole < m1) {
+    for (int32_t c = c0; c < c1; c += kLinearUnitN) {
+      amx_unit(tail.data(), p.k, unit_weights(c), p.k, acc);
       amx_epilogue(p, whole, m1 - whole, c, acc);
     }
   }

@@ -1,6 +1,5 @@
 """On the GPU (marked cuda, skipped elsewhere): the random-weight engine's MIS and SIS scores agree with each other
-and with the fp32 CPU engine on the same weights within 2x torch's own bf16 error, and the CUDA-graph replay of
-the decoder equals eager on segment tables that change between replays."""
+and with the fp32 CPU engine on the same weights within 2x torch's own bf16 error."""
 
 from __future__ import annotations
 
@@ -13,9 +12,7 @@ from bench.gpu.models import build_random_model
 from bench.gpu.workload import id_questions, labels_for
 from pyscore.engine import Engine
 from pyscore.model.loading import LoadedModel
-from pyscore.model.packing import pack
 from pyscore.model.rope import Rotary, inverse_frequencies
-from pyscore.types import ScoreRequest
 
 pytestmark = pytest.mark.cuda
 
@@ -60,24 +57,3 @@ def test_mis_equals_sis_on_gpu_within_twice_torch_bf16_error(engines):
         errors = dict(mis=float((mis - ref).abs().max()), sis=float((sis - ref).abs().max()),
                       mis_vs_sis=float((mis - sis).abs().max()))
         assert max(errors.values()) <= tol, f"{errors} > tol {tol} (torch bf16 error {float(torch_err):.2e})"
-
-
-def test_graph_replay_equals_eager_on_changing_tables(engines):
-    from bench.gpu.graphs import GraphedDecoder, bucket_of, pad_batch
-
-    engine = engines["kernel"]
-    graphed = GraphedDecoder(engine.decoder)
-    batches = []
-    for n in (2, 5, 9, 16):
-        for q in id_questions(n, 2, engine.cfg.vocab_size, tiny=True):
-            for mode in ("mis", "sis"):
-                prepared = engine.prepare_score(ScoreRequest(query=q.query, items=q.items, label_token_ids=[1],
-                                                             mode=mode))
-                batches.append(pack(prepared.groups()))
-    for batch in batches + batches[::-1]:  # every bucket replayed with tables other than the captured one
-        padded = pad_batch(batch, *bucket_of(batch))  # same shapes as the graph: the same kernels, near-bitwise
-        eager = engine.decoder.hidden_at(padded)[: batch.readout.shape[0]].float()
-        torch.testing.assert_close(graphed.hidden_at(batch).float(), eager, rtol=2e-2, atol=2e-2)
-    buckets = [bucket_of(b) for b in batches]
-    assert len(set(buckets)) == len(graphed.graphs)
-    assert any(buckets.count(k) > 1 for k in set(buckets))  # some graph really was replayed on another table

@@ -1,5 +1,5 @@
-"""The random-weight engines of bench/gpu: published shapes, finite scores, MIS = SIS, the server hook, and the
-bucket padding of the CUDA-graph prototype (real rows unchanged), all at tiny sizes on the CPU."""
+"""The random-weight engines of bench/gpu: published shapes, finite scores, MIS = SIS and the server hook, all at
+tiny sizes on the CPU."""
 
 from __future__ import annotations
 
@@ -8,12 +8,9 @@ import math
 import pytest
 import torch
 
-from bench.gpu.graphs import bucket_of, pad_batch
 from bench.gpu.models import SHAPES, RandomEngine, build_random_engine, hf_config, qwen3_config
 from bench.gpu.workload import id_questions, labels_for
 from pyscore.model.config import ModelConfig
-from pyscore.model.packing import pack
-from pyscore.types import ScoreRequest
 
 
 @pytest.fixture(scope="module")
@@ -79,25 +76,3 @@ def test_random_engine_is_a_server_engine():
     assert engine.info().name == "random-tiny" and engine.max_batch_tokens == 256
     ids, _ = engine.tokenize("Hello world", add_special_tokens=False)
     assert engine.score(ids, [ids], label_token_ids=ids[:1]).scores
-
-
-@pytest.mark.parametrize("mode", ["mis", "sis"])
-def test_bucket_padding_leaves_real_rows_unchanged(mode, engine32):
-    q = id_questions(5, 1, engine32.cfg.vocab_size, tiny=True)[0]
-    prepared = engine32.prepare_score(ScoreRequest(query=q.query, items=q.items, label_token_ids=[1, 2], mode=mode))
-    batch = pack(prepared.groups())
-    tokens, segments, rows = bucket_of(batch)
-    assert tokens % 128 == 0 and segments > batch.segments.shape[0] and rows >= batch.readout.shape[0]
-    padded = pad_batch(batch, tokens, segments, rows)
-    assert (padded.num_tokens, padded.segments.shape[0], padded.readout.shape[0]) == (tokens, segments, rows)
-    assert int(padded.segments[:, 1].sum()) == tokens
-    eager = engine32.decoder.hidden_at(batch)
-    torch.testing.assert_close(engine32.decoder.hidden_at(padded)[: batch.readout.shape[0]], eager,
-                               rtol=1e-5, atol=1e-5)
-
-
-def test_pad_batch_refuses_impossible_buckets(engine32):
-    q = id_questions(2, 1, engine32.cfg.vocab_size, tiny=True)[0]
-    batch = pack(engine32.prepare_score(ScoreRequest(query=q.query, items=q.items, label_token_ids=[1])).groups())
-    with pytest.raises(ValueError, match="cannot pad"):
-        pad_batch(batch, batch.num_tokens, batch.segments.shape[0], batch.readout.shape[0])

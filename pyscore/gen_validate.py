@@ -1,0 +1,52 @@
+"""Validation of a GenerateRequest: every field checked at the door, with an InvalidArgument /
+FailedPrecondition naming it, before any model work; returns the prompt's token ids. No torch."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pyscore.errors import FailedPrecondition, InvalidArgument
+
+# The caps live in pyscore.types so that the server can check them at the door without importing torch.
+from pyscore.types import MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, GenerateRequest
+
+
+def validate_generate(req: GenerateRequest, tokenizer: Any, vocab_size: int, max_context: int) -> list[int]:
+    """Checks every field and returns the prompt's token ids."""
+    if req.prompt and req.prompt_token_ids:
+        raise InvalidArgument("prompt", "give prompt or prompt_token_ids, not both")
+    if not req.prompt and not req.prompt_token_ids:
+        raise InvalidArgument("prompt", "is empty: give prompt or prompt_token_ids")
+    if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
+    if not math.isfinite(req.temperature) or req.temperature < 0:
+        raise InvalidArgument("temperature", f"must be a finite number >= 0, got {req.temperature}")
+    if not (math.isfinite(req.top_p) and 0 < req.top_p <= 1):
+        raise InvalidArgument("top_p", f"must be in (0, 1], got {req.top_p}")
+    if req.top_k < 0:
+        raise InvalidArgument("top_k", f"must be >= 0 (0 = off), got {req.top_k}")
+    if len(req.stop) > MAX_STOP_STRINGS:
+        raise InvalidArgument("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(req.stop)}")
+    if any(not s or len(s) > MAX_STOP_LENGTH for s in req.stop):
+        raise InvalidArgument("stop", f"stop strings must be 1..{MAX_STOP_LENGTH} characters")
+    if req.prompt_token_ids:
+        if req.apply_chat_template:
+            raise InvalidArgument("apply_chat_template", "applies to a text prompt, not prompt_token_ids")
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidArgument("prompt_token_ids", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        prompt = [int(t) for t in req.prompt_token_ids]
+    elif req.apply_chat_template:
+        if not getattr(tokenizer, "chat_template", None):
+            raise FailedPrecondition("apply_chat_template", "this model's tokenizer has no chat template")
+        prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": req.prompt}], tokenize=True,
+                                                    add_generation_prompt=True, return_dict=False))
+    else:
+        prompt = list(tokenizer(req.prompt, add_special_tokens=True)["input_ids"])
+    if req.max_tokens <= 0:
+        raise InvalidArgument("max_tokens", f"must be > 0, got {req.max_tokens}")
+    if len(prompt) + req.max_tokens > max_context:
+        raise InvalidArgument("max_tokens", f"prompt ({len(prompt)} tokens) + max_tokens ({req.max_tokens}) "
+                              f"exceeds the model's context of {max_context}")
+    return prompt
