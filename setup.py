@@ -1,22 +1,28 @@
 """Build script: CMake (driven here, pybind11's cmake_example pattern) builds pyscore._C and, when nvcc is
-present, pyscore._C_cuda; grpcio-tools generates the gRPC code from proto/ into pyscore/_proto."""
+present, pyscore._C_cuda; grpcio-tools generates the gRPC code from proto/ into pyscore/_proto. The metadata and
+dependencies are in pyproject.toml; this file says what the wheel holds: every pyscore package (the generated
+ones included, with the .proto files and the descriptor set), both extension modules, and server/ installed as
+`pyscore_server` (a top-level `server` would shadow users' own modules)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from setuptools import Extension, find_packages, setup
+from setuptools import Command, Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
+from setuptools.command.egg_info import egg_info
 
 ROOT = Path(__file__).resolve().parent
 
 
 def generate_proto() -> None:
-    """protoc via grpcio-tools: proto/pyscore/v1/*.proto -> pyscore/_proto/pyscore/v1/*_pb2*.py."""
+    """protoc via grpcio-tools: proto/pyscore/v1/*.proto -> pyscore/_proto/pyscore/v1/*_pb2*.py, with a copy of
+    each .proto beside its generated code (clients in other languages take the contract from the wheel)."""
     protos = sorted((ROOT / "proto").rglob("*.proto"))
     if not protos:
         return
@@ -31,9 +37,26 @@ def generate_proto() -> None:
             *map(str, protos)]
     if protoc.main(args) != 0:
         raise RuntimeError("protoc failed")
+    for proto in protos:
+        shutil.copyfile(proto, out / proto.relative_to(ROOT / "proto"))
     for d in [out, *[p for p in out.rglob("*") if p.is_dir()]]:
         (d / "__init__.py").touch()
     _root_generated_imports(out)
+
+
+def proto_packages() -> list[str]:
+    """The packages generate_proto writes (pyscore._proto, pyscore._proto.pyscore, ...), known from proto/ alone:
+    setup() needs them before anything is generated."""
+    dirs = {p.parent.relative_to(ROOT / "proto") for p in (ROOT / "proto").rglob("*.proto")}
+    parents = {parent for d in dirs for parent in [d, *d.parents]}
+    return sorted(".".join(("pyscore", "_proto", *d.parts)) for d in parents)
+
+
+def packages() -> list[str]:
+    """pyscore and its subpackages, the generated ones, and server/ as pyscore_server (its subpackages too)."""
+    ours = find_packages(include=["pyscore", "pyscore.*"], exclude=["pyscore._proto", "pyscore._proto.*"])
+    server = ["pyscore_server" + name.removeprefix("server") for name in find_packages(include=["server", "server.*"])]
+    return sorted({*ours, *proto_packages(), *server})
 
 
 def _root_generated_imports(out: Path) -> None:
@@ -89,19 +112,23 @@ class CMakeBuild(build_ext):
         subprocess.run(["cmake", "--build", ".", "-j", jobs], cwd=build_temp, check=True)
 
 
-class BuildPyWithProto(build_py):
-    def run(self) -> None:
-        generate_proto()
-        super().run()
+def generating_proto_first(command: type[Command]) -> type[Command]:
+    """`command` that generates the gRPC code before it runs: egg_info (which sdist and wheel builds run first)
+    lists the generated packages' files, build_py copies them."""
+
+    class WithProto(command):  # type: ignore[valid-type, misc]
+        def run(self) -> None:
+            generate_proto()
+            super().run()
+
+    return WithProto
 
 
 setup(
-    name="pyscore",
-    version="0.1.0",
-    description="gRPC scoring service for decision models (SIS/MIS label scoring)",
-    packages=find_packages(include=["pyscore*", "server*"]),
+    packages=packages(),
+    package_dir={"pyscore_server": "server"},
+    package_data={name: ["*.proto", "*.pyi", "descriptors.binpb"] for name in proto_packages()},
     ext_modules=[CMakeExtension("pyscore._C")],
-    cmdclass={"build_ext": CMakeBuild, "build_py": BuildPyWithProto},
-    python_requires=">=3.10",
-    entry_points={"console_scripts": ["pyscore=pyscore.cli:main"]},
+    cmdclass={"build_ext": CMakeBuild, "build_py": generating_proto_first(build_py),
+              "egg_info": generating_proto_first(egg_info)},
 )

@@ -1,4 +1,4 @@
-"""`pyscore` command line: a client of a running pyscore server (`python -m server`).
+"""`pyscore` command line: a client of a running pyscore server (`pyscore-server`, or `python -m server` in a checkout).
 
     pyscore score --query "Where is my order?" --item "Track the order" --item "Refund" --labels Yes No
     pyscore generate "Once upon a time" --max-tokens 20 --stream
@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from pyscore import __version__
 from pyscore.client import DEFAULT_TARGET, ScorerClient
 from pyscore.types import GenerateResult, ModelInfo, ScoreResult, TokenLogprob, Usage
 
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="bearer token (default: $PYSCORE_AUTH_TOKEN)")
 
     p = argparse.ArgumentParser(prog="pyscore", description="Client of a pyscore.v1.Scorer server.")
+    p.add_argument("--version", action="version", version=f"pyscore {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("score", parents=[common], help="score items against a query by label probabilities")

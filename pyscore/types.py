@@ -142,3 +142,4 @@ class ModelInfo:
     prefix_cache_bytes: int = 0  # its byte budget
     cpu_tier: str = ""  # CPU models: the tier the CPU kernels run (pyscore/ops/tiers.py), "" elsewhere
     memory: MemoryPlan | None = None  # what the model takes in memory (None: not known, e.g. a fake engine)
+    server_version: str = ""  # set by a server: its pyscore.__version__

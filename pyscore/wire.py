@@ -218,7 +218,8 @@ def model_info_to_proto(info: ModelInfo) -> pb.ModelInfo:
                        vocab_size=info.vocab_size, max_context=info.max_context, dtype=info.dtype, device=info.device,
                        special_tokens=info.special_tokens, num_labels=info.num_labels, ops=info.ops,
                        prefix_cache_block_tokens=info.prefix_cache_block_tokens,
-                       prefix_cache_bytes=info.prefix_cache_bytes)
+                       prefix_cache_bytes=info.prefix_cache_bytes, server_version=info.server_version,
+                       cpu_tier=info.cpu_tier)
     if info.limits is not None:
         msg.limits.CopyFrom(pb.ServerLimits(**dataclasses.asdict(info.limits)))
     if info.memory is not None:
@@ -235,7 +236,8 @@ def model_info_from_proto(msg: pb.ModelInfo) -> ModelInfo:
                      special_tokens=dict(msg.special_tokens), num_labels=msg.num_labels, ops=dict(msg.ops),
                      limits=limits if msg.HasField("limits") else None,
                      prefix_cache_block_tokens=msg.prefix_cache_block_tokens,
-                     prefix_cache_bytes=msg.prefix_cache_bytes,
+                     prefix_cache_bytes=msg.prefix_cache_bytes, server_version=msg.server_version,
+                     cpu_tier=msg.cpu_tier,
                      memory=MemoryPlan(**{f.name: getattr(msg.memory, f.name) for f in dataclasses.fields(MemoryPlan)})
                      if msg.HasField("memory") else None)
 

@@ -1,4 +1,5 @@
-"""`python -m server`: serve pyscore.v1.Scorer on the given model (default: the embedded SmolLM2).
+"""`python -m server` (installed: `pyscore-server`, or `python -m pyscore_server`): serve pyscore.v1.Scorer on
+the given model (default: the embedded SmolLM2).
 
 Prints `pyscore: listening on HOST:PORT` as soon as it listens (health NOT_SERVING while the model loads) and
 `pyscore: serving MODEL on HOST:PORT (DEVICE, DTYPE)` once SERVING. SIGTERM/SIGINT stop it gracefully; it then exits 0.
@@ -16,19 +17,21 @@ import argparse
 import logging
 
 from pyscore.types import MemoryPlan
-from server.app import ServerConfig, main
+
+from .app import ServerConfig, main
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, str]:
+def parse_args(argv: list[str] | None = None, prog: str | None = None) -> tuple[ServerConfig, str]:
     """The server config and the log level."""
-    config, level, _ = parse_command(argv)
+    config, level, _ = parse_command(argv, prog)
     return config, level
 
 
-def parse_command(argv: list[str] | None = None) -> tuple[ServerConfig, str, bool]:
+def parse_command(argv: list[str] | None = None, prog: str | None = None) -> tuple[ServerConfig, str, bool]:
     """The server config, the log level and whether only the memory plan is asked for."""
     d = ServerConfig()
-    p = argparse.ArgumentParser(prog="python -m server", description=__doc__.split("\n\n")[0])
+    # `python -m server` in a checkout, `python -m pyscore_server` where the wheel is installed
+    p = argparse.ArgumentParser(prog=prog or f"python -m {__package__}", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=d.model, help="model directory, file or name (default: embedded SmolLM2)")
     p.add_argument("--host", default=d.host, help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=int, default=d.port, help="port (0 = any free one; default %(default)s)")
@@ -123,17 +126,22 @@ def memory_request(plan: MemoryPlan) -> str:
     return f"{-(-plan.expected_total_bytes // 2**30)}Gi"
 
 
-if __name__ == "__main__":
-    config, level, plan_only = parse_command()
+def serve(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """Parse the command line and serve until SIGTERM / SIGINT (or, with --plan-memory, print the plan)."""
+    config, level, plan_only = parse_command(argv, prog)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if plan_only:
-        from pyscore.memory import describe
-
-        what, plan = plan_memory(config)
-        print(f"pyscore: {what} takes {describe(plan)} with every pool full")
-        if what.endswith(" on cpu"):
-            print(f"memory request: {memory_request(plan)}")
-        else:  # the weights and pools live on the GPU, which the server checks at start; the host keeps the runtime
-            print(f"GPU memory: {(plan.expected_total_bytes - plan.runtime_bytes) / 2**30:.2f} GiB")
-    else:
+    if not plan_only:
         main(config)
+        return
+    from pyscore.memory import describe
+
+    what, plan = plan_memory(config)
+    print(f"pyscore: {what} takes {describe(plan)} with every pool full")
+    if what.endswith(" on cpu"):
+        print(f"memory request: {memory_request(plan)}")
+    else:  # the weights and pools live on the GPU, which the server checks at start; the host keeps the runtime
+        print(f"GPU memory: {(plan.expected_total_bytes - plan.runtime_bytes) / 2**30:.2f} GiB")
+
+
+if __name__ == "__main__":
+    serve()

@@ -1,8 +1,8 @@
 """The grpc.aio server: pyscore.v1.Scorer behind the logging/error interceptor (and, with a token, the auth
 interceptor), grpc.health.v1 (with List) and server reflection (v1 and v1alpha), with explicit message-size
-limits, optional TLS / mTLS and an optional Prometheus endpoint. GetModelInfo reports the limits. With `http_port`,
-the HTTP/JSON front door (server/http.py) serves from the same loop over the same servicer, batcher and metrics,
-and stops together with gRPC.
+limits, optional TLS / mTLS and an optional Prometheus endpoint. GetModelInfo reports the limits and the
+version. With `http_port`, the HTTP/JSON front door (server/http.py) serves from the same loop over the same
+servicer, batcher and metrics, and stops together with gRPC.
 
 Lifecycle: listen first with health NOT_SERVING (Scorer calls answer UNAVAILABLE); load the engine and warm
 it up off the event loop; start the batcher; go SERVING. On SIGTERM/SIGINT: health NOT_SERVING for good, keep
@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+import pyscore
 from pyscore._proto.pyscore.v1 import scorer_pb2, scorer_pb2_grpc
 from pyscore.budget import (
     DEFAULT_MAX_BATCH_TOKENS,
@@ -39,16 +40,17 @@ from pyscore.budget import (
 )
 from pyscore.memory import InsufficientMemoryError
 from pyscore.types import GenerateRequest, ModelInfo, ScoreRequest, ServerLimits
-from server.batcher import Batcher, EngineLike
-from server.health import HealthServicer
-from server.http import HttpFrontDoor
-from server.http import build_app as build_http_app
-from server.interceptors import LoggingErrorInterceptor
-from server.memory import MemoryProbe
-from server.metrics import Metrics
-from server.reflection_docs import DocumentedPool, add_reflection, reflection_handlers
-from server.security import AuthInterceptor, read_token, server_credentials
-from server.servicer import ScorerServicer
+
+from .batcher import Batcher, EngineLike
+from .health import HealthServicer
+from .http import HttpFrontDoor
+from .http import build_app as build_http_app
+from .interceptors import LoggingErrorInterceptor
+from .memory import MemoryProbe
+from .metrics import Metrics
+from .reflection_docs import DocumentedPool, add_reflection, reflection_handlers
+from .security import AuthInterceptor, read_token, server_credentials
+from .servicer import ScorerServicer
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +223,7 @@ class ScorerApp:
         limits = ServerLimits(max_items=c.max_items, max_request_tokens=c.max_request_tokens or 0,
                               max_batch_tokens=c.max_batch_tokens, max_message_bytes=c.max_message_mb * 1024 * 1024,
                               max_queue=c.max_queue)
-        return dataclasses.replace(engine.info(), limits=limits)
+        return dataclasses.replace(engine.info(), limits=limits, server_version=pyscore.__version__)
 
     async def stop(self, grace: float | None = None, drain_delay: float | None = None) -> None:
         """NOT_SERVING for good, keep serving `drain_delay` seconds (balancers see the health change and stop

@@ -39,13 +39,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.http_call import JSON, Call, Gate, endpoint, error_response
-from server.http_openai import CHAT_FIELDS, COMPLETION_FIELDS, OpenAIEndpoints
-from server.http_schema import ChatCompletionBody, CompletionBody, GenerativeScoringBody, ScoringBody, TokenizeBody
-from server.http_score import SCORE_FIELDS, ScoreEndpoints
-from server.metrics import Metrics
-from server.security import DENIED, bearer_credentials
-from server.servicer import ScorerServicer
+from .http_call import JSON, Call, Gate, endpoint, error_response
+from .http_openai import CHAT_FIELDS, COMPLETION_FIELDS, OpenAIEndpoints
+from .http_schema import ChatCompletionBody, CompletionBody, GenerativeScoringBody, ScoringBody, TokenizeBody
+from .http_score import SCORE_FIELDS, ScoreEndpoints
+from .metrics import Metrics
+from .security import DENIED, bearer_credentials
+from .servicer import ScorerServicer
 
 OPEN_PATHS = ("/health",)
 

@@ -27,10 +27,11 @@ from starlette.responses import JSONResponse, Response
 from pyscore import errors, wire
 from pyscore._proto.pyscore.v1 import scorer_pb2 as pb
 from pyscore.types import ModelInfo, Usage
-from server.batcher import Batcher
-from server.interceptors import status_for
-from server.metrics import Metrics
-from server.servicer import ScorerServicer
+
+from .batcher import Batcher
+from .interceptors import status_for
+from .metrics import Metrics
+from .servicer import ScorerServicer
 
 log = logging.getLogger("server.requests")
 

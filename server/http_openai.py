@@ -27,10 +27,11 @@ from starlette.types import Receive, Scope, Send
 
 from pyscore.errors import FailedPrecondition, InvalidArgument
 from pyscore.types import GenerateRequest, GenerateResult, TokenLogprob, Usage
-from server.batcher import GenerationDelta
-from server.http_call import JSON, Call, Gate, described, error_body, fp32
-from server.http_schema import ChatCompletionBody, ChatMessage, CompletionBody, SamplingBody
-from server.http_score import usage_json
+
+from .batcher import GenerationDelta
+from .http_call import JSON, Call, Gate, described, error_body, fp32
+from .http_schema import ChatCompletionBody, ChatMessage, CompletionBody, SamplingBody
+from .http_score import usage_json
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 COMPLETION_FIELDS = {"prompt_token_ids": "prompt", "top_logprobs": "logprobs"}

@@ -20,8 +20,9 @@ from typing import Any
 from starlette.responses import Response
 
 from pyscore.types import ScoreRequest, ScoreResult, Usage
-from server.http_call import JSON, Call, Gate, fp32
-from server.http_schema import GenerativeScoringBody, ScoringBody
+
+from .http_call import JSON, Call, Gate, fp32
+from .http_schema import GenerativeScoringBody, ScoringBody
 
 # engine / proto field -> the field a client of these endpoints wrote
 SCORE_FIELDS = {"query_token_ids": "query", "item_token_ids": "items"}

@@ -24,8 +24,9 @@ from grpc_status import rpc_status
 
 from pyscore import errors, wire
 from pyscore._proto.pyscore.v1 import scorer_pb2 as pb
-from server.batcher import DeadlineExceeded, Unavailable
-from server.metrics import Metrics
+
+from .batcher import DeadlineExceeded, Unavailable
+from .metrics import Metrics
 
 log = logging.getLogger("server.requests")
 

@@ -23,7 +23,10 @@ import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-DESCRIPTOR_SET = Path(__file__).resolve().parents[1] / "pyscore" / "_proto" / "descriptors.binpb"
+from pyscore import _proto
+
+# Beside the generated code, in a checkout (make build) as in an installed wheel.
+DESCRIPTOR_SET = Path(_proto.__file__).resolve().parent / "descriptors.binpb"
 V1ALPHA = reflection.SERVICE_NAME  # "grpc.reflection.v1alpha.ServerReflection"
 V1 = "grpc.reflection.v1.ServerReflection"
 REFLECTION_SERVICES = (V1, V1ALPHA)

@@ -24,7 +24,8 @@ from pyscore._proto.pyscore.v1 import scorer_pb2 as pb
 from pyscore._proto.pyscore.v1 import scorer_pb2_grpc
 from pyscore.errors import InvalidArgument, NotFound, ResourceExhausted, quoted
 from pyscore.types import MAX_STOP_STRINGS, ModelInfo
-from server.batcher import Batcher, DeadlineExceeded, GenerationDelta, Unavailable
+
+from .batcher import Batcher, DeadlineExceeded, GenerationDelta, Unavailable
 
 
 def time_left(context: grpc.aio.ServicerContext) -> float | None:

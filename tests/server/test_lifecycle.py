@@ -54,7 +54,8 @@ CONTRACT = {
     "MemoryPlan": ["weight_bytes", "kv_bytes_per_token", "kv_budget_bytes", "linear_state_bytes", "prefix_cache_bytes",
                    "activation_bytes", "runtime_bytes", "expected_total_bytes", "available_bytes"],
     "ModelInfo": ["name", "architecture", "vocab_size", "max_context", "dtype", "device", "special_tokens",
-                  "num_labels", "kind", "limits", "ops", "prefix_cache_block_tokens", "prefix_cache_bytes", "memory"],
+                  "num_labels", "kind", "limits", "ops", "prefix_cache_block_tokens", "prefix_cache_bytes",
+                  "server_version", "memory", "cpu_tier"],
 }
 ENUMS = {
     "ScoringMode": [("SCORING_MODE_UNSPECIFIED", 0), ("SCORING_MODE_SIS", 1), ("SCORING_MODE_MIS", 2)],

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+import pyscore
 from pyscore.client import AsyncScorerClient, ScorerClient
 from pyscore.engine import Engine
 from pyscore.types import GenerateRequest
@@ -48,7 +49,8 @@ def client(served: ServerThread) -> Iterator[ScorerClient]:
 
 def test_every_rpc_equals_the_engine(client: ScorerClient, engine: Engine) -> None:
     info = client.model_info()
-    assert info == dataclasses.replace(engine.info(), limits=info.limits)  # limits: the server's own
+    # limits and server_version: the server's own
+    assert info == dataclasses.replace(engine.info(), limits=info.limits, server_version=pyscore.__version__)
     assert info.architecture == "Qwen3_5ForConditionalGeneration" and info.kind == "causal_lm"
     assert info.ops["gated_delta_rule"].startswith("kernel") and info.ops["causal_conv1d"].startswith("kernel")
     assert client.tokenize(QUERY) == engine.tokenize(QUERY)

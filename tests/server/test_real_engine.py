@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+import pyscore
 from pyscore.client import AsyncScorerClient, ScorerClient
 from pyscore.engine import Engine
 from pyscore.ops import _ext
@@ -117,7 +118,7 @@ def test_tokenize_and_model_info(client: ScorerClient, engine: Engine) -> None:
     assert tokens == [engine.tokenizer.decode([i]) for i in ids]  # each token's text, as generation reports it
     info = client.model_info()
     assert info.limits is not None and info.limits.max_batch_tokens == 256  # the tiny server's config
-    assert info == dataclasses.replace(engine.info(), limits=info.limits)
+    assert info == dataclasses.replace(engine.info(), limits=info.limits, server_version=pyscore.__version__)
     assert info.kind == "causal_lm"
     assert set(info.ops) == set(_ext.REGISTRY) and all(info.ops.values())
 

@@ -13,6 +13,7 @@ import grpc
 import numpy as np
 import pytest
 
+import pyscore
 from pyscore import cli
 from pyscore.client import AsyncScorerClient, ScorerClient
 from pyscore.types import GenerateRequest, ScoreResult, ServerLimits
@@ -100,7 +101,9 @@ def test_tokenize_and_model_info(client: ScorerClient) -> None:
     info = client.model_info()
     limits = ServerLimits(max_items=8, max_request_tokens=65536, max_batch_tokens=8192,
                           max_message_bytes=64 * 1024 * 1024, max_queue=256)  # the `server` fixture's config
-    assert info == dataclasses.replace(FakeEngine().info(), limits=limits)
+    # the version the wheel's metadata reads (pyproject.toml: pyscore.__version__) is the one the server reports
+    assert info == dataclasses.replace(FakeEngine().info(), limits=limits, server_version=pyscore.__version__)
+    assert info.server_version
     assert info.ops == {"fake_op": "python"} and info.kind == "causal_lm"
 
 
