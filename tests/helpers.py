@@ -164,3 +164,12 @@ def force_cpu_isa(monkeypatch, isa: str) -> str:
         monkeypatch.setenv("PYSCORE_CPU_TIER", "avx2")
         assert module.cpu_features()["path"] == "avx2"
     return isa
+
+
+def on_device(monkeypatch, device: str) -> str:
+    """A test's device parameter: "cpu-avx2" / "cpu-portable" force that CPU path (force_cpu_isa) and run on "cpu";
+    any other device is returned as it is."""
+    if device.startswith("cpu-"):
+        force_cpu_isa(monkeypatch, device.removeprefix("cpu-"))
+        return "cpu"
+    return device
