@@ -49,8 +49,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     x86 CPUs without AVX512-FP16 have no fp16 arithmetic): several times slower than bfloat16, so a WARNING."""
     if isinstance(dtype, torch.dtype):
         resolved = dtype
+    elif dtype == "auto" and device.type == "cpu":
+        resolved, why = _ext.default_cpu_dtype()  # bf16 only where the CPU multiplies bf16
+        log.info("dtype auto -> %s", why)
     elif dtype == "auto":
-        resolved = torch.bfloat16  # AVX512-BF16 / AMX on CPUs, tensor cores on GPUs
+        resolved = torch.bfloat16  # tensor cores
     elif dtype in DTYPES:
         resolved = DTYPES[dtype]
     else:
@@ -107,8 +110,9 @@ class Engine:
                                            self.prefix_cache)
         # Which path every op takes on this model's device and dtype, decided once by the op registry.
         self.op_paths = _ext.op_paths(self.decoder.device, self.decoder.dtype, op_backend)
-        log.info("%s; model on %s in %s", _ext.cuda_status()[1], self.decoder.device,
-                 str(self.decoder.dtype).removeprefix("torch."))
+        self.cpu_tier = _ext.cpu_tier() if self.decoder.device.type == "cpu" else ""
+        log.info("%s; model on %s in %s%s", _ext.cuda_status()[1], self.decoder.device,
+                 str(self.decoder.dtype).removeprefix("torch."), f", CPU tier {self.cpu_tier}" * bool(self.cpu_tier))
         for op, path in self.op_paths.items():
             log.info("op %s: %s", op, path)
         log.info("generation KV cache: %d bytes per token (65536 tokens = %.2f GiB)",
@@ -136,7 +140,7 @@ class Engine:
                          kind="classifier" if self.cfg.is_classifier else "causal_lm",
                          vocab_size=self.cfg.vocab_size, max_context=self.cfg.max_position_embeddings,
                          dtype=str(self.decoder.dtype).removeprefix("torch."), device=str(self.decoder.device),
-                         special_tokens=special, num_labels=self.cfg.num_labels, ops=dict(self.op_paths),
+                         special_tokens=special, num_labels=self.cfg.num_labels, ops=dict(self.op_paths), cpu_tier=self.cpu_tier,
                          prefix_cache_block_tokens=self.prefix_cache.block_tokens if self.prefix_cache else 0,
                          prefix_cache_bytes=self.prefix_cache.stats.capacity_bytes if self.prefix_cache else 0)
 

@@ -113,3 +113,4 @@ class ModelInfo:
     limits: ServerLimits | None = None  # set by a server (the engine has none)
     prefix_cache_block_tokens: int = 0  # the prefix cache's block (0: no prefix cache)
     prefix_cache_bytes: int = 0  # its byte budget
+    cpu_tier: str = ""  # CPU models: the tier the CPU kernels run (pyscore/ops/tiers.py), "" elsewhere

@@ -235,7 +235,8 @@ async def serve(config: ServerConfig) -> int:
         code = 1
     elif loading.done():
         info = loading.result()
-        print(f"pyscore: serving {info.name} on {config.host}:{port} ({info.device}, {info.dtype})", flush=True)
+        tier = f", CPU tier {info.cpu_tier}" if info.cpu_tier else ""
+        print(f"pyscore: serving {info.name} on {config.host}:{port} ({info.device}, {info.dtype}{tier})", flush=True)
         await stopping
     print("pyscore: shutting down", flush=True)
     loading.cancel()

@@ -7,9 +7,10 @@ layer) and the conv + recurrent state of the linear ones. A batch whose groups s
 their keys and values from a block pool (`BlockPool`, e.g. pyscore.model.prefix_cache.PrefixCache) in every
 attention layer; only the batch's own tokens run through projections, norms and MLPs.
 
-Where the op registry has a `linear` kernel for the model's device and dtype, the mixer's output projection, the
-plain attention's qkv and the MLP run on weights packed once here: the residual adds and the SiLU-mul are fused
-into their epilogues, and a row's bits do not depend on the rows around it. Elsewhere they are F.linear, unfused."""
+Every projection runs through pyscore.ops.linear, one convention on every path: the residual adds are fused into
+the output projections (o / out_proj, down), the SiLU-mul into gate_up, and a row's bits never depend on the rows
+around it. The decoder turns each loaded weight into the form its linear path reads (packed for our kernel, plain
+for torch's GEMM), replacing it: weights are held once."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 from pyscore.model import hybrid
 from pyscore.model.config import LINEAR_ATTENTION, ModelConfig
@@ -28,18 +28,16 @@ from pyscore.model.weights import DecoderWeights, LayerWeights
 from pyscore.ops import (
     AttentionPlan,
     CachedKeys,
-    PackedLinear,
     SegmentTable,
-    _ext,
     add_rms_norm,
     decode_attention,
     linear,
-    pack_linear,
     plan_decode,
+    prepare_linear,
     rotary_,
-    silu_mul,
 )
 from pyscore.ops.gated_delta_rule import plan_linear_attention
+from pyscore.ops.linear import DECODE_ROWS, PREFILL_ROWS
 
 # kv_sink(slot, k [T, Hkv, D], v [T, Hkv, D]) receives each attention layer's rotated keys and values (prefill);
 # slot is the layer's index among the attention layers (= the layer index in all-attention models).
@@ -59,17 +57,6 @@ class BlockPool(Protocol):
     @property
     def num_blocks(self) -> int: ...
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-@dataclass(frozen=True)
-class PackedLayer:
-    """One layer's projections packed for pyscore.ops.linear, biases included: qkv (plain attention layers only),
-    the mixer's output projection (o, or the linear-attention out_proj), gate_up (with its SiLU-mul) and down."""
-
-    qkv: PackedLinear | None
-    out: PackedLinear
-    gate_up: PackedLinear
-    down: PackedLinear
 
 
 @dataclass
@@ -97,10 +84,9 @@ class KVCache:
 
 
 class Decoder:
-    """The residual stream x [T, H] is updated in place: with packed projections each sublayer's output projection
-    adds into it in its epilogue; with F.linear the output is added by the fused add_rms_norm that normalizes the
-    input of the next sublayer (the last MLP output by the final norm). op_backend "reference" runs every op as its
-    torch reference (`pyscore.ops.reference`)."""
+    """The residual stream x [T, H] is updated in place: each sublayer's output projection adds into it (linear's
+    fused residual epilogue). op_backend "reference" runs every op as its torch reference (`pyscore.ops.reference`).
+    The decoder owns `weights` from here on: their projections are converted in place for the linear path."""
 
     def __init__(self, cfg: ModelConfig, weights: DecoderWeights, rotary: Rotary, op_backend: str = "auto"):
         self.cfg = cfg
@@ -111,17 +97,20 @@ class Decoder:
         kinds = [cfg.layer_type(i) for i in range(cfg.num_layers)]
         self.slot = [kinds[:i].count(kind) for i, kind in enumerate(kinds)]
         self.num_linear = kinds.count(LINEAR_ATTENTION)
-        # Packed once, at load, when a linear kernel serves this device and dtype (None: F.linear).
-        self.packed: list[PackedLayer] | None = None
-        if _ext.resolve("linear", self.device, self.dtype, op_backend)[0] is not None:
-            self.packed = [self._pack(layer) for layer in weights.layers]
+        for layer in weights.layers:
+            self._prepare(layer)
 
-    def _pack(self, layer: LayerWeights) -> PackedLayer:
-        plain_attention = layer.linear is None and not self.cfg.attn_output_gate
-        out = pack_linear(layer.linear.out) if layer.linear is not None else pack_linear(layer.o, layer.o_bias)
-        return PackedLayer(pack_linear(layer.qkv, layer.qkv_bias) if plain_attention else None, out,
-                           pack_linear(layer.gate_up, layer.gate_up_bias, gated=True),
-                           pack_linear(layer.down, layer.down_bias))
+    def _prepare(self, layer: LayerWeights) -> None:
+        """Each projection in the form its linear path reads, one at a time, each replacing its source so that
+        only one projection is ever held twice."""
+        backend = self.op_backend
+        for name in ("qkv", "o", "gate_up", "down"):
+            w = getattr(layer, name)
+            if w is not None:
+                setattr(layer, name, prepare_linear(w, backend))
+        if layer.linear is not None:
+            layer.linear.in_proj = prepare_linear(layer.linear.in_proj, backend)
+            layer.linear.out = prepare_linear(layer.linear.out, backend)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -131,48 +120,40 @@ class Decoder:
     def device(self) -> torch.device:
         return self.w.embed.device
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
-        """RMSNorm(x += delta) [T, H]; x is updated in place. Zero-centred families hold fp32 weights 1 + w."""
-        return add_rms_norm(x, weight, self.cfg.rms_norm_eps, delta=delta, backend=self.op_backend)
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm(x) [T, H]. Zero-centred families hold fp32 weights 1 + w."""
+        return add_rms_norm(x, weight, self.cfg.rms_norm_eps, backend=self.op_backend)
 
-    def _attention(self, i: int, h: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+    def _attention(self, i: int, h: torch.Tensor, positions: torch.Tensor, attend: Attend, rows: int) -> torch.Tensor:
         """The attention mixer of layer i on h [T, H] -> [T, Hq D], before o_proj."""
         cfg, layer = self.cfg, self.w.layers[i]
         if cfg.attn_output_gate:
             q, k, v, gate = hybrid.gated_attention_inputs(h, layer, cfg, positions, self.rotary.cos, self.rotary.sin,
-                                                          self.op_backend)
+                                                          self.op_backend, rows)
             return attend(i, q, k, v).view(h.shape[0], -1) * torch.sigmoid(gate)
-        packed = None if self.packed is None else self.packed[i].qkv
-        qkv = F.linear(h, layer.qkv, layer.qkv_bias) if packed is None else linear(h, packed)
+        qkv = linear(h, layer.qkv, backend=self.op_backend, rows_per_call=rows)
         qkv = qkv.view(h.shape[0], -1, cfg.head_dim)  # [T, Hq + 2 Hkv, D]
         q, k, v = qkv.split([cfg.num_q_heads, cfg.num_kv_heads, cfg.num_kv_heads], dim=1)
         rotary_(q, k, positions, self.rotary.cos, self.rotary.sin, layer.q_norm, layer.k_norm, cfg.rms_norm_eps,
                 backend=self.op_backend)  # in place, with Qwen3's qk-norm when present
         return attend(i, q, k, v).view(h.shape[0], -1)
 
-    def _layer(self, i: int, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
-               attend: Attend, mix_linear: MixLinear | None, rows: torch.Tensor | None = None,
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Layer i on the residual stream x [T, H], which first takes the previous layer's pending MLP output
-        `delta` (None before layer 0, and always with packed projections, which add into x themselves). Returns the
-        stream and this layer's pending MLP output. With `rows` (the last layer: only read-out rows feed the output)
-        everything after the mixer runs on those rows alone and the returned stream is x[rows]."""
-        layer = self.w.layers[i]
-        h = self._norm(x, layer.input_norm, delta)
+    def _layer(self, i: int, x: torch.Tensor, positions: torch.Tensor, attend: Attend, mix_linear: MixLinear | None,
+               rows_per_call: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer i on the residual stream x [T, H], updated in place and returned. With `rows` (the last layer: only
+        read-out rows feed the output) everything after the mixer runs on those rows alone and the returned stream
+        is x[rows]. rows_per_call: the torch GEMM path's fixed call height for this pass (prefill or decode)."""
+        layer, backend, n = self.w.layers[i], self.op_backend, rows_per_call
+        h = self._norm(x, layer.input_norm)
         if layer.linear is not None:
-            mixed, out, out_bias = mix_linear(i, h), layer.linear.out, None
+            mixed, out = mix_linear(i, h), layer.linear.out
         else:
-            mixed, out, out_bias = self._attention(i, h, positions, attend), layer.o, layer.o_bias
+            mixed, out = self._attention(i, h, positions, attend, n), layer.o
         if rows is not None:
             x, mixed = x[rows], mixed[rows]
-        if self.packed is None:
-            h = self._norm(x, layer.post_norm, F.linear(mixed, out, out_bias))
-            act = silu_mul(F.linear(h, layer.gate_up, layer.gate_up_bias), backend=self.op_backend)  # [T, I]
-            return x, F.linear(act, layer.down, layer.down_bias)
-        packed = self.packed[i]
-        x = linear(mixed, packed.out, residual=x, out=x)  # x += out(mixed), in place
-        act = linear(self._norm(x, layer.post_norm), packed.gate_up)  # [T, I], silu(gate) * up fused
-        return linear(act, packed.down, residual=x, out=x), None
+        x = linear(mixed, out, residual=x, out=x, backend=backend, rows_per_call=n)  # x += out(mixed)
+        act = linear(self._norm(x, layer.post_norm), layer.gate_up, backend=backend, rows_per_call=n)  # silu * up
+        return linear(act, layer.down, residual=x, out=x, backend=backend, rows_per_call=n)
 
     @torch.inference_mode()
     def hidden_at(self, batch: PackedBatch, kv_sink: KVSink | None = None,
@@ -215,16 +196,15 @@ class Decoder:
             def mix_linear(i: int, h: torch.Tensor) -> torch.Tensor:
                 j, w = self.slot[i], self.w.layers[i].linear
                 return hybrid.linear_attention(
-                    h, w, self.cfg, linear_plan, self.op_backend,
+                    h, w, self.cfg, linear_plan, self.op_backend, PREFILL_ROWS,
                     tails_out=[c.conv[j] for c in linear_states] if leave else None,
                     states_out=[c.state[j] for c in linear_states] if leave else None)
 
         x = self.w.embed[tokens]  # [T, H]
-        delta = None
         readout, last = batch.readout.to(device), len(self.w.layers) - 1
         for i in range(len(self.w.layers)):
-            x, delta = self._layer(i, x, delta, positions, attend, mix_linear, rows=readout if i == last else None)
-        return self._norm(x, self.w.final_norm, delta)  # [R, H]
+            x = self._layer(i, x, positions, attend, mix_linear, PREFILL_ROWS, rows=readout if i == last else None)
+        return self._norm(x, self.w.final_norm)  # [R, H]
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
@@ -250,15 +230,14 @@ class Decoder:
             def mix_linear(i: int, h: torch.Tensor) -> torch.Tensor:
                 j, w = self.slot[i], self.w.layers[i].linear
                 return hybrid.linear_attention(
-                    h, w, self.cfg, linear_plan, self.op_backend, tails_in=[c.conv[j] for c in caches],
+                    h, w, self.cfg, linear_plan, self.op_backend, DECODE_ROWS, tails_in=[c.conv[j] for c in caches],
                     tails_out=[c.next_conv[j] for c in caches], states_in=[c.state[j] for c in caches],
                     states_out=[c.next_state[j] for c in caches])
 
         x = self.w.embed[tokens.to(device)]  # [B, H]
-        delta = None
         for i in range(len(self.w.layers)):
-            x, delta = self._layer(i, x, delta, positions, attend, mix_linear)
-        return self._norm(x, self.w.final_norm, delta)
+            x = self._layer(i, x, positions, attend, mix_linear, DECODE_ROWS)
+        return self._norm(x, self.w.final_norm)
 
     @property
     def kv_bytes_per_token(self) -> int:

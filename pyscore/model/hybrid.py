@@ -17,17 +17,18 @@ import torch.nn.functional as F
 
 from pyscore.model.config import ModelConfig
 from pyscore.model.weights import LayerWeights, LinearAttentionWeights
-from pyscore.ops import add_rms_norm, causal_conv1d, gated_delta_rule
+from pyscore.ops import add_rms_norm, causal_conv1d, gated_delta_rule, linear
 from pyscore.ops.gated_delta_rule import LinearAttentionPlan
 from pyscore.ops.reference import rotate_half_ref
 
 
 def gated_attention_inputs(h: torch.Tensor, layer: LayerWeights, cfg: ModelConfig, positions: torch.Tensor,
-                           cos: torch.Tensor, sin: torch.Tensor, backend: str) -> tuple[torch.Tensor, ...]:
+                           cos: torch.Tensor, sin: torch.Tensor, backend: str, rows_per_call: int,
+                           ) -> tuple[torch.Tensor, ...]:
     """h [T, H] -> q [T, Hq, D], k [T, Hkv, D] (normed, the leading rotary_dim dims rotated), v [T, Hkv, D], and the
     output gate [T, Hq D]. q_proj's rows are per head [query D | gate D]."""
     num_tokens, d, hq, hkv = h.shape[0], cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads
-    proj = F.linear(h, layer.qkv, layer.qkv_bias)  # [T, 2 Hq D + 2 Hkv D]
+    proj = linear(h, layer.qkv, backend=backend, rows_per_call=rows_per_call)  # [T, 2 Hq D + 2 Hkv D]
     query_gate = proj[:, : 2 * hq * d].view(num_tokens, hq, 2 * d)
     # per-head norms over rows of D (a copy each: the heads' rows sit irregularly in the projection output)
     q = add_rms_norm(query_gate[..., :d].reshape(-1, d), layer.q_norm, cfg.rms_norm_eps, backend=backend)
@@ -51,7 +52,8 @@ def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 
 def linear_attention(
-    h: torch.Tensor, w: LinearAttentionWeights, cfg: ModelConfig, plan: LinearAttentionPlan, backend: str, *,
+    h: torch.Tensor, w: LinearAttentionWeights, cfg: ModelConfig, plan: LinearAttentionPlan, backend: str,
+    rows_per_call: int, *,
     tails_in: Sequence[torch.Tensor | None] | None = None, tails_out: Sequence[torch.Tensor | None] | None = None,
     states_in: Sequence[torch.Tensor | None] | None = None, states_out: Sequence[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
@@ -60,7 +62,7 @@ def linear_attention(
     shape = cfg.linear
     num_tokens, channels = h.shape[0], shape.conv_channels
     hk, hv, dk, dv = shape.num_k_heads, shape.num_v_heads, shape.k_dim, shape.v_dim
-    proj = F.linear(h, w.in_proj)  # [T, C + Hv Dv + 2 Hv]: q|k|v, z, b, a
+    proj = linear(h, w.in_proj, backend=backend, rows_per_call=rows_per_call)  # [T, C + Hv Dv + 2 Hv]: q|k|v, z, b, a
     mixed = causal_conv1d(proj[:, :channels], w.conv, plan.table, plan, tail_in=tails_in, tail_out=tails_out,
                           backend=backend)  # [T, C]
     q = mixed[:, : hk * dk].view(num_tokens, hk, dk)

@@ -1,7 +1,10 @@
 """Decoder weights in the layout the runner wants: q/k/v fused into one projection and gate/up into another,
 so each layer runs three large matmuls instead of seven (a Qwen3.5 linear-attention layer: its four input
-projections fused into one). Read from a Hugging Face state dict (safetensors); a Qwen3.5 image-text-to-text
-checkpoint's language model sits under `model.language_model.`, and its vision tower and `mtp.*` are never read."""
+projections fused into one). Every projection is a `LinearWeight` with its bias: built here as a PlainLinear, each
+fused one concatenated from its sources as it is read (the sources are dropped at once), and turned by the decoder
+into the form its `linear` path reads, which replaces it (a weight is held once). Read from a Hugging Face state
+dict (safetensors); a Qwen3.5 image-text-to-text checkpoint's language model sits under `model.language_model.`,
+and its vision tower and `mtp.*` are never read."""
 
 from __future__ import annotations
 
@@ -11,18 +14,19 @@ from dataclasses import dataclass
 import torch
 
 from pyscore.model.config import LINEAR_ATTENTION, ModelConfig
+from pyscore.ops.linear import LinearWeight, PlainLinear
 
 
 @dataclass
 class LinearAttentionWeights:
     """A Gated DeltaNet mixer (Qwen3.5)."""
 
-    in_proj: torch.Tensor  # [C + Hv Dv + 2 Hv, H]: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
+    in_proj: LinearWeight  # [C + Hv Dv + 2 Hv, H]: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
     conv: torch.Tensor  # [C, K] depthwise causal conv over the q|k|v part
     a_log: torch.Tensor  # [Hv] fp32
     dt_bias: torch.Tensor  # [Hv] fp32
     norm: torch.Tensor  # [Dv] gated RMSNorm weight (plain, not zero-centred)
-    out: torch.Tensor  # [H, Hv Dv]
+    out: LinearWeight  # [H, Hv Dv]
 
 
 @dataclass
@@ -31,17 +35,13 @@ class LayerWeights:
     transformers applies before rounding. A linear-attention layer has `linear` and no attention weights."""
 
     input_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor | None  # [(Hq + 2 Hkv) D, H]; Qwen3.5: [(2 Hq + 2 Hkv) D, H], q and gate per head
-    qkv_bias: torch.Tensor | None
+    qkv: LinearWeight | None  # [(Hq + 2 Hkv) D, H]; Qwen3.5: [(2 Hq + 2 Hkv) D, H], q and gate per head
     q_norm: torch.Tensor | None  # [D] (Qwen3, Qwen3.5)
     k_norm: torch.Tensor | None
-    o: torch.Tensor | None  # [H, Hq D]
-    o_bias: torch.Tensor | None
+    o: LinearWeight | None  # [H, Hq D]
     post_norm: torch.Tensor  # [H]
-    gate_up: torch.Tensor  # [2 I, H]
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor  # [H, I]
-    down_bias: torch.Tensor | None
+    gate_up: LinearWeight  # [2 I, H], gated: silu(gate) * up
+    down: LinearWeight  # [H, I]
     linear: LinearAttentionWeights | None = None
 
 
@@ -69,12 +69,12 @@ def _linear_attention(cfg: ModelConfig, p: str, need, cast) -> LinearAttentionWe
     p += "linear_attn."
     conv = need(p + "conv1d.weight")  # [C, 1, K]
     return LinearAttentionWeights(
-        in_proj=cast(torch.cat([need(p + f"in_proj_{n}.weight") for n in ("qkv", "z", "b", "a")])),
+        in_proj=PlainLinear(cast(torch.cat([need(p + f"in_proj_{n}.weight") for n in ("qkv", "z", "b", "a")])), None),
         conv=cast(conv.reshape(conv.shape[0], conv.shape[-1])),
         a_log=cast(need(p + "A_log"), torch.float32),
         dt_bias=cast(need(p + "dt_bias"), torch.float32),
         norm=cast(need(p + "norm.weight")),
-        out=cast(need(p + "out_proj.weight")),
+        out=PlainLinear(cast(need(p + "out_proj.weight")), None),
     )
 
 
@@ -104,17 +104,17 @@ def build_weights(cfg: ModelConfig, get: Callable[[str], torch.Tensor | None], d
         linear = cfg.layer_type(i) == LINEAR_ATTENTION
         layers.append(LayerWeights(
             input_norm=norm(p + "input_layernorm.weight"),
-            qkv=None if linear else cast(torch.cat([need(attn + f"{n}_proj.weight") for n in "qkv"])),
-            qkv_bias=None if linear else cast(_cat_optional([get(attn + f"{n}_proj.bias") for n in "qkv"])),
+            qkv=None if linear else PlainLinear(
+                cast(torch.cat([need(attn + f"{n}_proj.weight") for n in "qkv"])),
+                cast(_cat_optional([get(attn + f"{n}_proj.bias") for n in "qkv"]))),
             q_norm=norm(attn + "q_norm.weight") if cfg.qk_norm and not linear else None,
             k_norm=norm(attn + "k_norm.weight") if cfg.qk_norm and not linear else None,
-            o=None if linear else cast(need(attn + "o_proj.weight")),
-            o_bias=None if linear else cast(get(attn + "o_proj.bias")),
+            o=None if linear else PlainLinear(cast(need(attn + "o_proj.weight")), cast(get(attn + "o_proj.bias"))),
             post_norm=norm(p + "post_attention_layernorm.weight"),
-            gate_up=cast(torch.cat([need(p + "mlp.gate_proj.weight"), need(p + "mlp.up_proj.weight")])),
-            gate_up_bias=cast(_cat_optional([get(p + "mlp.gate_proj.bias"), get(p + "mlp.up_proj.bias")])),
-            down=cast(need(p + "mlp.down_proj.weight")),
-            down_bias=cast(get(p + "mlp.down_proj.bias")),
+            gate_up=PlainLinear(cast(torch.cat([need(p + "mlp.gate_proj.weight"), need(p + "mlp.up_proj.weight")])),
+                                cast(_cat_optional([get(p + "mlp.gate_proj.bias"), get(p + "mlp.up_proj.bias")])),
+                                gated=True),
+            down=PlainLinear(cast(need(p + "mlp.down_proj.weight")), cast(get(p + "mlp.down_proj.bias"))),
             linear=_linear_attention(cfg, p, need, cast) if linear else None,
         ))
     embed = cast(need(model + "embed_tokens.weight"))

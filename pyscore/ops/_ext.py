@@ -1,12 +1,18 @@
-"""The op registry: which compiled kernel runs each op on each device and for which dtypes, and, where none
-does, why the op's pure-PyTorch reference (`pyscore.ops.reference`) runs instead. The decision is made here and
-nowhere else: every op wrapper calls `kernel_for`, and the engine calls `op_paths` once at start to log and
+"""The op registry: which path runs each op on each device, CPU tier and dtype — our compiled kernel, torch's own
+op, or the op's pure-PyTorch reference (`pyscore.ops.reference`) — and why. The decision is made here and nowhere
+else: every op wrapper asks `path_for` (or `kernel_for`), and the engine calls `op_paths` once at start to log and
 report (GetModelInfo) the same decisions.
 
+On the CPU the choice is per (op, tier, dtype) in `CPU_TIERS`, each entry citing the recorded bench line that
+justifies it: our kernel where it beats torch's op at the shapes we run, torch's op where it does not (never a
+scalar loop where torch has a vectorized one). The tier comes from the CPU module (csrc/common/cpu_features.h), the
+one place it is decided; PYSCORE_CPU_TIER forces a lower one for tests and benches.
+
 `pyscore._C` (CPU) is expected after `make build`; `pyscore._C_cuda` is optional: when it is missing or no
-GPU/driver is present, CUDA is reported off, never fatal. Backends: "auto" (a kernel where one fits, else the
-reference; PYSCORE_OP_BACKEND=reference forces the reference everywhere, a slow debugging switch), "kernel"
-(a kernel or a RuntimeError that says why not) and "reference"."""
+GPU/driver is present, CUDA is reported off, never fatal. Backends: "auto" (the table's production path;
+PYSCORE_OP_BACKEND=reference forces the reference everywhere, a slow debugging switch), "kernel" (our kernel
+whatever the table says, or a RuntimeError that says why not: how tests reach a kernel on any tier) and
+"reference"."""
 
 from __future__ import annotations
 
@@ -17,6 +23,8 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+
+from pyscore.ops.tiers import cpu_choice
 
 CPU_MODULE, CUDA_MODULE = "pyscore._C", "pyscore._C_cuda"
 _FP32_BF16 = frozenset({torch.float32, torch.bfloat16})
@@ -87,13 +95,34 @@ def _module_for(name: str) -> ModuleType | None:
 
 
 def resolve(op: str, device: torch.device, dtype: torch.dtype, backend: str = "auto") -> tuple[ModuleType | None, str]:
-    """(the module whose kernel runs `op` for `dtype` tensors on `device`, or None for the reference; and why)."""
+    """(the module whose kernel runs `op` for `dtype` tensors on `device`, or None when torch's op or the reference
+    does; and why)."""
+    module, _, why = resolve_path(op, device, dtype, backend)
+    return module, why
+
+
+def resolve_path(op: str, device: torch.device, dtype: torch.dtype, backend: str = "auto",
+                 ) -> tuple[ModuleType | None, str, str]:
+    """(kernel module or None, path, why) with path "kernel" | "torch" | "reference"."""
     if backend not in ("auto", "kernel", "reference"):
         raise ValueError(f"backend must be auto, kernel or reference, got {backend!r}")
     if backend == "auto" and default_backend() == "reference":
-        return None, "reference: PYSCORE_OP_BACKEND=reference"
+        return None, "reference", "reference: PYSCORE_OP_BACKEND=reference"
     if backend == "reference":
-        return None, "reference: op_backend=reference"
+        return None, "reference", "reference: op_backend=reference"
+    module, why = _kernel(op, device, dtype)
+    if module is None:
+        return None, "reference", why
+    if backend == "auto" and device.type == "cpu":
+        tier = cpu_tier()
+        choice = cpu_choice(op, tier, dtype)
+        if choice.path == "torch":
+            return None, "torch", f"torch: tier {tier}, {choice.why}"
+    return module, "kernel", why
+
+
+def _kernel(op: str, device: torch.device, dtype: torch.dtype) -> tuple[ModuleType | None, str]:
+    """Our kernel for (op, device, dtype) if one is registered and its module imports, else None and why not."""
     spec = REGISTRY[op].get(device.type)
     if spec is None:
         return None, f"reference: no {device.type.upper()} kernel for {op}"
@@ -113,16 +142,22 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def kernel_for(op: str, device: torch.device, dtype: torch.dtype, backend: str = "auto") -> ModuleType | None:
-    """The module whose kernel runs `op` on `dtype` tensors on `device`, or None when the reference should; with
-    backend "kernel", a RuntimeError saying why no kernel fits instead of None."""
-    module, why = resolve(op, device, dtype, backend)
+    """The module whose kernel runs `op` on `dtype` tensors on `device`, or None when torch's op / the reference
+    should (the op's PyTorch implementation); with backend "kernel", a RuntimeError saying why no kernel fits."""
+    return path_for(op, device, dtype, backend)[0]
+
+
+def path_for(op: str, device: torch.device, dtype: torch.dtype, backend: str = "auto",
+             ) -> tuple[ModuleType | None, str]:
+    """(kernel module or None, "kernel" | "torch" | "reference"); backend "kernel" raises instead of falling back."""
+    module, path, why = resolve_path(op, device, dtype, backend)
     if module is None and backend == "kernel":
         raise RuntimeError(f"no {op} kernel for {dtype} on {device}: {why}")
-    return module
+    return module, path
 
 
 def op_paths(device: torch.device, dtype: torch.dtype, backend: str = "auto") -> dict[str, str]:
-    """op -> the path it takes for a model on `device` in `dtype`, and why; CPU kernels name the ISA they run."""
+    """op -> the path it takes for a model on `device` in `dtype`, and why; CPU kernels name the tier they run."""
     paths = {}
     for op in REGISTRY:
         module, why = resolve(op, device, dtype, backend)
@@ -132,16 +167,37 @@ def op_paths(device: torch.device, dtype: torch.dtype, backend: str = "auto") ->
     return paths
 
 
+def cpu_tier() -> str:
+    """The CPU tier the kernels dispatch on now (csrc/common/cpu_features.h; PYSCORE_CPU_TIER lowers it), or
+    "generic" when the CPU module is missing."""
+    module = cpu_module()
+    return "generic" if module is None else module.cpu_features()["tier"]
+
+
 def cpu_isa(module: ModuleType) -> str:
-    """Which code path the CPU kernels dispatch to at run time, as the module itself decides it
-    (csrc/common/cpu_features.h): AVX-512 with the bf16 product it uses (vdpbf16ps on AMD, bf16 pairs widened to
-    fp32 FMAs on Intel, PYSCORE_BF16_DOT forcing either), or the portable code and why."""
+    """Which code the CPU kernels run at the current tier, as the module itself decides it: the tier, for AVX-512
+    BF16 the bf16 product it uses (vdpbf16ps on AMD, bf16 pairs widened to fp32 FMAs on Intel, PYSCORE_BF16_DOT
+    forcing either), and whether the tier was forced below the hardware's."""
     features = module.cpu_features()
-    if not features["avx512bf16"]:
-        return "portable: this CPU lacks AVX512-BF16"
-    if features["path"] != "avx512":
-        return "portable: PYSCORE_DISABLE_AVX512 is set"
-    return f"AVX-512 BF16, bf16 products by {features['bf16_dot']}"
+    tier, hardware = features["tier"], features["hardware_tier"]
+    what = f"tier {tier}"
+    if tier in ("avx512bf16", "amx"):
+        what += f", bf16 products by {features['bf16_dot']}"
+    if tier != hardware:
+        what += f"; forced below the CPU's {hardware}"
+    return what
+
+
+def default_cpu_dtype() -> tuple[torch.dtype, str]:
+    """The CPU dtype for dtype="auto", and why: bf16 where the CPU multiplies bf16 (AVX512-BF16, AMX, ARM bf16);
+    fp32 elsewhere, where torch's bf16 GEMM is several times slower than its fp32 (no bf16 arithmetic)."""
+    tier = cpu_tier()
+    module = cpu_module()
+    if tier in ("avx512bf16", "amx"):
+        return torch.bfloat16, f"bfloat16: tier {tier} multiplies bf16"
+    if tier == "neon" and module is not None and module.cpu_features()["arm_bf16"]:
+        return torch.bfloat16, "bfloat16: this ARM CPU has bf16 arithmetic"
+    return torch.float32, f"float32: tier {tier} has no bf16 arithmetic"
 
 
 def torch_dtype_name(dtype: torch.dtype) -> str:

@@ -1,20 +1,31 @@
 """linear: x @ W.T (+ bias) with a fused epilogue (SiLU-mul for a SwiGLU gate_up projection, a residual add for o /
-down), on a weight prepacked once at load into the layout the CPU micro-kernel reads (see csrc/linear/params.h).
-`pack_linear` makes a PackedLinear; `linear` runs it: the kernel the registry (pyscore/ops/_ext.py) names, today C++
-for CPU fp32/bf16, else the fp32 reference (`pyscore.ops.reference.linear_ref`, F.linear in fp32 on the unpacked
-weight). A row's result is bitwise the same
-whatever the number of rows in the call (batch invariance)."""
+down), whichever path runs it; the decoder calls it the same way on every path (one residual convention). A weight
+is held once, in the form its path reads: a `PackedLinear` (prepacked once at load into the layout the CPU kernel
+reads, see csrc/linear/params.h) where the registry (pyscore/ops/_ext.py, pyscore/ops/tiers.py) runs our kernel, a
+`PlainLinear` where it runs torch's GEMM; `prepare_linear` makes the right one, and the other paths unpack on demand.
+
+Paths: our C++ kernel; torch's F.linear in the weight's dtype over fixed-size row chunks, the last one zero-padded
+(oneDNN picks its blocking by the call's shape, so a row's bits would change with the number of rows; with every
+call the same shape a row's bits depend only on that row: measured position-invariant, tested in
+tests/ops/test_linear.py); or the fp32 reference (`pyscore.ops.reference.linear_ref`). On every path a row's
+result is bitwise the same whatever the other rows of the call (batch invariance)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from pyscore.ops import _ext
 from pyscore.ops.reference import linear_ref
 
 BLOCK_N = 64  # packed columns per block
+# Rows per torch GEMM call on the torch path: prefill passes and decode steps each use one fixed size (a row's bits
+# depend on the call's shape); 128 keeps big-M GEMMs within ~1.3-2x of one unchunked call, 16 keeps a decode step's
+# padding cheap (bench/results/tiers/linear_amx.txt).
+PREFILL_ROWS = 128
+DECODE_ROWS = 16
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # the kernel's dtypes
 UNIT_N = 32  # packed columns per gated unit: 16 gate then 16 up
 
@@ -51,6 +62,47 @@ class PackedLinear:
         rows = _original_rows(self.out_features, self.gated, w.shape[0], w.device)  # packed column of each row
         bias = None if self.bias is None else self.bias[rows]
         return w[rows], bias
+
+
+@dataclass(frozen=True)
+class PlainLinear:
+    """A weight as torch's GEMM reads it: [N, K] (gated: [2I, K], gate rows then up rows) in the model's dtype, and
+    its bias [N] (or None)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    gated: bool = False
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weight.dtype
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0] // 2 if self.gated else self.weight.shape[0]
+
+    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.weight, self.bias
+
+
+LinearWeight = PackedLinear | PlainLinear
+
+
+def prepare_linear(w: LinearWeight, backend: str = "auto") -> LinearWeight:
+    """The form of `w` that linear's path for its device and dtype reads: packed for our kernel, plain for torch's
+    GEMM or the reference. A converted weight replaces the caller's (hold the result, drop `w`): weights live once."""
+    _, path = _ext.path_for("linear", w.weight.device if isinstance(w, PlainLinear) else w.packed.device, w.dtype,
+                            backend)
+    if path == "kernel" and isinstance(w, PlainLinear):
+        return pack_linear(w.weight, w.bias, gated=w.gated)
+    if path == "torch" and isinstance(w, PackedLinear):
+        weight, bias = w.unpacked()
+        return PlainLinear(weight.contiguous(), bias if bias is None else bias.to(w.dtype), w.gated)
+    return w
 
 
 def _packed_order(out_features: int, gated: bool) -> list[int]:
@@ -100,13 +152,14 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, gated
     return PackedLinear(packed, packed_bias, k, out_features, gated)
 
 
-def _check(x: torch.Tensor, w: PackedLinear, residual: torch.Tensor | None, out: torch.Tensor | None) -> None:
+def _check(x: torch.Tensor, w: LinearWeight, residual: torch.Tensor | None, out: torch.Tensor | None) -> None:
+    device = w.packed.device if isinstance(w, PackedLinear) else w.weight.device
     if x.dim() != 2 or x.shape[1] != w.in_features or x.stride(1) != 1:
         raise ValueError(f"x must be [M, K={w.in_features}] contiguous in its last dim, got shape {tuple(x.shape)} "
                          f"strides {x.stride()}")
-    if x.dtype != w.dtype or x.device != w.packed.device:
-        raise ValueError(f"x must match the weight's dtype and device ({w.dtype}, {w.packed.device}), "
-                         f"got {x.dtype}, {x.device}")
+    if x.dtype != w.dtype or x.device != device:
+        raise ValueError(f"x must match the weight's dtype and device ({w.dtype}, {device}), got {x.dtype}, "
+                         f"{x.device}")
     for name, t in (("residual", residual), ("out", out)):
         if t is None:
             continue
@@ -118,16 +171,22 @@ def _check(x: torch.Tensor, w: PackedLinear, residual: torch.Tensor | None, out:
                              f"{t.device}")
 
 
-def linear(x: torch.Tensor, w: PackedLinear, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-           backend: str = "auto") -> torch.Tensor:
+def linear(x: torch.Tensor, w: LinearWeight, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+           backend: str = "auto", rows_per_call: int = PREFILL_ROWS) -> torch.Tensor:
     """x [M, K] (row stride free) -> [M, N] (gated: silu(gate) * up, [M, I]) in x's dtype, plus residual [M, N]
     when given. out, when given, receives the result and may be the residual itself (an in-place residual add)
-    but must not overlap x. backend: "auto" | "kernel" | "reference"."""
+    but must not overlap x. backend: "auto" | "kernel" | "reference". rows_per_call: the torch path's fixed GEMM
+    height (PREFILL_ROWS or DECODE_ROWS; a row's bits depend on it, never on the other rows)."""
     _check(x, w, residual, out)
-    module = _ext.kernel_for("linear", x.device, x.dtype, backend)
+    module, path = _ext.path_for("linear", x.device, x.dtype, backend)
+    if path == "torch":
+        weight, bias = w.unpacked() if isinstance(w, PlainLinear) else _native(w)
+        return _torch_linear(x, weight, bias, w.gated, residual, out, rows_per_call)
     if module is None:
         result = linear_ref(x, *w.unpacked(), gated=w.gated, residual=residual).to(x.dtype)
         return result if out is None else out.copy_(result)
+    if not isinstance(w, PackedLinear):
+        raise ValueError("linear's kernel path reads a PackedLinear: prepare the weight with prepare_linear")
     if out is None:
         out = torch.empty(x.shape[0], w.out_features, dtype=x.dtype)
     packed, bias, k, columns, n_out, gated = w._kernel_args
@@ -135,3 +194,29 @@ def linear(x: torch.Tensor, w: PackedLinear, residual: torch.Tensor | None = Non
                   0 if residual is None else residual.stride(0), out.data_ptr(), out.stride(0), x.shape[0], k, columns,
                   n_out, gated, _DTYPE_NAMES[x.dtype])
     return out
+
+
+def _native(w: PackedLinear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    weight, bias = w.unpacked()
+    return weight, None if bias is None else bias.to(w.dtype)
+
+
+def _torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool,
+                  residual: torch.Tensor | None, out: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """torch's GEMM in x's dtype over calls of exactly `rows` rows, then the epilogue in that dtype (as transformers
+    computes it: act(gate) * up, residual + y)."""
+    m = x.shape[0]
+    y = torch.empty(m, weight.shape[0], dtype=x.dtype, device=x.device)
+    whole = m - m % rows
+    for start in range(0, whole, rows):
+        y[start : start + rows] = F.linear(x[start : start + rows], weight, bias)
+    if whole < m:
+        padded = x.new_zeros(rows, x.shape[1])
+        padded[: m - whole] = x[whole:]
+        y[whole:] = F.linear(padded, weight, bias)[: m - whole]
+    if gated:
+        half = weight.shape[0] // 2
+        y = F.silu(y[:, :half]) * y[:, half:]
+    if residual is not None:
+        return torch.add(residual, y, out=out) if out is not None else residual + y
+    return y if out is None else out.copy_(y)

@@ -1,13 +1,14 @@
-"""The op registry (pyscore/ops/_ext.py) decides in one place which path every op takes: a kernel where one is
-registered for the device and dtype and its module imports, else the reference, with a reason that says which
-of those failed; backend "kernel" turns the fallback into an error carrying the same reason."""
+"""The op registry (pyscore/ops/_ext.py) decides in one place which path every op takes: on the CPU the tier table
+(pyscore/ops/tiers.py) picks our kernel or torch's op per (op, tier, dtype); a kernel needs to be registered for the
+device and dtype and its module to import, else the reference runs, with a reason that says which of those failed;
+backend "kernel" reaches our kernel whatever the table says, or an error carrying the same reason."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pyscore.ops import _ext, add_rms_norm, silu_mul
+from pyscore.ops import _ext, add_rms_norm, silu_mul, tiers
 
 CPU = torch.device("cpu")
 
@@ -15,9 +16,62 @@ CPU = torch.device("cpu")
 def test_every_op_has_a_cpu_kernel_for_fp32_and_bf16():
     for op in _ext.REGISTRY:
         for dtype in (torch.float32, torch.bfloat16):
-            module, why = _ext.resolve(op, CPU, dtype)
+            module, why = _ext.resolve(op, CPU, dtype, "kernel")
             assert module is _ext.cpu_module() and module is not None, f"{op} {dtype}: {why}"
             assert why == "kernel: pyscore._C"
+
+
+def test_the_tier_table_covers_every_op_and_tier():
+    for op in _ext.REGISTRY:
+        assert set(tiers.CPU_TIERS[op]) <= set(tiers.TIERS), op
+        for tier in tiers.TIERS:
+            for dtype in (torch.float32, torch.bfloat16):
+                choice = tiers.cpu_choice(op, tier, dtype)
+                assert choice.path in ("kernel", "torch") and choice.why, (op, tier, dtype)
+    # a tier without an entry inherits the one below it
+    assert tiers.cpu_choice("rotary", "avx512", torch.float32) == tiers.cpu_choice("rotary", "generic", torch.float32)
+    assert tiers.cpu_choice("linear", "amx", torch.bfloat16) == tiers.LINEAR_AMX
+    with pytest.raises(ValueError, match="unknown CPU tier"):
+        tiers.cpu_choice("rotary", "sse2", torch.float32)
+
+
+def forced_tiers(monkeypatch) -> list[str]:
+    """The tiers this CPU can run (its own and every x86 tier below it)."""
+    hardware = _ext.cpu_module().cpu_features()["hardware_tier"]
+    order = ["generic", "avx2", "avx512", "avx512bf16", "amx"]
+    return ["generic", "neon"] if hardware == "neon" else order[: order.index(hardware) + 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_op_paths_follow_the_tier_table_on_every_tier_this_cpu_runs(monkeypatch, dtype):
+    for tier in forced_tiers(monkeypatch):
+        monkeypatch.setenv("PYSCORE_CPU_TIER", tier)
+        assert _ext.cpu_tier() == tier
+        for op, path in _ext.op_paths(CPU, dtype).items():
+            choice = tiers.cpu_choice(op, tier, dtype)
+            if choice.path == "torch":
+                assert path == f"torch: tier {tier}, {choice.why}", (tier, op)
+                assert _ext.kernel_for(op, CPU, dtype) is None
+            else:
+                assert path.startswith(f"kernel: pyscore._C (tier {tier}"), (tier, op, path)
+                assert _ext.kernel_for(op, CPU, dtype) is _ext.cpu_module()
+
+
+def test_a_tier_above_the_hardware_falls_to_the_hardware_tier(monkeypatch):
+    features = _ext.cpu_module().cpu_features()
+    if features["hardware_tier"] == "amx":
+        pytest.skip("no tier above amx to ask for")
+    monkeypatch.setenv("PYSCORE_CPU_TIER", "amx")
+    assert _ext.cpu_tier() == features["hardware_tier"]
+
+
+def test_default_cpu_dtype_follows_the_tier(monkeypatch):
+    monkeypatch.setenv("PYSCORE_CPU_TIER", "avx2")
+    if _ext.cpu_tier() == "avx2":
+        assert _ext.default_cpu_dtype() == (torch.float32, "float32: tier avx2 has no bf16 arithmetic")
+    monkeypatch.delenv("PYSCORE_CPU_TIER")
+    if _ext.cpu_tier() in ("avx512bf16", "amx"):
+        assert _ext.default_cpu_dtype()[0] == torch.bfloat16
 
 
 def test_unregistered_dtype_falls_back_with_the_reason():
@@ -60,19 +114,14 @@ def test_a_fallback_computes_the_reference():
     assert torch.equal(silu_mul(x), silu_mul(x, backend="reference"))
 
 
-def test_op_paths_name_every_op_and_the_cpu_isa(monkeypatch):
-    paths = _ext.op_paths(CPU, torch.bfloat16)
-    assert set(paths) == set(_ext.REGISTRY)
+def test_op_paths_name_the_tier_and_the_bf16_product(monkeypatch):
     features = _ext.cpu_module().cpu_features()
-    isa = (f"AVX-512 BF16, bf16 products by {features['bf16_dot']}" if features["avx512bf16"]
-           else "portable: this CPU lacks AVX512-BF16")
-    assert all(p == f"kernel: pyscore._C ({isa})" for p in paths.values()), paths
-    if features["avx512bf16"]:
-        monkeypatch.setenv("PYSCORE_DISABLE_AVX512", "1")
-        forced = _ext.op_paths(CPU, torch.float32)["rotary"]
-        assert forced == "kernel: pyscore._C (portable: PYSCORE_DISABLE_AVX512 is set)"
-        monkeypatch.delenv("PYSCORE_DISABLE_AVX512")
-        monkeypatch.setenv("PYSCORE_BF16_DOT", "widen")
-        widened = _ext.op_paths(CPU, torch.bfloat16)["linear"]
-        assert widened == "kernel: pyscore._C (AVX-512 BF16, bf16 products by widen)"
+    if features["hardware_tier"] not in ("avx512bf16", "amx"):
+        pytest.skip("needs an AVX512-BF16 CPU")
+    monkeypatch.setenv("PYSCORE_BF16_DOT", "widen")
+    tier = features["hardware_tier"]
+    assert _ext.op_paths(CPU, torch.bfloat16)["rotary"] == f"kernel: pyscore._C (tier {tier}, bf16 products by widen)"
+    monkeypatch.setenv("PYSCORE_DISABLE_AVX512", "1")  # the legacy switch: the generic tier
+    forced = _ext.op_paths(CPU, torch.float32, "kernel")["rotary"]
+    assert forced == f"kernel: pyscore._C (tier generic; forced below the CPU's {tier})"
     assert set(_ext.op_paths(CPU, torch.float32, "reference").values()) == {"reference: op_backend=reference"}

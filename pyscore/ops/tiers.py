@@ -1,0 +1,62 @@
+"""The CPU tier table: for each op, tier and dtype, whether our kernel or torch's own op runs in production, and the
+recorded bench line that justifies it. `pyscore.ops._ext` reads it; nothing else decides. A tier missing for an op
+inherits the entry of the tier below it (amx -> avx512bf16 -> avx512 -> avx2 -> generic; neon -> generic).
+
+"torch" means torch's op in the model's dtype: for `linear`, F.linear over fixed-size row chunks (batch-invariant,
+see pyscore/ops/linear.py); for the other ops, the op's PyTorch implementation in pyscore.ops.reference.
+"kernel" means pyscore._C at that tier: the AVX-512 code at avx512bf16 / amx, the AMX tile GEMM for `linear` at amx
+where K is a multiple of 32, the portable C++ (generic tier) elsewhere."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+TIERS = ("generic", "avx2", "avx512", "avx512bf16", "amx", "neon")
+_BELOW = {"amx": "avx512bf16", "avx512bf16": "avx512", "avx512": "avx2", "avx2": "generic", "neon": "generic"}
+
+
+@dataclass(frozen=True)
+class Choice:
+    path: str  # "kernel" | "torch"
+    why: str  # the bench line behind it
+
+
+KERNEL_ZEN4 = Choice("kernel", "ours beats torch (bench/results/kernels_cpu_zen4.txt, Zen 4)")
+LINEAR_AMX = Choice("kernel", "AMX tiles, batch-invariant; bench/results/tiers/linear_amx.txt")
+LINEAR_TORCH = Choice("torch", "oneDNN/MKL GEMM beats a vector-FMA GEMM without bf16 hardware "
+                               "(bench/results/tiers/linear_amx.txt, avx2 rows)")
+ALGORITHM = Choice("kernel", "no dense [T, T] mask / no vocabulary-wide logits; unmeasured on this tier")
+TORCH_UNTUNED = Choice("torch", "no vectorized kernel at this tier: the scalar portable loop loses to torch")
+
+# op -> tier -> dtype name -> Choice ("*" = every dtype).
+CPU_TIERS: dict[str, dict[str, dict[str, Choice]]] = {
+    "linear": {"generic": {"*": LINEAR_TORCH}, "avx512bf16": {"*": KERNEL_ZEN4},
+               "amx": {"bfloat16": LINEAR_AMX, "float32": KERNEL_ZEN4}},
+    "prefix_item_attention": {"generic": {"*": ALGORITHM}, "avx2": {"*": TORCH_UNTUNED},
+                              "avx512bf16": {"*": KERNEL_ZEN4}},
+    "decode_attention": {"generic": {"*": ALGORITHM}, "avx2": {"*": TORCH_UNTUNED}, "avx512bf16": {"*": KERNEL_ZEN4}},
+    "label_logprobs": {"generic": {"*": ALGORITHM}, "avx2": {"*": TORCH_UNTUNED}, "avx512bf16": {"*": KERNEL_ZEN4}},
+    "add_rms_norm": {"generic": {"*": TORCH_UNTUNED}, "avx512bf16": {"*": KERNEL_ZEN4}},
+    "rotary": {"generic": {"*": TORCH_UNTUNED}, "avx512bf16": {"*": KERNEL_ZEN4}},
+    "silu_mul": {"generic": {"*": TORCH_UNTUNED}, "avx512bf16": {"*": KERNEL_ZEN4}},
+    "causal_conv1d": {"generic": {"*": ALGORITHM}, "avx2": {"*": TORCH_UNTUNED}, "avx512bf16": {"*": KERNEL_ZEN4}},
+    "gated_delta_rule": {"generic": {"*": ALGORITHM}, "avx2": {"*": TORCH_UNTUNED},
+                         "avx512bf16": {"*": KERNEL_ZEN4}},
+}
+
+
+def cpu_choice(op: str, tier: str, dtype: torch.dtype) -> Choice:
+    """The table's entry for (op, tier, dtype), inherited from the tiers below where the tier has none."""
+    if tier not in TIERS:
+        raise ValueError(f"unknown CPU tier {tier!r}; expected one of {', '.join(TIERS)}")
+    name = str(dtype).removeprefix("torch.")
+    entries = CPU_TIERS[op]
+    at: str | None = tier
+    while at is not None:
+        entry = entries.get(at, {})
+        if name in entry or "*" in entry:
+            return entry.get(name, entry.get("*"))
+        at = _BELOW.get(at)
+    raise KeyError(f"the tier table has no entry for {op} at {tier} or below")
