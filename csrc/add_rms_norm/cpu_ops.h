@@ -1,6 +1,7 @@
 // Internal interface of the CPU add_rms_norm kernel: the launcher (add_rms_norm_cpu.cpp, baseline ISA) splits
-// the rows over threads and calls `rows` on each slice; it comes in an AVX-512 build (add_rms_norm_avx512.cpp),
-// an AVX2 one (add_rms_norm_avx2.cpp) and a portable one.
+// the rows over threads and calls `rows` on each slice; it comes in AVX-512 and AVX2
+// builds (one body, rows_simd.h, compiled per ISA by add_rms_norm_avx512.cpp and add_rms_norm_avx2.cpp) and a
+// portable one.
 #pragma once
 #include <cstdint>
 

@@ -1,6 +1,7 @@
 // Internal interface of the CPU rotary kernel: the launcher (rotary_cpu.cpp, baseline ISA) splits tokens over
-// threads and calls `tokens` on each slice; it comes in an AVX-512 build (rotary_avx512.cpp),
-// an AVX2 one (rotary_avx2.cpp) and a portable one.
+// threads and calls `tokens` on each slice; it comes in AVX-512 and AVX2
+// builds (one body, tokens_simd.h, compiled per ISA by rotary_avx512.cpp and rotary_avx2.cpp) and a
+// portable one.
 #pragma once
 #include <cstdint>
 

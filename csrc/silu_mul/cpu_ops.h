@@ -1,6 +1,7 @@
 // Internal interface of the CPU silu_mul kernel: the launcher (silu_mul_cpu.cpp, baseline ISA) splits rows over
-// threads and calls `rows` on each slice; it comes in an AVX-512 build (silu_mul_avx512.cpp),
-// an AVX2 one (silu_mul_avx2.cpp) and a portable one.
+// threads and calls `rows` on each slice; it comes in AVX-512 and AVX2
+// builds (one body, rows_simd.h, compiled per ISA by silu_mul_avx512.cpp and silu_mul_avx2.cpp) and a
+// portable one.
 #pragma once
 #include <cstdint>
 

@@ -129,7 +129,8 @@ void check_same_bits_as_avx512() {
       _mm256_store_ps(d + 8 * h, pyscore::avx2::exp_ps(y));
     }
     for (int l = 0; l < 16; ++l) {
-      if (bits(a[l]) != bits(b[l]) && bad2++ < 5) std::printf("  exp2(%.9g): avx512 %.9g, avx2 %.9g\n", xs[i + l], a[l], b[l]);
+      if (bits(a[l]) != bits(b[l]) && bad2++ < 5)
+        std::printf("  exp2(%.9g): avx512 %.9g, avx2 %.9g\n", xs[i + l], a[l], b[l]);
       if (bits(c[l]) != bits(d[l]) && !(std::isnan(c[l]) && std::isnan(d[l])) && bad++ < 5)
         std::printf("  exp(%.9g): avx512 %.9g, avx2 %.9g\n", xs[i + l], c[l], d[l]);
     }
