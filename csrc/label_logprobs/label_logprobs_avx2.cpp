@@ -104,7 +104,7 @@ void dot_tile(const typename E::T* w, int64_t w_stride, typename E::Hidden h, in
   for (int i = 0; i < hidden; i += E::kStep) {
     Vec wv[VT][E::kParts];
     for (int v = 0; v < VT; ++v) E::weights(w + v * w_stride, i, hidden, wv[v]);
-    if (prefetch)
+    if (prefetch && (i * sizeof(typename E::T)) % 64 == 0)  // one prefetch per cache line of each row
       for (int v = 0; v < VT; ++v)
         _mm_prefetch(reinterpret_cast<const char*>(w + (kPrefetchRows + v) * w_stride + i), _MM_HINT_T0);
     for (int r = 0; r < RT; ++r) {
