@@ -9,18 +9,26 @@ figure is the median of the per-round medians, so a noisy minute hits both sides
   step streams its weights from DRAM;
 - decode_attention (8 sequences of 200..1100 cached tokens, SmolLM2 heads) vs one SDPA call per sequence (the
   decoder's decode path before it);
+- elementwise: add_rms_norm, silu_mul and rotary on the MIS prefill shape (776 tokens, SmolLM2) vs their torch
+  recipes (pyscore.ops.reference, what the decoder ran before the fused ops);
 - `--only linear`: Qwen3.5's linear-attention ops (causal_conv1d + gated_delta_rule, one layer's run of a plan made
   once per batch) on the same MIS and SIS shapes at the Qwen3.5-0.8B layer shape, ours vs transformers' own torch
   fallbacks (the chunked rule; MIS as the prefix, then the items batched from its final state) vs our fp32
   reference, written to bench/results/kernels_linear_cpu.txt.
-Writes the table with the CPU (bench.common.machine: model name, family / model, microarchitecture). Usage:
-  python -m bench.kernels [--threads 2] [--rounds 5] [--out FILE] [--only attention labels gemm decode ...]"""
+Writes the table with the CPU (bench.common.machine: model name, family / model, microarchitecture) and the tier.
+`--tier avx2` (or avx512, generic) forces our kernels' tier (PYSCORE_CPU_TIER) and makes torch take the same ISA
+(ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS; the bench re-executes itself so they hold from
+torch's start): what a machine of that tier would see, measured on a bigger one. `--dtypes` defaults to fp32 on
+tiers without bf16 arithmetic (avx2, avx512, generic, where torch's bf16 is slow), bf16 and fp32 elsewhere. Usage:
+  python -m bench.kernels [--tier avx2] [--dtypes fp32] [--threads 2] [--rounds 5] [--out FILE]
+                          [--only attention labels gemm decode elementwise ...]"""
 
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,23 +37,30 @@ import torch.nn.functional as F
 
 from bench.common import machine, median_ms
 from bench.summary import write_report
+from pyscore.model.rope import Rotary
 from pyscore.ops import (
     AttentionPlan,
     SegmentTable,
     _ext,
+    add_rms_norm,
     decode_attention,
     label_logprobs,
     linear,
     pack_linear,
     plan_decode,
+    rotary_,
+    silu_mul,
 )
 from pyscore.ops.gated_delta_rule import causal_conv1d, gated_delta_rule, plan_linear_attention
 from pyscore.ops.reference import (
+    add_rms_norm_ref,
     causal_conv1d_ref,
     gated_delta_rule_ref,
     label_logprobs_ref,
     prefix_item_attention_ref,
+    rotary_ref,
     segment_attention_mask,
+    silu_mul_ref,
 )
 
 RESULTS = Path(__file__).resolve().parent / "results" / "kernels_cpu.txt"
@@ -61,8 +76,16 @@ LINEAR_SHAPES = [
 ]
 LINEAR_ROWS = [1, 4, 8, 16, 776]
 WEIGHT_BYTES = 96e6  # > 3x this machine's L3: decode-shaped calls read their weights from DRAM
-SECTIONS = ["attention", "labels", "gemm", "decode", "interleave", "linear"]
+SECTIONS = ["attention", "labels", "gemm", "decode", "elementwise", "interleave", "linear"]
 DEFAULT_SECTIONS = SECTIONS[:-1]  # "linear" (Qwen3.5's linear attention) runs alone, into its own file
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# Per forced tier, torch's own settings for the same ISA (read once, when torch starts).
+TORCH_ISA_ENV = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+               "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    "generic": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+}
 
 
 def alternate(fns: dict[str, Callable[[], object]], reps: int, rounds: int,
@@ -121,9 +144,12 @@ def heads_first(q, k, v):
 
 
 def bf16_paths(dtype: torch.dtype, default: str) -> list[str]:
-    """The bf16 product paths to time: the CPU's default first, then the other one ("fma" for fp32)."""
+    """The bf16 product paths to time: the CPU's default first, then the other one ("fma" for fp32; "widen" alone on
+    tiers without AVX512-BF16, whose kernels always widen)."""
     if dtype != torch.bfloat16:
         return ["fma"]
+    if _ext.cpu_module().cpu_features()["tier"] not in ("avx512bf16", "amx"):
+        return ["widen"]
     return [default, "widen" if default == "dpbf16" else "dpbf16"]
 
 
@@ -179,14 +205,14 @@ def label_rows(rows: int, dtype: torch.dtype, reps: int, rounds: int, default: s
             f"{plain / times[p]:>11.1f}x{ref / times[p]:>10.1f}x" for p in paths]
 
 
-def attention_section(reps: int, rounds: int, default: str) -> list[str]:
+def attention_section(reps: int, rounds: int, default: str, dtypes: list[torch.dtype]) -> list[str]:
     lines = ["times: median ms; 'torch' = SDPA with a dense [T, T] bool mask (attention) or "
              "log_softmax((h @ W.T).float()).gather (labels); path = the bf16 product",
              "",
              f"{'op / shape':<26}{'dtype':<10}{'path':<8}{'ours':>9}{'torch':>11}{'reference':>11}{'torch/ours':>12}"
              f"{'ref/ours':>11}"]
     print("\n".join(lines), flush=True)
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in dtypes:
         rows = attention_rows("MIS 270+16x30", mis_segments(), dtype, reps, rounds, default)
         rows += attention_rows("SIS 16x300", sis_segments(), dtype, max(3, reps // 3), 2, default)
         rows += sis_batched_rows(dtype, max(3, reps // 3), default)
@@ -195,9 +221,9 @@ def attention_section(reps: int, rounds: int, default: str) -> list[str]:
     return lines
 
 
-def label_section(reps: int, rounds: int, default: str) -> list[str]:
+def label_section(reps: int, rounds: int, default: str, dtypes: list[torch.dtype]) -> list[str]:
     lines = []
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in dtypes:
         rows = label_rows(16, dtype, reps, rounds, default) + label_rows(1, dtype, reps, rounds, default)
         print("\n".join(rows), flush=True)
         lines += rows
@@ -329,7 +355,7 @@ def linear_attention_rows(name: str, prefix: int, items: int, item_len: int, dty
             f"{ref / mine:>10.0f}x{(got - want).abs().max().item():>11.1e}"]
 
 
-def linear_attention_section(reps: int) -> list[str]:
+def linear_attention_section(reps: int, dtypes: list[torch.dtype]) -> list[str]:
     lines = [
         "Qwen3.5-0.8B linear-attention layer: Hk {}, Hv {}, Dk = Dv = {}, conv kernel {}; ".format(*LIN_SHAPE) +
         "ours = causal_conv1d + gated_delta_rule (segment table)",
@@ -341,7 +367,7 @@ def linear_attention_section(reps: int) -> list[str]:
         f"{'ref/ours':>11}{'max diff':>11}",
     ]
     print("\n".join(lines), flush=True)
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in dtypes:
         rows = linear_attention_rows("MIS 270+16x30", 270, 16, 30, dtype, reps)
         rows += linear_attention_rows("SIS 16x300", 0, 16, 300, dtype, reps)
         print("\n".join(rows), flush=True)
@@ -351,12 +377,20 @@ def linear_attention_section(reps: int) -> list[str]:
 
 # ---- decode attention -------------------------------------------------------------------------------------------
 
-def decode_section(reps: int, rounds: int) -> list[str]:
+def decode_section(reps: int, rounds: int, dtypes: list[torch.dtype]) -> list[str]:
+    lines = [f"{'op':<26}{'dtype':<10}{'ours':>9}{'torch':>11}{'torch/ours':>12}"]
+    for dtype in dtypes:
+        lines.append(decode_row(reps, rounds, dtype))
+        print(lines[-1], flush=True)
+    return lines
+
+
+def decode_row(reps: int, rounds: int, dtype: torch.dtype) -> str:
     lengths = [200, 350, 500, 650, 800, 900, 1000, 1100]
     layers, layer = 30, 17
-    caches_k = [torch.randn(layers, n + 16, HKV, HEAD_DIM).bfloat16() for n in lengths]
-    caches_v = [torch.randn(layers, n + 16, HKV, HEAD_DIM).bfloat16() for n in lengths]
-    q = torch.randn(len(lengths), HQ, HEAD_DIM).bfloat16()
+    caches_k = [torch.randn(layers, n + 16, HKV, HEAD_DIM).to(dtype) for n in lengths]
+    caches_v = [torch.randn(layers, n + 16, HKV, HEAD_DIM).to(dtype) for n in lengths]
+    q = torch.randn(len(lengths), HQ, HEAD_DIM).to(dtype)
     plan = plan_decode(caches_k, caches_v, lengths)
 
     def per_sequence_sdpa():  # the decoder's current decode attention: one SDPA call per sequence
@@ -369,11 +403,48 @@ def decode_section(reps: int, rounds: int) -> list[str]:
 
     times = alternate({"ours": lambda: decode_attention(q, plan, layer, backend="kernel"),
                        "torch": per_sequence_sdpa}, reps, rounds)
-    line = (f"{'decode_attention 8 seqs':<26}{'bfloat16':<10}{times['ours']:>9.3f}{times['torch']:>11.3f}"
+    dt = str(dtype).removeprefix("torch.")
+    return (f"{'decode_attention 8 seqs':<26}{dt:<10}{times['ours']:>9.3f}{times['torch']:>11.3f}"
             f"{times['torch'] / times['ours']:>11.1f}x   (200..1100 cached tokens, 9/3 heads, d 64; torch = one "
             f"SDPA per sequence)")
-    print(line, flush=True)
-    return [f"{'op':<26}{'dtype':<10}{'ours':>9}{'torch':>11}{'torch/ours':>12}", line]
+
+
+# ---- elementwise (the fused norm / rotary / SiLU ops) -------------------------------------------------------------
+
+def elementwise_rows(dtype: torch.dtype, reps: int, rounds: int) -> list[str]:
+    """Each op on the MIS prefill shape (776 tokens of SmolLM2) against its torch recipe, alternately."""
+    tokens, hidden, inter = 776, HIDDEN, 1536
+    x, delta = torch.randn(tokens, hidden).to(dtype), (torch.randn(tokens, hidden) * 1e-3).to(dtype)
+    weight = (torch.randn(hidden) * 0.1 + 1).to(dtype)
+    gate_up = torch.randn(tokens, 2 * inter).to(dtype)
+    qkv = torch.randn(tokens, HQ + 2 * HKV, HEAD_DIM).to(dtype)
+    q, k = qkv[:, :HQ], qkv[:, HQ : HQ + HKV]
+    positions = torch.arange(tokens)
+    rope = Rotary(1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM)), 1.0, 4096,
+                  torch.device("cpu"))
+    ops = {  # name: (ours, torch); the residual adds and rotations repeat in place, as every layer does
+        "add_rms_norm 776x576": (lambda: add_rms_norm(x, weight, 1e-5, delta=delta, backend="kernel"),
+                                 lambda: add_rms_norm_ref(x, weight, 1e-5, delta=delta)),
+        "silu_mul 776x1536": (lambda: silu_mul(gate_up, backend="kernel"), lambda: silu_mul_ref(gate_up)),
+        "rotary 776x(9+3)x64": (lambda: rotary_(q, k, positions, rope.cos, rope.sin, backend="kernel"),
+                                lambda: rotary_ref(q, k, positions, rope.cos, rope.sin)),
+    }
+    dt, lines = str(dtype).removeprefix("torch."), []
+    for name, (ours, theirs) in ops.items():
+        times = alternate({"ours": ours, "torch": theirs}, reps, rounds)
+        lines.append(f"{name:<26}{dt:<10}{times['ours']:>9.3f}{times['torch']:>11.3f}"
+                     f"{times['torch'] / times['ours']:>11.1f}x")
+        print(lines[-1], flush=True)
+    return lines
+
+
+def elementwise_section(reps: int, rounds: int, dtypes: list[torch.dtype]) -> list[str]:
+    lines = ["fused elementwise ops vs their torch recipes (pyscore.ops.reference); times: median ms",
+             f"{'op / shape':<26}{'dtype':<10}{'ours':>9}{'torch':>11}{'torch/ours':>12}"]
+    print("\n".join(lines), flush=True)
+    for dtype in dtypes:
+        lines += elementwise_rows(dtype, reps, rounds)
+    return lines
 
 
 def interleave_rows(reps: int) -> list[str]:
@@ -404,6 +475,16 @@ def interleave_rows(reps: int) -> list[str]:
             f"{'interleaved':>13}{both:>9.3f}{both / alone:>9.2f}x"]
 
 
+def force_tier(tier: str) -> None:
+    """PYSCORE_CPU_TIER for our kernels (read at each call); for a tier below the hardware's, torch's matching ISA
+    settings too, which torch reads only when it starts: re-executes this bench once with them set."""
+    os.environ["PYSCORE_CPU_TIER"] = tier
+    wanted = TORCH_ISA_ENV.get(tier, {})
+    if any(os.environ.get(k) != v for k, v in wanted.items()):
+        os.environ.update(wanted)
+        os.execv(sys.executable, [sys.executable, "-m", "bench.kernels", *sys.argv[1:]])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -411,7 +492,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per comparison")
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=DEFAULT_SECTIONS)
     parser.add_argument("--out", type=Path, help="default: kernels_cpu.txt (kernels_linear_cpu.txt for --only linear)")
+    parser.add_argument("--tier", choices=[*TORCH_ISA_ENV, "avx512bf16", "amx"],
+                        help="force our kernels' CPU tier, and torch's ISA to match (default: the hardware's)")
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES),
+                        help="default: fp32 on tiers avx2, avx512 and generic; bf16 and fp32 elsewhere")
     args = parser.parse_args()
+    if args.tier:
+        force_tier(args.tier)
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     module = _ext.cpu_module()
@@ -420,17 +507,26 @@ def main() -> None:
     module.set_num_threads(args.threads)
     features = module.cpu_features()
     default = features["bf16_dot"]
+    if args.tier and features["tier"] != args.tier:
+        raise SystemExit(f"tier {args.tier} asked for, but this CPU runs {features['tier']} at most")
+    slow_bf16 = features["tier"] in ("avx2", "avx512", "generic")
+    dtypes = [DTYPES[d] for d in args.dtypes or (["fp32"] if slow_bf16 else ["bf16", "fp32"])]
+    torch_env = ", ".join(f"{k}={v}" for k, v in TORCH_ISA_ENV.get(args.tier, {}).items())
     lines = [f"machine: {machine()}",
+             f"tier: ours {features['tier']}{' (forced)' if args.tier else ''} (hardware {features['hardware_tier']}),"
+             f" torch {torch.backends.cpu.get_cpu_capability()}{f' ({torch_env})' if torch_env else ''}",
              f"torch {torch.__version__}, threads {args.threads}, kernel path {features['path']}, bf16 product "
-             f"{default} by default; cpu features {features}", ""]
+             f"{default} by default; dtypes {', '.join(str(d).removeprefix('torch.') for d in dtypes)}; "
+             f"cpu features {features}", ""]
     print("\n".join(lines), flush=True)
     sections = {
-        "attention": lambda: attention_section(args.reps, args.rounds, default),
-        "labels": lambda: label_section(args.reps, args.rounds, default),
+        "attention": lambda: attention_section(args.reps, args.rounds, default, dtypes),
+        "labels": lambda: label_section(args.reps, args.rounds, default, dtypes),
         "gemm": lambda: gemm_section(args.rounds),
-        "decode": lambda: decode_section(args.reps, args.rounds),
+        "decode": lambda: decode_section(args.reps, args.rounds, dtypes),
+        "elementwise": lambda: elementwise_section(args.reps, args.rounds, dtypes),
         "interleave": lambda: interleave_rows(args.reps),
-        "linear": lambda: linear_attention_section(args.reps),
+        "linear": lambda: linear_attention_section(args.reps, dtypes),
     }
     out = args.out or (LINEAR_RESULTS if args.only == ["linear"] else RESULTS)
     for name in args.only:

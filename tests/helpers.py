@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 CORPUS = [
@@ -147,3 +148,32 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.where(bits < 0, -(bits & magnitude), bits)
 
     return (ordered(a) - ordered(b)).abs()
+
+
+# The CPU kernel paths an op test runs: the hardware's own tier, AVX2 + FMA forced, the portable scalar code.
+CPU_ISAS = ["avx512", "avx2", "portable"]
+
+
+def force_cpu_isa(monkeypatch, isa: str) -> str:
+    """Makes the CPU kernels take `isa`'s path (one of CPU_ISAS) for the rest of the test; skips "avx2" on a CPU
+    without AVX2 + FMA + F16C and checks that the launchers really dispatch to it."""
+    from pyscore.ops import _ext
+
+    if isa == "portable":
+        monkeypatch.setenv("PYSCORE_DISABLE_AVX512", "1")
+    elif isa == "avx2":
+        module = _ext.cpu_module()
+        if module is None or not module.cpu_features()["avx2"]:
+            pytest.skip("needs pyscore._C on a CPU with AVX2 + FMA + F16C")
+        monkeypatch.setenv("PYSCORE_CPU_TIER", "avx2")
+        assert module.cpu_features()["path"] == "avx2"
+    return isa
+
+
+def on_device(monkeypatch, device: str) -> str:
+    """A test's device parameter: "cpu-avx2" / "cpu-portable" force that CPU path (force_cpu_isa) and run on "cpu";
+    any other device is returned as it is."""
+    if device.startswith("cpu-"):
+        force_cpu_isa(monkeypatch, device.removeprefix("cpu-"))
+        return "cpu"
+    return device

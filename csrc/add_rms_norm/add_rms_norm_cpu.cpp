@@ -1,5 +1,5 @@
 // CPU add_rms_norm (contract in params.h): rows are independent, so OpenMP threads take slices of them. The
-// arithmetic is in AddRmsNormRows: AVX-512 when the CPU has it, else the portable loop below.
+// arithmetic is in AddRmsNormRows: AVX-512 or AVX2 by the CPU tier, else the portable loop below.
 #include <algorithm>
 
 #include "add_rms_norm/cpu_ops.h"
@@ -38,7 +38,9 @@ void rows_portable(const AddRmsNormParams& p, int32_t begin, int32_t end) {
 }
 
 AddRmsNormRows choose_rows(DType dtype) {
-  AddRmsNormRows fast = cpu_use_avx512bf16() ? add_rms_norm_rows_avx512(dtype) : nullptr;
+  AddRmsNormRows fast = nullptr;
+  if (cpu_use_avx512bf16()) fast = add_rms_norm_rows_avx512(dtype);
+  else if (cpu_use_avx2()) fast = add_rms_norm_rows_avx2(dtype);
   if (fast) return fast;
   return dtype == DType::kBFloat16 ? rows_portable<uint16_t> : rows_portable<float>;
 }

@@ -156,6 +156,9 @@ inline bool cpu_tier_at_least(CpuTier min) {
 // The AVX-512 (+BF16) kernels: tiers avx512bf16 and amx.
 inline bool cpu_use_avx512bf16() { return cpu_tier_at_least(CpuTier::kAvx512Bf16); }
 
+// The AVX2 + FMA kernels (*_avx2.cpp): tiers avx2 and avx512 (an AVX-512 CPU without BF16 runs them).
+inline bool cpu_use_avx2() { return cpu_tier_at_least(CpuTier::kAvx2) && !cpu_use_avx512bf16(); }
+
 // How the AVX-512 kernels multiply bf16 pairs (both give bitwise the same fp32 result on normal numbers):
 //  kDpbf16: vdpbf16ps, 32 multiply-adds per instruction. On AMD Zen 4/5 it issues at the fp32 FMA rate, so it does
 //           twice the work of the alternative.

@@ -1,6 +1,6 @@
 // Internal interface of the CPU decode_attention kernel: the launcher (decode_attention_cpu.cpp, baseline ISA) plans
 // (sequence, kv head, key chunk) units and merges their partial states; the arithmetic comes in an AVX-512 build
-// (decode_attention_avx512.cpp) and a portable one.
+// (decode_attention_avx512.cpp), an AVX2 one (decode_attention_avx2.cpp) and a portable one.
 #pragma once
 #include <cstdint>
 
@@ -20,5 +20,6 @@ struct DecodeCpuOps {
 
 // nullptr when the dtype / head_dim is not covered (the caller checks the CPU).
 const DecodeCpuOps* decode_ops_avx512(DType dtype, int32_t head_dim);
+const DecodeCpuOps* decode_ops_avx2(DType dtype, int32_t head_dim);
 
 }  // namespace pyscore

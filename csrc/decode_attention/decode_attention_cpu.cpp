@@ -3,7 +3,7 @@
 // threads; a sequence with several chunks gets its partial states merged by log-sum-exp in chunk order, so its bits
 // depend on its own length only, never on the batch or the thread count. When new keys / values are given they are
 // written into the caches first (one pass, before any unit reads). The arithmetic lives in DecodeCpuOps: AVX-512
-// (+BF16) when the CPU has it, else the portable loops below.
+// (+BF16) or AVX2 + FMA by the CPU tier, else the portable loops below.
 #include <omp.h>
 
 #include <algorithm>
@@ -62,7 +62,9 @@ const DecodeCpuOps kPortableBf16{attend_portable<uint16_t>, store_row_portable<u
 const DecodeCpuOps kPortableF32{attend_portable<float>, store_row_portable<float>};
 
 const DecodeCpuOps& choose_ops(DType dtype, int32_t head_dim) {
-  const DecodeCpuOps* fast = cpu_use_avx512bf16() ? decode_ops_avx512(dtype, head_dim) : nullptr;
+  const DecodeCpuOps* fast = nullptr;
+  if (cpu_use_avx512bf16()) fast = decode_ops_avx512(dtype, head_dim);
+  else if (cpu_use_avx2()) fast = decode_ops_avx2(dtype, head_dim);
   if (fast) return *fast;
   return dtype == DType::kBFloat16 ? kPortableBf16 : kPortableF32;
 }

@@ -1,5 +1,6 @@
 // Internal interface of the CPU linear-attention kernels: the launchers (gated_delta_rule_cpu.cpp, baseline ISA)
-// plan the work and call these, which come in an AVX-512 build (gated_delta_rule_avx512.cpp) and a portable one.
+// plan the work and call these, which come in an AVX-512 build (gated_delta_rule_avx512.cpp), an AVX2 one
+// (gated_delta_rule_avx2.cpp) and a portable one.
 #pragma once
 #include <cstdint>
 
@@ -31,5 +32,7 @@ using ConvTokensRun = void (*)(const CausalConv1dParams& p, int32_t start, int32
 // nullptr when the dtype is not covered (the caller checks the CPU).
 StateColumnsRun state_columns_avx512(DType dtype);
 ConvTokensRun conv_tokens_avx512(DType dtype);
+StateColumnsRun state_columns_avx2(DType dtype);
+ConvTokensRun conv_tokens_avx2(DType dtype);
 
 }  // namespace pyscore

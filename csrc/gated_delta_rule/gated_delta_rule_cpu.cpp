@@ -110,13 +110,17 @@ void state_columns_portable(const GatedDeltaRuleParams& p, int32_t head, int32_t
 }
 
 ConvTokensRun choose_conv(DType dtype) {
-  ConvTokensRun fast = cpu_use_avx512bf16() ? conv_tokens_avx512(dtype) : nullptr;
+  ConvTokensRun fast = nullptr;
+  if (cpu_use_avx512bf16()) fast = conv_tokens_avx512(dtype);
+  else if (cpu_use_avx2()) fast = conv_tokens_avx2(dtype);
   if (fast) return fast;
   return dtype == DType::kBFloat16 ? conv_tokens_portable<uint16_t> : conv_tokens_portable<float>;
 }
 
 StateColumnsRun choose_state_run(DType dtype) {
-  StateColumnsRun fast = cpu_use_avx512bf16() ? state_columns_avx512(dtype) : nullptr;
+  StateColumnsRun fast = nullptr;
+  if (cpu_use_avx512bf16()) fast = state_columns_avx512(dtype);
+  else if (cpu_use_avx2()) fast = state_columns_avx2(dtype);
   if (fast) return fast;
   return dtype == DType::kBFloat16 ? state_columns_portable<uint16_t> : state_columns_portable<float>;
 }

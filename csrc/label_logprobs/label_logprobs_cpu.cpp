@@ -1,8 +1,8 @@
 // CPU label_logprobs (contract in params.h). Each OpenMP thread takes a contiguous slice of the vocabulary and
 // walks it in chunks: logits of the chunk for all R rows (a small [R, chunk] fp32 buffer, never [R, V]), fold
 // them into the thread's per-row running (max, sum of exp), and pick up the label logits that fall in the chunk.
-// The per-thread states are then merged by log-sum-exp. The arithmetic lives in LabelCpuOps: AVX-512 (+BF16)
-// when the CPU has it, else the portable loops below.
+// The per-thread states are then merged by log-sum-exp. The arithmetic lives in LabelCpuOps: AVX-512 (+BF16) or
+// AVX2 + FMA by the CPU tier, else the portable loops below.
 #include <omp.h>
 
 #include <algorithm>
@@ -59,7 +59,9 @@ const LabelCpuOps kPortableBf16{logits_chunk_portable<uint16_t>, lse_update_port
 const LabelCpuOps kPortableF32{logits_chunk_portable<float>, lse_update_portable};
 
 const LabelCpuOps& choose_ops(DType dtype) {
-  const LabelCpuOps* fast = cpu_use_avx512bf16() ? label_ops_avx512(dtype, cpu_bf16_dot()) : nullptr;
+  const LabelCpuOps* fast = nullptr;
+  if (cpu_use_avx512bf16()) fast = label_ops_avx512(dtype, cpu_bf16_dot());
+  else if (cpu_use_avx2()) fast = label_ops_avx2(dtype);
   if (fast) return *fast;
   return dtype == DType::kBFloat16 ? kPortableBf16 : kPortableF32;
 }

@@ -9,7 +9,7 @@
 //                                                                      per row block, not once per item)
 //   3. merge_state(a, b) by log-sum-exp, store in the output dtype.
 // Prefix segments and SIS sequences are groups without a prefix: step 1 alone. Units run on OpenMP threads,
-// costliest first. The arithmetic lives in AttentionCpuOps: AVX-512 (+BF16) when the CPU has it, else a
+// costliest first. The arithmetic lives in AttentionCpuOps: AVX-512 (+BF16) or AVX2 + FMA by the CPU tier, else a
 // portable scalar version of the same packed layouts.
 #include <omp.h>
 
@@ -358,7 +358,9 @@ Status check_run(const AttentionCpuPlan& plan, const PrefixItemAttentionParams& 
 }
 
 const AttentionCpuOps& choose_ops(DType dtype, int32_t head_dim) {
-  const AttentionCpuOps* fast = cpu_use_avx512bf16() ? attention_ops_avx512(dtype, head_dim, cpu_bf16_dot()) : nullptr;
+  const AttentionCpuOps* fast = nullptr;
+  if (cpu_use_avx512bf16()) fast = attention_ops_avx512(dtype, head_dim, cpu_bf16_dot());
+  else if (cpu_use_avx2()) fast = attention_ops_avx2(dtype, head_dim);
   if (fast) return *fast;
   return dtype == DType::kBFloat16 ? kPortableBf16 : kPortableF32;
 }

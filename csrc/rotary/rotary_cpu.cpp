@@ -1,5 +1,5 @@
 // CPU rotary (contract in params.h): tokens are independent, so OpenMP threads take slices of them. The
-// arithmetic is in RotaryTokens: AVX-512 when the CPU has it, else the portable loops below.
+// arithmetic is in RotaryTokens: AVX-512 or AVX2 by the CPU tier, else the portable loops below.
 #include <algorithm>
 
 #include "common/bf16.h"
@@ -50,7 +50,9 @@ void tokens_portable(const RotaryParams& p, int32_t begin, int32_t end) {
 }
 
 RotaryTokens choose_tokens(DType dtype) {
-  RotaryTokens fast = cpu_use_avx512bf16() ? rotary_tokens_avx512(dtype) : nullptr;
+  RotaryTokens fast = nullptr;
+  if (cpu_use_avx512bf16()) fast = rotary_tokens_avx512(dtype);
+  else if (cpu_use_avx2()) fast = rotary_tokens_avx2(dtype);
   if (fast) return fast;
   return dtype == DType::kBFloat16 ? tokens_portable<uint16_t> : tokens_portable<float>;
 }

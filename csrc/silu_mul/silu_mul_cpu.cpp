@@ -1,5 +1,5 @@
 // CPU silu_mul (contract in params.h): rows are independent, so OpenMP threads take slices of them. The
-// arithmetic is in SiluMulRows: AVX-512 when the CPU has it, else the portable loop below.
+// arithmetic is in SiluMulRows: AVX-512 or AVX2 by the CPU tier, else the portable loop below.
 #include <algorithm>
 #include <cmath>
 
@@ -30,7 +30,9 @@ void rows_portable(const SiluMulParams& p, int32_t begin, int32_t end) {
 }
 
 SiluMulRows choose_rows(DType dtype) {
-  SiluMulRows fast = cpu_use_avx512bf16() ? silu_mul_rows_avx512(dtype) : nullptr;
+  SiluMulRows fast = nullptr;
+  if (cpu_use_avx512bf16()) fast = silu_mul_rows_avx512(dtype);
+  else if (cpu_use_avx2()) fast = silu_mul_rows_avx2(dtype);
   if (fast) return fast;
   return dtype == DType::kBFloat16 ? rows_portable<uint16_t> : rows_portable<float>;
 }

@@ -11,18 +11,15 @@ import torch
 
 from pyscore.ops import add_rms_norm
 from pyscore.ops.reference import add_rms_norm_ref
-from tests.helpers import ulp_distance
+from tests.helpers import CPU_ISAS, force_cpu_isa, ulp_distance
 
-ISAS = ["avx512", "portable"]
 # (rows T, hidden H): SmolLM2's width, a ragged 17 (one full zmm + 1), tiny, wide.
 SHAPES = {"smollm-775": (775, 576), "ragged-17": (5, 17), "one-row-h1": (1, 1), "wide": (3, 4096), "odd": (37, 100)}
 
 
-@pytest.fixture(params=ISAS)
+@pytest.fixture(params=CPU_ISAS)
 def isa(request, monkeypatch):
-    if request.param == "portable":
-        monkeypatch.setenv("PYSCORE_DISABLE_AVX512", "1")
-    return request.param
+    return force_cpu_isa(monkeypatch, request.param)
 
 
 def make_inputs(rows, hidden, dtype, strided: bool, seed: int = 0):

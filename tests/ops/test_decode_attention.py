@@ -10,6 +10,7 @@ import torch
 
 from pyscore.ops import _ext, decode_attention, plan_decode
 from pyscore.ops.reference import decode_attention_ref
+from tests.helpers import force_cpu_isa
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 HEADS = {"smollm-gqa3-d64": (9, 3, 64), "qwen3-gqa2-d128": (16, 8, 128), "mha-d64": (4, 4, 64),
@@ -83,14 +84,26 @@ def test_decode_attention(device, lengths, heads, dtype):
     check_decode(device, LENGTHS[lengths], heads, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("lengths", list(LENGTHS))
+def test_decode_attention_avx2_cpu_path(monkeypatch, lengths, heads, dtype):
+    """The AVX2 + FMA kernels (tiers avx2 and avx512), forced on a bigger CPU."""
+    force_cpu_isa(monkeypatch, "avx2")
+    check_decode("cpu", LENGTHS[lengths], heads, dtype)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_without_new_token_reads_the_cache_as_is(device):
     check_decode(device, LENGTHS["ragged"], "smollm-gqa3-d64", torch.float32, with_new=False, layer=0)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_sequence_result_does_not_depend_on_batch_mates(device):
+@pytest.mark.parametrize("device", [*DEVICES, "cpu-avx2"])
+def test_sequence_result_does_not_depend_on_batch_mates(monkeypatch, device):
     """A sequence's output is bitwise the same alone and in a batch (chunking depends on its own length only)."""
+    if device == "cpu-avx2":
+        force_cpu_isa(monkeypatch, "avx2")
+        device = "cpu"
     hq, hkv, d = HEADS["smollm-gqa3-d64"]
     lengths = [600, 40, 1]
     k, v, q, _, _ = make_step(lengths, hq, hkv, d, torch.bfloat16, device)
@@ -103,7 +116,7 @@ def test_sequence_result_does_not_depend_on_batch_mates(device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_decode_attention_portable_cpu_path(monkeypatch, dtype):
     """The scalar code that runs on CPUs without AVX-512, forced on this one."""
-    monkeypatch.setenv("PYSCORE_DISABLE_AVX512", "1")
+    force_cpu_isa(monkeypatch, "portable")
     check_decode("cpu", LENGTHS["ragged"], "qwen3-gqa2-d128", dtype)
 
 

@@ -13,10 +13,11 @@ import torch
 from pyscore.ops import SegmentTable
 from pyscore.ops.gated_delta_rule import causal_conv1d, gated_delta_rule, plan_linear_attention
 from pyscore.ops.reference import causal_conv1d_ref, gated_delta_rule_ref
-from tests.helpers import ulp_distance
+from tests.helpers import on_device, ulp_distance
 from tests.ops.test_prefix_item_attention import assert_within, make_segments
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+CPU_PATHS = ["cpu-avx2", "cpu-portable"]  # the lower tiers' kernels, forced on this CPU
 STREAMS = {
     "mis-short-items": [(9, [1, 2, 3, 4])],
     "short-prefix": [(2, [1, 3, 6]), (1, [2])],
@@ -55,11 +56,12 @@ def tolerance(ref32: torch.Tensor, ref_in_dtype: torch.Tensor) -> float:
     return 2 * (ref_in_dtype.float() - ref32).abs().max().item() + 1e-6
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", [*DEVICES, *CPU_PATHS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("stream", list(STREAMS))
 @pytest.mark.parametrize("taps,channels", [(4, 100), (2, 16), (4, 260)])
-def test_causal_conv1d_matches_reference(device, dtype, stream, taps, channels):
+def test_causal_conv1d_matches_reference(monkeypatch, device, dtype, stream, taps, channels):
+    device = on_device(monkeypatch, device)
     segments, num_tokens = make_segments(STREAMS[stream], "cpu")
     gen = torch.Generator().manual_seed(1)
     wide = torch.randn(num_tokens, channels + 24, generator=gen).to(device=device, dtype=dtype)
@@ -73,11 +75,12 @@ def test_causal_conv1d_matches_reference(device, dtype, stream, taps, channels):
         assert ulp_distance(out.cpu(), ref.cpu()).max().item() <= 1
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", [*DEVICES, *CPU_PATHS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("stream", list(STREAMS))
 @pytest.mark.parametrize("heads", list(HEADS))
-def test_gated_delta_rule_matches_reference(device, dtype, stream, heads):
+def test_gated_delta_rule_matches_reference(monkeypatch, device, dtype, stream, heads):
+    device = on_device(monkeypatch, device)
     hk, hv, dk, dv = HEADS[heads]
     segments, num_tokens = make_segments(STREAMS[stream], "cpu")
     q, k, v, a, b, a_log, dt_bias = rule_inputs(num_tokens, hk, hv, dk, dv, dtype, device)
@@ -88,10 +91,11 @@ def test_gated_delta_rule_matches_reference(device, dtype, stream, heads):
     assert_within(out, ref32, tolerance(ref32, ref), f"rule {stream} {heads} {dtype}")
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", [*DEVICES, *CPU_PATHS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mis_items_equal_their_sis_sequences_bitwise(device, dtype):
+def test_mis_items_equal_their_sis_sequences_bitwise(monkeypatch, device, dtype):
     """An item continuing from S_p and the conv tail computes exactly what its SIS sequence computes for it."""
+    device = on_device(monkeypatch, device)
     prefix, items = 11, [1, 2, 3, 4, 17]
     mis, num_tokens = make_segments([(prefix, items)], "cpu")
     hk, hv, dk, dv = 2, 4, 32, 48

@@ -9,6 +9,7 @@ import torch
 
 from pyscore.ops import _ext, label_logprobs
 from pyscore.ops.reference import label_logprobs_ref
+from tests.helpers import force_cpu_isa
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
@@ -86,9 +87,32 @@ def test_label_logprobs_given_logits(device, shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_label_logprobs_avx2_cpu_path(monkeypatch, shape, dtype):
+    """The AVX2 + FMA kernels (tiers avx2 and avx512), forced on a bigger CPU."""
+    force_cpu_isa(monkeypatch, "avx2")
+    check_label_logprobs("cpu", shape, dtype, given_logits=False, strided=shape == "many-rows")
+    check_label_logprobs("cpu", shape, dtype, given_logits=True)
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_rows_result_does_not_depend_on_the_other_rows(monkeypatch, isa, dtype):
+    """Each row's outputs are bitwise the same alone and among 36 others (the register tiles group rows
+    differently): a read-out's scores do not depend on its batch-mates."""
+    force_cpu_isa(monkeypatch, isa)
+    h, w, labels = make_inputs(*SHAPES["many-rows"], dtype, "cpu", strided=True, seed=7)
+    together = label_logprobs(h, w, labels, backend="kernel")
+    for r in (0, 5, 36):
+        alone = label_logprobs(h[r : r + 1], w, labels[r : r + 1], backend="kernel")
+        for got, want in zip(alone, together, strict=True):
+            assert torch.equal(got[0], want[r]), f"row {r}: {max_diff(got[0], want[r])}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_label_logprobs_portable_cpu_path(monkeypatch, dtype):
     """The scalar code that runs on CPUs without AVX-512, forced on this one."""
-    monkeypatch.setenv("PYSCORE_DISABLE_AVX512", "1")
+    force_cpu_isa(monkeypatch, "portable")
     check_label_logprobs("cpu", "many-rows", dtype, given_logits=False, strided=True)
     check_label_logprobs("cpu", "one-row-odd-h", dtype, given_logits=True)
 

@@ -15,6 +15,7 @@ from pyscore.ops.reference import (
     prefix_item_attention_ref,
     segment_attention_mask,
 )
+from tests.helpers import force_cpu_isa
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
@@ -101,6 +102,15 @@ def test_prefix_item_attention(device, stream, heads, dtype):
     check_prefix_item_attention(device, stream, heads, dtype, fused=False)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("stream", list(STREAMS))
+def test_prefix_item_attention_avx2_cpu_path(monkeypatch, stream, heads, dtype):
+    """The AVX2 + FMA kernels (tiers avx2 and avx512), forced on a bigger CPU."""
+    force_cpu_isa(monkeypatch, "avx2")
+    check_prefix_item_attention("cpu", stream, heads, dtype, fused=False)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads", ["gqa3-d64", "gqa4-d128"])
@@ -108,9 +118,12 @@ def test_prefix_item_attention_fused_qkv_views(device, heads, dtype):
     check_prefix_item_attention(device, "mixed", heads, dtype, fused=True)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_group_result_does_not_depend_on_batch_mates(device):
+@pytest.mark.parametrize("device", [*DEVICES, "cpu-avx2"])
+def test_group_result_does_not_depend_on_batch_mates(monkeypatch, device):
     """A group's rows come out the same alone and packed behind other sequences."""
+    if device == "cpu-avx2":
+        force_cpu_isa(monkeypatch, "avx2")
+        device = "cpu"
     hq, hkv, d = HEADS["gqa3-d64"]
     alone, t_alone = make_segments([(40, [9, 1, 20])], device)
     packed, t_packed = make_segments([(0, [33]), (17, [4]), (40, [9, 1, 20])], device)
@@ -165,11 +178,12 @@ def test_merge_of_two_key_sets_is_full_attention():
     assert_within(lse, lse_full, 1e-5, "merged lse vs full")
 
 
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads", ["gqa3-d64", "gqa4-d128"])
-def test_prefix_item_attention_portable_cpu_path(monkeypatch, heads, dtype):
-    """The scalar code that runs on CPUs without AVX-512, forced on this one."""
-    monkeypatch.setenv("PYSCORE_DISABLE_AVX512", "1")
+def test_prefix_item_attention_lower_cpu_paths(monkeypatch, isa, heads, dtype):
+    """The AVX2 kernels and the scalar code (the generic tier), forced on this CPU, on views into a fused qkv."""
+    force_cpu_isa(monkeypatch, isa)
     check_prefix_item_attention("cpu", "mixed", heads, dtype, fused=True)
 
 
@@ -316,11 +330,14 @@ def cold_and_warm(groups, hq, hkv, d, dtype, device, seed=0):
     return cold, warm, torch.tensor(kept, device=device)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", [*DEVICES, "cpu-avx2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads", ["gqa3-d64", "gqa4-d128"])
 @pytest.mark.parametrize("stream", list(CACHED_STREAMS))
-def test_cached_keys_match_reference_and_the_cold_run(device, stream, heads, dtype):
+def test_cached_keys_match_reference_and_the_cold_run(monkeypatch, device, stream, heads, dtype):
+    if device == "cpu-avx2":
+        force_cpu_isa(monkeypatch, "avx2")
+        device = "cpu"
     """Keys read from a block pool give the reference's attention, and on the CPU exactly (bitwise) what the cold
     run gives the same rows: the cached blocks fill the same key tiles the stream keys filled."""
     hq, hkv, d = HEADS[heads]
@@ -343,9 +360,10 @@ def test_cached_keys_match_reference_and_the_cold_run(device, stream, heads, dty
         assert_within(warm, cold, 2e-5 if dtype == torch.float32 else 2e-2, "warm vs cold")
 
 
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cached_keys_on_the_portable_cpu_path(monkeypatch, dtype):
-    monkeypatch.setenv("PYSCORE_DISABLE_AVX512", "1")
+def test_cached_keys_on_the_lower_cpu_paths(monkeypatch, isa, dtype):
+    force_cpu_isa(monkeypatch, isa)
     hq, hkv, d = HEADS["gqa3-d64"]
     (cold_seg, q, k, v), (seg, rows, blocks, pool_k, pool_v), kept = cold_and_warm(
         CACHED_STREAMS["mixed"], hq, hkv, d, dtype, "cpu")

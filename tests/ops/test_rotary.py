@@ -12,8 +12,8 @@ import torch
 from pyscore.model.rope import Rotary
 from pyscore.ops import rotary_
 from pyscore.ops.reference import rotary_ref
+from tests.helpers import CPU_ISAS, force_cpu_isa
 
-ISAS = ["avx512", "portable"]
 # (tokens T, Hq, Hkv, D): SmolLM2, Qwen3-like, a ragged half (D=40: 16 + 4 lanes), the smallest D, a wide D.
 SHAPES = {
     "smollm-775": (775, 9, 3, 64),
@@ -24,11 +24,9 @@ SHAPES = {
 }
 
 
-@pytest.fixture(params=ISAS)
+@pytest.fixture(params=CPU_ISAS)
 def isa(request, monkeypatch):
-    if request.param == "portable":
-        monkeypatch.setenv("PYSCORE_DISABLE_AVX512", "1")
-    return request.param
+    return force_cpu_isa(monkeypatch, request.param)
 
 
 def make_inputs(tokens, hq, hkv, d, dtype, seed: int = 0, scaling: float = 1.0, max_positions: int = 4096):

@@ -10,18 +10,15 @@ import torch
 
 from pyscore.ops import silu_mul
 from pyscore.ops.reference import silu_mul_ref
-from tests.helpers import ulp_distance
+from tests.helpers import CPU_ISAS, force_cpu_isa, ulp_distance
 
-ISAS = ["avx512", "portable"]
 # (rows T, width I): SmolLM2's MLP, a ragged 33 (two zmm + 1), tiny, Qwen-sized.
 SHAPES = {"smollm-775": (775, 1536), "ragged-33": (13, 33), "one-row-i1": (1, 1), "qwen": (4, 4864)}
 
 
-@pytest.fixture(params=ISAS)
+@pytest.fixture(params=CPU_ISAS)
 def isa(request, monkeypatch):
-    if request.param == "portable":
-        monkeypatch.setenv("PYSCORE_DISABLE_AVX512", "1")
-    return request.param
+    return force_cpu_isa(monkeypatch, request.param)
 
 
 def make_gate_up(rows, width, dtype, strided: bool, scale: float = 4.0, seed: int = 0) -> torch.Tensor:

@@ -1,0 +1,16 @@
+// AVX2 rows of add_rms_norm (interface in cpu_ops.h): the body of rows_simd.h on the AVX2 vector layer.
+#include "common/vec_avx2.h"
+
+namespace pyscore {
+namespace {
+namespace V = avx2;
+}  // namespace
+}  // namespace pyscore
+
+#include "add_rms_norm/rows_simd.h"
+
+namespace pyscore {
+
+AddRmsNormRows add_rms_norm_rows_avx2(DType dtype) { return rows_for(dtype); }
+
+}  // namespace pyscore

@@ -1,0 +1,167 @@
+// The AVX2 + FMA vector layer: an 8-lane fp32 vector and what the kernels do with it (loads and stores from fp32 or
+// bf16, multiply-add, max, exp, horizontal reductions), so a *_avx2.cpp kernel is written against these names, not
+// against raw intrinsics, and the same kernel text can later be compiled against another ISA's layer with the same
+// names (vLLM's csrc/cpu/cpu_types_*.hpp pattern; issue 21 item 5). No bf16 arithmetic here: bf16 is widened to
+// fp32 (exact, a shift), multiplied with FMA in fp32 and rounded back to nearest even in integer arithmetic, exactly
+// as torch's conversion rounds.
+//
+// Include only from files compiled with -mavx2 -mfma -mf16c (CMakeLists.txt gives them to *_avx2.cpp on x86-64):
+// everything here is `static inline`, so no out-of-line copy can leak into baseline-ISA code.
+#pragma once
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace pyscore {
+namespace avx2 {
+
+constexpr int kLanes = 8;
+using Vec = __m256;
+
+static inline Vec zero() { return _mm256_setzero_ps(); }
+static inline Vec set1(float x) { return _mm256_set1_ps(x); }
+static inline Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+static inline Vec sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+static inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+static inline Vec div(Vec a, Vec b) { return _mm256_div_ps(a, b); }
+static inline Vec max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+static inline Vec fma(Vec a, Vec b, Vec acc) { return _mm256_fmadd_ps(a, b, acc); }  // a * b + acc, one rounding
+
+// ---- loads and stores --------------------------------------------------------------------------------------------
+
+// The lane mask of the first n lanes (0 <= n <= 8), for maskload / maskstore.
+static inline __m256i first_lanes(int n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// 8 bf16 (in an xmm) -> 8 fp32, exact.
+static inline Vec widen_bf16(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+
+static inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
+static inline Vec load(const uint16_t* p) { return widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// The first n elements (0 <= n <= 8), the other lanes 0; never reads past p + n.
+static inline Vec load_first(const float* p, int n) { return _mm256_maskload_ps(p, first_lanes(n)); }
+static inline Vec load_first(const uint16_t* p, int n) {
+  alignas(16) uint16_t buf[8] = {};
+  std::memcpy(buf, p, size_t(n) * sizeof(uint16_t));
+  return widen_bf16(_mm_load_si128(reinterpret_cast<const __m128i*>(buf)));
+}
+
+// Round to nearest even to bf16 as torch does, on the fp32 bits: add 0x7FFF plus the lowest kept bit (the bf16 sits
+// in the high halves afterwards). Denormals round to bf16 denormals; NaNs that arithmetic or bf16 inputs produce
+// stay NaN (see vec_math_avx512.h's round_bf16_bits, the same arithmetic).
+static inline __m256i round_bf16_bits(Vec x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  return _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+}
+
+// 8 fp32 -> 8 bf16 in an xmm, rounded as above.
+static inline __m128i narrow_bf16(Vec x) {
+  const __m256i hi = _mm256_srli_epi32(round_bf16_bits(x), 16);  // 0..0xFFFF per dword: packus keeps it exactly
+  return _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+}
+
+static inline void store(float* p, Vec x) { _mm256_storeu_ps(p, x); }
+static inline void store(uint16_t* p, Vec x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), narrow_bf16(x)); }
+
+// Stores the first n lanes (0 <= n <= 8); never writes past p + n.
+static inline void store_first(float* p, Vec x, int n) { _mm256_maskstore_ps(p, first_lanes(n), x); }
+static inline void store_first(uint16_t* p, Vec x, int n) {
+  alignas(16) uint16_t buf[8];
+  _mm_store_si128(reinterpret_cast<__m128i*>(buf), narrow_bf16(x));
+  std::memcpy(p, buf, size_t(n) * sizeof(uint16_t));
+}
+
+// Lanes [0, n) of the chunk at p, n clamped to 8: a full load or a ragged one (ragged row ends of elementwise ops).
+template <class T>
+static inline Vec load_n(const T* p, int n) { return n >= kLanes ? load(p) : load_first(p, n); }
+template <class T>
+static inline void store_n(T* p, Vec x, int n) {
+  if (n >= kLanes) store(p, x);
+  else store_first(p, x, n);
+}
+
+// x rounded to the element type and held as fp32: what a store and a reload would give (the pointer only selects).
+static inline Vec round_as(Vec x, const float*) { return x; }
+static inline Vec round_as(Vec x, const uint16_t*) {
+  return _mm256_castsi256_ps(_mm256_and_si256(round_bf16_bits(x), _mm256_set1_epi32(int(0xFFFF0000u))));
+}
+
+// ---- bf16 pairs (a dword = elements 2i, 2i+1) widened to fp32 ---------------------------------------------------
+
+static inline Vec bf16_even(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
+static inline Vec bf16_odd(__m256i pairs) {
+  return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(int(0xFFFF0000u))));
+}
+static inline __m256i load_bits(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+// ---- reductions --------------------------------------------------------------------------------------------------
+
+static inline float reduce_add(Vec x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+static inline float reduce_max(Vec x) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// ---- exponentials ------------------------------------------------------------------------------------------------
+
+// 2^n for integer-valued n in [-127, 127] (n = -127 gives 0: exponent field 0 with a zero mantissa).
+static inline Vec pow2i(Vec n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+
+// 2^x for x <= 0 (softmax arguments), ~1 ulp: x = n + f, n = round(x), 2^f by its degree-7 Taylor polynomial, times
+// 2^n built in the exponent field. Lanes below -126 (and -inf) give 0 without ever forming a denormal (an Intel core
+// takes a microcode assist per vector that does): their 2^n factor is zeroed before the multiply. The same formula
+// and coefficients as avx512::exp2_ps, so the same bits lane by lane.
+static inline Vec exp2_ps(Vec x) {
+  const Vec normal = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GE_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-127.0f));  // keeps -inf out of the arithmetic
+  const Vec n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const Vec f = _mm256_sub_ps(x, n);  // exact
+  Vec p = _mm256_set1_ps(1.5252734e-05f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530e-04f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558e-03f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-03f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-02f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-01f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-01f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  return _mm256_mul_ps(p, _mm256_and_ps(pow2i(n), normal));
+}
+
+// e^x with full fp32 accuracy over the whole range (silu's exp, whose bf16-rounded result must land where torch's
+// lands): avx512::exp_ps's Cody-Waite reduction and polynomial; 2^n (|n| up to 160) as two factors 2^(n/2) and
+// 2^(n - n/2), each a normal number, so the product rounds once, as scalef does: overflow to +inf, underflow through
+// the denormals to 0.
+static inline Vec exp_ps(Vec x) {
+  x = _mm256_min_ps(_mm256_set1_ps(100.0f), _mm256_max_ps(_mm256_set1_ps(-110.0f), x));  // NaN passes through
+  const Vec n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  Vec r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723212e-6f), r);
+  Vec p = _mm256_set1_ps(1.0f / 5040);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const Vec half = _mm256_round_ps(_mm256_mul_ps(n, _mm256_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  return _mm256_mul_ps(_mm256_mul_ps(p, pow2i(half)), pow2i(_mm256_sub_ps(n, half)));
+}
+
+}  // namespace avx2
+}  // namespace pyscore

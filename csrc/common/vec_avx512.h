@@ -1,0 +1,56 @@
+// The AVX-512 vector layer: the names of common/vec_avx2.h (Vec, kLanes, load / store from fp32 or bf16 with torch's
+// rounding, load_n / store_n for ragged ends, round_as, fma, reductions, exp2_ps / exp_ps) on 16-lane zmm vectors, so
+// a kernel body written once against `V::` compiles for either ISA (see add_rms_norm/rows_simd.h). add, sub, mul and
+// div use the explicit-rounding intrinsics, which GCC never contracts into an FMA: a body that rounds each product as
+// torch does keeps doing so whatever -ffp-contract says.
+//
+// Include only from files compiled with the AVX-512 flags (see vec_math_avx512.h).
+#pragma once
+#include "common/vec_math_avx512.h"
+
+namespace pyscore {
+namespace avx512 {
+
+constexpr int kLanes = 16;
+using Vec = __m512;
+constexpr int kRoundNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+static inline Vec zero() { return _mm512_setzero_ps(); }
+static inline Vec set1(float x) { return _mm512_set1_ps(x); }
+static inline Vec add(Vec a, Vec b) { return _mm512_add_round_ps(a, b, kRoundNearest); }
+static inline Vec sub(Vec a, Vec b) { return _mm512_sub_round_ps(a, b, kRoundNearest); }
+static inline Vec mul(Vec a, Vec b) { return _mm512_mul_round_ps(a, b, kRoundNearest); }
+static inline Vec div(Vec a, Vec b) { return _mm512_div_round_ps(a, b, kRoundNearest); }
+static inline Vec max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+static inline Vec fma(Vec a, Vec b, Vec acc) { return _mm512_fmadd_ps(a, b, acc); }
+
+// The first n lanes (n clamped to [0, 16]).
+static inline __mmask16 first_mask(int n) {
+  return n >= kLanes ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+}
+
+static inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+static inline Vec load(const uint16_t* p) { return load_bf16_ps(p); }
+static inline Vec load_first(const float* p, int n) { return _mm512_maskz_loadu_ps(first_mask(n), p); }
+static inline Vec load_first(const uint16_t* p, int n) { return maskz_load_bf16_ps(first_mask(n), p); }
+template <class T>
+static inline Vec load_n(const T* p, int n) { return n >= kLanes ? load(p) : load_first(p, n); }
+
+static inline void store_first(float* p, Vec x, int n) { _mm512_mask_storeu_ps(p, first_mask(n), x); }
+static inline void store_first(uint16_t* p, Vec x, int n) { mask_store_bf16_exact_ps(p, first_mask(n), x); }
+static inline void store(float* p, Vec x) { _mm512_storeu_ps(p, x); }
+static inline void store(uint16_t* p, Vec x) { store_first(p, x, kLanes); }
+template <class T>
+static inline void store_n(T* p, Vec x, int n) {
+  if (n >= kLanes) store(p, x);
+  else store_first(p, x, n);
+}
+
+static inline Vec round_as(Vec x, const float*) { return x; }
+static inline Vec round_as(Vec x, const uint16_t*) { return round_bf16_exact_ps(x); }
+
+static inline float reduce_add(Vec x) { return _mm512_reduce_add_ps(x); }
+static inline float reduce_max(Vec x) { return _mm512_reduce_max_ps(x); }
+
+}  // namespace avx512
+}  // namespace pyscore
