@@ -1,11 +1,13 @@
 # The CPU kernels' sources and their ISA flags, in one place for the two builds that compile them: the pyscore._C
 # module (CMakeLists.txt) and the kernel check harness (tests/cpu/CMakeLists.txt, also cross-compiled for aarch64).
 #
-# Portable sources (*_cpu.cpp, csrc/common/*.cpp) build for any target with the baseline ISA. On x86-64 the ISA files
-# are added with their flags: *_avx512.cpp (AVX-512 F/BW/DQ/VL + BF16) and *_avx2.cpp (AVX2 + FMA + F16C); they are
-# only entered after the run-time tier check (csrc/common/cpu_features.h), so one build runs on any x86-64. Elsewhere
-# (aarch64) they are left out, and csrc/common/isa_stubs.cpp stands in for their entry points. NEON is baseline on
-# aarch64: the portable sources are written so that -O3 vectorizes their hot loops there.
+# Portable sources (*_cpu.cpp, csrc/common/*.cpp) build for any target with the baseline ISA. On x86-64 the ISA
+# files are added with their flags: *_avx512.cpp (AVX-512 F/BW/DQ/VL + BF16) and *_avx2.cpp (AVX2 + FMA + F16C,
+# and -ffp-contract=off: their elementwise kernels round each product as torch does, so the compiler must not fuse
+# a mul and an add; explicit FMAs are intrinsics). They are only entered after the run-time tier check
+# (csrc/common/cpu_features.h), so one build runs on any x86-64. Elsewhere (aarch64) they are left out and
+# csrc/common/isa_stubs.cpp stands in for their entry points. NEON is baseline on aarch64: the portable sources are
+# written so that -O3 vectorizes their hot loops there.
 #
 # Sets PYSCORE_CPU_KERNEL_SOURCES and PYSCORE_CPU_KERNEL_OPTIONS; needs PYSCORE_ROOT (the repository root).
 file(GLOB_RECURSE PYSCORE_CPU_KERNEL_SOURCES CONFIGURE_DEPENDS
@@ -16,7 +18,7 @@ if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64)$")
   set_source_files_properties(${PYSCORE_AVX512_SOURCES} PROPERTIES COMPILE_OPTIONS
     "-mavx512f;-mavx512bw;-mavx512dq;-mavx512vl;-mavx512bf16;-mfma;-mf16c")
   file(GLOB_RECURSE PYSCORE_AVX2_SOURCES CONFIGURE_DEPENDS ${PYSCORE_ROOT}/csrc/*_avx2.cpp)
-  set_source_files_properties(${PYSCORE_AVX2_SOURCES} PROPERTIES COMPILE_OPTIONS "-mavx2;-mfma;-mf16c")
+  set_source_files_properties(${PYSCORE_AVX2_SOURCES} PROPERTIES COMPILE_OPTIONS "-mavx2;-mfma;-mf16c;-ffp-contract=off")
   list(APPEND PYSCORE_CPU_KERNEL_SOURCES ${PYSCORE_AVX512_SOURCES} ${PYSCORE_AVX2_SOURCES})
 endif()
 message(STATUS "pyscore: CPU kernels for ${CMAKE_SYSTEM_PROCESSOR}")
