@@ -3,7 +3,7 @@
 // threads; a sequence with several chunks gets its partial states merged by log-sum-exp in chunk order, so its bits
 // depend on its own length only, never on the batch or the thread count. When new keys / values are given they are
 // written into the caches first (one pass, before any unit reads). The arithmetic lives in DecodeCpuOps: AVX-512
-// (+BF16) when the CPU has it, else the portable loops below (vectorized by the compiler: NEON on aarch64).
+// (+BF16) when the CPU has it, else the portable loops below.
 #include <omp.h>
 
 #include <algorithm>

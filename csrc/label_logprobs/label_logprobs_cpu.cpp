@@ -2,7 +2,7 @@
 // walks it in chunks: logits of the chunk for all R rows (a small [R, chunk] fp32 buffer, never [R, V]), fold
 // them into the thread's per-row running (max, sum of exp), and pick up the label logits that fall in the chunk.
 // The per-thread states are then merged by log-sum-exp. The arithmetic lives in LabelCpuOps: AVX-512 (+BF16)
-// when the CPU has it, else the portable loops below (vectorized by the compiler: NEON on aarch64).
+// when the CPU has it, else the portable loops below.
 #include <omp.h>
 
 #include <algorithm>

@@ -10,7 +10,7 @@
 //   3. merge_state(a, b) by log-sum-exp, store in the output dtype.
 // Prefix segments and SIS sequences are groups without a prefix: step 1 alone. Units run on OpenMP threads,
 // costliest first. The arithmetic lives in AttentionCpuOps: AVX-512 (+BF16) when the CPU has it, else a
-// portable version of the same packed layouts that the compiler vectorizes (NEON on aarch64).
+// portable scalar version of the same packed layouts.
 #include <omp.h>
 
 #include <algorithm>
