@@ -100,6 +100,19 @@ def test_kernel_checks_aarch64_under_qemu():
     assert not [name for name, command in flags.items() if " -mavx" in command or " -mf16c" in command]
 
 
+def test_neon_vector_layer_under_qemu():
+    """csrc/common/vec_neon.h, the NEON back-end of the vector layer: its exp formulas give the x86 layers' bits, bf16
+    rounds as torch does, ragged loads and stores stop at n (tests/cpu/simd_check_neon.cpp)."""
+    skip_without_cross_tools()
+    binary = BUILD / "aarch64-simd" / "simd_check_neon"
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    source = ROOT / "tests" / "cpu" / "simd_check_neon.cpp"
+    build = subprocess.run([CROSS_CXX, "-std=c++17", "-O2", "-ffp-contract=off", f"-I{ROOT / 'csrc'}", str(source),
+                            "-o", str(binary)], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-4000:]
+    run_checks([QEMU, "-L", SYSROOT, str(binary)])
+
+
 def test_module_cross_builds_for_aarch64():
     """CMakeLists.txt builds pyscore._C for aarch64. This machine's Python headers stand in for aarch64 ones (the
     same LP64 layout; pyconfig.h differs only in names), so this checks compiling and linking, not importing."""
