@@ -28,10 +28,10 @@ $(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
 java-deps:
 	tests/clients/java/setup.sh
 
-# The aarch64 kernel checks' Debian packages (g++-aarch64-linux-gnu, qemu-user): installed when missing and root;
-# else tests/ops/test_aarch64.py skips.
+# The aarch64 kernel checks' Debian packages (the cross compiler, which brings aarch64 libstdc++ and libgomp, and
+# qemu-user): installed when missing and root; else tests/ops/test_aarch64.py skips.
 aarch64-deps:
-	tests/cpu/aarch64_setup.sh
+	scripts/debian_packages.sh "aarch64 kernel check" g++-aarch64-linux-gnu qemu-user
 
 # Test-only tools (Envoy, the Kubernetes schema validator): not part of what `make serve` needs.
 $(DEV_STAMP): requirements-dev.txt $(STAMP)

@@ -1,8 +1,8 @@
 """The CPU kernels on aarch64, checked from an x86 machine: tests/cpu/kernel_check.cpp (every op's launcher against
 a naive C++ reference) is cross-compiled with Debian's g++-aarch64-linux-gnu and run under qemu-aarch64, and the _C
 module is cross-built through CMakeLists.txt, which must keep x86 flags and sources to x86. The same harness runs
-natively too (this CPU's tier, and forced to generic), which checks the harness itself. Correctness only: qemu says
-nothing about speed on ARM. The tools come from `make aarch64-deps` (tests/cpu/aarch64_setup.sh); without them the
+natively too (this CPU's tier, and forced lower), which checks the harness itself. Correctness only: qemu says
+nothing about speed on ARM. The tools come from `make aarch64-deps` (scripts/debian_packages.sh); without them the
 aarch64 tests skip and say so. Builds go to build/kernel-check/ and are incremental."""
 
 from __future__ import annotations
