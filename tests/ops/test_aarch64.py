@@ -113,6 +113,19 @@ def test_neon_vector_layer_under_qemu():
     run_checks([QEMU, "-L", SYSROOT, str(binary)])
 
 
+def stand_in_python_headers(include: Path, shim: Path) -> list[str]:
+    """CMake flags that let this machine's Python headers stand in for aarch64 ones. Debian's pyconfig.h picks a
+    per-architecture file (<aarch64-linux-gnu/python3.X/pyconfig.h> for the cross compiler, absent without the arm64
+    dev package); a shim of that name includes this machine's one."""
+    flags = [f"-DPython_INCLUDE_DIR={include}"]
+    if "aarch64-linux-gnu/" not in (include / "pyconfig.h").read_text():
+        return flags  # a self-contained pyconfig.h (pyenv, python.org builds)
+    host = include.parent / sysconfig.get_config_var("MULTIARCH") / include.name / "pyconfig.h"
+    (shim / "aarch64-linux-gnu" / include.name).mkdir(parents=True, exist_ok=True)
+    (shim / "aarch64-linux-gnu" / include.name / "pyconfig.h").write_text(f'#include "{host}"\n')
+    return [*flags, f"-DCMAKE_CXX_FLAGS=-I{shim}"]
+
+
 def test_module_cross_builds_for_aarch64():
     """CMakeLists.txt builds pyscore._C for aarch64. This machine's Python headers stand in for aarch64 ones (the
     same LP64 layout; pyconfig.h differs only in names), so this checks compiling and linking, not importing."""
@@ -121,7 +134,7 @@ def test_module_cross_builds_for_aarch64():
     build = BUILD / "aarch64-module"
     cmake_build(ROOT, build, f"-DCMAKE_TOOLCHAIN_FILE={TOOLCHAIN}", "-DCMAKE_FIND_ROOT_PATH_MODE_INCLUDE=BOTH",
                 "-DCMAKE_FIND_ROOT_PATH_MODE_PACKAGE=BOTH", f"-DPython_EXECUTABLE={sys.executable}",
-                f"-DPython_INCLUDE_DIR={sysconfig.get_paths()['include']}",
+                *stand_in_python_headers(Path(sysconfig.get_paths()["include"]), build / "pyconfig-shim"),
                 f"-Dpybind11_DIR={pybind11.get_cmake_dir()}", "-DPYSCORE_BUILD_CUDA=OFF")
     modules = list(build.glob("_C*.so"))
     assert len(modules) == 1, modules
