@@ -5,9 +5,10 @@
 # files are added with their flags: *_avx512.cpp (AVX-512 F/BW/DQ/VL + BF16) and *_avx2.cpp (AVX2 + FMA + F16C,
 # and -ffp-contract=off: their elementwise kernels round each product as torch does, so the compiler must not fuse
 # a mul and an add; explicit FMAs are intrinsics). They are only entered after the run-time tier check
-# (csrc/common/cpu_features.h), so one build runs on any x86-64. Elsewhere (aarch64) they are left out and
-# csrc/common/isa_stubs.cpp stands in for their entry points. NEON is baseline on aarch64: the portable sources are
-# written so that -O3 vectorizes their hot loops there.
+# (csrc/common/cpu_features.h), so one build runs on any x86-64. On aarch64 the *_neon.cpp files (on
+# common/vec_neon.h; -ffp-contract=off too) are added instead; NEON is baseline there, so they need no -m flag, and
+# the portable sources are written so that -O3 vectorizes their hot loops. csrc/common/isa_stubs.cpp stands in for
+# the other architecture's entry points.
 #
 # Sets PYSCORE_CPU_KERNEL_SOURCES and PYSCORE_CPU_KERNEL_OPTIONS; needs PYSCORE_ROOT (the repository root).
 file(GLOB_RECURSE PYSCORE_CPU_KERNEL_SOURCES CONFIGURE_DEPENDS
@@ -20,6 +21,10 @@ if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64)$")
   file(GLOB_RECURSE PYSCORE_AVX2_SOURCES CONFIGURE_DEPENDS ${PYSCORE_ROOT}/csrc/*_avx2.cpp)
   set_source_files_properties(${PYSCORE_AVX2_SOURCES} PROPERTIES COMPILE_OPTIONS "-mavx2;-mfma;-mf16c;-ffp-contract=off")
   list(APPEND PYSCORE_CPU_KERNEL_SOURCES ${PYSCORE_AVX512_SOURCES} ${PYSCORE_AVX2_SOURCES})
+elseif(CMAKE_SYSTEM_PROCESSOR MATCHES "^(aarch64|arm64|ARM64)$")
+  file(GLOB_RECURSE PYSCORE_NEON_SOURCES CONFIGURE_DEPENDS ${PYSCORE_ROOT}/csrc/*_neon.cpp)
+  set_source_files_properties(${PYSCORE_NEON_SOURCES} PROPERTIES COMPILE_OPTIONS "-ffp-contract=off")
+  list(APPEND PYSCORE_CPU_KERNEL_SOURCES ${PYSCORE_NEON_SOURCES})
 endif()
 message(STATUS "pyscore: CPU kernels for ${CMAKE_SYSTEM_PROCESSOR}")
 # -fno-trapping-math: nothing here reads floating-point exception flags, and without it GCC keeps any loop with a

@@ -55,6 +55,7 @@ const LabelCpuOps kPortableF32{logits_chunk_portable<float>, lse_update_portable
 
 const LabelCpuOps& choose_ops(DType dtype) {
   const LabelCpuOps* fast = cpu_use_avx512bf16() ? label_ops_avx512(dtype, cpu_bf16_dot()) : nullptr;
+  if (cpu_tier() == CpuTier::kNeon) fast = label_ops_neon(dtype);
   if (fast) return *fast;
   return dtype == DType::kBFloat16 ? kPortableBf16 : kPortableF32;
 }

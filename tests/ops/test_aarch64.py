@@ -91,9 +91,12 @@ def test_kernel_checks_aarch64_under_qemu():
     cmake_build(ROOT / "tests" / "cpu", build, f"-DCMAKE_TOOLCHAIN_FILE={TOOLCHAIN}")
     harness = build / "kernel_check"
     assert elf_machine(harness) == ELF_MACHINE_AARCH64
-    # Two threads, as the CI machine has: the OpenMP splits run as they would on a 2-core Graviton.
+    # Two threads, as the CI machine has: the OpenMP splits run as they would on a 2-core Graviton. The neon tier
+    # (the *_neon.cpp kernels, the portable ones elsewhere), then the portable code alone.
     out = run_checks([QEMU, "-L", SYSROOT, str(harness)], {"OMP_NUM_THREADS": "2"})
     assert out.startswith("cpu tier neon (hardware neon)")
+    out = run_checks([QEMU, "-L", SYSROOT, str(harness)], {"OMP_NUM_THREADS": "2", "PYSCORE_CPU_TIER": "generic"})
+    assert out.startswith("cpu tier generic (hardware neon)")
     # The x86 ISA files are not part of an aarch64 build at all (cmake/cpu_kernels.cmake).
     flags = compile_flags(build)
     assert not [name for name in flags if name.endswith(("_avx512.cpp", "_avx2.cpp"))]
@@ -142,12 +145,14 @@ def test_module_cross_builds_for_aarch64():
     assert "bindings_cpu.cpp" in compile_flags(build)
 
 
-def test_every_x86_entry_point_has_an_aarch64_stand_in():
-    """Off x86-64 the *_avx512 / *_avx2 factories come from csrc/common/isa_stubs.cpp. The aarch64 build may link
-    without one only because -O3 proves the call dead, so the list is checked by name, not left to the linker."""
+def test_every_isa_entry_point_has_a_stand_in():
+    """Each architecture builds only its own ISA files (*_avx512 / *_avx2 on x86-64, *_neon on aarch64) and takes the
+    other's entry points from csrc/common/isa_stubs.cpp. A build may link without a stand-in only because -O3 proves
+    the call dead, so the list is checked by name, not left to the linker."""
+    pattern = r"\b(\w+_(?:avx512|avx2|neon))\("
     declared = set()
     for header in (ROOT / "csrc").glob("*/cpu_ops.h"):
-        declared |= set(re.findall(r"\b(\w+_(?:avx512|avx2))\(", header.read_text()))
-    stubs = set(re.findall(r"\b(\w+_(?:avx512|avx2))\(", (ROOT / "csrc" / "common" / "isa_stubs.cpp").read_text()))
-    assert declared, "no x86 entry points found: has csrc/*/cpu_ops.h changed shape?"
+        declared |= set(re.findall(pattern, header.read_text()))
+    stubs = set(re.findall(pattern, (ROOT / "csrc" / "common" / "isa_stubs.cpp").read_text()))
+    assert declared, "no ISA entry points found: has csrc/*/cpu_ops.h changed shape?"
     assert not declared - stubs, f"add these to csrc/common/isa_stubs.cpp: {sorted(declared - stubs)}"
