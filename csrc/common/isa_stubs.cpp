@@ -27,6 +27,7 @@ SiluMulRows silu_mul_rows_avx512(DType) { return nullptr; }
 #endif
 
 #if !defined(__aarch64__)
+const AttentionCpuOps* attention_ops_neon(DType, int32_t) { return nullptr; }
 const LabelCpuOps* label_ops_neon(DType) { return nullptr; }
 #endif
 

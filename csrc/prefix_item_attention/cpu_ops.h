@@ -1,6 +1,7 @@
 // Internal interface of the CPU prefix_item_attention kernel: the launcher (prefix_item_attention_cpu.cpp,
 // baseline ISA) plans the work and calls these ops, which come in an AVX-512 build
-// (prefix_item_attention_avx512.cpp) and a portable one, chosen once by the running CPU.
+// (prefix_item_attention_avx512.cpp), a NEON one (prefix_item_attention_neon.cpp) and a portable one, chosen by the
+// running CPU's tier.
 //
 // Key ranges are packed once per kv head into blocks of kKeyBlock keys so the micro-kernels read them with
 // aligned full-width loads and no masking on the dot-product axis. "Pack" = elements per 4-byte unit (2 for
@@ -41,6 +42,7 @@ struct AttentionCpuOps {
 // nullptr when the dtype/head_dim is not covered by the AVX-512 ops (the caller checks the CPU); bf16_dot picks
 // how bf16 pairs are multiplied.
 const AttentionCpuOps* attention_ops_avx512(DType dtype, int32_t head_dim, Bf16Dot bf16_dot);
+const AttentionCpuOps* attention_ops_neon(DType dtype, int32_t head_dim);
 const AttentionCpuOps* attention_ops_portable(DType dtype);
 
 }  // namespace pyscore

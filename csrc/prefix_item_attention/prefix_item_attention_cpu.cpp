@@ -386,6 +386,7 @@ Status check_run(const AttentionCpuPlan& plan, const PrefixItemAttentionParams& 
 
 const AttentionCpuOps& choose_ops(DType dtype, int32_t head_dim) {
   const AttentionCpuOps* fast = cpu_use_avx512bf16() ? attention_ops_avx512(dtype, head_dim, cpu_bf16_dot()) : nullptr;
+  if (cpu_tier() == CpuTier::kNeon) fast = attention_ops_neon(dtype, head_dim);
   if (fast) return *fast;
   return dtype == DType::kBFloat16 ? kPortableBf16 : kPortableF32;
 }
