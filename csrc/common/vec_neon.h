@@ -1,8 +1,9 @@
 // The NEON back-end of the CPU vector layer: the names and contracts of the AVX2 layer (common/vec_avx2.h on the
 // avx2 branch: an fp32 vector, loads and stores from fp32 or bf16, multiply-add, max, exp, reductions) on aarch64's
 // Advanced SIMD, 4 lanes, so a kernel written against `namespace V = avx2;` compiles for ARM with `namespace V =
-// neon;` (issue 19 item 6; vLLM's csrc/cpu/cpu_types_arm.hpp is the same idea). Until a kernel is built on it, the
-// `neon` tier runs the portable kernels, which -O3 vectorizes for NEON (common/vec_portable.h).
+// neon;` (issue 19 item 6; vLLM's csrc/cpu/cpu_types_arm.hpp is the same idea): prefix_item_attention_neon.cpp and
+// label_logprobs_neon.cpp are. The `neon` tier's other kernels are the portable ones, which -O3 vectorizes for NEON
+// (common/vec_portable.h).
 //
 // Same bits as the x86 layers where their contract is exact: exp2_ps and exp_ps are the same formulas with the same
 // coefficients, one fused multiply-add per step (vfmaq_f32 = _mm256_fmadd_ps), rounding to nearest even (vrndnq_f32);

@@ -1,6 +1,6 @@
 // The portable kernels' inner loops, written so that GCC -O3 vectorizes them for the baseline ISA of any target:
-// NEON on aarch64 (where these are the `neon` tier's code: Advanced SIMD is part of ARMv8-A, so no flag is needed),
-// SSE2 on x86-64's `generic` tier. Without -ffast-math a compiler may not reorder a float reduction, so a plain
+// NEON on aarch64 (Advanced SIMD is part of ARMv8-A, so no flag is needed; the `neon` tier runs these where an op has
+// no *_neon.cpp), SSE2 on x86-64's `generic` tier. Without -ffast-math a compiler may not reorder a float reduction, so a plain
 // `sum += a[i] * b[i]` runs one add at a time; here every reduction keeps kLanes partial sums (four 128-bit
 // registers), lane l taking elements l, l + kLanes, ..., folded by a fixed tree at the end. The order is fixed in
 // the source, not chosen by the target, so a row's result depends only on that row, whatever the batch.
