@@ -19,7 +19,8 @@ if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64)$")
   set_source_files_properties(${PYSCORE_AVX512_SOURCES} PROPERTIES COMPILE_OPTIONS
     "-mavx512f;-mavx512bw;-mavx512dq;-mavx512vl;-mavx512bf16;-mfma;-mf16c")
   file(GLOB_RECURSE PYSCORE_AVX2_SOURCES CONFIGURE_DEPENDS ${PYSCORE_ROOT}/csrc/*_avx2.cpp)
-  set_source_files_properties(${PYSCORE_AVX2_SOURCES} PROPERTIES COMPILE_OPTIONS "-mavx2;-mfma;-mf16c;-ffp-contract=off")
+  set_source_files_properties(${PYSCORE_AVX2_SOURCES} PROPERTIES COMPILE_OPTIONS
+    "-mavx2;-mfma;-mf16c;-ffp-contract=off")
   list(APPEND PYSCORE_CPU_KERNEL_SOURCES ${PYSCORE_AVX512_SOURCES} ${PYSCORE_AVX2_SOURCES})
 elseif(CMAKE_SYSTEM_PROCESSOR MATCHES "^(aarch64|arm64|ARM64)$")
   file(GLOB_RECURSE PYSCORE_NEON_SOURCES CONFIGURE_DEPENDS ${PYSCORE_ROOT}/csrc/*_neon.cpp)

@@ -1,11 +1,11 @@
 // The portable kernels' inner loops, written so that GCC -O3 vectorizes them for the baseline ISA of any target:
-// NEON on aarch64 (Advanced SIMD is part of ARMv8-A, so no flag is needed; the `neon` tier runs these where an op has
-// no *_neon.cpp), SSE2 on x86-64's `generic` tier. Without -ffast-math a compiler may not reorder a float reduction, so a plain
-// `sum += a[i] * b[i]` runs one add at a time; here every reduction keeps kLanes partial sums (four 128-bit
-// registers), lane l taking elements l, l + kLanes, ..., folded by a fixed tree at the end. The order is fixed in
-// the source, not chosen by the target, so a row's result depends only on that row, whatever the batch.
-// exp_portable replaces the libm call (glibc has no vector expf for aarch64 before 2.38) with arithmetic the
-// vectorizer can take: selects instead of branches, the exponent built in integer bits.
+// NEON on aarch64 (Advanced SIMD is part of ARMv8-A, so no flag is needed; the `neon` tier runs these where an op
+// has no *_neon.cpp), SSE2 on x86-64's `generic` tier. Without -ffast-math a compiler may not reorder a float
+// reduction, so a plain `sum += a[i] * b[i]` runs one add at a time; here every reduction keeps kPortableLanes
+// partial sums (four 128-bit registers), lane l taking elements l, l + kPortableLanes, ..., folded by a fixed tree
+// at the end. The order is fixed in the source, not chosen by the target, so a row's result depends only on that
+// row, whatever the batch. exp_portable replaces the libm call (glibc has no vector expf for aarch64 before 2.38)
+// with arithmetic the vectorizer can take: selects instead of branches, the exponent built in integer bits.
 //
 // Every function is `static`: an inline function's one out-of-line copy could otherwise come from a file compiled
 // with wider ISA flags (*_avx512.cpp) and reach baseline callers (see rms_portable.h).
@@ -20,7 +20,7 @@
 
 namespace pyscore {
 
-constexpr int32_t kLanes = 16;
+constexpr int32_t kPortableLanes = 16;
 
 static inline uint32_t float_bits(float x) {
   uint32_t u;
@@ -56,9 +56,9 @@ static inline float exp_portable(float x) {
   return x < -87.0f ? 0.0f : e;
 }
 
-// The kLanes partial sums folded pairwise (a fixed tree).
+// The kPortableLanes partial sums folded pairwise (a fixed tree).
 static inline float fold_lanes(float* part) {
-  for (int32_t width = kLanes / 2; width >= 1; width /= 2)
+  for (int32_t width = kPortableLanes / 2; width >= 1; width /= 2)
     for (int32_t l = 0; l < width; ++l) part[l] += part[l + width];
   return part[0];
 }
@@ -66,10 +66,10 @@ static inline float fold_lanes(float* part) {
 // sum of a[i] * b[i] in fp32 (T: float, or uint16_t holding bf16).
 template <class T>
 static inline float dot_portable(const T* a, const T* b, int32_t n) {
-  float part[kLanes] = {};
+  float part[kPortableLanes] = {};
   int32_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int32_t l = 0; l < kLanes; ++l) part[l] += to_f32(a[i + l]) * to_f32(b[i + l]);
+  for (; i + kPortableLanes <= n; i += kPortableLanes)
+    for (int32_t l = 0; l < kPortableLanes; ++l) part[l] += to_f32(a[i + l]) * to_f32(b[i + l]);
   for (int32_t l = 0; i + l < n; ++l) part[l] += to_f32(a[i + l]) * to_f32(b[i + l]);
   return fold_lanes(part);
 }
@@ -94,25 +94,25 @@ static inline float max_portable(const float* x, int32_t n, float init) {
 // x[i] = e^(x[i] - shift) in place; returns their sum.
 static inline float exp_sum_inplace(float* x, int32_t n, float shift) {
   for (int32_t i = 0; i < n; ++i) x[i] = exp_portable(x[i] - shift);
-  float part[kLanes] = {};
+  float part[kPortableLanes] = {};
   int32_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int32_t l = 0; l < kLanes; ++l) part[l] += x[i + l];
+  for (; i + kPortableLanes <= n; i += kPortableLanes)
+    for (int32_t l = 0; l < kPortableLanes; ++l) part[l] += x[i + l];
   for (int32_t l = 0; i + l < n; ++l) part[l] += x[i + l];
   return fold_lanes(part);
 }
 
 // sum of e^(x[i] - shift), x left as it is (whole blocks go through a small buffer so the exp loop vectorizes).
 static inline float exp_sum(const float* x, int32_t n, float shift) {
-  constexpr int32_t kBlock = 4 * kLanes;
-  float part[kLanes] = {}, e[kBlock];
+  constexpr int32_t kBlock = 4 * kPortableLanes;
+  float part[kPortableLanes] = {}, e[kBlock];
   int32_t i = 0;
   for (; i + kBlock <= n; i += kBlock) {
     for (int32_t j = 0; j < kBlock; ++j) e[j] = exp_portable(x[i + j] - shift);
-    for (int32_t j = 0; j < kBlock; j += kLanes)
-      for (int32_t l = 0; l < kLanes; ++l) part[l] += e[j + l];
+    for (int32_t j = 0; j < kBlock; j += kPortableLanes)
+      for (int32_t l = 0; l < kPortableLanes; ++l) part[l] += e[j + l];
   }
-  for (int32_t j = 0; i + j < n; ++j) part[j % kLanes] += exp_portable(x[i + j] - shift);
+  for (int32_t j = 0; i + j < n; ++j) part[j % kPortableLanes] += exp_portable(x[i + j] - shift);
   return fold_lanes(part);
 }
 

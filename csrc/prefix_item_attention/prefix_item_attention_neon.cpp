@@ -138,7 +138,8 @@ struct alignas(16) SoftmaxState {
 };
 
 // S = Q.K^T for TM rows x 64 keys of one key block, scaled to base 2 and masked per row to keys < limit. Only the
-// kChunkKeys-key groups below the tile's key_end are multiplied; the others are masked (-inf) like any key past a limit.
+// kChunkKeys-key groups below the tile's key_end are multiplied; the others are masked (-inf) like any key past a
+// limit.
 template <class E, int TM>
 inline void scores_block(const float* q, int head_dim, const typename E::T* kblock, const int* limit, int key0,
                          int key_end, float scale2, Vec (&s)[TM][kVecPerBlock]) {

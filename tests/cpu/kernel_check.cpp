@@ -56,7 +56,8 @@ void attend_ref(const Qkv& x, int32_t t, int32_t h, const std::vector<int32_t>& 
   double mx = -INFINITY;
   for (size_t j = 0; j < keys.size(); ++j) {
     double dot = 0.0;
-    for (int32_t i = 0; i < x.d; ++i) dot += double(x.data.get(x.q_at(t, h) + i)) * x.data.get(x.k_at(keys[j], kvh) + i);
+    for (int32_t i = 0; i < x.d; ++i)
+      dot += double(x.data.get(x.q_at(t, h) + i)) * x.data.get(x.k_at(keys[j], kvh) + i);
     s[j] = dot * scale;
     mx = std::max(mx, s[j]);
   }
@@ -309,10 +310,10 @@ void check_label_case(DType dtype, int32_t rows, int32_t hidden, int32_t vocab, 
   }
   // Outputs are fp32 whatever the input dtype; logits reach ~10, so the absolute error scales with them.
   const Tol tol{1e-4, 2e-5};
-  compare(name + " logprobs", logprobs.size(), [&](size_t i) { return logprobs[i]; }, [&](size_t i) { return want_lp[i]; },
-          tol);
-  compare(name + " label softmax", soft.size(), [&](size_t i) { return soft[i]; }, [&](size_t i) { return want_soft[i]; },
-          tol);
+  compare(name + " logprobs", logprobs.size(), [&](size_t i) { return logprobs[i]; },
+          [&](size_t i) { return want_lp[i]; }, tol);
+  compare(name + " label softmax", soft.size(), [&](size_t i) { return soft[i]; },
+          [&](size_t i) { return want_soft[i]; }, tol);
   compare(name + " logZ", logz.size(), [&](size_t i) { return logz[i]; }, [&](size_t i) { return want_z[i]; }, tol);
 }
 

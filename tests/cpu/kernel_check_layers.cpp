@@ -88,7 +88,7 @@ void check_linear_case(DType dtype, bool gated) {
   compare(name, out.size(), [&](size_t i) { return out.get(i); }, [&](size_t i) { return want[i]; }, tol_for(dtype));
 }
 
-// ---- add_rms_norm, rotary, silu_mul ----------------------------------------------------------------------------------
+// ---- add_rms_norm, rotary, silu_mul ------------------------------------------------------------------------------
 
 void check_add_rms_norm_case(DType dtype, bool with_delta, bool weight_fp32) {
   const int32_t t = 5, h = 67;
@@ -169,7 +169,8 @@ void check_rotary_case(DType dtype, bool qk_norm) {
   p.num_kv_heads = hkv;
   p.head_dim = d;
   p.dtype = dtype;
-  const std::string name = std::string("rotary ") + dtype_name(dtype) + " D=18 Hq=3 Hkv=1" + (qk_norm ? " qk-norm" : "");
+  const std::string name =
+      std::string("rotary ") + dtype_name(dtype) + " D=18 Hq=3 Hkv=1" + (qk_norm ? " qk-norm" : "");
   if (!expect(name + " runs", pyscore::rotary_cpu(p) == pyscore::kOk)) return;
   std::vector<double> want(qkv.size());
   for (size_t i = 0; i < want.size(); ++i) want[i] = before.get(i);  // v stays as it was
@@ -302,7 +303,8 @@ void check_gated_delta_rule_case(DType dtype) {
   p.v_dim = dv;
   p.scale = scale;
   p.dtype = dtype;
-  const std::string name = std::string("gated_delta_rule ") + dtype_name(dtype) + " Hv=2 Dk=16 Dv=40 items continue prefix";
+  const std::string name =
+      std::string("gated_delta_rule ") + dtype_name(dtype) + " Hv=2 Dk=16 Dv=40 items continue prefix";
   if (!expect(name + " runs", pyscore::gated_delta_rule_cpu(p) == pyscore::kOk)) return;
   std::vector<double> want(o.size());
   auto normalized = [&](const Buf& x, size_t at, double extra) {
