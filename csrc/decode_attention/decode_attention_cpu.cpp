@@ -16,6 +16,7 @@
 #include "common/cpu_features.h"
 #include "common/merge_state_cpu.h"
 #include "common/threads.h"
+#include "common/vec_portable.h"
 #include "decode_attention/cpu_ops.h"
 #include "decode_attention/launch.h"
 
@@ -24,6 +25,7 @@ namespace {
 
 // ---- portable ops ----------------------------------------------------------------------------------------------
 
+// Two-pass softmax per row in loops the compiler vectorizes (common/vec_portable.h; NEON on aarch64).
 template <class T>
 void attend_portable(const void* q_, int64_t q_row_stride, int32_t rows, const void* k_, const void* v_,
                      int64_t token_stride, int32_t num_keys, int32_t head_dim, float scale, float* o, float* lse) {
@@ -33,20 +35,14 @@ void attend_portable(const void* q_, int64_t q_row_stride, int32_t rows, const v
   std::vector<float> s(num_keys);
   for (int32_t r = 0; r < rows; ++r) {
     const T* qr = q + r * q_row_stride;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int32_t t = 0; t < num_keys; ++t) {
-      float dot = 0.0f;
-      for (int32_t d = 0; d < head_dim; ++d) dot += to_f32(qr[d]) * to_f32(k[t * token_stride + d]);
-      s[t] = dot * scale;
-      mx = std::max(mx, s[t]);
-    }
+    for (int32_t t = 0; t < num_keys; ++t) s[t] = dot_portable(qr, k + t * token_stride, head_dim) * scale;
+    const float mx = max_portable(s.data(), num_keys, -std::numeric_limits<float>::infinity());
+    const float sum = exp_sum_inplace(s.data(), num_keys, mx);
     float* orow = o + int64_t(r) * head_dim;
     std::fill(orow, orow + head_dim, 0.0f);
-    float sum = 0.0f;
     for (int32_t t = 0; t < num_keys; ++t) {
-      const float p = std::exp(s[t] - mx);
-      sum += p;
-      for (int32_t d = 0; d < head_dim; ++d) orow[d] += p * to_f32(v[t * token_stride + d]);
+      const T* vt = v + t * token_stride;
+      for (int32_t d = 0; d < head_dim; ++d) orow[d] += s[t] * to_f32(vt[d]);
     }
     for (int32_t d = 0; d < head_dim; ++d) orow[d] /= sum;
     lse[r] = mx + std::log(sum);

@@ -1,6 +1,7 @@
 // Internal interface of the CPU label_logprobs kernel: the launcher (label_logprobs_cpu.cpp, baseline ISA)
 // splits the vocabulary over threads and calls these ops on chunks of it; they come in an AVX-512 build
-// (label_logprobs_avx512.cpp), an AVX2 one (label_logprobs_avx2.cpp) and a portable one.
+// (label_logprobs_avx512.cpp), an AVX2 one (label_logprobs_avx2.cpp), a NEON one
+// (label_logprobs_neon.cpp) and a portable one.
 #pragma once
 #include <cstdint>
 
@@ -20,5 +21,6 @@ struct LabelCpuOps {
 // nullptr when the dtype is not covered (the caller checks the CPU); bf16_dot picks how bf16 pairs are multiplied.
 const LabelCpuOps* label_ops_avx512(DType dtype, Bf16Dot bf16_dot);
 const LabelCpuOps* label_ops_avx2(DType dtype);
+const LabelCpuOps* label_ops_neon(DType dtype);
 
 }  // namespace pyscore

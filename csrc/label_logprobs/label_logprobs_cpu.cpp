@@ -14,6 +14,7 @@
 #include "common/bf16.h"
 #include "common/cpu_features.h"
 #include "common/threads.h"
+#include "common/vec_portable.h"
 #include "label_logprobs/cpu_ops.h"
 #include "label_logprobs/launch.h"
 
@@ -25,32 +26,26 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int32_t kChunk = 256;
 
 // ---- portable ops ----------------------------------------------------------------------------------------
+// Loops the compiler vectorizes (common/vec_portable.h): the `generic` tier's code and the `neon` tier's.
 
+// Weight row outer, rows inner: each weight row is read from memory once per chunk and from L1 by every row.
 template <class T>
 void logits_chunk_portable(const LabelLogprobsParams& p, int32_t v0, int32_t n, float* out) {
   const T* h = static_cast<const T*>(p.hidden);
   const T* w = static_cast<const T*>(p.weight);
-  for (int32_t r = 0; r < p.num_rows; ++r) {
-    const T* hr = h + r * p.hidden_row_stride;
-    for (int32_t j = 0; j < n; ++j) {
-      if (!w) {
-        out[int64_t(r) * n + j] = to_f32(hr[v0 + j]);
-        continue;
-      }
-      const T* wr = w + int64_t(v0 + j) * p.weight_row_stride;
-      float acc = 0.0f;
-      for (int32_t i = 0; i < p.hidden_size; ++i) acc += to_f32(hr[i]) * to_f32(wr[i]);
-      out[int64_t(r) * n + j] = acc;
+  for (int32_t j = 0; j < n; ++j) {
+    const T* wr = w ? w + int64_t(v0 + j) * p.weight_row_stride : nullptr;
+    for (int32_t r = 0; r < p.num_rows; ++r) {
+      const T* hr = h + r * p.hidden_row_stride;
+      out[int64_t(r) * n + j] = wr ? dot_portable(hr, wr, p.hidden_size) : to_f32(hr[v0 + j]);
     }
   }
 }
 
 void lse_update_portable(const float* x, int32_t n, float* max, float* sum) {
-  float m = *max;
-  for (int32_t j = 0; j < n; ++j) m = std::max(m, x[j]);
+  const float m = max_portable(x, n, *max);
   if (m == kNegInf) return;
-  float s = 0.0f;
-  for (int32_t j = 0; j < n; ++j) s += std::exp(x[j] - m);
+  const float s = exp_sum(x, n, m);
   *sum = (*max == kNegInf ? 0.0f : *sum * std::exp(*max - m)) + s;
   *max = m;
 }
@@ -62,6 +57,7 @@ const LabelCpuOps& choose_ops(DType dtype) {
   const LabelCpuOps* fast = nullptr;
   if (cpu_use_avx512bf16()) fast = label_ops_avx512(dtype, cpu_bf16_dot());
   else if (cpu_use_avx2()) fast = label_ops_avx2(dtype);
+  else if (cpu_tier() == CpuTier::kNeon) fast = label_ops_neon(dtype);
   if (fast) return *fast;
   return dtype == DType::kBFloat16 ? kPortableBf16 : kPortableF32;
 }

@@ -1,7 +1,7 @@
 // Internal interface of the CPU prefix_item_attention kernel: the launcher (prefix_item_attention_cpu.cpp,
 // baseline ISA) plans the work and calls these ops, which come in an AVX-512 build
-// (prefix_item_attention_avx512.cpp), an AVX2 one (prefix_item_attention_avx2.cpp) and a portable one, chosen by
-// the CPU tier.
+// (prefix_item_attention_avx512.cpp), an AVX2 one (prefix_item_attention_avx2.cpp), a NEON one
+// (prefix_item_attention_neon.cpp) and a portable one, chosen by the CPU tier.
 //
 // Key ranges are packed once per kv head into blocks of kKeyBlock keys so the micro-kernels read them with
 // aligned full-width loads and no masking on the dot-product axis. "Pack" = elements per 4-byte unit (2 for
@@ -43,6 +43,7 @@ struct AttentionCpuOps {
 // how bf16 pairs are multiplied.
 const AttentionCpuOps* attention_ops_avx512(DType dtype, int32_t head_dim, Bf16Dot bf16_dot);
 const AttentionCpuOps* attention_ops_avx2(DType dtype, int32_t head_dim);
+const AttentionCpuOps* attention_ops_neon(DType dtype, int32_t head_dim);
 const AttentionCpuOps* attention_ops_portable(DType dtype);
 
 }  // namespace pyscore

@@ -27,6 +27,7 @@
 #include "common/cpu_features.h"
 #include "common/merge_state_cpu.h"
 #include "common/threads.h"
+#include "common/vec_portable.h"
 #include "prefix_item_attention/cpu_ops.h"
 #include "prefix_item_attention/plan_cpu.h"
 
@@ -58,38 +59,64 @@ void pack_portable(const void* src_, int64_t token_stride, int32_t n, int32_t he
     for (int32_t d = 0; d < head_dim; ++d) out[offset(j, d, head_dim, pack_of<T>())] = src[j * token_stride + d];
 }
 
-// Exact two-pass softmax per row; slow but simple (fp32 probabilities in both dtypes).
+// Scores of one query row against the first `tiles` key tiles, written to s [tiles * kKeyBlock] (padding keys
+// score 0). The packed K puts a tile's keys side by side for each head element (pair), so the inner loop runs over
+// 64 contiguous keys and vectorizes (NEON, SSE2): an outer product, one element of q at a time.
+template <class T>
+void tile_scores(const T* q, const T* kp, int32_t tiles, int32_t head_dim, float* s) {
+  constexpr int P = pack_of<T>();
+  for (int32_t b = 0; b < tiles; ++b, s += kKeyBlock) {
+    const T* kb = kp + int64_t(b) * kKeyBlock * head_dim;
+    std::fill(s, s + kKeyBlock, 0.0f);
+    for (int32_t d = 0; d < head_dim; d += P) {
+      const T* kd = kb + int64_t(d) * kKeyBlock;  // [kKeyBlock keys][P]
+      const float q0 = to_f32(q[d]), q1 = P == 2 ? to_f32(q[d + 1]) : 0.0f;
+      for (int32_t j = 0; j < kKeyBlock; ++j)
+        s[j] += P == 2 ? q0 * to_f32(kd[2 * j]) + q1 * to_f32(kd[2 * j + 1]) : q0 * to_f32(kd[j]);
+    }
+  }
+}
+
+// o [head_dim] = sum over keys j < limit of p[j] * v_j, v from the packed V ([kKeyBlock / P keys][D][P] per tile:
+// a key's (pair's) values are contiguous along head_dim, so the inner loop vectorizes). For bf16 the keys go in
+// pairs: p[limit] must be 0 when limit is odd.
+template <class T>
+void weighted_values(const float* p, int32_t limit, const T* vp, int32_t head_dim, float* o) {
+  constexpr int P = pack_of<T>();
+  std::fill(o, o + head_dim, 0.0f);
+  for (int32_t j = 0; j < limit; j += P) {
+    const T* v = vp + int64_t(j / kKeyBlock) * kKeyBlock * head_dim + int64_t((j % kKeyBlock) / P) * head_dim * P;
+    const float p0 = p[j], p1 = P == 2 ? p[j + 1] : 0.0f;
+    for (int32_t d = 0; d < head_dim; ++d)
+      o[d] += P == 2 ? p0 * to_f32(v[2 * d]) + p1 * to_f32(v[2 * d + 1]) : p0 * to_f32(v[d]);
+  }
+}
+
+// Exact two-pass softmax per row (fp32 probabilities in both dtypes), each pass a vectorizable loop
+// (common/vec_portable.h): the `generic` tier's code and the `neon` tier's.
 template <class T>
 void attend_portable(const void* q_, int32_t rows, const int32_t* limits, const void* k_packed,
                      const void* v_packed, int32_t num_keys, int32_t head_dim, float scale, float* o, float* lse) {
   const T* q = static_cast<const T*>(q_);
   const T* kp = static_cast<const T*>(k_packed);
   const T* vp = static_cast<const T*>(v_packed);
-  constexpr int P = pack_of<T>();
   thread_local std::vector<float> scores;
-  scores.resize(std::max<int32_t>(num_keys, 1));
+  scores.resize(std::max<int64_t>(int64_t(key_blocks(num_keys)) * kKeyBlock, 1));
   for (int32_t r = 0; r < rows; ++r) {
-    const T* qr = q + int64_t(r) * head_dim;
     float* orow = o + int64_t(r) * head_dim;
     const int32_t limit = limits ? std::min(limits[r], num_keys) : num_keys;
-    std::fill(orow, orow + head_dim, 0.0f);
     if (limit <= 0) {
+      std::fill(orow, orow + head_dim, 0.0f);
       lse[r] = -std::numeric_limits<float>::infinity();
       continue;
     }
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int32_t j = 0; j < limit; ++j) {
-      float s = 0.0f;
-      for (int32_t d = 0; d < head_dim; ++d) s += to_f32(qr[d]) * to_f32(kp[k_offset(j, d, head_dim, P)]);
-      scores[j] = s * scale;
-      mx = std::max(mx, scores[j]);
-    }
-    float sum = 0.0f;
-    for (int32_t j = 0; j < limit; ++j) {
-      const float p = std::exp(scores[j] - mx);
-      sum += p;
-      for (int32_t d = 0; d < head_dim; ++d) orow[d] += p * to_f32(vp[v_offset(j, d, head_dim, P)]);
-    }
+    float* s = scores.data();
+    tile_scores(q + int64_t(r) * head_dim, kp, key_blocks(limit), head_dim, s);
+    for (int32_t j = 0; j < limit; ++j) s[j] *= scale;
+    const float mx = max_portable(s, limit, -std::numeric_limits<float>::infinity());
+    const float sum = exp_sum_inplace(s, limit, mx);
+    if (limit % 2) s[limit] = 0.0f;  // bf16 reads keys in pairs (limit < the padded tile end when odd)
+    weighted_values(s, limit, vp, head_dim, orow);
     for (int32_t d = 0; d < head_dim; ++d) orow[d] /= sum;
     lse[r] = mx + std::log(sum);
   }
@@ -361,6 +388,7 @@ const AttentionCpuOps& choose_ops(DType dtype, int32_t head_dim) {
   const AttentionCpuOps* fast = nullptr;
   if (cpu_use_avx512bf16()) fast = attention_ops_avx512(dtype, head_dim, cpu_bf16_dot());
   else if (cpu_use_avx2()) fast = attention_ops_avx2(dtype, head_dim);
+  else if (cpu_tier() == CpuTier::kNeon) fast = attention_ops_neon(dtype, head_dim);
   if (fast) return *fast;
   return dtype == DType::kBFloat16 ? kPortableBf16 : kPortableF32;
 }

@@ -1,0 +1,172 @@
+// The NEON back-end of the CPU vector layer: the names and contracts of the AVX2 layer (common/vec_avx2.h on the
+// avx2 branch: an fp32 vector, loads and stores from fp32 or bf16, multiply-add, max, exp, reductions) on aarch64's
+// Advanced SIMD, 4 lanes, so a kernel written against `namespace V = avx2;` compiles for ARM with `namespace V =
+// neon;` (issue 19 item 6; vLLM's csrc/cpu/cpu_types_arm.hpp is the same idea): prefix_item_attention_neon.cpp and
+// label_logprobs_neon.cpp are. The `neon` tier's other kernels are the portable ones, which -O3 vectorizes for NEON
+// (common/vec_portable.h).
+//
+// Same bits as the x86 layers where their contract is exact: exp2_ps and exp_ps are the same formulas with the same
+// coefficients, one fused multiply-add per step (vfmaq_f32 = _mm256_fmadd_ps), rounding to nearest even (vrndnq_f32);
+// bf16 rounding is the same integer arithmetic; max and min keep x86's rule (the second operand when either is NaN),
+// not fmaxnm's, so a NaN clamps exactly as on x86. Files built on this layer need -ffp-contract=off as the AVX2 ones
+// do: GCC fuses a NEON multiply and add intrinsic otherwise. bf16 pairs (a 32-bit lane = elements 2i, 2i+1) are
+// `Bits`, which the AVX2 kernels spell __m256i.
+//
+// Everything is `static inline` (see rms_portable.h). aarch64 only.
+#pragma once
+#if !defined(__aarch64__)
+#error "common/vec_neon.h is the aarch64 vector layer"
+#endif
+#include <arm_neon.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace pyscore {
+namespace neon {
+
+constexpr int kLanes = 4;
+using Vec = float32x4_t;
+using Bits = uint32x4_t;
+
+static inline Vec zero() { return vdupq_n_f32(0.0f); }
+static inline Vec set1(float x) { return vdupq_n_f32(x); }
+static inline Vec add(Vec a, Vec b) { return vaddq_f32(a, b); }
+static inline Vec sub(Vec a, Vec b) { return vsubq_f32(a, b); }
+static inline Vec mul(Vec a, Vec b) { return vmulq_f32(a, b); }
+static inline Vec div(Vec a, Vec b) { return vdivq_f32(a, b); }
+static inline Vec max(Vec a, Vec b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }  // a > b ? a : b, as maxps
+static inline Vec min(Vec a, Vec b) { return vbslq_f32(vcltq_f32(a, b), a, b); }  // a < b ? a : b, as minps
+static inline Vec fma(Vec a, Vec b, Vec acc) { return vfmaq_f32(acc, a, b); }    // a * b + acc, one rounding
+
+// ---- loads and stores --------------------------------------------------------------------------------------------
+
+// The lane mask of the first n lanes (0 <= n <= 4).
+static inline uint32x4_t first_lanes(int n) {
+  static const uint32_t kIndex[4] = {0, 1, 2, 3};
+  return vcltq_u32(vld1q_u32(kIndex), vdupq_n_u32(uint32_t(n)));
+}
+
+// 4 bf16 -> 4 fp32, exact.
+static inline Vec widen_bf16(uint16x4_t h) { return vreinterpretq_f32_u32(vshll_n_u16(h, 16)); }
+
+static inline Vec load(const float* p) { return vld1q_f32(p); }
+static inline Vec load(const uint16_t* p) { return widen_bf16(vld1_u16(p)); }
+
+// The first n elements (0 <= n <= 4), the other lanes 0; never reads past p + n.
+static inline Vec load_first(const float* p, int n) {
+  float buf[4] = {};
+  std::memcpy(buf, p, size_t(n) * sizeof(float));
+  return vld1q_f32(buf);
+}
+static inline Vec load_first(const uint16_t* p, int n) {
+  uint16_t buf[4] = {};
+  std::memcpy(buf, p, size_t(n) * sizeof(uint16_t));
+  return widen_bf16(vld1_u16(buf));
+}
+
+// Round to nearest even to bf16 as torch does, on the fp32 bits: add 0x7FFF plus the lowest kept bit; the bf16 sits
+// in the high halves afterwards (vec_avx2.h's round_bf16_bits, the same arithmetic).
+static inline uint32x4_t round_bf16_bits(Vec x) {
+  const uint32x4_t bits = vreinterpretq_u32_f32(x);
+  const uint32x4_t lsb = vandq_u32(vshrq_n_u32(bits, 16), vdupq_n_u32(1));
+  return vaddq_u32(bits, vaddq_u32(lsb, vdupq_n_u32(0x7FFF)));
+}
+
+// 4 fp32 -> 4 bf16, rounded as above.
+static inline uint16x4_t narrow_bf16(Vec x) { return vshrn_n_u32(round_bf16_bits(x), 16); }
+
+static inline void store(float* p, Vec x) { vst1q_f32(p, x); }
+static inline void store(uint16_t* p, Vec x) { vst1_u16(p, narrow_bf16(x)); }
+
+// Stores the first n lanes (0 <= n <= 4); never writes past p + n.
+static inline void store_first(float* p, Vec x, int n) {
+  float buf[4];
+  vst1q_f32(buf, x);
+  std::memcpy(p, buf, size_t(n) * sizeof(float));
+}
+static inline void store_first(uint16_t* p, Vec x, int n) {
+  uint16_t buf[4];
+  vst1_u16(buf, narrow_bf16(x));
+  std::memcpy(p, buf, size_t(n) * sizeof(uint16_t));
+}
+
+// Lanes [0, n) of the chunk at p, n clamped to 4: a full load or a ragged one.
+template <class T>
+static inline Vec load_n(const T* p, int n) { return n >= kLanes ? load(p) : load_first(p, n); }
+template <class T>
+static inline void store_n(T* p, Vec x, int n) {
+  if (n >= kLanes) store(p, x);
+  else store_first(p, x, n);
+}
+
+// x rounded to the element type and held as fp32: what a store and a reload would give (the pointer only selects).
+static inline Vec round_as(Vec x, const float*) { return x; }
+static inline Vec round_as(Vec x, const uint16_t*) {
+  return vreinterpretq_f32_u32(vandq_u32(round_bf16_bits(x), vdupq_n_u32(0xFFFF0000u)));
+}
+
+// ---- bf16 pairs widened to fp32 ----------------------------------------------------------------------------------
+
+static inline Vec bf16_even(Bits pairs) { return vreinterpretq_f32_u32(vshlq_n_u32(pairs, 16)); }
+static inline Vec bf16_odd(Bits pairs) { return vreinterpretq_f32_u32(vandq_u32(pairs, vdupq_n_u32(0xFFFF0000u))); }
+static inline Bits load_bits(const void* p) { return vld1q_u32(static_cast<const uint32_t*>(p)); }
+
+// ---- reductions (pairwise: lanes i and i + 2 first, as the x86 layers fold halves) --------------------------------
+
+static inline float reduce_add(Vec x) {
+  const float32x2_t s = vadd_f32(vget_low_f32(x), vget_high_f32(x));
+  return vget_lane_f32(s, 0) + vget_lane_f32(s, 1);
+}
+
+static inline float reduce_max(Vec x) {
+  const Vec s = max(x, vcombine_f32(vget_high_f32(x), vget_high_f32(x)));
+  const float a = vgetq_lane_f32(s, 0), b = vgetq_lane_f32(s, 1);
+  return a > b ? a : b;
+}
+
+// ---- exponentials (vec_avx2.h's formulas, step for step) ---------------------------------------------------------
+
+// 2^n for integer-valued n in [-127, 127] (n = -127 gives 0).
+static inline Vec pow2i(Vec n) {
+  return vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtnq_s32_f32(n), vdupq_n_s32(127)), 23));
+}
+
+// 2^x for x <= 0, ~1 ulp; lanes below -126 (and -inf) give 0 without ever forming a denormal.
+static inline Vec exp2_ps(Vec x) {
+  const uint32x4_t normal = vcgeq_f32(x, vdupq_n_f32(-126.0f));
+  x = max(x, vdupq_n_f32(-127.0f));  // keeps -inf (and NaN, as on x86) out of the arithmetic
+  const Vec n = vrndnq_f32(x);
+  const Vec f = vsubq_f32(x, n);  // exact
+  Vec p = vdupq_n_f32(1.5252734e-05f);
+  p = vfmaq_f32(vdupq_n_f32(1.5403530e-04f), p, f);
+  p = vfmaq_f32(vdupq_n_f32(1.3333558e-03f), p, f);
+  p = vfmaq_f32(vdupq_n_f32(9.6181291e-03f), p, f);
+  p = vfmaq_f32(vdupq_n_f32(5.5504109e-02f), p, f);
+  p = vfmaq_f32(vdupq_n_f32(2.4022651e-01f), p, f);
+  p = vfmaq_f32(vdupq_n_f32(6.9314718e-01f), p, f);
+  p = vfmaq_f32(vdupq_n_f32(1.0f), p, f);
+  return vmulq_f32(p, vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(pow2i(n)), normal)));
+}
+
+// e^x with full fp32 accuracy over the whole range: Cody-Waite reduction, degree-7 polynomial, 2^n as two normal
+// factors so the product rounds once (overflow to +inf, underflow through the denormals to 0). NaN passes through.
+static inline Vec exp_ps(Vec x) {
+  x = min(vdupq_n_f32(100.0f), max(vdupq_n_f32(-110.0f), x));
+  const Vec n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(1.44269504088896341f)));
+  Vec r = vfmsq_f32(x, n, vdupq_n_f32(0.693145751953125f));
+  r = vfmsq_f32(r, n, vdupq_n_f32(1.42860682030941723212e-6f));
+  Vec p = vdupq_n_f32(1.0f / 5040);
+  p = vfmaq_f32(vdupq_n_f32(1.0f / 720), p, r);
+  p = vfmaq_f32(vdupq_n_f32(1.0f / 120), p, r);
+  p = vfmaq_f32(vdupq_n_f32(1.0f / 24), p, r);
+  p = vfmaq_f32(vdupq_n_f32(1.0f / 6), p, r);
+  p = vfmaq_f32(vdupq_n_f32(0.5f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(1.0f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(1.0f), p, r);
+  const Vec half = vrndmq_f32(vmulq_f32(n, vdupq_n_f32(0.5f)));
+  return vmulq_f32(vmulq_f32(p, pow2i(half)), pow2i(vsubq_f32(n, half)));
+}
+
+}  // namespace neon
+}  // namespace pyscore
