@@ -4,8 +4,10 @@ inherits the entry of the tier below it (amx -> avx512bf16 -> avx512 -> avx2 -> 
 
 "torch" means torch's op in the model's dtype: for `linear`, F.linear over fixed-size row chunks (batch-invariant,
 see pyscore/ops/linear.py); for the other ops, the op's PyTorch implementation in pyscore.ops.reference.
-"kernel" means pyscore._C at that tier: the AVX-512 code at avx512bf16 / amx, the AMX tile GEMM for `linear` at amx
-where K is a multiple of 32, the portable C++ (generic tier) elsewhere."""
+"kernel" means pyscore._C at that tier: the AVX-512 code at avx512bf16 / amx (the AMX tile GEMM for bf16 `linear` at
+amx where K is a multiple of 32), the AVX2 + FMA code at avx2 / avx512, the NEON layer at neon (attention and the
+label read-out; the portable C++, vectorized by the compiler, for the rest) and the portable C++ at generic.
+Unmeasured pairs say so; causal_conv1d / gated_delta_rule at avx512 inherit avx2's (measured there, not at avx512)."""
 
 from __future__ import annotations
 
@@ -24,26 +26,41 @@ class Choice:
 
 
 KERNEL_ZEN4 = Choice("kernel", "ours beats torch (bench/results/kernels_cpu_zen4.txt, Zen 4)")
-LINEAR_AMX = Choice("kernel", "AMX tiles, batch-invariant; bench/results/tiers/linear_amx.txt")
+LINEAR_AMX = Choice("kernel", "AMX tiles, batch-invariant, the fastest batch-invariant GEMM here "
+                              "(bench/results/tiers/linear_amx.txt)")
+LINEAR_FP32 = Choice("kernel", "AVX-512 FMAs, batch-invariant; at or above torch's fp32 GEMM "
+                               "(bench/results/tiers/linear_amx.txt)")
 LINEAR_TORCH = Choice("torch", "oneDNN/MKL GEMM beats a vector-FMA GEMM without bf16 hardware "
-                               "(bench/results/tiers/linear_amx.txt, avx2 rows)")
+                               "(bench/results/tiers/linear_amx.txt)")
+AVX2 = Choice("kernel", "ours (AVX2 + FMA) beats torch's AVX2 op (bench/results/kernels_cpu_avx2.txt, "
+                        "kernels_cpu_avx2_bf16.txt, kernels_linear_cpu_avx2.txt)")
+AVX2_ON_AVX512 = Choice("kernel", "ours (AVX2 + FMA) beats torch's AVX-512 op (bench/results/kernels_cpu_avx512.txt)")
+LABELS_AVX512_FP32 = Choice("torch", "MKL's AVX-512 GEMM beats our AVX2 read-out at R=16 fp32 "
+                                     "(bench/results/kernels_cpu_avx512.txt)")
+NEON = Choice("kernel", "the AVX2 kernel's text on the NEON layer: no dense [T, T] mask / no vocabulary-wide logits; "
+                        "checked under qemu, unmeasured on an ARM CPU")
 ALGORITHM = Choice("kernel", "no dense [T, T] mask / no vocabulary-wide logits; unmeasured on this tier")
 TORCH_UNTUNED = Choice("torch", "no vectorized kernel at this tier: the scalar portable loop loses to torch")
 
 # op -> tier -> dtype name -> Choice ("*" = every dtype).
 CPU_TIERS: dict[str, dict[str, dict[str, Choice]]] = {
     "linear": {"generic": {"*": LINEAR_TORCH}, "avx512bf16": {"*": KERNEL_ZEN4},
-               "amx": {"bfloat16": LINEAR_AMX, "float32": KERNEL_ZEN4}},
-    "prefix_item_attention": {"generic": {"*": ALGORITHM}, "avx2": {"*": TORCH_UNTUNED},
-                              "avx512bf16": {"*": KERNEL_ZEN4}},
-    "decode_attention": {"generic": {"*": ALGORITHM}, "avx2": {"*": TORCH_UNTUNED}, "avx512bf16": {"*": KERNEL_ZEN4}},
-    "label_logprobs": {"generic": {"*": ALGORITHM}, "avx2": {"*": TORCH_UNTUNED}, "avx512bf16": {"*": KERNEL_ZEN4}},
-    "add_rms_norm": {"generic": {"*": TORCH_UNTUNED}, "avx512bf16": {"*": KERNEL_ZEN4}},
-    "rotary": {"generic": {"*": TORCH_UNTUNED}, "avx512bf16": {"*": KERNEL_ZEN4}},
-    "silu_mul": {"generic": {"*": TORCH_UNTUNED}, "avx512bf16": {"*": KERNEL_ZEN4}},
-    "causal_conv1d": {"generic": {"*": ALGORITHM}, "avx2": {"*": TORCH_UNTUNED}, "avx512bf16": {"*": KERNEL_ZEN4}},
-    "gated_delta_rule": {"generic": {"*": ALGORITHM}, "avx2": {"*": TORCH_UNTUNED},
+               "amx": {"bfloat16": LINEAR_AMX, "float32": LINEAR_FP32}},
+    "prefix_item_attention": {"generic": {"*": ALGORITHM}, "avx2": {"*": AVX2}, "avx512": {"*": AVX2_ON_AVX512},
+                              "avx512bf16": {"*": KERNEL_ZEN4}, "neon": {"*": NEON}},
+    "decode_attention": {"generic": {"*": ALGORITHM}, "avx2": {"*": AVX2}, "avx512": {"*": AVX2_ON_AVX512},
                          "avx512bf16": {"*": KERNEL_ZEN4}},
+    "label_logprobs": {"generic": {"*": ALGORITHM}, "avx2": {"*": AVX2},
+                       "avx512": {"float32": LABELS_AVX512_FP32, "bfloat16": AVX2_ON_AVX512},
+                       "avx512bf16": {"*": KERNEL_ZEN4}, "neon": {"*": NEON}},
+    "add_rms_norm": {"generic": {"*": TORCH_UNTUNED}, "avx2": {"*": AVX2}, "avx512": {"*": AVX2_ON_AVX512},
+                     "avx512bf16": {"*": KERNEL_ZEN4}, "neon": {"*": TORCH_UNTUNED}},
+    "rotary": {"generic": {"*": TORCH_UNTUNED}, "avx2": {"*": AVX2}, "avx512": {"*": AVX2_ON_AVX512},
+               "avx512bf16": {"*": KERNEL_ZEN4}, "neon": {"*": TORCH_UNTUNED}},
+    "silu_mul": {"generic": {"*": TORCH_UNTUNED}, "avx2": {"*": AVX2}, "avx512": {"*": AVX2_ON_AVX512},
+                 "avx512bf16": {"*": KERNEL_ZEN4}, "neon": {"*": TORCH_UNTUNED}},
+    "causal_conv1d": {"generic": {"*": ALGORITHM}, "avx2": {"*": AVX2}, "avx512bf16": {"*": KERNEL_ZEN4}},
+    "gated_delta_rule": {"generic": {"*": ALGORITHM}, "avx2": {"*": AVX2}, "avx512bf16": {"*": KERNEL_ZEN4}},
 }
 
 
