@@ -3,7 +3,7 @@
 16-candidate questions along one path (default MIS) in alternating blocks — gRPC, HTTP, HTTP, gRPC, ... — through
 bench's GrpcTarget and PyscoreHTTPTarget (the same requests, as protobuf or as JSON). It reports per transport the
 p50 / p95 time to decision and the server-side compute p50, and the overhead as the median over block pairs of
-HTTP p50 − gRPC p50, with the CPU it ran on. Run it alone on the machine (`/work/tools/quiet`): it is a
+HTTP p50 − gRPC p50, with the CPU it ran on. Run it alone on the machine: it is a
 difference of two noisy numbers."""
 
 from __future__ import annotations
