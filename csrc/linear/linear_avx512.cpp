@@ -212,13 +212,23 @@ void load_tile_config() {
 }
 
 // acc [32][32] fp32 = rows a (kAmxRows rows, a_stride elements apart) x unit w (a block's K-pair rows from w) over k.
-void amx_unit(const uint16_t* a, int64_t a_stride, const uint16_t* w, int32_t k, float* acc) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+// acc [32][32] fp32 (+)= rows a x unit w over K [k0, k1): from zero when `first`, else continuing the partial sums
+// in acc (an fp32 tile stored and reloaded is exact, so a K split in blocks gives the unsplit bits).
+void amx_unit(const uint16_t* a, int64_t a_stride, const uint16_t* w, int32_t k0, int32_t k1, bool first, float* acc) {
+  constexpr int64_t c_bytes = kAmxRows * 4;
+  if (first) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  } else {
+    _tile_loadd(0, acc, c_bytes);
+    _tile_loadd(1, acc + 16, c_bytes);
+    _tile_loadd(2, acc + 16 * kAmxRows, c_bytes);
+    _tile_loadd(3, acc + 16 * kAmxRows + 16, c_bytes);
+  }
   const int64_t a_bytes = a_stride * 2, b_bytes = kLinearBlockN * 2 * 2;
-  for (int32_t s = 0; s < k; s += kAmxK) {
+  for (int32_t s = k0; s < k1; s += kAmxK) {
     const uint16_t* b = w + int64_t(s / 2) * kLinearBlockN * 2;
     _tile_loadd(4, a + s, a_bytes);
     _tile_loadd(5, a + 16 * a_stride + s, a_bytes);
@@ -229,10 +239,10 @@ void amx_unit(const uint16_t* a, int64_t a_stride, const uint16_t* w, int32_t k,
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
   }
-  _tile_stored(0, acc, kAmxRows * 4);
-  _tile_stored(1, acc + 16, kAmxRows * 4);
-  _tile_stored(2, acc + 16 * kAmxRows, kAmxRows * 4);
-  _tile_stored(3, acc + 16 * kAmxRows + 16, kAmxRows * 4);
+  _tile_stored(0, acc, c_bytes);
+  _tile_stored(1, acc + 16, c_bytes);
+  _tile_stored(2, acc + 16 * kAmxRows, c_bytes);
+  _tile_stored(3, acc + 16 * kAmxRows + 16, c_bytes);
 }
 
 // The epilogue of rows [m, m + rows) of one unit at packed column c, from acc [32][32].
@@ -251,14 +261,19 @@ void amx_epilogue(const LinearParams& p, int32_t m, int32_t rows, int32_t c, con
   }
 }
 
+// Cache blocking: rows in blocks of 32-row groups, K in blocks of kAmxKBlock, so that a row block's x slab over a K
+// block stays in L2 while every unit of the rectangle passes over it, and each unit's weight panel over that K block
+// is read once per row block. Partial sums wait in fp32 between K blocks (exact); the epilogue runs after the last.
+constexpr int32_t kAmxKBlock = 2048, kAmxSlabBytes = 1 << 20;
+
 void rect_amx(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1) {
   if (p.k % kAmxK) return rect<Bf16Widen>(p, m0, m1, c0, c1);
   const uint16_t* x = static_cast<const uint16_t*>(p.x);
   const uint16_t* packed = static_cast<const uint16_t*>(p.w_packed);
   const int64_t k_pairs = p.k / 2;
-  // The rows of a short last group, zero-padded to 32 (fresh per call: the tile config and buffer are per thread).
+  // The rows of a short last group, zero-padded to 32 (fresh per call: the tile config and buffers are per thread).
   thread_local std::vector<uint16_t> tail;
-  alignas(64) float acc[kAmxRows * kAmxRows];
+  thread_local std::vector<float> partial;
   load_tile_config();
   const int32_t whole = m0 + (m1 - m0) / kAmxRows * kAmxRows;
   if (whole < m1) {
@@ -269,22 +284,27 @@ void rect_amx(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t
   auto unit_weights = [&](int32_t c) {
     return packed + (int64_t(c / kLinearBlockN) * k_pairs * kLinearBlockN + c % kLinearBlockN) * 2;
   };
-  // Rows in blocks whose x slab stays in L2 (~1 MiB) while every unit of the rectangle passes over it; for a large
-  // K (Qwen3-8B's 4096 / 12288) x would otherwise be re-read from memory once per 32 columns.
-  const int32_t block_rows = std::max<int32_t>(kAmxRows, (1 << 20) / (p.k * 2) / kAmxRows * kAmxRows);
-  for (int32_t r0 = m0; r0 < whole; r0 += block_rows) {
-    const int32_t r1 = std::min(whole, r0 + block_rows);
-    for (int32_t c = c0; c < c1; c += kLinearUnitN) {
-      for (int32_t m = r0; m < r1; m += kAmxRows) {
-        amx_unit(x + m * p.x_row_stride, p.x_row_stride, unit_weights(c), p.k, acc);
-        amx_epilogue(p, m, kAmxRows, c, acc);
+  const int32_t kb = std::min(p.k, kAmxKBlock);
+  const int32_t block_rows = std::max<int32_t>(kAmxRows, kAmxSlabBytes / (kb * 2) / kAmxRows * kAmxRows);
+  const int32_t units = (c1 - c0) / kLinearUnitN;
+  const bool k_blocked = kb < p.k;  // else one accumulator tile set is reused: nothing waits between K blocks
+  for (int32_t r0 = m0; r0 < m1; r0 += block_rows) {
+    const int32_t r1 = std::min(m1, r0 + block_rows);
+    const int32_t groups = (r1 - r0 + kAmxRows - 1) / kAmxRows;
+    partial.resize(size_t(k_blocked ? groups * units : 1) * kAmxRows * kAmxRows);
+    for (int32_t k0 = 0; k0 < p.k; k0 += kb) {
+      const int32_t k1 = std::min(p.k, k0 + kb);
+      for (int32_t u = 0; u < units; ++u) {
+        const int32_t c = c0 + u * kLinearUnitN;
+        for (int32_t g = 0; g < groups; ++g) {
+          const int32_t m = r0 + g * kAmxRows;
+          const bool in_tail = m >= whole;
+          float* acc = partial.data() + (k_blocked ? size_t(g * units + u) * kAmxRows * kAmxRows : 0);
+          amx_unit(in_tail ? tail.data() : x + m * p.x_row_stride, in_tail ? p.k : p.x_row_stride, unit_weights(c),
+                   k0, k1, k0 == 0, acc);
+          if (k1 == p.k) amx_epilogue(p, m, std::min(kAmxRows, m1 - m), c, acc);
+        }
       }
-    }
-  }
-  if (whole < m1) {
-    for (int32_t c = c0; c < c1; c += kLinearUnitN) {
-      amx_unit(tail.data(), p.k, unit_weights(c), p.k, acc);
-      amx_epilogue(p, whole, m1 - whole, c, acc);
     }
   }
   _tile_release();
