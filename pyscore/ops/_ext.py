@@ -31,6 +31,11 @@ _FP32_BF16 = frozenset({torch.float32, torch.bfloat16})
 _FP32_BF16_FP16 = _FP32_BF16 | {torch.float16}
 
 
+# Ops whose production path without a kernel of ours is torch's op in the model's dtype (F.linear on a GPU, or for
+# fp16 on a CPU), not their fp32 reference: the projections' GEMM.
+TORCH_FALLBACK = frozenset({"linear"})
+
+
 @dataclass(frozen=True)
 class Kernel:
     module: str  # the extension module that binds the op under the op's name
@@ -112,6 +117,8 @@ def resolve_path(op: str, device: torch.device, dtype: torch.dtype, backend: str
         return None, "reference", "reference: op_backend=reference"
     module, why = _kernel(op, device, dtype)
     if module is None:
+        if op in TORCH_FALLBACK:  # torch's own op in the model's dtype, not the fp32 oracle
+            return None, "torch", "torch: " + why.removeprefix("reference: ")
         return None, "reference", why
     if backend == "auto" and device.type == "cpu":
         tier = cpu_tier()

@@ -205,9 +205,12 @@ def _native(w: PackedLinear) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 def _torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool,
                   residual: torch.Tensor | None, out: torch.Tensor | None, rows: int) -> torch.Tensor:
-    """torch's GEMM in x's dtype over calls of exactly `rows` rows, then the epilogue in that dtype (as transformers
-    computes it: act(gate) * up, residual + y)."""
+    """torch's GEMM in x's dtype over calls of exactly `rows` rows (on the CPU; a GPU's cuBLAS runs one call, as
+    before the CPU tiers), then the epilogue in that dtype (as transformers computes it: act(gate) * up,
+    residual + y)."""
     m = x.shape[0]
+    if x.device.type != "cpu":
+        rows = max(m, 1)
     y = torch.empty(m, weight.shape[0], dtype=x.dtype, device=x.device)
     whole = m - m % rows
     for start in range(0, whole, rows):

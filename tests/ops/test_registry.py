@@ -125,3 +125,12 @@ def test_op_paths_name_the_tier_and_the_bf16_product(monkeypatch):
     forced = _ext.op_paths(CPU, torch.float32, "kernel")["rotary"]
     assert forced == f"kernel: pyscore._C (tier generic; forced below the CPU's {tier})"
     assert set(_ext.op_paths(CPU, torch.float32, "reference").values()) == {"reference: op_backend=reference"}
+
+
+def test_linear_without_a_kernel_runs_torchs_gemm_not_the_fp32_oracle():
+    """A GPU (no linear kernel of ours) or fp16 on a CPU: the projections run torch's GEMM in the model's dtype, as
+    the decoder did before the tier table, never the fp32 reference."""
+    assert _ext.resolve_path("linear", torch.device("cuda"), torch.bfloat16) == (
+        None, "torch", "torch: no CUDA kernel for linear")
+    assert _ext.resolve_path("linear", CPU, torch.float16)[1] == "torch"
+    assert _ext.resolve_path("linear", CPU, torch.float16, "reference")[1] == "reference"
