@@ -133,8 +133,9 @@ def target(work: Path, server_bin: Path) -> Iterator[str]:
 def test_sdist_carries_the_sources(dist: Dist) -> None:
     with tarfile.open(dist.sdist) as tar:
         names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
-    assert {"pyproject.toml", "setup.py", "CMakeLists.txt", "README.md", "csrc/bindings_cpu.cpp",
-            "csrc/bindings_cuda.cpp", "proto/pyscore/v1/scorer.proto", "server/__main__.py"} <= names
+    assert {"pyproject.toml", "setup.py", "CMakeLists.txt", "cmake/cpu_kernels.cmake", "README.md",
+            "csrc/bindings_cpu.cpp", "csrc/bindings_cuda.cpp", "proto/pyscore/v1/scorer.proto",
+            "server/__main__.py"} <= names
     assert not [n for n in names if n.endswith(".so") or n.startswith("tests/")]
 
 
