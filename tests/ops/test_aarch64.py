@@ -52,8 +52,9 @@ def skip_without_cross_tools() -> None:
 
 
 def run_checks(command: list[str], env: dict[str, str] | None = None) -> str:
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, **(env or {})})
+    # the tier is what `env` asks, never one forced on the whole test run (PYSCORE_CPU_TIER=avx2 pytest ...)
+    inherited = {k: v for k, v in os.environ.items() if k not in ("PYSCORE_CPU_TIER", "PYSCORE_DISABLE_AVX512")}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**inherited, **(env or {})})
     failed = [line for line in result.stdout.splitlines() if line.startswith(("FAIL", "     "))]
     assert result.returncode == 0, "\n".join(failed) + "\n" + result.stdout[-3000:] + result.stderr[-2000:]
     assert "passed: 0 failed" in result.stdout
