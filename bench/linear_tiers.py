@@ -31,12 +31,6 @@ def best_ms(fn: Callable[[], object]) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def tiers_here() -> list[str]:
-    hardware = _ext.cpu_module().cpu_features()["hardware_tier"]
-    order = ["avx2", "avx512", "avx512bf16", "amx"]
-    return ["neon"] if hardware == "neon" else order[: order.index(hardware) + 1] if hardware in order else []
-
-
 def contenders(x: torch.Tensor, w: torch.Tensor, rows: int) -> dict[str, Callable[[], object]]:
     packed, plain = pack_linear(w), PlainLinear(w, None)
 
@@ -51,7 +45,7 @@ def contenders(x: torch.Tensor, w: torch.Tensor, rows: int) -> dict[str, Callabl
         return linear(x, plain, rows_per_call=rows)
 
     # ours at the tiers whose linear is ours (elsewhere it is the portable loop, which the table never picks)
-    runs = {f"ours@{t}": ours(t) for t in tiers_here()
+    runs = {f"ours@{t}": ours(t) for t in _ext.runnable_cpu_tiers()
             if tiers.cpu_choice("linear", t, x.dtype).path == "kernel"}
     runs["torch F.linear"] = lambda: F.linear(x, w)
     runs[f"torch path ({rows}-row calls)"] = torch_path

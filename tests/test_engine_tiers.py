@@ -21,15 +21,6 @@ from tests.test_engine_scores import ITEMS, QUERY, STRANGERS
 # The ops whose torch version mixes rows (a dense [T, T] softmax, a GEMM over the read-out rows): where one of them is
 # torch's at a tier, its scores can move with batch-mates by rounding.
 ROW_MIXING_OPS = ("prefix_item_attention", "decode_attention", "label_logprobs")
-X86_TIERS = ["generic", "avx2", "avx512", "avx512bf16", "amx"]
-
-
-def tiers_here() -> list[str]:
-    module = _ext.cpu_module()
-    if module is None:
-        return []
-    hardware = module.cpu_features()["hardware_tier"]
-    return ["generic", "neon"] if hardware == "neon" else X86_TIERS[: X86_TIERS.index(hardware) + 1]
 
 
 def exact(tier: str, dtype: torch.dtype) -> bool:
@@ -44,7 +35,7 @@ def model_dir(tmp_path_factory):
                           num_attention_heads=9, num_key_value_heads=3, head_dim=64)
 
 
-@pytest.fixture(params=tiers_here())
+@pytest.fixture(params=_ext.runnable_cpu_tiers() if _ext.cpu_module() else [])
 def tier(request, monkeypatch):
     monkeypatch.setenv("PYSCORE_CPU_TIER", request.param)
     assert _ext.cpu_tier() == request.param

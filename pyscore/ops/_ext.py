@@ -24,7 +24,7 @@ from types import ModuleType
 
 import torch
 
-from pyscore.ops.tiers import cpu_choice
+from pyscore.ops.tiers import BELOW, cpu_choice
 
 CPU_MODULE, CUDA_MODULE = "pyscore._C", "pyscore._C_cuda"
 _FP32_BF16 = frozenset({torch.float32, torch.bfloat16})
@@ -179,6 +179,15 @@ def cpu_tier() -> str:
     "generic" when the CPU module is missing."""
     module = cpu_module()
     return "generic" if module is None else module.cpu_features()["tier"]
+
+
+def runnable_cpu_tiers() -> list[str]:
+    """The tiers this CPU can run, lowest first: its own and every tier below it (what PYSCORE_CPU_TIER may force)."""
+    module = cpu_module()
+    chain = ["generic" if module is None else module.cpu_features()["hardware_tier"]]
+    while chain[-1] in BELOW:
+        chain.append(BELOW[chain[-1]])
+    return chain[::-1]
 
 
 def cpu_isa(module: ModuleType) -> str:

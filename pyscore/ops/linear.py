@@ -53,6 +53,10 @@ class PackedLinear:
         return self.packed.dtype
 
     @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    @property
     def packed_columns(self) -> int:
         return self.packed.shape[0] * BLOCK_N
 
@@ -79,6 +83,10 @@ class PlainLinear:
         return self.weight.dtype
 
     @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    @property
     def in_features(self) -> int:
         return self.weight.shape[1]
 
@@ -96,13 +104,12 @@ LinearWeight = PackedLinear | PlainLinear
 def prepare_linear(w: LinearWeight, backend: str = "auto") -> LinearWeight:
     """The form of `w` that linear's path for its device and dtype reads: packed for our kernel, plain for torch's
     GEMM or the reference. A converted weight replaces the caller's (hold the result, drop `w`): weights live once."""
-    _, path = _ext.path_for("linear", w.weight.device if isinstance(w, PlainLinear) else w.packed.device, w.dtype,
-                            backend)
+    _, path = _ext.path_for("linear", w.device, w.dtype, backend)
     if path == "kernel" and isinstance(w, PlainLinear):
         return pack_linear(w.weight, w.bias, gated=w.gated)
     if path == "torch" and isinstance(w, PackedLinear):
-        weight, bias = w.unpacked()
-        return PlainLinear(weight.contiguous(), bias if bias is None else bias.to(w.dtype), w.gated)
+        weight, bias = _native(w)
+        return PlainLinear(weight.contiguous(), bias, w.gated)
     return w
 
 
@@ -154,7 +161,7 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, gated
 
 
 def _check(x: torch.Tensor, w: LinearWeight, residual: torch.Tensor | None, out: torch.Tensor | None) -> None:
-    device = w.packed.device if isinstance(w, PackedLinear) else w.weight.device
+    device = w.device
     if x.dim() != 2 or x.shape[1] != w.in_features or x.stride(1) != 1:
         raise ValueError(f"x must be [M, K={w.in_features}] contiguous in its last dim, got shape {tuple(x.shape)} "
                          f"strides {x.stride()}")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 TIERS = ("generic", "avx2", "avx512", "avx512bf16", "amx", "neon")
-_BELOW = {"amx": "avx512bf16", "avx512bf16": "avx512", "avx512": "avx2", "avx2": "generic", "neon": "generic"}
+BELOW = {"amx": "avx512bf16", "avx512bf16": "avx512", "avx512": "avx2", "avx2": "generic", "neon": "generic"}
 
 
 @dataclass(frozen=True)
@@ -76,5 +76,5 @@ def cpu_choice(op: str, tier: str, dtype: torch.dtype) -> Choice:
         entry = entries.get(at, {})
         if name in entry or "*" in entry:
             return entry.get(name, entry.get("*"))
-        at = _BELOW.get(at)
+        at = BELOW.get(at)
     raise KeyError(f"the tier table has no entry for {op} at {tier} or below")

@@ -35,16 +35,9 @@ def test_the_tier_table_covers_every_op_and_tier():
         tiers.cpu_choice("rotary", "sse2", torch.float32)
 
 
-def forced_tiers(monkeypatch) -> list[str]:
-    """The tiers this CPU can run (its own and every x86 tier below it)."""
-    hardware = _ext.cpu_module().cpu_features()["hardware_tier"]
-    order = ["generic", "avx2", "avx512", "avx512bf16", "amx"]
-    return ["generic", "neon"] if hardware == "neon" else order[: order.index(hardware) + 1]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_op_paths_follow_the_tier_table_on_every_tier_this_cpu_runs(monkeypatch, dtype):
-    for tier in forced_tiers(monkeypatch):
+    for tier in _ext.runnable_cpu_tiers():
         monkeypatch.setenv("PYSCORE_CPU_TIER", tier)
         assert _ext.cpu_tier() == tier
         for op, path in _ext.op_paths(CPU, dtype).items():
