@@ -1,4 +1,4 @@
-// The ISA kernels are compiled for their architecture only (cmake/cpu_kernels.cmake): *_avx512.cpp and *_avx2.cpp
+// The ISA kernels are compiled for their architecture only (cmake/cpu_kernels.cmake): *_avx512.cpp, *_amx.cpp and *_avx2.cpp
 // on x86-64, *_neon.cpp on aarch64. On the other architecture these stand-ins for their entry points return nullptr,
 // "not covered", so every launcher keeps one dispatch code for all architectures. They are never reached: cpu_tier()
 // never names another architecture's tier. A new entry point needs its stand-in here
@@ -25,6 +25,7 @@ const AttentionCpuOps* attention_ops_avx512(DType, int32_t, Bf16Dot) { return nu
 RotaryTokens rotary_tokens_avx512(DType) { return nullptr; }
 SiluMulRows silu_mul_rows_avx512(DType) { return nullptr; }
 const LinearCpuOps* linear_ops_amx(DType) { return nullptr; }
+const AttentionCpuOps* attention_ops_amx(DType, int32_t) { return nullptr; }
 AddRmsNormRows add_rms_norm_rows_avx2(DType) { return nullptr; }
 const DecodeCpuOps* decode_ops_avx2(DType, int32_t) { return nullptr; }
 StateColumnsRun state_columns_avx2(DType) { return nullptr; }

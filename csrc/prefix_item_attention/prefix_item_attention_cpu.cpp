@@ -386,6 +386,8 @@ Status check_run(const AttentionCpuPlan& plan, const PrefixItemAttentionParams& 
 
 const AttentionCpuOps& choose_ops(DType dtype, int32_t head_dim) {
   const AttentionCpuOps* fast = nullptr;
+  if (cpu_tier() == CpuTier::kAmx) fast = attention_ops_amx(dtype, head_dim);
+  if (fast) return *fast;
   if (cpu_use_avx512bf16()) fast = attention_ops_avx512(dtype, head_dim, cpu_bf16_dot());
   else if (cpu_use_avx2()) fast = attention_ops_avx2(dtype, head_dim);
   else if (cpu_tier() == CpuTier::kNeon) fast = attention_ops_neon(dtype, head_dim);

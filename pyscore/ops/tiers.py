@@ -4,9 +4,10 @@ inherits the entry of the tier below it (amx -> avx512bf16 -> avx512 -> avx2 -> 
 
 "torch" means torch's op in the model's dtype: for `linear`, F.linear over fixed-size row chunks (batch-invariant,
 see pyscore/ops/linear.py); for the other ops, the op's PyTorch implementation in pyscore.ops.reference.
-"kernel" means pyscore._C at that tier: the AVX-512 code at avx512bf16 / amx (the AMX tile GEMM for bf16 `linear` at
-amx where K is a multiple of 32), the AVX2 + FMA code at avx2 / avx512, the NEON layer at neon (attention and the
-label read-out; the portable C++, vectorized by the compiler, for the rest) and the portable C++ at generic.
+"kernel" means pyscore._C at that tier: the AVX-512 code at avx512bf16 / amx (at amx, bf16 `linear` where K is a
+multiple of 32 and bf16 prefix_item_attention where head_dim is a multiple of 64 run on AMX tiles), the AVX2 + FMA
+code at avx2 / avx512, the NEON layer at neon (attention and the label read-out; the portable C++, vectorized by the
+compiler, for the rest) and the portable C++ at generic.
 Unmeasured pairs say so; causal_conv1d / gated_delta_rule at avx512 inherit avx2's (measured there, not at avx512)."""
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ AVX2_ON_AVX512 = Choice("kernel", "ours (AVX2 + FMA) beats torch's AVX-512 op (b
 LABELS_AVX512_FP32 = Choice("kernel", "ours (AVX2) is 0.8x MKL's AVX-512 GEMM at R=16 fp32 "
                                       "(bench/results/kernels_cpu_avx512.txt), kept: torch's GEMM over the R read-out "
                                       "rows changes a row's bits with R, and scores must not depend on batch-mates")
+ATTENTION_AMX = Choice("kernel", "Q.K^T and P.V on AMX tiles: 2.4x our AVX-512 attend() on this Intel CPU, 4.0x "
+                                 "SDPA with a dense mask (bench/results/tiers/kernels_attention_amx.txt vs "
+                                 "kernels_attention_avx512bf16_intel.txt)")
 NEON = Choice("kernel", "the AVX2 kernel's text on the NEON layer: no dense [T, T] mask / no vocabulary-wide logits; "
                         "checked under qemu, unmeasured on an ARM CPU")
 ALGORITHM = Choice("kernel", "no dense [T, T] mask / no vocabulary-wide logits; unmeasured on this tier")
@@ -48,7 +52,8 @@ CPU_TIERS: dict[str, dict[str, dict[str, Choice]]] = {
     "linear": {"generic": {"*": LINEAR_TORCH}, "avx512bf16": {"*": KERNEL_ZEN4},
                "amx": {"bfloat16": LINEAR_AMX, "float32": LINEAR_FP32}},
     "prefix_item_attention": {"generic": {"*": ALGORITHM}, "avx2": {"*": AVX2}, "avx512": {"*": AVX2_ON_AVX512},
-                              "avx512bf16": {"*": KERNEL_ZEN4}, "neon": {"*": NEON}},
+                              "avx512bf16": {"*": KERNEL_ZEN4}, "amx": {"bfloat16": ATTENTION_AMX},
+                              "neon": {"*": NEON}},
     "decode_attention": {"generic": {"*": ALGORITHM}, "avx2": {"*": AVX2}, "avx512": {"*": AVX2_ON_AVX512},
                          "avx512bf16": {"*": KERNEL_ZEN4}},
     "label_logprobs": {"generic": {"*": ALGORITHM}, "avx2": {"*": AVX2},

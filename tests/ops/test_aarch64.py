@@ -150,7 +150,7 @@ def test_every_isa_entry_point_has_a_stand_in():
     """Each architecture builds only its own ISA files (*_avx512 / *_avx2 on x86-64, *_neon on aarch64) and takes the
     other's entry points from csrc/common/isa_stubs.cpp. A build may link without a stand-in only because -O3 proves
     the call dead, so the list is checked by name, not left to the linker."""
-    pattern = r"\b(\w+_(?:avx512|avx2|neon))\("
+    pattern = r"\b(\w+_(?:avx512|amx|avx2|neon))\("
     declared = set()
     for header in (ROOT / "csrc").glob("*/cpu_ops.h"):
         declared |= set(re.findall(pattern, header.read_text()))

@@ -203,7 +203,9 @@ def test_bf16_widened_path_is_bitwise_the_dpbf16_path(monkeypatch, stream, heads
     segments, num_tokens = make_segments(STREAMS[stream], "cpu")
     q, k, v = make_qkv(num_tokens, hq, hkv, d, torch.bfloat16, "cpu", fused=True, seed=3)
     outs = {}
-    for path in bf16_dot_paths(_ext.cpu_module()):
+    paths = bf16_dot_paths(_ext.cpu_module())
+    monkeypatch.setenv("PYSCORE_CPU_TIER", "avx512bf16")  # the AVX-512 attend(), not the AMX tiles of tier amx
+    for path in paths:
         monkeypatch.setenv("PYSCORE_BF16_DOT", path)
         assert _ext.cpu_module().cpu_features()["bf16_dot"] == path
         outs[path] = prefix_item_attention(q, k, v, segments, backend="kernel")
@@ -211,6 +213,47 @@ def test_bf16_widened_path_is_bitwise_the_dpbf16_path(monkeypatch, stream, heads
     diff = (outs["widen"].float() - outs["dpbf16"].float()).abs()
     assert torch.equal(outs["widen"], outs["dpbf16"]), (
         f"max diff {diff.max().item():.3g}, mean {diff.mean().item():.3g}")
+
+
+def amx_or_skip() -> None:
+    module = _ext.cpu_module()
+    if module is None or module.cpu_features()["hardware_tier"] != "amx":
+        pytest.skip("needs pyscore._C on a CPU with AMX-BF16 (tier amx)")
+
+
+@pytest.mark.parametrize("stream", list(STREAMS))
+@pytest.mark.parametrize("heads", ["gqa3-d64", "gqa4-d128", "gqa4-d256"])
+def test_amx_tiles_run_at_tier_amx(monkeypatch, stream, heads):
+    """At tier amx, bf16 attention runs on AMX tiles: it passes the reference check, and its bits are not the
+    AVX-512 attend()'s (a tile sums a block's products in its own order), which shows the tile path is the one
+    that ran; forcing avx512bf16 on the same CPU gives the AVX-512 bits again."""
+    amx_or_skip()
+    hq, hkv, d = HEADS[heads]
+    segments, num_tokens = make_segments(STREAMS[stream], "cpu")
+    q, k, v = make_qkv(num_tokens, hq, hkv, d, torch.bfloat16, "cpu", fused=True, seed=5)
+    monkeypatch.setenv("PYSCORE_CPU_TIER", "amx")
+    tiles = prefix_item_attention(q, k, v, segments, backend="kernel")
+    check_prefix_item_attention("cpu", stream, heads, torch.bfloat16, fused=True)
+    monkeypatch.setenv("PYSCORE_CPU_TIER", "avx512bf16")
+    fma = prefix_item_attention(q, k, v, segments, backend="kernel")
+    assert not torch.equal(tiles, fma), "tier amx ran the AVX-512 attend(), not the AMX tiles"
+    monkeypatch.setenv("PYSCORE_CPU_TIER", "amx")
+    assert torch.equal(prefix_item_attention(q, k, v, segments, backend="kernel"), tiles)
+
+
+def test_amx_tiles_result_does_not_depend_on_batch_mates(monkeypatch):
+    """A 16-row tile mixes rows of different items, heads and causal limits, and a short last tile is padded: a
+    group's bf16 rows still come out bitwise the same alone and packed behind other sequences."""
+    amx_or_skip()
+    monkeypatch.setenv("PYSCORE_CPU_TIER", "amx")
+    hq, hkv, d = HEADS["gqa3-d64"]
+    alone, t_alone = make_segments([(40, [9, 1, 20])], "cpu")
+    packed, t_packed = make_segments([(0, [33]), (17, [4]), (40, [9, 1, 20])], "cpu")
+    q, k, v = make_qkv(t_packed, hq, hkv, d, torch.bfloat16, "cpu", fused=True)
+    offset = t_packed - t_alone
+    out_alone = prefix_item_attention(q[offset:], k[offset:], v[offset:], alone, backend="kernel")
+    out_packed = prefix_item_attention(q, k, v, packed, backend="kernel")
+    assert torch.equal(out_packed[offset:], out_alone)
 
 
 @pytest.mark.parametrize("device", DEVICES)
