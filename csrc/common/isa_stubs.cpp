@@ -26,6 +26,7 @@ RotaryTokens rotary_tokens_avx512(DType) { return nullptr; }
 SiluMulRows silu_mul_rows_avx512(DType) { return nullptr; }
 const LinearCpuOps* linear_ops_amx(DType) { return nullptr; }
 const AttentionCpuOps* attention_ops_amx(DType, int32_t) { return nullptr; }
+const LabelCpuOps* label_ops_amx(DType) { return nullptr; }
 AddRmsNormRows add_rms_norm_rows_avx2(DType) { return nullptr; }
 const DecodeCpuOps* decode_ops_avx2(DType, int32_t) { return nullptr; }
 StateColumnsRun state_columns_avx2(DType) { return nullptr; }

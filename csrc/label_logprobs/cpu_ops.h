@@ -1,6 +1,6 @@
 // Internal interface of the CPU label_logprobs kernel: the launcher (label_logprobs_cpu.cpp, baseline ISA)
 // splits the vocabulary over threads and calls these ops on chunks of it; they come in an AVX-512 build
-// (label_logprobs_avx512.cpp), an AVX2 one (label_logprobs_avx2.cpp), a NEON one
+// (label_logprobs_avx512.cpp; its logits on AMX tiles at tier amx, label_logprobs_amx.cpp), an AVX2 one (label_logprobs_avx2.cpp), a NEON one
 // (label_logprobs_neon.cpp) and a portable one.
 #pragma once
 #include <cstdint>
@@ -16,10 +16,15 @@ struct LabelCpuOps {
   void (*logits_chunk)(const LabelLogprobsParams& p, int32_t v0, int32_t n, float* out);
   // Folds x[0, n) into a running log-sum-exp state: *max and *sum = sum of exp(x - *max) so far.
   void (*lse_update)(const float* x, int32_t n, float* max, float* sum);
+  // Optional (null: nothing to do): run by each thread once per call, before its logits_chunk calls, with the
+  // call's params (the AMX ops lay the read-out rows out as tiles here, once instead of per chunk).
+  void (*prepare)(const LabelLogprobsParams& p) = nullptr;
 };
 
 // nullptr when the dtype is not covered (the caller checks the CPU); bf16_dot picks how bf16 pairs are multiplied.
 const LabelCpuOps* label_ops_avx512(DType dtype, Bf16Dot bf16_dot);
+// AMX tiles for the bf16 LM head product (tier amx; the caller checks it): nullptr for other dtypes.
+const LabelCpuOps* label_ops_amx(DType dtype);
 const LabelCpuOps* label_ops_avx2(DType dtype);
 const LabelCpuOps* label_ops_neon(DType dtype);
 

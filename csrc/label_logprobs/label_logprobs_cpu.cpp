@@ -55,6 +55,8 @@ const LabelCpuOps kPortableF32{logits_chunk_portable<float>, lse_update_portable
 
 const LabelCpuOps& choose_ops(DType dtype) {
   const LabelCpuOps* fast = nullptr;
+  if (cpu_tier() == CpuTier::kAmx) fast = label_ops_amx(dtype);
+  if (fast) return *fast;
   if (cpu_use_avx512bf16()) fast = label_ops_avx512(dtype, cpu_bf16_dot());
   else if (cpu_use_avx2()) fast = label_ops_avx2(dtype);
   else if (cpu_tier() == CpuTier::kNeon) fast = label_ops_neon(dtype);
@@ -88,6 +90,7 @@ void walk_slice(const LabelLogprobsParams& p, const LabelCpuOps& ops, int thread
   chunk.resize(size_t(p.num_rows) * kChunk);
   float* max = states.max.data() + int64_t(thread) * p.num_rows;
   float* sum = states.sum.data() + int64_t(thread) * p.num_rows;
+  if (ops.prepare && begin < end) ops.prepare(p);
   for (int32_t v0 = begin; v0 < end; v0 += kChunk) {
     const int32_t n = std::min(kChunk, end - v0);
     ops.logits_chunk(p, v0, n, chunk.data());

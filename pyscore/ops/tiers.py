@@ -5,9 +5,10 @@ inherits the entry of the tier below it (amx -> avx512bf16 -> avx512 -> avx2 -> 
 "torch" means torch's op in the model's dtype: for `linear`, F.linear over fixed-size row chunks (batch-invariant,
 see pyscore/ops/linear.py); for the other ops, the op's PyTorch implementation in pyscore.ops.reference.
 "kernel" means pyscore._C at that tier: the AVX-512 code at avx512bf16 / amx (at amx, bf16 `linear` where K is a
-multiple of 32 and bf16 prefix_item_attention where head_dim is a multiple of 64 run on AMX tiles), the AVX2 + FMA
-code at avx2 / avx512, the NEON layer at neon (attention and the label read-out; the portable C++, vectorized by the
-compiler, for the rest) and the portable C++ at generic.
+multiple of 32, bf16 prefix_item_attention where head_dim is a multiple of 64 and the bf16 label read-out's product
+where H is a multiple of 32 run on AMX tiles), the AVX2 + FMA code at avx2 / avx512, the NEON layer at neon
+(attention and the label read-out; the portable C++, vectorized by the compiler, for the rest) and the portable C++
+at generic.
 Unmeasured pairs say so; causal_conv1d / gated_delta_rule at avx512 inherit avx2's (measured there, not at avx512)."""
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ LABELS_AVX512_FP32 = Choice("kernel", "ours (AVX2) is 0.8x MKL's AVX-512 GEMM at
 ATTENTION_AMX = Choice("kernel", "Q.K^T and P.V on AMX tiles: 2.4x our AVX-512 attend() on this Intel CPU, 4.0x "
                                  "SDPA with a dense mask (bench/results/tiers/kernels_attention_amx.txt vs "
                                  "kernels_attention_avx512bf16_intel.txt)")
+LABELS_AMX = Choice("kernel", "the LM head product on AMX tiles: 2.7x our AVX-512 read-out at R=16 (0.9x at R=1, where "
+                              "both stream the weight from memory; one path for every R keeps rows batch-invariant), "
+                              "2.8x torch (bench/results/tiers/kernels_labels_amx.txt vs "
+                              "kernels_labels_avx512bf16_intel.txt)")
 NEON = Choice("kernel", "the AVX2 kernel's text on the NEON layer: no dense [T, T] mask / no vocabulary-wide logits; "
                         "checked under qemu, unmeasured on an ARM CPU")
 ALGORITHM = Choice("kernel", "no dense [T, T] mask / no vocabulary-wide logits; unmeasured on this tier")
@@ -58,7 +63,7 @@ CPU_TIERS: dict[str, dict[str, dict[str, Choice]]] = {
                          "avx512bf16": {"*": KERNEL_ZEN4}},
     "label_logprobs": {"generic": {"*": ALGORITHM}, "avx2": {"*": AVX2},
                        "avx512": {"float32": LABELS_AVX512_FP32, "bfloat16": AVX2_ON_AVX512},
-                       "avx512bf16": {"*": KERNEL_ZEN4}, "neon": {"*": NEON}},
+                       "avx512bf16": {"*": KERNEL_ZEN4}, "amx": {"bfloat16": LABELS_AMX}, "neon": {"*": NEON}},
     "add_rms_norm": {"generic": {"*": TORCH_UNTUNED}, "avx2": {"*": AVX2}, "avx512": {"*": AVX2_ON_AVX512},
                      "avx512bf16": {"*": KERNEL_ZEN4}, "neon": {"*": TORCH_UNTUNED}},
     "rotary": {"generic": {"*": TORCH_UNTUNED}, "avx2": {"*": AVX2}, "avx512": {"*": AVX2_ON_AVX512},

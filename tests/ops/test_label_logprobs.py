@@ -19,6 +19,7 @@ SHAPES = {
     "qwen-vocab": (3, 64, 151936, 5),
     "one-row-odd-h": (1, 100, 5003, 2),
     "many-rows": (37, 72, 3001, 7),
+    "amx-rows": (70, 96, 3001, 3),  # AMX tiles: 5 groups of 16 rows (two passes), a ragged last vocabulary block
 }
 
 
@@ -125,6 +126,7 @@ def test_bf16_widened_path_is_bitwise_the_dpbf16_path(monkeypatch, shape):
         pytest.skip("needs pyscore._C on a CPU with AVX512-BF16")
     h, w, labels = make_inputs(*SHAPES[shape], torch.bfloat16, "cpu", strided=shape == "many-rows", seed=5)
     outs = {}
+    monkeypatch.setenv("PYSCORE_CPU_TIER", "avx512bf16")  # the AVX-512 products, not the AMX tiles of tier amx
     for path in ("dpbf16", "widen"):
         monkeypatch.setenv("PYSCORE_BF16_DOT", path)
         assert module.cpu_features()["bf16_dot"] == path
@@ -132,3 +134,26 @@ def test_bf16_widened_path_is_bitwise_the_dpbf16_path(monkeypatch, shape):
         check_label_logprobs("cpu", shape, torch.bfloat16, given_logits=False, strided=shape == "many-rows")
     for got, want in zip(outs["widen"], outs["dpbf16"], strict=True):
         assert torch.equal(got, want), f"max diff {max_diff(got, want)}"
+
+
+@pytest.mark.parametrize("shape", ["smollm-r16", "qwen-vocab", "amx-rows"])
+def test_amx_tiles_run_at_tier_amx(monkeypatch, shape):
+    """At tier amx the bf16 LM head product runs on AMX tiles: it passes the reference check, its bits are not the
+    AVX-512 path's (which shows the tiles ran), and each row's outputs are bitwise the same alone and among the
+    others (rows 0, 16 and 69 sit in different tiles and passes)."""
+    module = _ext.cpu_module()
+    if module is None or module.cpu_features()["hardware_tier"] != "amx":
+        pytest.skip("needs pyscore._C on a CPU with AMX-BF16 (tier amx)")
+    monkeypatch.setenv("PYSCORE_CPU_TIER", "amx")
+    check_label_logprobs("cpu", shape, torch.bfloat16, given_logits=False, strided=True)
+    h, w, labels = make_inputs(*SHAPES[shape], torch.bfloat16, "cpu", strided=True, seed=9)
+    tiles = label_logprobs(h, w, labels, backend="kernel")
+    for r in sorted({0, min(16, h.shape[0] - 1), h.shape[0] - 1}):
+        alone = label_logprobs(h[r : r + 1], w, labels[r : r + 1], backend="kernel")
+        for got, want in zip(alone, tiles, strict=True):
+            assert torch.equal(got[0], want[r]), f"row {r}: {max_diff(got[0], want[r])}"
+    if shape == "qwen-vocab":
+        return  # over H = 64 the two summation orders happen to round alike on this input
+    monkeypatch.setenv("PYSCORE_CPU_TIER", "avx512bf16")
+    fma = label_logprobs(h, w, labels, backend="kernel")
+    assert not torch.equal(tiles[0], fma[0]), "tier amx ran the AVX-512 product, not the AMX tiles"
