@@ -1,7 +1,7 @@
 // Internal interface of the CPU label_logprobs kernel: the launcher (label_logprobs_cpu.cpp, baseline ISA)
 // splits the vocabulary over threads and calls these ops on chunks of it; they come in an AVX-512 build
-// (label_logprobs_avx512.cpp), an AVX2 one (label_logprobs_avx2.cpp), a NEON one
-// (label_logprobs_neon.cpp) and a portable one.
+// (label_logprobs_avx512.cpp), AVX2 and NEON ones (one text, logits_simd.h, compiled per vector layer by
+// label_logprobs_avx2.cpp and label_logprobs_neon.cpp) and a portable one.
 #pragma once
 #include <cstdint>
 

@@ -106,7 +106,8 @@ def test_kernel_checks_aarch64_under_qemu():
 
 def test_neon_vector_layer_under_qemu():
     """csrc/common/vec_neon.h, the NEON back-end of the vector layer: its exp formulas give the x86 layers' bits, bf16
-    rounds as torch does, ragged loads and stores stop at n (tests/cpu/simd_check_neon.cpp)."""
+    rounds as torch does, ragged loads and stores stop at n, select and the bf16 row interleave are exact
+    (tests/cpu/simd_check_neon.cpp)."""
     skip_without_cross_tools()
     binary = BUILD / "aarch64-simd" / "simd_check_neon"
     binary.parent.mkdir(parents=True, exist_ok=True)
