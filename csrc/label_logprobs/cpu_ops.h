@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "common/cpu_features.h"
+#include "common/isa_entry.h"
 #include "label_logprobs/params.h"
 
 namespace pyscore {
@@ -19,8 +20,8 @@ struct LabelCpuOps {
 };
 
 // nullptr when the dtype is not covered (the caller checks the CPU); bf16_dot picks how bf16 pairs are multiplied.
-const LabelCpuOps* label_ops_avx512(DType dtype, Bf16Dot bf16_dot);
-const LabelCpuOps* label_ops_avx2(DType dtype);
-const LabelCpuOps* label_ops_neon(DType dtype);
+PYSCORE_X86_ENTRY(const LabelCpuOps* label_ops_avx512(DType dtype, Bf16Dot bf16_dot));
+PYSCORE_X86_ENTRY(const LabelCpuOps* label_ops_avx2(DType dtype));
+PYSCORE_ARM_ENTRY(const LabelCpuOps* label_ops_neon(DType dtype));
 
 }  // namespace pyscore

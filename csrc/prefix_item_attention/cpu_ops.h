@@ -14,6 +14,7 @@
 
 #include "common/cpu_features.h"
 #include "common/dtype.h"
+#include "common/isa_entry.h"
 
 namespace pyscore {
 
@@ -41,9 +42,9 @@ struct AttentionCpuOps {
 
 // nullptr when the dtype/head_dim is not covered by the AVX-512 ops (the caller checks the CPU); bf16_dot picks
 // how bf16 pairs are multiplied.
-const AttentionCpuOps* attention_ops_avx512(DType dtype, int32_t head_dim, Bf16Dot bf16_dot);
-const AttentionCpuOps* attention_ops_avx2(DType dtype, int32_t head_dim);
-const AttentionCpuOps* attention_ops_neon(DType dtype, int32_t head_dim);
+PYSCORE_X86_ENTRY(const AttentionCpuOps* attention_ops_avx512(DType dtype, int32_t head_dim, Bf16Dot bf16_dot));
+PYSCORE_X86_ENTRY(const AttentionCpuOps* attention_ops_avx2(DType dtype, int32_t head_dim));
+PYSCORE_ARM_ENTRY(const AttentionCpuOps* attention_ops_neon(DType dtype, int32_t head_dim));
 const AttentionCpuOps* attention_ops_portable(DType dtype);
 
 }  // namespace pyscore
