@@ -21,8 +21,9 @@ namespace pyscore {
 using Strides = std::pair<int64_t, int64_t>;
 
 // A tensor's address as the Python wrappers pass it (tensor.data_ptr(), an int; 0 for none), typed: it converts to
-// whichever pointer a params field holds, so a binding fills its params struct directly instead of unpacking
-// uintptr_t by hand in a make_*_params function. pybind11 reads it as it reads a uintptr_t (the caster below).
+// whichever pointer a params field holds, so a binding fills its params struct directly (aggregate initialization,
+// in the order params.h declares the fields) instead of unpacking uintptr_t by hand in a make_*_params function.
+// pybind11 reads it as it reads a uintptr_t (the caster below).
 struct Ptr {
   uintptr_t address = 0;
   template <class T>
