@@ -4,7 +4,7 @@
 
 #include <omp.h>
 
-#include "add_rms_norm/launch.h"
+#include "add_rms_norm/cpu_ops.h"
 #include "common/bind_args.h"
 #include "gated_delta_rule/launch.h"
 #include "common/cpu_features.h"
@@ -15,8 +15,8 @@
 #include "linear/launch.h"
 #include "prefix_item_attention/cpu_ops.h"
 #include "prefix_item_attention/plan_cpu.h"
-#include "rotary/launch.h"
-#include "silu_mul/launch.h"
+#include "rotary/cpu_ops.h"
+#include "silu_mul/cpu_ops.h"
 
 namespace py = pybind11;
 using namespace pyscore;
@@ -121,26 +121,26 @@ PYBIND11_MODULE(_C, m) {
           run_without_gil("linear", [&] { return linear_cpu(p); });
         });
   m.def("add_rms_norm",
-        [](uintptr_t x, int64_t x_row_stride, uintptr_t delta, int64_t delta_row_stride, uintptr_t weight,
-           bool weight_fp32, uintptr_t out, int64_t out_row_stride, int32_t num_rows, int32_t hidden_size, float eps,
-           const std::string& dtype) {
-          auto p = make_add_rms_norm_params(x, x_row_stride, delta, delta_row_stride, weight, weight_fp32, out,
-                                            out_row_stride, num_rows, hidden_size, eps, dtype);
+        [](Ptr x, int64_t x_row_stride, Ptr delta, int64_t delta_row_stride, Ptr weight, bool weight_fp32, Ptr out,
+           int64_t out_row_stride, int32_t num_rows, int32_t hidden_size, float eps, const std::string& dtype) {
+          const AddRmsNormParams p{x, x_row_stride, delta, delta_row_stride, weight, out, out_row_stride, num_rows,
+                                   hidden_size, eps, weight_fp32, dtype_or_throw(dtype)};
           run_without_gil("add_rms_norm", [&] { return add_rms_norm_cpu(p); });
         });
   m.def("rotary",
-        [](uintptr_t q, Strides qs, uintptr_t k, Strides ks, uintptr_t positions, uintptr_t cos, uintptr_t sin,
-           int64_t num_positions, uintptr_t q_norm, uintptr_t k_norm, float eps, int32_t num_tokens,
-           int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim, const std::string& dtype) {
-          auto p = make_rotary_params(q, qs, k, ks, positions, cos, sin, num_positions, q_norm, k_norm, eps,
-                                      num_tokens, num_q_heads, num_kv_heads, head_dim, dtype);
+        [](Ptr q, Strides qs, Ptr k, Strides ks, Ptr positions, Ptr cos, Ptr sin, int64_t num_positions, Ptr q_norm,
+           Ptr k_norm, float eps, int32_t num_tokens, int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim,
+           const std::string& dtype) {
+          const RotaryParams p{q, qs.first, qs.second, k, ks.first, ks.second, positions, cos, sin, num_positions,
+                               q_norm, k_norm, eps, num_tokens, num_q_heads, num_kv_heads, head_dim,
+                               dtype_or_throw(dtype)};
           run_without_gil("rotary", [&] { return rotary_cpu(p); });
         });
   m.def("silu_mul",
-        [](uintptr_t gate, int64_t gate_row_stride, uintptr_t up, int64_t up_row_stride, uintptr_t out,
-           int64_t out_row_stride, int32_t num_rows, int32_t width, const std::string& dtype) {
-          auto p = make_silu_mul_params(gate, gate_row_stride, up, up_row_stride, out, out_row_stride, num_rows,
-                                        width, dtype);
+        [](Ptr gate, int64_t gate_row_stride, Ptr up, int64_t up_row_stride, Ptr out, int64_t out_row_stride,
+           int32_t num_rows, int32_t width, const std::string& dtype) {
+          const SiluMulParams p{gate, gate_row_stride, up, up_row_stride, out, out_row_stride, num_rows, width,
+                                dtype_or_throw(dtype)};
           run_without_gil("silu_mul", [&] { return silu_mul_cpu(p); });
         });
   // Exposed so the log-sum-exp merge of the cascade is tested alone (fp32, contiguous [rows, dim] / [rows]).

@@ -3,7 +3,6 @@
 #include <algorithm>
 
 #include "add_rms_norm/cpu_ops.h"
-#include "add_rms_norm/launch.h"
 #include "common/bf16.h"
 #include "common/cpu_features.h"
 #include "common/rms_portable.h"

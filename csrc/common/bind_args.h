@@ -1,5 +1,6 @@
-// Builds kernel params from the flat Python arguments shared by bindings_cpu.cpp and bindings_cuda.cpp:
-// pointers arrive as ints (tensor.data_ptr()), strides as (token, head) tuples, dtypes by name.
+// The flat Python arguments of the bindings (bindings_cpu.cpp, bindings_cuda.cpp): pointers arrive as ints
+// (tensor.data_ptr()), taken as Ptr, strides as (token, head) tuples, dtypes by name. The make_*_params functions
+// build the params of the ops both modules bind; a CPU-only op's binding fills its params from Ptr arguments itself.
 #pragma once
 #include <pybind11/pybind11.h>
 
@@ -9,18 +10,25 @@
 #include <tuple>
 #include <utility>
 
-#include "add_rms_norm/params.h"
 #include "decode_attention/params.h"
 #include "gated_delta_rule/params.h"
 #include "label_logprobs/params.h"
 #include "linear/params.h"
 #include "prefix_item_attention/params.h"
-#include "rotary/params.h"
-#include "silu_mul/params.h"
 
 namespace pyscore {
 
 using Strides = std::pair<int64_t, int64_t>;
+
+// A tensor's address as the Python wrappers pass it (tensor.data_ptr(), an int; 0 for none), typed: it converts to
+// whichever pointer a params field holds, so a binding fills its params struct directly (aggregate initialization,
+// in the order params.h declares the fields) instead of unpacking uintptr_t by hand in a make_*_params function.
+// pybind11 reads it as it reads a uintptr_t (the caster below).
+struct Ptr {
+  uintptr_t address = 0;
+  template <class T>
+  operator T*() const { return reinterpret_cast<T*>(address); }
+};
 
 inline DType dtype_or_throw(const std::string& name) {
   DType dt;
@@ -141,66 +149,6 @@ inline LabelLogprobsParams make_label_params(
   return p;
 }
 
-inline AddRmsNormParams make_add_rms_norm_params(
-    uintptr_t x, int64_t x_row_stride, uintptr_t delta, int64_t delta_row_stride, uintptr_t weight, bool weight_fp32,
-    uintptr_t out, int64_t out_row_stride, int32_t num_rows, int32_t hidden_size, float eps,
-    const std::string& dtype) {
-  AddRmsNormParams p{};
-  p.x = reinterpret_cast<void*>(x);
-  p.x_row_stride = x_row_stride;
-  p.delta = reinterpret_cast<const void*>(delta);
-  p.delta_row_stride = delta_row_stride;
-  p.weight = reinterpret_cast<const void*>(weight);
-  p.weight_fp32 = weight_fp32;
-  p.out = reinterpret_cast<void*>(out);
-  p.out_row_stride = out_row_stride;
-  p.num_rows = num_rows;
-  p.hidden_size = hidden_size;
-  p.eps = eps;
-  p.dtype = dtype_or_throw(dtype);
-  return p;
-}
-
-inline RotaryParams make_rotary_params(
-    uintptr_t q, Strides qs, uintptr_t k, Strides ks, uintptr_t positions, uintptr_t cos, uintptr_t sin,
-    int64_t num_positions, uintptr_t q_norm, uintptr_t k_norm, float eps, int32_t num_tokens, int32_t num_q_heads,
-    int32_t num_kv_heads, int32_t head_dim, const std::string& dtype) {
-  RotaryParams p{};
-  p.q = reinterpret_cast<void*>(q);
-  p.q_token_stride = qs.first; p.q_head_stride = qs.second;
-  p.k = reinterpret_cast<void*>(k);
-  p.k_token_stride = ks.first; p.k_head_stride = ks.second;
-  p.positions = reinterpret_cast<const int64_t*>(positions);
-  p.cos = reinterpret_cast<const float*>(cos);
-  p.sin = reinterpret_cast<const float*>(sin);
-  p.num_positions = num_positions;
-  p.q_norm = reinterpret_cast<const void*>(q_norm);
-  p.k_norm = reinterpret_cast<const void*>(k_norm);
-  p.eps = eps;
-  p.num_tokens = num_tokens;
-  p.num_q_heads = num_q_heads;
-  p.num_kv_heads = num_kv_heads;
-  p.head_dim = head_dim;
-  p.dtype = dtype_or_throw(dtype);
-  return p;
-}
-
-inline SiluMulParams make_silu_mul_params(uintptr_t gate, int64_t gate_row_stride, uintptr_t up, int64_t up_row_stride,
-                                          uintptr_t out, int64_t out_row_stride, int32_t num_rows, int32_t width,
-                                          const std::string& dtype) {
-  SiluMulParams p{};
-  p.gate = reinterpret_cast<const void*>(gate);
-  p.gate_row_stride = gate_row_stride;
-  p.up = reinterpret_cast<const void*>(up);
-  p.up_row_stride = up_row_stride;
-  p.out = reinterpret_cast<void*>(out);
-  p.out_row_stride = out_row_stride;
-  p.num_rows = num_rows;
-  p.width = width;
-  p.dtype = dtype_or_throw(dtype);
-  return p;
-}
-
 inline CausalConv1dParams make_conv_params(uintptr_t x, int64_t x_token_stride, uintptr_t weight, uintptr_t y,
                                            int64_t y_token_stride, uintptr_t segments, int32_t num_segments,
                                            int32_t num_tokens, int32_t channels, int32_t kernel_size,
@@ -282,3 +230,21 @@ inline LinearParams make_linear_params(uintptr_t x, int64_t x_row_stride, uintpt
 }
 
 }  // namespace pyscore
+
+namespace pybind11::detail {
+
+template <>
+struct type_caster<pyscore::Ptr> {
+  PYBIND11_TYPE_CASTER(pyscore::Ptr, const_name("int"));
+  bool load(handle src, bool convert) {
+    make_caster<uintptr_t> address;
+    if (!address.load(src, convert)) return false;
+    value.address = cast_op<uintptr_t>(address);
+    return true;
+  }
+  static handle cast(pyscore::Ptr p, return_value_policy policy, handle parent) {
+    return make_caster<uintptr_t>::cast(p.address, policy, parent);
+  }
+};
+
+}  // namespace pybind11::detail

@@ -1,9 +1,10 @@
-// The AVX2 + FMA vector layer: an 8-lane fp32 vector and what the kernels do with it (loads and stores from fp32 or
-// bf16, multiply-add, max, exp, horizontal reductions), so a *_avx2.cpp kernel is written against these names, not
-// against raw intrinsics, and the same kernel text can later be compiled against another ISA's layer with the same
-// names (vLLM's csrc/cpu/cpu_types_*.hpp pattern; issue 21 item 5). No bf16 arithmetic here: bf16 is widened to
-// fp32 (exact, a shift), multiplied with FMA in fp32 and rounded back to nearest even in integer arithmetic, exactly
-// as torch's conversion rounds.
+// The AVX2 + FMA vector layer: an 8-lane fp32 vector and what the kernels do with it (lane masks and select, loads
+// and stores from fp32 or bf16, bf16 pairs, multiply-add, max, exp, horizontal reductions, prefetch), so a kernel is
+// written against these names, not against raw intrinsics, and the same kernel text compiles against another ISA's
+// layer with the same names (vLLM's csrc/cpu/cpu_types_*.hpp pattern; issue 21 item 5): the *_simd.h kernel bodies
+// are compiled per layer, this one and common/vec_neon.h (attention, label read-out) or common/vec_avx512.h
+// (elementwise). No bf16 arithmetic here: bf16 is widened to fp32 (exact, a shift), multiplied with FMA in fp32 and
+// rounded back to nearest even in integer arithmetic, exactly as torch's conversion rounds.
 //
 // Include only from files compiled with -mavx2 -mfma -mf16c (CMakeLists.txt gives them to *_avx2.cpp on x86-64):
 // everything here is `static inline`, so no out-of-line copy can leak into baseline-ISA code.
@@ -18,6 +19,8 @@ namespace avx2 {
 
 constexpr int kLanes = 8;
 using Vec = __m256;
+using Mask = __m256i;  // a lane mask: all ones or all zeros per 32-bit lane
+using Bits = __m256i;  // 8 bf16 pairs (a 32-bit lane = elements 2i, 2i+1)
 
 static inline Vec zero() { return _mm256_setzero_ps(); }
 static inline Vec set1(float x) { return _mm256_set1_ps(x); }
@@ -30,10 +33,16 @@ static inline Vec fma(Vec a, Vec b, Vec acc) { return _mm256_fmadd_ps(a, b, acc)
 
 // ---- loads and stores --------------------------------------------------------------------------------------------
 
-// The lane mask of the first n lanes (0 <= n <= 8), for maskload / maskstore.
-static inline __m256i first_lanes(int n) {
+// The lane mask of the first n lanes (0 <= n <= 8), for maskload / maskstore and select.
+static inline Mask first_lanes(int n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
+
+// yes where the mask's lane is set, else no.
+static inline Vec select(Mask m, Vec yes, Vec no) { return _mm256_blendv_ps(no, yes, _mm256_castsi256_ps(m)); }
+
+// Pulls the cache line at p into all cache levels; a hint, never a fault.
+static inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 
 // 8 bf16 (in an xmm) -> 8 fp32, exact.
 static inline Vec widen_bf16(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
@@ -92,11 +101,20 @@ static inline Vec round_as(Vec x, const uint16_t*) {
 
 // ---- bf16 pairs (a dword = elements 2i, 2i+1) widened to fp32 ---------------------------------------------------
 
-static inline Vec bf16_even(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
-static inline Vec bf16_odd(__m256i pairs) {
+static inline Vec bf16_even(Bits pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
+static inline Vec bf16_odd(Bits pairs) {
   return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(int(0xFFFF0000u))));
 }
-static inline __m256i load_bits(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+static inline Bits load_bits(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+// out[2i] = a[i], out[2i + 1] = b[i] for i < 8 (two rows of 8 bf16 interleaved into 8 pairs); a null row reads as
+// zeros.
+static inline void store_zip8(uint16_t* out, const uint16_t* a, const uint16_t* b) {
+  const __m128i x = a ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(a)) : _mm_setzero_si128();
+  const __m128i y = b ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)) : _mm_setzero_si128();
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_unpacklo_epi16(x, y));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 8), _mm_unpackhi_epi16(x, y));
+}
 
 // ---- reductions --------------------------------------------------------------------------------------------------
 

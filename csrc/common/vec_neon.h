@@ -1,16 +1,15 @@
-// The NEON back-end of the CPU vector layer: the names and contracts of the AVX2 layer (common/vec_avx2.h on the
-// avx2 branch: an fp32 vector, loads and stores from fp32 or bf16, multiply-add, max, exp, reductions) on aarch64's
-// Advanced SIMD, 4 lanes, so a kernel written against `namespace V = avx2;` compiles for ARM with `namespace V =
-// neon;` (issue 19 item 6; vLLM's csrc/cpu/cpu_types_arm.hpp is the same idea): prefix_item_attention_neon.cpp and
-// label_logprobs_neon.cpp are. The `neon` tier's other kernels are the portable ones, which -O3 vectorizes for NEON
-// (common/vec_portable.h).
+// The NEON back-end of the CPU vector layer: the names and contracts of the AVX2 layer (common/vec_avx2.h: an fp32
+// vector, lane masks and select, loads and stores from fp32 or bf16, bf16 pairs, multiply-add, max, exp, reductions,
+// prefetch) on aarch64's Advanced SIMD, 4 lanes, so one kernel text compiles for both (vLLM's
+// csrc/cpu/cpu_types_arm.hpp is the same idea): prefix_item_attention/attention_simd.h and
+// label_logprobs/logits_simd.h are, compiled once per layer by their *_avx2.cpp and *_neon.cpp. The `neon` tier's
+// other kernels are the portable ones, which -O3 vectorizes for NEON (common/vec_portable.h).
 //
 // Same bits as the x86 layers where their contract is exact: exp2_ps and exp_ps are the same formulas with the same
 // coefficients, one fused multiply-add per step (vfmaq_f32 = _mm256_fmadd_ps), rounding to nearest even (vrndnq_f32);
 // bf16 rounding is the same integer arithmetic; max and min keep x86's rule (the second operand when either is NaN),
 // not fmaxnm's, so a NaN clamps exactly as on x86. Files built on this layer need -ffp-contract=off as the AVX2 ones
-// do: GCC fuses a NEON multiply and add intrinsic otherwise. bf16 pairs (a 32-bit lane = elements 2i, 2i+1) are
-// `Bits`, which the AVX2 kernels spell __m256i.
+// do: GCC fuses a NEON multiply and add intrinsic otherwise.
 //
 // Everything is `static inline` (see rms_portable.h). aarch64 only.
 #pragma once
@@ -27,7 +26,8 @@ namespace neon {
 
 constexpr int kLanes = 4;
 using Vec = float32x4_t;
-using Bits = uint32x4_t;
+using Mask = uint32x4_t;  // a lane mask: all ones or all zeros per lane
+using Bits = uint32x4_t;  // 4 bf16 pairs (a 32-bit lane = elements 2i, 2i+1)
 
 static inline Vec zero() { return vdupq_n_f32(0.0f); }
 static inline Vec set1(float x) { return vdupq_n_f32(x); }
@@ -42,10 +42,16 @@ static inline Vec fma(Vec a, Vec b, Vec acc) { return vfmaq_f32(acc, a, b); }   
 // ---- loads and stores --------------------------------------------------------------------------------------------
 
 // The lane mask of the first n lanes (0 <= n <= 4).
-static inline uint32x4_t first_lanes(int n) {
+static inline Mask first_lanes(int n) {
   static const uint32_t kIndex[4] = {0, 1, 2, 3};
   return vcltq_u32(vld1q_u32(kIndex), vdupq_n_u32(uint32_t(n)));
 }
+
+// yes where the mask's lane is set, else no.
+static inline Vec select(Mask m, Vec yes, Vec no) { return vbslq_f32(m, yes, no); }
+
+// Pulls the cache line at p into cache; a hint, never a fault.
+static inline void prefetch(const void* p) { __builtin_prefetch(p); }
 
 // 4 bf16 -> 4 fp32, exact.
 static inline Vec widen_bf16(uint16x4_t h) { return vreinterpretq_f32_u32(vshll_n_u16(h, 16)); }
@@ -111,6 +117,15 @@ static inline Vec round_as(Vec x, const uint16_t*) {
 static inline Vec bf16_even(Bits pairs) { return vreinterpretq_f32_u32(vshlq_n_u32(pairs, 16)); }
 static inline Vec bf16_odd(Bits pairs) { return vreinterpretq_f32_u32(vandq_u32(pairs, vdupq_n_u32(0xFFFF0000u))); }
 static inline Bits load_bits(const void* p) { return vld1q_u32(static_cast<const uint32_t*>(p)); }
+
+// out[2i] = a[i], out[2i + 1] = b[i] for i < 8 (two rows of 8 bf16 interleaved into 8 pairs); a null row reads as
+// zeros.
+static inline void store_zip8(uint16_t* out, const uint16_t* a, const uint16_t* b) {
+  const uint16x8_t x = a ? vld1q_u16(a) : vdupq_n_u16(0);
+  const uint16x8_t y = b ? vld1q_u16(b) : vdupq_n_u16(0);
+  vst1q_u16(out, vzip1q_u16(x, y));
+  vst1q_u16(out + 8, vzip2q_u16(x, y));
+}
 
 // ---- reductions (pairwise: lanes i and i + 2 first, as the x86 layers fold halves) --------------------------------
 

@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 
+#include "common/isa_entry.h"
 #include "gated_delta_rule/params.h"
 
 namespace pyscore {
@@ -30,9 +31,9 @@ using ConvTokensRun = void (*)(const CausalConv1dParams& p, int32_t start, int32
                                const void* const* history, const float* wt);
 
 // nullptr when the dtype is not covered (the caller checks the CPU).
-StateColumnsRun state_columns_avx512(DType dtype);
-ConvTokensRun conv_tokens_avx512(DType dtype);
-StateColumnsRun state_columns_avx2(DType dtype);
-ConvTokensRun conv_tokens_avx2(DType dtype);
+PYSCORE_X86_ENTRY(StateColumnsRun state_columns_avx512(DType dtype));
+PYSCORE_X86_ENTRY(ConvTokensRun conv_tokens_avx512(DType dtype));
+PYSCORE_X86_ENTRY(StateColumnsRun state_columns_avx2(DType dtype));
+PYSCORE_X86_ENTRY(ConvTokensRun conv_tokens_avx2(DType dtype));
 
 }  // namespace pyscore

@@ -1,11 +1,13 @@
 // Internal interface of the CPU label_logprobs kernel: the launcher (label_logprobs_cpu.cpp, baseline ISA)
 // splits the vocabulary over threads and calls these ops on chunks of it; they come in an AVX-512 build
-// (label_logprobs_avx512.cpp; its logits on AMX tiles at tier amx, label_logprobs_amx.cpp), an AVX2 one (label_logprobs_avx2.cpp), a NEON one
-// (label_logprobs_neon.cpp) and a portable one.
+// (label_logprobs_avx512.cpp; the LM head product on AMX tiles at tier amx, label_logprobs_amx.cpp), AVX2 and
+// NEON ones (one text, logits_simd.h, compiled per vector layer by label_logprobs_avx2.cpp and
+// label_logprobs_neon.cpp) and a portable one.
 #pragma once
 #include <cstdint>
 
 #include "common/cpu_features.h"
+#include "common/isa_entry.h"
 #include "label_logprobs/params.h"
 
 namespace pyscore {
@@ -22,10 +24,10 @@ struct LabelCpuOps {
 };
 
 // nullptr when the dtype is not covered (the caller checks the CPU); bf16_dot picks how bf16 pairs are multiplied.
-const LabelCpuOps* label_ops_avx512(DType dtype, Bf16Dot bf16_dot);
+PYSCORE_X86_ENTRY(const LabelCpuOps* label_ops_avx512(DType dtype, Bf16Dot bf16_dot));
 // AMX tiles for the bf16 LM head product (tier amx; the caller checks it): nullptr for other dtypes.
-const LabelCpuOps* label_ops_amx(DType dtype);
-const LabelCpuOps* label_ops_avx2(DType dtype);
-const LabelCpuOps* label_ops_neon(DType dtype);
+PYSCORE_X86_ENTRY(const LabelCpuOps* label_ops_amx(DType dtype));
+PYSCORE_X86_ENTRY(const LabelCpuOps* label_ops_avx2(DType dtype));
+PYSCORE_ARM_ENTRY(const LabelCpuOps* label_ops_neon(DType dtype));
 
 }  // namespace pyscore

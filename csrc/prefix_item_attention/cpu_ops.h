@@ -1,7 +1,8 @@
 // Internal interface of the CPU prefix_item_attention kernel: the launcher (prefix_item_attention_cpu.cpp,
 // baseline ISA) plans the work and calls these ops, which come in an AVX-512 build
-// (prefix_item_attention_avx512.cpp; its attend() on AMX tiles at tier amx, prefix_item_attention_amx.cpp), an AVX2 one (prefix_item_attention_avx2.cpp), a NEON one
-// (prefix_item_attention_neon.cpp) and a portable one, chosen by the CPU tier.
+// (prefix_item_attention_avx512.cpp; its attend() on AMX tiles at tier amx, prefix_item_attention_amx.cpp), AVX2
+// and NEON ones (one text, attention_simd.h, compiled per vector layer by
+// prefix_item_attention_avx2.cpp and prefix_item_attention_neon.cpp) and a portable one, chosen by the CPU tier.
 //
 // Key ranges are packed once per kv head into blocks of kKeyBlock keys so the micro-kernels read them with
 // aligned full-width loads and no masking on the dot-product axis. "Pack" = elements per 4-byte unit (2 for
@@ -14,6 +15,7 @@
 
 #include "common/cpu_features.h"
 #include "common/dtype.h"
+#include "common/isa_entry.h"
 
 namespace pyscore {
 
@@ -41,11 +43,11 @@ struct AttentionCpuOps {
 
 // nullptr when the dtype/head_dim is not covered by the AVX-512 ops (the caller checks the CPU); bf16_dot picks
 // how bf16 pairs are multiplied.
-const AttentionCpuOps* attention_ops_avx512(DType dtype, int32_t head_dim, Bf16Dot bf16_dot);
+PYSCORE_X86_ENTRY(const AttentionCpuOps* attention_ops_avx512(DType dtype, int32_t head_dim, Bf16Dot bf16_dot));
 // AMX tiles for bf16 (tier amx; the caller checks it), the AVX-512 ops' packing: nullptr for other dtypes / head dims.
-const AttentionCpuOps* attention_ops_amx(DType dtype, int32_t head_dim);
-const AttentionCpuOps* attention_ops_avx2(DType dtype, int32_t head_dim);
-const AttentionCpuOps* attention_ops_neon(DType dtype, int32_t head_dim);
+PYSCORE_X86_ENTRY(const AttentionCpuOps* attention_ops_amx(DType dtype, int32_t head_dim));
+PYSCORE_X86_ENTRY(const AttentionCpuOps* attention_ops_avx2(DType dtype, int32_t head_dim));
+PYSCORE_ARM_ENTRY(const AttentionCpuOps* attention_ops_neon(DType dtype, int32_t head_dim));
 const AttentionCpuOps* attention_ops_portable(DType dtype);
 
 }  // namespace pyscore

@@ -7,7 +7,6 @@
 #include "common/rms_portable.h"
 #include "common/threads.h"
 #include "rotary/cpu_ops.h"
-#include "rotary/launch.h"
 
 namespace pyscore {
 namespace {

@@ -7,7 +7,6 @@
 #include "common/cpu_features.h"
 #include "common/threads.h"
 #include "silu_mul/cpu_ops.h"
-#include "silu_mul/launch.h"
 
 namespace pyscore {
 namespace {

@@ -24,7 +24,7 @@ from types import ModuleType
 
 import torch
 
-from pyscore.ops.tiers import BELOW, cpu_choice
+from pyscore.ops.tiers import BELOW, CPU_TIERS, cpu_choice
 
 CPU_MODULE, CUDA_MODULE = "pyscore._C", "pyscore._C_cuda"
 _FP32_BF16 = frozenset({torch.float32, torch.bfloat16})
@@ -42,17 +42,15 @@ class Kernel:
     dtypes: frozenset[torch.dtype]
 
 
+# The ops with a pyscore._C_cuda kernel (fp32, bf16 and fp16). Every op of the CPU tier table (tiers.CPU_TIERS) has a
+# pyscore._C kernel for fp32 and bf16, so a new CPU op is registered by its tier entry alone.
+CUDA_OPS = ("prefix_item_attention", "decode_attention", "label_logprobs", "causal_conv1d", "gated_delta_rule")
+
 # (op, device type) -> its kernel. An op or device missing here runs the reference.
 REGISTRY: dict[str, dict[str, Kernel]] = {
-    "prefix_item_attention": {"cpu": Kernel(CPU_MODULE, _FP32_BF16), "cuda": Kernel(CUDA_MODULE, _FP32_BF16_FP16)},
-    "decode_attention": {"cpu": Kernel(CPU_MODULE, _FP32_BF16), "cuda": Kernel(CUDA_MODULE, _FP32_BF16_FP16)},
-    "label_logprobs": {"cpu": Kernel(CPU_MODULE, _FP32_BF16), "cuda": Kernel(CUDA_MODULE, _FP32_BF16_FP16)},
-    "linear": {"cpu": Kernel(CPU_MODULE, _FP32_BF16)},
-    "add_rms_norm": {"cpu": Kernel(CPU_MODULE, _FP32_BF16)},
-    "rotary": {"cpu": Kernel(CPU_MODULE, _FP32_BF16)},
-    "silu_mul": {"cpu": Kernel(CPU_MODULE, _FP32_BF16)},
-    "causal_conv1d": {"cpu": Kernel(CPU_MODULE, _FP32_BF16), "cuda": Kernel(CUDA_MODULE, _FP32_BF16_FP16)},
-    "gated_delta_rule": {"cpu": Kernel(CPU_MODULE, _FP32_BF16), "cuda": Kernel(CUDA_MODULE, _FP32_BF16_FP16)},
+    op: {"cpu": Kernel(CPU_MODULE, _FP32_BF16)}
+    | ({"cuda": Kernel(CUDA_MODULE, _FP32_BF16_FP16)} if op in CUDA_OPS else {})
+    for op in CPU_TIERS
 }
 
 

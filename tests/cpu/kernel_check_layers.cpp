@@ -7,12 +7,12 @@
 #include <string>
 #include <vector>
 
-#include "add_rms_norm/launch.h"
+#include "add_rms_norm/cpu_ops.h"
 #include "check_util.h"
 #include "gated_delta_rule/launch.h"
 #include "linear/launch.h"
-#include "rotary/launch.h"
-#include "silu_mul/launch.h"
+#include "rotary/cpu_ops.h"
+#include "silu_mul/cpu_ops.h"
 
 using namespace check;
 

@@ -18,6 +18,12 @@
 #endif
 
 namespace {
+namespace V = pyscore::avx2;
+}  // namespace
+
+#include "layer_select_check.h"
+
+namespace {
 
 int g_failures = 0;
 
@@ -112,6 +118,12 @@ void check_bf16_and_partial() {
   report(bad == 0, "avx2 bf16 store rounds as torch, partial loads and stores touch n elements", total, bad);
 }
 
+void check_select_and_zip() {
+  const long bad = select_and_zip_mismatches();
+  report(bad == 0, "avx2 select keeps first_lanes(n) of one vector; store_zip8 interleaves, a null row as zeros", 12,
+         bad);
+}
+
 #if defined(__AVX512BF16__)
 // The two layers' exp2 and exp are the same formulas: the same bits lane by lane.
 void check_same_bits_as_avx512() {
@@ -146,6 +158,7 @@ int main() {
   check_exp2_accuracy();
   check_exp_accuracy();
   check_bf16_and_partial();
+  check_select_and_zip();
 #if defined(__AVX512BF16__)
   check_same_bits_as_avx512();
 #endif

@@ -19,6 +19,11 @@
 namespace {
 
 namespace V = pyscore::neon;
+}  // namespace
+
+#include "layer_select_check.h"
+
+namespace {
 
 int g_failures = 0;
 
@@ -168,6 +173,11 @@ void check_ragged_and_pairs() {
   report(bad == 0, "load_n / store_n stop at n; bf16_even / bf16_odd split pairs", 5, bad);
 }
 
+void check_select_and_zip() {
+  const long bad = select_and_zip_mismatches();
+  report(bad == 0, "select keeps first_lanes(n) of one vector; store_zip8 interleaves, a null row as zeros", 8, bad);
+}
+
 void check_reductions() {
   const float x[4] = {1e8f, 1.0f, -1e8f, 1.0f};
   const float sum = V::reduce_add(V::load(x));  // (1e8 + -1e8) + (1 + 1): lanes i and i + 2 first
@@ -192,6 +202,7 @@ int main() {
   check_exp_accuracy(anywhere);
   check_bf16();
   check_ragged_and_pairs();
+  check_select_and_zip();
   check_reductions();
   std::printf("%s: %d failed\n", g_failures ? "FAILED" : "passed", g_failures);
   return g_failures ? 1 : 0;

@@ -106,7 +106,8 @@ def test_kernel_checks_aarch64_under_qemu():
 
 def test_neon_vector_layer_under_qemu():
     """csrc/common/vec_neon.h, the NEON back-end of the vector layer: its exp formulas give the x86 layers' bits, bf16
-    rounds as torch does, ragged loads and stores stop at n (tests/cpu/simd_check_neon.cpp)."""
+    rounds as torch does, ragged loads and stores stop at n, select and the bf16 row interleave are exact
+    (tests/cpu/simd_check_neon.cpp)."""
     skip_without_cross_tools()
     binary = BUILD / "aarch64-simd" / "simd_check_neon"
     binary.parent.mkdir(parents=True, exist_ok=True)
@@ -148,12 +149,21 @@ def test_module_cross_builds_for_aarch64():
 
 def test_every_isa_entry_point_has_a_stand_in():
     """Each architecture builds only its own ISA files (*_avx512 / *_avx2 on x86-64, *_neon on aarch64) and takes the
-    other's entry points from csrc/common/isa_stubs.cpp. A build may link without a stand-in only because -O3 proves
-    the call dead, so the list is checked by name, not left to the linker."""
-    pattern = r"\b(\w+_(?:avx512|amx|avx2|neon))\("
-    declared = set()
+    other's entry points from stand-ins: PYSCORE_X86_ENTRY / PYSCORE_ARM_ENTRY declarations (csrc/common/isa_entry.h,
+    the macro matching the file's ISA) or, for the ops that declare theirs plainly, csrc/common/isa_stubs.cpp. A build
+    may link without a stand-in only because -O3 proves the call dead, so the list is checked by name, not left to
+    the linker."""
+    pattern = r"\b(\w+_(?:avx512|avx2|amx|neon))\("
+    macro = re.compile(r"\bPYSCORE_(X86|ARM)_ENTRY\([^;]*?\b(\w+_(avx512|avx2|amx|neon))\(")
+    declared, by_macro = set(), set()
     for header in (ROOT / "csrc").glob("*/cpu_ops.h"):
-        declared |= set(re.findall(pattern, header.read_text()))
+        text = header.read_text()
+        declared |= set(re.findall(pattern, text))
+        for arch, name, isa in macro.findall(text):
+            assert arch == ("ARM" if isa == "neon" else "X86"), f"{name} in {header}: PYSCORE_{arch}_ENTRY"
+            by_macro.add(name)
     stubs = set(re.findall(pattern, (ROOT / "csrc" / "common" / "isa_stubs.cpp").read_text()))
     assert declared, "no ISA entry points found: has csrc/*/cpu_ops.h changed shape?"
-    assert not declared - stubs, f"add these to csrc/common/isa_stubs.cpp: {sorted(declared - stubs)}"
+    assert not by_macro & stubs, f"stood in twice: {sorted(by_macro & stubs)}"
+    missing = declared - by_macro - stubs
+    assert not missing, f"declare these with PYSCORE_X86_ENTRY / PYSCORE_ARM_ENTRY: {sorted(missing)}"

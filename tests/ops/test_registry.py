@@ -21,6 +21,18 @@ def test_every_op_has_a_cpu_kernel_for_fp32_and_bf16():
             assert why == "kernel: pyscore._C"
 
 
+def test_registered_kernels_are_the_modules_functions():
+    """REGISTRY is derived (every op of the tier table on the CPU, CUDA_OPS on CUDA): each entry names a function its
+    module binds under the op's name, so a misspelt op in either list fails here, not at a model's first call."""
+    assert set(_ext.CUDA_OPS) <= set(_ext.REGISTRY)
+    for op, devices in _ext.REGISTRY.items():
+        for device, kernel in devices.items():
+            module = _ext.cpu_module() if device == "cpu" else _ext.cuda_module()
+            if module is None:
+                continue  # _C_cuda is optional; test_every_op_has_a_cpu_kernel_for_fp32_and_bf16 needs _C
+            assert callable(getattr(module, op, None)), f"{kernel.module} binds no {op}"
+
+
 def test_the_tier_table_covers_every_op_and_tier():
     for op in _ext.REGISTRY:
         assert set(tiers.CPU_TIERS[op]) <= set(tiers.TIERS), op

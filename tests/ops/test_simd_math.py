@@ -2,7 +2,8 @@
 unmasked formula with denormals flushed to zero, and the widened bf16 product equals vdpbf16ps. tests/cpu/simd_check.cpp
 runs the instructions themselves, so it needs an AVX512-BF16 CPU. The AVX2 layer (csrc/common/vec_avx2.h,
 tests/cpu/simd_check_avx2.cpp): exp2 and exp accurate, never a denormal from exp2, bf16 rounded as torch, partial
-loads and stores exact, and on an AVX512-BF16 CPU the same exp2 / exp bits as the AVX-512 layer."""
+loads and stores exact, lane-mask select and the bf16 row interleave exact (tests/cpu/layer_select_check.h, shared
+with the NEON layer's check), and on an AVX512-BF16 CPU the same exp2 / exp bits as the AVX-512 layer."""
 
 from __future__ import annotations
 

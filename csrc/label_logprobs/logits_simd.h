@@ -1,0 +1,208 @@
+// The AVX2 and NEON ops of the CPU label_logprobs kernel (interface in cpu_ops.h), written once against a vector
+// layer `V`: included by label_logprobs_avx2.cpp (common/vec_avx2.h, 8 lanes) and label_logprobs_neon.cpp
+// (common/vec_neon.h, 4 lanes), each after declaring `namespace V` as its layer.
+//
+// The LM head product for R read-out rows is a skinny GEMM bound by streaming the [V, H] weight: each register tile
+// takes VT weight rows and RT hidden rows, so every weight vector loaded serves all the tile's rows and the weight
+// tile stays in L1 while the following row tiles reuse it. Dot products run along H in lane-partial accumulators
+// reduced at the end. bf16 has no arithmetic here: the hidden rows are widened once per chunk into a de-interleaved
+// fp32 copy (per kStep = 2 kLanes elements, the kLanes even then the kLanes odd), each weight vector of kLanes bf16
+// pairs is widened in registers (a shift and a mask), and two FMAs per pair accumulate in fp32. A logit's bits
+// depend only on its row and its weight row, never on the tile shape or the number of rows. The register tiles are
+// sized for AVX2's 16 registers (at most 13 in use); NEON keeps them (its speed on ARM has not been measured, only
+// its results, under qemu-aarch64 by tests/cpu/kernel_check.cpp).
+#pragma once
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "label_logprobs/cpu_ops.h"
+
+namespace pyscore {
+namespace {
+
+using V::Vec;
+
+// Weight rows ahead to prefetch while a tile computes: covers DRAM latency even at R = 1, where a tile is short.
+constexpr int kPrefetchRows = 16;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Element traits. kStep elements of H per step; a weight step is kParts vectors (fp32: kLanes values; bf16: the
+// even and odd elements of kLanes pairs); Hidden is the hidden rows in the form the steps read (fp32 as given; bf16
+// widened).
+struct F32 {
+  using T = float;
+  static constexpr int kStep = V::kLanes, kParts = 1;
+  static constexpr int kWeightRows = 4, kTileRows = 2;  // 8 accumulators + 4 weight vectors + 1 hidden
+  struct Hidden {
+    const float* data;
+    int64_t stride;
+    const float* row(int r) const { return data + r * stride; }
+  };
+  static Hidden hidden_rows(const T* h, int64_t stride, int, int) { return {h, stride}; }
+  static void weights(const T* w, int i, int hidden, Vec (&out)[kParts]) {
+    out[0] = hidden - i >= kStep ? V::load(w + i) : V::load_first(w + i, hidden - i);
+  }
+  static void hiddens(const float* h, int i, int hidden, Vec (&out)[kParts]) {
+    out[0] = hidden - i >= kStep ? V::load(h + i) : V::load_first(h + i, hidden - i);
+  }
+  static Vec dot(Vec acc, const Vec (&h)[kParts], const Vec (&w)[kParts]) { return V::fma(h[0], w[0], acc); }
+};
+
+struct Bf16 {
+  using T = uint16_t;
+  static constexpr int kStep = 2 * V::kLanes, kParts = 2;
+  static constexpr int kWeightRows = 2, kTileRows = 3;  // 6 accumulators + 4 widened weight vectors + 2 hidden
+  struct Hidden {
+    const float* data;
+    int64_t stride;
+    const float* row(int r) const { return data + r * stride; }
+  };
+  // Per kStep-element block of a row: its kLanes even elements then its kLanes odd ones as fp32, the ragged end
+  // zero-filled.
+  static Hidden hidden_rows(const T* h, int64_t h_stride, int rows, int hidden) {
+    thread_local std::vector<float> buf;
+    const int blocks = (hidden + kStep - 1) / kStep;
+    const int64_t stride = int64_t(blocks) * kStep;
+    if (int64_t(buf.size()) < rows * stride) buf.resize(rows * stride);
+    for (int r = 0; r < rows; ++r)
+      for (int b = 0; b < blocks; ++b) {
+        const V::Bits x = pairs(h + r * h_stride, kStep * b, hidden);
+        V::store(buf.data() + r * stride + kStep * b, V::bf16_even(x));
+        V::store(buf.data() + r * stride + kStep * b + V::kLanes, V::bf16_odd(x));
+      }
+    return {buf.data(), stride};
+  }
+  static void weights(const T* w, int i, int hidden, Vec (&out)[kParts]) {
+    const V::Bits x = pairs(w, i, hidden);
+    out[0] = V::bf16_even(x);
+    out[1] = V::bf16_odd(x);
+  }
+  static void hiddens(const float* h, int i, int, Vec (&out)[kParts]) {
+    out[0] = V::load(h + i);
+    out[1] = V::load(h + i + V::kLanes);
+  }
+  // The odd product first, as vdpbf16ps adds them (the AVX-512 widened path does the same).
+  static Vec dot(Vec acc, const Vec (&h)[kParts], const Vec (&w)[kParts]) {
+    return V::fma(h[0], w[0], V::fma(h[1], w[1], acc));
+  }
+  // kStep bf16 from p + i as kLanes pairs, zero past `hidden`.
+  static V::Bits pairs(const T* p, int i, int hidden) {
+    if (hidden - i >= kStep) return V::load_bits(p + i);
+    alignas(32) uint16_t buf[kStep] = {};
+    std::memcpy(buf, p + i, size_t(hidden - i) * sizeof(T));
+    return V::load_bits(buf);
+  }
+};
+
+// out[r * out_stride + v] = h[r] . w[v] for RT hidden rows x VT weight rows. With `prefetch`, also pulls the same
+// span of the weight rows kPrefetchRows ahead into cache.
+template <class E, int VT, int RT>
+void dot_tile(const typename E::T* w, int64_t w_stride, typename E::Hidden h, int hidden, float* out,
+              int64_t out_stride, bool prefetch) {
+  Vec acc[RT][VT];
+  for (int r = 0; r < RT; ++r)
+    for (int v = 0; v < VT; ++v) acc[r][v] = V::zero();
+  for (int i = 0; i < hidden; i += E::kStep) {
+    Vec wv[VT][E::kParts];
+    for (int v = 0; v < VT; ++v) E::weights(w + v * w_stride, i, hidden, wv[v]);
+    if (prefetch && (i * sizeof(typename E::T)) % 64 == 0)  // one prefetch per cache line of each row
+      for (int v = 0; v < VT; ++v)
+        V::prefetch(w + (kPrefetchRows + v) * w_stride + i);
+    for (int r = 0; r < RT; ++r) {
+      Vec hv[E::kParts];
+      E::hiddens(h.row(r), i, hidden, hv);
+      for (int v = 0; v < VT; ++v) acc[r][v] = E::dot(acc[r][v], hv, wv[v]);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int v = 0; v < VT; ++v) out[r * out_stride + v] = V::reduce_add(acc[r][v]);
+}
+
+// The last `rows` (< kTileRows) hidden rows: one tile of exactly that many.
+template <class E, int VT, int N>
+void dot_tail(int rows, const typename E::T* w, int64_t w_stride, typename E::Hidden h, int hidden, float* out,
+              int64_t out_stride, bool prefetch) {
+  if constexpr (N > 0) {
+    if (rows == N) return dot_tile<E, VT, N>(w, w_stride, h, hidden, out, out_stride, prefetch);
+    dot_tail<E, VT, N - 1>(rows, w, w_stride, h, hidden, out, out_stride, prefetch);
+  }
+}
+
+// VT weight rows against all hidden rows, kTileRows at a time (later row tiles find the weight tile in L1).
+template <class E, int VT>
+void dot_column(const typename E::T* w, int64_t w_stride, typename E::Hidden h, int rows, int hidden, float* out,
+                int64_t out_stride, bool prefetch) {
+  constexpr int RT = E::kTileRows;
+  int r = 0;
+  for (; r + RT <= rows; r += RT)
+    dot_tile<E, VT, RT>(w, w_stride, {h.row(r), h.stride}, hidden, out + r * out_stride, out_stride,
+                        prefetch && r == 0);
+  dot_tail<E, VT, RT - 1>(rows - r, w, w_stride, {h.row(r), h.stride}, hidden, out + r * out_stride, out_stride,
+                          prefetch && r == 0);
+}
+
+// Given logits: just widen them to fp32.
+template <class E>
+void copy_logits(const LabelLogprobsParams& p, int32_t v0, int32_t n, float* out) {
+  const auto* x = static_cast<const typename E::T*>(p.hidden);
+  for (int32_t r = 0; r < p.num_rows; ++r) {
+    const typename E::T* src = x + r * p.hidden_row_stride + v0;
+    float* dst = out + int64_t(r) * n;
+    for (int32_t j = 0; j < n; j += V::kLanes) V::store_n(dst + j, V::load_n(src + j, n - j), n - j);
+  }
+}
+
+template <class E>
+void logits_chunk(const LabelLogprobsParams& p, int32_t v0, int32_t n, float* out) {
+  if (!p.weight) return copy_logits<E>(p, v0, n, out);
+  constexpr int VT = E::kWeightRows;
+  const auto* w = static_cast<const typename E::T*>(p.weight) + v0 * p.weight_row_stride;
+  const typename E::Hidden h =
+      E::hidden_rows(static_cast<const typename E::T*>(p.hidden), p.hidden_row_stride, p.num_rows, p.hidden_size);
+  // Prefetch only where the rows ahead are still this chunk's or the next one's: never past the vocabulary.
+  const int32_t safe_end = p.vocab_size - v0 - kPrefetchRows - VT;
+  int32_t j = 0;
+  for (; j + VT <= n; j += VT)
+    dot_column<E, VT>(w + j * p.weight_row_stride, p.weight_row_stride, h, p.num_rows, p.hidden_size, out + j, n,
+                      j <= safe_end);
+  for (; j < n; ++j)
+    dot_column<E, 1>(w + j * p.weight_row_stride, p.weight_row_stride, h, p.num_rows, p.hidden_size, out + j, n,
+                     false);
+}
+
+void lse_update(const float* x, int32_t n, float* max, float* sum) {
+  Vec mx = V::set1(kNegInf);
+  for (int32_t j = 0; j < n; j += V::kLanes) {
+    mx = V::max(mx, V::select(V::first_lanes(n - j), V::load_n(x + j, n - j), V::set1(kNegInf)));
+  }
+  const float chunk_max = V::reduce_max(mx);
+  const float new_max = chunk_max > *max ? chunk_max : *max;
+  if (new_max == kNegInf) return;  // nothing but -inf so far
+  // exp(x - m) = 2^((x - m) log2 e); the subtraction first keeps the argument exact near the maximum. Lanes past n
+  // are -inf, so their 2^(-inf) is 0.
+  const Vec m = V::set1(new_max), log2e = V::set1(kLog2e);
+  Vec acc = V::zero();
+  for (int32_t j = 0; j < n; j += V::kLanes) {
+    const Vec xj = V::select(V::first_lanes(n - j), V::load_n(x + j, n - j), V::set1(kNegInf));
+    acc = V::add(acc, V::exp2_ps(V::mul(V::sub(xj, m), log2e)));
+  }
+  const float rescale = *max == kNegInf ? 0.0f : std::exp(*max - new_max);
+  *sum = *sum * rescale + V::reduce_add(acc);
+  *max = new_max;
+}
+
+const LabelCpuOps kBf16Ops{logits_chunk<Bf16>, lse_update};
+const LabelCpuOps kF32Ops{logits_chunk<F32>, lse_update};
+
+// nullptr where the dtype is not covered (the caller checks the CPU).
+const LabelCpuOps* ops_for(DType dtype) {
+  if (dtype == DType::kBFloat16) return &kBf16Ops;
+  if (dtype == DType::kFloat32) return &kF32Ops;
+  return nullptr;
+}
+
+}  // namespace
+}  // namespace pyscore
