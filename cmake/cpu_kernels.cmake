@@ -1,11 +1,11 @@
 # The CPU kernels' sources and their ISA flags, in one place for the two builds that compile them: the pyscore._C
 # module (CMakeLists.txt) and the kernel check harness (tests/cpu/CMakeLists.txt, also cross-compiled for aarch64).
 #
-# Portable sources (*_cpu.cpp, csrc/common/*.cpp) build for any target with the baseline ISA. On x86-64 the ISA
-# files are added with their flags: *_avx512.cpp and *_amx.cpp (AVX-512 F/BW/DQ/VL + BF16, and AMX for the tile
-# kernels) and *_avx2.cpp (AVX2 + FMA + F16C, and -ffp-contract=off: their elementwise kernels round each product as torch does, so the compiler must not fuse
-# a mul and an add; explicit FMAs are intrinsics). They are only entered after the run-time tier check
-# (csrc/common/cpu_features.h), so one build runs on any x86-64. On aarch64 the *_neon.cpp files (on
+# Portable sources (*_cpu.cpp, csrc/common/*.cpp) build for any target with the baseline ISA. On x86-64 the ISA files
+# are added with their flags: *_avx512.cpp and *_amx.cpp (AVX-512 F/BW/DQ/VL + BF16, and AMX for the tile kernels) and
+# *_avx2.cpp (AVX2 + FMA + F16C, and -ffp-contract=off: their elementwise kernels round each product as torch does, so
+# the compiler must not fuse a mul and an add; explicit FMAs are intrinsics). They are only entered after the run-time
+# tier check (csrc/common/cpu_features.h), so one build runs on any x86-64. On aarch64 the *_neon.cpp files (on
 # common/vec_neon.h; -ffp-contract=off too) are added instead; NEON is baseline there, so they need no -m flag, and
 # the portable sources are written so that -O3 vectorizes their hot loops. The other architecture's entry points get
 # stand-ins (csrc/common/isa_entry.h, csrc/common/isa_stubs.cpp).
