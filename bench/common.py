@@ -1,8 +1,10 @@
 """What every benchmark shares: where it ran (`machine`, `machine_info`, `git_commit`), a server of our own
-(`spawn_server`, `spawned_server`), the synthetic decision question (`question`) and a median timer."""
+(`spawn_server`, `spawned_server`) and its samples under load (`sampled`), the synthetic decision question
+(`question`) and a median timer."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import platform
@@ -12,14 +14,15 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from bench.summary import percentile
 
 REPO = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
 
 
 # --- where it ran ------------------------------------------------------------------------------------------------
@@ -168,6 +171,37 @@ def spawned_server(log: Path, flags: Sequence[str] = (), **kwargs: Any) -> Itera
     finally:
         if server.proc.poll() is None:
             server.stop(30.0)
+
+
+async def sample_server(server: ServerProcess, every_s: float, stop: asyncio.Event) -> list[dict[str, Any]]:
+    """Every `every_s` seconds until `stop` is set (and once more then): t (s), the server's RSS (MiB), the
+    cores it used since the last sample (fewer than it has: something else took CPU), the 1-minute load
+    average and its queue depth (its metrics endpoint)."""
+    samples: list[dict[str, Any]] = []
+    start = last = time.perf_counter()
+    cpu = server.cpu_s()
+    while True:
+        now, used = time.perf_counter(), server.cpu_s()
+        samples.append(dict(t=round(now - start, 2), rss_mb=round(server.rss_mb(), 1),
+                            server_cores=round((used - cpu) / (now - last), 2) if now > last else None,
+                            loadavg_1m=round(os.getloadavg()[0], 2),
+                            queue=await asyncio.to_thread(server.queue_depth)))
+        cpu, last = used, now
+        if stop.is_set():
+            return samples
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), every_s)
+
+
+async def sampled(server: ServerProcess, every_s: float, load: Awaitable[T]) -> tuple[T, list[dict[str, Any]]]:
+    """Awaits `load` (e.g. an open loop) while sample_server runs beside it; returns both results."""
+    stop = asyncio.Event()
+    sampler = asyncio.ensure_future(sample_server(server, every_s, stop))
+    try:
+        result = await load
+    finally:
+        stop.set()
+    return result, await sampler
 
 
 def rss_mb(pid: int) -> float:

@@ -17,11 +17,15 @@
   GrpcTarget's requests as JSON (/v1/score, /v1/completions, /v1/chat/completions) and its prefix-cache rule;
   against GrpcTarget on the same server it measures what HTTP adds per call.
 - `InProcessTarget` (`inprocess`): pyscore.engine.Engine in this process, no gRPC (the service layer's cost).
+- `ReplayTarget` (overload, soak, fleet runs): our gRPC server sent recorded requests (`Case`s) verbatim; an
+  answer is correct when it equals the case's answer alone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +52,8 @@ class Decision:
     computed_tokens: int = 0
     server_queue_ms: float | None = None
     server_compute_ms: float | None = None
+    correct: bool | None = None  # set by targets that judge the answer themselves (ReplayTarget)
+    diff: float | None = None  # ReplayTarget: largest |answer - answer alone| of a Score
 
 
 def usage_decision(choice: int | None, usages: Sequence[Any], timed: bool) -> Decision:
@@ -602,6 +608,102 @@ class InProcessTarget(PointwiseScoring, Target):
                                                      apply_softmax=True, score_extraction_token=self.marker, **cache))
         return Decision(pointwise_choice(r.scores[0]), prompt_tokens=r.usage.prompt_tokens,
                         computed_tokens=r.usage.computed_tokens)
+
+
+# --- recorded requests replayed against our server (overload, soak, fleet) ----------------------------------
+TOLERANCE = 1e-3  # |answer under load - answer alone| on a probability above which a Score counts as wrong (bf16)
+
+
+@dataclass
+class Case:
+    """One request as a client sends it to our gRPC server (Score: query, items, options; Generate: the prompt
+    in `query`, no items) and the answer it got alone: the reference its answers under load must equal."""
+
+    id: str
+    kind: str  # sis | mis | setwise | generate
+    query: str
+    items: list[str]
+    options: dict[str, Any]
+    alone: Any = None  # a ScoreResult, or the generated text
+    bucket = 0  # no candidate-count bucket (bench.dataset's): not a decision question
+
+    @property
+    def num_candidates(self) -> int:
+        return len(self.items)
+
+
+def mis_cases(n: int, items: int) -> list[Case]:
+    """`n` seeded MIS Score requests of `items` candidates (bench.common.question), Yes/No labels."""
+    from bench.common import question
+
+    return [Case(f"mis-{seed}", "mis", *question(items, seed=1000 + seed), dict(labels=[" Yes", " No"], mode="mis"))
+            for seed in range(n)]
+
+
+def max_diff(a: Any, b: Any) -> float:
+    """Largest |a - b| over all values of two ScoreResults; inf when the shapes, labels or modes differ."""
+    if (a.label_token_ids, a.mode, [len(r) for r in a.scores]) != (b.label_token_ids, b.mode,
+                                                                    [len(r) for r in b.scores]):
+        return float("inf")
+    return max((abs(x - y) for ra, rb in zip(a.scores, b.scores, strict=True) for xa, xb in zip(ra, rb, strict=True)
+                for x, y in zip(xa, xb, strict=True)), default=0.0)
+
+
+class ReplayTarget(Target):
+    """Our gRPC server, sent `Case`s as they are (path "case") through `channels` client channels in turn (the
+    soak's clients each have their own); `channel_options` are added to each channel's (the fleet run's channelz
+    trace). A case with an answer alone is judged: a Score within TOLERANCE of it, a Generate text equal to it."""
+
+    paths = ("case",)
+
+    def __init__(self, address: str, *, channels: int = 1, channel_options: Sequence[tuple[str, Any]] = (),
+                 **kw: Any) -> None:
+        super().__init__(**kw)
+        self.address, self.channels, self.channel_options = address, channels, list(channel_options)
+        self.spec = f"replay+grpc://{address}"
+        self.clients: list[Any] = []
+        self.turn = itertools.count()
+
+    async def open(self) -> TargetInfo:
+        import grpc
+
+        from pyscore import balancing as lb
+        from pyscore.client import AsyncScorerClient
+
+        options = [*lb.channel_options(self.address, None), *self.channel_options]
+        self.clients = [AsyncScorerClient(self.address, timeout=self.timeout, channel=grpc.aio.insecure_channel(
+            self.address, options=options) if self.channel_options else None) for _ in range(self.channels)]
+        return self.info
+
+    async def close(self) -> None:
+        for client in self.clients:
+            await client.close()
+
+    async def answer(self, case: Case) -> Any:
+        client = self.clients[next(self.turn) % len(self.clients)]
+        if case.kind == "generate":
+            return (await client.generate(case.query, **case.options)).text
+        return await client.score(case.query, case.items, **case.options)
+
+    async def record_alone(self, cases: Sequence[Case]) -> list[float]:
+        """Answers each case alone (one at a time, nothing else in flight) and keeps the answer as its
+        reference; returns the latencies in seconds."""
+        times = []
+        for case in cases:
+            t0 = time.perf_counter()
+            case.alone = await self.answer(case)
+            times.append(time.perf_counter() - t0)
+        return times
+
+    async def decide(self, path: str, q: Case) -> Decision:
+        self.check_path(path)
+        got = await self.answer(q)
+        if q.alone is None:
+            return Decision(None)
+        if q.kind == "generate":
+            return Decision(None, correct=got == q.alone)
+        diff = max_diff(got, q.alone)
+        return Decision(None, correct=diff <= TOLERANCE, diff=diff)
 
 
 def make_target(spec: str, **kw: Any) -> Target:
