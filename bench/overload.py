@@ -19,11 +19,10 @@ import shlex
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from bench import loadgen
-from bench.common import REPO, machine, sampled, spawned_server
+from bench.common import add_server_run_args, run_header, run_record, sampled, spawned_server
 from bench.loadgen import Record
 from bench.summary import Summary, write_json, write_report
 from bench.targets import TOLERANCE, Case, ReplayTarget, mis_cases
@@ -74,44 +73,32 @@ async def run(target: str, cases: list[Case], args: argparse.Namespace, server: 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--duration", type=float, default=60.0, help="seconds of open-loop load (default 60)")
-    ap.add_argument("--factor", type=float, default=3.0, help="offered load / measured capacity (default 3)")
-    ap.add_argument("--items", type=int, default=5, help="candidates per MIS request (default 5)")
-    ap.add_argument("--pool", type=int, default=16, help="distinct requests (default 16)")
-    ap.add_argument("--max-queue", type=int, default=16, help="the server's --max-queue (default 16)")
-    ap.add_argument("--capacity-s", type=float, default=20.0, help="seconds of the capacity measurement")
-    ap.add_argument("--rounds", type=int, default=2, help="load rounds on the same server (default 2)")
-    ap.add_argument("--server-args", default="", help='more `python -m server` flags, e.g. "--threads 1"')
-    ap.add_argument("--out", type=Path, default=REPO / "bench/results/hardening")
-    ap.add_argument("--name", default="overload", help="the result files' name (default overload)")
+    add_server_run_args(ap, capacity_s=20.0, duration=(60.0, "seconds of open-loop load"),
+                        factor=(3.0, "offered load / measured capacity"), items=(5, "candidates per MIS request"),
+                        pool=(16, "distinct requests"), max_queue=(16, "the server's --max-queue"),
+                        rounds=(2, "load rounds on the same server"))
     args = ap.parse_args()
+    args.name = args.name or "overload"
 
-    load_before = dict(loadavg=os.getloadavg(), cpus=os.cpu_count())
+    load_before = os.getloadavg()
     cases = mis_cases(args.pool, args.items)
     flags = ["--max-queue", str(args.max_queue), *shlex.split(args.server_args)]
     with spawned_server(args.out / f"{args.name}_server.log", flags, metrics=True) as server:
         result = asyncio.run(run(server.target, cases, args, server))
         exit_code = server.stop()
     usage = cases[0].alone.usage if cases[0].alone else None
-    result = dict(run=args.name, when=time.strftime("%Y-%m-%d %H:%M:%S"), cpu=machine(),
-                  machine=dict(before=load_before, after=dict(loadavg=os.getloadavg(), cpus=os.cpu_count())),
-                  config=dict(vars(args), out=str(args.out)), usage_of_one_request=asdict(usage) if usage else None,
-                  server_exit_code=exit_code, **result)
+    result = run_record(args.name, args, load_before, usage_of_one_request=asdict(usage) if usage else None,
+                        server_exit_code=exit_code, **result)
     write_json(args.out / f"{args.name}.json", result)
     write_report(report(result), args.out / f"{args.name}.txt")
 
 
 def report(r: dict[str, Any]) -> str:
     c = r["config"]
-    lines = [
-        f"# overload {r['when']} | {r.get('cpu')}: load average before {r['machine']['before']['loadavg']}, after "
-        f"{r['machine']['after']['loadavg']}, {r['machine']['before']['cpus']} CPUs; percentiles by bench.summary "
-        f"(linear interpolation)",
-        f"MIS request: {c['items']} items, {r['usage_of_one_request']} tokens; alone {r['alone_latency_ms']} ms",
-        f"capacity (closed loop, 4 callers) {r['capacity_rps']} req/s; offered {r['offered_rps']} req/s "
-        f"({c['factor']}x) open-loop Poisson for {c['duration']:.0f} s per round; --max-queue {c['max_queue']}",
-        f"server RSS MiB before the load: {r['rss_mb_before']}; exit code on SIGTERM {r['server_exit_code']}",
-    ]
+    lines = [*run_header(r, f"{c['rounds']} rounds of {c['duration']:g} s", f"({c['factor']}x) open-loop Poisson "
+                         f"for {c['duration']:.0f} s per round; --max-queue {c['max_queue']}"),
+             f"MIS request: {c['items']} items, {r['usage_of_one_request']} tokens; alone {r['alone_latency_ms']} ms",
+             f"server RSS MiB before the load: {r['rss_mb_before']}; exit code on SIGTERM {r['server_exit_code']}"]
     for k in r["rounds"]:
         lines += [
             f"round {k['round']}: sent {k['sent']}: {k['statuses']}; queue depth max seen "

@@ -27,13 +27,12 @@ import json
 import os
 import random
 import shlex
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from bench import loadgen
-from bench.common import REPO, machine, question, sampled, spawned_server
+from bench.common import add_server_run_args, question, run_header, run_record, sampled, spawned_server
 from bench.loadgen import Record
 from bench.summary import write_json, write_report
 from bench.targets import TOLERANCE, Case, ReplayTarget
@@ -110,10 +109,7 @@ def summarize(records: Sequence[Record], minutes: float) -> dict[str, Any]:
 def report(r: dict[str, Any]) -> str:
     c = r["config"]
     lines = [
-        f"# {r['run']} {r['when']} | {r['cpu']}: {c['minutes']} min, {c['clients']} clients, "
-        f"{c['load']:.0%} of capacity; load average before {r['machine']['before']['loadavg']}, "
-        f"{r['machine']['before']['cpus']} CPUs",
-        f"mix {MIX}; capacity (closed loop, 4 callers) {r['capacity_rps']} req/s -> offered {r['offered_rps']} req/s",
+        *run_header(r, f"{c['minutes']} min, {c['clients']} clients", f"({c['load']:.0%} of capacity), the mix {MIX}"),
         f"sent {r['sent']}, served {r['served']}, errors {r['errors'] or 0}, wrong Score answers {r['wrong_scores']} "
         f"(|diff| > {TOLERANCE}; max |diff| {r['max_abs_score_diff']:.2e}), Generate texts differing from alone "
         f"{r['generate_text_mismatches']}",
@@ -215,40 +211,33 @@ def memory_report(memory: list[dict[str, Any]], verdict: dict[str, Any]) -> list
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--minutes", type=float, default=10.0, help="length of the soak (default 10)")
-    ap.add_argument("--clients", type=int, default=4, help="clients, each with its own channel (default 4)")
-    ap.add_argument("--load", type=float, default=0.7, help="offered load / measured capacity (default 0.7)")
-    ap.add_argument("--per-kind", type=int, default=6, help="distinct requests of each kind (default 6)")
-    ap.add_argument("--capacity-s", type=float, default=30.0, help="seconds of the capacity measurement")
-    ap.add_argument("--server-args", default="", help='more `python -m server` flags, e.g. "--threads 1"')
+    add_server_run_args(ap, capacity_s=30.0, minutes=(10.0, "length of the soak"),
+                        clients=(4, "client channels the arrivals take in turn"),
+                        load=(0.7, "offered load / measured capacity"), per_kind=(6, "distinct requests of each kind"),
+                        memory_every_s=(60.0, "seconds between memory probes"))
     ap.add_argument("--allocator", choices=list(ALLOCATORS), default="glibc",
                     help="the server's malloc: glibc, or jemalloc / tcmalloc by LD_PRELOAD (default glibc)")
     ap.add_argument("--trim-under-load", action="store_true", help="the worker calls malloc_trim even while busy")
     ap.add_argument("--tracemalloc", type=int, default=0, help="trace Python allocations with N frames (0 = off)")
-    ap.add_argument("--memory-every-s", type=float, default=60.0, help="seconds between memory probes (default 60)")
     ap.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
                     help="more environment for the server, e.g. MALLOC_MMAP_THRESHOLD_=131072 or "
                          "ONEDNN_PRIMITIVE_CACHE_CAPACITY=64 (repeatable)")
-    ap.add_argument("--name", help="name of the result files (default: from the variant)")
-    ap.add_argument("--out", type=Path, default=REPO / "bench/results/hardening")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     name = variant_name(args)
     memory_log = args.out / f"{name}_memory.jsonl"
     memory_log.unlink(missing_ok=True)
 
-    load_before = dict(loadavg=os.getloadavg(), cpus=os.cpu_count())
+    load_before = os.getloadavg()
     with spawned_server(args.out / f"{name}_server.log", shlex.split(args.server_args), metrics=True,
                         env=server_env(args, memory_log)) as server:
         cap, rate, records, samples = asyncio.run(soak(server.target, server, make_cases(args.per_kind), args))
         exit_code = server.stop()
     memory = read_memory_log(memory_log)
     verdict = rss_verdict(samples)
-    result = dict(run=name, when=time.strftime("%Y-%m-%d %H:%M:%S"), cpu=machine(),
-                  machine=dict(before=load_before, after=dict(loadavg=os.getloadavg(), cpus=os.cpu_count())),
-                  config=dict(vars(args), out=str(args.out)),
-                  capacity_rps=round(cap, 3), offered_rps=round(rate, 3), samples=samples, memory=memory,
-                  rss_verdict=verdict, server_exit_code=exit_code, **summarize(records, args.minutes))
+    result = run_record(name, args, load_before,
+                        capacity_rps=round(cap, 3), offered_rps=round(rate, 3), samples=samples, memory=memory,
+                        rss_verdict=verdict, server_exit_code=exit_code, **summarize(records, args.minutes))
     write_json(args.out / f"{name}.json", result)
     plot(samples, memory, f"{name}: {args.minutes:g} min, {result['cpu']}", args.out / f"{name}_rss.png")
     write_report(report(result) + "\n".join(memory_report(memory, verdict)), args.out / f"{name}.txt")
