@@ -621,8 +621,8 @@ class Case:
 
     id: str
     kind: str  # sis | mis | setwise | generate
-    query: str
-    items: list[str]
+    query: str | list[int]  # text or token ids
+    items: list[str] | list[list[int]]
     options: dict[str, Any]
     alone: Any = None  # a ScoreResult, or the generated text
     bucket = 0  # no candidate-count bucket (bench.dataset's): not a decision question
