@@ -113,26 +113,28 @@ class CountingReplay(ReplayTarget):
 
 
 def test_closed_open_and_overload_against_a_server():
-    """ReplayTarget through each cheap mode against our server (the fake engine, a queue of 2): a timed closed
-    loop (capacity) and an open loop whose answers all equal their answers alone, then overload: with the engine
-    held by one request, a burst of 12 fills the queue and the other 10 are refused with RESOURCE_EXHAUSTED."""
+    """ReplayTarget through each cheap mode against our server (the fake engine): a timed closed loop (capacity)
+    and an open loop whose answers all equal their answers alone; then overload, against a server with a queue of
+    2 whose engine one request holds: a burst of 12 fills the queue and the other 10 are refused with
+    RESOURCE_EXHAUSTED, not queued."""
     fake = FakeEngine(delay_s=0.005)
-    server = ServerThread(fake, max_queue=2)
+    roomy, tight = ServerThread(fake), ServerThread(fake, max_queue=2)
 
     async def run() -> tuple[loadgen.RunResult, loadgen.RunResult, loadgen.RunResult]:
-        target = CountingReplay(server.target, channels=2, timeout=30)
+        target, small = ReplayTarget(roomy.target, channels=2, timeout=30), CountingReplay(tight.target, timeout=30)
         await target.open()
+        await small.open()
         try:
             assert len(await target.record_alone(CASES)) == len(CASES)
             closed = await loadgen.closed_loop(target, "case", CASES, 2, seconds=0.2)
             schedule = loadgen.poisson_schedule(50.0, len(CASES) * 2, seed=0)
             opened = await loadgen.open_loop(target, "case", CASES * 2, schedule)
             fake.pause()
-            holder = asyncio.ensure_future(target.answer(CASES[0]))
+            holder = asyncio.ensure_future(small.answer(CASES[0]))
             await asyncio.to_thread(fake.wait_entered)
-            burst = asyncio.ensure_future(loadgen.open_loop(target, "case", CASES[:3] * 4, [0.0] * 12))
+            burst = asyncio.ensure_future(loadgen.open_loop(small, "case", CASES[:3] * 4, [0.0] * 12))
             for _ in range(3000):  # until 10 are refused and 2 queued (30 s at most: then the asserts below fail)
-                if target.failed >= 10 and server.batcher.waiting() >= 2:
+                if small.failed >= 10 and tight.batcher.waiting() >= 2:
                     break
                 await asyncio.sleep(0.01)
             fake.resume()
@@ -140,11 +142,13 @@ def test_closed_open_and_overload_against_a_server():
             return closed, opened, await burst
         finally:
             await target.close()
+            await small.close()
 
     try:
         closed, opened, burst = asyncio.run(run())
     finally:
-        server.stop()
+        roomy.stop()
+        tight.stop()
     assert len(closed.records) >= 2 and all(r.ok and r.correct for r in closed.records)
     assert {r.kind for r in opened.records} == {"mis", "generate"}
     assert loadgen.statuses(opened.records) == {"OK": 8} and all(r.correct for r in opened.records)
