@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from bench.common import median_ms
+from bench.common import fused_qkv, median_ms, segment_rows
 from pyscore.ops import _ext, prefix_item_attention
 
 try:
@@ -23,14 +23,6 @@ except ImportError:  # a tree from before the plan/run split
 LAYERS, HQ, HKV, HEAD_DIM = 30, 9, 3, 64
 SHAPES = {"MIS 270+16x30": (270, [30] * 16), "SIS 16x300": (0, [300] * 16), "MIS 270+2x30": (270, [30] * 2),
           "MIS 270+256x8": (270, [8] * 256), "MIS 20+2x5": (20, [5] * 2)}
-
-
-def segments_of(prefix: int, items: list[int]) -> torch.Tensor:
-    rows, t = ([[0, prefix, 0, 0]], prefix) if prefix else ([], 0)
-    for n in items:
-        rows.append([t, n, 0 if prefix else t, prefix])
-        t += n
-    return torch.tensor(rows, dtype=torch.int32)
 
 
 def one_pass(q, k, v, segments: torch.Tensor) -> None:
@@ -56,13 +48,8 @@ def main() -> None:
     _ext.cpu_module().set_num_threads(args.threads)
     print(f"{'shape':<16}{'tokens':>7}{'pass ms':>10}{'per layer':>11}{'plan ms':>9}")
     for name, (prefix, items) in SHAPES.items():
-        segments = segments_of(prefix, items)
-        num_tokens = prefix + sum(items)
-        qkv = torch.randn(num_tokens, (HQ + 2 * HKV) * HEAD_DIM, generator=torch.Generator().manual_seed(0))
-        qkv = qkv.bfloat16()
-        q = qkv[:, : HQ * HEAD_DIM].view(num_tokens, HQ, HEAD_DIM)
-        k = qkv[:, HQ * HEAD_DIM : (HQ + HKV) * HEAD_DIM].view(num_tokens, HKV, HEAD_DIM)
-        v = qkv[:, (HQ + HKV) * HEAD_DIM :].view(num_tokens, HKV, HEAD_DIM)
+        segments, num_tokens = segment_rows(prefix, items), prefix + sum(items)
+        q, k, v = fused_qkv(num_tokens, HQ, HKV, HEAD_DIM, torch.bfloat16)
         ms = median_ms(lambda: one_pass(q, k, v, segments), args.reps, warmup=1)  # noqa: B023 (called at once)
         plan = ""
         if AttentionPlan is not None:

@@ -1,8 +1,11 @@
 """What every benchmark shares: where it ran (`machine`, `machine_info`, `git_commit`), a server of our own
-(`spawn_server`, `spawned_server`), the synthetic decision question (`question`) and a median timer."""
+(`spawn_server`, `spawned_server`) and its samples under load (`sampled`), the synthetic decision question
+(`question`), kernel inputs (`segment_rows`, `fused_qkv`) and a median timer."""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import contextlib
 import os
 import platform
@@ -12,14 +15,15 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from bench.summary import percentile
 
 REPO = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
 
 
 # --- where it ran ------------------------------------------------------------------------------------------------
@@ -159,6 +163,34 @@ def spawn_server(*flags: str, log: Path, metrics: bool = False, timeout_s: float
         time.sleep(0.2)
 
 
+def add_server_run_args(ap: argparse.ArgumentParser, capacity_s: float, **numbers: tuple[float, str]) -> None:
+    """The options of a load run against a server of our own (overload, soak): `numbers` are the command's own,
+    name=(default, help), each of its default's type."""
+    for name, (default, text) in numbers.items():
+        ap.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default,
+                        help=f"{text} (default {default:g})")
+    ap.add_argument("--capacity-s", type=float, default=capacity_s, help="seconds of the capacity measurement")
+    ap.add_argument("--server-args", default="", help='more `python -m server` flags, e.g. "--threads 1"')
+    ap.add_argument("--name", help="the result files' name (default: the command's, or the variant's)")
+    ap.add_argument("--out", type=Path, default=REPO / "bench/results/hardening")
+
+
+def run_record(name: str, args: argparse.Namespace, load_before: tuple[float, ...], **fields: Any) -> dict[str, Any]:
+    """A load run's result: its name, when, the CPU, the load averages before and after, its options, `fields`."""
+    return dict(run=name, when=time.strftime("%Y-%m-%d %H:%M:%S"), cpu=machine(),
+                machine=dict(before=dict(loadavg=load_before, cpus=os.cpu_count()),
+                             after=dict(loadavg=os.getloadavg(), cpus=os.cpu_count())),
+                config=dict(vars(args), out=str(args.out)), **fields)
+
+
+def run_header(r: dict[str, Any], what: str, offered: str) -> list[str]:
+    """The first lines of a load run's report: the run, the machine, the capacity and the load offered."""
+    m = r["machine"]
+    return [f"# {r['run']} {r['when']} | {r['cpu']}: {what}; load average before {m['before']['loadavg']}, after "
+            f"{m['after']['loadavg']}, {m['before']['cpus']} CPUs; percentiles by bench.summary (linear interpolation)",
+            f"capacity (closed loop, 4 callers) {r['capacity_rps']} req/s; offered {r['offered_rps']} req/s {offered}"]
+
+
 @contextlib.contextmanager
 def spawned_server(log: Path, flags: Sequence[str] = (), **kwargs: Any) -> Iterator[ServerProcess]:
     """spawn_server as a context: the server is stopped (gracefully, else killed) on the way out."""
@@ -168,6 +200,37 @@ def spawned_server(log: Path, flags: Sequence[str] = (), **kwargs: Any) -> Itera
     finally:
         if server.proc.poll() is None:
             server.stop(30.0)
+
+
+async def sample_server(server: ServerProcess, every_s: float, stop: asyncio.Event) -> list[dict[str, Any]]:
+    """Every `every_s` seconds until `stop` is set (and once more then): t (s), the server's RSS (MiB), the
+    cores it used since the last sample (fewer than it has: something else took CPU), the 1-minute load
+    average and its queue depth (its metrics endpoint)."""
+    samples: list[dict[str, Any]] = []
+    start = last = time.perf_counter()
+    cpu = server.cpu_s()
+    while True:
+        now, used = time.perf_counter(), server.cpu_s()
+        samples.append(dict(t=round(now - start, 2), rss_mb=round(server.rss_mb(), 1),
+                            server_cores=round((used - cpu) / (now - last), 2) if now > last else None,
+                            loadavg_1m=round(os.getloadavg()[0], 2),
+                            queue=await asyncio.to_thread(server.queue_depth)))
+        cpu, last = used, now
+        if stop.is_set():
+            return samples
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), every_s)
+
+
+async def sampled(server: ServerProcess, every_s: float, load: Awaitable[T]) -> tuple[T, list[dict[str, Any]]]:
+    """Awaits `load` (e.g. an open loop) while sample_server runs beside it; returns both results."""
+    stop = asyncio.Event()
+    sampler = asyncio.ensure_future(sample_server(server, every_s, stop))
+    try:
+        result = await load
+    finally:
+        stop.set()
+    return result, await sampler
 
 
 def rss_mb(pid: int) -> float:
@@ -199,6 +262,29 @@ def question(num_items: int, seed: int = 0, query_words: int = 228, item_words: 
     items = [f"Proposed answer: {_sentence(rng, item_words)}\nIs this proposed answer correct? Answer Yes or No."
              for _ in range(num_items)]
     return query, items
+
+
+# --- kernel inputs ----------------------------------------------------------------------------------------------
+def segment_rows(prefix: int, items: Sequence[int]) -> Any:
+    """A packed batch's segment table (pyscore/ops/segments.py, int32 [S, 4]): one group of a `prefix`-token prefix
+    and items that each see it (MIS); with no prefix, independent causal sequences of the items' lengths (SIS)."""
+    import torch
+
+    rows, start = ([[0, prefix, 0, 0]], prefix) if prefix else ([], 0)
+    for n in items:
+        rows.append([start, n, 0, prefix])
+        start += n
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def fused_qkv(num_tokens: int, hq: int, hkv: int, d: int, dtype: Any, device: str = "cpu", seed: int = 0) -> Any:
+    """q/k/v ([T, H, D]) as views into one seeded [T, (Hq + 2 Hkv) D] projection output, as the decoder has them."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    qkv = torch.randn(num_tokens, (hq + 2 * hkv) * d, generator=g, device=device).to(dtype)
+    return (qkv[:, : hq * d].view(num_tokens, hq, d), qkv[:, hq * d : (hq + hkv) * d].view(num_tokens, hkv, d),
+            qkv[:, (hq + hkv) * d :].view(num_tokens, hkv, d))
 
 
 # --- timing ------------------------------------------------------------------------------------------------------

@@ -20,10 +20,8 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import signal
-import subprocess
 import tempfile
 import threading
 import time
@@ -31,71 +29,57 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import grpc
-
-from bench.overload import Outcome, ScoreCase, closed_loop_capacity, mis_cases, ms, poisson_arrivals
+from bench import loadgen
+from bench.common import machine_info
+from bench.loadgen import Record
 from bench.summary import Summary, write_json, write_report
+from bench.targets import Case, ReplayTarget, mis_cases
 from deploy.fleet import Envoy, Replica, client_target, start_replicas, stop_replicas
-from pyscore import balancing as lb
-from pyscore.client import AsyncScorerClient, ScorerClient
+from pyscore.client import ScorerClient
 
 ROOT = Path(__file__).resolve().parents[1]
 ITEMS = 16
 SERVER_FLAGS = ("--log-level", "WARNING", "--drain-delay-s", "2", "--grace-s", "10")
+TRACE = [("grpc.max_channel_trace_event_memory_per_node", 1 << 20)]  # the whole channelz trace: client_retries
 
 
-def machine() -> dict[str, Any]:
-    """lscpu's model name, family and model; cores; load averages."""
-    info = {"cpus": os.cpu_count(), "loadavg": os.getloadavg(), "python": platform.python_version()}
+def capacity(target: str, cases: list[Case], seconds: float) -> float:
+    """Closed-loop capacity (4 callers), questions/s."""
+    return asyncio.run(_with(target, lambda t: loadgen.capacity(t, "case", cases, 4, seconds)))
+
+
+async def _with(target: str, fn: Callable[[ReplayTarget], Any]) -> Any:
+    replay = ReplayTarget(target, channel_options=TRACE, timeout=120)
+    await replay.open()
     try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return info
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    for key, name in (("Model name", "model_name"), ("CPU family", "cpu_family"), ("Model", "model")):
-        info[name] = fields.get(key, "").strip()
-    return info
+        return await fn(replay)
+    finally:
+        await replay.close()
 
 
-def async_client(target: str) -> AsyncScorerClient:
-    """A client whose channel keeps its whole channelz trace (for `client_retries`)."""
-    options = [*lb.channel_options(target, None), ("grpc.max_channel_trace_event_memory_per_node", 1 << 20)]
-    return AsyncScorerClient(target, timeout=120, channel=grpc.aio.insecure_channel(target, options=options))
-
-
-async def open_loop(target: str, cases: list[ScoreCase], rate: float, seconds: float, seed: int = 0,
-                    at: dict[float, Callable[[], None]] | None = None) -> tuple[list[Outcome], int]:
-    """Poisson arrivals at `rate` for `seconds` through one client; `at` runs callbacks on timers (threads, so
-    the load goes on) that many seconds after the start. Returns the outcomes and the client's retried attempts."""
+def open_loop(target: str, cases: list[Case], rate: float, seconds: float, seed: int = 0,
+              at: dict[float, Callable[[], None]] | None = None) -> tuple[list[Record], int]:
+    """bench.loadgen's open loop, Poisson at `rate` for `seconds` through one client; `at` runs callbacks on
+    timers (threads, so the load goes on) that many seconds after the start. Returns the records and the
+    client's retried attempts."""
+    schedule = loadgen.poisson_schedule(rate, seed=seed, duration_s=seconds)
     rng = random.Random(seed)
-    outcomes: list[Outcome] = []
-    start = time.perf_counter()
-    timers = [threading.Timer(delay, fn) for delay, fn in (at or {}).items()]
-    for timer in timers:
-        timer.daemon = True
-        timer.start()
+    requests = [rng.choice(cases) for _ in schedule]
 
-    async def one(client: AsyncScorerClient, case: ScoreCase, sent: float) -> None:
-        try:
-            await client.score(case.query, case.items, **case.options)
-            status = "OK"
-        except grpc.RpcError as e:
-            status = e.code().name  # type: ignore[attr-defined]
-        outcomes.append(Outcome(sent, time.perf_counter() - start - sent, status))
+    async def run(replay: ReplayTarget) -> tuple[list[Record], int]:
+        for delay, fn in (at or {}).items():
+            timer = threading.Timer(delay, fn)
+            timer.daemon = True
+            timer.start()
+        result = await loadgen.open_loop(replay, "case", requests, schedule, lead_s=0.0)
+        return result.records, client_retries()
 
-    async with async_client(target) as client:
-        await poisson_arrivals(rate, seconds, rng, start, lambda sent: one(client, rng.choice(cases), sent))
-        retried = client_retries()
-    return outcomes, retried
+    return asyncio.run(_with(target, run))
 
 
-def summary(outcomes: list[Outcome], wall_s: float) -> dict[str, Any]:
-    ok = [o.latency for o in outcomes if o.status == "OK"]
-    statuses: dict[str, int] = {}
-    for o in outcomes:
-        statuses[o.status] = statuses.get(o.status, 0) + 1
-    return dict(sent=len(outcomes), statuses=statuses, answered_per_s=round(len(ok) / wall_s, 3),
-                latency_ms=ms(ok))
+def summary(records: list[Record], wall_s: float) -> dict[str, Any]:
+    return dict(sent=len(records), statuses=loadgen.statuses(records),
+                answered_per_s=round(sum(r.ok for r in records) / wall_s, 3), latency_ms=loadgen.latency_ms(records))
 
 
 # -- scaling --------------------------------------------------------------------------------------------------
@@ -107,13 +91,13 @@ def scaling(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         with ScorerClient(one[0].target, timeout=120) as client:
             usage = client.score(cases[0].query, cases[0].items, **cases[0].options).usage
         result["usage_of_one_request"] = vars(usage)
-        cap1 = asyncio.run(closed_loop_capacity(one[0].target, cases, 4, args.capacity_s))
+        cap1 = capacity(one[0].target, cases, args.capacity_s)
         result["capacity_rps"]["1x2 direct"] = round(cap1, 3)
         rate = args.load * cap1
         result["offered_rps"] = round(rate, 3)
         print(f"1x2 capacity {cap1:.2f} q/s; offering {rate:.2f} q/s to every set-up", flush=True)
-        outcomes, _ = asyncio.run(open_loop(one[0].target, cases, rate, args.seconds))
-        result["open_loop"]["1x2 direct"] = [summary(outcomes, args.seconds)]
+        records, _ = open_loop(one[0].target, cases, rate, args.seconds)
+        result["open_loop"]["1x2 direct"] = [summary(records, args.seconds)]
     finally:
         stop_replicas(one)
     two = start_replicas(2, (*SERVER_FLAGS, "--threads", "1"), work)
@@ -122,12 +106,11 @@ def scaling(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         envoy.start()
         routes = {"2x1 envoy": envoy.target, "2x1 client-side": client_target(two)}
         for name, target in routes.items():
-            capacity = asyncio.run(closed_loop_capacity(target, cases, 4, args.capacity_s))
-            result["capacity_rps"][name] = round(capacity, 3)
+            result["capacity_rps"][name] = round(capacity(target, cases, args.capacity_s), 3)
         for rep in range(args.reps):  # alternate the two routes over the same replicas
             for name, target in routes.items():
-                outcomes, _ = asyncio.run(open_loop(target, cases, rate, args.seconds, seed=rep))
-                result["open_loop"].setdefault(name, []).append(summary(outcomes, args.seconds))
+                records, _ = open_loop(target, cases, rate, args.seconds, seed=rep)
+                result["open_loop"].setdefault(name, []).append(summary(records, args.seconds))
         result["calls_per_replica"] = [r.calls("Score", "OK") for r in two]
     finally:
         envoy.stop()
@@ -171,7 +154,7 @@ def tokenize_overhead(direct: str, via_envoy: str, blocks: int, calls: int) -> d
     return out
 
 
-def failover_run(target: str, victim: Replica, sig: int, cases: list[ScoreCase], rate: float, seconds: float,
+def failover_run(target: str, victim: Replica, sig: int, cases: list[Case], rate: float, seconds: float,
                  envoy: Envoy | None) -> dict[str, Any]:
     kill_at, restart_at = seconds / 4, seconds / 2
     events: dict[str, float] = {}
@@ -191,16 +174,14 @@ def failover_run(target: str, victim: Replica, sig: int, cases: list[ScoreCase],
         events["serving_again"] = time.perf_counter() - t0
 
     retries0 = envoy.counter("cluster.pyscore.upstream_rq_retry") if envoy else 0
-    outcomes, client_retried = asyncio.run(open_loop(target, cases, rate, seconds, seed=sig,
-                                                     at={kill_at: kill, restart_at: restart}))
+    records, client_retried = open_loop(target, cases, rate, seconds, seed=sig, at={kill_at: kill, restart_at: restart})
     while "serving_again" not in events:
         time.sleep(0.1)
     window = [(0, kill_at), (kill_at, restart_at), (restart_at, seconds)]
-    phases = {f"{a:.0f}-{b:.0f}s": ms([o.latency for o in outcomes if a <= o.sent < b and o.status == "OK"])
-              for a, b in window}
+    phases = {f"{a:.0f}-{b:.0f}s": loadgen.latency_ms([r for r in records if a <= r.sent < b]) for a, b in window}
     retried = envoy.counter("cluster.pyscore.upstream_rq_retry") - retries0 if envoy else client_retried
     return dict(signal=signal.Signals(sig).name, events_s={k: round(v, 2) for k, v in events.items()},
-                **summary(outcomes, seconds), retried=retried, latency_ms_by_phase=phases)
+                **summary(records, seconds), retried=retried, latency_ms_by_phase=phases)
 
 
 def failover(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -212,10 +193,10 @@ def failover(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         envoy.start()
         result["tokenize_round_trip_ms"] = tokenize_overhead(replicas[0].target, envoy.target, 5, 100)
         print("tokenize", result["tokenize_round_trip_ms"], flush=True)
-        capacity = asyncio.run(closed_loop_capacity(envoy.target, cases, 4, args.capacity_s))
-        rate = args.load * capacity
-        result.update(capacity_rps_2x1=round(capacity, 3), offered_rps=round(rate, 3), runs=[])
-        print(f"2x1 capacity {capacity:.2f} q/s; offering {rate:.2f} q/s", flush=True)
+        cap = capacity(envoy.target, cases, args.capacity_s)
+        rate = args.load * cap
+        result.update(capacity_rps_2x1=round(cap, 3), offered_rps=round(rate, 3), runs=[])
+        print(f"2x1 capacity {cap:.2f} q/s; offering {rate:.2f} q/s", flush=True)
         routes = [("envoy", envoy.target, envoy), ("client-side", client_target(replicas), None)]
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for name, target, gateway in routes:
@@ -235,8 +216,8 @@ def failover(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 # -- report ---------------------------------------------------------------------------------------------------
 def report(phase: str, r: dict[str, Any]) -> str:
     m = r["machine"]
-    head = (f"# bench.deploy {phase} {r['when']}: {m.get('model_name')} (family {m.get('cpu_family')}, model "
-            f"{m.get('model')}), {m['cpus']} CPUs; load average before {m['loadavg']}\n"
+    head = (f"# bench.deploy {phase} {r['when']}: {m['cpu']}, {m['cores']} CPUs; load average before "
+            f"{r['loadavg_before']}; percentiles by bench.summary (linear interpolation)\n"
             f"MIS, {ITEMS} candidates, embedded SmolLM2-135M-Instruct, bf16 on CPU; config {r['config']}")
     lines = [head]
     if phase == "scaling":
@@ -278,11 +259,13 @@ def main() -> None:
     if args.load is None:
         args.load = 0.7 if args.phase == "scaling" else 0.4
     args.out.mkdir(parents=True, exist_ok=True)
-    before = machine()
+    before = machine_info()
+    loadavg_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-deploy-") as tmp:
         result = (scaling if args.phase == "scaling" else failover)(args, Path(tmp))
     config = {k: v for k, v in vars(args).items() if k not in ("out", "phase")}
     result = dict(phase=args.phase, when=time.strftime("%Y-%m-%d %H:%M:%S"), machine=before, config=config,
+                  loadavg_before=loadavg_before,
                   loadavg_after=os.getloadavg(), **result)
     name = f"{args.phase}-load{args.load:g}"
     write_json(args.out / f"{name}.json", result)

@@ -7,8 +7,8 @@
 # alone took 21 s on 2 cores here), tests 60, kernels 50, engine 0.6B 70, engine 8B 110, engine Qwen3.5-4B 100,
 # gRPC 50); expect about 5-6 min. The last thing printed is bench/gpu/summary.py's table.
 #
-# $OUT ends with at most 9 files: build.log tests.log run.log summary.txt kernels.json engine-qwen3-0.6b.json
-# engine-qwen3-8b.json engine-qwen3.5-4b.json grpc.json.
+# $OUT ends with at most 10 files: build.log tests.log run.log summary.txt kernels.json engine-qwen3-0.6b.json
+# engine-qwen3-8b.json engine-qwen3.5-4b.json grpc.json grpc.server.log.
 #
 # Usage:
 #   bench/gpu_check.sh                  on the H200 machine (OUT set by the device tool)

@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.common import machine, median_ms
+from bench.common import fused_qkv as common_qkv
+from bench.common import machine, median_ms, segment_rows
 from bench.summary import write_report
 from pyscore.model.rope import Rotary
 from pyscore.ops import (
@@ -110,23 +111,17 @@ def with_bf16_dot(path: str) -> Callable[[], None]:
 
 def mis_segments() -> torch.Tensor:
     """One group: a 270-token prefix, then 16 items of 30 tokens that each see it."""
-    rows, prefix = [[0, 270, 0, 0]], 270
-    rows += [[prefix + 30 * i, 30, 0, prefix] for i in range(16)]
-    return torch.tensor(rows, dtype=torch.int32)
+    return segment_rows(270, [30] * 16)
 
 
 def sis_segments() -> torch.Tensor:
     """The same question scored SIS: 16 independent causal sequences of 300 tokens."""
-    return torch.tensor([[300 * i, 300, 0, 0] for i in range(16)], dtype=torch.int32)
+    return segment_rows(0, [300] * 16)
 
 
 def fused_qkv(num_tokens: int, dtype: torch.dtype):
-    """q/k/v as views into one [T, (Hq + 2 Hkv) D] projection output, as the decoder produces them."""
-    qkv = torch.randn(num_tokens, (HQ + 2 * HKV) * HEAD_DIM).to(dtype)
-    q = qkv[:, : HQ * HEAD_DIM].view(num_tokens, HQ, HEAD_DIM)
-    k = qkv[:, HQ * HEAD_DIM : (HQ + HKV) * HEAD_DIM].view(num_tokens, HKV, HEAD_DIM)
-    v = qkv[:, (HQ + HKV) * HEAD_DIM :].view(num_tokens, HKV, HEAD_DIM)
-    return q, k, v
+    """SmolLM2's q/k/v as the decoder produces them (bench.common.fused_qkv)."""
+    return common_qkv(num_tokens, HQ, HKV, HEAD_DIM, dtype, seed=num_tokens)
 
 
 def planned(segments: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable[[], object]:

@@ -4,245 +4,101 @@ seconds against `python -m server` on the embedded model. Reports whether the qu
 requests' latency, the server's RSS before/after, and whether every accepted answer equals the same request
 scored alone beforehand. The load is offered twice (`--rounds`) to the same server: RSS that grows in the first
 round and not in the second is a high-water mark, not a leak. Writes a JSON and a text summary. Not a CI test.
+The load is bench.loadgen's (ReplayTarget); the server process is bench.common's.
 
     python -m bench.overload [--duration 60] [--factor 3] [--max-queue 16] [--out bench/results/hardening]
-
-The helpers here (latency summaries, references) are shared with bench/soak.py; the server process is bench.common's.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import random
 import shlex
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
-import grpc
-
-from bench.common import REPO, ServerProcess, question, spawn_server
+from bench import loadgen
+from bench.common import add_server_run_args, run_header, run_record, sampled, spawned_server
+from bench.loadgen import Record
 from bench.summary import Summary, write_json, write_report
-from pyscore.client import AsyncScorerClient, ScorerClient
-from pyscore.types import ScoreResult
-
-TOLERANCE = 1e-3  # |batched - alone| on a probability above which an answer counts as wrong (bf16 serving)
+from bench.targets import TOLERANCE, Case, ReplayTarget, mis_cases
 
 
-def machine_load() -> dict[str, Any]:
-    """What else the machine was doing: load averages and the CPUs."""
-    return dict(loadavg=os.getloadavg(), cpus=os.cpu_count())
+def summarize(records: Sequence[Record]) -> dict[str, Any]:
+    """Statuses, the accepted and refused latencies, and the accepted answers against their answers alone."""
+    ok = [r for r in records if r.ok]
+    diffs = [r.diff for r in ok if r.diff is not None]
+    return dict(sent=len(records), statuses=loadgen.statuses(records), accepted_latency_ms=loadgen.latency_ms(ok),
+                refused_latency_ms=Summary.of([(r.completed - r.sent) * 1e3 for r in records
+                                               if r.status == "RESOURCE_EXHAUSTED"]).pick(
+                    "p50", "p95", "p99", "max", digits=1),
+                wrong=sum(d > TOLERANCE for d in diffs), max_abs_diff=max(diffs, default=0.0),
+                exact=sum(d == 0.0 for d in diffs))
 
 
-# -- requests and their reference answers ---------------------------------------------------------------------
-@dataclass
-class ScoreCase:
-    name: str
-    query: str
-    items: list[str]
-    options: dict[str, Any]
-    alone: ScoreResult | None = None
-
-
-def max_diff(a: ScoreResult, b: ScoreResult) -> float:
-    """Largest |a - b| over all values; inf when the shapes, labels or modes differ."""
-    if (a.label_token_ids, a.mode, [len(r) for r in a.scores]) != (b.label_token_ids, b.mode,
-                                                                    [len(r) for r in b.scores]):
-        return float("inf")
-    return max((abs(x - y) for ra, rb in zip(a.scores, b.scores, strict=True) for xa, xb in zip(ra, rb, strict=True)
-                for x, y in zip(xa, xb, strict=True)), default=0.0)
-
-
-def score_alone(target: str, cases: list[ScoreCase]) -> list[float]:
-    """Scores each case by itself (sequentially, nothing else running) and keeps the answer; returns the
-    latencies in seconds."""
-    times = []
-    with ScorerClient(target, timeout=120) as client:
-        for case in cases:
-            t0 = time.perf_counter()
-            case.alone = client.score(case.query, case.items, **case.options)
-            times.append(time.perf_counter() - t0)
-    return times
-
-
-def mis_cases(n: int, items: int) -> list[ScoreCase]:
-    out = []
-    for seed in range(n):
-        query, candidates = question(items, seed=1000 + seed)
-        out.append(ScoreCase(f"mis-{seed}", query, candidates, dict(labels=[" Yes", " No"], mode="mis")))
-    return out
-
-
-def ms(values: list[float]) -> dict[str, float]:
-    """p50, p95, p99 and max in ms (1 decimal; NaN for none) of latencies in seconds (bench.summary's
-    percentile)."""
-    return Summary.of(values, scale=1e3).pick("p50", "p95", "p99", "max", digits=1)
-
-
-async def closed_loop_capacity(target: str, cases: list[ScoreCase], concurrency: int, seconds: float) -> float:
-    """Completed Score requests per second with `concurrency` callers that each send the next request as soon
-    as the previous one is answered (the server's throughput at saturation, with batching)."""
-    done = 0
-    stop = time.perf_counter() + seconds
-
-    async def caller(k: int, client: AsyncScorerClient) -> None:
-        nonlocal done
-        i = k
-        while time.perf_counter() < stop:
-            case = cases[i % len(cases)]
-            await client.score(case.query, case.items, **case.options)
-            done += 1
-            i += concurrency
-
-    start = time.perf_counter()
-    async with AsyncScorerClient(target, timeout=120) as client:
-        await asyncio.gather(*(caller(k, client) for k in range(concurrency)))
-    return done / (time.perf_counter() - start)
-
-
-# -- the overload run -----------------------------------------------------------------------------------------
-@dataclass
-class Outcome:
-    sent: float  # seconds since the start of the run
-    latency: float
-    status: str
-    diff: float = 0.0
-
-
-@dataclass
-class Samples:
-    queue: list[tuple[float, float]] = field(default_factory=list)  # (t, depth)
-    rss: list[tuple[float, float]] = field(default_factory=list)  # (t, MiB)
-
-
-async def sample(server: ServerProcess, samples: Samples, start: float, stop: asyncio.Event) -> None:
-    while not stop.is_set():
-        t = time.perf_counter() - start
-        samples.queue.append((round(t, 2), await asyncio.to_thread(server.queue_depth)))
-        samples.rss.append((round(t, 2), server.rss_mb()))
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), 0.25)
-
-
-async def poisson_arrivals(rate: float, seconds: float, rng: random.Random, start: float,
-                           send: Callable[[float], Awaitable[None]]) -> None:
-    """Calls `send(seconds since start)` at Poisson arrival times (`rate` per second) until `seconds` after
-    `start` (a perf_counter time), without waiting for one before the next; returns when all have finished."""
-    tasks = []
-    t = 0.0
-    while True:
-        t += rng.expovariate(rate)
-        if t >= seconds:
-            break
-        await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
-        tasks.append(asyncio.ensure_future(send(time.perf_counter() - start)))
-    await asyncio.gather(*tasks)
-
-
-async def open_loop(server: ServerProcess, cases: list[ScoreCase], rate: float, seconds: float,
-                    seed: int = 0) -> tuple[list[Outcome], Samples]:
-    rng = random.Random(seed)
-    outcomes: list[Outcome] = []
-    samples = Samples()
-    stop = asyncio.Event()
-    start = time.perf_counter()
-
-    async def one(client: AsyncScorerClient, case: ScoreCase, sent: float) -> None:
-        try:
-            got = await client.score(case.query, case.items, **case.options)
-            assert case.alone is not None
-            outcomes.append(Outcome(sent, time.perf_counter() - start - sent, "OK", max_diff(got, case.alone)))
-        except grpc.RpcError as e:
-            outcomes.append(Outcome(sent, time.perf_counter() - start - sent, e.code().name))
-
-    sampler = asyncio.ensure_future(sample(server, samples, start, stop))
-    async with AsyncScorerClient(server.target, timeout=120) as client:
-        await poisson_arrivals(rate, seconds, rng, start, lambda sent: one(client, rng.choice(cases), sent))
-    stop.set()
-    await sampler
-    return outcomes, samples
-
-
-def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
-    by_status: dict[str, list[Outcome]] = {}
-    for o in outcomes:
-        by_status.setdefault(o.status, []).append(o)
-    ok = by_status.get("OK", [])
-    refused = by_status.get("RESOURCE_EXHAUSTED", [])
-    return dict(
-        sent=len(outcomes), statuses={k: len(v) for k, v in sorted(by_status.items())},
-        accepted_latency_ms=ms([o.latency for o in ok]), refused_latency_ms=ms([o.latency for o in refused]),
-        wrong=sum(o.diff > TOLERANCE for o in ok), max_abs_diff=max((o.diff for o in ok), default=0.0),
-        exact=sum(o.diff == 0.0 for o in ok))
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--duration", type=float, default=60.0, help="seconds of open-loop load (default 60)")
-    ap.add_argument("--factor", type=float, default=3.0, help="offered load / measured capacity (default 3)")
-    ap.add_argument("--items", type=int, default=5, help="candidates per MIS request (default 5)")
-    ap.add_argument("--pool", type=int, default=16, help="distinct requests (default 16)")
-    ap.add_argument("--max-queue", type=int, default=16, help="the server's --max-queue (default 16)")
-    ap.add_argument("--capacity-s", type=float, default=20.0, help="seconds of the capacity measurement")
-    ap.add_argument("--rounds", type=int, default=2, help="load rounds on the same server (default 2)")
-    ap.add_argument("--server-args", default="", help='more `python -m server` flags, e.g. "--threads 1"')
-    ap.add_argument("--out", type=Path, default=REPO / "bench/results/hardening")
-    args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-
-    load_before = machine_load()
-    server = spawn_server("--max-queue", str(args.max_queue), *shlex.split(args.server_args),
-                          log=args.out / "overload_server.log", metrics=True)
+async def run(target: str, cases: list[Case], args: argparse.Namespace, server: Any) -> dict[str, Any]:
+    replay = ReplayTarget(target, timeout=120)
+    await replay.open()
     try:
-        cases = mis_cases(args.pool, args.items)
-        alone_s = score_alone(server.target, cases)
-        capacity = asyncio.run(closed_loop_capacity(server.target, cases, 4, args.capacity_s))
-        rss_before = server.rss_mb()
-        rate = args.factor * capacity
+        alone_s = await replay.record_alone(cases)
+        capacity = await loadgen.capacity(replay, "case", cases, 4, args.capacity_s)
+        rss_before, rate = server.rss_mb(), args.factor * capacity
         print(f"capacity {capacity:.2f} MIS req/s ({args.items} items); offering {rate:.2f} req/s for "
               f"{args.duration:.0f} s, {args.rounds} rounds", flush=True)
         rounds = []
         for k in range(args.rounds):  # a repeat shows whether RSS keeps growing or was a high-water mark
+            schedule = loadgen.poisson_schedule(rate, seed=k, duration_s=args.duration)
+            rng = random.Random(k)
+            load = loadgen.open_loop(replay, "case", [rng.choice(cases) for _ in schedule], schedule)
             cpu0, t0 = server.cpu_s(), time.perf_counter()
-            outcomes, samples = asyncio.run(open_loop(server, cases, rate, args.duration, seed=k))
+            run, samples = await sampled(server, 0.25, load)
             cores = (server.cpu_s() - cpu0) / (time.perf_counter() - t0)  # < cpus: something else took CPU
-            time.sleep(5)
-            rounds.append(dict(round=k + 1, **summarize(outcomes), server_cores_used=round(cores, 2),
+            await asyncio.sleep(5)
+            rounds.append(dict(round=k + 1, **summarize(run.records), server_cores_used=round(cores, 2),
                                loadavg_after=os.getloadavg(),
-                               max_queue_depth_seen=max((d for _, d in samples.queue), default=float("nan")),
-                               rss_mb=dict(peak=round(max(r for _, r in samples.rss), 1),
-                                           after_5s=round(server.rss_mb(), 1)),
-                               queue_samples=samples.queue, rss_samples=samples.rss[::4]))
-        exit_code = server.stop()
+                               max_queue_depth_seen=max((s["queue"] for s in samples), default=float("nan")),
+                               rss_mb=dict(peak=max(s["rss_mb"] for s in samples), after_5s=round(server.rss_mb(), 1)),
+                               queue_samples=[(s["t"], s["queue"]) for s in samples],
+                               rss_samples=[(s["t"], s["rss_mb"]) for s in samples[::4]]))
     finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
+        await replay.close()
+    return dict(alone_latency_ms=Summary.of(alone_s, scale=1e3).pick("p50", "p95", "p99", "max", digits=1),
+                capacity_rps=round(capacity, 3), offered_rps=round(rate, 3), rss_mb_before=round(rss_before, 1),
+                rounds=rounds)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_server_run_args(ap, capacity_s=20.0, duration=(60.0, "seconds of open-loop load"),
+                        factor=(3.0, "offered load / measured capacity"), items=(5, "candidates per MIS request"),
+                        pool=(16, "distinct requests"), max_queue=(16, "the server's --max-queue"),
+                        rounds=(2, "load rounds on the same server"))
+    args = ap.parse_args()
+    args.name = args.name or "overload"
+
+    load_before = os.getloadavg()
+    cases = mis_cases(args.pool, args.items)
+    flags = ["--max-queue", str(args.max_queue), *shlex.split(args.server_args)]
+    with spawned_server(args.out / f"{args.name}_server.log", flags, metrics=True) as server:
+        result = asyncio.run(run(server.target, cases, args, server))
+        exit_code = server.stop()
     usage = cases[0].alone.usage if cases[0].alone else None
-    result = dict(
-        run="overload", when=time.strftime("%Y-%m-%d %H:%M:%S"),
-        machine=dict(before=load_before, after=machine_load()), config=dict(vars(args), out=str(args.out)),
-        usage_of_one_request=asdict(usage) if usage else None, alone_latency_ms=ms(alone_s),
-        capacity_rps=round(capacity, 3), offered_rps=round(rate, 3), rss_mb_before=round(rss_before, 1),
-        server_exit_code=exit_code, rounds=rounds)
-    write_json(args.out / "overload.json", result)
-    write_report(report(result), args.out / "overload.txt")
+    result = run_record(args.name, args, load_before, usage_of_one_request=asdict(usage) if usage else None,
+                        server_exit_code=exit_code, **result)
+    write_json(args.out / f"{args.name}.json", result)
+    write_report(report(result), args.out / f"{args.name}.txt")
 
 
 def report(r: dict[str, Any]) -> str:
     c = r["config"]
-    lines = [
-        f"# overload {r['when']}: load average before {r['machine']['before']['loadavg']}, after "
-        f"{r['machine']['after']['loadavg']}, {r['machine']['before']['cpus']} CPUs",
-        f"MIS request: {c['items']} items, {r['usage_of_one_request']} tokens; alone {r['alone_latency_ms']} ms",
-        f"capacity (closed loop, 4 callers) {r['capacity_rps']} req/s; offered {r['offered_rps']} req/s "
-        f"({c['factor']}x) open-loop Poisson for {c['duration']:.0f} s per round; --max-queue {c['max_queue']}",
-        f"server RSS MiB before the load: {r['rss_mb_before']}; exit code on SIGTERM {r['server_exit_code']}",
-    ]
+    lines = [*run_header(r, f"{c['rounds']} rounds of {c['duration']:g} s", f"({c['factor']}x) open-loop Poisson "
+                         f"for {c['duration']:.0f} s per round; --max-queue {c['max_queue']}"),
+             f"MIS request: {c['items']} items, {r['usage_of_one_request']} tokens; alone {r['alone_latency_ms']} ms",
+             f"server RSS MiB before the load: {r['rss_mb_before']}; exit code on SIGTERM {r['server_exit_code']}"]
     for k in r["rounds"]:
         lines += [
             f"round {k['round']}: sent {k['sent']}: {k['statuses']}; queue depth max seen "

@@ -9,7 +9,7 @@ salt per question dispatch): /generative_scoring and one one-token /v1/completio
 $PEERS/start_vllm.sh and stopped by $PEERS/stop_all.sh (see bench/peers.md). Token counts per question come
 from each side's `usage`, and for vLLM also from its /metrics prefix-cache counters around each phase.
 
-Writes OUT/peers.json (every phase), OUT/records.jsonl (every question) and OUT/report.md (medians over the
+Writes OUT/peers.json (every phase), OUT/records.jsonl.gz (every question) and OUT/report.md (medians over the
 blocks, the ratios, the token counts, the CPU).
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gzip
 import json
 import os
 import random
@@ -381,7 +382,7 @@ ServerFactory = Callable[[int, str], contextlib.AbstractContextManager[dict[str,
 def run(plan: Plan, servers: ServerFactory, out: Path, idle: Callable[[], float] | None = None,
         log: Callable[[str], None] = print, command: str | None = None) -> Path:
     """Every block in order against the server `servers(block, side)` starts (and stops on exit); writes
-    peers.json, records.jsonl and report.md in `out` and returns the report's path."""
+    peers.json, records.jsonl.gz and report.md in `out` and returns the report's path."""
     out.mkdir(parents=True, exist_ok=True)
     questions = question_sets(plan.candidates, plan.questions_for(max(plan.concurrency)))
     meta: dict[str, Any] = {"machine": machine(), "cpu": machine_info(), "git_commit": serving.git_commit(),
@@ -389,7 +390,7 @@ def run(plan: Plan, servers: ServerFactory, out: Path, idle: Callable[[], float]
                             "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "blocks": []}
     phases: list[dict[str, Any]] = []
     t0 = time.monotonic()
-    with open(out / "records.jsonl", "w") as rec:
+    with gzip.open(out / "records.jsonl.gz", "wt") as rec:
         for block, side in enumerate(plan.blocks()):
             if idle is not None:
                 idle()

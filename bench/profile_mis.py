@@ -5,7 +5,10 @@ microseconds per call, so the total with timers is reported next to the plain on
 `--gemm torch` empties `linear`'s entry in the op registry while the model loads, so the decoder keeps its
 projections plain and linear runs them on torch's path (F.linear in fixed-height row calls, the epilogue in torch):
 the same forward with torch's GEMM, for comparison. Scores of the two are compared in the report.
-Usage: python -m bench.profile_mis [--threads 2] [--forwards 10] [--gemm ours|torch] [--out FILE]"""
+`--decode B` times one decode step of B running generations instead (prompts of the bench question's shape, ~300
+tokens each; the median `engine.step` once all decode), our projections against torch's, in alternating rounds.
+Usage: python -m bench.profile_mis [--threads 2] [--forwards 10] [--gemm ours|torch] [--out FILE]
+       python -m bench.profile_mis --decode 8 [--steps 20] [--rounds 2] [--out FILE]"""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from bench.common import machine, question
 from bench.summary import write_report
 from pyscore.engine import Engine
 from pyscore.ops import AttentionPlan, _ext
+from pyscore.types import GenerateRequest
 
 # Where the decoder and the engine look the ops up (attention runs through the batch's plan, once per layer).
 TIMED = {decoder_module: ["add_rms_norm", "rotary_", "linear"], engine_module: ["label_logprobs"],
@@ -86,14 +90,53 @@ def score_change(a, b) -> float:
                for row_a, row_b in zip(item_a, item_b, strict=True) for x, y in zip(row_a, row_b, strict=True))
 
 
+def step_ms(engine: Engine, prompts: list[str], steps: int) -> tuple[float, int]:
+    """Median ms of a decode step over `steps` steps after the prefill, and the cache length at the end."""
+    engine.generation.eos_ids = frozenset()  # every generation runs its full length
+    gens = [engine.start_generation(GenerateRequest(prompt=p, max_tokens=steps + 2)) for p in prompts]
+    engine.step(gens)  # prefill
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step(gens)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), gens[0].cache.length
+
+
+def decode(args: argparse.Namespace) -> list[str]:
+    engines = {gemm: load(args.threads, gemm) for gemm in ("ours", "torch")}
+    query, items = question(args.decode, seed=3)
+    times: dict[str, list[float]] = {gemm: [] for gemm in engines}
+    length = 0
+    for _ in range(args.rounds):
+        for gemm, engine in engines.items():
+            ms, length = step_ms(engine, [query + item for item in items], args.steps)
+            times[gemm].append(ms)
+    ours, theirs = statistics.median(times["ours"]), statistics.median(times["torch"])
+    return [f"machine: {machine()}",
+            f"SmolLM2-135M-Instruct bf16, threads {args.threads}: one decode step of {args.decode} generations "
+            f"(~{length} cached tokens each at the end), median of {args.steps} steps, median over {args.rounds} "
+            "alternating rounds; attention: decode_attention (one call per layer for all sequences)",
+            f"projections on pyscore.ops.linear (prepacked, fused epilogues): {ours:.1f} ms",
+            f"projections on F.linear + silu_mul + add_rms_norm's residual add: {theirs:.1f} ms  "
+            f"(F.linear / linear = {theirs / ours:.2f}x)"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--forwards", type=int, default=10)
     parser.add_argument("--candidates", type=int, default=16)
     parser.add_argument("--gemm", choices=["ours", "torch"], default="ours", help="the decoder's projections")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "profile_mis.txt")
+    parser.add_argument("--decode", type=int, default=0, help="time a decode step of this many generations instead")
+    parser.add_argument("--steps", type=int, default=20, help="--decode: timed steps per round")
+    parser.add_argument("--rounds", type=int, default=2, help="--decode: alternating rounds")
+    parser.add_argument("--out", type=Path, default=None, help="default results/profile_mis.txt, decode_step.txt")
     args = parser.parse_args()
+    results = Path(__file__).resolve().parent / "results"
+    if args.decode:
+        write_report(decode(args), args.out or results / "decode_step.txt")
+        return
     engine = load(args.threads, args.gemm)
     other = load(args.threads, "torch" if args.gemm == "ours" else "ours")
     query, items = question(args.candidates, seed=args.candidates)
@@ -143,7 +186,7 @@ def main() -> None:
     lines += ["", "torch profiler, one forward (self CPU time; pyscore::* rows are our timers' labels, their "
               "self time is the C++ kernel):",
               prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)]
-    write_report(lines, args.out)
+    write_report(lines, args.out or results / "profile_mis.txt")
 
 
 if __name__ == "__main__":

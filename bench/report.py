@@ -164,36 +164,36 @@ def targets_section(points: Sequence[Point]) -> list[str]:
     return lines
 
 
-def closed_table(points: Sequence[Point], many: bool) -> list[str]:
-    rows = [p for p in points if p.loop == "closed"]
-    if not rows:
-        return []
-    lines = ["## Closed loop", "",
-             "Time to decision (ms) = last candidate's completion − dispatch. Median over repetitions, "
-             "(min–max) across them.", "",
-             "| path | concurrency | reps | p50 | p95 | p99 | achieved q/s | errors | accuracy |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for p in rows:
-        acc = p.median("accuracy")
-        lines.append(f"| {label(p, many)} | {p.load:g} | {len(p.runs)} | {e2e_cells(p)} | "
-                     f"{p.median('achieved_qps') or 0:.2f} | {p.errors}/{p.questions} | "
-                     f"{'–' if acc is None else f'{acc:.2f}'} |")
-    return [*lines, ""]
+LOOPS = {  # loop: (title and how its time to decision is taken, the table's columns after path and load)
+    "closed": ("## Closed loop\n\nTime to decision (ms) = last candidate's completion − dispatch. Median over "
+               "repetitions, (min–max) across them.", "concurrency | reps | p50 | p95 | p99 | achieved q/s | errors | "
+               "accuracy"),
+    "open": ("## Open loop\n\nPoisson arrivals from a seeded schedule (a new seed per repetition, the same schedules "
+             "for every path). Time to decision = last candidate's completion − scheduled arrival. Dispatch lag = "
+             "dispatch − scheduled arrival (the client's own delay).", "offered q/s | achieved q/s | p50 | p95 | p99 | "
+             "dispatch lag p99 | errors"),
+}
 
 
-def open_table(points: Sequence[Point], many: bool) -> list[str]:
-    rows = [p for p in points if p.loop == "open"]
+def row(p: Point, many: bool) -> str:
+    achieved, errors = f"{p.median('achieved_qps') or 0:.2f}", f"{p.errors}/{p.questions}"
+    if p.loop == "open":
+        return (f"| {label(p, many)} | {p.load:g} | {achieved} | {e2e_cells(p)} | "
+                f"{p.median('dispatch_lag_ms', 'p99') or 0:.1f} | {errors} |")
+    acc = p.median("accuracy")
+    return (f"| {label(p, many)} | {p.load:g} | {len(p.runs)} | {e2e_cells(p)} | {achieved} | {errors} | "
+            f"{'–' if acc is None else f'{acc:.2f}'} |")
+
+
+def loop_table(points: Sequence[Point], many: bool, loop: str) -> list[str]:
+    rows = [p for p in points if p.loop == loop]
     if not rows:
         return []
-    lines = ["## Open loop", "",
-             "Poisson arrivals from a seeded schedule (a new seed per repetition, the same schedules for every "
-             "path). Time to decision = last candidate's completion − scheduled arrival. Dispatch lag = dispatch − "
-             "scheduled arrival (the client's own delay).", "",
-             "| path | offered q/s | achieved q/s | p50 | p95 | p99 | dispatch lag p99 | errors |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for p in rows:
-        lines.append(f"| {label(p, many)} | {p.load:g} | {p.median('achieved_qps') or 0:.2f} | {e2e_cells(p)}"
-                     f" | {p.median('dispatch_lag_ms', 'p99') or 0:.1f} | {p.errors}/{p.questions} |")
+    intro, columns = LOOPS[loop]
+    lines = [*intro.split("\n"), "", f"| path | {columns} |", "| --- |" + " ---: |" * (columns.count("|") + 1),
+             *(row(p, many) for p in rows)]
+    if loop == "closed":
+        return [*lines, ""]
     worst = max(rows, key=lambda p: (p.median("dispatch_lag_ms", "p99") or 0)
                 / max(p.median("end_to_end_latency_ms", "p50") or 1, 1))
     lag, p50 = worst.median("dispatch_lag_ms", "p99") or 0, worst.median("end_to_end_latency_ms", "p50") or 0
@@ -256,7 +256,7 @@ def write_markdown(results_dir: Path, summaries: Sequence[dict[str, Any]], point
                    plots: Sequence[str]) -> Path:
     many = len({p.target for p in points if not p.is_local}) > 1
     lines = header(summaries) + targets_section(points) + candidates_table(points, many)
-    lines += closed_table(points, many) + open_table(points, many)
+    lines += loop_table(points, many, "closed") + loop_table(points, many, "open")
     lines += ["## Plots", ""] + [f"![{name}]({name})" for name in plots] + [""]
     path = results_dir / "report.md"
     write_report(lines, path, echo=False)

@@ -1,6 +1,6 @@
 """Serving benchmark: time to decision per question along each path (generate, sis, mis, fused, setwise), closed
 loop over a concurrency sweep and open loop over an offered-QPS sweep, each load point repeated. Every run
-writes `<out>/runs/<target>/<path>/<load>/rep<r>/summary.json` (and records.jsonl, one line per question);
+writes `<out>/runs/<target>/<path>/<load>/rep<r>/summary.json` (and records.jsonl.gz, one line per question);
 `<out>/results.json` collects all summaries for `python -m bench.report`.
 
     python -m bench.serving --target 127.0.0.1:50051 --paths mis sis generate --concurrency 1 8 16 32
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gzip
 import json
 import math
 import os
@@ -122,7 +123,8 @@ def write_run(out: Path, summary: dict[str, Any], records: Sequence[loadgen.Reco
     point = LoadPoint(summary["concurrency"], summary["target_qps"])
     run_dir = out / "runs" / target_slug / summary["path"] / point.name / f"rep{summary['rep']}"
     write_json(run_dir / "summary.json", summary, indent=2)
-    (run_dir / "records.jsonl").write_text("".join(json.dumps(r.to_json()) + "\n" for r in records))
+    with gzip.open(run_dir / "records.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps(r.to_json()) + "\n" for r in records)
     return run_dir
 
 

@@ -1,11 +1,11 @@
 """Soak: mixed Score (SIS, MIS, setwise) and Generate traffic at `--load` (default 70%) of the measured
-capacity, from `--clients` clients (each its own channel, Poisson arrivals), for `--minutes` (default 10)
-against `python -m server` on the embedded model. Every Score answer is checked against the same request
-scored alone beforehand (Generate, greedy, against its text generated alone). Reports requests served,
-errors, wrong answers, p95, and the server's memory: RSS every 10 s, and every `--memory-every-s` (60) the
-server's own probe (server/memory.py: RSS, glibc's mallinfo2 and malloc_info totals, and with `--tracemalloc`
-the Python allocation sites that grew); a PNG of the curves, and whether RSS after minute 5 stayed within
-±10% of its minute-5 value. Not a CI test: it produces figures.
+capacity (bench.loadgen's open loop, Poisson arrivals sent through `--clients` channels in turn), for
+`--minutes` (default 10) against `python -m server` on the embedded model. Every Score answer is checked
+against the same request scored alone beforehand (Generate, greedy, against its text generated alone).
+Reports requests served, errors, wrong answers, p95, and the server's memory: RSS every 10 s, and every
+`--memory-every-s` (60) the server's own probe (server/memory.py: RSS, glibc's mallinfo2 and malloc_info
+totals, and with `--tracemalloc` the Python allocation sites that grew); a PNG of the curves, and whether RSS
+after minute 5 stayed within ±10% of its minute-5 value. Not a CI test: it produces figures.
 
 Controls, to tell allocator retention from a leak: `--trim-under-load` (the worker calls malloc_trim every
 10 s even while busy), `--allocator jemalloc|tcmalloc` (LD_PRELOAD of Debian's libjemalloc2 /
@@ -27,17 +27,15 @@ import json
 import os
 import random
 import shlex
-import time
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import grpc
-
-from bench.common import REPO, ServerProcess, machine, question, spawn_server
-from bench.overload import TOLERANCE, ScoreCase, machine_load, max_diff, ms, score_alone
+from bench import loadgen
+from bench.common import add_server_run_args, question, run_header, run_record, sampled, spawned_server
+from bench.loadgen import Record
 from bench.summary import write_json, write_report
-from pyscore.client import AsyncScorerClient, ScorerClient
+from bench.targets import TOLERANCE, Case, ReplayTarget
 
 MARKER = " ###"  # one token in SmolLM2's vocabulary
 ALLOCATORS = {"glibc": None, "jemalloc": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
@@ -45,160 +43,73 @@ ALLOCATORS = {"glibc": None, "jemalloc": "/usr/lib/x86_64-linux-gnu/libjemalloc.
 PACKAGES = {"jemalloc": "libjemalloc2", "tcmalloc": "libtcmalloc-minimal4"}
 STEADY_AFTER_MIN = 5.0  # the target: RSS after this minute stays within +-10% of its value then
 MIX = {"sis": 0.3, "mis": 0.3, "setwise": 0.2, "generate": 0.2}
-
-
-@dataclass
-class GenerateCase:
-    name: str
-    prompt: str
-    options: dict[str, Any]
-    alone: str | None = None
-
-
-Case = ScoreCase | GenerateCase
+YES_NO = dict(labels=[" Yes", " No"])
 
 
 def make_cases(per_kind: int) -> dict[str, list[Case]]:
     cases: dict[str, list[Case]] = {k: [] for k in MIX}
     for i in range(per_kind):
-        query, items = question(3, seed=2000 + i)
-        cases["sis"].append(ScoreCase(f"sis-{i}", query, items, dict(labels=[" Yes", " No"], mode="sis")))
-        query, items = question(5, seed=3000 + i)
-        cases["mis"].append(ScoreCase(f"mis-{i}", query, items, dict(labels=[" Yes", " No"], mode="mis")))
+        cases["sis"].append(Case(f"sis-{i}", "sis", *question(3, seed=2000 + i), dict(YES_NO, mode="sis")))
+        cases["mis"].append(Case(f"mis-{i}", "mis", *question(5, seed=3000 + i), dict(YES_NO, mode="mis")))
         query, items = question(4, seed=4000 + i, item_words=8)
         answers = [item.split("\n")[0] for item in items]  # "Proposed answer: ..." without the question
         ranked = [f"{a}{MARKER} {b}{MARKER}" for a, b in zip(answers[::2], answers[1::2], strict=True)]
-        cases["setwise"].append(ScoreCase(f"setwise-{i}", query.replace("which action", "rank the actions"), ranked,
-                                          dict(labels=[" Yes", " No"], score_extraction_token=MARKER)))
-        cases["generate"].append(GenerateCase(f"generate-{i}", f"Customer {i}: where is my order? Agent:",
-                                              dict(max_tokens=8, temperature=0.0)))
+        cases["setwise"].append(Case(f"setwise-{i}", "setwise", query.replace("which action", "rank the actions"),
+                                     ranked, dict(YES_NO, score_extraction_token=MARKER)))
+        cases["generate"].append(Case(f"generate-{i}", "generate", f"Customer {i}: where is my order? Agent:", [],
+                                      dict(max_tokens=8, temperature=0.0)))
     return cases
 
 
-def generate_alone(target: str, cases: list[Case]) -> None:
-    with ScorerClient(target, timeout=120) as client:
-        for case in cases:
-            assert isinstance(case, GenerateCase)
-            case.alone = client.generate(case.prompt, **case.options).text
+def picks(cases: dict[str, list[Case]], n: int, seed: int) -> list[Case]:
+    """`n` requests drawn from the mix (kinds by MIX's weights), seeded."""
+    rng = random.Random(seed)
+    return [rng.choice(cases[rng.choices(list(MIX), weights=list(MIX.values()))[0]]) for _ in range(n)]
 
 
-@dataclass
-class Outcome:
-    kind: str
-    sent: float
-    latency: float
-    status: str
-    wrong: bool = False
-    diff: float = 0.0
-
-
-async def call(client: AsyncScorerClient, kind: str, case: Case, start: float) -> Outcome:
-    sent = time.perf_counter() - start
+async def soak(target: str, server: Any, cases: dict[str, list[Case]], a: argparse.Namespace
+               ) -> tuple[float, float, list[Record], list[dict[str, Any]]]:
+    """References alone, the mix's capacity (closed loop, 4 callers), then the open loop at `a.load` of it
+    through `a.clients` channels, sampling the server every 10 s; (capacity, rate, records, samples)."""
+    replay = ReplayTarget(target, channels=a.clients, timeout=120)
+    await replay.open()
     try:
-        if isinstance(case, ScoreCase):
-            got = await client.score(case.query, case.items, **case.options)
-            assert case.alone is not None
-            diff = max_diff(got, case.alone)
-            return Outcome(kind, sent, time.perf_counter() - start - sent, "OK", diff > TOLERANCE, diff)
-        text = (await client.generate(case.prompt, **case.options)).text
-        return Outcome(kind, sent, time.perf_counter() - start - sent, "OK", text != case.alone)
-    except grpc.RpcError as e:
-        return Outcome(kind, sent, time.perf_counter() - start - sent, e.code().name)
+        await replay.record_alone([c for k in MIX for c in cases[k]])
+        cap = await loadgen.capacity(replay, "case", picks(cases, 1000, seed=1), 4, a.capacity_s)
+        rate = a.load * cap
+        print(f"capacity {cap:.2f} req/s of the mix; offering {rate:.2f} req/s for {a.minutes} min", flush=True)
+        schedule = loadgen.poisson_schedule(rate, seed=100, duration_s=a.minutes * 60)
+        run, samples = await sampled(server, 10.0, loadgen.open_loop(replay, "case", picks(cases, len(schedule), 2),
+                                                                      schedule))
+    finally:
+        await replay.close()
+    return cap, rate, run.records, samples
 
 
-def pick(rng: random.Random, cases: dict[str, list[Case]]) -> tuple[str, Case]:
-    kind = rng.choices(list(MIX), weights=list(MIX.values()))[0]
-    return kind, rng.choice(cases[kind])
-
-
-async def capacity(target: str, cases: dict[str, list[Case]], concurrency: int, seconds: float) -> float:
-    """Requests of the mix per second with `concurrency` closed-loop callers."""
-    rng = random.Random(1)
-    done, stop = 0, time.perf_counter() + seconds
-
-    async def caller(client: AsyncScorerClient) -> None:
-        nonlocal done
-        while time.perf_counter() < stop:
-            kind, case = pick(rng, cases)
-            outcome = await call(client, kind, case, time.perf_counter())
-            done += outcome.status == "OK"
-
-    t0 = time.perf_counter()
-    async with AsyncScorerClient(target, timeout=120) as client:
-        await asyncio.gather(*(caller(client) for _ in range(concurrency)))
-    return done / (time.perf_counter() - t0)
-
-
-async def soak(server: ServerProcess, cases: dict[str, list[Case]], rate: float, clients: int, seconds: float,
-               sample_s: float = 10.0) -> tuple[list[Outcome], list[dict[str, Any]]]:
-    outcomes: list[Outcome] = []
-    samples: list[dict[str, Any]] = []
-    start = time.perf_counter()
-
-    async def client_loop(k: int) -> None:
-        rng = random.Random(100 + k)
-        tasks = []
-        async with AsyncScorerClient(server.target, timeout=120) as client:
-            t = 0.0
-            while True:
-                t += rng.expovariate(rate / clients)
-                if t >= seconds:
-                    break
-                await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
-                kind, case = pick(rng, cases)
-                tasks.append(asyncio.ensure_future(call(client, kind, case, start)))
-            outcomes.extend(await asyncio.gather(*tasks))
-
-    async def sampler() -> None:
-        cpu, t = server.cpu_s(), time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            await asyncio.sleep(sample_s)
-            cores = (server.cpu_s() - cpu) / (time.perf_counter() - t)  # the server's CPU use since the last sample
-            cpu, t = server.cpu_s(), time.perf_counter()
-            samples.append(dict(t=round(t - start), rss_mb=round(server.rss_mb(), 1), server_cores=round(cores, 2),
-                                loadavg_1m=round(os.getloadavg()[0], 2),
-                                queue=await asyncio.to_thread(server.queue_depth)))
-
-    samples.append(dict(t=0, rss_mb=round(server.rss_mb(), 1), server_cores=0.0,
-                        loadavg_1m=round(os.getloadavg()[0], 2), queue=server.queue_depth()))
-    sampling = asyncio.ensure_future(sampler())
-    await asyncio.gather(*(client_loop(k) for k in range(clients)))
-    sampling.cancel()
-    samples.append(dict(t=round(time.perf_counter() - start), rss_mb=round(server.rss_mb(), 1), server_cores=None,
-                        loadavg_1m=round(os.getloadavg()[0], 2), queue=server.queue_depth()))
-    return outcomes, samples
-
-
-def summarize(outcomes: list[Outcome], minutes: float) -> dict[str, Any]:
-    ok = [o for o in outcomes if o.status == "OK"]
-    errors: dict[str, int] = {}
-    for o in outcomes:
-        if o.status != "OK":
-            errors[o.status] = errors.get(o.status, 0) + 1
-    per_kind = {k: dict(served=sum(o.kind == k for o in ok), wrong=sum(o.wrong for o in ok if o.kind == k),
-                        latency_ms=ms([o.latency for o in ok if o.kind == k])) for k in MIX}
+def summarize(records: Sequence[Record], minutes: float) -> dict[str, Any]:
+    ok = [r for r in records if r.ok]
+    errors = {k: v for k, v in loadgen.statuses(records).items() if k != "OK"}
+    per_kind = {k: dict(served=sum(r.kind == k for r in ok), wrong=sum(r.correct is False for r in ok if r.kind == k),
+                        latency_ms=loadgen.latency_ms([r for r in ok if r.kind == k])) for k in MIX}
     per_minute = []
     for m in range(int(-(-minutes // 1))):
-        window = [o for o in outcomes if m * 60 <= o.sent < (m + 1) * 60]
-        served = [o for o in window if o.status == "OK"]
+        window = [r for r in records if m * 60 <= r.sent < (m + 1) * 60]
+        served = [r for r in window if r.ok]
         per_minute.append(dict(minute=m + 1, sent=len(window), served=len(served),
-                               errors=len(window) - len(served), wrong=sum(o.wrong for o in served),
-                               p95_ms=ms([o.latency for o in served])["p95"]))
-    score_ok = [o for o in ok if o.kind != "generate"]
-    return dict(sent=len(outcomes), served=len(ok), errors=errors,
-                wrong_scores=sum(o.wrong for o in score_ok),
-                generate_text_mismatches=sum(o.wrong for o in ok if o.kind == "generate"),
-                max_abs_score_diff=max((o.diff for o in score_ok), default=0.0),
-                latency_ms=ms([o.latency for o in ok]), per_kind=per_kind, per_minute=per_minute)
+                               errors=len(window) - len(served), wrong=sum(r.correct is False for r in served),
+                               p95_ms=loadgen.latency_ms(served)["p95"]))
+    score_ok = [r for r in ok if r.kind != "generate"]
+    return dict(sent=len(records), served=len(ok), errors=errors,
+                wrong_scores=sum(r.correct is False for r in score_ok),
+                generate_text_mismatches=sum(r.correct is False for r in ok if r.kind == "generate"),
+                max_abs_score_diff=max((r.diff or 0.0 for r in score_ok), default=0.0),
+                latency_ms=loadgen.latency_ms(ok), per_kind=per_kind, per_minute=per_minute)
 
 
 def report(r: dict[str, Any]) -> str:
     c = r["config"]
     lines = [
-        f"# {r['run']} {r['when']} | {r['cpu']}: {c['minutes']} min, {c['clients']} clients, "
-        f"{c['load']:.0%} of capacity; load average before {r['machine']['before']['loadavg']}, "
-        f"{r['machine']['before']['cpus']} CPUs",
-        f"mix {MIX}; capacity (closed loop, 4 callers) {r['capacity_rps']} req/s -> offered {r['offered_rps']} req/s",
+        *run_header(r, f"{c['minutes']} min, {c['clients']} clients", f"({c['load']:.0%} of capacity), the mix {MIX}"),
         f"sent {r['sent']}, served {r['served']}, errors {r['errors'] or 0}, wrong Score answers {r['wrong_scores']} "
         f"(|diff| > {TOLERANCE}; max |diff| {r['max_abs_score_diff']:.2e}), Generate texts differing from alone "
         f"{r['generate_text_mismatches']}",
@@ -209,7 +120,7 @@ def report(r: dict[str, Any]) -> str:
         *(f"{m['minute']:6d} {m['sent']:5d} {m['served']:6d} {m['errors']:6d} {m['wrong']:5d} {m['p95_ms']:7.1f}"
           for m in r["per_minute"]),
         "t s  RSS MiB  server cores  1-min load  queue",
-        *(f"{s['t']:4d} {s['rss_mb']:8.1f} {s['server_cores'] if s['server_cores'] is not None else '':>13} "
+        *(f"{s['t']:4.0f} {s['rss_mb']:8.1f} {s['server_cores'] if s['server_cores'] is not None else '':>13} "
           f"{s['loadavg_1m']:11.2f} {s['queue']:6.0f}" for s in r["samples"]),
         f"server exit code on SIGTERM {r['server_exit_code']}",
     ]
@@ -300,49 +211,33 @@ def memory_report(memory: list[dict[str, Any]], verdict: dict[str, Any]) -> list
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--minutes", type=float, default=10.0, help="length of the soak (default 10)")
-    ap.add_argument("--clients", type=int, default=4, help="clients, each with its own channel (default 4)")
-    ap.add_argument("--load", type=float, default=0.7, help="offered load / measured capacity (default 0.7)")
-    ap.add_argument("--per-kind", type=int, default=6, help="distinct requests of each kind (default 6)")
-    ap.add_argument("--capacity-s", type=float, default=30.0, help="seconds of the capacity measurement")
-    ap.add_argument("--server-args", default="", help='more `python -m server` flags, e.g. "--threads 1"')
+    add_server_run_args(ap, capacity_s=30.0, minutes=(10.0, "length of the soak"),
+                        clients=(4, "client channels the arrivals take in turn"),
+                        load=(0.7, "offered load / measured capacity"), per_kind=(6, "distinct requests of each kind"),
+                        memory_every_s=(60.0, "seconds between memory probes"))
     ap.add_argument("--allocator", choices=list(ALLOCATORS), default="glibc",
                     help="the server's malloc: glibc, or jemalloc / tcmalloc by LD_PRELOAD (default glibc)")
     ap.add_argument("--trim-under-load", action="store_true", help="the worker calls malloc_trim even while busy")
     ap.add_argument("--tracemalloc", type=int, default=0, help="trace Python allocations with N frames (0 = off)")
-    ap.add_argument("--memory-every-s", type=float, default=60.0, help="seconds between memory probes (default 60)")
     ap.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
                     help="more environment for the server, e.g. MALLOC_MMAP_THRESHOLD_=131072 or "
                          "ONEDNN_PRIMITIVE_CACHE_CAPACITY=64 (repeatable)")
-    ap.add_argument("--name", help="name of the result files (default: from the variant)")
-    ap.add_argument("--out", type=Path, default=REPO / "bench/results/hardening")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     name = variant_name(args)
     memory_log = args.out / f"{name}_memory.jsonl"
     memory_log.unlink(missing_ok=True)
 
-    load_before = machine_load()
-    server = spawn_server(*shlex.split(args.server_args), log=args.out / f"{name}_server.log", metrics=True,
-                          env=server_env(args, memory_log))
-    try:
-        cases = make_cases(args.per_kind)
-        score_alone(server.target, [c for k in ("sis", "mis", "setwise") for c in cases[k]])  # type: ignore[misc]
-        generate_alone(server.target, cases["generate"])
-        cap = asyncio.run(capacity(server.target, cases, 4, args.capacity_s))
-        rate = args.load * cap
-        print(f"capacity {cap:.2f} req/s of the mix; offering {rate:.2f} req/s for {args.minutes} min", flush=True)
-        outcomes, samples = asyncio.run(soak(server, cases, rate, args.clients, args.minutes * 60))
+    load_before = os.getloadavg()
+    with spawned_server(args.out / f"{name}_server.log", shlex.split(args.server_args), metrics=True,
+                        env=server_env(args, memory_log)) as server:
+        cap, rate, records, samples = asyncio.run(soak(server.target, server, make_cases(args.per_kind), args))
         exit_code = server.stop()
-    finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
     memory = read_memory_log(memory_log)
     verdict = rss_verdict(samples)
-    result = dict(run=name, when=time.strftime("%Y-%m-%d %H:%M:%S"), cpu=machine(),
-                  machine=dict(before=load_before, after=machine_load()), config=dict(vars(args), out=str(args.out)),
-                  capacity_rps=round(cap, 3), offered_rps=round(rate, 3), samples=samples, memory=memory,
-                  rss_verdict=verdict, server_exit_code=exit_code, **summarize(outcomes, args.minutes))
+    result = run_record(name, args, load_before,
+                        capacity_rps=round(cap, 3), offered_rps=round(rate, 3), samples=samples, memory=memory,
+                        rss_verdict=verdict, server_exit_code=exit_code, **summarize(records, args.minutes))
     write_json(args.out / f"{name}.json", result)
     plot(samples, memory, f"{name}: {args.minutes:g} min, {result['cpu']}", args.out / f"{name}_rss.png")
     write_report(report(result) + "\n".join(memory_report(memory, verdict)), args.out / f"{name}.txt")

@@ -5,8 +5,8 @@ Percentile, everywhere in bench/: **linear interpolation between the closest ran
 r = (n - 1) * p / 100 and is x[floor(r)] + (x[ceil(r)] - x[floor(r)]) * (r - floor(r)). Its p50 is the
 median as `statistics.median` takes it (the mean of the two middle values of an even count). Every p50 / p90 /
 p95 / p99 a bench command reports comes from `percentile`, most through `Summary`. (Before issue 21 the
-overload, soak and deploy commands took the nearest rank instead: their recorded p95s in
-bench/results/hardening/ and bench/results/deploy/ are nearest-rank figures.)
+overload, soak and deploy commands took the nearest rank instead: the results recorded then say so in their
+header; bench/results/hardening/overload.txt was re-recorded with this one.)
 
 `write_report` prints and records a text report, `write_json` records its data; both write atomically (a reader,
 or a timeout kill, never sees half a file) and make folders as needed."""

@@ -17,11 +17,15 @@
   GrpcTarget's requests as JSON (/v1/score, /v1/completions, /v1/chat/completions) and its prefix-cache rule;
   against GrpcTarget on the same server it measures what HTTP adds per call.
 - `InProcessTarget` (`inprocess`): pyscore.engine.Engine in this process, no gRPC (the service layer's cost).
+- `ReplayTarget` (overload, soak, fleet runs): our gRPC server sent recorded requests (`Case`s) verbatim; an
+  answer is correct when it equals the case's answer alone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +52,8 @@ class Decision:
     computed_tokens: int = 0
     server_queue_ms: float | None = None
     server_compute_ms: float | None = None
+    correct: bool | None = None  # set by targets that judge the answer themselves (ReplayTarget)
+    diff: float | None = None  # ReplayTarget: largest |answer - answer alone| of a Score
 
 
 def usage_decision(choice: int | None, usages: Sequence[Any], timed: bool) -> Decision:
@@ -97,19 +103,26 @@ class Target:
         return await getattr(self, f"_{path}")(q)
 
 
-class PointwiseScoring:
-    """sis / mis for targets with our Score semantics: one request per question, Yes/No rows per option."""
+class OurPaths:
+    """The five paths for targets with our API (gRPC, our HTTP front door, the engine in process), written once
+    over two calls each target makes its own way: `_score_call` (a Score with the Yes/No label ids and
+    apply_softmax; the fields the path adds) and `_top_call` (one one-token generation, chat-templated or not:
+    its first token's top alternatives and Usage). Every request carries `cache_options(self.prefix_cache)`."""
 
     info: TargetInfo
+    marker: str | None
+    prefix_cache = "dispatch"
     timed = False  # the results' Usage carries a server's queue wait and compute time
 
-    async def _score_result(self, query: str, items: list[str], mode: str) -> Any:
-        """The target's ScoreResult for one pointwise prompt (Yes/No label ids, apply_softmax)."""
+    async def _score_call(self, query: str, items: list[str], **fields: Any) -> Any:
+        raise NotImplementedError
+
+    async def _top_call(self, prompt: str, chat: bool, top: int) -> tuple[list[tuple[str, float]], Any]:
         raise NotImplementedError
 
     async def _score(self, q: Question, mode: str) -> Decision:
         p = prompts.pointwise(q)
-        r = await self._score_result(p.query, p.items, mode)
+        r = await self._score_call(p.query, p.items, mode=mode)
         return usage_decision(pointwise_choice([rows[0] for rows in r.scores]), [r.usage], self.timed)
 
     async def _sis(self, q: Question) -> Decision:
@@ -117,6 +130,30 @@ class PointwiseScoring:
 
     async def _mis(self, q: Question) -> Decision:
         return await self._score(q, "mis")
+
+    async def _generate(self, q: Question) -> Decision:
+        p = prompts.pointwise(q)
+        answers = await asyncio.gather(*(self._top_call(p.query + item, False, GENERATE_TOP_LOGPROBS)
+                                         for item in p.items))
+        return usage_decision(generate_choice([top for top, _ in answers]), [u for _, u in answers], self.timed)
+
+    async def _fused(self, q: Question) -> Decision:
+        top, usage = await self._top_call(prompts.fused_choice(q), True, FUSED_TOP_LOGPROBS)
+        return usage_decision(prompts.best_letter(top, q.num_candidates), [usage], self.timed)
+
+    async def _setwise(self, q: Question) -> Decision:
+        assert self.marker is not None
+        s = prompts.setwise(q, self.marker)
+        r = await self._score_call(s.query, [s.item], score_extraction_token=self.marker)
+        rows = r.scores[0]
+        if len(rows) != q.num_candidates:
+            raise TargetError(f"setwise: {len(rows)} marker rows for {q.num_candidates} options")
+        return usage_decision(pointwise_choice(rows), [r.usage], self.timed)
+
+
+def tops_of(result: Any) -> list[tuple[str, float]]:
+    """A GenerateResult's first-token top alternatives as (token, logprob)."""
+    return [(t.token, t.logprob) for t in result.logprobs[0].top] if result.logprobs else []
 
 
 def cache_options(mode: str) -> dict[str, Any]:
@@ -158,7 +195,7 @@ async def resolve_labels(tokenize) -> list[int]:
     return ids
 
 
-class GrpcTarget(PointwiseScoring, Target):
+class GrpcTarget(OurPaths, Target):
     paths = PATHS
     timed = True
 
@@ -194,34 +231,14 @@ class GrpcTarget(PointwiseScoring, Target):
         if self.client is not None:
             await self.client.close()
 
-    async def _generate(self, q: Question) -> Decision:
-        p = prompts.pointwise(q)
-        cache = cache_options(self.prefix_cache)
-        results = await asyncio.gather(*(
-            self.client.generate(p.query + item, max_tokens=1, top_logprobs=GENERATE_TOP_LOGPROBS, **cache)
-            for item in p.items))
-        tops = [[(t.token, t.logprob) for t in r.logprobs[0].top] if r.logprobs else [] for r in results]
-        return usage_decision(generate_choice(tops), [r.usage for r in results], timed=True)
-
-    async def _score_result(self, query: str, items: list[str], mode: str) -> Any:
+    async def _score_call(self, query: str, items: list[str], **fields: Any) -> Any:
         return await self.client.score(query, items, label_token_ids=self.info.label_token_ids, apply_softmax=True,
-                                       mode=mode, **cache_options(self.prefix_cache))
+                                       **fields, **cache_options(self.prefix_cache))
 
-    async def _fused(self, q: Question) -> Decision:
-        r = await self.client.generate(prompts.fused_choice(q), apply_chat_template=True, max_tokens=1,
-                                       top_logprobs=FUSED_TOP_LOGPROBS, **cache_options(self.prefix_cache))
-        top = [(t.token, t.logprob) for t in r.logprobs[0].top] if r.logprobs else []
-        return usage_decision(prompts.best_letter(top, q.num_candidates), [r.usage], timed=True)
-
-    async def _setwise(self, q: Question) -> Decision:
-        assert self.marker is not None
-        s = prompts.setwise(q, self.marker)
-        r = await self.client.score(s.query, [s.item], label_token_ids=self.info.label_token_ids, apply_softmax=True,
-                                    score_extraction_token=self.marker, **cache_options(self.prefix_cache))
-        rows = r.scores[0]
-        if len(rows) != q.num_candidates:
-            raise TargetError(f"setwise: {len(rows)} marker rows for {q.num_candidates} options")
-        return usage_decision(pointwise_choice(rows), [r.usage], timed=True)
+    async def _top_call(self, prompt: str, chat: bool, top: int) -> tuple[list[tuple[str, float]], Any]:
+        r = await self.client.generate(prompt, apply_chat_template=chat, max_tokens=1, top_logprobs=top,
+                                       **cache_options(self.prefix_cache))
+        return tops_of(r), r.usage
 
 
 # --- HTTP servers ----------------------------------------------------------------------------------------
@@ -445,7 +462,7 @@ class SGLangScoreTarget(HTTPTarget):
         return await self._score(q)
 
 
-class PyscoreHTTPTarget(PointwiseScoring, HTTPTarget):
+class PyscoreHTTPTarget(OurPaths, HTTPTarget):
     """pyscore's HTTP front door, asked exactly what GrpcTarget asks (same label ids, marker rule, cache
     options); its answers carry the server's queue wait and compute time in `usage`, as gRPC's do."""
 
@@ -482,48 +499,32 @@ class PyscoreHTTPTarget(PointwiseScoring, HTTPTarget):
                             cached_tokens=u["prompt_tokens_details"]["cached_tokens"], queue_s=u["queue_s"],
                             compute_s=u["compute_s"])
 
-    async def _score_answer(self, query: str, items: list[str], **fields: Any) -> Any:
-        return await self.post("/v1/score", {"model": self.model, "query": query, "items": items,
-                                             "label_token_ids": self.info.label_token_ids, "apply_softmax": True,
-                                             **fields, **cache_options(self.prefix_cache)})
-
-    async def _score_result(self, query: str, items: list[str], mode: str) -> Any:
+    async def _score_call(self, query: str, items: list[str], **fields: Any) -> Any:
         from pyscore.types import ScoreResult
 
-        answer = await self._score_answer(query, items, mode=mode)
-        return ScoreResult(scores=[[row] for row in answer["scores"]], label_token_ids=answer["label_token_ids"],
-                           mode=answer["mode"], usage=self.usage(answer))
+        answer = await self.post("/v1/score", {"model": self.model, "query": query, "items": items,
+                                               "label_token_ids": self.info.label_token_ids, "apply_softmax": True,
+                                               **fields, **cache_options(self.prefix_cache)})
+        # an item's scores: one row ([label]) where it has one position, else one row per position
+        scores = [rows if rows and isinstance(rows[0], list) else [rows] for rows in answer["scores"]]
+        return ScoreResult(scores=scores, label_token_ids=answer["label_token_ids"], mode=answer.get("mode", ""),
+                           usage=self.usage(answer))
 
-    async def _generate(self, q: Question) -> Decision:
-        p = prompts.pointwise(q)
+    async def _top_call(self, prompt: str, chat: bool, top: int) -> tuple[list[tuple[str, float]], Any]:
         cache = cache_options(self.prefix_cache)
-        answers = await asyncio.gather(*(self.post("/v1/completions", {
-            "model": self.model, "prompt": p.query + item, "max_tokens": 1, "temperature": 0.0,
-            "logprobs": GENERATE_TOP_LOGPROBS, **cache}) for item in p.items))
-        tops = [list(a["choices"][0]["logprobs"]["top_logprobs"][0].items()) for a in answers]
-        return usage_decision(generate_choice(tops), [self.usage(a) for a in answers], timed=True)
-
-    async def _fused(self, q: Question) -> Decision:
+        if not chat:
+            answer = await self.post("/v1/completions", {"model": self.model, "prompt": prompt, "max_tokens": 1,
+                                                         "temperature": 0.0, "logprobs": top, **cache})
+            return list(answer["choices"][0]["logprobs"]["top_logprobs"][0].items()), self.usage(answer)
         answer = await self.post("/v1/chat/completions", {
-            "model": self.model, "messages": [{"role": "user", "content": prompts.fused_choice(q)}], "max_tokens": 1,
-            "temperature": 0.0, "logprobs": True, "top_logprobs": FUSED_TOP_LOGPROBS,
-            **cache_options(self.prefix_cache)})
+            "model": self.model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1,
+            "temperature": 0.0, "logprobs": True, "top_logprobs": top, **cache})
         content = answer["choices"][0]["logprobs"]["content"]
-        top = [(t["token"], t["logprob"]) for t in content[0]["top_logprobs"]] if content else []
-        return usage_decision(prompts.best_letter(top, q.num_candidates), [self.usage(answer)], timed=True)
-
-    async def _setwise(self, q: Question) -> Decision:
-        assert self.marker is not None
-        s = prompts.setwise(q, self.marker)
-        answer = await self._score_answer(s.query, [s.item], score_extraction_token=self.marker)
-        rows = answer["scores"][0]
-        if len(rows) != q.num_candidates:
-            raise TargetError(f"setwise: {len(rows)} marker rows for {q.num_candidates} options")
-        return usage_decision(pointwise_choice(rows), [self.usage(answer)], timed=True)
+        return [(t["token"], t["logprob"]) for t in content[0]["top_logprobs"]] if content else [], self.usage(answer)
 
 
 # --- the engine in this process --------------------------------------------------------------------------
-class InProcessTarget(PointwiseScoring, Target):
+class InProcessTarget(OurPaths, Target):
     """pyscore.engine.Engine behind one worker thread (as in the server), without gRPC or the batcher:
     the generate path prefills all of a question's candidates in one packed step, as the batcher would."""
 
@@ -572,36 +573,119 @@ class InProcessTarget(PointwiseScoring, Target):
                 for item in p.items]
         while not all(g.finished for g in gens):
             self.engine.step(gens)
-        results = [g.result() for g in gens]
-        tops = [[(t.token, t.logprob) for t in r.logprobs[0].top] if r.logprobs else [] for r in results]
-        return Decision(generate_choice(tops), calls=len(results))
+        return Decision(generate_choice([tops_of(g.result()) for g in gens]), calls=len(gens))
 
     async def _generate(self, q: Question) -> Decision:
         return await self.run(self._generate_sync, q)
 
-    async def _score_result(self, query: str, items: list[str], mode: str) -> Any:
+    async def _score_call(self, query: str, items: list[str], **fields: Any) -> Any:
         cache = cache_options(self.prefix_cache)
         return await self.run(lambda: self.engine.score(query, items, label_token_ids=self.info.label_token_ids,
-                                                        apply_softmax=True, mode=mode, **cache))
+                                                        apply_softmax=True, **fields, **cache))
 
-    async def _fused(self, q: Question) -> Decision:
+    async def _top_call(self, prompt: str, chat: bool, top: int) -> tuple[list[tuple[str, float]], Any]:
         from pyscore.types import GenerateRequest
 
-        request = GenerateRequest(prompt=prompts.fused_choice(q), apply_chat_template=True, max_tokens=1,
-                                  top_logprobs=FUSED_TOP_LOGPROBS, **cache_options(self.prefix_cache))
-        r = await self.run(self.engine.generate, request)
-        top = [(t.token, t.logprob) for t in r.logprobs[0].top] if r.logprobs else []
-        return Decision(prompts.best_letter(top, q.num_candidates), prompt_tokens=r.usage.prompt_tokens,
-                        computed_tokens=r.usage.computed_tokens)
-
-    async def _setwise(self, q: Question) -> Decision:
-        assert self.marker is not None
-        s = prompts.setwise(q, self.marker)
         cache = cache_options(self.prefix_cache)
-        r = await self.run(lambda: self.engine.score(s.query, [s.item], label_token_ids=self.info.label_token_ids,
-                                                     apply_softmax=True, score_extraction_token=self.marker, **cache))
-        return Decision(pointwise_choice(r.scores[0]), prompt_tokens=r.usage.prompt_tokens,
-                        computed_tokens=r.usage.computed_tokens)
+        r = await self.run(self.engine.generate, GenerateRequest(prompt=prompt, apply_chat_template=chat, max_tokens=1,
+                                                                 top_logprobs=top, **cache))
+        return tops_of(r), r.usage
+
+
+# --- recorded requests replayed against our server (overload, soak, fleet) ----------------------------------
+TOLERANCE = 1e-3  # |answer under load - answer alone| on a probability above which a Score counts as wrong (bf16)
+
+
+@dataclass
+class Case:
+    """One request as a client sends it to our gRPC server (Score: query, items, options; Generate: the prompt
+    in `query`, no items) and the answer it got alone: the reference its answers under load must equal."""
+
+    id: str
+    kind: str  # sis | mis | setwise | generate
+    query: str | list[int]  # text or token ids
+    items: list[str] | list[list[int]]
+    options: dict[str, Any]
+    alone: Any = None  # a ScoreResult, or the generated text
+    bucket = 0  # no candidate-count bucket (bench.dataset's): not a decision question
+
+    @property
+    def num_candidates(self) -> int:
+        return len(self.items)
+
+
+def mis_cases(n: int, items: int) -> list[Case]:
+    """`n` seeded MIS Score requests of `items` candidates (bench.common.question), Yes/No labels."""
+    from bench.common import question
+
+    return [Case(f"mis-{seed}", "mis", *question(items, seed=1000 + seed), dict(labels=[" Yes", " No"], mode="mis"))
+            for seed in range(n)]
+
+
+def max_diff(a: Any, b: Any) -> float:
+    """Largest |a - b| over all values of two ScoreResults; inf when the shapes, labels or modes differ."""
+    if (a.label_token_ids, a.mode, [len(r) for r in a.scores]) != (b.label_token_ids, b.mode,
+                                                                    [len(r) for r in b.scores]):
+        return float("inf")
+    return max((abs(x - y) for ra, rb in zip(a.scores, b.scores, strict=True) for xa, xb in zip(ra, rb, strict=True)
+                for x, y in zip(xa, xb, strict=True)), default=0.0)
+
+
+class ReplayTarget(Target):
+    """Our gRPC server, sent `Case`s as they are (path "case") through `channels` client channels in turn (the
+    soak's clients each have their own); `channel_options` are added to each channel's (the fleet run's channelz
+    trace). A case with an answer alone is judged: a Score within TOLERANCE of it, a Generate text equal to it."""
+
+    paths = ("case",)
+
+    def __init__(self, address: str, *, channels: int = 1, channel_options: Sequence[tuple[str, Any]] = (),
+                 **kw: Any) -> None:
+        super().__init__(**kw)
+        self.address, self.channels, self.channel_options = address, channels, list(channel_options)
+        self.spec = f"replay+grpc://{address}"
+        self.clients: list[Any] = []
+        self.turn = itertools.count()
+
+    async def open(self) -> TargetInfo:
+        import grpc
+
+        from pyscore import balancing as lb
+        from pyscore.client import AsyncScorerClient
+
+        options = [*lb.channel_options(self.address, None), *self.channel_options]
+        self.clients = [AsyncScorerClient(self.address, timeout=self.timeout, channel=grpc.aio.insecure_channel(
+            self.address, options=options) if self.channel_options else None) for _ in range(self.channels)]
+        return self.info
+
+    async def close(self) -> None:
+        for client in self.clients:
+            await client.close()
+
+    async def answer(self, case: Case) -> Any:
+        client = self.clients[next(self.turn) % len(self.clients)]
+        if case.kind == "generate":
+            return (await client.generate(case.query, **case.options)).text
+        return await client.score(case.query, case.items, **case.options)
+
+    async def record_alone(self, cases: Sequence[Case]) -> list[float]:
+        """Answers each case alone (one at a time, nothing else in flight) and keeps the answer as its
+        reference; returns the latencies in seconds."""
+        times = []
+        for case in cases:
+            t0 = time.perf_counter()
+            case.alone = await self.answer(case)
+            times.append(time.perf_counter() - t0)
+        return times
+
+    async def decide(self, path: str, q: Case) -> Decision:
+        self.check_path(path)
+        got = await self.answer(q)
+        if q.alone is None:
+            return Decision(None)
+        if q.kind == "generate":
+            return Decision(None, correct=got == q.alone)
+        diff = max_diff(got, q.alone)
+        return Decision(None, correct=diff <= TOLERANCE, diff=diff)
 
 
 def make_target(spec: str, **kw: Any) -> Target:

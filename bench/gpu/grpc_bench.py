@@ -1,7 +1,7 @@
 """Short gRPC benchmark: starts `python -m server` on a random-weight Qwen3-shaped engine (the hidden `--engine`
-flag with bench.gpu.models:RandomEngine), then sends Score requests (token ids, MIS and SIS) at concurrency 1
-through pyscore.client and reports p50/p95 latency per candidate count, as the client sees it. The server is
-stopped with SIGTERM at the end (graceful stop, exit code recorded).
+flag with bench.gpu.models:RandomEngine; its log beside the JSON), then sends Score requests (token ids, MIS and
+SIS) at concurrency 1 through bench.loadgen and reports p50/p95 latency per candidate count, as the client sees
+it. The server is stopped with SIGTERM at the end (graceful stop, exit code recorded).
 
     python -m bench.gpu.grpc_bench --shape qwen3-0.6b --out grpc.json
     python -m bench.gpu.grpc_bench --tiny --out /tmp/grpc.json
@@ -10,111 +10,63 @@ stopped with SIGTERM at the end (graceful stop, exit code recorded).
 from __future__ import annotations
 
 import argparse
-import os
-import re
-import signal
-import subprocess
-import sys
-import threading
+import asyncio
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
+from bench import loadgen
+from bench.common import spawned_server
 from bench.gpu.common import add_run_args, resolve_run_args, summarize
 from bench.gpu.models import SHAPES
 from bench.gpu.workload import id_questions, labels_for
 from bench.summary import write_json
-
-ROOT = Path(__file__).resolve().parents[2]
-LISTENING = re.compile(r"pyscore: listening on (\S+):(\d+)")
+from bench.targets import Case, ReplayTarget
 
 
-class Server:
-    """`python -m server` in a subprocess; its output is echoed with a prefix and the tail kept for the report."""
-
-    def __init__(self, shape: str, device: str, max_batch_tokens: int) -> None:
-        cmd = [sys.executable, "-u", "-m", "server", "--engine", "bench.gpu.models:RandomEngine", "--model", shape,
-               "--device", device, "--port", "0", "--max-batch-tokens", str(max_batch_tokens),
-               "--log-level", "WARNING", "--grace-s", "5"]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.tail: deque[str] = deque(maxlen=40)
-        self.port: int | None = None
-        self._listening = threading.Event()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.tail.append(line.rstrip())
-            print(f"[server] {line.rstrip()}", flush=True)
-            m = LISTENING.search(line)
-            if m:
-                self.port = int(m.group(2))
-                self._listening.set()
-        self._listening.set()
-
-    def target(self, timeout: float) -> str:
-        if not self._listening.wait(timeout) or self.port is None:
-            raise RuntimeError(f"the server did not listen within {timeout} s: {list(self.tail)[-5:]}")
-        return f"127.0.0.1:{self.port}"
-
-    def stop(self, timeout: float = 30.0) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+async def measure(target: str, args: argparse.Namespace, report: dict[str, Any], vocab: int) -> None:
+    """bench.loadgen's closed loop at concurrency 1 over each candidate count and mode (the JSON written after
+    every cell, so a stage killed by its timeout keeps what it measured)."""
+    replay = ReplayTarget(target, timeout=60.0)
+    await replay.open()
+    try:
+        info = await replay.clients[0].model_info()
+        report["model"] = dict(name=info.name, device=info.device, dtype=info.dtype)
+        for n in args.candidates:
+            questions = id_questions(n, 8, vocab, seed=5, tiny=args.tiny)
+            cell: dict[str, Any] = report["results"].setdefault(str(n), {})
+            for mode in args.modes:
+                cases = [Case(f"{mode}-{i}", mode, q.query, q.items, dict(label_token_ids=labels_for(vocab), mode=mode))
+                         for i, q in enumerate(questions)]
+                run = await loadgen.closed_loop(replay, "case", [cases[i % len(cases)] for i in range(args.reps)], 1,
+                                                warmup=args.warmup)
+                errors = sorted({r.error for r in run.records if not r.ok})
+                cell[mode] = dict(error=errors[0]) if errors else summarize([r.e2e_ms for r in run.records])
+                write_json(args.out, report)
+    finally:
+        await replay.close()
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from pyscore.client import ScorerClient
-
     shape = "tiny" if args.tiny else args.shape
-    vocab = SHAPES[shape].vocab
-    labels = labels_for(vocab)
     report: dict[str, Any] = dict(shape=shape, device=args.device, requests_per_cell=args.reps, results={},
                                   errors=[])
     t0 = time.perf_counter()
-    server = Server(shape, args.device, args.max_batch_tokens)
+    log = Path(args.out).with_suffix(".server.log")
+    flags = ["--engine", "bench.gpu.models:RandomEngine", "--model", shape, "--device", args.device,
+             "--max-batch-tokens", str(args.max_batch_tokens), "--grace-s", "5"]
     try:
-        with ScorerClient(server.target(args.ready_timeout_s), timeout=60.0) as client:
-            client.wait_ready(timeout=args.ready_timeout_s)
+        with spawned_server(log, flags, timeout_s=args.ready_timeout_s) as server:
             report["ready_s"] = time.perf_counter() - t0
-            info = client.model_info()
-            report["model"] = dict(name=info.name, device=info.device, dtype=info.dtype)
-            for n in args.candidates:
-                questions = id_questions(n, 8, vocab, seed=5, tiny=args.tiny)
-                cell: dict[str, Any] = {}
-                report["results"][str(n)] = cell
-                for mode in args.modes:
-                    def call(i: int, mode: str = mode, questions: list = questions) -> None:
-                        q = questions[i % len(questions)]
-                        client.score(q.query, q.items, label_token_ids=labels, mode=mode)
-
-                    try:
-                        for i in range(args.warmup):
-                            call(i)
-                        times = []
-                        for i in range(args.reps):
-                            start = time.perf_counter()
-                            call(i)
-                            times.append((time.perf_counter() - start) * 1e3)
-                        cell[mode] = summarize(times)
-                    except Exception as e:
-                        cell[mode] = dict(error=f"{type(e).__name__}: {e}")
-                    write_json(args.out, report)
+            try:
+                asyncio.run(measure(server.target, args, report, SHAPES[shape].vocab))
+            finally:
+                report["server_exit_code"] = server.stop(30.0)
     except Exception as e:
         report["errors"].append(f"{type(e).__name__}: {e}")
-    finally:
-        report["server_exit_code"] = server.stop()
-        report["server_tail"] = list(server.tail)[-10:]
-        report["total_s"] = time.perf_counter() - t0
-        write_json(args.out, report)
+    report["server_tail"] = log.read_text().splitlines()[-10:] if log.exists() else []
+    report["total_s"] = time.perf_counter() - t0
+    write_json(args.out, report)
     return report
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from bench.common import fused_qkv, segment_rows
 from bench.gpu.common import device_ms, environment, summarize
 from bench.kernels import linear_inputs, transformers_linear
 from bench.summary import write_json
@@ -36,30 +37,11 @@ LINEAR = {"qwen3.5-4b": (16, 32, 128, 4), "tiny": (2, 4, 32, 4)}  # Hk, Hv, head
 
 
 def mis_segments(query: int, items: list[int]) -> torch.Tensor:
-    rows = [[0, query, 0, 0]]
-    start = query
-    for n in items:
-        rows.append([start, n, 0, query])
-        start += n
-    return torch.tensor(rows, dtype=torch.int32)
+    return segment_rows(query, items)
 
 
 def sis_segments(query: int, items: list[int]) -> torch.Tensor:
-    rows, start = [], 0
-    for n in items:
-        rows.append([start, query + n, 0, 0])
-        start += query + n
-    return torch.tensor(rows, dtype=torch.int32)
-
-
-def fused_qkv(num_tokens: int, hq: int, hkv: int, d: int, dtype: torch.dtype, device: str, seed: int):
-    """q/k/v as views into one [T, (Hq + 2 Hkv) D] projection output, as the decoder hands them over."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    qkv = torch.randn(num_tokens, (hq + 2 * hkv) * d, generator=g, device=device).to(dtype)
-    q = qkv[:, : hq * d].view(num_tokens, hq, d)
-    k = qkv[:, hq * d : (hq + hkv) * d].view(num_tokens, hkv, d)
-    v = qkv[:, (hq + hkv) * d :].view(num_tokens, hkv, d)
-    return q, k, v
+    return segment_rows(0, [query + n for n in items])
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:

@@ -1,4 +1,5 @@
-"""Schedules and the summary arithmetic of the load generator (the percentile itself: test_summary.py)."""
+"""The one load generator: its schedules and summary arithmetic (the percentile itself: test_summary.py), and
+its closed loop, open loop and overload run against a real gRPC server."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import statistics
 import numpy as np
 import pytest
 
-from bench import loadgen
+from bench import loadgen, overload
 from bench.dataset import Dataset
 from bench.loadgen import Record
-from bench.targets import Decision, Target
+from bench.targets import Case, Decision, ReplayTarget, Target
+from tests.server.conftest import ServerThread
+from tests.server.fake_engine import FakeEngine
 
 
 def test_poisson_schedule_is_seeded_and_at_rate():
@@ -24,6 +27,8 @@ def test_poisson_schedule_is_seeded_and_at_rate():
     assert statistics.stdev(gaps) == pytest.approx(0.2, rel=0.05)  # exponential: stdev = mean
     with pytest.raises(ValueError):
         loadgen.poisson_schedule(0, 3)
+    until = loadgen.poisson_schedule(5.0, seed=1, duration_s=100.0)  # overload, soak: arrivals for a time
+    assert until == a[: len(until)] and until[-1] < 100.0 <= a[len(until)]
 
 
 def test_latency_stats_of_nothing_is_null():
@@ -88,3 +93,65 @@ def test_closed_and_open_loop_timing():
     assert loadgen.lag_warning({"dispatch_lag_ms": {"p99": 0.5}}) is None
     slow = {"p50": 4000.0}  # 50 ms of lag is noise against 4 s decisions
     assert loadgen.lag_warning({"dispatch_lag_ms": {"p99": 50.0}, "end_to_end_latency_ms": slow}) is None
+
+
+CASES = [Case(f"mis-{i}", "mis", f"question {i}?", ["yes it is", "no"], dict(labels=[" Yes", " No"], mode="mis"))
+         for i in range(3)] + [Case("gen", "generate", "hello there", [], dict(max_tokens=3, temperature=0.0))]
+
+
+class CountingReplay(ReplayTarget):
+    """Counts the calls that failed (the overload's refusals) as they happen."""
+
+    failed = 0
+
+    async def decide(self, path, q):
+        try:
+            return await super().decide(path, q)
+        except Exception:
+            self.failed += 1
+            raise
+
+
+def test_closed_open_and_overload_against_a_server():
+    """ReplayTarget through each cheap mode against our server (the fake engine): a timed closed loop (capacity)
+    and an open loop whose answers all equal their answers alone; then overload, against a server with a queue of
+    2 whose engine one request holds: a burst of 12 fills the queue and the other 10 are refused with
+    RESOURCE_EXHAUSTED, not queued."""
+    fake = FakeEngine(delay_s=0.005)
+    roomy, tight = ServerThread(fake), ServerThread(fake, max_queue=2)
+
+    async def run() -> tuple[loadgen.RunResult, loadgen.RunResult, loadgen.RunResult]:
+        target, small = ReplayTarget(roomy.target, channels=2, timeout=30), CountingReplay(tight.target, timeout=30)
+        await target.open()
+        await small.open()
+        try:
+            assert len(await target.record_alone(CASES)) == len(CASES)
+            closed = await loadgen.closed_loop(target, "case", CASES, 2, seconds=0.2)
+            schedule = loadgen.poisson_schedule(50.0, len(CASES) * 2, seed=0)
+            opened = await loadgen.open_loop(target, "case", CASES * 2, schedule)
+            fake.pause()
+            holder = asyncio.ensure_future(small.answer(CASES[0]))
+            await asyncio.to_thread(fake.wait_entered)
+            burst = asyncio.ensure_future(loadgen.open_loop(small, "case", CASES[:3] * 4, [0.0] * 12))
+            for _ in range(3000):  # until 10 are refused and 2 queued (30 s at most: then the asserts below fail)
+                if small.failed >= 10 and tight.batcher.waiting() >= 2:
+                    break
+                await asyncio.sleep(0.01)
+            fake.resume()
+            await holder
+            return closed, opened, await burst
+        finally:
+            await target.close()
+            await small.close()
+
+    try:
+        closed, opened, burst = asyncio.run(run())
+    finally:
+        roomy.stop()
+        tight.stop()
+    assert len(closed.records) >= 2 and all(r.ok and r.correct for r in closed.records)
+    assert {r.kind for r in opened.records} == {"mis", "generate"}
+    assert loadgen.statuses(opened.records) == {"OK": 8} and all(r.correct for r in opened.records)
+    s = overload.summarize(burst.records)
+    assert s["sent"] == 12 and s["statuses"] == {"OK": 2, "RESOURCE_EXHAUSTED": 10}
+    assert s["wrong"] == 0 and s["exact"] == 2  # the accepted answers bitwise equal to alone

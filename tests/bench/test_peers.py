@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import json
 
 import pytest
@@ -49,7 +50,7 @@ def test_blocks_alternate_one_server_at_a_time_and_report_both_sides(stub, tmp_p
     assert all(p["num_errors"] == 0 for p in phases), [p["errors"] for p in phases if p["num_errors"]]
     assert {p["num_questions"] for p in phases if p["concurrency"] == 1} == {2}
     assert {p["num_questions"] for p in phases if p["concurrency"] == 2} == {4}  # max(2, 2c)
-    lines = (tmp_path / "records.jsonl").read_text().splitlines()
+    lines = gzip.decompress((tmp_path / "records.jsonl.gz").read_bytes()).decode().splitlines()
     assert len(lines) == sum(p["num_questions"] for p in phases)
 
     by = {(p["block"], p["label"], p["concurrency"], p["candidates"]): p for p in phases}

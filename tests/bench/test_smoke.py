@@ -4,6 +4,7 @@ closed and open loop over every path, then the report. Checks summary.json and t
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 
 import pytest
@@ -58,7 +59,7 @@ def test_smoke_run_writes_summaries_and_plots(server, tmp_path):
                                                                "service_latency_ms"))
         assert queue >= 0 and compute > 0 and queue + compute <= service, summary["path"]
     assert s["marker"] == "<empty_output>"
-    records = (files[0].parent / "records.jsonl").read_text().splitlines()
+    records = gzip.decompress((files[0].parent / "records.jsonl.gz").read_bytes()).decode().splitlines()
     assert len(records) == json.loads(files[0].read_text())["num_questions"]
 
     by_path = {(x["path"], x["concurrency"]): x for x in summaries if x["rep"] == 0}

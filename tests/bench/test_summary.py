@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from bench import loadgen, mis_sis_gap, overload, peers, soak
+from bench import deploy, loadgen, mis_sis_gap, overload, peers, soak
 from bench.gpu.common import summarize as gpu_summarize
 from bench.loadgen import Record
 from bench.summary import Summary, percentile, write_json, write_report
@@ -43,14 +43,13 @@ def test_every_bench_summary_path_reports_the_same_p95():
     assert abs(expected - nearest) > 0.1  # the records tell the two definitions apart
 
     records = [Record(f"q{i}", 2, 2, None, 0.0, x, ok=True) for i, x in enumerate(LATENCIES_S)]
-    records.append(Record("bad", 2, 2, None, 0.0, 9.9, ok=False, error="UNAVAILABLE: x"))  # errors are not latencies
+    records.append(Record("bad", 2, 2, None, 0.0, 9.9, ok=False, status="RESOURCE_EXHAUSTED"))  # not a latency
     got = {
         "loadgen (serving, sweep, ...)": loadgen.summarize_records(records, 1.0)["end_to_end_latency_ms"]["p95"],
         "peers": peers.phase_summary(records, 1.0)["p95_ms"],
-        "overload (deploy)": overload.summarize(
-            [overload.Outcome(0.0, x, "OK") for x in LATENCIES_S]
-            + [overload.Outcome(0.0, 9.9, "RESOURCE_EXHAUSTED")])["accepted_latency_ms"]["p95"],
-        "soak": soak.summarize([soak.Outcome("mis", 1.0, x, "OK") for x in LATENCIES_S], 1.0)["latency_ms"]["p95"],
+        "overload": overload.summarize(records)["accepted_latency_ms"]["p95"],
+        "soak": soak.summarize(records, 1.0)["latency_ms"]["p95"],
+        "deploy": deploy.summary(records, 1.0)["latency_ms"]["p95"],
         "gpu": gpu_summarize(LATENCIES_MS)["p95"],
         "mis_sis_gap (p50)": mis_sis_gap.distribution(LATENCIES_MS)["median"],
     }
