@@ -2,11 +2,22 @@
 
 Each worker iteration: (1) accepts the jobs that arrived (prepare_score / start_generation validate and
 tokenize; a bad request is answered at once), (2) drops jobs whose client went away or whose deadline passed,
-(3) runs one score batch — the waiting Score jobs in arrival order up to `max_batch_tokens` computed tokens, a
-job larger than the budget alone — with a single `engine.run_prepared`, (4) starts waiting generations in
-arrival order while both generation bounds allow, and (5) advances all running generations by one token with
+(3) runs one chunk of the Score job being prefilled in chunks, if any (below), (4) runs one score batch — the waiting
+Score jobs in arrival order up to `max_batch_tokens` computed tokens, a job larger than the budget alone — with a
+single `engine.run_prepared`, (5) starts waiting generations in
+arrival order while both generation bounds allow, and (6) advances all running generations by one token with
 a single `engine.step` (which prefills new ones up to `max_batch_tokens` prompt tokens per step). Score
 batches and decode steps thus interleave, and requests that arrive during a forward pass join the next one.
+
+Chunked prefill (pyscore.chunked_prefill): a Score job larger than `max_batch_tokens` at the head of the queue gets
+a chunking plan from the engine (its query's blocks reserved in the prefix cache) and leaves the queue; from then
+on each iteration runs one chunk of its query (one forward pass of at most `max_batch_tokens` tokens) and then the
+batch of whatever else waits, so a long request delays the others by one chunk, not by its whole prefill. Its
+last passes (the query's tail and the items) run once every chunk has; a cancel or deadline between chunks drops
+it, and a pass that stops inside a chunk commits nothing (the plan is closed unpublished either way). One Score is
+chunked at a time: a second long one waits, the jobs behind it do not. A long job the engine cannot chunk (no
+prefix cache, a hybrid model, a cache too small for its query) runs alone as one pass, as before. Generate's
+prompts are chunked inside `engine.step` the same way (pyscore.generation).
 Results reach the loop through `call_soon_threadsafe`. The engine asks the batcher at every layer boundary whether
 to go on (`set_interrupt`): a pass whose jobs are all cancelled or past their deadline stops there, committing
 nothing, and so does any pass once `halt()` (the end of the shutdown's grace period) has answered every waiting
@@ -80,6 +91,15 @@ class GenerationLike(Protocol):
 
     def take_delta(self) -> tuple[list[int], list[TokenLogprob], str]: ...
     def result(self) -> GenerateResult: ...
+    def abandon(self) -> None: ...  # the server gives up on it: free what it holds (a chunked prompt's blocks)
+
+
+class ChunkPlanLike(Protocol):
+    """What the batcher reads of a chunking plan (pyscore.chunked_prefill.ChunkedPrefill)."""
+
+    finished: bool
+
+    def close(self, ok: bool) -> None: ...
 
 
 class EngineLike(Protocol):
@@ -95,6 +115,10 @@ class EngineLike(Protocol):
     def step(self, generations: list[Any]) -> None: ...
     def prefix_cache_stats(self) -> Any: ...  # pyscore.model.prefix_cache.PrefixCacheStats, or None when off
     def set_interrupt(self, interrupt: Callable[[], bool] | None) -> None: ...  # asked at every layer boundary
+    # Chunked prefill (see the module docstring): a plan (pyscore.chunked_prefill.ChunkedPrefill) or None.
+    def plan_chunks(self, prepared: Any) -> ChunkPlanLike | None: ...
+    def run_chunk(self, plan: Any) -> int: ...
+    def finish_chunked(self, prepared: Any, plan: Any) -> ScoreResult | Exception: ...
 
 
 class Unavailable(Exception):
@@ -164,6 +188,7 @@ class Stats:
     steps: int = 0  # engine.step calls
     dropped: int = 0  # jobs dropped before running (cancelled or past deadline)
     interrupted: int = 0  # forward passes stopped at a layer boundary (callers all gone, or halted)
+    chunks: int = 0  # chunk passes of Score jobs prefilled in chunks
     refused: int = 0  # jobs refused because the queue was full
 
 
@@ -191,6 +216,7 @@ class Batcher:
         self._pending: deque[Job] = deque()  # prepared Score jobs; worker only
         self._starting: deque[Job] = deque()  # accepted generations waiting for a running slot; worker only
         self._active: list[Job] = []  # running generations; worker only
+        self._chunked: tuple[Job, ChunkPlanLike] | None = None  # the Score job prefilled in chunks; worker only
         self._kv_reserved = 0  # sum of tokens over _active; written by the worker only
         self._thread = threading.Thread(target=self._run, name="pyscore-engine", daemon=True)
         self._trimmed = time.monotonic()  # worker only
@@ -307,15 +333,19 @@ class Batcher:
 
     def _fail_all(self, arrived: list[Job], error: Exception) -> None:
         """Every job the worker holds (and `arrived`, not yet accepted) ends with `error`."""
+        if self._chunked is not None:
+            self._end_chunked(error)
         for job in [*arrived, *self._pending, *self._starting, *self._active]:
             self._finish(job, error)
+        for job in self._active:
+            job.work.abandon()
         self._release(len(arrived) + len(self._pending) + len(self._starting))
         self._pending.clear()
         self._starting.clear()
         self._set_active([])
 
     def _has_work(self) -> bool:
-        return bool(self._pending or self._starting or self._active)
+        return bool(self._pending or self._starting or self._active or self._chunked)
 
     def _trim(self) -> None:
         """malloc_trim at most every TRIM_EVERY_S, when idle (or always, with trim_under_load)."""
@@ -331,6 +361,9 @@ class Batcher:
         for job in arrived:
             self._accept(job)
         self._drop_dead()
+        self._advance_chunked()
+        if self._halted:
+            return
         batch = self._next_batch()
         if batch:
             self._run_batch(batch)
@@ -384,8 +417,11 @@ class Batcher:
                 queue.remove(job)
                 self._drop(job)
             self._release(len(dead))
+        if self._chunked is not None and self._chunked[0].dead(now):
+            self._end_chunked(None)
         dead = [j for j in self._active if j.dead(now)]
         for job in dead:
+            job.work.abandon()
             self._drop(job)
         if dead:
             self._set_active([j for j in self._active if j not in dead])
@@ -404,11 +440,66 @@ class Batcher:
         self._kv_reserved = sum(j.tokens for j in jobs)
 
     def _next_batch(self) -> list[Job]:
-        """Waiting Score jobs in arrival order while they fit the token budget (the first one always)."""
-        n = count_within_budget((job.tokens for job in self._pending), self.max_batch_tokens)
-        batch = [self._pending.popleft() for _ in range(n)]
-        self._release(n)
+        """Waiting Score jobs in arrival order while they fit the token budget (the first one always). While a job
+        is prefilled in chunks, jobs larger than the budget wait for it to finish and the others go past them."""
+        eligible = [job for job in self._pending if self._chunked is None or job.tokens <= self.max_batch_tokens]
+        batch = eligible[: count_within_budget((job.tokens for job in eligible), self.max_batch_tokens)]
+        for job in batch:
+            self._pending.remove(job)
+        self._release(len(batch))
         return batch
+
+    def _advance_chunked(self) -> None:
+        """Runs the chunked Score job's next chunk, or its last passes once every chunk ran; first makes the head
+        of the queue that job if it is larger than the budget and the engine can chunk it."""
+        if self._chunked is None:
+            if not self._pending or self._pending[0].tokens <= self.max_batch_tokens:
+                return
+            plan = self.engine.plan_chunks(self._pending[0].work)
+            if plan is None:
+                return  # it runs alone as one pass (_next_batch)
+            self._chunked = (self._pending.popleft(), plan)
+            self._release(1)
+        job, plan = self._chunked
+        start = time.monotonic()
+        self._in_pass = [job]
+        try:
+            if plan.finished:
+                result = self.engine.finish_chunked(job.work, plan)
+                self._chunked = None
+            else:
+                self.stats.chunks += 1
+                self.engine.run_chunk(plan)
+                job.ran(start, time.monotonic())
+                return
+        except PassInterrupted:
+            self._stopped([job])
+            self._end_chunked(None, deliver=False)
+            return
+        except Exception as e:
+            log.exception("a chunk of a long Score request failed")
+            self._end_chunked(e)
+            return
+        finally:
+            self._in_pass = []
+        job.ran(start, time.monotonic())
+        if isinstance(result, ScoreResult):
+            job.timed(result.usage)
+        self._finish(job, result)
+
+    def _end_chunked(self, error: Exception | None, deliver: bool = True) -> None:
+        """The chunked job ends unfinished: its plan is closed (nothing published); it gets `error`, or with None
+        is dropped (cancelled or past its deadline)."""
+        assert self._chunked is not None
+        job, plan = self._chunked
+        self._chunked = None
+        plan.close(ok=False)
+        if not deliver:
+            return
+        if error is None:
+            self._drop(job)
+        else:
+            self._finish(job, error)
 
     def _interrupted(self) -> bool:
         """Asked by the engine at every layer boundary (worker thread): stop the running pass when the server is
@@ -463,6 +554,8 @@ class Batcher:
         except PassInterrupted:  # the generations are as before the step: dead ones go at the next _drop_dead
             if self._halted:
                 self._stopped(self._active)
+                for job in self._active:
+                    job.work.abandon()
                 self._set_active([])
             else:
                 self.stats.interrupted += 1
@@ -470,6 +563,7 @@ class Batcher:
         except Exception as e:
             log.exception("generation step of %d sequences failed", len(self._active))
             for job in self._active:
+                job.work.abandon()
                 self._finish(job, e)
             self._set_active([])
             return

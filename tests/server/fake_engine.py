@@ -156,6 +156,9 @@ class FakeEngine:
     def set_interrupt(self, interrupt: Any) -> None:
         self.interrupt = interrupt
 
+    def plan_chunks(self, prepared: PreparedScore) -> None:
+        return None  # no prefix cache, so no chunked prefill: a long request runs alone as one pass
+
     def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[str]]:
         ids = self.tokenizer(text, add_special_tokens)["input_ids"]
         return ids, self.tokenizer.convert_ids_to_tokens(ids)
