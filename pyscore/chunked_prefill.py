@@ -90,12 +90,12 @@ class ChunkedPrefill:
             self.lease.abort()
 
 
-def chunk_tokens(max_batch_tokens: int, block_tokens: int) -> int:
-    """A chunk: the pass budget rounded down to whole blocks, at least one block."""
-    return max(block_tokens, max_batch_tokens // block_tokens * block_tokens)
+def whole_blocks(tokens: int, block_tokens: int) -> int:
+    """A chunk's size: `tokens` rounded down to whole blocks, at least one block."""
+    return max(block_tokens, tokens // block_tokens * block_tokens)
 
 
-def plan(cache: PrefixCache | None, tokens: list[int], limit: int, max_batch_tokens: int, salt: str = "",
+def plan(cache: PrefixCache | None, tokens: list[int], limit: int, chunk_tokens: int, salt: str = "",
          bypass: bool = False) -> ChunkedPrefill | None:
     """Reserves the cache's blocks for tokens[:limit]'s whole blocks and returns the chunking plan, or None when
     the request runs as one pass (no cache, fewer than one whole block, or no room for the prefix)."""
@@ -115,5 +115,5 @@ def plan(cache: PrefixCache | None, tokens: list[int], limit: int, max_batch_tok
         lease.abort()  # the cache cannot hold the whole prefix beside what is pinned: one pass, as before
         return None
     cached = len(chain) * b
-    return ChunkedPrefill(tokens=tokens, end=end, chunk_tokens=chunk_tokens(max_batch_tokens, b), lease=lease,
+    return ChunkedPrefill(tokens=tokens, end=end, chunk_tokens=whole_blocks(chunk_tokens, b), lease=lease,
                           blocks=blocks, cached=cached, publish=not bypass, done=cached)

@@ -130,12 +130,15 @@ def final_memory_plan(loaded: LoadedModel, decoder: Decoder, pools: Pools, prefi
 class Engine:
     def __init__(self, loaded: LoadedModel, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, op_backend: str = "auto",
                  prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
-                 max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS):
+                 max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS,
+                 prefill_chunk_tokens: int | None = None):
         self.model = loaded
         self.cfg = loaded.cfg
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.max_batch_tokens = max_batch_tokens
+        # A request that computes more is prefilled in chunks of at most this many (whole blocks; plan_chunks).
+        self.prefill_chunk_tokens = min(prefill_chunk_tokens or max_batch_tokens, max_batch_tokens)
         self.decoder = Decoder(loaded.cfg, loaded.weights, loaded.rotary, op_backend)
         release_freed_memory()
         self.traits = ModelTraits(tokenizer=loaded.tokenizer, vocab_size=loaded.cfg.vocab_size,
@@ -145,7 +148,7 @@ class Engine:
         self.prefix_cache = make_prefix_cache(loaded, self.decoder, prefix_cache_mb)
         self.generation = GenerationRunner(self.decoder, loaded.tokenizer,
                                            eos_token_ids(loaded.hf_config, loaded.tokenizer), max_batch_tokens,
-                                           self.prefix_cache)
+                                           self.prefix_cache, self.prefill_chunk_tokens)
         # Which path every op takes on this model's device and dtype, decided once by the op registry.
         self.op_paths = _ext.op_paths(self.decoder.device, self.decoder.dtype, op_backend)
         self.cpu_tier = _ext.cpu_tier() if self.decoder.device.type == "cpu" else ""
@@ -171,17 +174,20 @@ class Engine:
                         device: str = "auto", threads: int | None = None,
                         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, op_backend: str = "auto",
                         prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
-                        max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS) -> Engine:
+                        max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS,
+                        prefill_chunk_tokens: int | None = None) -> Engine:
         """model: a local HF directory, a .gguf file, or None for the embedded SmolLM2-135M-Instruct.
         prefix_cache_mb: the prefix cache's byte budget in MiB (0 = off). max_kv_tokens and
         max_running_generations are what the server admits generations under (its flags of the same names): the
         engine plans memory with them and refuses, before loading, a model that cannot fit
-        (pyscore.memory.InsufficientMemoryError)."""
+        (pyscore.memory.InsufficientMemoryError). prefill_chunk_tokens: a request computing more tokens than this
+        (default and at most max_batch_tokens) has its query / prompt prefilled in chunks of this size
+        (pyscore.chunked_prefill)."""
         set_threads(threads)
         dev = resolve_device(device)
         pools = Pools(max_batch_tokens, max_kv_tokens, max_running_generations, prefix_cache_mb)
         return cls(load_model(model, resolve_dtype(dtype, dev), dev, pools), max_batch_tokens, op_backend,
-                   prefix_cache_mb, max_kv_tokens, max_running_generations)
+                   prefix_cache_mb, max_kv_tokens, max_running_generations, prefill_chunk_tokens)
 
     # --- model facts ---------------------------------------------------------------------------------
     def info(self) -> ModelInfo:
@@ -236,9 +242,9 @@ class Engine:
     def run_prepared(self, prepared: Sequence[PreparedScore]) -> list[ScoreResult | Exception]:
         """Packs all requests' groups into as few forward passes as the token budget allows. If a pass fails,
         its requests are retried one by one so a single bad request cannot fail its batch-mates. A request larger
-        than the budget is computed in chunks (`plan_chunks`), all of them here, one request after another (the
-        server's batcher runs the chunks itself, one per iteration, so that others run between them). An
-        interrupted pass (PassInterrupted) ends the call: no request gets a result."""
+        than prefill_chunk_tokens is computed in chunks (`plan_chunks`), all of them here, one request after
+        another (the server's batcher runs the chunks itself, one per iteration, so that others run between them).
+        An interrupted pass (PassInterrupted) ends the call: no request gets a result."""
         results: dict[int, ScoreResult | Exception] = {}
         for r, p in enumerate(prepared):
             plan = self.plan_chunks(p)
@@ -270,15 +276,15 @@ class Engine:
 
     # --- chunked prefill (pyscore.chunked_prefill) ---------------------------------------------------------------
     def plan_chunks(self, p: PreparedScore) -> ChunkedPrefill | None:
-        """For a request that computes more than max_batch_tokens and whose query is a prefix (MIS, SIS; not
+        """For a request that computes more than prefill_chunk_tokens and whose query is a prefix (MIS, SIS; not
         item_first), the plan that computes the query's whole blocks in chunks, its cache blocks reserved; None
         when it runs as one pass (no prefix cache, a hybrid model, a cache too small for the query, a query of
         less than one block). The caller runs `run_chunk` until `plan.finished`, then `finish_chunked`, or closes
         the plan (`plan.close(ok=False)`) when it gives up on the request."""
-        if p.computed_tokens <= self.max_batch_tokens or not p.items or p.request.item_first:
+        if p.computed_tokens <= self.prefill_chunk_tokens or not p.items or p.request.item_first:
             return None
         r = p.request
-        return chunked_prefill.plan(self.prefix_cache, p.query, len(p.query), self.max_batch_tokens,
+        return chunked_prefill.plan(self.prefix_cache, p.query, len(p.query), self.prefill_chunk_tokens,
                                     r.prefix_cache_salt, r.bypass_prefix_cache)
 
     def run_chunk(self, plan: ChunkedPrefill) -> int:

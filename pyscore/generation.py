@@ -135,18 +135,20 @@ class GenerationRunner:
     """Steps generations over the decoder: new sequences are prefilled together in one packed pass of at most
     `max_prefill_tokens` prompt tokens (taken in arrival order; one larger prompt alone; the others wait for
     the next step), running ones decode together against their KV caches, and each then gets its next token.
-    A prompt larger than the budget is prefilled in chunks when the prefix cache can hold it: one chunk per step
+    A prompt larger than `prefill_chunk_tokens` (default: the budget) is prefilled in chunks of that size when
+    the prefix cache can hold it: one chunk per step
     (one at a time; the other new prompts prefill beside it as usual), then its last pass alone.
     A pass that fails is retried one sequence at a time, so only the failing sequence fails
     (`Generation.error`). How many sequences run at once is the caller's bound (server/batcher admits them
     against --max-running-generations and --max-kv-tokens)."""
 
     def __init__(self, decoder: Decoder, tokenizer: Any, eos_ids: frozenset[int], max_prefill_tokens: int = 8192,
-                 prefix_cache: PrefixCache | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None, prefill_chunk_tokens: int | None = None) -> None:
         self.decoder = decoder
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.max_prefill_tokens = max_prefill_tokens
+        self.chunk_tokens = min(prefill_chunk_tokens or max_prefill_tokens, max_prefill_tokens)
         self.prefix_cache = prefix_cache
 
     def start(self, request: GenerateRequest) -> Generation:
@@ -175,12 +177,12 @@ class GenerationRunner:
 
     def _advance_chunked(self, new: list[Generation]) -> list[Generation]:
         """Advances the prompt being prefilled in chunks by one chunk (or, every chunk done, runs its last prefill
-        pass alone), first planning one for the first new prompt larger than the budget if none is under way.
+        pass alone), first planning one for the first new prompt larger than a chunk if none is under way.
         Returns the new sequences left to prefill as usual: the others, and a long prompt that cannot be chunked
         (it runs alone as one pass); while one is chunked, other long prompts wait."""
         long = next((g for g in new if g.chunks is not None), None)
         if long is None:
-            long = next((g for g in new if len(g.prompt) > self.max_prefill_tokens), None)
+            long = next((g for g in new if len(g.prompt) > self.chunk_tokens), None)
             if long is None or not self._plan_chunks(long):
                 return new
         assert long.chunks is not None
@@ -193,11 +195,11 @@ class GenerationRunner:
                 raise
             except Exception as e:
                 long.fail(e)
-        return [g for g in new if g is not long and len(g.prompt) <= self.max_prefill_tokens]
+        return [g for g in new if g is not long and len(g.prompt) <= self.chunk_tokens]
 
     def _plan_chunks(self, g: Generation) -> bool:
         n, r = len(g.prompt), g.request
-        g.chunks = chunked_prefill.plan(self.prefix_cache, g.prompt, n - 1, self.max_prefill_tokens,
+        g.chunks = chunked_prefill.plan(self.prefix_cache, g.prompt, n - 1, self.chunk_tokens,
                                         r.prefix_cache_salt, r.bypass_prefix_cache)
         return g.chunks is not None
 

@@ -9,15 +9,16 @@ arrival order while both generation bounds allow, and (6) advances all running g
 a single `engine.step` (which prefills new ones up to `max_batch_tokens` prompt tokens per step). Score
 batches and decode steps thus interleave, and requests that arrive during a forward pass join the next one.
 
-Chunked prefill (pyscore.chunked_prefill): a Score job larger than `max_batch_tokens` at the head of the queue gets
-a chunking plan from the engine (its query's blocks reserved in the prefix cache) and leaves the queue; from then
-on each iteration runs one chunk of its query (one forward pass of at most `max_batch_tokens` tokens) and then the
-batch of whatever else waits, so a long request delays the others by one chunk, not by its whole prefill. Its
-last passes (the query's tail and the items) run once every chunk has; a cancel or deadline between chunks drops
-it, and a pass that stops inside a chunk commits nothing (the plan is closed unpublished either way). One Score is
-chunked at a time: a second long one waits, the jobs behind it do not. A long job the engine cannot chunk (no
-prefix cache, a hybrid model, a cache too small for its query) runs alone as one pass, as before. Generate's
-prompts are chunked inside `engine.step` the same way (pyscore.generation).
+Chunked prefill (pyscore.chunked_prefill): the first waiting Score job larger than `prefill_chunk_tokens` (default:
+`max_batch_tokens`) gets a chunking plan from the engine (its query's blocks reserved in the prefix cache) and
+leaves the queue; from then on each iteration runs one chunk of its query (one forward pass of at most
+`prefill_chunk_tokens` tokens) and then the batch of whatever else waits, so a long request delays the others by
+one chunk, not by its whole prefill. Its last passes (the query's tail and the items) run once every chunk has; a
+cancel or deadline between chunks drops it, and a pass that stops inside a chunk commits nothing (the plan is
+closed unpublished either way). One Score is chunked at a time: other long ones wait for their turn, the short
+jobs go past them. A long job the engine cannot chunk (no prefix cache, a hybrid model, a cache too small for its
+query) is batched as before: in arrival order, alone when larger than the budget. Generate's prompts are chunked
+inside `engine.step` the same way (pyscore.generation).
 Results reach the loop through `call_soon_threadsafe`. The engine asks the batcher at every layer boundary whether
 to go on (`set_interrupt`): a pass whose jobs are all cancelled or past their deadline stops there, committing
 nothing, and so does any pass once `halt()` (the end of the shutdown's grace period) has answered every waiting
@@ -155,6 +156,7 @@ class Job:
     tokens: int = 0  # Score: tokens computed; Generate: KV-cache tokens reserved (prompt + max_tokens)
     admitted: float = field(default_factory=time.monotonic)
     started: float | None = None  # when the first forward pass that included this job began
+    unchunked: bool = False  # Score: the engine could not chunk it, so it runs as one pass (Batcher._long)
     compute_s: float = 0.0  # wall time of the forward passes that included it
 
     def timed(self, usage: Usage) -> None:
@@ -196,9 +198,10 @@ class Batcher:
     def __init__(self, engine: EngineLike, *, max_batch_tokens: int = 8192, max_queue: int = 256,
                  max_request_tokens: int | None = None, max_running_generations: int = 64,
                  max_kv_tokens: int = 65536, on_batch: Callable[[int, int], None] | None = None,
-                 trim_under_load: bool = False) -> None:
+                 trim_under_load: bool = False, prefill_chunk_tokens: int | None = None) -> None:
         self.engine = engine
         self.max_batch_tokens = max_batch_tokens
+        self.prefill_chunk_tokens = min(prefill_chunk_tokens or max_batch_tokens, max_batch_tokens)
         self.max_queue = max_queue
         self.max_request_tokens = max_request_tokens  # None = no limit
         self.max_running_generations = max_running_generations
@@ -440,26 +443,33 @@ class Batcher:
         self._kv_reserved = sum(j.tokens for j in jobs)
 
     def _next_batch(self) -> list[Job]:
-        """Waiting Score jobs in arrival order while they fit the token budget (the first one always). While a job
-        is prefilled in chunks, jobs larger than the budget wait for it to finish and the others go past them."""
-        eligible = [job for job in self._pending if self._chunked is None or job.tokens <= self.max_batch_tokens]
+        """Waiting Score jobs in arrival order while they fit the token budget (the first one always), past the
+        long ones waiting for their turn to be chunked."""
+        eligible = [job for job in self._pending if not self._long(job)]
         batch = eligible[: count_within_budget((job.tokens for job in eligible), self.max_batch_tokens)]
         for job in batch:
             self._pending.remove(job)
         self._release(len(batch))
         return batch
 
+    def _long(self, job: Job) -> bool:
+        """Larger than a chunk, and not (yet) known to be unchunkable."""
+        return job.tokens > self.prefill_chunk_tokens and not job.unchunked
+
     def _advance_chunked(self) -> None:
-        """Runs the chunked Score job's next chunk, or its last passes once every chunk ran; first makes the head
-        of the queue that job if it is larger than the budget and the engine can chunk it."""
-        if self._chunked is None:
-            if not self._pending or self._pending[0].tokens <= self.max_batch_tokens:
+        """Runs the chunked Score job's next chunk, or its last passes once every chunk ran; first, if there is
+        none, makes the first long waiting job the one the engine can chunk (those it cannot are marked so)."""
+        while self._chunked is None:
+            job = next((j for j in self._pending if self._long(j)), None)
+            if job is None:
                 return
-            plan = self.engine.plan_chunks(self._pending[0].work)
+            plan = self.engine.plan_chunks(job.work)
             if plan is None:
-                return  # it runs alone as one pass (_next_batch)
-            self._chunked = (self._pending.popleft(), plan)
+                job.unchunked = True  # batched as before chunked prefill (_next_batch)
+                continue
+            self._pending.remove(job)
             self._release(1)
+            self._chunked = (job, plan)
         job, plan = self._chunked
         start = time.monotonic()
         self._in_pass = [job]

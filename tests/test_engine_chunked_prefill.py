@@ -65,8 +65,19 @@ def test_chunked_scores_are_bitwise_the_unchunked_ones(model_dir, mode, dtype, c
     assert got.usage.cached_tokens == (0 if mode == "mis" else n // B * B * (len(ITEMS) - 1))
     assert got.usage.computed_tokens == expected.usage.computed_tokens - got.usage.cached_tokens
     warm = chunked.score(LONG, ITEMS, labels=LABELS, mode=mode)  # its blocks were published at the end
-    assert warm.scores == expected.scores and warm.usage.cached_tokens == n // B * B * (1 if mode == "mis" else len(ITEMS))
+    assert warm.scores == expected.scores
+    assert warm.usage.cached_tokens == n // B * B * (1 if mode == "mis" else len(ITEMS))
     assert len(chunks) == -(-(n // B * B) // BUDGET)  # none more: the warm one read every block
+
+
+def test_the_chunk_size_is_its_own_knob_below_the_pass_budget(model_dir, chunks):
+    e = engine(model_dir, prefill_chunk_tokens=BUDGET + B // 2)  # rounded down to whole blocks
+    n = len(e.tokenize(LONG)[0])
+    assert e.max_batch_tokens > n and e.score(LONG, ITEMS, labels=LABELS).scores == engine(model_dir).score(
+        LONG, ITEMS, labels=LABELS).scores
+    assert chunks[0] == BUDGET and len(chunks) == -(-(n // B * B) // BUDGET)
+    assert not engine(model_dir, prefill_chunk_tokens=n + 100).plan_chunks(
+        e.prepare_score(ScoreRequest(query=LONG, items=ITEMS[:1], labels=LABELS)))
 
 
 def test_setwise_and_bypass_chunk_too_and_bypass_leaves_nothing(model_dir, chunks):
