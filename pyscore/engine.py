@@ -137,7 +137,8 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.max_batch_tokens = max_batch_tokens
-        # A request that computes more is prefilled in chunks of at most this many (whole blocks; plan_chunks).
+        # A request that computes more than max_batch_tokens is prefilled in chunks of at most this many (whole
+        # blocks; plan_chunks).
         self.prefill_chunk_tokens = min(prefill_chunk_tokens or max_batch_tokens, max_batch_tokens)
         self.decoder = Decoder(loaded.cfg, loaded.weights, loaded.rotary, op_backend)
         release_freed_memory()
@@ -180,9 +181,9 @@ class Engine:
         prefix_cache_mb: the prefix cache's byte budget in MiB (0 = off). max_kv_tokens and
         max_running_generations are what the server admits generations under (its flags of the same names): the
         engine plans memory with them and refuses, before loading, a model that cannot fit
-        (pyscore.memory.InsufficientMemoryError). prefill_chunk_tokens: a request computing more tokens than this
-        (default and at most max_batch_tokens) has its query / prompt prefilled in chunks of this size
-        (pyscore.chunked_prefill)."""
+        (pyscore.memory.InsufficientMemoryError). prefill_chunk_tokens: a request computing more than max_batch_tokens
+        has its query / prompt prefilled in chunks of at most this size (default and at most max_batch_tokens;
+        pyscore.chunked_prefill)."""
         set_threads(threads)
         dev = resolve_device(device)
         pools = Pools(max_batch_tokens, max_kv_tokens, max_running_generations, prefix_cache_mb)
@@ -242,7 +243,7 @@ class Engine:
     def run_prepared(self, prepared: Sequence[PreparedScore]) -> list[ScoreResult | Exception]:
         """Packs all requests' groups into as few forward passes as the token budget allows. If a pass fails,
         its requests are retried one by one so a single bad request cannot fail its batch-mates. A request larger
-        than prefill_chunk_tokens is computed in chunks (`plan_chunks`), all of them here, one request after
+        than max_batch_tokens is computed in chunks (`plan_chunks`), all of them here, one request after
         another (the server's batcher runs the chunks itself, one per iteration, so that others run between them).
         An interrupted pass (PassInterrupted) ends the call: no request gets a result."""
         results: dict[int, ScoreResult | Exception] = {}
@@ -276,12 +277,12 @@ class Engine:
 
     # --- chunked prefill (pyscore.chunked_prefill) ---------------------------------------------------------------
     def plan_chunks(self, p: PreparedScore) -> ChunkedPrefill | None:
-        """For a request that computes more than prefill_chunk_tokens and whose query is a prefix (MIS, SIS; not
+        """For a request that computes more than max_batch_tokens and whose query is a prefix (MIS, SIS; not
         item_first), the plan that computes the query's whole blocks in chunks, its cache blocks reserved; None
         when it runs as one pass (no prefix cache, a hybrid model, a cache too small for the query, a query of
         less than one block). The caller runs `run_chunk` until `plan.finished`, then `finish_chunked`, or closes
         the plan (`plan.close(ok=False)`) when it gives up on the request."""
-        if p.computed_tokens <= self.prefill_chunk_tokens or not p.items or p.request.item_first:
+        if p.computed_tokens <= self.max_batch_tokens or not p.items or p.request.item_first:
             return None
         r = p.request
         return chunked_prefill.plan(self.prefix_cache, p.query, len(p.query), self.prefill_chunk_tokens,

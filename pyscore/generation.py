@@ -135,7 +135,7 @@ class GenerationRunner:
     """Steps generations over the decoder: new sequences are prefilled together in one packed pass of at most
     `max_prefill_tokens` prompt tokens (taken in arrival order; one larger prompt alone; the others wait for
     the next step), running ones decode together against their KV caches, and each then gets its next token.
-    A prompt larger than `prefill_chunk_tokens` (default: the budget) is prefilled in chunks of that size when
+    A prompt larger than the budget is prefilled in chunks of `prefill_chunk_tokens` (default: the budget) when
     the prefix cache can hold it: one chunk per step
     (one at a time; the other new prompts prefill beside it as usual), then its last pass alone.
     A pass that fails is retried one sequence at a time, so only the failing sequence fails
@@ -177,12 +177,12 @@ class GenerationRunner:
 
     def _advance_chunked(self, new: list[Generation]) -> list[Generation]:
         """Advances the prompt being prefilled in chunks by one chunk (or, every chunk done, runs its last prefill
-        pass alone), first planning one for the first new prompt larger than a chunk if none is under way.
+        pass alone), first planning one for the first new prompt larger than the budget if none is under way.
         Returns the new sequences left to prefill as usual: the others, and a long prompt that cannot be chunked
         (it runs alone as one pass); while one is chunked, other long prompts wait."""
         long = next((g for g in new if g.chunks is not None), None)
         if long is None:
-            long = next((g for g in new if len(g.prompt) > self.chunk_tokens), None)
+            long = next((g for g in new if len(g.prompt) > self.max_prefill_tokens), None)
             if long is None or not self._plan_chunks(long):
                 return new
         assert long.chunks is not None
@@ -195,7 +195,7 @@ class GenerationRunner:
                 raise
             except Exception as e:
                 long.fail(e)
-        return [g for g in new if g is not long and len(g.prompt) <= self.chunk_tokens]
+        return [g for g in new if g is not long and len(g.prompt) <= self.max_prefill_tokens]
 
     def _plan_chunks(self, g: Generation) -> bool:
         n, r = len(g.prompt), g.request

@@ -43,10 +43,10 @@ def parse_command(argv: list[str] | None = None, prog: str | None = None) -> tup
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
                    help="token budget of one packed forward pass (default %(default)s)")
     p.add_argument("--prefill-chunk-tokens", type=int, default=0,
-                   help="a Score query or Generate prompt of a request computing more tokens is prefilled in chunks "
-                        "of this size through the prefix cache, so other requests run between them; smaller chunks "
-                        "cut their wait, lengthen the long request (0 = --max-batch-tokens, the default; at most "
-                        "that)")
+                   help="a request computing more than --max-batch-tokens has its Score query or Generate prompt "
+                        "prefilled through the prefix cache in chunks of at most this many tokens, other requests "
+                        "running between them; smaller chunks cut their wait and lengthen the long request (0 = "
+                        "--max-batch-tokens, the default; at most that)")
     p.add_argument("--max-queue", type=int, default=d.max_queue,
                    help="requests allowed to wait; more answer RESOURCE_EXHAUSTED (default %(default)s)")
     p.add_argument("--max-items", type=int, default=d.max_items,

@@ -75,7 +75,7 @@ class ServerConfig:
     max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS
     max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS  # KV-cache tokens reserved by running generations (prompt + max_tokens)
     prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB  # the prefix cache's byte budget in MiB; 0 = off
-    prefill_chunk_tokens: int | None = None  # a longer request is prefilled in chunks of this size; None = max_batch
+    prefill_chunk_tokens: int | None = None  # chunk size of a request over max_batch_tokens; None = max_batch_tokens
     grace_s: float = 10.0
     drain_delay_s: float = 0.0  # seconds between health NOT_SERVING and the listener closing, on SIGTERM
     max_connection_age_s: float | None = None  # None = connections live for ever
@@ -212,7 +212,7 @@ class ScorerApp:
         self.batcher = Batcher(engine, max_batch_tokens=c.max_batch_tokens, max_queue=c.max_queue,
                                max_request_tokens=c.max_request_tokens,
                                max_running_generations=c.max_running_generations, max_kv_tokens=c.max_kv_tokens,
-                               on_batch=self.metrics.observe_batch, prefill_chunk_tokens=c.prefill_chunk_tokens,
+                               on_batch=self.metrics.observe_batch,
                                trim_under_load=os.environ.get("PYSCORE_TRIM_UNDER_LOAD", "") not in ("", "0"))
         self.batcher.start()
         self.metrics.track_prefix_cache(engine.prefix_cache_stats)

@@ -9,10 +9,10 @@ arrival order while both generation bounds allow, and (6) advances all running g
 a single `engine.step` (which prefills new ones up to `max_batch_tokens` prompt tokens per step). Score
 batches and decode steps thus interleave, and requests that arrive during a forward pass join the next one.
 
-Chunked prefill (pyscore.chunked_prefill): the first waiting Score job larger than `prefill_chunk_tokens` (default:
-`max_batch_tokens`) gets a chunking plan from the engine (its query's blocks reserved in the prefix cache) and
-leaves the queue; from then on each iteration runs one chunk of its query (one forward pass of at most
-`prefill_chunk_tokens` tokens) and then the batch of whatever else waits, so a long request delays the others by
+Chunked prefill (pyscore.chunked_prefill): the first waiting Score job larger than `max_batch_tokens` gets a
+chunking plan from the engine (its query's blocks reserved in the prefix cache) and leaves the queue; from then on
+each iteration runs one chunk of its query (one forward pass of at most the engine's prefill_chunk_tokens, by
+default `max_batch_tokens`) and then the batch of whatever else waits, so a long request delays the others by
 one chunk, not by its whole prefill. Its last passes (the query's tail and the items) run once every chunk has; a
 cancel or deadline between chunks drops it, and a pass that stops inside a chunk commits nothing (the plan is
 closed unpublished either way). One Score is chunked at a time: other long ones wait for their turn, the short
@@ -198,10 +198,9 @@ class Batcher:
     def __init__(self, engine: EngineLike, *, max_batch_tokens: int = 8192, max_queue: int = 256,
                  max_request_tokens: int | None = None, max_running_generations: int = 64,
                  max_kv_tokens: int = 65536, on_batch: Callable[[int, int], None] | None = None,
-                 trim_under_load: bool = False, prefill_chunk_tokens: int | None = None) -> None:
+                 trim_under_load: bool = False) -> None:
         self.engine = engine
         self.max_batch_tokens = max_batch_tokens
-        self.prefill_chunk_tokens = min(prefill_chunk_tokens or max_batch_tokens, max_batch_tokens)
         self.max_queue = max_queue
         self.max_request_tokens = max_request_tokens  # None = no limit
         self.max_running_generations = max_running_generations
@@ -453,8 +452,8 @@ class Batcher:
         return batch
 
     def _long(self, job: Job) -> bool:
-        """Larger than a chunk, and not (yet) known to be unchunkable."""
-        return job.tokens > self.prefill_chunk_tokens and not job.unchunked
+        """Larger than the budget, and not (yet) known to be unchunkable."""
+        return job.tokens > self.max_batch_tokens and not job.unchunked
 
     def _advance_chunked(self) -> None:
         """Runs the chunked Score job's next chunk, or its last passes once every chunk ran; first, if there is

@@ -71,13 +71,15 @@ def test_chunked_scores_are_bitwise_the_unchunked_ones(model_dir, mode, dtype, c
 
 
 def test_the_chunk_size_is_its_own_knob_below_the_pass_budget(model_dir, chunks):
-    e = engine(model_dir, prefill_chunk_tokens=BUDGET + B // 2)  # rounded down to whole blocks
+    """Requests over the pass budget are chunked, in chunks of prefill_chunk_tokens (whole blocks); a request
+    within the budget runs as one pass, however small the chunk."""
+    e = engine(model_dir, max_batch_tokens=4 * B, prefill_chunk_tokens=BUDGET + B // 2)
     n = len(e.tokenize(LONG)[0])
-    assert e.max_batch_tokens > n and e.score(LONG, ITEMS, labels=LABELS).scores == engine(model_dir).score(
-        LONG, ITEMS, labels=LABELS).scores
+    expected = engine(model_dir).score(LONG, ITEMS, labels=LABELS)
+    assert e.score(LONG, ITEMS, labels=LABELS, bypass_prefix_cache=True).scores == expected.scores
     assert chunks[0] == BUDGET and len(chunks) == -(-(n // B * B) // BUDGET)
-    assert not engine(model_dir, prefill_chunk_tokens=n + 100).plan_chunks(
-        e.prepare_score(ScoreRequest(query=LONG, items=ITEMS[:1], labels=LABELS)))
+    within = e.prepare_score(ScoreRequest(query=LONG[:450], items=ITEMS[2:3], labels=LABELS))
+    assert BUDGET < within.computed_tokens <= 4 * B and e.plan_chunks(within) is None
 
 
 def test_setwise_and_bypass_chunk_too_and_bypass_leaves_nothing(model_dir, chunks):
