@@ -2,12 +2,12 @@
 
 Each worker iteration: (1) accepts the jobs that arrived (prepare_score / start_generation validate and
 tokenize; a bad request is answered at once), (2) drops jobs whose client went away or whose deadline passed,
-(3) runs one chunk of the Score job being prefilled in chunks, if any (below), (4) runs one score batch — the waiting
-Score jobs in arrival order up to `max_batch_tokens` computed tokens, a job larger than the budget alone — with a
-single `engine.run_prepared`, (5) starts waiting generations in
-arrival order while both generation bounds allow, and (6) advances all running generations by one token with
-a single `engine.step` (which prefills new ones up to `max_batch_tokens` prompt tokens per step). Score
-batches and decode steps thus interleave, and requests that arrive during a forward pass join the next one.
+(3) runs one chunk of the Score job being prefilled in chunks, if any (below), (4) runs one score batch — the
+waiting Score jobs in arrival order up to `max_batch_tokens` computed tokens, a larger job that cannot be chunked
+alone — with a single `engine.run_prepared`, (5) starts waiting generations in arrival order while both generation
+bounds allow, and (6) advances all running generations by one token with a single `engine.step` (which prefills
+new ones up to `max_batch_tokens` prompt tokens per step). Score batches and decode steps thus interleave, and
+requests that arrive during a forward pass join the next one.
 
 Chunked prefill (pyscore.chunked_prefill): the first waiting Score job larger than `max_batch_tokens` gets a
 chunking plan from the engine (its query's blocks reserved in the prefix cache) and leaves the queue; from then on

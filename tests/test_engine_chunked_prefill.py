@@ -13,7 +13,8 @@ from pyscore.errors import PassInterrupted
 from pyscore.generation import SeqState
 from pyscore.types import GenerateRequest, ScoreRequest
 from tests.helpers import make_model_dir
-from tests.test_engine_prefix_cache import ITEMS, QUERY
+from tests.reference_scoring import max_abs_diff
+from tests.test_engine_prefix_cache import FP32_TOL, ITEMS, QUERY
 
 B = 64
 BUDGET = 2 * B  # --max-batch-tokens of the chunking engines: chunks of two blocks
@@ -201,6 +202,26 @@ def test_a_generation_keeps_decoding_while_another_prompt_is_chunked(model_dir):
     while not long.finished:
         e.step([long])
     assert long.result().token_ids == engine(model_dir).generate(long.request).token_ids
+
+
+def test_an_abandoned_generation_gives_its_blocks_back(model_dir):
+    """What the batcher does with a generation whose caller left while its prompt was being chunked."""
+    e = engine(model_dir, max_batch_tokens=BUDGET)
+    long = e.start_generation(GenerateRequest(prompt=LONG, max_tokens=2))
+    e.step([long])
+    assert long.chunks is not None and 0 < long.chunks.done < long.chunks.end
+    assert e.prefix_cache_stats().blocks == (len(long.prompt) - 1) // B
+    long.abandon()
+    assert e.prefix_cache_stats().blocks == 0
+
+
+def test_reference_path_chunked_within_the_warm_cold_bound(model_dir):
+    whole = engine(model_dir, backend="reference")
+    chunked = engine(model_dir, backend="reference", max_batch_tokens=BUDGET)
+    for mode in ("sis", "mis"):
+        expected = whole.score(LONG, ITEMS, labels=LABELS, mode=mode, bypass_prefix_cache=True).scores
+        got = chunked.score(LONG, ITEMS, labels=LABELS, mode=mode, bypass_prefix_cache=True).scores
+        assert max_abs_diff(got, expected) <= FP32_TOL
 
 
 def test_hybrid_qwen3_5_is_not_chunked_and_scores_as_one_pass(tmp_path):
