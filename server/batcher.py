@@ -2,9 +2,9 @@
 
 Each worker iteration: (1) accepts the jobs that arrived (prepare_score / start_generation validate and
 tokenize; a bad request is answered at once), (2) drops jobs whose client went away or whose deadline passed,
-(3) runs one chunk of the Score job being prefilled in chunks, if any (below), (4) runs one score batch — the
-waiting Score jobs in arrival order up to `max_batch_tokens` computed tokens, a larger job that cannot be chunked
-alone — with a single `engine.run_prepared`, (5) starts waiting generations in arrival order while both generation
+(3) runs one score batch — the waiting Score jobs in arrival order up to `max_batch_tokens` computed tokens, a
+larger job that cannot be chunked alone — with a single `engine.run_prepared`, (4) runs one chunk of the Score job
+being prefilled in chunks, if any (below), (5) starts waiting generations in arrival order while both generation
 bounds allow, and (6) advances all running generations by one token with a single `engine.step` (which prefills
 new ones up to `max_batch_tokens` prompt tokens per step). Score batches and decode steps thus interleave, and
 requests that arrive during a forward pass join the next one.
@@ -12,8 +12,9 @@ requests that arrive during a forward pass join the next one.
 Chunked prefill (pyscore.chunked_prefill): the first waiting Score job larger than `max_batch_tokens` gets a
 chunking plan from the engine (its query's blocks reserved in the prefix cache) and leaves the queue; from then on
 each iteration runs one chunk of its query (one forward pass of at most the engine's prefill_chunk_tokens, by
-default `max_batch_tokens`) and then the batch of whatever else waits, so a long request delays the others by
-one chunk, not by its whole prefill. Its last passes (the query's tail and the items) run once every chunk has; a
+default `max_batch_tokens`) after the batch of whatever else waits; and Score jobs that arrive during a chunk run
+at its next layer boundary (`_between_layers`), so a long request delays the others by about one layer of a
+chunk, not by its whole prefill. Its last passes (the query's tail and the items) run once every chunk has; a
 cancel or deadline between chunks drops it, and a pass that stops inside a chunk commits nothing (the plan is
 closed unpublished either way). One Score is chunked at a time: other long ones wait for their turn, the short
 jobs go past them. A long job the engine cannot chunk (no prefix cache, a hybrid model, a cache too small for its
@@ -219,6 +220,8 @@ class Batcher:
         self._starting: deque[Job] = deque()  # accepted generations waiting for a running slot; worker only
         self._active: list[Job] = []  # running generations; worker only
         self._chunked: tuple[Job, ChunkPlanLike] | None = None  # the Score job prefilled in chunks; worker only
+        self._in_chunk = False  # a chunk's pass is running (other Score batches may run at its layer boundaries)
+        self._nested = False  # such a batch is running
         self._kv_reserved = 0  # sum of tokens over _active; written by the worker only
         self._thread = threading.Thread(target=self._run, name="pyscore-engine", daemon=True)
         self._trimmed = time.monotonic()  # worker only
@@ -363,14 +366,14 @@ class Batcher:
         for job in arrived:
             self._accept(job)
         self._drop_dead()
-        self._advance_chunked()
-        if self._halted:
-            return
         batch = self._next_batch()
         if batch:
             self._run_batch(batch)
         if self._halted:
             return  # no step: _run fails what is left
+        self._advance_chunked()
+        if self._halted:
+            return
         self._start_generations()
         if self._active:
             self._step()
@@ -478,6 +481,7 @@ class Batcher:
                 self._chunked = None
             else:
                 self.stats.chunks += 1
+                self._in_chunk = True
                 self.engine.run_chunk(plan)
                 job.ran(start, time.monotonic())
                 return
@@ -490,7 +494,7 @@ class Batcher:
             self._end_chunked(e)
             return
         finally:
-            self._in_pass = []
+            self._in_pass, self._in_chunk = [], False
         job.ran(start, time.monotonic())
         if isinstance(result, ScoreResult):
             job.timed(result.usage)
@@ -512,11 +516,36 @@ class Batcher:
 
     def _interrupted(self) -> bool:
         """Asked by the engine at every layer boundary (worker thread): stop the running pass when the server is
-        halting or when every job in it is cancelled or past its deadline (its answers would be discarded)."""
+        halting or when every job in it is cancelled or past its deadline (its answers would be discarded). In a
+        chunk's pass it is also where the Score jobs that arrived meanwhile run (`_between_layers`)."""
         if self._halted:
             return True
         now = time.monotonic()
-        return bool(self._in_pass) and all(job.dead(now) for job in self._in_pass)
+        if self._in_pass and all(job.dead(now) for job in self._in_pass):
+            return True
+        if self._in_chunk and not self._nested:
+            self._between_layers()
+        return False
+
+    def _between_layers(self) -> None:
+        """Cooperative preemption of a chunk's pass: at its layer boundary, the Score jobs that arrived run now as
+        one batch of their own, then the chunk goes on from the same layer. Safe: a pass keeps its state in its
+        own tensors (residual stream, attention plan) and the chunk's cache blocks are private to its lease, so
+        the batch in between reads and changes nothing of it, and its arithmetic is unchanged. So a short request
+        waits for one layer of a chunk, not a whole chunk (which late in a long query costs several times its
+        first one). Generations are not stepped here: they take their turn between chunks."""
+        with self._cond:
+            arrived, self._inbox = self._inbox, []
+        for job in arrived:
+            self._accept(job)
+        batch = self._next_batch()
+        if not batch:
+            return
+        outer, self._nested = self._in_pass, True
+        try:
+            self._run_batch(batch)
+        finally:
+            self._in_pass, self._nested = outer, False
 
     def _stopped(self, jobs: list[Job]) -> None:
         """The pass over `jobs` was interrupted: halted, they fail with HALTED; else all are dead and dropped."""

@@ -1,6 +1,7 @@
 """Chunked prefill in the batcher, over a real (tiny) engine: a Score request that arrives while a long one is
-prefilled in chunks is answered between two of its chunks, with its idle scores; a long request cancelled during
-a chunk stops there and leaves nothing in the prefix cache. The order is forced with a gate, never with timing."""
+prefilled in chunks is answered at the next layer boundary of the running chunk, with its idle scores, and the long
+one's scores are still its one-pass ones; a long request cancelled during a chunk stops there and leaves nothing in
+the prefix cache. The order is forced with a gate, never with timing."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def model_dir(tmp_path_factory):
 
 
 class Recorder:
-    """Logs the engine's model calls in order; the first chunk waits at its start until `release`."""
+    """Logs the engine's model calls in order ("chunk" ... "/chunk" around a chunk's pass); the first chunk waits
+    at its start until `release`."""
 
     def __init__(self, e: Engine) -> None:
         self.log: list[str] = []
@@ -38,7 +40,10 @@ class Recorder:
             if self.log.count("chunk") == 1:
                 self.entered.set()
                 assert self.release.wait(30)
-            return run_chunk(plan)
+            try:
+                return run_chunk(plan)
+            finally:
+                self.log.append("/chunk")
 
         def prepared(ps: list[Any]) -> list[Any]:
             self.log.append("batch")
@@ -55,7 +60,7 @@ async def first_chunk_entered(rec: Recorder) -> None:
     assert await asyncio.get_running_loop().run_in_executor(None, rec.entered.wait, 30)
 
 
-def test_a_small_score_is_answered_between_chunks_of_a_long_one(model_dir):
+def test_a_small_score_is_answered_inside_a_chunk_of_a_long_one(model_dir):
     e = Engine.from_pretrained(model_dir, dtype="float32", device="cpu", threads=2, op_backend="kernel",
                                max_batch_tokens=BUDGET)
     idle = e.score_batch([SMALL])[0]
@@ -76,7 +81,7 @@ def test_a_small_score_is_answered_between_chunks_of_a_long_one(model_dir):
     small, long = asyncio.run(run())
     batcher.stop(10)
     assert small.scores == idle.scores and long.scores == expected_long.scores
-    assert rec.log.index("batch") < len(rec.log) - 1 - rec.log[::-1].index("chunk"), rec.log  # before a later chunk
+    assert rec.log[:3] == ["chunk", "batch", "/chunk"], rec.log  # at a layer boundary of the first chunk
     assert rec.log.count("chunk") == batcher.stats.chunks >= 3 and rec.log[-1] == "finish"
     assert long.usage.compute_s > 0 and long.usage.cached_tokens == 0
 
@@ -100,7 +105,7 @@ def test_a_long_score_cancelled_during_a_chunk_stops_and_publishes_nothing(model
 
     asyncio.run(run())
     batcher.stop(10)
-    assert rec.log[:2] == ["chunk", "batch"] and "finish" not in rec.log, rec.log
+    assert rec.log[:3] == ["chunk", "/chunk", "batch"] and "finish" not in rec.log, rec.log
     assert batcher.stats.interrupted == 1
     stats = e.prefix_cache_stats()
     assert stats.blocks == 0 and stats.hit_tokens == 0  # the SMALL query is shorter than a block
