@@ -7,6 +7,7 @@ Run it alone (under the machine lock): `python -m bench.bad_input_latency`."""
 from __future__ import annotations
 
 import argparse
+import shlex
 import time
 from pathlib import Path
 
@@ -68,12 +69,12 @@ def main() -> None:
     p.add_argument("--ff-calls", type=int, default=50)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", type=Path, default=OUT)
-    p.add_argument("--server-flags", nargs="*", default=[], help="more flags for the server (e.g. --max-message-mb 4)")
+    p.add_argument("--server-flags", default="", help="more flags for the server, one string (\"--max-message-mb 4\")")
     p.add_argument("--log", type=Path, default=Path("/tmp/pyscore-bad-input/server.log"))
     a = p.parse_args()
     header = [f"# bench.bad_input_latency (issue 23): cpu {cpu()}; commit {git_commit()}; SmolLM2-135M-Instruct, "
-              f"flags --threads 2 {' '.join(a.server_flags)}; a default-settings Python client on loopback"]
-    with spawned_server(a.log, ["--threads", "2", *a.server_flags]) as server:
+              f"flags --threads 2 {a.server_flags}; a default-settings Python client on loopback"]
+    with spawned_server(a.log, ["--threads", "2", *shlex.split(a.server_flags)]) as server:
         lines = run(server.target, a.ff_calls, a.rounds)
     write_report(header + lines, a.out)
 
