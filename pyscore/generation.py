@@ -136,8 +136,8 @@ class GenerationRunner:
     `max_prefill_tokens` prompt tokens (taken in arrival order; one larger prompt alone; the others wait for
     the next step), running ones decode together against their KV caches, and each then gets its next token.
     A prompt larger than the budget is prefilled in chunks of `prefill_chunk_tokens` (default: the budget) when
-    the prefix cache can hold it: one chunk per step
-    (one at a time; the other new prompts prefill beside it as usual), then its last pass alone.
+    the prefix cache can hold it: one chunk per step (one prompt at a time; the other new prompts prefill beside
+    it as usual), then its last pass alone.
     A pass that fails is retried one sequence at a time, so only the failing sequence fails
     (`Generation.error`). How many sequences run at once is the caller's bound (server/batcher admits them
     against --max-running-generations and --max-kv-tokens)."""
