@@ -109,3 +109,45 @@ def test_a_long_score_cancelled_during_a_chunk_stops_and_publishes_nothing(model
     assert batcher.stats.interrupted == 1
     stats = e.prefix_cache_stats()
     assert stats.blocks == 0 and stats.hit_tokens == 0  # the SMALL query is shorter than a block
+
+
+def test_a_generation_cancelled_while_its_prompt_is_chunked_gives_its_blocks_back(model_dir, monkeypatch):
+    from pyscore.chunked_prefill import ChunkedPrefill
+    from pyscore.types import GenerateRequest
+
+    e = Engine.from_pretrained(model_dir, dtype="float32", device="cpu", threads=2, op_backend="kernel",
+                               max_batch_tokens=BUDGET)
+    entered, release, chunks = threading.Event(), threading.Event(), []
+    run_next = ChunkedPrefill.run_next
+
+    def gated(plan: ChunkedPrefill, decoder: Any) -> int:
+        chunks.append(plan.done)
+        if len(chunks) == 1:
+            entered.set()
+            assert release.wait(30)
+        return run_next(plan, decoder)
+
+    monkeypatch.setattr(ChunkedPrefill, "run_next", gated)
+    batcher = Batcher(e, max_batch_tokens=BUDGET)
+
+    async def run() -> None:
+        batcher.start()
+
+        async def consume() -> None:
+            async for _ in batcher.generate(GenerateRequest(prompt=LONG, max_tokens=3)):
+                pass
+
+        task = asyncio.create_task(consume())
+        assert await asyncio.get_running_loop().run_in_executor(None, entered.wait, 30)
+        assert e.prefix_cache_stats().blocks > 0  # reserved for the whole prompt
+        task.cancel()
+        await asyncio.sleep(0)
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert (await batcher.score(SMALL, timeout=30)).scores  # the worker has gone round since
+
+    asyncio.run(run())
+    batcher.stop(10)
+    assert len(chunks) == 1 and batcher.running_generations() == 0
+    assert e.prefix_cache_stats().blocks == 0
