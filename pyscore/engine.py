@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import torch
 
+from pyscore import chunked_prefill
 from pyscore.budget import (
     DEFAULT_MAX_BATCH_TOKENS,
     DEFAULT_MAX_KV_TOKENS,
@@ -21,6 +22,7 @@ from pyscore.budget import (
     DEFAULT_PREFIX_CACHE_MB,
     count_within_budget,
 )
+from pyscore.chunked_prefill import ChunkedPrefill
 from pyscore.errors import PassInterrupted, RequestError
 from pyscore.generation import Generation, GenerationRunner, eos_token_ids
 from pyscore.memory import Pools, describe, plan_memory, release_freed_memory, resident_bytes
@@ -128,12 +130,16 @@ def final_memory_plan(loaded: LoadedModel, decoder: Decoder, pools: Pools, prefi
 class Engine:
     def __init__(self, loaded: LoadedModel, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, op_backend: str = "auto",
                  prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
-                 max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS):
+                 max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS,
+                 prefill_chunk_tokens: int | None = None):
         self.model = loaded
         self.cfg = loaded.cfg
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.max_batch_tokens = max_batch_tokens
+        # A request that computes more than max_batch_tokens is prefilled in chunks of at most this many (whole
+        # blocks; plan_chunks).
+        self.prefill_chunk_tokens = min(prefill_chunk_tokens or max_batch_tokens, max_batch_tokens)
         self.decoder = Decoder(loaded.cfg, loaded.weights, loaded.rotary, op_backend)
         release_freed_memory()
         self.traits = ModelTraits(tokenizer=loaded.tokenizer, vocab_size=loaded.cfg.vocab_size,
@@ -143,7 +149,7 @@ class Engine:
         self.prefix_cache = make_prefix_cache(loaded, self.decoder, prefix_cache_mb)
         self.generation = GenerationRunner(self.decoder, loaded.tokenizer,
                                            eos_token_ids(loaded.hf_config, loaded.tokenizer), max_batch_tokens,
-                                           self.prefix_cache)
+                                           self.prefix_cache, self.prefill_chunk_tokens)
         # Which path every op takes on this model's device and dtype, decided once by the op registry.
         self.op_paths = _ext.op_paths(self.decoder.device, self.decoder.dtype, op_backend)
         self.cpu_tier = _ext.cpu_tier() if self.decoder.device.type == "cpu" else ""
@@ -169,17 +175,20 @@ class Engine:
                         device: str = "auto", threads: int | None = None,
                         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, op_backend: str = "auto",
                         prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
-                        max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS) -> Engine:
+                        max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS,
+                        prefill_chunk_tokens: int | None = None) -> Engine:
         """model: a local HF directory, a .gguf file, or None for the embedded SmolLM2-135M-Instruct.
         prefix_cache_mb: the prefix cache's byte budget in MiB (0 = off). max_kv_tokens and
         max_running_generations are what the server admits generations under (its flags of the same names): the
         engine plans memory with them and refuses, before loading, a model that cannot fit
-        (pyscore.memory.InsufficientMemoryError)."""
+        (pyscore.memory.InsufficientMemoryError). prefill_chunk_tokens: a request computing more than max_batch_tokens
+        has its query / prompt prefilled in chunks of at most this size (default and at most max_batch_tokens;
+        pyscore.chunked_prefill)."""
         set_threads(threads)
         dev = resolve_device(device)
         pools = Pools(max_batch_tokens, max_kv_tokens, max_running_generations, prefix_cache_mb)
         return cls(load_model(model, resolve_dtype(dtype, dev), dev, pools), max_batch_tokens, op_backend,
-                   prefix_cache_mb, max_kv_tokens, max_running_generations)
+                   prefix_cache_mb, max_kv_tokens, max_running_generations, prefill_chunk_tokens)
 
     # --- model facts ---------------------------------------------------------------------------------
     def info(self) -> ModelInfo:
@@ -233,8 +242,20 @@ class Engine:
 
     def run_prepared(self, prepared: Sequence[PreparedScore]) -> list[ScoreResult | Exception]:
         """Packs all requests' groups into as few forward passes as the token budget allows. If a pass fails,
-        its requests are retried one by one so a single bad request cannot fail its batch-mates. An interrupted
-        pass (PassInterrupted) ends the call: no request gets a result."""
+        its requests are retried one by one so a single bad request cannot fail its batch-mates. A request larger
+        than max_batch_tokens is computed in chunks (`plan_chunks`), all of them here, one request after
+        another (the server's batcher runs the chunks itself, one per iteration, so that others run between them).
+        An interrupted pass (PassInterrupted) ends the call: no request gets a result."""
+        results: dict[int, ScoreResult | Exception] = {}
+        for r, p in enumerate(prepared):
+            plan = self.plan_chunks(p)
+            if plan is not None:
+                results[r] = self.run_chunked(p, plan)
+        rest = [r for r in range(len(prepared)) if r not in results]
+        results.update(zip(rest, self._run_in_passes([prepared[r] for r in rest]), strict=True))
+        return [results[r] for r in range(len(prepared))]
+
+    def _run_in_passes(self, prepared: Sequence[PreparedScore]) -> list[ScoreResult | Exception]:
         rows: list[list[list[list[float]]]] = [[[] for _ in p.items] for p in prepared]
         cached = [0] * len(prepared)  # per request: query tokens read from the prefix cache
         errors: dict[int, Exception] = {}
@@ -254,16 +275,64 @@ class Engine:
                         errors[r] = e2
         return [errors.get(r) or self._result(p, rows[r], cached[r]) for r, p in enumerate(prepared)]
 
-    def _passes(self, prepared: Sequence[PreparedScore]) -> list[list[tuple[int, int, Group]]]:
+    # --- chunked prefill (pyscore.chunked_prefill) ---------------------------------------------------------------
+    def plan_chunks(self, p: PreparedScore) -> ChunkedPrefill | None:
+        """For a request that computes more than max_batch_tokens and whose query is a prefix (MIS, SIS; not
+        item_first), the plan that computes the query's whole blocks in chunks, its cache blocks reserved; None
+        when it runs as one pass (no prefix cache, a hybrid model, a cache too small for the query, a query of
+        less than one block). The caller runs `run_chunk` until `plan.finished`, then `finish_chunked`, or closes
+        the plan (`plan.close(ok=False)`) when it gives up on the request."""
+        if p.computed_tokens <= self.max_batch_tokens or not p.items or p.request.item_first:
+            return None
+        r = p.request
+        return chunked_prefill.plan(self.prefix_cache, p.query, len(p.query), self.prefill_chunk_tokens,
+                                    r.prefix_cache_salt, r.bypass_prefix_cache)
+
+    def run_chunk(self, plan: ChunkedPrefill) -> int:
+        """One forward pass over the plan's next chunk; returns the tokens it computed. Raises as a pass does
+        (PassInterrupted included), leaving the plan as before the chunk."""
+        return plan.run_next(self.decoder)
+
+    def finish_chunked(self, p: PreparedScore, plan: ChunkedPrefill) -> ScoreResult | Exception:
+        """The request's last passes, once every chunk ran: its groups read the whole-block query from the cache
+        and compute its tail and the items. Closes the plan: committed on success, aborted otherwise
+        (PassInterrupted propagates)."""
+        rows: list[list[list[list[float]]]] = [[[] for _ in p.items]]
+        cached = [-plan.computed]  # the query blocks this request computed in its chunks were not cached
+        try:
+            for units in self._passes([p], skip=plan.end):
+                self._run_pass(units, [p], rows, cached, plan)
+        except Exception as e:
+            plan.close(ok=False)
+            if isinstance(e, PassInterrupted):
+                raise
+            return e
+        plan.close(ok=True)
+        return self._result(p, rows[0], cached[0])
+
+    def run_chunked(self, p: PreparedScore, plan: ChunkedPrefill) -> ScoreResult | Exception:
+        """Every chunk, then the last passes (the batcher's sequence, run in one go)."""
+        try:
+            while not plan.finished:
+                self.run_chunk(plan)
+        except Exception as e:
+            plan.close(ok=False)
+            if isinstance(e, PassInterrupted):
+                raise
+            return e
+        return self.finish_chunked(p, plan)
+
+    def _passes(self, prepared: Sequence[PreparedScore], skip: int = 0) -> list[list[tuple[int, int, Group]]]:
         """Units (request, first item index, group) in arrival order, cut into passes of at most
-        max_batch_tokens; a unit larger than the budget runs alone."""
+        max_batch_tokens; a unit larger than the budget runs alone. skip: prefix tokens already in the cache
+        (a chunked request's), which take no room in a pass."""
         units = []
         for r, p in enumerate(prepared):
             first = 0
             for group in p.groups():
                 units.append((r, first, group))
                 first += len(group.items)
-        sizes = [len(g.prefix) + sum(len(i) for i in g.items) for _, _, g in units]
+        sizes = [len(g.prefix) - min(skip, len(g.prefix)) + sum(len(i) for i in g.items) for _, _, g in units]
         passes = []
         while units:
             n = count_within_budget(sizes, self.max_batch_tokens)
@@ -272,11 +341,13 @@ class Engine:
         return passes
 
     def _run_pass(self, chunk: list[tuple[int, int, Group]], prepared: Sequence[PreparedScore],
-                  rows: list[list[list[list[float]]]], cached: list[int]) -> None:
+                  rows: list[list[list[list[float]]]], cached: list[int], plan: ChunkedPrefill | None = None) -> None:
         """One forward pass over the chunk's groups; the prefix cache's blocks it reads stay pinned and the ones
-        it writes become visible to later passes only once its scores are out."""
-        with pass_lease(self.prefix_cache) as lease:
-            groups = [self._with_cache(lease, prepared[r], g) for r, _, g in chunk]
+        it writes become visible to later passes only once its scores are out. With `plan` (a chunked request's
+        last passes) the groups read the plan's blocks, which its own lease holds."""
+        with pass_lease(None if plan else self.prefix_cache) as lease:
+            groups = [replace(g, cache=plan.read_all()) if plan else self._with_cache(lease, prepared[r], g)
+                      for r, _, g in chunk]
             batch = pack(groups)
             sink = self.prefix_cache.writer(batch.block_writes) if self.prefix_cache else None
             hidden = self.decoder.hidden_at(batch, kv_sink=sink, blocks=self.prefix_cache)  # [R, H]

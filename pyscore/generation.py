@@ -1,7 +1,9 @@
 """Generation: a sequence's state (waiting for its prefill, running with a KV cache, finished) and the runner
 that steps sequences over the decoder (prefill, decode, cache bookkeeping). A prompt's leading full blocks found
 in the prefix cache are copied into the sequence's KV cache and only the rest is prefilled; the blocks it
-computes are offered to the prefix cache. Like the engine, the runner is not thread-safe.
+computes are offered to the prefix cache. A prompt longer than the prefill budget is prefilled in chunks
+(pyscore.chunked_prefill), one chunk per step, so running sequences keep decoding meanwhile. Like the engine, the
+runner is not thread-safe.
 
 Its parts live beside it: request validation in `pyscore.gen_validate`, the stop-string and streaming text rule
 in `pyscore.gen_text`, the next-token choice (sampling, raw-distribution logprobs) in `pyscore.gen_sampling`.
@@ -17,6 +19,8 @@ from typing import Any
 
 import torch
 
+from pyscore import chunked_prefill
+from pyscore.chunked_prefill import ChunkedPrefill
 from pyscore.errors import FailedPrecondition, PassInterrupted
 from pyscore.gen_sampling import Choice, NonFiniteLogits, choose_tokens
 from pyscore.gen_text import StopText
@@ -51,6 +55,7 @@ class Generation:
     finish_reason: str | None = None
     error: Exception | None = None  # set when this sequence failed; its batch-mates go on
     cached_tokens: int = 0  # prompt tokens the prefill read from the prefix cache
+    chunks: ChunkedPrefill | None = None  # while a long prompt is prefilled in chunks (still WAITING)
     computed: int = 0  # tokens generated (eos excluded), including any cut off by a stop string
     out: StopText = field(init=False)  # the result's tokens and text (see pyscore.gen_text's rule)
 
@@ -84,7 +89,14 @@ class Generation:
     def fail(self, error: Exception) -> None:
         """Marks the generation finished without a result (its request failed); frees the cache."""
         self.error = error
+        self.abandon()
         self._finish("error")
+
+    def abandon(self) -> None:
+        """Nobody wants this sequence any more: a prompt being prefilled in chunks gives its cache blocks back
+        unpublished. The caller stops stepping it."""
+        if self.chunks is not None:
+            self.chunks.close(ok=False)
 
     def append(self, token: int, logprob: TokenLogprob) -> None:
         """Records the chosen token and decides whether generation is over (eos / stop / length)."""
@@ -123,16 +135,20 @@ class GenerationRunner:
     """Steps generations over the decoder: new sequences are prefilled together in one packed pass of at most
     `max_prefill_tokens` prompt tokens (taken in arrival order; one larger prompt alone; the others wait for
     the next step), running ones decode together against their KV caches, and each then gets its next token.
+    A prompt larger than the budget is prefilled in chunks of `prefill_chunk_tokens` (default: the budget) when
+    the prefix cache can hold it: one chunk per step (one prompt at a time; the other new prompts prefill beside
+    it as usual), then its last pass alone.
     A pass that fails is retried one sequence at a time, so only the failing sequence fails
     (`Generation.error`). How many sequences run at once is the caller's bound (server/batcher admits them
     against --max-running-generations and --max-kv-tokens)."""
 
     def __init__(self, decoder: Decoder, tokenizer: Any, eos_ids: frozenset[int], max_prefill_tokens: int = 8192,
-                 prefix_cache: PrefixCache | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None, prefill_chunk_tokens: int | None = None) -> None:
         self.decoder = decoder
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.max_prefill_tokens = max_prefill_tokens
+        self.chunk_tokens = min(prefill_chunk_tokens or max_prefill_tokens, max_prefill_tokens)
         self.prefix_cache = prefix_cache
 
     def start(self, request: GenerateRequest) -> Generation:
@@ -152,11 +168,40 @@ class GenerationRunner:
         new ones as the prefill budget allows."""
         new = [g for g in generations if g.state is SeqState.WAITING]
         running = [g for g in generations if g.state is SeqState.RUNNING]
+        new = self._advance_chunked(new)
         prefill = self._within_prefill_budget(new)
         if prefill:
             self._together_or_alone(self._prefill, prefill)
         if running:
             self._together_or_alone(self._decode, running)
+
+    def _advance_chunked(self, new: list[Generation]) -> list[Generation]:
+        """Advances the prompt being prefilled in chunks by one chunk (or, every chunk done, runs its last prefill
+        pass alone), first planning one for the first new prompt larger than the budget if none is under way.
+        Returns the new sequences left to prefill as usual: the others, and a long prompt that cannot be chunked
+        (it runs alone as one pass); while one is chunked, other long prompts wait."""
+        long = next((g for g in new if g.chunks is not None), None)
+        if long is None:
+            long = next((g for g in new if len(g.prompt) > self.max_prefill_tokens), None)
+            if long is None or not self._plan_chunks(long):
+                return new
+        assert long.chunks is not None
+        if long.chunks.finished:
+            self._together_or_alone(self._prefill, [long])
+        else:
+            try:
+                long.chunks.run_next(self.decoder)
+            except PassInterrupted:
+                raise
+            except Exception as e:
+                long.fail(e)
+        return [g for g in new if g is not long and len(g.prompt) <= self.max_prefill_tokens]
+
+    def _plan_chunks(self, g: Generation) -> bool:
+        n, r = len(g.prompt), g.request
+        g.chunks = chunked_prefill.plan(self.prefix_cache, g.prompt, n - 1, self.chunk_tokens,
+                                        r.prefix_cache_salt, r.bypass_prefix_cache)
+        return g.chunks is not None
 
     def _within_prefill_budget(self, new: list[Generation]) -> list[Generation]:
         """The longest arrival-order prefix of `new` whose prompts fit max_prefill_tokens (at least one)."""
@@ -207,7 +252,9 @@ class GenerationRunner:
             groups = []
             for g in gens:
                 n, use = len(g.prompt), None
-                if lease is not None and not g.request.bypass_prefix_cache:
+                if g.chunks is not None:
+                    use = g.chunks.read_all()  # its whole-block prompt, prefilled in chunks
+                elif lease is not None and not g.request.bypass_prefix_cache:
                     use = lease.use(g.prompt, n - 1, n, g.request.prefix_cache_salt)
                 groups.append(Group(prefix=[], items=[g.prompt], readouts=[[n - 1]], cache=use))
             batch = pack(groups)
@@ -229,12 +276,17 @@ class GenerationRunner:
                 for c, group in zip(kv, groups, strict=True):
                     cache.read_into(group.cache.read if group.cache else (), c.k, c.v)
         for g, skip in zip(gens, skips, strict=True):
-            g.cached_tokens = skip  # reported only if the sequence gets its first token (else it failed)
+            # reported only if the sequence gets its first token (else it failed); a chunked prompt's blocks
+            # were computed by this sequence, not cached
+            g.cached_tokens = skip - (g.chunks.computed if g.chunks else 0)
 
         def commit(c: KVCache, g: Generation) -> None:
             c.length = len(g.prompt)  # prefill wrote the linear layers' states into the cache's current ones
 
         self._commit(gens, hidden, kv, commit)
+        for g in gens:
+            if g.chunks is not None:
+                g.chunks.close(ok=g.error is None)  # its blocks are published once its first token is chosen
 
     def _decode(self, gens: list[Generation]) -> None:
         last = torch.tensor([g.token_ids[-1] for g in gens], dtype=torch.long)

@@ -42,6 +42,11 @@ def parse_command(argv: list[str] | None = None, prog: str | None = None) -> tup
     p.add_argument("--threads", type=int, default=d.threads, help="CPU threads for the model (default: all cores)")
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
                    help="token budget of one packed forward pass (default %(default)s)")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=0,
+                   help="a request computing more than --max-batch-tokens has its Score query or Generate prompt "
+                        "prefilled through the prefix cache in chunks of at most this many tokens, other requests "
+                        "running between them; smaller chunks cut their wait and lengthen the long request (0 = "
+                        "--max-batch-tokens, the default; at most that)")
     p.add_argument("--max-queue", type=int, default=d.max_queue,
                    help="requests allowed to wait; more answer RESOURCE_EXHAUSTED (default %(default)s)")
     p.add_argument("--max-items", type=int, default=d.max_items,
@@ -87,6 +92,8 @@ def parse_command(argv: list[str] | None = None, prog: str | None = None) -> tup
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ... (default %(default)s)")
     p.add_argument("--engine", default=d.engine, help=argparse.SUPPRESS)  # test-only, see the docstring
     a = p.parse_args(argv)
+    if a.prefill_chunk_tokens < 0:
+        p.error("--prefill-chunk-tokens must be 0 (= --max-batch-tokens) or positive")
     for flag in ("max_batch_tokens", "max_queue", "max_items", "max_running_generations", "max_kv_tokens"):
         if getattr(a, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1")
@@ -98,7 +105,7 @@ def parse_command(argv: list[str] | None = None, prog: str | None = None) -> tup
                         max_batch_tokens=a.max_batch_tokens, max_queue=a.max_queue, max_items=a.max_items,
                         max_message_mb=a.max_message_mb, max_request_tokens=a.max_request_tokens or None,
                         max_running_generations=a.max_running_generations, max_kv_tokens=a.max_kv_tokens,
-                        prefix_cache_mb=a.prefix_cache_mb,
+                        prefix_cache_mb=a.prefix_cache_mb, prefill_chunk_tokens=a.prefill_chunk_tokens or None,
                         tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
                         auth_token_file=a.auth_token_file, metrics_port=a.metrics_port, http_port=a.http_port,
                         grace_s=a.grace_s,

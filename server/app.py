@@ -75,6 +75,7 @@ class ServerConfig:
     max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS
     max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS  # KV-cache tokens reserved by running generations (prompt + max_tokens)
     prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB  # the prefix cache's byte budget in MiB; 0 = off
+    prefill_chunk_tokens: int | None = None  # chunk size of a request over max_batch_tokens; None = max_batch_tokens
     grace_s: float = 10.0
     drain_delay_s: float = 0.0  # seconds between health NOT_SERVING and the listener closing, on SIGTERM
     max_connection_age_s: float | None = None  # None = connections live for ever
@@ -94,7 +95,8 @@ def load_engine(config: ServerConfig) -> EngineLike:
     return cls.from_pretrained(config.model, dtype=config.dtype, device=config.device, threads=config.threads,
                                max_batch_tokens=config.max_batch_tokens, prefix_cache_mb=config.prefix_cache_mb,
                                max_kv_tokens=config.max_kv_tokens,
-                               max_running_generations=config.max_running_generations)
+                               max_running_generations=config.max_running_generations,
+                               prefill_chunk_tokens=config.prefill_chunk_tokens)
 
 
 def warm_up(engine: EngineLike) -> None:

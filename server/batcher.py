@@ -3,10 +3,23 @@
 Each worker iteration: (1) accepts the jobs that arrived (prepare_score / start_generation validate and
 tokenize; a bad request is answered at once), (2) drops jobs whose client went away or whose deadline passed,
 (3) runs one score batch — the waiting Score jobs in arrival order up to `max_batch_tokens` computed tokens, a
-job larger than the budget alone — with a single `engine.run_prepared`, (4) starts waiting generations in
-arrival order while both generation bounds allow, and (5) advances all running generations by one token with
-a single `engine.step` (which prefills new ones up to `max_batch_tokens` prompt tokens per step). Score
-batches and decode steps thus interleave, and requests that arrive during a forward pass join the next one.
+larger job that cannot be chunked alone — with a single `engine.run_prepared`, (4) runs one chunk of the Score job
+being prefilled in chunks, if any (below), (5) starts waiting generations in arrival order while both generation
+bounds allow, and (6) advances all running generations by one token with a single `engine.step` (which prefills
+new ones up to `max_batch_tokens` prompt tokens per step). Score batches and decode steps thus interleave, and
+requests that arrive during a forward pass join the next one.
+
+Chunked prefill (pyscore.chunked_prefill): the first waiting Score job larger than `max_batch_tokens` gets a
+chunking plan from the engine (its query's blocks reserved in the prefix cache) and leaves the queue; from then on
+each iteration runs one chunk of its query (one forward pass of at most the engine's prefill_chunk_tokens, by
+default `max_batch_tokens`) after the batch of whatever else waits; and Score jobs that arrive during a chunk run
+at its next layer boundary (`_between_layers`), so a long request delays the others by about one layer of a
+chunk, not by its whole prefill. Its last passes (the query's tail and the items) run once every chunk has; a
+cancel or deadline between chunks drops it, and a pass that stops inside a chunk commits nothing (the plan is
+closed unpublished either way). One Score is chunked at a time: other long ones wait for their turn, the short
+jobs go past them. A long job the engine cannot chunk (no prefix cache, a hybrid model, a cache too small for its
+query) is batched as before: in arrival order, alone when larger than the budget. Generate's prompts are chunked
+inside `engine.step` the same way (pyscore.generation).
 Results reach the loop through `call_soon_threadsafe`. The engine asks the batcher at every layer boundary whether
 to go on (`set_interrupt`): a pass whose jobs are all cancelled or past their deadline stops there, committing
 nothing, and so does any pass once `halt()` (the end of the shutdown's grace period) has answered every waiting
@@ -80,6 +93,15 @@ class GenerationLike(Protocol):
 
     def take_delta(self) -> tuple[list[int], list[TokenLogprob], str]: ...
     def result(self) -> GenerateResult: ...
+    def abandon(self) -> None: ...  # the server gives up on it: free what it holds (a chunked prompt's blocks)
+
+
+class ChunkPlanLike(Protocol):
+    """What the batcher reads of a chunking plan (pyscore.chunked_prefill.ChunkedPrefill)."""
+
+    finished: bool
+
+    def close(self, ok: bool) -> None: ...
 
 
 class EngineLike(Protocol):
@@ -95,6 +117,10 @@ class EngineLike(Protocol):
     def step(self, generations: list[Any]) -> None: ...
     def prefix_cache_stats(self) -> Any: ...  # pyscore.model.prefix_cache.PrefixCacheStats, or None when off
     def set_interrupt(self, interrupt: Callable[[], bool] | None) -> None: ...  # asked at every layer boundary
+    # Chunked prefill (see the module docstring): a plan (pyscore.chunked_prefill.ChunkedPrefill) or None.
+    def plan_chunks(self, prepared: Any) -> ChunkPlanLike | None: ...
+    def run_chunk(self, plan: Any) -> int: ...
+    def finish_chunked(self, prepared: Any, plan: Any) -> ScoreResult | Exception: ...
 
 
 class Unavailable(Exception):
@@ -131,6 +157,7 @@ class Job:
     tokens: int = 0  # Score: tokens computed; Generate: KV-cache tokens reserved (prompt + max_tokens)
     admitted: float = field(default_factory=time.monotonic)
     started: float | None = None  # when the first forward pass that included this job began
+    unchunked: bool = False  # Score: the engine could not chunk it, so it runs as one pass (Batcher._long)
     compute_s: float = 0.0  # wall time of the forward passes that included it
 
     def timed(self, usage: Usage) -> None:
@@ -164,6 +191,7 @@ class Stats:
     steps: int = 0  # engine.step calls
     dropped: int = 0  # jobs dropped before running (cancelled or past deadline)
     interrupted: int = 0  # forward passes stopped at a layer boundary (callers all gone, or halted)
+    chunks: int = 0  # chunk passes of Score jobs prefilled in chunks
     refused: int = 0  # jobs refused because the queue was full
 
 
@@ -191,6 +219,9 @@ class Batcher:
         self._pending: deque[Job] = deque()  # prepared Score jobs; worker only
         self._starting: deque[Job] = deque()  # accepted generations waiting for a running slot; worker only
         self._active: list[Job] = []  # running generations; worker only
+        self._chunked: tuple[Job, ChunkPlanLike] | None = None  # the Score job prefilled in chunks; worker only
+        self._in_chunk = False  # a chunk's pass is running (other Score batches may run at its layer boundaries)
+        self._nested = False  # such a batch is running
         self._kv_reserved = 0  # sum of tokens over _active; written by the worker only
         self._thread = threading.Thread(target=self._run, name="pyscore-engine", daemon=True)
         self._trimmed = time.monotonic()  # worker only
@@ -307,15 +338,19 @@ class Batcher:
 
     def _fail_all(self, arrived: list[Job], error: Exception) -> None:
         """Every job the worker holds (and `arrived`, not yet accepted) ends with `error`."""
+        if self._chunked is not None:
+            self._end_chunked(error)
         for job in [*arrived, *self._pending, *self._starting, *self._active]:
             self._finish(job, error)
+        for job in self._active:
+            job.work.abandon()
         self._release(len(arrived) + len(self._pending) + len(self._starting))
         self._pending.clear()
         self._starting.clear()
         self._set_active([])
 
     def _has_work(self) -> bool:
-        return bool(self._pending or self._starting or self._active)
+        return bool(self._pending or self._starting or self._active or self._chunked)
 
     def _trim(self) -> None:
         """malloc_trim at most every TRIM_EVERY_S, when idle (or always, with trim_under_load)."""
@@ -336,6 +371,9 @@ class Batcher:
             self._run_batch(batch)
         if self._halted:
             return  # no step: _run fails what is left
+        self._advance_chunked()
+        if self._halted:
+            return
         self._start_generations()
         if self._active:
             self._step()
@@ -384,8 +422,11 @@ class Batcher:
                 queue.remove(job)
                 self._drop(job)
             self._release(len(dead))
+        if self._chunked is not None and self._chunked[0].dead(now):
+            self._end_chunked(None)
         dead = [j for j in self._active if j.dead(now)]
         for job in dead:
+            job.work.abandon()
             self._drop(job)
         if dead:
             self._set_active([j for j in self._active if j not in dead])
@@ -404,19 +445,107 @@ class Batcher:
         self._kv_reserved = sum(j.tokens for j in jobs)
 
     def _next_batch(self) -> list[Job]:
-        """Waiting Score jobs in arrival order while they fit the token budget (the first one always)."""
-        n = count_within_budget((job.tokens for job in self._pending), self.max_batch_tokens)
-        batch = [self._pending.popleft() for _ in range(n)]
-        self._release(n)
+        """Waiting Score jobs in arrival order while they fit the token budget (the first one always), past the
+        long ones waiting for their turn to be chunked."""
+        eligible = [job for job in self._pending if not self._long(job)]
+        batch = eligible[: count_within_budget((job.tokens for job in eligible), self.max_batch_tokens)]
+        for job in batch:
+            self._pending.remove(job)
+        self._release(len(batch))
         return batch
+
+    def _long(self, job: Job) -> bool:
+        """Larger than the budget, and not (yet) known to be unchunkable."""
+        return job.tokens > self.max_batch_tokens and not job.unchunked
+
+    def _advance_chunked(self) -> None:
+        """Runs the chunked Score job's next chunk, or its last passes once every chunk ran; first, if there is
+        none, makes the first long waiting job the one the engine can chunk (those it cannot are marked so)."""
+        while self._chunked is None:
+            job = next((j for j in self._pending if self._long(j)), None)
+            if job is None:
+                return
+            plan = self.engine.plan_chunks(job.work)
+            if plan is None:
+                job.unchunked = True  # batched as before chunked prefill (_next_batch)
+                continue
+            self._pending.remove(job)
+            self._release(1)
+            self._chunked = (job, plan)
+        job, plan = self._chunked
+        start = time.monotonic()
+        self._in_pass = [job]
+        try:
+            if plan.finished:
+                result = self.engine.finish_chunked(job.work, plan)
+                self._chunked = None
+            else:
+                self.stats.chunks += 1
+                self._in_chunk = True
+                self.engine.run_chunk(plan)
+                job.ran(start, time.monotonic())
+                return
+        except PassInterrupted:
+            self._stopped([job])
+            self._end_chunked(None, deliver=False)
+            return
+        except Exception as e:
+            log.exception("a chunk of a long Score request failed")
+            self._end_chunked(e)
+            return
+        finally:
+            self._in_pass, self._in_chunk = [], False
+        job.ran(start, time.monotonic())
+        if isinstance(result, ScoreResult):
+            job.timed(result.usage)
+        self._finish(job, result)
+
+    def _end_chunked(self, error: Exception | None, deliver: bool = True) -> None:
+        """The chunked job ends unfinished: its plan is closed (nothing published); it gets `error`, or with None
+        is dropped (cancelled or past its deadline)."""
+        assert self._chunked is not None
+        job, plan = self._chunked
+        self._chunked = None
+        plan.close(ok=False)
+        if not deliver:
+            return
+        if error is None:
+            self._drop(job)
+        else:
+            self._finish(job, error)
 
     def _interrupted(self) -> bool:
         """Asked by the engine at every layer boundary (worker thread): stop the running pass when the server is
-        halting or when every job in it is cancelled or past its deadline (its answers would be discarded)."""
+        halting or when every job in it is cancelled or past its deadline (its answers would be discarded). In a
+        chunk's pass it is also where the Score jobs that arrived meanwhile run (`_between_layers`)."""
         if self._halted:
             return True
         now = time.monotonic()
-        return bool(self._in_pass) and all(job.dead(now) for job in self._in_pass)
+        if self._in_pass and all(job.dead(now) for job in self._in_pass):
+            return True
+        if self._in_chunk and not self._nested:
+            self._between_layers()
+        return False
+
+    def _between_layers(self) -> None:
+        """Cooperative preemption of a chunk's pass: at its layer boundary, the Score jobs that arrived run now as
+        one batch of their own, then the chunk goes on from the same layer. Safe: a pass keeps its state in its
+        own tensors (residual stream, attention plan) and the chunk's cache blocks are private to its lease, so
+        the batch in between reads and changes nothing of it, and its arithmetic is unchanged. So a short request
+        waits for one layer of a chunk, not a whole chunk (which late in a long query costs several times its
+        first one). Generations are not stepped here: they take their turn between chunks."""
+        with self._cond:
+            arrived, self._inbox = self._inbox, []
+        for job in arrived:
+            self._accept(job)
+        batch = self._next_batch()
+        if not batch:
+            return
+        outer, self._nested = self._in_pass, True
+        try:
+            self._run_batch(batch)
+        finally:
+            self._in_pass, self._nested = outer, False
 
     def _stopped(self, jobs: list[Job]) -> None:
         """The pass over `jobs` was interrupted: halted, they fail with HALTED; else all are dead and dropped."""
@@ -463,6 +592,8 @@ class Batcher:
         except PassInterrupted:  # the generations are as before the step: dead ones go at the next _drop_dead
             if self._halted:
                 self._stopped(self._active)
+                for job in self._active:
+                    job.work.abandon()
                 self._set_active([])
             else:
                 self.stats.interrupted += 1
@@ -470,6 +601,7 @@ class Batcher:
         except Exception as e:
             log.exception("generation step of %d sequences failed", len(self._active))
             for job in self._active:
+                job.work.abandon()
                 self._finish(job, e)
             self._set_active([])
             return

@@ -210,8 +210,10 @@ class RandomEngine(Engine):
                         device: str = "auto", threads: int | None = None, max_batch_tokens: int = 8192,
                         op_backend: str = "auto", prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
                         max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
-                        max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS) -> RandomEngine:
+                        max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS,
+                        prefill_chunk_tokens: int | None = None) -> RandomEngine:
         set_threads(threads)
         dev = resolve_device(device)
         loaded = build_random_model(str(model or "qwen3-0.6b"), resolve_dtype(dtype, dev), dev)
-        return cls(loaded, max_batch_tokens, op_backend, prefix_cache_mb, max_kv_tokens, max_running_generations)
+        return cls(loaded, max_batch_tokens, op_backend, prefix_cache_mb, max_kv_tokens, max_running_generations,
+                   prefill_chunk_tokens)

@@ -112,7 +112,7 @@ class FakeEngine:
     def from_pretrained(cls, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
                         threads: int | None = None, max_batch_tokens: int = 8192,
                         prefix_cache_mb: float = 0.0, max_kv_tokens: int = 65536,
-                        max_running_generations: int = 64) -> FakeEngine:
+                        max_running_generations: int = 64, prefill_chunk_tokens: int | None = None) -> FakeEngine:
         return cls(model or "fake-smollm2", delay_s=float(os.environ.get("FAKE_ENGINE_DELAY_S", "0")))
 
     # -- test controls -------------------------------------------------------------------------------------
@@ -155,6 +155,9 @@ class FakeEngine:
 
     def set_interrupt(self, interrupt: Any) -> None:
         self.interrupt = interrupt
+
+    def plan_chunks(self, prepared: PreparedScore) -> None:
+        return None  # no prefix cache, so no chunked prefill: a long request runs alone as one pass
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[str]]:
         ids = self.tokenizer(text, add_special_tokens)["input_ids"]

@@ -1,0 +1,119 @@
+"""Chunked prefill: a causal prefix longer than one forward pass's token budget (a Score query, a Generate prompt) is
+computed chunk by chunk into the prefix cache's blocks, one forward pass per chunk, so that other requests' passes
+run between its chunks; its last pass (the query's tail and the items, or the prompt's last tokens) then reads all
+of them from the cache, exactly as a warm request reads a cached prefix.
+
+The rules, all through the cache's public API (`CacheLease`):
+- Reservation first: `plan` pins the prefix's cached blocks and allocates every missing one at once, under one
+  lease that lives as long as the request. Pinned and pending blocks are never evicted, so a chunked request never
+  loses an earlier chunk. When the cache cannot hold the whole prefix (too small, or held by other chunked
+  requests), or is off (budget 0, a model it cannot serve such as Qwen3.5's hybrid), `plan` returns None and the
+  request runs as one pass, as before chunking existed.
+- Chunk boundaries lie on block boundaries, and each chunk is the causal continuation of the blocks before it (the
+  attention kernels' kCachedBeforeOwn), so chunked equals unchunked bitwise on the kernel path, as warm = cold.
+- Commit after success: the blocks stay pending (visible to this request's later passes only) until the whole
+  request has succeeded (`close(ok=True)` commits); a failure, a cancellation or a deadline between or inside
+  chunks aborts the lease, which drops every block the request wrote. A request that bypasses the cache is chunked
+  under a salt of its own and always aborted at the end: it neither reads nor leaves anything in the cache.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from pyscore.model.decoder import Decoder
+from pyscore.model.packing import CacheUse, Group, pack
+from pyscore.model.prefix_cache import Block, CacheLease, PrefixCache
+
+_private = itertools.count()
+
+
+@dataclass(eq=False)
+class ChunkedPrefill:
+    """tokens[:end] (whole blocks) computed in chunks of at most chunk_tokens under `lease`; `done` tokens so far."""
+
+    tokens: list[int]
+    end: int
+    chunk_tokens: int
+    lease: CacheLease
+    blocks: list[Block]  # the prefix's blocks in order: the cached ones, then the reserved (pending) ones
+    cached: int  # tokens that were in the cache before this request (read, not computed)
+    publish: bool  # commit at the end (False for a request that bypasses the cache)
+    done: int = 0
+    open: bool = True
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= self.end
+
+    @property
+    def computed(self) -> int:
+        """Tokens of the prefix this request computed in its chunks (so far)."""
+        return self.done - self.cached
+
+    def next_chunk(self) -> Group:
+        """The next chunk as one causal sequence that reads the blocks before it and writes its own (its last
+        token is read out only because a pass reads out at least one row; nothing uses it)."""
+        b = self.lease.cache.block_tokens
+        stop = min(self.done + self.chunk_tokens, self.end)
+        slots = [block.slot for block in self.blocks]
+        use = CacheUse(b, read=tuple(slots[: self.done // b]),
+                       write=tuple((j, slots[j]) for j in range(self.done // b, stop // b)))
+        return Group(prefix=[], items=[self.tokens[:stop]], readouts=[[stop - 1]], cache=use)
+
+    def run_next(self, decoder: Decoder) -> int:
+        """One forward pass over the next chunk; `done` advances only once it ran to its end (an interrupted or
+        failed pass leaves the plan as it was). Returns the tokens it computed."""
+        group = self.next_chunk()
+        batch = pack([group])
+        cache = self.lease.cache
+        decoder.hidden_at(batch, kv_sink=cache.writer(batch.block_writes), blocks=cache)
+        computed, self.done = len(group.items[0]) - self.done, len(group.items[0])
+        return computed
+
+    def read_all(self) -> CacheUse:
+        """The whole prefix read from the cache: the request's last pass (its query's tail and items, or its
+        prompt's last tokens) once every chunk ran."""
+        assert self.finished, "the prefix's chunks have not all run"
+        return CacheUse(self.lease.cache.block_tokens, read=tuple(block.slot for block in self.blocks))
+
+    def close(self, ok: bool) -> None:
+        """The request is over: on success its blocks become visible to every later pass (unless it bypassed the
+        cache); otherwise everything it wrote is dropped. Idempotent."""
+        if not self.open:
+            return
+        self.open = False
+        if ok and self.publish:
+            self.lease.commit()
+        else:
+            self.lease.abort()
+
+
+def whole_blocks(tokens: int, block_tokens: int) -> int:
+    """A chunk's size: `tokens` rounded down to whole blocks, at least one block."""
+    return max(block_tokens, tokens // block_tokens * block_tokens)
+
+
+def plan(cache: PrefixCache | None, tokens: list[int], limit: int, chunk_tokens: int, salt: str = "",
+         bypass: bool = False) -> ChunkedPrefill | None:
+    """Reserves the cache's blocks for tokens[:limit]'s whole blocks and returns the chunking plan, or None when
+    the request runs as one pass (no cache, fewer than one whole block, or no room for the prefix)."""
+    if cache is None:
+        return None
+    b = cache.block_tokens
+    end = limit // b * b
+    if end == 0:
+        return None
+    if bypass:
+        salt = f"\x00chunked-private-{next(_private)}"  # a chain no other request can match
+    lease = cache.lease()
+    chain = [] if bypass else lease.match(tokens, end, salt)
+    written = lease.store(chain, tokens, end, salt)
+    blocks = chain + [block for _, block in written]
+    if len(blocks) != end // b or [j for j, _ in written] != list(range(len(chain), end // b)):
+        lease.abort()  # the cache cannot hold the whole prefix beside what is pinned: one pass, as before
+        return None
+    cached = len(chain) * b
+    return ChunkedPrefill(tokens=tokens, end=end, chunk_tokens=whole_blocks(chunk_tokens, b), lease=lease,
+                          blocks=blocks, cached=cached, publish=not bypass, done=cached)
