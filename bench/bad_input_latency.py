@@ -30,7 +30,12 @@ def timed_refusal(channel: grpc.Channel, method: str, payload: bytes) -> tuple[f
     raise AssertionError(f"{method} accepted a bad input")
 
 
-def run(target: str, ff_calls: int, rounds: int) -> list[str]:
+def expected(code: grpc.StatusCode, payload: bytes, limit_mb: int) -> grpc.StatusCode:
+    """A case's status at this server's --max-message-mb: gRPC refuses a larger message unread."""
+    return grpc.StatusCode.RESOURCE_EXHAUSTED if len(payload) > limit_mb * 2**20 else code
+
+
+def run(target: str, ff_calls: int, rounds: int, limit_mb: int) -> list[str]:
     lines = []
     with grpc.insecure_channel(target) as channel:  # default settings
         ff = [timed_refusal(channel, "Score", b"\xff" * 2**20) for _ in range(ff_calls)]
@@ -47,8 +52,8 @@ def run(target: str, ff_calls: int, rounds: int) -> list[str]:
                 for _ in range(rounds):
                     ms, got = timed_refusal(channel, method, payload)
                     refusals.append(ms)
-                    if got != code:
-                        wrong.append(f"{name}: {got.name}, expected {code.name}")
+                    if got != expected(code, payload, limit_mb):
+                        wrong.append(f"{name}: {got.name}, expected {expected(code, payload, limit_mb).name}")
                 time.sleep(0.05)
             per_case[name] = (refusals, [x * 1e3 for x in probe.latencies])
     h = Summary.of([x for _, health in per_case.values() for x in health])
@@ -69,13 +74,16 @@ def main() -> None:
     p.add_argument("--ff-calls", type=int, default=50)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", type=Path, default=OUT)
-    p.add_argument("--server-flags", default="", help="more flags for the server, one string (\"--max-message-mb 4\")")
+    p.add_argument("--max-message-mb", type=int, default=8, help="the server's --max-message-mb")
+    p.add_argument("--server-flags", default="", help="more flags for the server, one string")
     p.add_argument("--log", type=Path, default=Path("/tmp/pyscore-bad-input/server.log"))
     a = p.parse_args()
     header = [f"# bench.bad_input_latency (issue 23): cpu {cpu()}; commit {git_commit()}; SmolLM2-135M-Instruct, "
-              f"flags --threads 2 {a.server_flags}; a default-settings Python client on loopback"]
-    with spawned_server(a.log, ["--threads", "2", *shlex.split(a.server_flags)]) as server:
-        lines = run(server.target, a.ff_calls, a.rounds)
+              f"flags --threads 2 --max-message-mb {a.max_message_mb} {a.server_flags}; a default-settings Python "
+              f"client on loopback; cases over the message limit expect RESOURCE_EXHAUSTED"]
+    flags = ["--threads", "2", "--max-message-mb", str(a.max_message_mb), *shlex.split(a.server_flags)]
+    with spawned_server(a.log, flags) as server:
+        lines = run(server.target, a.ff_calls, a.rounds, a.max_message_mb)
     write_report(header + lines, a.out)
 
 

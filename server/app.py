@@ -70,7 +70,9 @@ class ServerConfig:
     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
     max_queue: int = 256
     max_items: int = 1024
-    max_message_mb: int = 64
+    # 8 MiB: protobuf parses a message on the event loop (~25 ms per MB of tiny repeated fields), so this bounds the
+    # longest stall one hostile message can cause (bench/results/hardening/bad_input_latency.txt)
+    max_message_mb: int = 8
     max_request_tokens: int | None = 65536  # None = no limit
     max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS
     max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS  # KV-cache tokens reserved by running generations (prompt + max_tokens)

@@ -116,6 +116,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_server(tiny_model_dir: Path) -> Iterator[ServerThread]:
     """A server on the real Engine over the tiny model, shared by the real-engine tests."""
-    server = ServerThread(make_tiny_engine(tiny_model_dir), max_batch_tokens=256)
+    # --max-message-mb 64: the hostile-input matrix sends up to ~16 MB, what an operator's larger limit admits
+    server = ServerThread(make_tiny_engine(tiny_model_dir), max_batch_tokens=256, max_message_mb=64)
     yield server
     server.stop()

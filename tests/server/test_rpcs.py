@@ -100,7 +100,7 @@ def test_tokenize_and_model_info(client: ScorerClient) -> None:
     assert client.tokenize("hello", add_special_tokens=False) == ([word_id("hello")], ["hello"])
     info = client.model_info()
     limits = ServerLimits(max_items=8, max_request_tokens=65536, max_batch_tokens=8192,
-                          max_message_bytes=64 * 1024 * 1024, max_queue=256)  # the `server` fixture's config
+                          max_message_bytes=8 * 1024 * 1024, max_queue=256)  # the `server` fixture's config
     # the version the wheel's metadata reads (pyproject.toml: pyscore.__version__) is the one the server reports
     assert info == dataclasses.replace(FakeEngine().info(), limits=limits, server_version=pyscore.__version__)
     assert info.server_version
