@@ -40,7 +40,7 @@ def test_generations_sharing_a_cached_prompt_hold_its_pages_once(model_dir):
     store, cache = e.kv_store, e.prefix_cache
     vocab = e.cfg.vocab_size
     prefix = tokens(1, 4 * B, vocab)  # four whole pages
-    e.generate(GenerateRequest(prompt_token_ids=prefix + [7], max_tokens=1))  # the cache now holds them
+    e.generate(GenerateRequest(prompt_token_ids=[*prefix, 7], max_tokens=1))  # the cache now holds them
     assert cache.stats.blocks == 4 and store.stats.held_pages == 4
 
     suffixes = [tokens(10 + s, 10, vocab) for s in range(6)]
