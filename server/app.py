@@ -220,6 +220,7 @@ class ScorerApp:
                                trim_under_load=os.environ.get("PYSCORE_TRIM_UNDER_LOAD", "") not in ("", "0"))
         self.batcher.start()
         self.metrics.track_prefix_cache(engine.prefix_cache_stats)
+        self.metrics.track_kv_store(getattr(engine, "kv_store_stats", lambda: None))  # a test fake has no store
         self.servicer.attach(self.batcher, self.model_info(engine))
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
 
