@@ -210,8 +210,11 @@ class ScorerApp:
         await in_daemon_thread(lambda: warm_up(engine))
         c = self.config
         # Generations are admitted against the engine's KV store in whole pages; an engine without one (a test
-        # fake) against --max-kv-tokens alone.
+        # fake) against --max-kv-tokens alone. The deprecated --max-kv-tokens, given without --kv-cache-mb, still
+        # bounds what generations reserve (the rest of the store, its sum with --prefix-cache-mb, is the cache's).
         kv_tokens, kv_page = engine.kv_budget() or (c.max_kv_tokens or DEFAULT_MAX_KV_TOKENS, 1)
+        if c.max_kv_tokens is not None and c.kv_cache_mb is None:
+            kv_tokens = min(kv_tokens, c.max_kv_tokens)
         self.batcher = Batcher(engine, max_batch_tokens=c.max_batch_tokens, max_queue=c.max_queue,
                                max_request_tokens=c.max_request_tokens,
                                max_running_generations=c.max_running_generations, max_kv_tokens=kv_tokens,
