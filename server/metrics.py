@@ -68,23 +68,6 @@ class Metrics:
         self.registry.register(KVStoreCollector(stats))
 
 
-class KVStoreCollector(Collector):
-    """What the paged KV store holds, read at scrape time: cache and running sequences together, each page once."""
-
-    def __init__(self, stats: Callable[[], Any]) -> None:
-        self.stats = stats
-
-    def collect(self) -> Any:
-        s = self.stats()
-        if s is None:
-            return
-        for name, doc, value in (
-                ("pyscore_kv_store_held_bytes", "bytes of the KV store's pages in use (prefix cache and generations)",
-                 s.held_bytes),
-                ("pyscore_kv_store_capacity_bytes", "the KV store's byte budget (--kv-cache-mb)",
-                 s.capacity_pages * s.block_bytes)):
-            yield GaugeMetricFamily(name, doc, value=value)
-
     def observe_call(self, method: str, status: str, seconds: float, response: Any) -> None:
         """One finished Scorer call; `response` is its (last streamed) response message or None."""
         self.in_flight.labels(method).dec()
@@ -143,4 +126,22 @@ class PrefixCacheCollector(Collector):
                 ("pyscore_prefix_cache_blocks", "blocks the prefix cache holds", s.blocks),
                 ("pyscore_prefix_cache_capacity_bytes", "the most of the KV store the prefix cache may hold",
                  s.capacity_bytes)):
+            yield GaugeMetricFamily(name, doc, value=value)
+
+
+class KVStoreCollector(Collector):
+    """What the paged KV store holds, read at scrape time: cache and running sequences together, each page once."""
+
+    def __init__(self, stats: Callable[[], Any]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Any:
+        s = self.stats()
+        if s is None:
+            return
+        for name, doc, value in (
+                ("pyscore_kv_store_held_bytes", "bytes of the KV store's pages in use (prefix cache and generations)",
+                 s.held_bytes),
+                ("pyscore_kv_store_capacity_bytes", "the KV store's byte budget (--kv-cache-mb)",
+                 s.capacity_pages * s.block_bytes)):
             yield GaugeMetricFamily(name, doc, value=value)
