@@ -383,10 +383,17 @@ def decode_section(reps: int, rounds: int, dtypes: list[torch.dtype]) -> list[st
 def decode_row(reps: int, rounds: int, dtype: torch.dtype) -> str:
     lengths = [200, 350, 500, 650, 800, 900, 1000, 1100]
     layers, layer = 30, 17
-    caches_k = [torch.randn(layers, n + 16, HKV, HEAD_DIM).to(dtype) for n in lengths]
-    caches_v = [torch.randn(layers, n + 16, HKV, HEAD_DIM).to(dtype) for n in lengths]
+    # Every sequence's pages in one pool [pages, 2, L, 64, Hkv, D], as the engine's KV store holds them.
+    counts = [-(-(n + 16) // 64) for n in lengths]
+    pool = torch.randn(sum(counts), 2, layers, 64, HKV, HEAD_DIM).to(dtype)
+    firsts = [sum(counts[:b]) for b in range(len(lengths))]
+    tables = [list(range(f, f + c)) for f, c in zip(firsts, counts, strict=True)]
+    caches_k = [pool[f : f + c, 0].transpose(0, 1).reshape(layers, -1, HKV, HEAD_DIM)
+                for f, c in zip(firsts, counts, strict=True)]
+    caches_v = [pool[f : f + c, 1].transpose(0, 1).reshape(layers, -1, HKV, HEAD_DIM)
+                for f, c in zip(firsts, counts, strict=True)]
     q = torch.randn(len(lengths), HQ, HEAD_DIM).to(dtype)
-    plan = plan_decode(caches_k, caches_v, lengths)
+    plan = plan_decode(pool[:, 0], pool[:, 1], tables, lengths)
 
     def per_sequence_sdpa():  # the decoder's current decode attention: one SDPA call per sequence
         outs = []

@@ -96,12 +96,13 @@ PYBIND11_MODULE(_C, m) {
         });
   m.def("decode_attention",
         [](uintptr_t q, Strides qs, uintptr_t o, Strides os, uintptr_t k_new, uintptr_t v_new, Strides new_strides,
-           uintptr_t k_base, uintptr_t v_base, uintptr_t layer_stride, int32_t layer, int64_t token_stride,
-           int64_t head_stride, uintptr_t lengths, int32_t max_length, int32_t num_seqs, int32_t num_q_heads,
-           int32_t num_kv_heads, int32_t head_dim, float scale, const std::string& dtype) {
-          auto p = make_decode_params(q, qs, o, os, k_new, v_new, new_strides, k_base, v_base, layer_stride, layer,
-                                      token_stride, head_stride, lengths, max_length, num_seqs, num_q_heads,
-                                      num_kv_heads, head_dim, scale, dtype);
+           uintptr_t k_pool, uintptr_t v_pool, Strides page_strides, int32_t layer, Strides row_strides,
+           uintptr_t block_table, int64_t block_table_stride, int32_t block_tokens, uintptr_t lengths,
+           int32_t max_length, int32_t num_seqs, int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim,
+           float scale, const std::string& dtype) {
+          auto p = make_decode_params(q, qs, o, os, k_new, v_new, new_strides, k_pool, v_pool, page_strides, layer,
+                                      row_strides, block_table, block_table_stride, block_tokens, lengths,
+                                      max_length, num_seqs, num_q_heads, num_kv_heads, head_dim, scale, dtype);
           run_without_gil("decode_attention", [&] { return decode_attention_cpu(p); });
         });
   m.def("label_logprobs",

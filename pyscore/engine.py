@@ -1,8 +1,10 @@
 """pyscore.Engine: construction of one loaded model and the facade over it. Label scoring (SIS / MIS / setwise,
 causal LMs and classification heads) runs here; generation is stepped by `pyscore.generation.GenerationRunner`.
 Both reuse the keys and values of earlier query / prompt prefixes through the prefix cache
-(`pyscore.model.prefix_cache`). The engine knows nothing of gRPC: it takes and returns `pyscore.types` objects and
-raises `pyscore.errors` for bad requests. It is not thread-safe: one worker owns it (see server/batcher)."""
+(`pyscore.model.prefix_cache`), whose blocks are pages of the one paged KV store (`pyscore.model.kv_store`) that
+running generations keep their keys and values in: one byte budget for both. The engine knows nothing of gRPC: it
+takes and returns `pyscore.types` objects and raises `pyscore.errors` for bad requests. It is not thread-safe: one
+worker owns it (see server/batcher)."""
 
 from __future__ import annotations
 
@@ -15,18 +17,13 @@ from dataclasses import replace
 import torch
 
 from pyscore import chunked_prefill
-from pyscore.budget import (
-    DEFAULT_MAX_BATCH_TOKENS,
-    DEFAULT_MAX_KV_TOKENS,
-    DEFAULT_MAX_RUNNING_GENERATIONS,
-    DEFAULT_PREFIX_CACHE_MB,
-    count_within_budget,
-)
+from pyscore.budget import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RUNNING_GENERATIONS, count_within_budget
 from pyscore.chunked_prefill import ChunkedPrefill
 from pyscore.errors import PassInterrupted, RequestError
 from pyscore.generation import Generation, GenerationRunner, eos_token_ids
 from pyscore.memory import Pools, describe, plan_memory, release_freed_memory, resident_bytes
 from pyscore.model.decoder import Decoder
+from pyscore.model.kv_store import KVStore, KVStoreStats
 from pyscore.model.loading import LoadedModel, load_model
 from pyscore.model.packing import Group, pack
 from pyscore.model.prefix_cache import CacheLease, PrefixCache, PrefixCacheStats, pass_lease, unsupported_reason
@@ -82,9 +79,22 @@ def set_threads(threads: int | None) -> None:
         cpu.set_num_threads(threads)
 
 
-def make_prefix_cache(loaded: LoadedModel, decoder: Decoder, budget_mb: float) -> PrefixCache | None:
-    """The engine's prefix cache, or None when off (budget 0, or a model it cannot serve: logged with why)."""
-    if budget_mb <= 0:
+def make_kv_store(decoder: Decoder, budget_bytes: int) -> KVStore:
+    """The engine's paged KV store (raises ValueError naming the budget when it holds no page)."""
+    cfg = decoder.cfg
+    try:
+        return KVStore(budget_bytes, num_layers=decoder.num_attention_layers, num_kv_heads=cfg.num_kv_heads,
+                       head_dim=cfg.head_dim, dtype=decoder.dtype, device=decoder.device)
+    except ValueError as e:
+        raise ValueError(f"--kv-cache-mb: {e}") from None
+
+
+def make_prefix_cache(loaded: LoadedModel, decoder: Decoder, budget_mb: float | None,
+                      store: KVStore | None = None) -> PrefixCache | None:
+    """The engine's prefix cache over `store` (else over a store of its own of budget_mb), holding at most
+    budget_mb MiB of it (None: the whole store), or None when off (budget 0, or a model it cannot serve: logged
+    with why)."""
+    if budget_mb is not None and budget_mb <= 0:
         return None
     cfg = loaded.cfg
     reason = unsupported_reason(cfg)
@@ -92,10 +102,13 @@ def make_prefix_cache(loaded: LoadedModel, decoder: Decoder, budget_mb: float) -
         log.warning("prefix cache off for %s: %s", loaded.name, reason)
         return None
     identity = f"{loaded.name}|{loaded.path}|{cfg}"
+    budget = None if budget_mb is None else int(budget_mb * 2**20)
     try:
-        return PrefixCache(int(budget_mb * 2**20), num_layers=cfg.num_layers - decoder.num_linear,
+        if store is not None:
+            return PrefixCache(budget, identity=identity, store=store)
+        return PrefixCache(budget, identity=identity, num_layers=decoder.num_attention_layers,
                            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=decoder.dtype,
-                           device=decoder.device, identity=identity)
+                           device=decoder.device)
     except ValueError as e:
         log.warning("prefix cache off: %s", e)
         return None
@@ -119,19 +132,22 @@ def tensor_bytes(obj: object) -> int:
     return sum(seen.values())
 
 
-def final_memory_plan(loaded: LoadedModel, decoder: Decoder, pools: Pools, prefix_cache_bytes: int) -> MemoryPlan:
-    """The loader's plan with the prefix cache the engine really got; for a model built in code (no checkpoint to
-    plan from), planned from the weights it holds."""
+def final_memory_plan(loaded: LoadedModel, decoder: Decoder, pools: Pools, kv_store_bytes: int) -> MemoryPlan:
+    """The loader's plan with the KV store the engine really got (whole pages); for a model built in code (no
+    checkpoint to plan from), planned from the weights it holds."""
     if loaded.memory is None:
-        return plan_memory(loaded.cfg, tensor_bytes(loaded.weights), decoder.dtype, pools, prefix_cache_bytes)
-    return replace(loaded.memory, prefix_cache_bytes=prefix_cache_bytes)
+        return plan_memory(loaded.cfg, tensor_bytes(loaded.weights), decoder.dtype, pools, kv_store_bytes)
+    return replace(loaded.memory, kv_budget_bytes=kv_store_bytes, prefix_cache_bytes=0)
 
 
 class Engine:
     def __init__(self, loaded: LoadedModel, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, op_backend: str = "auto",
-                 prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
-                 max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS,
+                 prefix_cache_mb: float | None = None, max_kv_tokens: int | None = None,
+                 max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS, kv_cache_mb: float | None = None,
                  prefill_chunk_tokens: int | None = None):
+        """kv_cache_mb: the KV store's byte budget in MiB, for the prefix cache and running generations together.
+        Deprecated: max_kv_tokens and prefix_cache_mb, which (without kv_cache_mb) size the store as their sum;
+        prefix_cache_mb also caps the cache's share of it (0 = no prefix cache)."""
         self.model = loaded
         self.cfg = loaded.cfg
         self.tokenizer = loaded.tokenizer
@@ -146,10 +162,12 @@ class Engine:
                                   max_context=loaded.cfg.max_position_embeddings,
                                   is_classifier=loaded.cfg.is_classifier, num_labels=loaded.cfg.num_labels,
                                   id2label=loaded.cfg.id2label)
-        self.prefix_cache = make_prefix_cache(loaded, self.decoder, prefix_cache_mb)
+        pools = Pools(max_batch_tokens, max_kv_tokens, max_running_generations, prefix_cache_mb, kv_cache_mb)
+        self.kv_store = make_kv_store(self.decoder, pools.kv_store_bytes(self.decoder.kv_bytes_per_token))
+        self.prefix_cache = make_prefix_cache(loaded, self.decoder, prefix_cache_mb, self.kv_store)
         self.generation = GenerationRunner(self.decoder, loaded.tokenizer,
                                            eos_token_ids(loaded.hf_config, loaded.tokenizer), max_batch_tokens,
-                                           self.prefix_cache, self.prefill_chunk_tokens)
+                                           self.prefix_cache, self.kv_store, self.prefill_chunk_tokens)
         # Which path every op takes on this model's device and dtype, decided once by the op registry.
         self.op_paths = _ext.op_paths(self.decoder.device, self.decoder.dtype, op_backend)
         self.cpu_tier = _ext.cpu_tier() if self.decoder.device.type == "cpu" else ""
@@ -157,38 +175,38 @@ class Engine:
                  str(self.decoder.dtype).removeprefix("torch."), f", CPU tier {self.cpu_tier}" * bool(self.cpu_tier))
         for op, path in self.op_paths.items():
             log.info("op %s: %s", op, path)
-        log.info("generation KV cache: %d bytes per token (65536 tokens = %.2f GiB)",
-                 self.decoder.kv_bytes_per_token, 65536 * self.decoder.kv_bytes_per_token / 2**30)
-        if self.prefix_cache is not None:
-            c = self.prefix_cache
-            log.info("prefix cache: %d blocks of %d tokens (%.0f MiB)", c.capacity, c.block_tokens,
-                     c.stats.capacity_bytes / 2**20)
-        pools = Pools(max_batch_tokens, max_kv_tokens, max_running_generations, prefix_cache_mb)
-        self.memory = final_memory_plan(loaded, self.decoder, pools,
-                                        self.prefix_cache.stats.capacity_bytes if self.prefix_cache else 0)
-        log.info("memory: %s expected when every pool is full (--max-kv-tokens %d, --prefix-cache-mb %g, "
-                 "--max-batch-tokens %d); resident now %.2f GiB", describe(self.memory), max_kv_tokens,
-                 prefix_cache_mb, max_batch_tokens, resident_bytes() / 2**30)
+        store = self.kv_store
+        log.info("KV store: %d pages of %d tokens (%.0f MiB, %d bytes a token) for the prefix cache (%s) and "
+                 "running generations", store.capacity, store.block_tokens, store.capacity * store.block_bytes / 2**20,
+                 self.decoder.kv_bytes_per_token,
+                 "off" if self.prefix_cache is None else f"up to {self.prefix_cache.capacity} pages")
+        if kv_cache_mb is None and (max_kv_tokens is not None or prefix_cache_mb):
+            log.warning("--max-kv-tokens and --prefix-cache-mb are deprecated: one budget, --kv-cache-mb, sizes the "
+                        "KV store (now %.0f MiB, their sum)", store.capacity * store.block_bytes / 2**20)
+        self.memory = final_memory_plan(loaded, self.decoder, pools, store.capacity * store.block_bytes)
+        log.info("memory: %s expected when every pool is full (--kv-cache-mb %.0f, --max-batch-tokens %d); "
+                 "resident now %.2f GiB", describe(self.memory), store.capacity * store.block_bytes / 2**20,
+                 max_batch_tokens, resident_bytes() / 2**30)
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, dtype: str | torch.dtype = "auto",
                         device: str = "auto", threads: int | None = None,
                         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, op_backend: str = "auto",
-                        prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
+                        prefix_cache_mb: float | None = None, max_kv_tokens: int | None = None,
                         max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS,
-                        prefill_chunk_tokens: int | None = None) -> Engine:
+                        kv_cache_mb: float | None = None, prefill_chunk_tokens: int | None = None) -> Engine:
         """model: a local HF directory, a .gguf file, or None for the embedded SmolLM2-135M-Instruct.
-        prefix_cache_mb: the prefix cache's byte budget in MiB (0 = off). max_kv_tokens and
-        max_running_generations are what the server admits generations under (its flags of the same names): the
-        engine plans memory with them and refuses, before loading, a model that cannot fit
-        (pyscore.memory.InsufficientMemoryError). prefill_chunk_tokens: a request computing more than max_batch_tokens
-        has its query / prompt prefilled in chunks of at most this size (default and at most max_batch_tokens;
-        pyscore.chunked_prefill)."""
+        kv_cache_mb: the KV store's byte budget in MiB (prefix cache and running generations; default: 65536
+        tokens + 1024 MiB, the old two budgets' defaults). prefix_cache_mb (0 = no prefix cache) and max_kv_tokens
+        are its deprecated form (see __init__). The engine plans memory with these and max_running_generations and
+        refuses, before loading, a model that cannot fit (pyscore.memory.InsufficientMemoryError).
+        prefill_chunk_tokens: a request computing more than max_batch_tokens has its query / prompt prefilled in
+        chunks of at most this size (default and at most max_batch_tokens; pyscore.chunked_prefill)."""
         set_threads(threads)
         dev = resolve_device(device)
-        pools = Pools(max_batch_tokens, max_kv_tokens, max_running_generations, prefix_cache_mb)
+        pools = Pools(max_batch_tokens, max_kv_tokens, max_running_generations, prefix_cache_mb, kv_cache_mb)
         return cls(load_model(model, resolve_dtype(dtype, dev), dev, pools), max_batch_tokens, op_backend,
-                   prefix_cache_mb, max_kv_tokens, max_running_generations, prefill_chunk_tokens)
+                   prefix_cache_mb, max_kv_tokens, max_running_generations, kv_cache_mb, prefill_chunk_tokens)
 
     # --- model facts ---------------------------------------------------------------------------------
     def info(self) -> ModelInfo:
@@ -203,6 +221,15 @@ class Engine:
                          prefix_cache_block_tokens=self.prefix_cache.block_tokens if self.prefix_cache else 0,
                          prefix_cache_bytes=self.prefix_cache.stats.capacity_bytes if self.prefix_cache else 0,
                          memory=self.memory)
+
+    def kv_budget(self) -> tuple[int, int]:
+        """(tokens, page tokens) of the KV store: what the server admits generations under, prompt + max_tokens
+        each, rounded up to whole pages."""
+        return self.kv_store.capacity_tokens, self.kv_store.block_tokens
+
+    def kv_store_stats(self) -> KVStoreStats:
+        """The KV store's pages held now; safe to read from another thread."""
+        return self.kv_store.stats
 
     def prefix_cache_stats(self) -> PrefixCacheStats | None:
         """The prefix cache's counters and what it holds (None when off); safe to read from another thread."""

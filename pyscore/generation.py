@@ -1,9 +1,12 @@
 """Generation: a sequence's state (waiting for its prefill, running with a KV cache, finished) and the runner
-that steps sequences over the decoder (prefill, decode, cache bookkeeping). A prompt's leading full blocks found
-in the prefix cache are copied into the sequence's KV cache and only the rest is prefilled; the blocks it
-computes are offered to the prefix cache. A prompt longer than the prefill budget is prefilled in chunks
-(pyscore.chunked_prefill), one chunk per step, so running sequences keep decoding meanwhile. Like the engine, the
-runner is not thread-safe.
+that steps sequences over the decoder (prefill, decode, cache bookkeeping). A sequence's keys and values are pages
+of the paged KV store (pyscore.model.kv_store): a prompt's leading full blocks found in the prefix cache are
+referenced in place (pinned, never copied) and only the rest is prefilled, into the prompt's full blocks that the
+prefix cache takes (published once the pass succeeded, as every cache write) and pages the sequence owns; decode
+takes a new page every 64 tokens. A finished sequence gives its own pages back and unpins its shared ones. A prompt
+longer than the prefill budget is prefilled in chunks (pyscore.chunked_prefill) into the prefix cache's blocks, one
+chunk per step, so running sequences keep decoding meanwhile; its table then references those blocks. Like the
+engine, the runner is not thread-safe.
 
 Its parts live beside it: request validation in `pyscore.gen_validate`, the stop-string and streaming text rule
 in `pyscore.gen_text`, the next-token choice (sampling, raw-distribution logprobs) in `pyscore.gen_sampling`.
@@ -26,8 +29,9 @@ from pyscore.gen_sampling import Choice, NonFiniteLogits, choose_tokens
 from pyscore.gen_text import StopText
 from pyscore.gen_validate import MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, validate_generate
 from pyscore.model.decoder import Decoder, KVCache
-from pyscore.model.packing import Group, pack
-from pyscore.model.prefix_cache import PrefixCache, pass_lease
+from pyscore.model.kv_store import KVStore, PageTable
+from pyscore.model.packing import CacheUse, Group, pack
+from pyscore.model.prefix_cache import Block, CacheLease, PrefixCache, pass_lease
 from pyscore.types import GenerateRequest, GenerateResult, TokenLogprob, Usage
 
 __all__ = ["MAX_STOP_LENGTH", "MAX_STOP_STRINGS", "MAX_TOP_LOGPROBS", "Choice", "Generation", "GenerationRunner",
@@ -36,7 +40,7 @@ __all__ = ["MAX_STOP_LENGTH", "MAX_STOP_STRINGS", "MAX_TOP_LOGPROBS", "Choice", 
 
 class SeqState(enum.Enum):
     """Where a sequence is: WAITING for its prefill (no KV cache yet), RUNNING (decodes against `cache`), or
-    FINISHED (`finish_reason` says why; the cache is freed)."""
+    FINISHED (`finish_reason` says why; its pages are released)."""
 
     WAITING = "waiting"
     RUNNING = "running"
@@ -84,7 +88,9 @@ class Generation:
 
     def _finish(self, reason: str) -> None:
         self.finish_reason = self.finish_reason or reason
-        self.state, self.cache = SeqState.FINISHED, None  # free the KV cache as soon as the sequence ends
+        if self.cache is not None:
+            self.cache.release()  # its pages go back as soon as the sequence ends
+        self.state, self.cache = SeqState.FINISHED, None
 
     def fail(self, error: Exception) -> None:
         """Marks the generation finished without a result (its request failed); frees the cache."""
@@ -140,16 +146,23 @@ class GenerationRunner:
     it as usual), then its last pass alone.
     A pass that fails is retried one sequence at a time, so only the failing sequence fails
     (`Generation.error`). How many sequences run at once is the caller's bound (server/batcher admits them
-    against --max-running-generations and --max-kv-tokens)."""
+    against --max-running-generations and the KV store's pages, prompt + max_tokens each: then a page is always
+    there when a sequence needs one; without that bound a sequence that finds none fails with KVStoreFull)."""
 
     def __init__(self, decoder: Decoder, tokenizer: Any, eos_ids: frozenset[int], max_prefill_tokens: int = 8192,
-                 prefix_cache: PrefixCache | None = None, prefill_chunk_tokens: int | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None, store: KVStore | None = None,
+                 prefill_chunk_tokens: int | None = None) -> None:
         self.decoder = decoder
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.max_prefill_tokens = max_prefill_tokens
         self.chunk_tokens = min(prefill_chunk_tokens or max_prefill_tokens, max_prefill_tokens)
         self.prefix_cache = prefix_cache
+        if store is None:
+            if prefix_cache is None:
+                raise ValueError("a generation runner needs a KV store (or a prefix cache, whose store it uses)")
+            store = prefix_cache.store
+        self.store = store
 
     def start(self, request: GenerateRequest) -> Generation:
         """Validates and tokenizes the request; no model work (the first `step` prefills it)."""
@@ -198,9 +211,12 @@ class GenerationRunner:
         return [g for g in new if g is not long and len(g.prompt) <= self.max_prefill_tokens]
 
     def _plan_chunks(self, g: Generation) -> bool:
+        """A prompt that bypasses the cache runs as one pass: its sequence's table would reference the chunks'
+        private blocks, which the end of the chunking drops (they are never published)."""
         n, r = len(g.prompt), g.request
-        g.chunks = chunked_prefill.plan(self.prefix_cache, g.prompt, n - 1, self.chunk_tokens,
-                                        r.prefix_cache_salt, r.bypass_prefix_cache)
+        if r.bypass_prefix_cache:
+            return False
+        g.chunks = chunked_prefill.plan(self.prefix_cache, g.prompt, n - 1, self.chunk_tokens, r.prefix_cache_salt)
         return g.chunks is not None
 
     def _within_prefill_budget(self, new: list[Generation]) -> list[Generation]:
@@ -243,38 +259,9 @@ class GenerationRunner:
                     g.fail(e_alone)
 
     def _prefill(self, gens: list[Generation]) -> None:
-        """One packed pass over the new sequences' prompts. With the prefix cache a prompt's leading full blocks
-        (leaving at least its last token, whose output chooses the first token) are read from the cache and
-        copied into the sequence's KV cache; the prompt's other full blocks are written to the cache, visible to
-        later passes once this one succeeded (they hold the prompt's keys whatever token is chosen next)."""
-        cache = self.prefix_cache
-        with pass_lease(cache) as lease:
-            groups = []
-            for g in gens:
-                n, use = len(g.prompt), None
-                if g.chunks is not None:
-                    use = g.chunks.read_all()  # its whole-block prompt, prefilled in chunks
-                elif lease is not None and not g.request.bypass_prefix_cache:
-                    use = lease.use(g.prompt, n - 1, n, g.request.prefix_cache_salt)
-                groups.append(Group(prefix=[], items=[g.prompt], readouts=[[n - 1]], cache=use))
-            batch = pack(groups)
-            kv = [self.decoder.new_cache(len(g.prompt) + g.request.max_tokens) for g in gens]
-            skips = [group.cached_tokens for group in groups]
-            starts = batch.segments[:, 0].tolist()
-            to_pool = cache.writer(batch.block_writes) if cache else None
-
-            def sink(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-                for g, c, s, skip in zip(gens, kv, starts, skips, strict=True):
-                    n = len(g.prompt) - skip
-                    c.k[layer, skip : skip + n] = k[s : s + n]
-                    c.v[layer, skip : skip + n] = v[s : s + n]
-                if to_pool is not None:
-                    to_pool(layer, k, v)
-
-            hidden = self.decoder.hidden_at(batch, kv_sink=sink, linear_states=kv, blocks=cache)
-            if cache is not None:
-                for c, group in zip(kv, groups, strict=True):
-                    cache.read_into(group.cache.read if group.cache else (), c.k, c.v)
+        """One packed pass over the new sequences' prompts (`_prefill_pass`), then each sequence's first token.
+        A cache no sequence took (its token failed, or this raised) gives its pages back."""
+        hidden, kv, skips = self._prefill_pass(gens)
         for g, skip in zip(gens, skips, strict=True):
             # reported only if the sequence gets its first token (else it failed); a chunked prompt's blocks
             # were computed by this sequence, not cached
@@ -283,14 +270,80 @@ class GenerationRunner:
         def commit(c: KVCache, g: Generation) -> None:
             c.length = len(g.prompt)  # prefill wrote the linear layers' states into the cache's current ones
 
-        self._commit(gens, hidden, kv, commit)
-        for g in gens:
+        try:
+            self._commit(gens, hidden, kv, commit)
+        finally:
+            for g, c in zip(gens, kv, strict=True):
+                if g.cache is not c:
+                    c.release()
+        for g in gens:  # (a _commit that raised leaves them open: the pass is retried one sequence at a time)
             if g.chunks is not None:
-                g.chunks.close(ok=g.error is None)  # its blocks are published once its first token is chosen
+                g.chunks.close(ok=g.error is None)  # published once its first token is chosen; its table holds them
+
+    def _prefill_pass(self, gens: list[Generation]) -> tuple[torch.Tensor, list[KVCache], list[int]]:
+        """With the prefix cache a prompt's leading full blocks (leaving at least its last token, whose output
+        chooses the first token) are read in place from the cache; the prompt's other full blocks are written into
+        blocks the cache takes, visible to later passes once this one succeeded (they hold the prompt's keys
+        whatever token is chosen next). The sequence's block table starts with these blocks; the rest of its prompt
+        goes into pages it owns. Returns the final hidden states, the caches and the tokens read from the cache."""
+        cache = self.prefix_cache
+        with pass_lease(cache) as lease:
+            kv: list[KVCache] = []
+            try:
+                groups, shared = [], []
+                for g in gens:
+                    use, blocks = self._cache_use(lease, g)
+                    groups.append(Group(prefix=[], items=[g.prompt], readouts=[[len(g.prompt) - 1]], cache=use))
+                    shared.append(len(blocks))
+                    kv.append(self.decoder.new_cache(PageTable(self.store, cache, blocks)))
+                    kv[-1].reserve(len(g.prompt))
+                batch = pack(groups)
+                skips = [group.cached_tokens for group in groups]
+                starts = batch.segments[:, 0].tolist()
+                b = self.store.block_tokens
+                firsts = [n * b for n in shared]  # the rest of each prompt goes into the sequence's own pages
+                to_pages = self.store.writer([c.table.pages for c in kv],
+                                             [s + f - k for s, f, k in zip(starts, firsts, skips, strict=True)],
+                                             firsts, [len(g.prompt) - f for g, f in zip(gens, firsts, strict=True)])
+                to_pool = cache.writer(batch.block_writes) if cache else None
+
+                def sink(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+                    to_pages(layer, k, v)
+                    if to_pool is not None:
+                        to_pool(layer, k, v)
+
+                hidden = self.decoder.hidden_at(batch, kv_sink=sink, linear_states=kv, blocks=self.store)
+            except BaseException:
+                for c in kv:  # before the lease drops the blocks it wrote
+                    c.release()
+                raise
+        return hidden, kv, skips
+
+    def _cache_use(self, lease: CacheLease | None, g: Generation) -> tuple[CacheUse | None, list[Block]]:
+        """The prompt's use of the cache (read: the cached blocks; write: the full blocks the cache takes) and the
+        blocks its table starts with: the cached ones, then the ones it writes up to the first it could not."""
+        n = len(g.prompt)
+        if g.chunks is not None:  # its whole-block prompt, prefilled in chunks under its own lease
+            return g.chunks.read_all(), list(g.chunks.blocks)
+        if lease is None or g.request.bypass_prefix_cache:
+            return None, []
+        salt = g.request.prefix_cache_salt
+        chain = lease.match(g.prompt, n - 1, salt)
+        written = lease.store(chain, g.prompt, n, salt)
+        blocks = list(chain)
+        for j, block in written:  # another pass's published block breaks the run: the rest is the sequence's
+            if j != len(blocks):
+                break
+            blocks.append(block)
+        use = CacheUse(self.store.block_tokens, read=tuple(block.slot for block in chain),
+                       write=tuple((j, block.slot) for j, block in written))
+        return use, blocks
 
     def _decode(self, gens: list[Generation]) -> None:
         last = torch.tensor([g.token_ids[-1] for g in gens], dtype=torch.long)
         caches = [g.cache for g in gens]
+        for c in caches:
+            c.reserve(c.length + 1)  # a new page every block_tokens tokens (kept if the step is retried)
         hidden = self.decoder.decode(last, caches)  # writes slot `length` of each cache, commits nothing
         self._commit(gens, hidden, caches, lambda c, g: c.commit())
 
@@ -304,7 +357,7 @@ class GenerationRunner:
         chosen = choose_tokens(logits, gens, self.tokenizer)
         for g, cache, choice in zip(gens, caches, chosen, strict=True):
             if isinstance(choice, Exception):
-                g.fail(choice)
+                g.fail(choice)  # a running sequence's pages go back here; a new one's in _prefill
                 continue
             commit(cache, g)
             g.run_with(cache)

@@ -1,9 +1,10 @@
 """What a served model takes in memory, planned before any tensor is loaded, and the check that it fits.
 
 The plan (`pyscore.types.MemoryPlan`) adds up, in bytes: the weights as held for serving (the checkpoint's
-tensors in the serving dtype, read from its headers), the generation KV budget (`max_kv_tokens` x the bytes of
-one token's keys and values), a hybrid model's per-sequence recurrent state for `max_running_generations`
-sequences, the prefix cache's budget, one forward pass's activations at `max_batch_tokens` (an estimate), and the
+tensors in the serving dtype, read from its headers), the KV store (one budget for the prefix cache and running
+generations' keys and values: `kv_cache_mb`, or its deprecated form `max_kv_tokens` x the bytes of one token +
+`prefix_cache_mb`; see pyscore.budget.kv_store_bytes), a hybrid model's per-sequence recurrent state for
+`max_running_generations` sequences, one forward pass's activations at `max_batch_tokens` (an estimate), and the
 runtime (interpreter, torch, tokenizer, gRPC: a constant). Its total is what a pod must be given: the pools are
 filled as load comes, so a server sized below it runs until the busy hour, then is OOM-killed.
 
@@ -26,9 +27,9 @@ import torch
 
 from pyscore.budget import (
     DEFAULT_MAX_BATCH_TOKENS,
-    DEFAULT_MAX_KV_TOKENS,
     DEFAULT_MAX_RUNNING_GENERATIONS,
     DEFAULT_PREFIX_CACHE_MB,
+    kv_store_bytes,
 )
 from pyscore.model.config import LINEAR_ATTENTION, ModelConfig
 from pyscore.types import MemoryPlan
@@ -48,12 +49,17 @@ NO_LIMIT = 2**60  # cgroup v1 writes "no limit" as a page-rounded 2^63 - 1
 
 @dataclass(frozen=True)
 class Pools:
-    """The server's settings that memory grows into (the server's flags of the same names)."""
+    """The server's settings that memory grows into (the server's flags of the same names). The KV store is
+    kv_cache_mb, or (deprecated, when it is None) max_kv_tokens tokens + prefix_cache_mb MiB."""
 
     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
-    max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS
+    max_kv_tokens: int | None = None  # deprecated: see kv_cache_mb
     max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS
-    prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB
+    prefix_cache_mb: float | None = None  # deprecated: see kv_cache_mb; 0 still turns the prefix cache off
+    kv_cache_mb: float | None = None
+
+    def kv_store_bytes(self, bytes_per_token: int) -> int:
+        return kv_store_bytes(self.kv_cache_mb, self.max_kv_tokens, self.prefix_cache_mb, bytes_per_token)
 
 
 class InsufficientMemoryError(MemoryError):
@@ -114,15 +120,16 @@ def weight_bytes(cfg: ModelConfig, specs: dict[str, TensorSpec], dtype: torch.dt
 
 
 def plan_memory(cfg: ModelConfig, weights: int, dtype: torch.dtype, pools: Pools,
-                prefix_cache_bytes: int | None = None) -> MemoryPlan:
-    """The plan for `weights` bytes of weights under `pools`; `prefix_cache_bytes` overrides the budget (the
-    engine passes what its prefix cache really got: 0 when the model has none)."""
+                kv_store_bytes: int | None = None) -> MemoryPlan:
+    """The plan for `weights` bytes of weights under `pools`; `kv_store_bytes` overrides the KV store's budget
+    (the engine passes what its store really got: whole pages). The prefix cache lives in the store, so
+    prefix_cache_bytes is 0."""
     per_token = kv_bytes_per_token(cfg, dtype)
     return MemoryPlan(
-        weight_bytes=weights, kv_bytes_per_token=per_token, kv_budget_bytes=pools.max_kv_tokens * per_token,
+        weight_bytes=weights, kv_bytes_per_token=per_token,
+        kv_budget_bytes=pools.kv_store_bytes(per_token) if kv_store_bytes is None else kv_store_bytes,
         linear_state_bytes=pools.max_running_generations * linear_state_bytes_per_sequence(cfg, dtype),
-        prefix_cache_bytes=(int(pools.prefix_cache_mb * 2**20) if prefix_cache_bytes is None
-                            else prefix_cache_bytes),
+        prefix_cache_bytes=0,
         activation_bytes=pools.max_batch_tokens * activation_bytes_per_token(cfg, dtype),
         runtime_bytes=RUNTIME_BYTES)
 
@@ -258,13 +265,18 @@ def describe(plan: MemoryPlan) -> str:
 def _advice(plan: MemoryPlan, short: int, pools: Pools) -> str:
     """What would make it fit: the pools first (they are settings), then the machine."""
     anyway = "(set PYSCORE_MEMORY_CHECK=0 to start anyway)"
+    store_mb = plan.kv_budget_bytes / 2**20
     if plan.kv_bytes_per_token and plan.kv_budget_bytes > short:
-        tokens = (plan.kv_budget_bytes - short) // plan.kv_bytes_per_token
-        return (f"Lower --max-kv-tokens (now {pools.max_kv_tokens}) to at most {tokens}, or --prefix-cache-mb "
-                f"(now {pools.prefix_cache_mb:g}), or give it more memory {anyway}.")
+        fits = (plan.kv_budget_bytes - short) // 2**20
+        if pools.kv_cache_mb is None and pools.max_kv_tokens is not None:  # said in the deprecated flag it came in
+            cache_mb = DEFAULT_PREFIX_CACHE_MB if pools.prefix_cache_mb is None else pools.prefix_cache_mb
+            tokens = max(0, (plan.kv_budget_bytes - short - int(cache_mb * 2**20)) // plan.kv_bytes_per_token)
+            return (f"Lower --max-kv-tokens (now {pools.max_kv_tokens}) to at most {tokens} (deprecated: set "
+                    f"--kv-cache-mb to at most {fits} instead), or give it more memory {anyway}.")
+        return f"Lower --kv-cache-mb (now {store_mb:g}) to at most {fits}, or give it more memory {anyway}."
     pools_left = plan.kv_budget_bytes + plan.linear_state_bytes + plan.prefix_cache_bytes + plan.activation_bytes
     if pools_left > short:
-        return (f"Lower --max-kv-tokens (now {pools.max_kv_tokens}), --max-running-generations (now "
-                f"{pools.max_running_generations}), --prefix-cache-mb (now {pools.prefix_cache_mb:g}) or "
-                f"--max-batch-tokens (now {pools.max_batch_tokens}), or give it more memory {anyway}.")
+        return (f"Lower --kv-cache-mb (now {store_mb:g}), --max-running-generations (now "
+                f"{pools.max_running_generations}) or --max-batch-tokens (now {pools.max_batch_tokens}), or give "
+                f"it more memory {anyway}.")
     return f"The weights alone do not fit: give it more memory, or serve a smaller dtype or model {anyway}."

@@ -110,9 +110,9 @@ class MemoryPlan:
 
     weight_bytes: int = 0
     kv_bytes_per_token: int = 0
-    kv_budget_bytes: int = 0  # max_kv_tokens x kv_bytes_per_token
+    kv_budget_bytes: int = 0  # the KV store: prefix cache and running generations (--kv-cache-mb)
     linear_state_bytes: int = 0  # hybrid models: max_running_generations x the per-sequence recurrent state
-    prefix_cache_bytes: int = 0
+    prefix_cache_bytes: int = 0  # 0: the prefix cache lives in the KV store (kv_budget_bytes)
     activation_bytes: int = 0  # an estimate of one forward pass at max_batch_tokens
     runtime_bytes: int = 0
     # What the machine / cgroup / GPU had free when the model was loaded (0: unknown): a measurement of the moment,

@@ -36,7 +36,6 @@ from pyscore.budget import (
     DEFAULT_MAX_BATCH_TOKENS,
     DEFAULT_MAX_KV_TOKENS,
     DEFAULT_MAX_RUNNING_GENERATIONS,
-    DEFAULT_PREFIX_CACHE_MB,
 )
 from pyscore.memory import InsufficientMemoryError
 from pyscore.types import GenerateRequest, ModelInfo, ScoreRequest, ServerLimits
@@ -75,8 +74,11 @@ class ServerConfig:
     max_message_mb: int = 8
     max_request_tokens: int | None = 65536  # None = no limit
     max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS
-    max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS  # KV-cache tokens reserved by running generations (prompt + max_tokens)
-    prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB  # the prefix cache's byte budget in MiB; 0 = off
+    # The KV store (MiB): the prefix cache's pages and running generations', prompt + max_tokens each reserved at
+    # admission. None: 65536 tokens + 1024 MiB, or the deprecated pair below when given (pyscore.budget).
+    kv_cache_mb: float | None = None
+    max_kv_tokens: int | None = None  # deprecated (--kv-cache-mb): tokens of running generations
+    prefix_cache_mb: float | None = None  # deprecated (--kv-cache-mb): MiB of prefix cache; 0 still turns it off
     prefill_chunk_tokens: int | None = None  # chunk size of a request over max_batch_tokens; None = max_batch_tokens
     grace_s: float = 10.0
     drain_delay_s: float = 0.0  # seconds between health NOT_SERVING and the listener closing, on SIGTERM
@@ -96,7 +98,7 @@ def load_engine(config: ServerConfig) -> EngineLike:
     cls = getattr(importlib.import_module(module), name)
     return cls.from_pretrained(config.model, dtype=config.dtype, device=config.device, threads=config.threads,
                                max_batch_tokens=config.max_batch_tokens, prefix_cache_mb=config.prefix_cache_mb,
-                               max_kv_tokens=config.max_kv_tokens,
+                               max_kv_tokens=config.max_kv_tokens, kv_cache_mb=config.kv_cache_mb,
                                max_running_generations=config.max_running_generations,
                                prefill_chunk_tokens=config.prefill_chunk_tokens)
 
@@ -211,13 +213,21 @@ class ScorerApp:
         """Warm the engine up (off the loop), start the batcher on it and go SERVING."""
         await in_daemon_thread(lambda: warm_up(engine))
         c = self.config
+        # Generations are admitted against the engine's KV store in whole pages; an engine without one (a test
+        # fake) against --max-kv-tokens alone. The deprecated --max-kv-tokens, given without --kv-cache-mb, still
+        # bounds what generations reserve (the rest of the store, its sum with --prefix-cache-mb, is the cache's).
+        kv_tokens, kv_page = engine.kv_budget() or (c.max_kv_tokens or DEFAULT_MAX_KV_TOKENS, 1)
+        if c.max_kv_tokens is not None and c.kv_cache_mb is None:
+            kv_tokens = min(kv_tokens, c.max_kv_tokens)
         self.batcher = Batcher(engine, max_batch_tokens=c.max_batch_tokens, max_queue=c.max_queue,
                                max_request_tokens=c.max_request_tokens,
-                               max_running_generations=c.max_running_generations, max_kv_tokens=c.max_kv_tokens,
+                               max_running_generations=c.max_running_generations, max_kv_tokens=kv_tokens,
+                               kv_page_tokens=kv_page,
                                on_batch=self.metrics.observe_batch,
                                trim_under_load=os.environ.get("PYSCORE_TRIM_UNDER_LOAD", "") not in ("", "0"))
         self.batcher.start()
         self.metrics.track_prefix_cache(engine.prefix_cache_stats)
+        self.metrics.track_kv_store(getattr(engine, "kv_store_stats", lambda: None))  # a test fake has no store
         self.servicer.attach(self.batcher, self.model_info(engine))
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
 

@@ -29,8 +29,11 @@ time of the passes that included it.
 
 Bounds (vLLM's and SGLang's scheduler limits): at most `max_queue` jobs wait (admitted, not yet running; a
 generation waits until it may run); the next one is refused at once with ResourceExhausted. At most
-`max_running_generations` generations run, and the KV-cache tokens they reserve — prompt + max_tokens each,
-what the engine allocates — stay within `max_kv_tokens`; a generation that does not fit waits in the queue
+`max_running_generations` generations run, and the KV-store tokens they reserve — prompt + max_tokens each,
+rounded up to whole pages of `kv_page_tokens`, the most the engine's store can give them — stay within
+`max_kv_tokens` (the store's size: then a page is always free or reclaimable from the prefix cache when a sequence
+needs one; a prompt's cached pages are counted in each sequence that shares them, although held once); a
+generation that does not fit waits in the queue
 (first come, first served: none overtakes it), and one that could never fit is refused right after
 tokenization. So is a request larger than `max_request_tokens` (Score: the tokens its mode computes; Generate:
 prompt + max_tokens), before any model work. When the worker runs out of work it hands freed heap memory back
@@ -116,6 +119,7 @@ class EngineLike(Protocol):
     def start_generation(self, request: GenerateRequest) -> GenerationLike: ...
     def step(self, generations: list[Any]) -> None: ...
     def prefix_cache_stats(self) -> Any: ...  # pyscore.model.prefix_cache.PrefixCacheStats, or None when off
+    def kv_budget(self) -> tuple[int, int] | None: ...  # the KV store's (tokens, page tokens); None: no store
     def set_interrupt(self, interrupt: Callable[[], bool] | None) -> None: ...  # asked at every layer boundary
     # Chunked prefill (see the module docstring): a plan (pyscore.chunked_prefill.ChunkedPrefill) or None.
     def plan_chunks(self, prepared: Any) -> ChunkPlanLike | None: ...
@@ -154,7 +158,7 @@ class Job:
     deltas: asyncio.Queue[GenerationDelta | BaseException] | None = None  # generate
     cancelled: bool = False  # set on the loop when the caller stops waiting; read by the worker
     work: Any = None  # PreparedScore or Generation, once accepted
-    tokens: int = 0  # Score: tokens computed; Generate: KV-cache tokens reserved (prompt + max_tokens)
+    tokens: int = 0  # Score: tokens computed; Generate: KV-store tokens reserved (prompt + max_tokens, whole pages)
     admitted: float = field(default_factory=time.monotonic)
     started: float | None = None  # when the first forward pass that included this job began
     unchunked: bool = False  # Score: the engine could not chunk it, so it runs as one pass (Batcher._long)
@@ -198,14 +202,15 @@ class Stats:
 class Batcher:
     def __init__(self, engine: EngineLike, *, max_batch_tokens: int = 8192, max_queue: int = 256,
                  max_request_tokens: int | None = None, max_running_generations: int = 64,
-                 max_kv_tokens: int = 65536, on_batch: Callable[[int, int], None] | None = None,
-                 trim_under_load: bool = False) -> None:
+                 max_kv_tokens: int = 65536, kv_page_tokens: int = 1,
+                 on_batch: Callable[[int, int], None] | None = None, trim_under_load: bool = False) -> None:
         self.engine = engine
         self.max_batch_tokens = max_batch_tokens
         self.max_queue = max_queue
         self.max_request_tokens = max_request_tokens  # None = no limit
         self.max_running_generations = max_running_generations
         self.max_kv_tokens = max_kv_tokens
+        self.kv_page_tokens = kv_page_tokens
         self.trim_under_load = trim_under_load
         self.on_batch = on_batch  # (requests, computed tokens) of every score batch, on the worker thread
         self.stats = Stats()
@@ -240,7 +245,7 @@ class Batcher:
         return len(self._active)
 
     def kv_tokens_reserved(self) -> int:
-        """KV-cache tokens the running generations hold (prompt + max_tokens each)."""
+        """KV-store tokens the running generations reserve (prompt + max_tokens each, in whole pages)."""
         return self._kv_reserved
 
     async def score(self, request: ScoreRequest, timeout: float | None = None) -> ScoreResult:
@@ -393,13 +398,14 @@ class Batcher:
             if job.kind == "generate":
                 job.work = self.engine.start_generation(job.payload)
                 prompt = len(job.work.prompt)
-                job.tokens = prompt + job.work.request.max_tokens
+                tokens = prompt + job.work.request.max_tokens
                 self._check_size("prompt", prompt, "the prompt is")
-                self._check_size("max_tokens", job.tokens, "prompt + max_tokens is")
+                self._check_size("max_tokens", tokens, "prompt + max_tokens is")
+                job.tokens = -(-tokens // self.kv_page_tokens) * self.kv_page_tokens  # whole pages
                 if job.tokens > self.max_kv_tokens:
-                    raise ResourceExhausted("max_tokens", f"prompt + max_tokens is {job.tokens} tokens, more than "
-                                            f"this server's KV-cache budget of {self.max_kv_tokens} tokens "
-                                            "(--max-kv-tokens)")
+                    raise ResourceExhausted("max_tokens", f"prompt + max_tokens is {tokens} tokens ({job.tokens} in "
+                                            f"whole KV pages), more than this server's KV store of "
+                                            f"{self.max_kv_tokens} tokens (--kv-cache-mb, formerly --max-kv-tokens)")
                 self._starting.append(job)  # keeps its queue place until it runs
                 return
             fn, args = job.payload

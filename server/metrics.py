@@ -34,7 +34,7 @@ class Metrics:
         self.generations_running = Gauge("pyscore_generations_running",
                                          "generations running (--max-running-generations)", registry=r)
         self.kv_tokens_reserved = Gauge("pyscore_kv_tokens_reserved",
-                                        "KV-cache tokens reserved by running generations (--max-kv-tokens)",
+                                        "KV-store tokens reserved by running generations, whole pages (--kv-cache-mb)",
                                         registry=r)
         self.batch_requests = Histogram("pyscore_batch_requests", "Score requests per packed forward pass",
                                         buckets=BATCH_BUCKETS, registry=r)
@@ -62,6 +62,11 @@ class Metrics:
     def track_prefix_cache(self, stats: Callable[[], Any]) -> None:
         """Export the engine's prefix cache counters (`stats()`: a PrefixCacheStats, or None when off)."""
         self.registry.register(PrefixCacheCollector(stats))
+
+    def track_kv_store(self, stats: Callable[[], Any]) -> None:
+        """Export the KV store's pages held (`stats()`: a KVStoreStats, or None for an engine without one)."""
+        self.registry.register(KVStoreCollector(stats))
+
 
     def observe_call(self, method: str, status: str, seconds: float, response: Any) -> None:
         """One finished Scorer call; `response` is its (last streamed) response message or None."""
@@ -119,6 +124,24 @@ class PrefixCacheCollector(Collector):
         for name, doc, value in (
                 ("pyscore_prefix_cache_bytes", "bytes of keys/values the prefix cache holds", s.bytes),
                 ("pyscore_prefix_cache_blocks", "blocks the prefix cache holds", s.blocks),
-                ("pyscore_prefix_cache_capacity_bytes", "the prefix cache's byte budget (--prefix-cache-mb)",
+                ("pyscore_prefix_cache_capacity_bytes", "the most of the KV store the prefix cache may hold",
                  s.capacity_bytes)):
+            yield GaugeMetricFamily(name, doc, value=value)
+
+
+class KVStoreCollector(Collector):
+    """What the paged KV store holds, read at scrape time: cache and running sequences together, each page once."""
+
+    def __init__(self, stats: Callable[[], Any]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Any:
+        s = self.stats()
+        if s is None:
+            return
+        for name, doc, value in (
+                ("pyscore_kv_store_held_bytes", "bytes of the KV store's pages in use (prefix cache and generations)",
+                 s.held_bytes),
+                ("pyscore_kv_store_capacity_bytes", "the KV store's byte budget (--kv-cache-mb)",
+                 s.capacity_pages * s.block_bytes)):
             yield GaugeMetricFamily(name, doc, value=value)

@@ -221,7 +221,11 @@ def test_cache_off_and_below_one_block(model_dir):
     assert e.info().prefix_cache_block_tokens == 0
     assert e.score(QUERY, ITEMS, labels=["Yes"]).usage.cached_tokens == 0
     on = engine(model_dir)
-    assert on.info().prefix_cache_block_tokens == B and on.info().prefix_cache_bytes == 1024 * 2**20
+    # One KV store for the cache and generations: by default the cache may fill all of it (65536 tokens + 1 GiB).
+    store = on.kv_store
+    assert on.info().prefix_cache_block_tokens == B
+    assert on.info().prefix_cache_bytes == store.capacity * store.block_bytes
+    assert store.capacity == (65536 * on.decoder.kv_bytes_per_token + 1024 * 2**20) // store.block_bytes
     assert make_prefix_cache(on.model, on.decoder, 1e-6) is None  # below one block: off, not an error
 
 

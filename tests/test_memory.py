@@ -15,6 +15,7 @@ from pyscore.cli import format_info
 from pyscore.engine import Engine, tensor_bytes
 from pyscore.memory import InsufficientMemoryError, Pools, cgroup_room
 from pyscore.model.decoder import Decoder
+from pyscore.model.kv_store import KVStore, PageTable
 from pyscore.types import MemoryPlan
 from tests.helpers import make_model_dir
 
@@ -39,13 +40,16 @@ def test_kv_and_linear_state_bytes_are_the_decoders(model_dirs) -> None:
     loaded = loading.load_model(model_dirs["qwen3_5"], torch.bfloat16, CPU)
     decoder = Decoder(loaded.cfg, loaded.weights, loaded.rotary)
     assert memory.kv_bytes_per_token(loaded.cfg, torch.bfloat16) == decoder.kv_bytes_per_token
-    cache = decoder.new_cache(0)  # capacity 0: only the fixed-size linear-attention state remains
+    store = KVStore(2**20, num_layers=decoder.num_attention_layers, num_kv_heads=loaded.cfg.num_kv_heads,
+                    head_dim=loaded.cfg.head_dim, dtype=torch.bfloat16, device=CPU)
+    cache = decoder.new_cache(PageTable(store))  # no page yet: only the fixed-size linear-attention state
     state = sum(t.nbytes for t in (cache.conv, cache.next_conv, cache.state, cache.next_state))
     assert memory.linear_state_bytes_per_sequence(loaded.cfg, torch.bfloat16) == state > 0
     plan = loaded.memory
-    assert plan.kv_budget_bytes == Pools().max_kv_tokens * decoder.kv_bytes_per_token
+    # the default KV store: the two budgets it replaced, 65536 tokens + 1024 MiB
+    assert plan.kv_budget_bytes == 65536 * decoder.kv_bytes_per_token + 1024 * 2**20
     assert plan.linear_state_bytes == Pools().max_running_generations * state
-    assert plan.prefix_cache_bytes == 0  # no prefix cache for a hybrid model
+    assert plan.prefix_cache_bytes == 0  # the prefix cache lives in the KV store (off for a hybrid model)
 
 
 def test_a_model_that_cannot_fit_is_refused_before_any_tensor_is_read(model_dirs, monkeypatch) -> None:
@@ -63,14 +67,26 @@ def test_a_model_that_cannot_fit_is_refused_before_any_tensor_is_read(model_dirs
 
 def test_the_refusal_says_which_kv_budget_would_fit(model_dirs, monkeypatch) -> None:
     path = model_dirs["qwen3"]
-    _, plan = loading.memory_plan(path, torch.float32, Pools(max_kv_tokens=10_000_000))
+    _, plan = loading.memory_plan(path, torch.float32, Pools(kv_cache_mb=40_000))
     free = plan.expected_total_bytes - plan.kv_budget_bytes // 2  # half the KV budget is missing
     monkeypatch.setattr(memory, "resident_bytes", lambda: 0)
     monkeypatch.setattr(loading, "available_memory", lambda device: (free, "cgroup v2 limit"))
-    with pytest.raises(InsufficientMemoryError, match="Lower --max-kv-tokens \\(now 10000000\\) to at most 5000000"):
-        loading.load_model(path, torch.float32, CPU, Pools(max_kv_tokens=10_000_000))
+    with pytest.raises(InsufficientMemoryError, match="Lower --kv-cache-mb \\(now 40000\\) to at most 20000"):
+        loading.load_model(path, torch.float32, CPU, Pools(kv_cache_mb=40_000))
     # what the message proposes fits
-    loading.load_model(path, torch.float32, CPU, Pools(max_kv_tokens=5_000_000))
+    loading.load_model(path, torch.float32, CPU, Pools(kv_cache_mb=20_000))
+
+
+def test_the_refusal_answers_in_the_deprecated_flag_it_was_given(model_dirs, monkeypatch) -> None:
+    path = model_dirs["qwen3"]
+    deprecated = Pools(max_kv_tokens=10_000_000, prefix_cache_mb=0)
+    _, plan = loading.memory_plan(path, torch.float32, deprecated)
+    free = plan.expected_total_bytes - plan.kv_budget_bytes // 2
+    monkeypatch.setattr(memory, "resident_bytes", lambda: 0)
+    monkeypatch.setattr(loading, "available_memory", lambda device: (free, "cgroup v2 limit"))
+    with pytest.raises(InsufficientMemoryError, match="Lower --max-kv-tokens \\(now 10000000\\) to at most 5000000"):
+        loading.load_model(path, torch.float32, CPU, deprecated)
+    loading.load_model(path, torch.float32, CPU, Pools(max_kv_tokens=5_000_000, prefix_cache_mb=0))
 
 
 def test_the_check_can_be_turned_off(model_dirs, monkeypatch, caplog) -> None:
@@ -127,8 +143,11 @@ def test_the_engine_and_model_info_report_the_plan(model_dirs) -> None:
                                     max_kv_tokens=1000, prefix_cache_mb=2, max_batch_tokens=128)
     plan = engine.info().memory
     assert plan.weight_bytes == tensor_bytes(engine.model.weights)
-    assert plan.kv_budget_bytes == 1000 * engine.decoder.kv_bytes_per_token
-    assert plan.prefix_cache_bytes == engine.info().prefix_cache_bytes > 0
+    store = engine.kv_store  # the deprecated pair sizes it as their sum, in whole pages
+    assert plan.kv_budget_bytes == store.capacity * store.block_bytes
+    assert store.capacity == (1000 * engine.decoder.kv_bytes_per_token + 2 * 2**20) // store.block_bytes
+    # the prefix cache lives in the store (capped at 2 MiB of it here): nothing more to plan
+    assert plan.prefix_cache_bytes == 0 and 0 < engine.info().prefix_cache_bytes <= 2 * 2**20
     assert plan.activation_bytes == 128 * memory.activation_bytes_per_token(engine.cfg, torch.float32)
     assert plan.expected_total_bytes == (plan.weight_bytes + plan.kv_budget_bytes + plan.prefix_cache_bytes
                                          + plan.activation_bytes + plan.runtime_bytes)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from pyscore.budget import DEFAULT_MAX_KV_TOKENS, DEFAULT_MAX_RUNNING_GENERATIONS, DEFAULT_PREFIX_CACHE_MB
+from pyscore.budget import DEFAULT_MAX_RUNNING_GENERATIONS
 from pyscore.engine import Engine, resolve_device, resolve_dtype, set_threads
 from pyscore.model.config import ModelConfig
 from pyscore.model.loading import LoadedModel
@@ -208,12 +208,12 @@ class RandomEngine(Engine):
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, dtype: str | torch.dtype = "auto",
                         device: str = "auto", threads: int | None = None, max_batch_tokens: int = 8192,
-                        op_backend: str = "auto", prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
-                        max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
+                        op_backend: str = "auto", prefix_cache_mb: float | None = None,
+                        max_kv_tokens: int | None = None,
                         max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS,
-                        prefill_chunk_tokens: int | None = None) -> RandomEngine:
+                        kv_cache_mb: float | None = None, prefill_chunk_tokens: int | None = None) -> RandomEngine:
         set_threads(threads)
         dev = resolve_device(device)
         loaded = build_random_model(str(model or "qwen3-0.6b"), resolve_dtype(dtype, dev), dev)
         return cls(loaded, max_batch_tokens, op_backend, prefix_cache_mb, max_kv_tokens, max_running_generations,
-                   prefill_chunk_tokens)
+                   kv_cache_mb, prefill_chunk_tokens)

@@ -100,9 +100,10 @@ inline PrefixItemAttentionParams make_attention_params(
 
 inline DecodeAttentionParams make_decode_params(
     uintptr_t q, Strides qs, uintptr_t o, Strides os, uintptr_t k_new, uintptr_t v_new, Strides new_strides,
-    uintptr_t k_base, uintptr_t v_base, uintptr_t layer_stride, int32_t layer, int64_t token_stride,
-    int64_t head_stride, uintptr_t lengths, int32_t max_length, int32_t num_seqs, int32_t num_q_heads,
-    int32_t num_kv_heads, int32_t head_dim, float scale, const std::string& dtype) {
+    uintptr_t k_pool, uintptr_t v_pool, Strides page_strides, int32_t layer, Strides row_strides,
+    uintptr_t block_table, int64_t block_table_stride, int32_t block_tokens, uintptr_t lengths, int32_t max_length,
+    int32_t num_seqs, int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim, float scale,
+    const std::string& dtype) {
   DecodeAttentionParams p{};
   p.q = reinterpret_cast<const void*>(q);
   p.q_seq_stride = qs.first; p.q_head_stride = qs.second;
@@ -111,12 +112,14 @@ inline DecodeAttentionParams make_decode_params(
   p.k_new = reinterpret_cast<const void*>(k_new);
   p.v_new = reinterpret_cast<const void*>(v_new);
   p.new_seq_stride = new_strides.first; p.new_head_stride = new_strides.second;
-  p.k_base = reinterpret_cast<const int64_t*>(k_base);
-  p.v_base = reinterpret_cast<const int64_t*>(v_base);
-  p.layer_stride = reinterpret_cast<const int64_t*>(layer_stride);
+  p.k_pool = reinterpret_cast<const void*>(k_pool);
+  p.v_pool = reinterpret_cast<const void*>(v_pool);
+  p.block_stride = page_strides.first; p.layer_stride = page_strides.second;  // (page, layer)
+  p.token_stride = row_strides.first; p.head_stride = row_strides.second;     // (token, kv head)
   p.layer = layer;
-  p.token_stride = token_stride;
-  p.head_stride = head_stride;
+  p.block_table = reinterpret_cast<const int32_t*>(block_table);
+  p.block_table_stride = block_table_stride;
+  p.block_tokens = block_tokens;
   p.lengths = reinterpret_cast<const int32_t*>(lengths);
   p.max_length = max_length;
   p.num_seqs = num_seqs;

@@ -5,15 +5,18 @@
 #include <cstdint>
 
 #include "common/dtype.h"
+#include "decode_attention/params.h"
 
 namespace pyscore {
 
 struct DecodeCpuOps {
-  // `rows` query rows (row r at q + r * q_row_stride) against keys [0, num_keys) at k / v (key t at + t *
-  // token_stride): writes the normalized o [rows, D] (fp32) and the natural-log log-sum-exp lse [rows] of the scaled
+  // `rows` query rows (row r at q + r * q_row_stride) against keys [0, num_keys) in tiles of kKeyTile (key t at
+  // k_tiles[t / kKeyTile] + (t % kKeyTile) * token_stride, its value likewise in v_tiles: one tile never straddles
+  // two pages): writes the normalized o [rows, D] (fp32) and the natural-log log-sum-exp lse [rows] of the scaled
   // scores. num_keys >= 1.
-  void (*attend)(const void* q, int64_t q_row_stride, int32_t rows, const void* k, const void* v, int64_t token_stride,
-                 int32_t num_keys, int32_t head_dim, float scale, float* o, float* lse);
+  void (*attend)(const void* q, int64_t q_row_stride, int32_t rows, const void* const* k_tiles,
+                 const void* const* v_tiles, int64_t token_stride, int32_t num_keys, int32_t head_dim, float scale,
+                 float* o, float* lse);
   // Writes one fp32 row of `dim` values in the kernel's dtype.
   void (*store_row)(const float* src, int32_t dim, void* dst);
 };

@@ -104,12 +104,12 @@ inline void add_values(float* o, float alpha, const float* p, const float* v, in
 }
 
 template <class E>
-void attend(const void* q_, int64_t q_row_stride, int32_t rows, const void* k_, const void* v_, int64_t token_stride,
-            int32_t num_keys, int32_t head_dim, float scale, float* o, float* lse) {
+void attend(const void* q_, int64_t q_row_stride, int32_t rows, const void* const* k_tiles,
+            const void* const* v_tiles, int64_t token_stride, int32_t num_keys, int32_t head_dim, float scale, float* o,
+            float* lse) {
   using T = typename E::T;
+  static_assert(kKeyTile % kKeysPerBlock == 0, "a block of keys never straddles two tiles (pages)");
   const T* q = static_cast<const T*>(q_);
-  const T* k = static_cast<const T*>(k_);
-  const T* v = static_cast<const T*>(v_);
   const float scale2 = scale * kLog2e;
   alignas(32) float qbuf[kMaxRows][kMaxHeadDim];
   const float* qf[kMaxRows];
@@ -125,10 +125,12 @@ void attend(const void* q_, int64_t q_row_stride, int32_t rows, const void* k_, 
   for (int32_t key0 = 0; key0 < num_keys; key0 += kKeysPerBlock) {
     const int n = std::min<int32_t>(kKeysPerBlock, num_keys - key0);
     const Vec valid = _mm256_castsi256_ps(V::first_lanes(n));
+    const T* k = static_cast<const T*>(k_tiles[key0 / kKeyTile]) + (key0 % kKeyTile) * token_stride;
+    const T* v = static_cast<const T*>(v_tiles[key0 / kKeyTile]) + (key0 % kKeyTile) * token_stride;
     const T* keys[kKeysPerBlock];
-    for (int j = 0; j < kKeysPerBlock; ++j) keys[j] = j < n ? k + (key0 + j) * token_stride : kZeroRow<T>;
+    for (int j = 0; j < kKeysPerBlock; ++j) keys[j] = j < n ? k + j * token_stride : kZeroRow<T>;
     int64_t v_stride;
-    const float* vals = E::values(v + key0 * token_stride, token_stride, n, head_dim, vf, &v_stride);
+    const float* vals = E::values(v, token_stride, n, head_dim, vf, &v_stride);
     for (int r = 0; r < rows; ++r) {
       Vec partial[kKeysPerBlock];
       for (int j = 0; j < kKeysPerBlock; ++j) partial[j] = V::zero();
@@ -153,7 +155,7 @@ void attend(const void* q_, int64_t q_row_stride, int32_t rows, const void* k_, 
 
 // More rows than kMaxRows in consecutive calls of up to kMaxRows.
 template <class E>
-void attend_rows(const void* q, int64_t q_row_stride, int32_t rows, const void* k, const void* v,
+void attend_rows(const void* q, int64_t q_row_stride, int32_t rows, const void* const* k, const void* const* v,
                  int64_t token_stride, int32_t num_keys, int32_t head_dim, float scale, float* o, float* lse) {
   using T = typename E::T;
   for (int32_t r = 0; r < rows; r += kMaxRows)

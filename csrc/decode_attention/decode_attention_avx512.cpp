@@ -70,13 +70,13 @@ struct F32 {
 };
 
 template <class E, int DZ>
-void attend(const void* q_, int64_t q_row_stride, int32_t rows, const void* k_, const void* v_,
-            int64_t token_stride, int32_t num_keys, int32_t head_dim, float scale, float* o, float* lse) {
+void attend(const void* q_, int64_t q_row_stride, int32_t rows, const void* const* k_tiles,
+            const void* const* v_tiles, int64_t token_stride, int32_t num_keys, int32_t head_dim, float scale, float* o,
+            float* lse) {
   using T = typename E::T;
   constexpr int D = 16 * DZ, QZ = D / E::kPerZmm;
+  static_assert(kKeyTile % kKeysPerBlock == 0, "a block of keys never straddles two tiles (pages)");
   const T* q = static_cast<const T*>(q_);
-  const T* k = static_cast<const T*>(k_);
-  const T* v = static_cast<const T*>(v_);
   const float scale2 = scale * kLog2e;
   float max[kMaxRows], sum[kMaxRows];
   for (int r = 0; r < rows; ++r) {
@@ -89,14 +89,16 @@ void attend(const void* q_, int64_t q_row_stride, int32_t rows, const void* k_, 
   for (int32_t key0 = 0; key0 < num_keys; key0 += kKeysPerBlock) {
     const int n = std::min<int32_t>(kKeysPerBlock, num_keys - key0);
     const __mmask16 valid = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+    const T* k = static_cast<const T*>(k_tiles[key0 / kKeyTile]) + (key0 % kKeyTile) * token_stride;
+    const T* v = static_cast<const T*>(v_tiles[key0 / kKeyTile]) + (key0 % kKeyTile) * token_stride;
     for (int j = 0; j < n; ++j)
-      for (int c = 0; c < DZ; ++c) _mm512_store_ps(vf[j] + 16 * c, E::widen(v + (key0 + j) * token_stride + 16 * c));
+      for (int c = 0; c < DZ; ++c) _mm512_store_ps(vf[j] + 16 * c, E::widen(v + j * token_stride + 16 * c));
     for (int r = 0; r < rows; ++r) {
       __m512 qz[QZ];
       for (int c = 0; c < QZ; ++c) qz[c] = _mm512_loadu_ps(q + r * q_row_stride + E::kPerZmm * c);
       __m512 partial[kKeysPerBlock];
       for (int j = 0; j < kKeysPerBlock; ++j)
-        partial[j] = j < n ? E::dot(qz, k + (key0 + j) * token_stride) : _mm512_setzero_ps();
+        partial[j] = j < n ? E::dot(qz, k + j * token_stride) : _mm512_setzero_ps();
       const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(kNegInf), valid, reduce16(partial), _mm512_set1_ps(scale2));
       const float new_max = std::max(max[r], _mm512_reduce_max_ps(s));  // finite: the block has a key
       const float alpha = std::exp2(max[r] - new_max);                  // 0 on the first block
@@ -124,7 +126,7 @@ void attend(const void* q_, int64_t q_row_stride, int32_t rows, const void* k_, 
 
 // More rows than kMaxRows in consecutive calls of up to kMaxRows.
 template <class E, int DZ>
-void attend_rows(const void* q, int64_t q_row_stride, int32_t rows, const void* k, const void* v,
+void attend_rows(const void* q, int64_t q_row_stride, int32_t rows, const void* const* k, const void* const* v,
                  int64_t token_stride, int32_t num_keys, int32_t head_dim, float scale, float* o, float* lse) {
   using T = typename E::T;
   for (int32_t r = 0; r < rows; r += kMaxRows)

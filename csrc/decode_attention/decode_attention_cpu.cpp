@@ -1,4 +1,5 @@
-// CPU decode_attention (contract in params.h). Work units are (sequence, kv head, chunk of kDecodeChunk keys); a
+// CPU decode_attention (contract in params.h): keys read through each sequence's block table, a unit's chunk as
+// tiles of kKeyTile keys, each inside one page. Work units are (sequence, kv head, chunk of kDecodeChunk keys); a
 // unit's rows are the GQA query heads of its kv head (the keys are read once for all of them). Units run on OpenMP
 // threads; a sequence with several chunks gets its partial states merged by log-sum-exp in chunk order, so its bits
 // depend on its own length only, never on the batch or the thread count. When new keys / values are given they are
@@ -27,21 +28,23 @@ namespace {
 
 // Two-pass softmax per row in loops the compiler vectorizes (common/vec_portable.h; NEON on aarch64).
 template <class T>
-void attend_portable(const void* q_, int64_t q_row_stride, int32_t rows, const void* k_, const void* v_,
-                     int64_t token_stride, int32_t num_keys, int32_t head_dim, float scale, float* o, float* lse) {
+void attend_portable(const void* q_, int64_t q_row_stride, int32_t rows, const void* const* k_tiles,
+                     const void* const* v_tiles, int64_t token_stride, int32_t num_keys, int32_t head_dim, float scale,
+                     float* o, float* lse) {
   const T* q = static_cast<const T*>(q_);
-  const T* k = static_cast<const T*>(k_);
-  const T* v = static_cast<const T*>(v_);
+  auto key = [&](const void* const* tiles, int32_t t) {
+    return static_cast<const T*>(tiles[t / kKeyTile]) + (t % kKeyTile) * token_stride;
+  };
   std::vector<float> s(num_keys);
   for (int32_t r = 0; r < rows; ++r) {
     const T* qr = q + r * q_row_stride;
-    for (int32_t t = 0; t < num_keys; ++t) s[t] = dot_portable(qr, k + t * token_stride, head_dim) * scale;
+    for (int32_t t = 0; t < num_keys; ++t) s[t] = dot_portable(qr, key(k_tiles, t), head_dim) * scale;
     const float mx = max_portable(s.data(), num_keys, -std::numeric_limits<float>::infinity());
     const float sum = exp_sum_inplace(s.data(), num_keys, mx);
     float* orow = o + int64_t(r) * head_dim;
     std::fill(orow, orow + head_dim, 0.0f);
     for (int32_t t = 0; t < num_keys; ++t) {
-      const T* vt = v + t * token_stride;
+      const T* vt = key(v_tiles, t);
       for (int32_t d = 0; d < head_dim; ++d) orow[d] += s[t] * to_f32(vt[d]);
     }
     for (int32_t d = 0; d < head_dim; ++d) orow[d] /= sum;
@@ -75,16 +78,19 @@ int32_t chunks_of(int32_t length) { return (length + kDecodeChunk - 1) / kDecode
 const char* at(const void* base, int64_t elems, size_t elem) { return static_cast<const char*>(base) + elems * elem; }
 char* at(void* base, int64_t elems, size_t elem) { return static_cast<char*>(base) + elems * elem; }
 
+// Element offset of key `token` of kv head h of sequence b in this layer, from k_pool / v_pool.
 int64_t cache_offset(const DecodeAttentionParams& p, int32_t b, int32_t h, int32_t token) {
-  return p.layer * p.layer_stride[b] + h * p.head_stride + token * p.token_stride;
+  const int64_t page = p.block_table[b * p.block_table_stride + token / p.block_tokens];
+  return page * p.block_stride + p.layer * p.layer_stride + (token % p.block_tokens) * p.token_stride +
+         h * p.head_stride;
 }
 
 void write_new_token(const DecodeAttentionParams& p, int32_t b, int32_t h) {
   const size_t elem = elem_size(p.dtype);
   const int64_t src = b * p.new_seq_stride + h * p.new_head_stride;
   const int64_t dst = cache_offset(p, b, h, p.lengths[b] - 1);
-  std::memcpy(reinterpret_cast<char*>(p.k_base[b]) + dst * elem, at(p.k_new, src, elem), p.head_dim * elem);
-  std::memcpy(reinterpret_cast<char*>(p.v_base[b]) + dst * elem, at(p.v_new, src, elem), p.head_dim * elem);
+  std::memcpy(at(const_cast<void*>(p.k_pool), dst, elem), at(p.k_new, src, elem), p.head_dim * elem);
+  std::memcpy(at(const_cast<void*>(p.v_pool), dst, elem), at(p.v_new, src, elem), p.head_dim * elem);
 }
 
 struct Unit {
@@ -129,13 +135,18 @@ void run_unit(const DecodeAttentionParams& p, const DecodeCpuOps& ops, const Uni
               float* lse_parts, Scratch& local) {
   const size_t elem = elem_size(p.dtype);
   const int32_t key0 = u.chunk * kDecodeChunk, keys = std::min(kDecodeChunk, p.lengths[u.seq] - key0);
-  const int64_t kv = cache_offset(p, u.seq, u.kv_head, key0);
+  // The chunk's key tiles, each inside one page.
+  const void* k_tiles[kDecodeChunk / kKeyTile];
+  const void* v_tiles[kDecodeChunk / kKeyTile];
+  for (int32_t t = 0; t * kKeyTile < keys; ++t) {
+    const int64_t kv = cache_offset(p, u.seq, u.kv_head, key0 + t * kKeyTile);
+    k_tiles[t] = at(p.k_pool, kv, elem);
+    v_tiles[t] = at(p.v_pool, kv, elem);
+  }
   const void* q = at(p.q, u.seq * p.q_seq_stride + int64_t(u.kv_head) * group * p.q_head_stride, elem);
   float* o = u.scratch_row >= 0 ? o_parts + u.scratch_row * p.head_dim : local.o.data();
   float* lse = u.scratch_row >= 0 ? lse_parts + u.scratch_row : local.lse.data();
-  ops.attend(q, p.q_head_stride, group, reinterpret_cast<const char*>(p.k_base[u.seq]) + kv * elem,
-             reinterpret_cast<const char*>(p.v_base[u.seq]) + kv * elem, p.token_stride, keys, p.head_dim, p.scale, o,
-             lse);
+  ops.attend(q, p.q_head_stride, group, k_tiles, v_tiles, p.token_stride, keys, p.head_dim, p.scale, o, lse);
   if (u.scratch_row < 0) store_rows(p, ops, u.seq, u.kv_head, group, o);
 }
 
@@ -156,10 +167,12 @@ Status check_params(const DecodeAttentionParams& p) {
   if (p.num_seqs < 0 || p.num_q_heads <= 0 || p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads || p.layer < 0)
     return kInvalidArgument;
   if (p.num_seqs == 0) return kOk;
-  if (!p.q || !p.o || !p.k_base || !p.v_base || !p.layer_stride || !p.lengths || (!p.k_new != !p.v_new))
+  if (!p.q || !p.o || !p.k_pool || !p.v_pool || !p.block_table || !p.lengths || (!p.k_new != !p.v_new))
     return kInvalidArgument;
+  if (p.block_tokens <= 0 || p.block_tokens % kKeyTile) return kInvalidArgument;
   for (int32_t b = 0; b < p.num_seqs; ++b)
-    if (p.lengths[b] < 1 || p.lengths[b] > p.max_length) return kInvalidArgument;
+    if (p.lengths[b] < 1 || p.lengths[b] > p.max_length || p.lengths[b] > p.block_table_stride * p.block_tokens)
+      return kInvalidArgument;
   return kOk;
 }
 

@@ -55,7 +55,8 @@ Status decode_attention_cuda(const DecodeAttentionParams& p, void* stream) {
       p.max_length < 1 || p.layer < 0 || (p.k_new == nullptr) != (p.v_new == nullptr))
     return kInvalidArgument;
   if (p.num_seqs == 0) return kOk;
-  if (!p.q || !p.o || !p.k_base || !p.v_base || !p.layer_stride || !p.lengths) return kInvalidArgument;
+  if (!p.q || !p.o || !p.k_pool || !p.v_pool || !p.block_table || !p.lengths) return kInvalidArgument;
+  if (p.block_tokens <= 0 || p.block_tokens % kKeyTile) return kInvalidArgument;
 
   CudaDeviceGuard guard;
   PYSCORE_CUDA_TRY(guard.set_from_pointer(p.o));

@@ -29,10 +29,12 @@ constexpr float kLn2 = 0.6931471805599453f;
 __host__ __device__ inline int row_slices(int group) { return ceil_div(group, kSliceRows); }
 
 template <typename T>
-__device__ __forceinline__ const T* cache_row(const DecodeAttentionParams& p, const int64_t* base, int b, int h,
+__device__ __forceinline__ const T* cache_row(const DecodeAttentionParams& p, const void* pool, int b, int h,
                                              int token) {
-  return reinterpret_cast<const T*>(base[b]) + p.layer * p.layer_stride[b] + h * p.head_stride +
-         int64_t(token) * p.token_stride;
+  // Through the sequence's block table into the shared page pool (params.h).
+  const int64_t page = p.block_table[b * p.block_table_stride + token / p.block_tokens];
+  return static_cast<const T*>(pool) + page * p.block_stride + p.layer * p.layer_stride + h * p.head_stride +
+         int64_t(token % p.block_tokens) * p.token_stride;
 }
 
 // Partial attention of one (sequence, kv head, row slice, chunk). o_parts / lse_parts: [B, Hq, max_chunks, D] and
@@ -60,8 +62,8 @@ __global__ void __launch_bounds__(kThreads)
   const bool has_new = p.k_new != nullptr;
   const int64_t new_row = b * p.new_seq_stride + h * p.new_head_stride;
   if (has_new && chunk == chunks - 1 && row0 == 0) {
-    T* k_dst = const_cast<T*>(cache_row<T>(p, p.k_base, b, h, length - 1));
-    T* v_dst = const_cast<T*>(cache_row<T>(p, p.v_base, b, h, length - 1));
+    T* k_dst = const_cast<T*>(cache_row<T>(p, p.k_pool, b, h, length - 1));
+    T* v_dst = const_cast<T*>(cache_row<T>(p, p.v_pool, b, h, length - 1));
     for (int d = threadIdx.x; d < D; d += kThreads) {
       k_dst[d] = static_cast<const T*>(p.k_new)[new_row + d];
       v_dst[d] = static_cast<const T*>(p.v_new)[new_row + d];
@@ -89,8 +91,8 @@ __global__ void __launch_bounds__(kThreads)
   }
   for (int t = key0 + warp; t < key1; t += kWarps) {
     const bool fresh = has_new && t == length - 1;
-    const T* k = (fresh ? static_cast<const T*>(p.k_new) + new_row : cache_row<T>(p, p.k_base, b, h, t)) + lane * E;
-    const T* v = (fresh ? static_cast<const T*>(p.v_new) + new_row : cache_row<T>(p, p.v_base, b, h, t)) + lane * E;
+    const T* k = (fresh ? static_cast<const T*>(p.k_new) + new_row : cache_row<T>(p, p.k_pool, b, h, t)) + lane * E;
+    const T* v = (fresh ? static_cast<const T*>(p.v_new) + new_row : cache_row<T>(p, p.v_pool, b, h, t)) + lane * E;
     float kf[E], vf[E];
 #pragma unroll
     for (int e = 0; e < E; ++e) {

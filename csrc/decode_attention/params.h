@@ -1,15 +1,19 @@
 // decode_attention: one new query token per running sequence against that sequence's KV cache, all sequences in one
 // call (ragged lengths, GQA: query head h reads kv head h / (num_q_heads / num_kv_heads)).
 //
-// Each sequence keeps its own cache; the kernel sees, per sequence b, a base address and a layer stride, so the
-// keys of layer `layer` start at k_base[b] + layer * layer_stride[b] (elements) and key t of kv head h sits at
-// + t * token_stride + h * head_stride (values likewise from v_base). For pyscore's KVCache ([L, capacity, Hkv, D]
-// per sequence) that is layer_stride = capacity * Hkv * D, token_stride = Hkv * D, head_stride = D. A paged cache
-// would add a block table [B, max_blocks] and a block size: key t at pool + block_table[b][t / block] * block
-// stride + (t % block) * token_stride; only the address arithmetic of a key changes.
+// The keys and values live in one paged pool (pyscore.model.kv_store.KVStore), shared by every sequence and the
+// prefix cache: a page holds block_tokens tokens of every layer. Sequence b's keys are listed by its block table
+// (block_table[b * block_table_stride + i] = the page of its keys [i * block_tokens, (i + 1) * block_tokens)), the
+// convention of prefix_item_attention's cached_blocks; pages a prefix shares are read in place, never copied. Key t of
+// kv head h in layer `layer` sits at
+//   k_pool + block_table[b][t / block_tokens] * block_stride + layer * layer_stride + (t % block_tokens) * token_stride
+//          + h * head_stride
+// (values likewise from v_pool, with the same strides). For the pool [pages, 2 (K, V), L, block_tokens, Hkv, D] that
+// is block_stride = 2 L block_tokens Hkv D, layer_stride = block_tokens Hkv D, token_stride = Hkv D, head_stride = D.
+// block_tokens is a multiple of kKeyTile, so a tile of 64 keys never straddles two pages.
 //
 // Sequence b attends to keys [0, lengths[b]), which include its new token. When k_new / v_new are given ([B, Hkv, D])
-// the kernel first writes them into the caches at position lengths[b] - 1 (the caller advances its own length
+// the kernel first writes them into the pages at position lengths[b] - 1 (the caller advances its own length
 // only after the step succeeded). Long caches are split into fixed chunks of kDecodeChunk keys, attended in parallel
 // and merged by log-sum-exp in chunk order; the split depends only on the sequence's own length, so its result does
 // not depend on its batch-mates. Strides in elements.
@@ -20,7 +24,8 @@
 
 namespace pyscore {
 
-constexpr int32_t kDecodeChunk = 256;
+constexpr int32_t kDecodeChunk = 256;  // a multiple of kKeyTile
+constexpr int32_t kKeyTile = 64;
 
 struct DecodeAttentionParams {
   const void* q;  // [B, Hq, D]
@@ -30,11 +35,13 @@ struct DecodeAttentionParams {
   const void* k_new;  // [B, Hkv, D] or nullptr
   const void* v_new;
   int64_t new_seq_stride, new_head_stride;  // shared by k_new and v_new
-  const int64_t* k_base;  // [B] addresses (the caches are written through them when k_new is given)
-  const int64_t* v_base;
-  const int64_t* layer_stride;  // [B] elements
+  const void* k_pool;  // page 0, layer 0 (the caches are written through it when k_new is given)
+  const void* v_pool;
+  int64_t block_stride, layer_stride, token_stride, head_stride;  // shared by k and v
   int32_t layer;
-  int64_t token_stride, head_stride;  // shared by k and v
+  const int32_t* block_table;  // [B, block_table_stride] page indices; row b lists ceil(lengths[b] / block_tokens)
+  int64_t block_table_stride;
+  int32_t block_tokens;  // a multiple of kKeyTile
   const int32_t* lengths;  // [B], each >= 1
   int32_t max_length;      // >= every length (sizes the CUDA grid; the CPU kernel reads the lengths)
   int32_t num_seqs;

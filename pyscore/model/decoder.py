@@ -2,10 +2,11 @@
 embed -> N x (norm -> mixer -> o -> norm -> SwiGLU) -> final norm, returned only at the read-out rows. The mixer is
 attention (qkv -> [qk-norm] -> rope(positions) -> prefix_item_attention) or, in Qwen3.5's linear-attention layers,
 Gated DeltaNet over the same segment table (pyscore.model.hybrid). A second entry point decodes one token per running
-sequence against its cache: the KV cache of the attention layers (all sequences in one decode_attention call per
-layer) and the conv + recurrent state of the linear ones. A batch whose groups start with prefix-cache blocks reads
-their keys and values from a block pool (`BlockPool`, e.g. pyscore.model.prefix_cache.PrefixCache) in every
-attention layer; only the batch's own tokens run through projections, norms and MLPs.
+sequence against its cache: its pages of the paged KV store for the attention layers (all sequences in one
+decode_attention call per layer, through their block tables) and the conv + recurrent state of the linear ones. A
+batch whose groups start with prefix-cache blocks reads their keys and values from a block pool (`BlockPool`: the
+KV store, pyscore.model.kv_store) in every attention layer; only the batch's own tokens run through projections,
+norms and MLPs.
 
 Every projection runs through pyscore.ops.linear, one convention on every path: the residual adds are fused into
 the output projections (o / out_proj, down), the SiLU-mul into gate_up, and a row's bits never depend on the rows
@@ -24,6 +25,7 @@ from pyscore.errors import PassInterrupted
 from pyscore.memory import release_freed_memory
 from pyscore.model import hybrid
 from pyscore.model.config import LINEAR_ATTENTION, ModelConfig
+from pyscore.model.kv_store import PageTable
 from pyscore.model.packing import PackedBatch
 from pyscore.model.rope import Rotary
 from pyscore.model.weights import DecoderWeights, LayerWeights
@@ -63,19 +65,27 @@ class BlockPool(Protocol):
 
 @dataclass
 class KVCache:
-    """One sequence's cache: k, v [L_attn, capacity, Hkv, D] for the attention layers, `length` tokens valid (slots
-    past it may hold the writes of a step that has not been committed); for a hybrid model also, per
+    """One sequence's cache: its pages of the KV store for the attention layers (`table`: shared cached pages, then
+    its own), `length` tokens valid (positions past it may hold the writes of a step that has not been committed;
+    `reserve` makes room for the next); for a hybrid model also, per
     linear-attention layer, the conv tail [L_lin, K - 1, C] and the fp32 recurrent state [L_lin, Hv, Dk, Dv], each
     with a spare of the same shape that a decode step writes, swapped in (`commit`) only once the whole step —
     the token chosen included — has succeeded, so a failed step can be retried from the state before it."""
 
-    k: torch.Tensor
-    v: torch.Tensor
+    table: PageTable
     length: int = 0
     conv: torch.Tensor | None = None
     state: torch.Tensor | None = None
     next_conv: torch.Tensor | None = None
     next_state: torch.Tensor | None = None
+
+    def reserve(self, tokens: int) -> None:
+        """Pages for `tokens` tokens (the next decode step writes position `length`); KVStoreFull when none is left."""
+        self.table.reserve(tokens)
+
+    def release(self) -> None:
+        """The sequence ended: its own pages go back to the store, its shared ones to the cache."""
+        self.table.release()
 
     def commit(self) -> None:
         """One decoded token is final: the length advances and the linear layers' new states become current."""
@@ -212,15 +222,15 @@ class Decoder:
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
-        """One new token per sequence (tokens [B]) at position cache.length: writes its keys and values into
-        slot cache.length (and a hybrid model's new linear states into the spares), attends over slots
-        [0, length] and returns final-normed hidden states [B, H]. It commits nothing: the caller calls
+        """One new token per sequence (tokens [B]) at position cache.length (its pages must hold it: `reserve`):
+        writes its keys and values there (and a hybrid model's new linear states into the spares), attends over
+        positions [0, length] and returns final-normed hidden states [B, H]. It commits nothing: the caller calls
         cache.commit() once the whole step has succeeded, so a failed step retried rewrites the same slot. A
         sequence's result never depends on its batch-mates."""
         device = self.device
         positions = torch.tensor([c.length for c in caches], dtype=torch.long, device=device)
-
-        plan = plan_decode([c.k for c in caches], [c.v for c in caches], [c.length + 1 for c in caches])
+        pool = caches[0].table.store.pool  # [pages, 2, L, B, Hkv, D]: every sequence's pages are in one store
+        plan = plan_decode(pool[:, 0], pool[:, 1], [c.table.pages for c in caches], [c.length + 1 for c in caches])
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             # every sequence at once; writes k, v at position length first
@@ -251,16 +261,18 @@ class Decoder:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """What one token's keys and values weigh in a KVCache (its attention layers; a hybrid model's linear
+        """What one token's keys and values weigh in the KV store (its attention layers; a hybrid model's linear
         layers hold a fixed-size state per sequence instead, outside this count)."""
-        layers = self.cfg.num_layers - self.num_linear
-        return 2 * layers * self.cfg.num_kv_heads * self.cfg.head_dim * self.dtype.itemsize
+        return 2 * self.num_attention_layers * self.cfg.num_kv_heads * self.cfg.head_dim * self.dtype.itemsize
 
-    def new_cache(self, capacity: int) -> KVCache:
+    @property
+    def num_attention_layers(self) -> int:
+        return self.cfg.num_layers - self.num_linear
+
+    def new_cache(self, table: PageTable) -> KVCache:
+        """A sequence's cache over its pages, with a hybrid model's linear states (zeros)."""
         cfg = self.cfg
-        shape = (cfg.num_layers - self.num_linear, capacity, cfg.num_kv_heads, cfg.head_dim)
-        cache = KVCache(torch.empty(shape, dtype=self.dtype, device=self.device),
-                        torch.empty(shape, dtype=self.dtype, device=self.device))
+        cache = KVCache(table)
         if self.num_linear:
             lin = cfg.linear
             conv = (self.num_linear, lin.conv_kernel - 1, lin.conv_channels)

@@ -22,7 +22,6 @@ from pyscore.memory import Pools, available_memory, check_fits, plan_memory, rel
 from pyscore.model.checkpoint import Checkpoint
 from pyscore.model.config import ModelConfig
 from pyscore.model.gguf import convert_gguf
-from pyscore.model.prefix_cache import unsupported_reason
 from pyscore.model.rope import Rotary, inverse_frequencies
 from pyscore.model.weights import DecoderWeights, build_weights
 from pyscore.types import MemoryPlan
@@ -85,11 +84,10 @@ def resolve_model_dir(model: str | os.PathLike | None) -> tuple[Path, str]:
 
 
 def plan_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, pools: Pools) -> tuple[Checkpoint, MemoryPlan]:
-    """The checkpoint (headers read, no values) and the memory plan of serving it under `pools` (no prefix cache
-    for a model the cache cannot serve)."""
+    """The checkpoint (headers read, no values) and the memory plan of serving it under `pools` (the KV store is
+    planned whole whether or not the prefix cache can serve the model: its generations use the rest)."""
     checkpoint = Checkpoint(path)
-    prefix_cache = 0 if unsupported_reason(cfg) is not None else None
-    return checkpoint, plan_memory(cfg, weight_bytes(cfg, checkpoint.shapes(), dtype), dtype, pools, prefix_cache)
+    return checkpoint, plan_memory(cfg, weight_bytes(cfg, checkpoint.shapes(), dtype), dtype, pools)
 
 
 def memory_plan(model: str | os.PathLike | None, dtype: torch.dtype, pools: Pools) -> tuple[str, MemoryPlan]:

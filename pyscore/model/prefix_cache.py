@@ -5,14 +5,17 @@ prompts) in blocks of `block_tokens` tokens, reused by later requests whose toke
   the model, dtype and device (and a request's salt: requests with different salts never share a block, as with
   vLLM's cache_salt), so a block matches only after its whole prefix matched. On a hit the block's token ids,
   parent and root are compared too: a hash collision is a miss, never a wrong key.
-- Storage: one pool [capacity, 2 (K, V), layers, block_tokens, kv heads, head_dim] sized by the byte budget and
-  allocated once (pages never written take no memory); a block is a slot of it. Attention reads cached blocks
-  straight from the pool (`layer(i)` gives that layer's [capacity, B, Hkv, D] views of K and V).
+- Storage: a block is a page of the paged KV store (pyscore.model.kv_store.KVStore) that running generations share:
+  its slot is the page index. Attention reads cached blocks straight from the pool (`layer(i)` gives that layer's
+  [pages, B, Hkv, D] views of K and V). A generation holds the cached blocks of its prompt (`hold` / `release`) while
+  it runs and reads them in place. The cache holds at most `capacity` blocks (the whole store unless capped).
 - A forward pass uses the cache through one `CacheLease`: blocks it reads are pinned; blocks it writes are
   pending: later groups of the same pass may read them (their keys are written before that layer's attention),
   other passes see them only after `commit()`, which the caller runs once the pass succeeded; `abort()` frees them.
-- Eviction: least recently used unpinned blocks go first, each with its descendants (unreachable without it).
-  When nothing can be evicted, a new block is simply not stored: the cache never fails a request.
+- Eviction: least recently used unpinned blocks go first, each with its descendants (unreachable without it), when
+  the cache is at its capacity or the store has no free page (the store asks: `KVStore.reclaim`). A block held by
+  a running sequence or a pass is pinned, never evicted. When nothing can be evicted, a new block is simply not
+  stored: the cache never fails a request.
 
 Not thread-safe: one engine worker owns it (a metrics scrape only reads `stats`)."""
 
@@ -27,9 +30,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pyscore.model.kv_store import BLOCK_TOKENS, KVStore
 from pyscore.model.packing import CacheUse
 
-BLOCK_TOKENS = 64  # a multiple of the attention kernels' 64-key tile (see README: why 64)
+__all__ = ["BLOCK_TOKENS", "Block", "CacheLease", "PrefixCache", "PrefixCacheStats", "pass_lease",
+           "unsupported_reason"]
 
 
 @dataclass
@@ -53,7 +58,7 @@ class Block:
     tokens: tuple[int, ...]
     parent: Block | None
     children: list[Block] = field(default_factory=list)
-    refs: int = 0  # pins by running passes
+    refs: int = 0  # pins by running passes and running sequences
     writer: CacheLease | None = None  # the lease that is writing it; None once published
 
 
@@ -69,34 +74,60 @@ def unsupported_reason(cfg: object) -> str | None:
 
 
 class PrefixCache:
-    def __init__(self, budget_bytes: int, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str, identity: str, block_tokens: int = BLOCK_TOKENS) -> None:
-        """identity: what makes keys and values differ besides the tokens (the model's path and config); the
-        hash root covers it with the dtype, device and block shape."""
-        shape = (2, num_layers, block_tokens, num_kv_heads, head_dim)
-        self.block_bytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        self.capacity = budget_bytes // self.block_bytes
+    def __init__(self, budget_bytes: int | None, *, identity: str, store: KVStore | None = None,
+                 **dims: object) -> None:
+        """The cache's blocks live in `store` (else in a store of its own of `budget_bytes`, built from `dims`:
+        num_layers, num_kv_heads, head_dim, dtype, device, block_tokens); it holds at most budget_bytes of them
+        (None: the whole store). identity: what makes keys and values differ besides the tokens (the model's path
+        and config); the hash root covers it with the dtype, device and block shape."""
+        if store is None:
+            if budget_bytes is None:
+                raise ValueError("a prefix cache without a store needs a budget")
+            store = KVStore(budget_bytes, **dims)  # type: ignore[arg-type]
+        self.store = store
+        self.block_bytes, self.block_tokens = store.block_bytes, store.block_tokens
+        self.capacity = store.capacity if budget_bytes is None else min(store.capacity,
+                                                                        budget_bytes // self.block_bytes)
         if self.capacity < 1:
             raise ValueError(f"a prefix cache of {budget_bytes} bytes holds no block of {self.block_bytes} bytes")
-        self.block_tokens = block_tokens
-        self.pool = torch.empty((self.capacity, *shape), dtype=dtype, device=device)
-        root = f"{identity}|{dtype}|{torch.device(device)}|{shape}"
+        pool = store.pool
+        root = f"{identity}|{pool.dtype}|{pool.device}|{store.shape}"
         self._root = hashlib.blake2b(root.encode(), digest_size=16).digest()
         self._blocks: dict[bytes, Block] = {}
-        self._free = list(range(self.capacity - 1, -1, -1))
         self._lru: OrderedDict[Block, None] = OrderedDict()  # unpinned published blocks, least recent first
-        self.stats = PrefixCacheStats(block_tokens=block_tokens, capacity_bytes=self.capacity * self.block_bytes)
+        self.stats = PrefixCacheStats(block_tokens=self.block_tokens,
+                                      capacity_bytes=self.capacity * self.block_bytes)
+        store.reclaim = self._evict_one
+
+    @property
+    def pool(self) -> torch.Tensor:
+        return self.store.pool
 
     @property
     def num_blocks(self) -> int:
-        return self.capacity
+        return self.store.num_blocks
+
+    @property
+    def _free(self) -> list[int]:
+        """The store's free pages (what its tests check a block's slot against)."""
+        return self.store._free
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i's key and value blocks: two [capacity, block_tokens, Hkv, D] views of the pool."""
-        return self.pool[:, 0, i], self.pool[:, 1, i]
+        """Layer i's key and value blocks: two [pages, block_tokens, Hkv, D] views of the store's pool."""
+        return self.store.layer(i)
 
     def lease(self) -> CacheLease:
         return CacheLease(self)
+
+    def hold(self, blocks: Sequence[Block]) -> None:
+        """Pins blocks for a running sequence that reads them in place (until `release`)."""
+        for block in blocks:
+            self._pin(block)
+
+    def release(self, blocks: Sequence[Block]) -> None:
+        """The sequence is done with them: unpinned in reverse, so a chain's root stays most recent."""
+        for block in reversed(blocks):
+            self._unpin(block)
 
     def writer(self, writes: Sequence[tuple[int, int]]) -> Callable[[int, torch.Tensor, torch.Tensor], None] | None:
         """A kv sink that copies, at every layer, the full blocks computed in a pass into their pool slots:
@@ -112,14 +143,6 @@ class PrefixCache:
                 pool.index_copy_(0, slots, x[rows].view(len(writes), b, *x.shape[1:]))
 
         return sink
-
-    def read_into(self, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Copies blocks (a group's CacheUse.read) into a sequence's KV cache k, v [L, capacity, Hkv, D] from
-        token 0."""
-        b = self.block_tokens
-        for j, slot in enumerate(slots):
-            k[:, j * b : (j + 1) * b] = self.pool[slot, 0]
-            v[:, j * b : (j + 1) * b] = self.pool[slot, 1]
 
     # --- the block table (CacheLease calls these) ----------------------------------------------------------------
     def _salted_root(self, salt: str) -> bytes:
@@ -155,9 +178,12 @@ class PrefixCache:
         key = self._key(root, parent, tokens)
         if key in self._blocks:
             return None  # a collision with another chain, or another pass writes it
-        if not self._free and not self._evict_one():
+        if self.stats.blocks >= self.capacity and not self._evict_one():
             return None
-        block = Block(slot=self._free.pop(), key=key, root=root, tokens=tokens, parent=parent, writer=lease)
+        slot = self.store.take()  # may evict through store.reclaim
+        if slot is None:
+            return None
+        block = Block(slot=slot, key=key, root=root, tokens=tokens, parent=parent, writer=lease)
         self._blocks[key] = block
         if parent is not None:
             parent.children.append(block)
@@ -184,7 +210,7 @@ class PrefixCache:
 
     def _drop(self, block: Block) -> None:
         del self._blocks[block.key]
-        self._free.append(block.slot)
+        self.store.give_back(block.slot)
         self._count_held(-1)
 
     def _count_held(self, blocks: int) -> None:

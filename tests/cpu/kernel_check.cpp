@@ -163,22 +163,26 @@ void check_attention() {
 
 void check_decode_case(DType dtype, int32_t hq, int32_t hkv, int32_t d) {
   const std::vector<int32_t> lengths = {1, 37, 300};  // 300 > one 256-key chunk: two chunks merged
-  const int32_t layers = 2, layer = 1, b_count = int32_t(lengths.size());
-  const int64_t token_stride = int64_t(hkv) * d;
-  std::vector<Buf> kc, vc;
-  std::vector<int64_t> k_base, v_base, layer_stride;
+  const int32_t layers = 2, layer = 1, b_count = int32_t(lengths.size()), block = 64;
+  const int64_t token_stride = int64_t(hkv) * d, layer_stride = block * token_stride;
+  const int64_t block_stride = layers * layer_stride;
+  // One paged pool; each sequence's block table lists its pages in reverse pool order (a table must be followed).
+  int32_t pages = 0, width = 0;
   for (int32_t b = 0; b < b_count; ++b) {
-    const int32_t capacity = lengths[b] + 3 * b;  // ragged capacities: each sequence its own layer stride
-    kc.emplace_back(dtype, size_t(layers) * capacity * token_stride);
-    vc.emplace_back(dtype, size_t(layers) * capacity * token_stride);
-    fill_uniform(kc.back());
-    fill_uniform(vc.back());
-    layer_stride.push_back(capacity * token_stride);
+    const int32_t n = (lengths[b] + 3 * b + block - 1) / block;
+    pages += n;
+    width = std::max(width, n);
   }
-  for (int32_t b = 0; b < b_count; ++b) {
-    k_base.push_back(reinterpret_cast<int64_t>(kc[b].data()));
-    v_base.push_back(reinterpret_cast<int64_t>(vc[b].data()));
-  }
+  std::vector<int32_t> table(size_t(b_count) * width, 0);
+  for (int32_t b = 0, next = 0; b < b_count; ++b)
+    for (int32_t i = 0; i < (lengths[b] + 3 * b + block - 1) / block; ++i, ++next)
+      table[size_t(b) * width + i] = pages - 1 - next;
+  Buf k_pool(dtype, size_t(pages) * block_stride), v_pool(dtype, size_t(pages) * block_stride);
+  fill_uniform(k_pool);
+  fill_uniform(v_pool);
+  auto at = [&](int32_t b, int32_t t) {
+    return table[size_t(b) * width + t / block] * block_stride + layer * layer_stride + (t % block) * token_stride;
+  };
   Buf q(dtype, size_t(b_count) * hq * d), o(dtype, q.size()), k_new(dtype, size_t(b_count) * hkv * d),
       v_new(dtype, k_new.size());
   fill_uniform(q, -2.0f, 2.0f);
@@ -195,12 +199,16 @@ void check_decode_case(DType dtype, int32_t hq, int32_t hkv, int32_t d) {
   p.v_new = v_new.data();
   p.new_seq_stride = int64_t(hkv) * d;
   p.new_head_stride = d;
-  p.k_base = k_base.data();
-  p.v_base = v_base.data();
-  p.layer_stride = layer_stride.data();
-  p.layer = layer;
+  p.k_pool = k_pool.data();
+  p.v_pool = v_pool.data();
+  p.block_stride = block_stride;
+  p.layer_stride = layer_stride;
   p.token_stride = token_stride;
   p.head_stride = d;
+  p.layer = layer;
+  p.block_table = table.data();
+  p.block_table_stride = width;
+  p.block_tokens = block;
   p.lengths = lengths.data();
   p.max_length = 300;
   p.num_seqs = b_count;
@@ -215,7 +223,6 @@ void check_decode_case(DType dtype, int32_t hq, int32_t hkv, int32_t d) {
   std::vector<double> want(o.size());
   bool written = true;
   for (int32_t b = 0; b < b_count; ++b) {
-    const int64_t base = layer * layer_stride[b];
     for (int32_t h = 0; h < hq; ++h) {
       const int32_t kvh = h / (hq / hkv);
       std::vector<double> s(lengths[b]);
@@ -223,20 +230,20 @@ void check_decode_case(DType dtype, int32_t hq, int32_t hkv, int32_t d) {
       for (int32_t t = 0; t < lengths[b]; ++t) {
         double dot = 0.0;
         for (int32_t i = 0; i < d; ++i)
-          dot += double(q.get((size_t(b) * hq + h) * d + i)) * kc[b].get(base + t * token_stride + kvh * d + i);
+          dot += double(q.get((size_t(b) * hq + h) * d + i)) * k_pool.get(at(b, t) + kvh * d + i);
         mx = std::max(mx, s[t] = dot * p.scale);
       }
       double sum = 0.0;
       for (double& v : s) sum += (v = std::exp(v - mx));
       for (int32_t i = 0; i < d; ++i) {
         double acc = 0.0;
-        for (int32_t t = 0; t < lengths[b]; ++t) acc += s[t] * vc[b].get(base + t * token_stride + kvh * d + i);
+        for (int32_t t = 0; t < lengths[b]; ++t) acc += s[t] * v_pool.get(at(b, t) + kvh * d + i);
         want[(size_t(b) * hq + h) * d + i] = acc / sum;
       }
     }
     for (int32_t i = 0; i < hkv * d; ++i)  // the new token was written at lengths[b] - 1 before anything read it
-      written &= kc[b].bits(base + (lengths[b] - 1) * token_stride + i) == k_new.bits(size_t(b) * hkv * d + i) &&
-                 vc[b].bits(base + (lengths[b] - 1) * token_stride + i) == v_new.bits(size_t(b) * hkv * d + i);
+      written &= k_pool.bits(at(b, lengths[b] - 1) + i) == k_new.bits(size_t(b) * hkv * d + i) &&
+                 v_pool.bits(at(b, lengths[b] - 1) + i) == v_new.bits(size_t(b) * hkv * d + i);
   }
   expect(name + " writes the new keys and values", written);
   compare(name, o.size(), [&](size_t i) { return o.get(i); }, [&](size_t i) { return want[i]; }, tol_for(dtype));

@@ -539,30 +539,32 @@ void check_linear(const std::string& name, const std::vector<Segment>& segs, int
 
 // ---- decode_attention -----------------------------------------------------------------------------------------
 
-// Sequences of the given lengths (including the new token), each with its own 2-layer cache of capacity length + 3
-// and a padded token stride; the new token's k / v are passed separately when `with_new` and must land in the cache.
+// Sequences of the given lengths (including the new token) in one paged pool of 64-token pages (2 layers, a padded
+// token stride), each with a block table of ceil((length + 3) / 64) pages handed out in scrambled order (so a table
+// must be followed, not assumed contiguous); the new token's k / v are passed separately when `with_new` and must
+// land in its page.
 template <typename T, int D>
 void check_decode(const std::string& name, const std::vector<int>& lengths, int hq, int hkv, bool with_new,
                   uint32_t seed) {
   using namespace decode_cuda;
-  const int batch = int(lengths.size()), layers = 2, layer = 1;
+  const int batch = int(lengths.size()), layers = 2, layer = 1, block = 64;
   const int64_t token_stride = int64_t(hkv) * D + 8, head_stride = D;
+  const int64_t layer_stride = block * token_stride, block_stride = layers * layer_stride;
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0.f, 1.f);
-  std::vector<std::vector<T>> k_cache(batch), v_cache(batch);
-  std::vector<int64_t> k_base(batch), v_base(batch), layer_stride(batch);
-  int max_length = 0;
-  for (int b = 0; b < batch; ++b) {
-    const int64_t capacity = lengths[b] + 3;
-    layer_stride[b] = capacity * token_stride;
-    for (auto* c : {&k_cache[b], &v_cache[b]}) {
-      c->resize(layers * layer_stride[b]);
-      for (auto& e : *c) e = to_t<T>(normal(rng) * 1.5f);
-    }
-    k_base[b] = int64_t(reinterpret_cast<uintptr_t>(k_cache[b].data()));
-    v_base[b] = int64_t(reinterpret_cast<uintptr_t>(v_cache[b].data()));
-    max_length = std::max(max_length, lengths[b]);
+  int pages = 0, width = 0, max_length = 0;
+  for (int n : lengths) {
+    pages += ceil_div(n + 3, block);
+    width = std::max(width, ceil_div(n + 3, block));
+    max_length = std::max(max_length, n);
   }
+  std::vector<int32_t> table(int64_t(batch) * width, 0);
+  for (int b = 0, next = 0; b < batch; ++b)
+    for (int i = 0; i < ceil_div(lengths[b] + 3, block); ++i, ++next)
+      table[b * width + i] = pages - 1 - next;  // pages in reverse: a table walks backwards through the pool
+  std::vector<T> k_pool(pages * block_stride), v_pool(pages * block_stride);
+  for (auto* c : {&k_pool, &v_pool})
+    for (auto& e : *c) e = to_t<T>(normal(rng) * 1.5f);
   const int64_t q_seq = int64_t(hq) * D + 8, new_seq = int64_t(hkv) * D + 4;
   std::vector<T> q(batch * q_seq), k_new(batch * new_seq), v_new(batch * new_seq);
   for (auto* x : {&q, &k_new, &v_new})
@@ -575,8 +577,9 @@ void check_decode(const std::string& name, const std::vector<int>& lengths, int 
   p.o = o.data(), p.o_seq_stride = q_seq, p.o_head_stride = D;
   p.k_new = with_new ? k_new.data() : nullptr, p.v_new = with_new ? v_new.data() : nullptr;
   p.new_seq_stride = new_seq, p.new_head_stride = D;
-  p.k_base = k_base.data(), p.v_base = v_base.data(), p.layer_stride = layer_stride.data(), p.layer = layer;
-  p.token_stride = token_stride, p.head_stride = head_stride;
+  p.k_pool = k_pool.data(), p.v_pool = v_pool.data(), p.layer = layer;
+  p.block_stride = block_stride, p.layer_stride = layer_stride, p.token_stride = token_stride, p.head_stride = head_stride;
+  p.block_table = table.data(), p.block_table_stride = width, p.block_tokens = block;
   p.lengths = lengths.data(), p.max_length = max_length;
   p.num_seqs = batch, p.num_q_heads = hq, p.num_kv_heads = hkv, p.head_dim = D;
   p.scale = 1.f / std::sqrt(float(D));
@@ -595,13 +598,15 @@ void check_decode(const std::string& name, const std::vector<int>& lengths, int 
   const int group = hq / hkv;
   for (int b = 0; b < batch; ++b) {
     const int n = lengths[b];
-    auto cache_at = [&](const std::vector<T>& c, int t, int h) { return layer * layer_stride[b] + t * token_stride +
-                                                                         h * head_stride; };
+    auto cache_at = [&](const std::vector<T>&, int t, int h) {
+      return table[b * width + t / block] * block_stride + layer * layer_stride + (t % block) * token_stride +
+             h * head_stride;
+    };
     if (with_new) {  // the new token must have been written, exactly
       for (int h = 0; h < hkv; ++h)
         for (int d = 0; d < D; ++d)
-          if (to_d(k_cache[b][cache_at(k_cache[b], n - 1, h) + d]) != to_d(k_new[b * new_seq + h * D + d]) ||
-              to_d(v_cache[b][cache_at(v_cache[b], n - 1, h) + d]) != to_d(v_new[b * new_seq + h * D + d]))
+          if (to_d(k_pool[cache_at(k_pool, n - 1, h) + d]) != to_d(k_new[b * new_seq + h * D + d]) ||
+              to_d(v_pool[cache_at(v_pool, n - 1, h) + d]) != to_d(v_new[b * new_seq + h * D + d]))
             max_err = INFINITY;
     }
     for (int hqi = 0; hqi < hq; ++hqi) {
@@ -611,7 +616,7 @@ void check_decode(const std::string& name, const std::vector<int>& lengths, int 
       for (int t = 0; t < n; ++t) {
         double dot = 0;
         for (int d = 0; d < D; ++d)
-          dot += to_d(q[b * q_seq + hqi * D + d]) * to_d(k_cache[b][cache_at(k_cache[b], t, h) + d]);
+          dot += to_d(q[b * q_seq + hqi * D + d]) * to_d(k_pool[cache_at(k_pool, t, h) + d]);
         w[t] = dot * p.scale;
         mx = std::max(mx, w[t]);
       }
@@ -619,7 +624,7 @@ void check_decode(const std::string& name, const std::vector<int>& lengths, int 
       for (double& x : w) denom += (x = std::exp(x - mx));
       for (int d = 0; d < D; ++d) {
         double ref = 0;
-        for (int t = 0; t < n; ++t) ref += w[t] * to_d(v_cache[b][cache_at(v_cache[b], t, h) + d]);
+        for (int t = 0; t < n; ++t) ref += w[t] * to_d(v_pool[cache_at(v_pool, t, h) + d]);
         const double err = std::fabs(to_d(o[b * q_seq + hqi * D + d]) - ref / denom);
         max_err = std::max(max_err, std::isnan(err) ? INFINITY : err);
         sum_err += err;

@@ -59,5 +59,6 @@ def test_wrappers_do_not_dispatch_cpu_tensors_to_cuda(monkeypatch):
     q, v = torch.randn(5, 1, 16), torch.randn(5, 2, 16)
     ab = torch.randn(5, 2)
     assert gated_delta_rule(q, q, v, ab, ab, torch.zeros(2), torch.zeros(2), segments).shape == v.shape
-    caches = [torch.randn(1, 4, 1, 64) for _ in range(2)]
-    assert decode_attention(torch.randn(1, 2, 64), plan_decode(caches[:1], caches[1:], [3]), 0).shape == (1, 2, 64)
+    pool = torch.randn(2, 2, 1, 64, 1, 64)  # [pages, K/V, L, block_tokens, Hkv, D]
+    plan = plan_decode(pool[:, 0], pool[:, 1], [[1]], [3])
+    assert decode_attention(torch.randn(1, 2, 64), plan, 0).shape == (1, 2, 64)

@@ -1,6 +1,8 @@
 """decode_attention against the fp32 reference on every device: ragged lengths (1 token, chunk edges, several
 chunks), GQA ratios, head dims, dtypes, q and new k/v as views into a fused qkv buffer, the new token written into
-each cache; a sequence's result does not depend on its batch-mates; the portable CPU path. Tolerances follow the
+its page; keys read through block tables whose pages lie in scrambled order in one pool, a prefix's pages shared by
+two sequences read as if each had its own copy; a sequence's result does not depend on its batch-mates; the portable
+CPU path. Tolerances follow the
 other attention tests: fp32 ~1e-5, bf16 within 2x torch's own bf16 error."""
 
 from __future__ import annotations
@@ -19,26 +21,64 @@ LENGTHS = {"ragged": [1, 17, 256, 257, 600, 33], "one": [5], "long": [1100, 3]}
 LAYERS = 3
 
 
-def make_step(lengths, hq, hkv, d, dtype, device, seed=0):
-    """Per-sequence caches [L, capacity, Hkv, D] (random, capacity > length), and q, k_new, v_new as views into one
-    fused [B, (Hq + 2 Hkv) D] projection output, as the decoder produces them."""
+BLOCK = 64
+
+
+class Paged:
+    """One pool [pages, 2, L, 64, Hkv, D] and per-sequence block tables; k[b] / v[b] give sequence b's
+    [L, pages * 64, Hkv, D] keys / values as a copy gathered through its table (for references and checks)."""
+
+    def __init__(self, pool: torch.Tensor, tables: list[list[int]]):
+        self.pool, self.tables = pool, tables
+
+    def plan(self, lengths, rows=None):
+        rows = range(len(self.tables)) if rows is None else rows
+        return plan_decode(self.pool[:, 0], self.pool[:, 1], [self.tables[b] for b in rows], lengths)
+
+    def gathered(self, kv: int, b: int) -> torch.Tensor:
+        pages = self.pool[torch.tensor(self.tables[b]), kv]  # [n pages, L, 64, Hkv, D]
+        return pages.transpose(0, 1).reshape(LAYERS, -1, *pages.shape[3:])
+
+    @property
+    def k(self) -> list[torch.Tensor]:
+        return [self.gathered(0, b) for b in range(len(self.tables))]
+
+    @property
+    def v(self) -> list[torch.Tensor]:
+        return [self.gathered(1, b) for b in range(len(self.tables))]
+
+
+def make_step(lengths, hq, hkv, d, dtype, device, seed=0, shared_pages=0):
+    """A pool holding every sequence's pages (room for 3 more tokens) in scrambled order, the first
+    `shared_pages` pages of every table being the same ones (a shared prefix), and q, k_new, v_new as views into
+    one fused [B, (Hq + 2 Hkv) D] projection output, as the decoder produces them."""
     gen = torch.Generator().manual_seed(seed)
-    k = [torch.randn(LAYERS, n + 3, hkv, d, generator=gen).to(device=device, dtype=dtype) for n in lengths]
-    v = [torch.randn(LAYERS, n + 3, hkv, d, generator=gen).to(device=device, dtype=dtype) for n in lengths]
+    counts = [-(-(n + 3) // BLOCK) for n in lengths]
+    own = [c - shared_pages for c in counts]
+    total = shared_pages + sum(own)
+    order = torch.randperm(total, generator=gen).tolist()
+    shared, rest = order[:shared_pages], order[shared_pages:]
+    tables = []
+    for c in own:
+        tables.append(shared + rest[:c])
+        rest = rest[c:]
+    pool = torch.randn(total, 2, LAYERS, BLOCK, hkv, d, generator=gen).to(device=device, dtype=dtype)
     qkv = torch.randn(len(lengths), (hq + 2 * hkv) * d, generator=gen).to(device=device, dtype=dtype)
     q = qkv[:, : hq * d].view(-1, hq, d)
     k_new = qkv[:, hq * d : (hq + hkv) * d].view(-1, hkv, d)
     v_new = qkv[:, (hq + hkv) * d :].view(-1, hkv, d)
-    return k, v, q, k_new, v_new
+    return Paged(pool, tables), q, k_new, v_new
 
 
-def reference(q, k, v, lengths, layer) -> torch.Tensor:
+def reference(q, paged, lengths, layer) -> torch.Tensor:
+    k, v = paged.k, paged.v
     return decode_attention_ref(q, [c[layer, :n] for c, n in zip(k, lengths, strict=True)],
                                 [c[layer, :n] for c, n in zip(v, lengths, strict=True)])
 
 
-def in_dtype(q, k, v, lengths, layer) -> torch.Tensor:
+def in_dtype(q, paged, lengths, layer) -> torch.Tensor:
     """The same attention computed plainly by torch in q's dtype: the bf16 yardstick."""
+    k, v = paged.k, paged.v
     outs = []
     for b, n in enumerate(lengths):
         group = q.shape[1] // k[b].shape[2]
@@ -55,25 +95,26 @@ def assert_within(out, ref, atol, what) -> None:
         f"{what}: max diff {diff.max().item():.3g} (allowed {atol:.3g}), mean diff {diff.mean().item():.3g}")
 
 
-def check_decode(device, lengths, heads, dtype, with_new=True, layer=1):
+def check_decode(device, lengths, heads, dtype, with_new=True, layer=1, shared_pages=0):
     hq, hkv, d = HEADS[heads]
-    k, v, q, k_new, v_new = make_step(lengths, hq, hkv, d, dtype, device)
-    plan = plan_decode(k, v, lengths)
-    out = decode_attention(q, plan, layer, k_new if with_new else None, v_new if with_new else None,
+    paged, q, k_new, v_new = make_step(lengths, hq, hkv, d, dtype, device, shared_pages=shared_pages)
+    out = decode_attention(q, paged.plan(lengths), layer, k_new if with_new else None, v_new if with_new else None,
                            backend="kernel")
     if device == "cuda":
         torch.cuda.synchronize()
     if with_new:
+        k, v = paged.k, paged.v
         for b, n in enumerate(lengths):
             assert torch.equal(k[b][layer, n - 1], k_new[b]) and torch.equal(v[b][layer, n - 1], v_new[b])
-    ref = reference(q, k, v, lengths, layer)
+    ref = reference(q, paged, lengths, layer)
     assert out.shape == q.shape and out.dtype == dtype
     what = f"{heads} lengths={lengths} {dtype}"
     if dtype == torch.float32:
         assert_within(out, ref, 2e-5, what)
     else:
-        torch_err = (in_dtype(q, k, v, lengths, layer).float() - ref).abs().max().item()
+        torch_err = (in_dtype(q, paged, lengths, layer).float() - ref).abs().max().item()
         assert_within(out, ref, 2 * torch_err + 1e-4, what)
+    return out
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -106,11 +147,32 @@ def test_sequence_result_does_not_depend_on_batch_mates(monkeypatch, device):
         device = "cpu"
     hq, hkv, d = HEADS["smollm-gqa3-d64"]
     lengths = [600, 40, 1]
-    k, v, q, _, _ = make_step(lengths, hq, hkv, d, torch.bfloat16, device)
-    together = decode_attention(q, plan_decode(k, v, lengths), 2, backend="kernel")
+    paged, q, _, _ = make_step(lengths, hq, hkv, d, torch.bfloat16, device)
+    together = decode_attention(q, paged.plan(lengths), 2, backend="kernel")
     for b, n in enumerate(lengths):
-        alone = decode_attention(q[b : b + 1], plan_decode(k[b : b + 1], v[b : b + 1], [n]), 2, backend="kernel")
+        alone = decode_attention(q[b : b + 1], paged.plan([n], rows=[b]), 2, backend="kernel")
         assert torch.equal(alone[0], together[b]), f"sequence {b} (length {n})"
+
+
+@pytest.mark.parametrize("device", [*DEVICES, "cpu-avx2", "cpu-portable"])
+def test_a_shared_prefix_reads_as_a_copy(monkeypatch, device):
+    """Sequences whose tables start with the same pages (a cached prefix, referenced not copied) get bitwise what
+    they get with the same keys in pages of their own."""
+    if device.startswith("cpu-"):
+        force_cpu_isa(monkeypatch, device.removeprefix("cpu-"))
+        device = "cpu"
+    hq, hkv, d = HEADS["smollm-gqa3-d64"]
+    lengths = [700, 650, 300]
+    paged, q, k_new, v_new = make_step(lengths, hq, hkv, d, torch.bfloat16, device, shared_pages=4)
+    shared = decode_attention(q, paged.plan(lengths), 1, k_new, v_new, backend="kernel")
+    # The same keys, every sequence's pages its own: pages laid out one sequence after another.
+    copies = [paged.pool[torch.tensor(t, device=paged.pool.device)] for t in paged.tables]
+    own = Paged(torch.cat(copies), [])
+    start = 0
+    for t in paged.tables:
+        own.tables.append(list(range(start, start + len(t))))
+        start += len(t)
+    assert torch.equal(decode_attention(q, own.plan(lengths), 1, backend="kernel"), shared)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -123,8 +185,8 @@ def test_decode_attention_portable_cpu_path(monkeypatch, dtype):
 def test_cpu_thread_count_does_not_change_bits():
     hq, hkv, d = HEADS["qwen3-gqa2-d128"]
     lengths = LENGTHS["long"]
-    k, v, q, _, _ = make_step(lengths, hq, hkv, d, torch.bfloat16, "cpu")
-    plan = plan_decode(k, v, lengths)
+    paged, q, _, _ = make_step(lengths, hq, hkv, d, torch.bfloat16, "cpu")
+    plan = paged.plan(lengths)
     module = _ext.cpu_module()
     threads = module.get_num_threads()
     try:
@@ -137,19 +199,24 @@ def test_cpu_thread_count_does_not_change_bits():
 
 
 def test_reference_backend_writes_the_new_token_too():
-    k, v, q, k_new, v_new = make_step([4, 9], 4, 2, 64, torch.float32, "cpu")
-    out = decode_attention(q, plan_decode(k, v, [4, 9]), 1, k_new, v_new, backend="reference")
-    assert torch.equal(k[1][1, 8], k_new[1]) and torch.equal(v[0][1, 3], v_new[0])
-    assert_within(out, reference(q, k, v, [4, 9], 1), 1e-6, "reference backend")
+    paged, q, k_new, v_new = make_step([4, 9], 4, 2, 64, torch.float32, "cpu")
+    out = decode_attention(q, paged.plan([4, 9]), 1, k_new, v_new, backend="reference")
+    assert torch.equal(paged.k[1][1, 8], k_new[1]) and torch.equal(paged.v[0][1, 3], v_new[0])
+    assert_within(out, reference(q, paged, [4, 9], 1), 1e-6, "reference backend")
 
 
 def test_arguments_are_checked_by_name():
-    k, v, q, k_new, _ = make_step([4, 9], 4, 2, 64, torch.float32, "cpu")
+    paged, q, k_new, _ = make_step([4, 9], 4, 2, 64, torch.float32, "cpu")
+    k_pool, v_pool = paged.pool[:, 0], paged.pool[:, 1]
     with pytest.raises(ValueError, match="lengths\\[1\\]"):
-        plan_decode(k, v, [4, 13])
+        plan_decode(k_pool, v_pool, paged.tables, [4, 65])
     with pytest.raises(ValueError, match="one entry per sequence"):
-        plan_decode(k, v[:1], [4, 9])
-    plan = plan_decode(k, v, [4, 9])
+        plan_decode(k_pool, v_pool, paged.tables[:1], [4, 9])
+    with pytest.raises(ValueError, match="tables\\[0\\] must hold page indices"):
+        plan_decode(k_pool, v_pool, [[99], paged.tables[1]], [4, 9])
+    with pytest.raises(ValueError, match="multiple of 64"):
+        plan_decode(k_pool[:, :, :32], v_pool[:, :, :32], paged.tables, [4, 9])
+    plan = paged.plan([4, 9])
     with pytest.raises(ValueError, match="q must be"):
         decode_attention(q[:, :3], plan, 0)
     with pytest.raises(ValueError, match="layer must be"):
@@ -160,10 +227,11 @@ def test_arguments_are_checked_by_name():
 
 def test_new_keys_and_values_with_different_strides():
     """Qwen3.5's gated attention hands a normed (contiguous) k and a v still inside its projection output."""
-    k, v, q, k_new, v_new = make_step([7, 30], 4, 2, 64, torch.bfloat16, "cpu")
+    paged, q, k_new, v_new = make_step([7, 30], 4, 2, 64, torch.bfloat16, "cpu")
     k_new = k_new.contiguous()
     assert k_new.stride() != v_new.stride()
-    out = decode_attention(q, plan_decode(k, v, [7, 30]), 2, k_new, v_new, backend="kernel")
-    assert torch.equal(k[1][2, 29], k_new[1]) and torch.equal(v[1][2, 29], v_new[1])
-    ref = reference(q, k, v, [7, 30], 2)
-    assert_within(out, ref, 2 * (in_dtype(q, k, v, [7, 30], 2).float() - ref).abs().max().item() + 1e-4, "strides")
+    out = decode_attention(q, paged.plan([7, 30]), 2, k_new, v_new, backend="kernel")
+    assert torch.equal(paged.k[1][2, 29], k_new[1]) and torch.equal(paged.v[1][2, 29], v_new[1])
+    ref = reference(q, paged, [7, 30], 2)
+    bound = 2 * (in_dtype(q, paged, [7, 30], 2).float() - ref).abs().max().item() + 1e-4
+    assert_within(out, ref, bound, "strides")

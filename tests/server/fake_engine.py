@@ -111,8 +111,9 @@ class FakeEngine:
     @classmethod
     def from_pretrained(cls, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
                         threads: int | None = None, max_batch_tokens: int = 8192,
-                        prefix_cache_mb: float = 0.0, max_kv_tokens: int = 65536,
-                        max_running_generations: int = 64, prefill_chunk_tokens: int | None = None) -> FakeEngine:
+                        prefix_cache_mb: float | None = 0.0, max_kv_tokens: int | None = 65536,
+                        max_running_generations: int = 64, kv_cache_mb: float | None = None,
+                        prefill_chunk_tokens: int | None = None) -> FakeEngine:
         return cls(model or "fake-smollm2", delay_s=float(os.environ.get("FAKE_ENGINE_DELAY_S", "0")))
 
     # -- test controls -------------------------------------------------------------------------------------
@@ -152,6 +153,9 @@ class FakeEngine:
 
     def prefix_cache_stats(self) -> None:
         return None  # no prefix cache
+
+    def kv_budget(self) -> None:
+        return None  # no KV store: the server admits generations against --max-kv-tokens alone
 
     def set_interrupt(self, interrupt: Any) -> None:
         self.interrupt = interrupt

@@ -288,6 +288,28 @@ def test_kv_budget_reserves_prompt_plus_max_tokens(start_server: Any, fake: Fake
         assert max(fake.steps[steps_before:]) == 2 and sum(fake.steps[steps_before:]) == 18
 
 
+def test_generations_reserve_whole_pages_of_the_engines_kv_store(start_server: Any, fake: FakeEngine) -> None:
+    # an engine with a KV store of 128 tokens in 64-token pages: a 9-token generation reserves a whole page, so
+    # two run at a time, and one of prompt + max_tokens > 128 is refused naming the one budget
+    fake.kv_budget = lambda: (128, 64)  # type: ignore[method-assign]
+    server = start_server(fake, max_kv_tokens=10_000)  # the engine's store, not this flag, bounds generations
+    with ScorerClient(server.target, timeout=10) as client:
+        fake.pause()
+        blocker = _score_future(client, "first")
+        assert fake.wait_entered()
+        gens = [_generate_future(client, f"prompt {i}", 6) for i in range(3)]
+        wait_for(lambda: server.batcher.waiting() == 3, what="3 waiting generations")
+        steps_before = len(fake.steps)
+        fake.resume()
+        blocker.result()
+        assert [len(g.result().token_ids) for g in gens] == [6] * 3
+        assert max(fake.steps[steps_before:]) == 2 and server.batcher.kv_tokens_reserved() == 0
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate("short", max_tokens=127)  # prompt + 127 > 128: three pages, more than the store
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert err.value.details().startswith("max_tokens:") and "--kv-cache-mb" in err.value.details()
+
+
 def test_generation_that_can_never_fit_is_refused_at_once(start_server: Any, fake: FakeEngine) -> None:
     server = start_server(fake, max_kv_tokens=20)
     with ScorerClient(server.target, timeout=10) as client:

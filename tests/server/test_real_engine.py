@@ -182,5 +182,8 @@ def test_prefix_cache_usage_and_metrics_over_the_wire(start_server: Any, model_d
     assert m[("pyscore_prefix_cache_miss_tokens_total", ())] == 2 * full  # the first and the salted request
     assert m[("pyscore_prefix_cache_blocks", ())] == 2 * full // 64  # unsalted and salted chains
     assert m[("pyscore_prefix_cache_bytes", ())] > 0 and m[("pyscore_prefix_cache_evicted_blocks_total", ())] == 0
+    # the KV store: the cache's pages (the finished generation gave its own back), within its budget
+    assert m[("pyscore_kv_store_held_bytes", ())] == m[("pyscore_prefix_cache_bytes", ())]
+    assert m[("pyscore_kv_store_capacity_bytes", ())] >= m[("pyscore_prefix_cache_capacity_bytes", ())] > 0
     assert m[("pyscore_tokens_cached_total", (("method", "Score"),))] == full
     assert m[("pyscore_tokens_cached_total", (("method", "Generate"),))] == full

@@ -1,0 +1,140 @@
+"""The paged KV store: one pool of pages, each `block_tokens` tokens of every attention layer's keys and values,
+sized by one byte budget and shared by the prefix cache and running generations.
+
+- A cached block (pyscore.model.prefix_cache) is a page with a hash and a reference count.
+- A running sequence is a block table (`PageTable`): first the cached pages of its prompt, referenced (pinned,
+  never written, never copied), then pages it owns for the rest of its prompt and what it generates. Its prompt's
+  full blocks are offered to the cache as it prefills: those pages are the cache's blocks from then on, held by
+  the sequence until it ends.
+- `take()` hands out a free page; when none is free it asks its reclaimer (the prefix cache's eviction of least
+  recently used pages that no sequence or pass holds) for one; None when every page is held.
+
+The pool [pages, 2 (K, V), layers, block_tokens, kv heads, head_dim] is allocated once; pages never written take no
+memory. Not thread-safe: one engine worker owns it (a metrics scrape only reads `stats`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from pyscore.model.prefix_cache import Block, PrefixCache
+
+BLOCK_TOKENS = 64  # a multiple of the attention kernels' 64-key tile (see README: why 64)
+
+
+class KVStoreFull(RuntimeError):
+    """No page is free and none can be reclaimed: every page is held by a sequence or the running pass."""
+
+
+@dataclass
+class KVStoreStats:
+    """What the store holds now, in pages (each `block_bytes`)."""
+
+    block_tokens: int
+    block_bytes: int
+    capacity_pages: int
+    held_pages: int = 0  # taken: by sequences, by the cache, or both
+
+    @property
+    def held_bytes(self) -> int:
+        return self.held_pages * self.block_bytes
+
+
+class KVStore:
+    def __init__(self, budget_bytes: int, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str, block_tokens: int = BLOCK_TOKENS) -> None:
+        if block_tokens <= 0 or block_tokens % 64:
+            raise ValueError(f"block_tokens must be a positive multiple of 64, got {block_tokens}")
+        self.shape = (2, num_layers, block_tokens, num_kv_heads, head_dim)  # one page
+        self.block_bytes = torch.Size(self.shape).numel() * torch.empty((), dtype=dtype).element_size()
+        self.capacity = budget_bytes // self.block_bytes
+        if self.capacity < 1:
+            raise ValueError(f"a KV store of {budget_bytes} bytes holds no block (page) of {self.block_bytes} bytes")
+        self.block_tokens = block_tokens
+        self.pool = torch.empty((self.capacity, *self.shape), dtype=dtype, device=device)
+        self._free = list(range(self.capacity - 1, -1, -1))
+        self.reclaim: Callable[[], bool] | None = None  # frees at least one page, or says False (the cache sets it)
+        self.stats = KVStoreStats(block_tokens, self.block_bytes, self.capacity)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.capacity
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.capacity * self.block_tokens
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_tokens)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's key and value pages: two [capacity, block_tokens, Hkv, D] views of the pool."""
+        return self.pool[:, 0, i], self.pool[:, 1, i]
+
+    def take(self) -> int | None:
+        """A free page (reclaiming one from the cache if need be), or None when every page is held."""
+        if not self._free and (self.reclaim is None or not self.reclaim()):
+            return None
+        self.stats.held_pages += 1
+        return self._free.pop()
+
+    def give_back(self, page: int) -> None:
+        self._free.append(page)
+        self.stats.held_pages -= 1
+
+    def writer(self, tables: Sequence[Sequence[int]], starts: Sequence[int], firsts: Sequence[int],
+               counts: Sequence[int]) -> Callable[[int, torch.Tensor, torch.Tensor], None]:
+        """A kv sink that writes, at every layer, sequence i's `counts[i]` rows from stream row `starts[i]` into its
+        pages (`tables[i]`) at token positions firsts[i], ...: a prefill's keys and values, bitwise."""
+        b, rows, pages, offsets = self.block_tokens, [], [], []
+        for table, start, first, count in zip(tables, starts, firsts, counts, strict=True):
+            positions = torch.arange(first, first + count)
+            rows.append(torch.arange(start, start + count))
+            pages.append(torch.tensor(table, dtype=torch.long)[positions // b])
+            offsets.append(positions % b)
+        device = self.pool.device
+        rows_t, pages_t, offsets_t = (torch.cat(x).to(device) for x in (rows, pages, offsets))
+
+        def sink(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:  # k, v: [T, Hkv, D]
+            for pool, x in zip(self.layer(layer), (k, v), strict=True):
+                pool.index_put_((pages_t, offsets_t), x[rows_t])
+
+        return sink
+
+
+class PageTable:
+    """One sequence's pages: `shared` leading ones held in the prefix cache (pinned there until `release`), then
+    pages it owns. Page i holds the sequence's tokens [i * block_tokens, (i + 1) * block_tokens)."""
+
+    def __init__(self, store: KVStore, cache: PrefixCache | None = None, shared: Sequence[Block] = ()) -> None:
+        self.store, self.cache = store, cache
+        self.shared = list(shared)
+        if self.shared:
+            assert cache is not None
+            cache.hold(self.shared)
+        self.pages = [block.slot for block in self.shared]
+        self.owned: list[int] = []
+
+    def reserve(self, tokens: int) -> None:
+        """Owned pages until `tokens` tokens fit. Raises KVStoreFull (keeping what it took) when none is left."""
+        while len(self.pages) * self.store.block_tokens < tokens:
+            page = self.store.take()
+            if page is None:
+                raise KVStoreFull(f"the KV store's {self.store.capacity} pages of {self.store.block_tokens} tokens "
+                                  "are all held by running sequences (--kv-cache-mb)")
+            self.owned.append(page)
+            self.pages.append(page)
+
+    def release(self) -> None:
+        """Gives owned pages back to the store and unpins the shared ones (they stay cached, least recently used
+        last). Idempotent."""
+        for page in self.owned:
+            self.store.give_back(page)
+        if self.shared:
+            assert self.cache is not None
+            self.cache.release(self.shared)
+        self.pages, self.owned, self.shared = [], [], []
