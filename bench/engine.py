@@ -15,23 +15,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from bench.common import machine, machine_info, question
+from bench.common import elapsed_ms, machine, machine_info, question
 from bench.summary import percentile, write_json
 from pyscore.engine import Engine
 from pyscore.scoring import PreparedScore
 from pyscore.types import ScoreRequest
-
-
-def timed(fn: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
 
 
 def stock_model(engine: Engine) -> Any:
@@ -75,7 +68,7 @@ def alternate(runs: dict[str, Callable[[], Any]], reps: int) -> dict[str, list[f
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(reps):
         for name, fn in runs.items():
-            times[name].append(timed(fn))
+            times[name].append(elapsed_ms(fn))
     return times
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from bench.common import cpu
+from bench.common import cpu, elapsed_ms
 from bench.summary import Summary
 
 # Measured on this workplace's H200s (.library/device/KINDS.md, 2026-10-28 and 2026-11-04): bf16 8192^3 matmul
@@ -37,10 +37,7 @@ def summarize(times_ms: list[float]) -> dict[str, Any]:
 def wall_ms(fn: Callable[[], object], device: torch.device | str) -> float:
     """Host time of one call with the device synchronised on both sides (what a caller waits for)."""
     sync(device)
-    t0 = time.perf_counter()
-    fn()
-    sync(device)
-    return (time.perf_counter() - t0) * 1e3
+    return elapsed_ms(lambda: (fn(), sync(device)))
 
 
 def device_ms(fn: Callable[[], object], device: torch.device | str, reps: int, warmup: int = 3) -> list[float]:

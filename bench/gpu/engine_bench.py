@@ -17,6 +17,7 @@ import time
 from functools import partial
 from typing import Any
 
+from bench.common import elapsed_ms
 from bench.gpu.common import (
     H200_BF16_FLOPS,
     H200_BYTES_PER_S,
@@ -98,12 +99,7 @@ def overhead_probe(engine: Engine, q: IdQuestion, labels: list[int], reps: int) 
     batch = pack(prepared.groups())
     out: dict[str, Any] = dict(tokens=batch.num_tokens, segments=int(batch.segments.shape[0]))
 
-    def host_ms(fn) -> float:
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-
-    out["prepare_pack_ms"] = summarize([host_ms(lambda: pack(engine.prepare_score(request).groups()))
+    out["prepare_pack_ms"] = summarize([elapsed_ms(lambda: pack(engine.prepare_score(request).groups()))
                                         for _ in range(reps)])["p50"]
     decoder.hidden_at(batch)
     enqueue, total = [], []
