@@ -23,6 +23,7 @@ from bench.gpu.common import (
     H200_BYTES_PER_S,
     Budget,
     add_run_args,
+    cli,
     device_ms,
     environment,
     resolve_run_args,
@@ -212,9 +213,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--no-overhead", dest="overhead", action="store_false", help="skip the launch-overhead probe")
     p.add_argument("--budget-s", type=float, default=1e9, help="soft time budget; later cells are skipped")
-    report = run(resolve_run_args(p.parse_args(argv)))
-    print(table(report), flush=True)
-    return report
+    args = resolve_run_args(p.parse_args(argv))
+    return cli(run(args), args.out, table)
 
 
 if __name__ == "__main__":

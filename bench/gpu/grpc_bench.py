@@ -17,7 +17,7 @@ from typing import Any
 
 from bench import loadgen
 from bench.common import spawned_server
-from bench.gpu.common import add_run_args, resolve_run_args, summarize
+from bench.gpu.common import add_run_args, cli, resolve_run_args, summarize
 from bench.gpu.models import SHAPES
 from bench.gpu.workload import id_questions, labels_for
 from bench.summary import write_json
@@ -86,9 +86,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     add_run_args(p, "requests")
     p.add_argument("--modes", nargs="+", default=["mis", "sis"], choices=["mis", "sis"])
     p.add_argument("--ready-timeout-s", type=float, default=180.0)
-    report = run(resolve_run_args(p.parse_args(argv)))
-    print(table(report), flush=True)
-    return report
+    args = resolve_run_args(p.parse_args(argv))
+    return cli(run(args), args.out, table)
 
 
 if __name__ == "__main__":
