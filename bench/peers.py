@@ -195,10 +195,8 @@ async def run_block(block: int, side: str, spec: str, plan: Plan, questions: dic
                     log: Callable[[str], None] = print, idle: Callable[[], float] | None = None
                     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Every phase of one side's block against its running server: (phase dicts, per-question records)."""
-    target = make_target(spec)
-    await target.open()
     phases, records = [], []
-    try:
+    async with make_target(spec) as target:
         labels = plan.labels[side]
         for label in labels:  # warm every path at every concurrency, every candidate count once
             warm = [questions[plan.candidates[i % len(plan.candidates)]][0] for i in range(plan.warmup)]
@@ -224,8 +222,6 @@ async def run_block(block: int, side: str, spec: str, plan: Plan, questions: dic
                     log(f"block {block} {side:>7} {label:>18} c={c} n={n:>2}: p50 {phase['p50_ms'] or 0:7.0f} ms "
                         f"p95 {phase['p95_ms'] or 0:7.0f} ms {phase['achieved_qps']:6.2f} q/s "
                         f"errors {phase['num_errors']}/{phase['num_questions']}")
-    finally:
-        await target.close()
     return phases, records
 
 

@@ -181,12 +181,8 @@ def collect(out: Path) -> list[dict[str, Any]]:
 
 async def run(target_spec: str, paths: Sequence[str], points: Sequence[LoadPoint], dataset: Dataset, s: Settings,
               out: Path, slo_ms: float | None = None, **target_options: Any) -> list[dict[str, Any]]:
-    target = make_target(target_spec, **target_options)
-    await target.open()
-    try:
+    async with make_target(target_spec, **target_options) as target:
         return await sweep(target, paths, points, dataset, s, out, slo_ms)
-    finally:
-        await target.close()
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -27,9 +27,7 @@ from bench.targets import Case, ReplayTarget
 async def measure(target: str, args: argparse.Namespace, report: dict[str, Any], vocab: int) -> None:
     """bench.loadgen's closed loop at concurrency 1 over each candidate count and mode (the JSON written after
     every cell, so a stage killed by its timeout keeps what it measured)."""
-    replay = ReplayTarget(target, timeout=60.0)
-    await replay.open()
-    try:
+    async with ReplayTarget(target, timeout=60.0) as replay:
         info = await replay.clients[0].model_info()
         report["model"] = dict(name=info.name, device=info.device, dtype=info.dtype)
         for n in args.candidates:
@@ -43,8 +41,6 @@ async def measure(target: str, args: argparse.Namespace, report: dict[str, Any],
                 errors = sorted({r.error for r in run.records if not r.ok})
                 cell[mode] = dict(error=errors[0]) if errors else summarize([r.e2e_ms for r in run.records])
                 write_json(args.out, report)
-    finally:
-        await replay.close()
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
