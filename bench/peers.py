@@ -37,7 +37,7 @@ from typing import Any
 from bench import loadgen, serving
 from bench.common import machine, machine_info, spawned_server
 from bench.dataset import Question, synthetic_question
-from bench.summary import write_json, write_report
+from bench.summary import fmt, write_json, write_report
 from bench.targets import Target, make_target
 
 # What each side runs: report label -> target path.
@@ -266,10 +266,6 @@ def peer_for(label: str, agg: dict[tuple[str, str, int, int], dict[str, Any]], c
 
 def ratio(num: float | None, den: float | None) -> float | None:
     return num / den if num is not None and den else None
-
-
-def fmt(x: float | None, spec: str = ".0f") -> str:
-    return "–" if x is None else format(x, spec)
 
 
 def comparisons(agg: dict[tuple[str, str, int, int], dict[str, Any]], plan: Plan) -> list[dict[str, Any]]:
