@@ -1,16 +1,8 @@
 """`make bench-peers` (`python -m bench.peers`): pyscore and vLLM-CPU side by side on the same questions, one
-server at a time, in alternating blocks — pyscore, vLLM, pyscore, …, ending on pyscore so every vLLM block is
-bracketed by two of ours. A block starts its server, warms every path, then runs closed-loop phases (path ×
-concurrency × candidate count; achieved questions/s and time to decision), waiting for the machine to be idle
-before each phase, and stops its server before the next block starts: the two loads never overlap.
-
-pyscore (`python -m server`, gRPC): MIS, SIS, setwise and Generate. vLLM (`vllm-http` target: a fresh cache
-salt per question dispatch): /generative_scoring and one one-token /v1/completions per candidate, started by
-$PEERS/start_vllm.sh and stopped by $PEERS/stop_all.sh (see bench/peers.md). Token counts per question come
-from each side's `usage`, and for vLLM also from its /metrics prefix-cache counters around each phase.
+server at a time, in alternating blocks (pyscore first and last), so the two loads never overlap.
 
 Writes OUT/peers.json (every phase), OUT/records.jsonl.gz (every question) and OUT/report.md (medians over the
-blocks, the ratios, the token counts, the CPU).
+blocks, the ratios, the token counts, the CPU). What a block runs and how tokens are counted: bench/peers.md.
 """
 
 from __future__ import annotations
