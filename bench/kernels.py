@@ -327,32 +327,41 @@ def transformers_linear(x, weight, rule_args, prefix: int, items: int, item_len:
     return rule(slice(prefix, None), items, item_len, state.expand(items, -1, -1, -1).contiguous())[0].flatten(0, 1)
 
 
-def linear_attention_rows(name: str, prefix: int, items: int, item_len: int, dtype: torch.dtype,
-                          reps: int) -> list[str]:
-    segments = mis_segments() if prefix else sis_segments()
-    num_tokens = int(segments[:, 1].sum())
-    x, weight, rule_args = linear_inputs(num_tokens, dtype)
-    table = SegmentTable.of(segments, num_tokens)
+def linear_attention_pair(prefix: int, items: int, item_len: int, dtype: torch.dtype,
+                          heads: tuple[int, int, int, int] = LIN_SHAPE, device: str = "cpu"):
+    """One Gated DeltaNet layer (conv + rule) over a MIS stream (a `prefix`, then `items` items of `item_len`
+    tokens) or, with no prefix, SIS: (ours, transformers', our reference, the items' max |ours - transformers' in
+    fp32 on the same inputs|, the largest |value| of the latter). Ours is planned once per batch, as a forward pass
+    does; the GPU bench (bench.gpu.kernel_bench) times the same pair."""
+    segments = segment_rows(prefix, [item_len] * items)
+    num_tokens = prefix + items * item_len
+    x, weight, rule_args = linear_inputs(num_tokens, dtype, heads, device)
+    table = SegmentTable.of(segments, num_tokens, device)
     plan = plan_linear_attention(table)
 
     def ours():
         causal_conv1d(x, weight, table, plan, backend="kernel")
-        gated_delta_rule(*rule_args, table, plan, backend="kernel")
+        return gated_delta_rule(*rule_args, table, plan, backend="kernel")
 
     def reference():
         causal_conv1d_ref(x, weight, segments)
         gated_delta_rule_ref(*rule_args, segments)
 
-    mine = median_ms(ours, reps)
-    theirs = median_ms(lambda: transformers_linear(x, weight, rule_args, prefix, items, item_len), max(3, reps // 5),
-                       warmup=1)
-    ref = median_ms(reference, 1, warmup=0)
-    # The items' rule outputs, ours vs transformers' on the same (dtype) inputs computed in fp32.
-    got = gated_delta_rule(*rule_args, table, plan, backend="kernel")[prefix:].float()
     want = transformers_linear(x.float(), weight.float(), [t.float() for t in rule_args], prefix, items, item_len)
+    diff = float((ours()[prefix:].float() - want).abs().max())
+    return (ours, lambda: transformers_linear(x, weight, rule_args, prefix, items, item_len), reference, diff,
+            float(want.abs().max()))
+
+
+def linear_attention_rows(name: str, prefix: int, items: int, item_len: int, dtype: torch.dtype,
+                          reps: int) -> list[str]:
+    ours, theirs, reference, diff, _ = linear_attention_pair(prefix, items, item_len, dtype)
+    mine = median_ms(ours, reps)
+    slow = median_ms(theirs, max(3, reps // 5), warmup=1)
+    ref = median_ms(reference, 1, warmup=0)
     dt = str(dtype).removeprefix("torch.")
-    return [f"{'conv+rule ' + name:<26}{dt:<10}{mine:>9.3f}{theirs:>13.3f}{ref:>11.1f}{theirs / mine:>11.1f}x"
-            f"{ref / mine:>10.0f}x{(got - want).abs().max().item():>11.1e}"]
+    return [f"{'conv+rule ' + name:<26}{dt:<10}{mine:>9.3f}{slow:>13.3f}{ref:>11.1f}{slow / mine:>11.1f}x"
+            f"{ref / mine:>10.0f}x{diff:>11.1e}"]
 
 
 def linear_attention_section(reps: int, dtypes: list[torch.dtype]) -> list[str]:

@@ -24,11 +24,10 @@ import torch.nn.functional as F
 
 from bench.common import fused_qkv, segment_rows
 from bench.gpu.common import cli, device_ms, environment, record, summarize
-from bench.kernels import linear_inputs, transformers_linear
+from bench.kernels import linear_attention_pair
 from bench.summary import write_json
 from pyscore.engine import set_threads
 from pyscore.ops import AttentionPlan, SegmentTable, _ext, label_logprobs, prefix_item_attention
-from pyscore.ops.gated_delta_rule import causal_conv1d, gated_delta_rule, plan_linear_attention
 from pyscore.ops.reference import label_logprobs_ref, prefix_item_attention_ref, segment_attention_mask
 
 HEADS = {"qwen3-0.6b": (16, 8, 128), "qwen3-8b": (32, 8, 128), "tiny": (4, 2, 64)}
@@ -108,24 +107,12 @@ def label_case(hidden: int, vocab: int, rows: int, dtype: torch.dtype, device: s
 def linear_case(model: str, query: int, items: list[int], dtype: torch.dtype, device: str, reps: int
                 ) -> dict[str, Any]:
     """conv + rule over one MIS stream, ours vs transformers' fallbacks (items of equal length, so they batch)."""
-    segments = segment_rows(query, items)  # the MIS stream
-    t = int(segments[:, 1].sum())
-    x, weight, rule_args = linear_inputs(t, dtype, LINEAR[model], device)
-    table = SegmentTable.of(segments, t, device)
-    plan = plan_linear_attention(table)  # made once per batch, as a forward pass does
-
-    def ours():
-        causal_conv1d(x, weight, table, plan, backend="kernel")
-        return gated_delta_rule(*rule_args, table, plan, backend="kernel")
-
+    ours, theirs, _, diff, scale = linear_attention_pair(query, len(items), items[0], dtype, LINEAR[model], device)
     mine = summarize(device_ms(ours, device, reps))
-    theirs = summarize(device_ms(lambda: transformers_linear(x, weight, rule_args, query, len(items), items[0]),
-                                 device, max(3, reps // 10)))
-    want = transformers_linear(x.float(), weight.float(), [r.float() for r in rule_args], query, len(items), items[0])
-    got = ours()[query:].float()
-    return dict(model=model, query=query, items=len(items), tokens=t, dtype=str(dtype), ours_ms=mine["p50"],
-                transformers_ms=theirs["p50"], transformers_over_ours=theirs["p50"] / mine["p50"],
-                items_max_abs=float((got - want).abs().max()), items_max_value=float(want.abs().max()))
+    slow = summarize(device_ms(theirs, device, max(3, reps // 10)))
+    return dict(model=model, query=query, items=len(items), tokens=query + sum(items), dtype=str(dtype),
+                ours_ms=mine["p50"], transformers_ms=slow["p50"], transformers_over_ours=slow["p50"] / mine["p50"],
+                items_max_abs=diff, items_max_value=scale)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
