@@ -288,14 +288,16 @@ def fused_qkv(num_tokens: int, hq: int, hkv: int, d: int, dtype: Any, device: st
 
 
 # --- timing ------------------------------------------------------------------------------------------------------
+def elapsed_ms(fn: Callable[[], object]) -> float:
+    """Host wall time of one fn() call in ms (the one timer of bench/'s in-process benchmarks)."""
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def median_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
     """Median wall time of fn() in ms over `reps` calls after `warmup` untimed ones (run it under
     /work/tools/quiet or on an otherwise idle machine)."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return percentile(times, 50) * 1e3
+    return percentile([elapsed_ms(fn) for _ in range(reps)], 50)

@@ -49,12 +49,8 @@ def capacity(target: str, cases: list[Case], seconds: float) -> float:
 
 
 async def _with(target: str, fn: Callable[[ReplayTarget], Any]) -> Any:
-    replay = ReplayTarget(target, channel_options=TRACE, timeout=120)
-    await replay.open()
-    try:
+    async with ReplayTarget(target, channel_options=TRACE, timeout=120) as replay:
         return await fn(replay)
-    finally:
-        await replay.close()
 
 
 def open_loop(target: str, cases: list[Case], rate: float, seconds: float, seed: int = 0,

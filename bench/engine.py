@@ -8,30 +8,22 @@ a random-weight model of that shape instead, on token-id questions of the same l
 stock comparison: the random model has no checkpoint).
 `--tier avx2` forces a lower CPU tier (PYSCORE_CPU_TIER) for the whole run; the header names the tier and the dtype
 (`--dtype auto`, the default, is the tier's: bf16 where the CPU multiplies bf16, else fp32; stock runs in the same).
-Usage: python -m bench.engine [--tier T] [--dtype auto] [--threads 2] [--reps 5] [--no-stock] [--shape NAME]
-       [--out FILE]"""
+Every option: python -m bench.engine --help."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from bench.common import machine, machine_info, question
+from bench.common import elapsed_ms, machine, machine_info, question
 from bench.summary import percentile, write_json
 from pyscore.engine import Engine
 from pyscore.scoring import PreparedScore
 from pyscore.types import ScoreRequest
-
-
-def timed(fn: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
 
 
 def stock_model(engine: Engine) -> Any:
@@ -75,7 +67,7 @@ def alternate(runs: dict[str, Callable[[], Any]], reps: int) -> dict[str, list[f
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(reps):
         for name, fn in runs.items():
-            times[name].append(timed(fn))
+            times[name].append(elapsed_ms(fn))
     return times
 
 
@@ -101,7 +93,7 @@ def load(args: argparse.Namespace) -> tuple[Engine, Callable[[int], tuple[Any, l
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--tier", default=None, help="force this CPU tier (PYSCORE_CPU_TIER), at or below the CPU's")
     ap.add_argument("--threads", type=int, default=2)

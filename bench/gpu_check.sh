@@ -113,7 +113,7 @@ build() {
   "$PY" -c "
 from pyscore.ops import _ext
 cuda = _ext.cuda_module()
-print('_C', _ext.cpu_module() is not None, '| _C_cuda', cuda is not None and cuda.available(), _ext.cuda_import_error() or '')"
+print('_C', _ext.cpu_module() is not None, '| _C_cuda', cuda is not None and cuda.available(), _ext.import_error(_ext.CUDA_MODULE) or '')"
 }
 
 tests() {

@@ -101,6 +101,19 @@ def alternate(fns: dict[str, Callable[[], object]], reps: int, rounds: int,
     return {name: statistics.median(times) for name, times in per_round.items()}
 
 
+def section(header: list[str], dtypes: list[torch.dtype], rows_of: Callable[[torch.dtype], list[str]]) -> list[str]:
+    """A section's lines: its header, then rows_of(dtype) per dtype, each printed as it comes (a long run shows
+    its progress)."""
+    if header:
+        print("\n".join(header), flush=True)
+    lines = list(header)
+    for dtype in dtypes:
+        rows = rows_of(dtype)
+        print("\n".join(rows), flush=True)
+        lines += rows
+    return lines
+
+
 def with_bf16_dot(path: str) -> Callable[[], None]:
     def apply() -> None:
         os.environ["PYSCORE_BF16_DOT"] = path
@@ -201,28 +214,20 @@ def label_rows(rows: int, dtype: torch.dtype, reps: int, rounds: int, default: s
 
 
 def attention_section(reps: int, rounds: int, default: str, dtypes: list[torch.dtype]) -> list[str]:
-    lines = ["times: median ms; 'torch' = SDPA with a dense [T, T] bool mask (attention) or "
-             "log_softmax((h @ W.T).float()).gather (labels); path = the bf16 product",
-             "",
-             f"{'op / shape':<26}{'dtype':<10}{'path':<8}{'ours':>9}{'torch':>11}{'reference':>11}{'torch/ours':>12}"
-             f"{'ref/ours':>11}"]
-    print("\n".join(lines), flush=True)
-    for dtype in dtypes:
-        rows = attention_rows("MIS 270+16x30", mis_segments(), dtype, reps, rounds, default)
-        rows += attention_rows("SIS 16x300", sis_segments(), dtype, max(3, reps // 3), 2, default)
-        rows += sis_batched_rows(dtype, max(3, reps // 3), default)
-        print("\n".join(rows), flush=True)
-        lines += rows
-    return lines
+    header = ["times: median ms; 'torch' = SDPA with a dense [T, T] bool mask (attention) or "
+              "log_softmax((h @ W.T).float()).gather (labels); path = the bf16 product",
+              "",
+              f"{'op / shape':<26}{'dtype':<10}{'path':<8}{'ours':>9}{'torch':>11}{'reference':>11}{'torch/ours':>12}"
+              f"{'ref/ours':>11}"]
+    return section(header, dtypes, lambda dtype: [
+        *attention_rows("MIS 270+16x30", mis_segments(), dtype, reps, rounds, default),
+        *attention_rows("SIS 16x300", sis_segments(), dtype, max(3, reps // 3), 2, default),
+        *sis_batched_rows(dtype, max(3, reps // 3), default)])
 
 
 def label_section(reps: int, rounds: int, default: str, dtypes: list[torch.dtype]) -> list[str]:
-    lines = []
-    for dtype in dtypes:
-        rows = label_rows(16, dtype, reps, rounds, default) + label_rows(1, dtype, reps, rounds, default)
-        print("\n".join(rows), flush=True)
-        lines += rows
-    return lines
+    return section([], dtypes, lambda dtype: label_rows(16, dtype, reps, rounds, default)
+                   + label_rows(1, dtype, reps, rounds, default))
 
 
 # ---- gemm (the linear op) -----------------------------------------------------------------------------------
@@ -322,36 +327,45 @@ def transformers_linear(x, weight, rule_args, prefix: int, items: int, item_len:
     return rule(slice(prefix, None), items, item_len, state.expand(items, -1, -1, -1).contiguous())[0].flatten(0, 1)
 
 
-def linear_attention_rows(name: str, prefix: int, items: int, item_len: int, dtype: torch.dtype,
-                          reps: int) -> list[str]:
-    segments = mis_segments() if prefix else sis_segments()
-    num_tokens = int(segments[:, 1].sum())
-    x, weight, rule_args = linear_inputs(num_tokens, dtype)
-    table = SegmentTable.of(segments, num_tokens)
+def linear_attention_pair(prefix: int, items: int, item_len: int, dtype: torch.dtype,
+                          heads: tuple[int, int, int, int] = LIN_SHAPE, device: str = "cpu"):
+    """One Gated DeltaNet layer (conv + rule) over a MIS stream (a `prefix`, then `items` items of `item_len`
+    tokens) or, with no prefix, SIS: (ours, transformers', our reference, the items' max |ours - transformers' in
+    fp32 on the same inputs|, the largest |value| of the latter). Ours is planned once per batch, as a forward pass
+    does; the GPU bench (bench.gpu.kernel_bench) times the same pair."""
+    segments = segment_rows(prefix, [item_len] * items)
+    num_tokens = prefix + items * item_len
+    x, weight, rule_args = linear_inputs(num_tokens, dtype, heads, device)
+    table = SegmentTable.of(segments, num_tokens, device)
     plan = plan_linear_attention(table)
 
     def ours():
         causal_conv1d(x, weight, table, plan, backend="kernel")
-        gated_delta_rule(*rule_args, table, plan, backend="kernel")
+        return gated_delta_rule(*rule_args, table, plan, backend="kernel")
 
     def reference():
         causal_conv1d_ref(x, weight, segments)
         gated_delta_rule_ref(*rule_args, segments)
 
-    mine = median_ms(ours, reps)
-    theirs = median_ms(lambda: transformers_linear(x, weight, rule_args, prefix, items, item_len), max(3, reps // 5),
-                       warmup=1)
-    ref = median_ms(reference, 1, warmup=0)
-    # The items' rule outputs, ours vs transformers' on the same (dtype) inputs computed in fp32.
-    got = gated_delta_rule(*rule_args, table, plan, backend="kernel")[prefix:].float()
     want = transformers_linear(x.float(), weight.float(), [t.float() for t in rule_args], prefix, items, item_len)
+    diff = float((ours()[prefix:].float() - want).abs().max())
+    return (ours, lambda: transformers_linear(x, weight, rule_args, prefix, items, item_len), reference, diff,
+            float(want.abs().max()))
+
+
+def linear_attention_rows(name: str, prefix: int, items: int, item_len: int, dtype: torch.dtype,
+                          reps: int) -> list[str]:
+    ours, theirs, reference, diff, _ = linear_attention_pair(prefix, items, item_len, dtype)
+    mine = median_ms(ours, reps)
+    slow = median_ms(theirs, max(3, reps // 5), warmup=1)
+    ref = median_ms(reference, 1, warmup=0)
     dt = str(dtype).removeprefix("torch.")
-    return [f"{'conv+rule ' + name:<26}{dt:<10}{mine:>9.3f}{theirs:>13.3f}{ref:>11.1f}{theirs / mine:>11.1f}x"
-            f"{ref / mine:>10.0f}x{(got - want).abs().max().item():>11.1e}"]
+    return [f"{'conv+rule ' + name:<26}{dt:<10}{mine:>9.3f}{slow:>13.3f}{ref:>11.1f}{slow / mine:>11.1f}x"
+            f"{ref / mine:>10.0f}x{diff:>11.1e}"]
 
 
 def linear_attention_section(reps: int, dtypes: list[torch.dtype]) -> list[str]:
-    lines = [
+    header = [
         "Qwen3.5-0.8B linear-attention layer: Hk {}, Hv {}, Dk = Dv = {}, conv kernel {}; ".format(*LIN_SHAPE) +
         "ours = causal_conv1d + gated_delta_rule (segment table)",
         "'transformers' = causal_conv1d_fn + torch_chunk_gated_delta_rule (their torch fallbacks; MIS: the prefix, "
@@ -361,23 +375,15 @@ def linear_attention_section(reps: int, dtypes: list[torch.dtype]) -> list[str]:
         f"{'op / shape':<26}{'dtype':<10}{'ours':>9}{'transformers':>13}{'reference':>11}{'tf/ours':>12}"
         f"{'ref/ours':>11}{'max diff':>11}",
     ]
-    print("\n".join(lines), flush=True)
-    for dtype in dtypes:
-        rows = linear_attention_rows("MIS 270+16x30", 270, 16, 30, dtype, reps)
-        rows += linear_attention_rows("SIS 16x300", 0, 16, 300, dtype, reps)
-        print("\n".join(rows), flush=True)
-        lines += rows
-    return lines
+    return section(header, dtypes, lambda dtype: linear_attention_rows("MIS 270+16x30", 270, 16, 30, dtype, reps)
+                   + linear_attention_rows("SIS 16x300", 0, 16, 300, dtype, reps))
 
 
 # ---- decode attention -------------------------------------------------------------------------------------------
 
 def decode_section(reps: int, rounds: int, dtypes: list[torch.dtype]) -> list[str]:
-    lines = [f"{'op':<26}{'dtype':<10}{'ours':>9}{'torch':>11}{'torch/ours':>12}"]
-    for dtype in dtypes:
-        lines.append(decode_row(reps, rounds, dtype))
-        print(lines[-1], flush=True)
-    return lines
+    return section([f"{'op':<26}{'dtype':<10}{'ours':>9}{'torch':>11}{'torch/ours':>12}"], dtypes,
+                   lambda dtype: [decode_row(reps, rounds, dtype)])
 
 
 def decode_row(reps: int, rounds: int, dtype: torch.dtype) -> str:
@@ -436,17 +442,13 @@ def elementwise_rows(dtype: torch.dtype, reps: int, rounds: int) -> list[str]:
         times = alternate({"ours": ours, "torch": theirs}, reps, rounds)
         lines.append(f"{name:<26}{dt:<10}{times['ours']:>9.3f}{times['torch']:>11.3f}"
                      f"{times['torch'] / times['ours']:>11.1f}x")
-        print(lines[-1], flush=True)
     return lines
 
 
 def elementwise_section(reps: int, rounds: int, dtypes: list[torch.dtype]) -> list[str]:
-    lines = ["fused elementwise ops vs their torch recipes (pyscore.ops.reference); times: median ms",
-             f"{'op / shape':<26}{'dtype':<10}{'ours':>9}{'torch':>11}{'torch/ours':>12}"]
-    print("\n".join(lines), flush=True)
-    for dtype in dtypes:
-        lines += elementwise_rows(dtype, reps, rounds)
-    return lines
+    return section(["fused elementwise ops vs their torch recipes (pyscore.ops.reference); times: median ms",
+                    f"{'op / shape':<26}{'dtype':<10}{'ours':>9}{'torch':>11}{'torch/ours':>12}"], dtypes,
+                   lambda dtype: elementwise_rows(dtype, reps, rounds))
 
 
 def interleave_rows(reps: int) -> list[str]:

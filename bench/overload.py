@@ -41,9 +41,7 @@ def summarize(records: Sequence[Record]) -> dict[str, Any]:
 
 
 async def run(target: str, cases: list[Case], args: argparse.Namespace, server: Any) -> dict[str, Any]:
-    replay = ReplayTarget(target, timeout=120)
-    await replay.open()
-    try:
+    async with ReplayTarget(target, timeout=120) as replay:
         alone_s = await replay.record_alone(cases)
         capacity = await loadgen.capacity(replay, "case", cases, 4, args.capacity_s)
         rss_before, rate = server.rss_mb(), args.factor * capacity
@@ -64,8 +62,6 @@ async def run(target: str, cases: list[Case], args: argparse.Namespace, server: 
                                rss_mb=dict(peak=max(s["rss_mb"] for s in samples), after_5s=round(server.rss_mb(), 1)),
                                queue_samples=[(s["t"], s["queue"]) for s in samples],
                                rss_samples=[(s["t"], s["rss_mb"]) for s in samples[::4]]))
-    finally:
-        await replay.close()
     return dict(alone_latency_ms=Summary.of(alone_s, scale=1e3).pick("p50", "p95", "p99", "max", digits=1),
                 capacity_rps=round(capacity, 3), offered_rps=round(rate, 3), rss_mb_before=round(rss_before, 1),
                 rounds=rounds)

@@ -1,16 +1,8 @@
 """`make bench-peers` (`python -m bench.peers`): pyscore and vLLM-CPU side by side on the same questions, one
-server at a time, in alternating blocks — pyscore, vLLM, pyscore, …, ending on pyscore so every vLLM block is
-bracketed by two of ours. A block starts its server, warms every path, then runs closed-loop phases (path ×
-concurrency × candidate count; achieved questions/s and time to decision), waiting for the machine to be idle
-before each phase, and stops its server before the next block starts: the two loads never overlap.
-
-pyscore (`python -m server`, gRPC): MIS, SIS, setwise and Generate. vLLM (`vllm-http` target: a fresh cache
-salt per question dispatch): /generative_scoring and one one-token /v1/completions per candidate, started by
-$PEERS/start_vllm.sh and stopped by $PEERS/stop_all.sh (see bench/peers.md). Token counts per question come
-from each side's `usage`, and for vLLM also from its /metrics prefix-cache counters around each phase.
+server at a time, in alternating blocks (pyscore first and last), so the two loads never overlap.
 
 Writes OUT/peers.json (every phase), OUT/records.jsonl.gz (every question) and OUT/report.md (medians over the
-blocks, the ratios, the token counts, the CPU).
+blocks, the ratios, the token counts, the CPU). What a block runs and how tokens are counted: bench/peers.md.
 """
 
 from __future__ import annotations
@@ -37,7 +29,7 @@ from typing import Any
 from bench import loadgen, serving
 from bench.common import machine, machine_info, spawned_server
 from bench.dataset import Question, synthetic_question
-from bench.summary import write_json, write_report
+from bench.summary import fmt, write_json, write_report
 from bench.targets import Target, make_target
 
 # What each side runs: report label -> target path.
@@ -195,10 +187,8 @@ async def run_block(block: int, side: str, spec: str, plan: Plan, questions: dic
                     log: Callable[[str], None] = print, idle: Callable[[], float] | None = None
                     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Every phase of one side's block against its running server: (phase dicts, per-question records)."""
-    target = make_target(spec)
-    await target.open()
     phases, records = [], []
-    try:
+    async with make_target(spec) as target:
         labels = plan.labels[side]
         for label in labels:  # warm every path at every concurrency, every candidate count once
             warm = [questions[plan.candidates[i % len(plan.candidates)]][0] for i in range(plan.warmup)]
@@ -224,8 +214,6 @@ async def run_block(block: int, side: str, spec: str, plan: Plan, questions: dic
                     log(f"block {block} {side:>7} {label:>18} c={c} n={n:>2}: p50 {phase['p50_ms'] or 0:7.0f} ms "
                         f"p95 {phase['p95_ms'] or 0:7.0f} ms {phase['achieved_qps']:6.2f} q/s "
                         f"errors {phase['num_errors']}/{phase['num_questions']}")
-    finally:
-        await target.close()
     return phases, records
 
 
@@ -270,10 +258,6 @@ def peer_for(label: str, agg: dict[tuple[str, str, int, int], dict[str, Any]], c
 
 def ratio(num: float | None, den: float | None) -> float | None:
     return num / den if num is not None and den else None
-
-
-def fmt(x: float | None, spec: str = ".0f") -> str:
-    return "–" if x is None else format(x, spec)
 
 
 def comparisons(agg: dict[tuple[str, str, int, int], dict[str, Any]], plan: Plan) -> list[dict[str, Any]]:

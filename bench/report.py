@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.dataset import BUCKETS
-from bench.summary import write_report
+from bench.summary import fmt, write_report
 
 SLO_MS = 1000.0
 PATH_ORDER = ("mis", "sis", "generate", "setwise", "fused")
@@ -85,7 +85,7 @@ def group(summaries: Sequence[dict[str, Any]]) -> list[Point]:
 
 
 def ms(x: float | None) -> str:
-    return "–" if x is None else f"{x:,.0f}"
+    return fmt(x, ",.0f")
 
 
 def spread_ms(point: Point, *keys: str) -> str:

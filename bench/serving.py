@@ -27,7 +27,7 @@ from typing import Any
 from bench import loadgen
 from bench.common import git_commit, machine_info, spawned_server
 from bench.dataset import Dataset, Question
-from bench.summary import percentile, write_json
+from bench.summary import fmt, percentile, write_json
 from bench.targets import PATHS, Target, make_target
 
 
@@ -131,14 +131,10 @@ def write_run(out: Path, summary: dict[str, Any], records: Sequence[loadgen.Reco
 def one_line(summary: dict[str, Any]) -> str:
     e2e = summary["end_to_end_latency_ms"]
     load = f"c={summary['concurrency']}" if summary["target_qps"] is None else f"qps={summary['target_qps']:g}"
-
-    def ms(x: float | None) -> str:
-        return "-" if x is None else f"{x:.0f}"
-
-    return (f"{summary['path']:>8} {load:>9} rep{summary['rep']}: p50 {ms(e2e['p50'])} ms, p95 {ms(e2e['p95'])} ms, "
+    return (f"{summary['path']:>8} {load:>9} rep{summary['rep']}: p50 {fmt(e2e['p50'])} ms, p95 {fmt(e2e['p95'])} ms, "
             f"achieved {summary['achieved_qps']:.2f} q/s, errors {summary['num_errors']}/{summary['num_questions']}"
-            f", server queue p50 {ms(summary['queueing_delay_ms']['p50'])} ms"
-            f", lag p99 {ms(summary['dispatch_lag_ms']['p99'])} ms")
+            f", server queue p50 {fmt(summary['queueing_delay_ms']['p50'])} ms"
+            f", lag p99 {fmt(summary['dispatch_lag_ms']['p99'])} ms")
 
 
 async def sweep(target: Target, paths: Sequence[str], points: Sequence[LoadPoint], dataset: Dataset, s: Settings,
@@ -181,12 +177,8 @@ def collect(out: Path) -> list[dict[str, Any]]:
 
 async def run(target_spec: str, paths: Sequence[str], points: Sequence[LoadPoint], dataset: Dataset, s: Settings,
               out: Path, slo_ms: float | None = None, **target_options: Any) -> list[dict[str, Any]]:
-    target = make_target(target_spec, **target_options)
-    await target.open()
-    try:
+    async with make_target(target_spec, **target_options) as target:
         return await sweep(target, paths, points, dataset, s, out, slo_ms)
-    finally:
-        await target.close()
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

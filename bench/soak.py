@@ -71,9 +71,7 @@ async def soak(target: str, server: Any, cases: dict[str, list[Case]], a: argpar
                ) -> tuple[float, float, list[Record], list[dict[str, Any]]]:
     """References alone, the mix's capacity (closed loop, 4 callers), then the open loop at `a.load` of it
     through `a.clients` channels, sampling the server every 10 s; (capacity, rate, records, samples)."""
-    replay = ReplayTarget(target, channels=a.clients, timeout=120)
-    await replay.open()
-    try:
+    async with ReplayTarget(target, channels=a.clients, timeout=120) as replay:
         await replay.record_alone([c for k in MIX for c in cases[k]])
         cap = await loadgen.capacity(replay, "case", picks(cases, 1000, seed=1), 4, a.capacity_s)
         rate = a.load * cap
@@ -81,8 +79,6 @@ async def soak(target: str, server: Any, cases: dict[str, list[Case]], a: argpar
         schedule = loadgen.poisson_schedule(rate, seed=100, duration_s=a.minutes * 60)
         run, samples = await sampled(server, 10.0, loadgen.open_loop(replay, "case", picks(cases, len(schedule), 2),
                                                                       schedule))
-    finally:
-        await replay.close()
     return cap, rate, run.records, samples
 
 

@@ -77,6 +77,11 @@ class Summary:
         return vals if digits is None else {k: round(v, digits) for k, v in vals.items()}
 
 
+def fmt(x: float | None, spec: str = ".0f") -> str:
+    """A report cell: `x` formatted, or a dash where nothing was measured."""
+    return "–" if x is None else format(x, spec)
+
+
 def write_report(lines: str | Sequence[str], out: Path | None, echo: bool = True) -> str:
     """Prints a text report (unless not `echo`) and records it at `out` (None: print only); returns the text."""
     text = (lines if isinstance(lines, str) else "\n".join(lines)).rstrip() + "\n"

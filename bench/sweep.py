@@ -66,13 +66,9 @@ def run_inprocess(out: Path, reps: int, num_questions: int, threads: int | None)
 
 async def run_server_steps(address: str, steps: list[Step], dataset: Dataset, s: Settings, out: Path,
                            slo_ms: float) -> None:
-    target = serving.make_target(address)
-    await target.open()
-    try:
+    async with serving.make_target(address) as target:
         for step in steps:
             await serving.sweep(target, step.paths, step.points, dataset, s, out, slo_ms=slo_ms)
-    finally:
-        await target.close()
 
 
 def main() -> None:

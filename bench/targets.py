@@ -78,7 +78,8 @@ class TargetError(RuntimeError):
 
 
 class Target:
-    """Base: `open()` once, then `decide(path, question)` from many tasks at once, then `close()`."""
+    """Base: `open()` once, then `decide(path, question)` from many tasks at once, then `close()`; or
+    `async with target:` for the open and the close."""
 
     spec = ""
     paths: tuple[str, ...] = ()
@@ -97,6 +98,13 @@ class Target:
 
     async def close(self) -> None:
         pass
+
+    async def __aenter__(self) -> Target:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
     async def decide(self, path: str, q: Question) -> Decision:
         self.check_path(path)

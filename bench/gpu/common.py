@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from bench.common import cpu
-from bench.summary import Summary
+from bench.common import cpu, elapsed_ms
+from bench.summary import Summary, write_json
 
 # Measured on this workplace's H200s (.library/device/KINDS.md, 2026-10-28 and 2026-11-04): bf16 8192^3 matmul
 # on random data, and a device-to-device copy counting bytes read plus written. Floors below use these.
@@ -37,10 +37,7 @@ def summarize(times_ms: list[float]) -> dict[str, Any]:
 def wall_ms(fn: Callable[[], object], device: torch.device | str) -> float:
     """Host time of one call with the device synchronised on both sides (what a caller waits for)."""
     sync(device)
-    t0 = time.perf_counter()
-    fn()
-    sync(device)
-    return (time.perf_counter() - t0) * 1e3
+    return elapsed_ms(lambda: (fn(), sync(device)))
 
 
 def device_ms(fn: Callable[[], object], device: torch.device | str, reps: int, warmup: int = 3) -> list[float]:
@@ -95,6 +92,24 @@ def resolve_run_args(args: argparse.Namespace) -> argparse.Namespace:
     if args.tiny:
         args.warmup = min(args.warmup, 1)
     return args
+
+
+def record(report: dict[str, Any], out: str, key: str, what: str, fn: Callable[..., Any], *args: Any,
+           **kwargs: Any) -> None:
+    """Appends fn(*args, **kwargs) to report[key], or `what: error` to report["errors"] when it raises, then writes
+    the JSON: one failing case does not cost the others, and a stage killed by its timeout keeps what it measured."""
+    try:
+        report[key].append(fn(*args, **kwargs))
+    except Exception as e:
+        report["errors"].append(f"{what}: {type(e).__name__}: {e}")
+    write_json(out, report)
+
+
+def cli(report: dict[str, Any], out: str, table: Callable[[dict[str, Any]], str]) -> dict[str, Any]:
+    """How every GPU benchmark ends: the final JSON written, its table printed, the report returned (to tests)."""
+    write_json(out, report)
+    print(table(report), flush=True)
+    return report
 
 
 class Budget:

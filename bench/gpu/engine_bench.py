@@ -17,11 +17,13 @@ import time
 from functools import partial
 from typing import Any
 
+from bench.common import elapsed_ms
 from bench.gpu.common import (
     H200_BF16_FLOPS,
     H200_BYTES_PER_S,
     Budget,
     add_run_args,
+    cli,
     device_ms,
     environment,
     resolve_run_args,
@@ -37,6 +39,11 @@ from pyscore.model.packing import pack
 from pyscore.types import GenerateRequest, ScoreRequest
 
 MODES = ("generate", "sis", "mis")
+# p95 ms at 16 candidates, concurrency 1 (the LMSYS study, SGLang on one H200) and issue 6's targets
+STUDY = {"qwen3-0.6b": dict(mis=18.7, generate=39.6, sis=24.3), "qwen3-8b": dict(mis=20.6, generate=54.1, sis=53.1),
+         "qwen3.5-4b": dict(mis=55.7, generate=84.8, sis=74.4)}
+TARGET_MIS16 = {"qwen3-0.6b": 10.0, "qwen3-8b": 15.0}
+TARGET_RATIO = 1.3
 
 
 def decide_score(engine: Engine, q: IdQuestion, labels: list[int], mode: str) -> list[float]:
@@ -93,12 +100,7 @@ def overhead_probe(engine: Engine, q: IdQuestion, labels: list[int], reps: int) 
     batch = pack(prepared.groups())
     out: dict[str, Any] = dict(tokens=batch.num_tokens, segments=int(batch.segments.shape[0]))
 
-    def host_ms(fn) -> float:
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-
-    out["prepare_pack_ms"] = summarize([host_ms(lambda: pack(engine.prepare_score(request).groups()))
+    out["prepare_pack_ms"] = summarize([elapsed_ms(lambda: pack(engine.prepare_score(request).groups()))
                                         for _ in range(reps)])["p50"]
     decoder.hidden_at(batch)
     enqueue, total = [], []
@@ -170,7 +172,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(report: dict[str, Any]) -> str:
-    lines = [f"# engine {report['shape']} on {report['env'].get('gpu', report['env']['device'])} "
+    """The report as gpu_check.sh's summary prints it: p50/p95 per cell, the H200 floor, the MIS-SIS difference,
+    and the verdicts against issue 6's targets and the study's SGLang numbers."""
+    shape = report["shape"]
+    lines = [f"# engine {shape} on {report['env'].get('gpu', report['env']['device'])} "
              f"({report['dtype']}), p50/p95 ms over {report['reps']} decisions",
              f"{'cands':>5} {'tok mis/sis':>12} " + " ".join(f"{m + ' p50/p95':>17}" for m in MODES)
              + f" {'floor mis':>9} {'|mis-sis|':>9}"]
@@ -178,15 +183,24 @@ def table(report: dict[str, Any]) -> str:
         cells = []
         for m in MODES:
             s = e.get(m, {})
-            cells.append(f"{s['p50']:>8.2f}/{s['p95']:<8.2f}" if "p95" in s else f"{'-':>17}")
+            cells.append(f"{s['p50']:>8.2f}/{s['p95']:<8.2f}" if "p95" in s else f"{'ERR' if s else '-':>17}")
         floor = max(e["floor_mis"].values())
         diff = e.get("mis_vs_sis", {}).get("max_abs", float("nan"))
         lines.append(f"{n:>5} {e['mis_tokens']:>5.0f}/{e['sis_tokens']:<6.0f} " + " ".join(cells)
                      + f" {floor:>9.2f} {diff:>9.2e}")
+    mis16 = report["results"].get("16", {}).get("mis", {}).get("p95")
+    if mis16 is not None and shape in STUDY:
+        target = TARGET_MIS16.get(shape, STUDY[shape]["mis"])  # no target of its own: the study's MIS
+        lines.append(f"MIS(16) p95 {mis16:.2f} ms vs target {target} ({'MET' if mis16 <= target else 'missed'}); "
+                     "study SGLang: " + ", ".join(f"{k} {v}" for k, v in STUDY[shape].items()))
     if "mis16_over_mis2_p95" in report:
-        lines.append(f"MIS(16)/MIS(2) p95 = {report['mis16_over_mis2_p95']:.2f}")
+        r = report["mis16_over_mis2_p95"]
+        verdict = "MET" if r <= TARGET_RATIO else "missed"
+        lines.append(f"MIS(16)/MIS(2) p95 {r:.2f} vs target {TARGET_RATIO} ({verdict})")
     if "overhead_mis" in report:
         lines.append(f"overhead (MIS, max candidates): {report['overhead_mis']}")
+    if report.get("skipped"):
+        lines.append(f"skipped: {report['skipped']}")
     return "\n".join(lines)
 
 
@@ -199,9 +213,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--no-overhead", dest="overhead", action="store_false", help="skip the launch-overhead probe")
     p.add_argument("--budget-s", type=float, default=1e9, help="soft time budget; later cells are skipped")
-    report = run(resolve_run_args(p.parse_args(argv)))
-    print(table(report), flush=True)
-    return report
+    args = resolve_run_args(p.parse_args(argv))
+    return cli(run(args), args.out, table)
 
 
 if __name__ == "__main__":

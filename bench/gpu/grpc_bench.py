@@ -17,7 +17,7 @@ from typing import Any
 
 from bench import loadgen
 from bench.common import spawned_server
-from bench.gpu.common import add_run_args, resolve_run_args, summarize
+from bench.gpu.common import add_run_args, cli, resolve_run_args, summarize
 from bench.gpu.models import SHAPES
 from bench.gpu.workload import id_questions, labels_for
 from bench.summary import write_json
@@ -27,9 +27,7 @@ from bench.targets import Case, ReplayTarget
 async def measure(target: str, args: argparse.Namespace, report: dict[str, Any], vocab: int) -> None:
     """bench.loadgen's closed loop at concurrency 1 over each candidate count and mode (the JSON written after
     every cell, so a stage killed by its timeout keeps what it measured)."""
-    replay = ReplayTarget(target, timeout=60.0)
-    await replay.open()
-    try:
+    async with ReplayTarget(target, timeout=60.0) as replay:
         info = await replay.clients[0].model_info()
         report["model"] = dict(name=info.name, device=info.device, dtype=info.dtype)
         for n in args.candidates:
@@ -43,8 +41,6 @@ async def measure(target: str, args: argparse.Namespace, report: dict[str, Any],
                 errors = sorted({r.error for r in run.records if not r.ok})
                 cell[mode] = dict(error=errors[0]) if errors else summarize([r.e2e_ms for r in run.records])
                 write_json(args.out, report)
-    finally:
-        await replay.close()
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -86,9 +82,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     add_run_args(p, "requests")
     p.add_argument("--modes", nargs="+", default=["mis", "sis"], choices=["mis", "sis"])
     p.add_argument("--ready-timeout-s", type=float, default=180.0)
-    report = run(resolve_run_args(p.parse_args(argv)))
-    print(table(report), flush=True)
-    return report
+    args = resolve_run_args(p.parse_args(argv))
+    return cli(run(args), args.out, table)
 
 
 if __name__ == "__main__":

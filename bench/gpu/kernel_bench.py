@@ -23,25 +23,16 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import fused_qkv, segment_rows
-from bench.gpu.common import device_ms, environment, summarize
-from bench.kernels import linear_inputs, transformers_linear
+from bench.gpu.common import cli, device_ms, environment, record, summarize
+from bench.kernels import linear_attention_pair
 from bench.summary import write_json
 from pyscore.engine import set_threads
 from pyscore.ops import AttentionPlan, SegmentTable, _ext, label_logprobs, prefix_item_attention
-from pyscore.ops.gated_delta_rule import causal_conv1d, gated_delta_rule, plan_linear_attention
 from pyscore.ops.reference import label_logprobs_ref, prefix_item_attention_ref, segment_attention_mask
 
 HEADS = {"qwen3-0.6b": (16, 8, 128), "qwen3-8b": (32, 8, 128), "tiny": (4, 2, 64)}
 HIDDEN = {"qwen3-0.6b": 1024, "qwen3-8b": 4096, "tiny": 128}
 LINEAR = {"qwen3.5-4b": (16, 32, 128, 4), "tiny": (2, 4, 32, 4)}  # Hk, Hv, head dim, conv kernel
-
-
-def mis_segments(query: int, items: list[int]) -> torch.Tensor:
-    return segment_rows(query, items)
-
-
-def sis_segments(query: int, items: list[int]) -> torch.Tensor:
-    return segment_rows(0, [query + n for n in items])
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -51,7 +42,7 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 def attention_case(model: str, query: int, items: list[int], dtype: torch.dtype, device: str, reps: int,
                    ref_check: bool) -> dict[str, Any]:
     hq, hkv, d = HEADS[model]
-    segments = mis_segments(query, items)
+    segments = segment_rows(query, items)  # the MIS stream
     t = int(segments[:, 1].sum())
     q, k, v = fused_qkv(t, hq, hkv, d, dtype, device, seed=t)
     mask = segment_attention_mask(segments, t).to(device)
@@ -88,9 +79,7 @@ def mis_vs_sis_attention(model: str, query: int, items: list[int], dtype: torch.
         start_mis += n
         start_sis += query + n
     idx = torch.tensor(index, device=device)
-    seg_mis, seg_sis = mis_segments(query, items), sis_segments(query, items)
-    if device != "cpu":
-        seg_mis, seg_sis = seg_mis.to(device), seg_sis.to(device)
+    seg_mis, seg_sis = segment_rows(query, items).to(device), segment_rows(0, [query + n for n in items]).to(device)
     mis = prefix_item_attention(q, k, v, seg_mis, backend="kernel")
     sis = prefix_item_attention(q[idx], k[idx], v[idx], seg_sis, backend="kernel")
     a = mis[torch.tensor(item_rows_mis, device=device)].float()
@@ -118,24 +107,12 @@ def label_case(hidden: int, vocab: int, rows: int, dtype: torch.dtype, device: s
 def linear_case(model: str, query: int, items: list[int], dtype: torch.dtype, device: str, reps: int
                 ) -> dict[str, Any]:
     """conv + rule over one MIS stream, ours vs transformers' fallbacks (items of equal length, so they batch)."""
-    segments = mis_segments(query, items)
-    t = int(segments[:, 1].sum())
-    x, weight, rule_args = linear_inputs(t, dtype, LINEAR[model], device)
-    table = SegmentTable.of(segments, t, device)
-    plan = plan_linear_attention(table)  # made once per batch, as a forward pass does
-
-    def ours():
-        causal_conv1d(x, weight, table, plan, backend="kernel")
-        return gated_delta_rule(*rule_args, table, plan, backend="kernel")
-
+    ours, theirs, _, diff, scale = linear_attention_pair(query, len(items), items[0], dtype, LINEAR[model], device)
     mine = summarize(device_ms(ours, device, reps))
-    theirs = summarize(device_ms(lambda: transformers_linear(x, weight, rule_args, query, len(items), items[0]),
-                                 device, max(3, reps // 10)))
-    want = transformers_linear(x.float(), weight.float(), [r.float() for r in rule_args], query, len(items), items[0])
-    got = ours()[query:].float()
-    return dict(model=model, query=query, items=len(items), tokens=t, dtype=str(dtype), ours_ms=mine["p50"],
-                transformers_ms=theirs["p50"], transformers_over_ours=theirs["p50"] / mine["p50"],
-                items_max_abs=float((got - want).abs().max()), items_max_value=float(want.abs().max()))
+    slow = summarize(device_ms(theirs, device, max(3, reps // 10)))
+    return dict(model=model, query=query, items=len(items), tokens=query + sum(items), dtype=str(dtype),
+                ours_ms=mine["p50"], transformers_ms=slow["p50"], transformers_over_ours=slow["p50"] / mine["p50"],
+                items_max_abs=diff, items_max_value=scale)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -154,32 +131,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype = torch.bfloat16
     for model in models:
         for n in counts:
-            try:
-                report["attention"].append(attention_case(model, query, [item_len + (i % 3) for i in range(n)], dtype,
-                                                          device, args.reps, ref_check=n in (2, 16) or tiny))
-            except Exception as e:
-                report["errors"].append(f"attention {model} n={n}: {type(e).__name__}: {e}")
-            write_json(args.out, report)
-        try:
-            report["mis_vs_sis"].append(mis_vs_sis_attention(model, query, [item_len + (i % 3) for i in range(16)],
-                                                             dtype, device))
-        except Exception as e:
-            report["errors"].append(f"mis_vs_sis {model}: {type(e).__name__}: {e}")
-        write_json(args.out, report)
+            record(report, args.out, "attention", f"attention {model} n={n}", attention_case, model, query,
+                   [item_len + (i % 3) for i in range(n)], dtype, device, args.reps, ref_check=n in (2, 16) or tiny)
+        record(report, args.out, "mis_vs_sis", f"mis_vs_sis {model}", mis_vs_sis_attention, model, query,
+               [item_len + (i % 3) for i in range(16)], dtype, device)
     for hidden in ([HIDDEN["tiny"]] if tiny else [HIDDEN["qwen3-0.6b"], HIDDEN["qwen3-8b"]]):
-        try:
-            report["label_logprobs"].append(label_case(hidden, 1000 if tiny else 151936, 16, dtype, device,
-                                                       args.reps))
-        except Exception as e:
-            report["errors"].append(f"label_logprobs H={hidden}: {type(e).__name__}: {e}")
-        write_json(args.out, report)
+        record(report, args.out, "label_logprobs", f"label_logprobs H={hidden}", label_case, hidden,
+               1000 if tiny else 151936, 16, dtype, device, args.reps)
     for n in counts:
-        try:
-            report["linear"].append(linear_case("tiny" if tiny else "qwen3.5-4b", query, [item_len] * n, dtype, device,
-                                                args.reps))
-        except Exception as e:
-            report["errors"].append(f"linear n={n}: {type(e).__name__}: {e}")
-        write_json(args.out, report)
+        record(report, args.out, "linear", f"linear n={n}", linear_case, "tiny" if tiny else "qwen3.5-4b", query,
+               [item_len] * n, dtype, device, args.reps)
     return report
 
 
@@ -217,10 +178,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.reps = args.reps or (3 if args.tiny else 50)
     torch.manual_seed(0)
     set_threads(args.threads)
-    report = run(args)
-    write_json(args.out, report)
-    print(table(report), flush=True)
-    return report
+    return cli(run(args), args.out, table)
 
 
 if __name__ == "__main__":

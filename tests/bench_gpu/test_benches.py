@@ -21,7 +21,7 @@ def test_engine_bench_tiny_writes_json(tmp_path):
         assert cell["mis_tokens"] < cell["sis_tokens"]
     assert report["mis16_over_mis2_p95"] > 0
     assert report["overhead_mis"]["decoder_total_ms"] > 0
-    assert "16 cands" in summary.summary(tmp_path)
+    assert "MIS(16)/MIS(2) p95" in summary.summary(tmp_path)
 
 
 def test_kernel_bench_tiny_writes_json(tmp_path):
