@@ -30,6 +30,7 @@ const DecodeCpuOps* decode_ops_avx2(DType, int32_t) { return nullptr; }
 StateColumnsRun state_columns_avx2(DType) { return nullptr; }
 ConvTokensRun conv_tokens_avx2(DType) { return nullptr; }
 const LabelCpuOps* label_ops_avx2(DType) { return nullptr; }
+const LinearCpuOps* linear_ops_avx2(DType) { return nullptr; }
 const AttentionCpuOps* attention_ops_avx2(DType, int32_t) { return nullptr; }
 RotaryTokens rotary_tokens_avx2(DType) { return nullptr; }
 SiluMulRows silu_mul_rows_avx2(DType) { return nullptr; }
