@@ -65,8 +65,6 @@ struct Bf16 {
   }
 };
 
-// TM rows of x (fp32, x_stride apart, from the K block's start) x one strip (w: its first K row of the block) over
-// `steps` K steps, into acc (TM rows of kLinearBlockN floats): from zero when `first`, else continuing acc.
 // The first row tile over a block part's K block reads the weight panel from memory (decode reads nothing else):
 // its first strip prefetches the panel's whole K row (the part's columns, 64 bytes a strip) kAhead steps ahead, its
 // own line into L1 and the other strips' into L2, so the four strided streams become one stream that runs ahead.
