@@ -2,8 +2,8 @@
 // OpenMP threads: with enough column units every thread takes a contiguous run of them for all rows, so each
 // weight byte is read by one thread once (decode is weight-bandwidth bound); with few columns and many rows the
 // rows are split into chunks too. A row's arithmetic never depends on the rectangle it falls in, so the split only
-// changes who computes a row, not its bits. The arithmetic lives in LinearCpuOps: AVX-512 (+BF16) when the CPU has
-// it, else the portable loops below over the same packed layout.
+// changes who computes a row, not its bits. The arithmetic lives in LinearCpuOps: AVX-512 (+BF16) or AVX2 + FMA by
+// the CPU tier, else the portable loops below over the same packed layout.
 #include <omp.h>
 
 #include <algorithm>
@@ -20,7 +20,7 @@
 namespace pyscore {
 namespace {
 
-// Row tile of the AVX-512 micro-kernel (and the portable loops, which share its split).
+// Row tile of the AVX-512 and AVX2 micro-kernels (and the portable loops, which share their split).
 constexpr int32_t kRowTile = 6;
 
 // ---- portable ops ----------------------------------------------------------------------------------------
@@ -73,6 +73,7 @@ const LinearCpuOps kPortableF32{rect_portable<float>, kRowTile};
 const LinearCpuOps& choose_ops(DType dtype) {
   const LinearCpuOps* fast = cpu_tier() == CpuTier::kAmx ? linear_ops_amx(dtype) : nullptr;
   if (!fast && cpu_use_avx512bf16()) fast = linear_ops_avx512(dtype, cpu_bf16_dot());
+  else if (!fast && cpu_use_avx2()) fast = linear_ops_avx2(dtype);
   if (fast) return *fast;
   return dtype == DType::kBFloat16 ? kPortableBf16 : kPortableF32;
 }

@@ -1,8 +1,9 @@
 """linear (prepacked weights, fused epilogues) against F.linear in fp32 at every decoder projection shape of SmolLM2
 and Qwen3-0.6B plus awkward sizes (odd K, N and I off the block sizes), bias, gated SiLU-mul, residual add (also in
 place), strided rows; both bf16 product paths bitwise (and the AMX tiles at tier amx, within the same tolerance);
-and batch invariance: a row's output is bitwise the same
-whatever the batch around it. Tolerances follow the other ops: bf16 within 2x torch's own bf16 error."""
+the AVX2 + FMA kernel forced on this CPU (tier avx2), K past its cache block included; and batch invariance: a row's
+output is bitwise the same whatever the batch around it. Tolerances follow the other ops: bf16 within 2x torch's own
+bf16 error."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 
 from pyscore.ops import _ext, linear, pack_linear
 from pyscore.ops.reference import linear_ref, silu_mul_ref
+from tests.helpers import force_cpu_isa
 
 # name: (K, N, gated); gated N is 2I (the gate_up projection)
 DECODER_SHAPES = {
@@ -23,6 +25,9 @@ AWKWARD_SHAPES = {
     "odd-k": (77, 96, False), "n-off-blocks": (64, 40, False), "n-one": (32, 1, False),
     "tiny-gated": (50, 2 * 24, True), "gated-i-odd": (66, 2 * 37, True), "k-one": (1, 20, False),
 }
+# K past the AVX2 kernel's cache block (1024): partial sums carried between K blocks
+K_BLOCKED_SHAPES = {"k-blocked": (2049, 80, False), "k-blocked-gated": (3000, 2 * 40, True)}
+ALL_SHAPES = {**DECODER_SHAPES, **AWKWARD_SHAPES, **K_BLOCKED_SHAPES}
 
 
 def make_inputs(m, k, n, gated, dtype, bias: bool, residual: bool, strided: bool = False, seed: int = 0):
@@ -97,12 +102,10 @@ def rows_alone(x, packed) -> torch.Tensor:
     return torch.cat([linear(x[i : i + 1], packed, backend="kernel") for i in range(x.shape[0])])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape", ["smollm-qkv", "smollm-gate_up", "n-one", "odd-k"])
-def test_batch_invariance(shape, dtype):
+def assert_batch_invariant(shape: str, dtype: torch.dtype) -> None:
     """Every row of a batch of M = 1..17 is bitwise the row computed alone, and a row placed at random positions of
     random batches (other rows random) always comes out with the same bits; with 1 or 2 kernel threads."""
-    k, n, gated = {**DECODER_SHAPES, **AWKWARD_SHAPES}[shape]
+    k, n, gated = ALL_SHAPES[shape]
     x, w, b, _ = make_inputs(17, k, n, gated, dtype, bias=True, residual=False)
     packed = pack_linear(w, b, gated=gated)
     alone = rows_alone(x, packed)
@@ -123,13 +126,41 @@ def test_batch_invariance(shape, dtype):
         module.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", ["smollm-qkv", "smollm-gate_up", "n-one", "odd-k"])
+def test_batch_invariance(shape, dtype):
+    assert_batch_invariant(shape, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_avx2_kernel_matches_the_reference(monkeypatch, dtype):
+    """The AVX2 + FMA kernel (tier avx2, forced): decoder shapes at M from one row to several row tiles plus a short
+    one, awkward sizes and every epilogue, and K over several cache blocks."""
+    force_cpu_isa(monkeypatch, "avx2")
+    for shape in ("smollm-qkv", "smollm-gate_up", "smollm-down", "qwen3-down"):
+        k, n, gated = DECODER_SHAPES[shape]
+        for m in (1, 8, 97):
+            check_linear(m, k, n, gated, dtype, residual=shape.endswith("-down"), seed=m)
+    for k, n, gated in (*AWKWARD_SHAPES.values(), *K_BLOCKED_SHAPES.values()):
+        for m in (1, 6, 13):
+            check_linear(m, k, n, gated, dtype, bias=True, residual=m % 2 == 1, strided=m > 5, seed=m)
+    check_linear(11, 576, 576, False, dtype, bias=True, residual=True, in_place=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", ["smollm-gate_up", "odd-k", "n-one", "k-blocked-gated"])
+def test_avx2_kernel_is_batch_invariant(monkeypatch, shape, dtype):
+    force_cpu_isa(monkeypatch, "avx2")
+    assert_batch_invariant(shape, dtype)
+
+
 def test_bf16_widened_path_is_bitwise_the_dpbf16_path(monkeypatch):
     module = _ext.cpu_module()
     if module is None or not module.cpu_features()["avx512bf16"]:
         pytest.skip("needs pyscore._C on a CPU with AVX512-BF16")
     monkeypatch.setenv("PYSCORE_CPU_TIER", "avx512bf16")  # not the AMX tiles, which an amx tier runs
     for shape in ("smollm-gate_up", "qwen3-down", "odd-k", "tiny-gated"):
-        k, n, gated = {**DECODER_SHAPES, **AWKWARD_SHAPES}[shape]
+        k, n, gated = ALL_SHAPES[shape]
         x, w, b, r = make_inputs(23, k, n, gated, torch.bfloat16, bias=True, residual=True, strided=True, seed=4)
         packed = pack_linear(w, b, gated=gated)
         outs = {}

@@ -1,0 +1,215 @@
+// AVX2 + FMA ops of the CPU linear kernel (interface in cpu_ops.h, packed layout in params.h: the one the AVX-512
+// kernel reads; fp32 pack 1, bf16 pairs widened to fp32 here, no bf16 arithmetic).
+//
+// Micro-kernel: TM <= 6 rows x one strip of 16 packed columns (2 ymm): 12 fp32 accumulators + 2 weight operands +
+// 1 broadcast of the 16 ymm registers; each K step loads the strip's 16 weights (one cache line of the block's K row)
+// and broadcasts one x per row. Every lane of a row runs acc = fma(x[k], w[k], acc) for k = 0, 1, ..., K-1 in order,
+// whatever M is and wherever the row falls: tail tiles (TM < 6) run the same per-row chain, there is no split-K.
+//
+// Cache blocking: K in blocks of kKBlock, so that a block part's weight panel over a K block (up to 64 columns x
+// kKBlock, 256 KiB in fp32) stays in L2 while every row tile of the rectangle passes over it; a tile's x rows over
+// the K block stay in L1 while the strips of the block part pass over them. Between K blocks a tile's accumulators
+// wait in a per-thread fp32 buffer (a store and a reload are exact), so the chain over K, hence every bit, is the
+// unblocked one. The epilogue (bias, SiLU-mul of a gated unit's gate and up strips, residual, one rounding) runs
+// from that buffer after the last K block.
+#include <algorithm>
+#include <vector>
+
+#include "common/vec_avx2.h"
+#include "linear/cpu_ops.h"
+
+namespace pyscore {
+namespace {
+
+using namespace avx2;
+
+constexpr int kTileRows = 6;
+constexpr int kStripN = 16;          // packed columns per micro-kernel call: 2 ymm
+constexpr int32_t kKBlock = 1024;    // K per cache block (even: whole bf16 pairs)
+
+// Element traits: T is the stored type of x, the weight and the output. x rows reach the micro-kernel as fp32
+// (bf16 ones widened once per tile and K block into a per-thread buffer); step() adds one K row of the strip (fp32)
+// or one K pair (bf16, even element first: the natural K order) for TM rows.
+struct F32 {
+  using T = float;
+  static constexpr int kPack = 1;
+  template <int TM>
+  static void step(Vec (&acc)[TM][2], const float* x, int64_t x_stride, const T* w) {
+    const Vec w0 = load(w), w1 = load(w + 8);
+    for (int r = 0; r < TM; ++r) {
+      const Vec b = set1(x[r * x_stride]);
+      acc[r][0] = fma(b, w0, acc[r][0]);
+      acc[r][1] = fma(b, w1, acc[r][1]);
+    }
+  }
+};
+
+struct Bf16 {
+  using T = uint16_t;
+  static constexpr int kPack = 2;
+  template <int TM>
+  static void step(Vec (&acc)[TM][2], const float* x, int64_t x_stride, const T* w) {
+    const __m256i p0 = load_bits(w), p1 = load_bits(w + 16);  // 8 columns x one K pair each
+    const Vec e0 = bf16_even(p0), e1 = bf16_even(p1);
+    for (int r = 0; r < TM; ++r) {
+      const Vec b = set1(x[r * x_stride]);
+      acc[r][0] = fma(b, e0, acc[r][0]);
+      acc[r][1] = fma(b, e1, acc[r][1]);
+    }
+    const Vec o0 = bf16_odd(p0), o1 = bf16_odd(p1);
+    for (int r = 0; r < TM; ++r) {
+      const Vec b = set1(x[r * x_stride + 1]);
+      acc[r][0] = fma(b, o0, acc[r][0]);
+      acc[r][1] = fma(b, o1, acc[r][1]);
+    }
+  }
+};
+
+// The first row tile over a block part's K block reads the weight panel from memory (decode reads nothing else):
+// its first strip prefetches the panel's whole K row (the part's columns, 64 bytes a strip) kAhead steps ahead, its
+// own line into L1 and the other strips' into L2, so the four strided streams become one stream that runs ahead.
+constexpr int32_t kAhead = 32;
+
+template <class T>
+void prefetch_row(const T* row, int lines) {
+  const char* q = reinterpret_cast<const char*>(row);
+  _mm_prefetch(q, _MM_HINT_T0);
+  for (int l = 1; l < lines; ++l) _mm_prefetch(q + 64 * l, _MM_HINT_T1);
+}
+
+// TM rows of x (fp32, x_stride apart, from the K block's start) x one strip (w: its first K row of the block) over
+// `steps` K steps, into acc (TM rows of kLinearBlockN floats): from zero when `first`, else continuing acc. With
+// pf_lines > 0, prefetches that many lines of the K row kAhead steps ahead, for the first pf_steps steps (those whose
+// row ahead is still inside the packed weight).
+template <class E, int TM>
+void micro(const float* x, int64_t x_stride, const typename E::T* w, int32_t steps, bool first, float* acc_rows,
+           int pf_lines, int32_t pf_steps) {
+  constexpr int64_t kRow = kLinearBlockN * E::kPack;  // elements per K step (row or pair row) of a block
+  Vec acc[TM][2];
+  for (int r = 0; r < TM; ++r)
+    for (int h = 0; h < 2; ++h) acc[r][h] = first ? zero() : load(acc_rows + r * kLinearBlockN + 8 * h);
+  int32_t s = 0;
+  if (pf_lines > 0) {
+    for (const int32_t end = std::min(steps, pf_steps); s < end; ++s) {
+      prefetch_row(w + (s + kAhead) * kRow, pf_lines);
+      E::template step<TM>(acc, x + s * E::kPack, x_stride, w + s * kRow);
+    }
+  }
+  for (; s < steps; ++s) E::template step<TM>(acc, x + s * E::kPack, x_stride, w + s * kRow);
+  for (int r = 0; r < TM; ++r)
+    for (int h = 0; h < 2; ++h) store(acc_rows + r * kLinearBlockN + 8 * h, acc[r][h]);
+}
+
+template <class E>
+void micro_rows(int tm, const float* x, int64_t x_stride, const typename E::T* w, int32_t steps, bool first,
+                float* acc, int pf_lines, int32_t pf_steps) {
+  switch (tm) {
+    case 1: return micro<E, 1>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps);
+    case 2: return micro<E, 2>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps);
+    case 3: return micro<E, 3>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps);
+    case 4: return micro<E, 4>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps);
+    case 5: return micro<E, 5>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps);
+    default: return micro<E, 6>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps);
+  }
+}
+
+// The tile's x rows over K [k0, k1) as fp32 rows: fp32 x in place, bf16 widened into a per-thread buffer.
+struct XRows {
+  const float* data;
+  int64_t stride;
+};
+
+XRows x_rows(const LinearParams& p, int32_t m, int tm, int32_t k0, int32_t k1, const float*) {
+  return {static_cast<const float*>(p.x) + m * p.x_row_stride + k0, p.x_row_stride};
+}
+
+XRows x_rows(const LinearParams& p, int32_t m, int tm, int32_t k0, int32_t k1, const uint16_t*) {
+  thread_local std::vector<float> buf;
+  const int32_t kb = k1 - k0;
+  if (int64_t(buf.size()) < int64_t(tm) * kb) buf.resize(int64_t(tm) * kb);
+  for (int r = 0; r < tm; ++r) {
+    const uint16_t* row = static_cast<const uint16_t*>(p.x) + (m + r) * p.x_row_stride + k0;
+    for (int32_t i = 0; i < kb; i += kLanes) store_n(buf.data() + int64_t(r) * kb + i, load_n(row + i, kb - i), kb - i);
+  }
+  return {buf.data(), kb};
+}
+
+Vec silu(Vec g) { return div(g, add(set1(1.0f), exp_ps(sub(zero(), g)))); }
+
+// Writes 8 output columns from output column oc of row m (fewer at the row's end), after the residual add.
+template <class T>
+void store_out(const LinearParams& p, int32_t m, int32_t oc, Vec v) {
+  const int n = p.n_out - oc;
+  if (n <= 0) return;
+  if (p.residual) v = add(v, load_n(static_cast<const T*>(p.residual) + m * p.residual_row_stride + oc, n));
+  store_n(static_cast<T*>(p.out) + m * p.out_row_stride + oc, v, n);
+}
+
+// The epilogue of rows [m, m + tm) over packed columns [c, c + width) (whole 32-column units), from acc (rows of
+// kLinearBlockN floats; column c at acc[0]).
+template <class T>
+void epilogue(const LinearParams& p, int32_t m, int tm, int32_t c, int32_t width, const float* acc) {
+  for (int r = 0; r < tm; ++r) {
+    const float* a = acc + r * kLinearBlockN;
+    for (int32_t j = 0; j < width; j += kLinearUnitN) {
+      Vec v[4];
+      for (int h = 0; h < 4; ++h) {
+        v[h] = load(a + j + 8 * h);
+        if (p.bias) v[h] = add(v[h], load(p.bias + c + j + 8 * h));
+      }
+      if (p.gated) {  // gate columns [0, 16) of the unit, up columns [16, 32): output columns (c + j) / 2 + [0, 16)
+        for (int h = 0; h < 2; ++h) store_out<T>(p, m + r, (c + j) / 2 + 8 * h, mul(silu(v[h]), v[h + 2]));
+      } else {
+        for (int h = 0; h < 4; ++h) store_out<T>(p, m + r, c + j + 8 * h, v[h]);
+      }
+    }
+  }
+}
+
+template <class E>
+void rect(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1) {
+  using T = typename E::T;
+  const int32_t k_steps = p.k / E::kPack;  // K is even for bf16 (the launcher pads)
+  const T* packed = static_cast<const T*>(p.w_packed);
+  thread_local std::vector<float> partial;  // [m1 - m0][64]: the rectangle's accumulators for one block part
+  partial.assign(size_t(m1 - m0) * kLinearBlockN, 0.0f);
+  for (int32_t c = c0; c < c1;) {
+    const int32_t block = c / kLinearBlockN, part0 = c % kLinearBlockN;
+    const int32_t width = std::min(kLinearBlockN - part0, c1 - c);  // 32 or 64 columns of this block
+    const T* w = packed + (int64_t(block) * k_steps * kLinearBlockN + part0) * E::kPack;
+    for (int32_t k0 = 0; k0 < p.k; k0 += kKBlock) {
+      const int32_t k1 = std::min(p.k, k0 + kKBlock), s0 = k0 / E::kPack, steps = (k1 - k0) / E::kPack;
+      const T* wk = w + int64_t(s0) * kLinearBlockN * E::kPack;
+      for (int32_t m = m0; m < m1; m += kTileRows) {
+        const int tm = std::min<int32_t>(kTileRows, m1 - m);
+        const XRows x = x_rows(p, m, tm, k0, k1, static_cast<const T*>(nullptr));
+        float* acc = partial.data() + int64_t(m - m0) * kLinearBlockN;
+        for (int32_t s = 0; s < width; s += kStripN) {
+          const int pf_lines = m == m0 && s == 0 ? width / kStripN : 0;
+          micro_rows<E>(tm, x.data, x.stride, wk + s * E::kPack, steps, k0 == 0, acc + s, pf_lines,
+                        k_steps - s0 - kAhead);
+        }
+        if (k1 == p.k) epilogue<T>(p, m, tm, c, width, acc);
+      }
+    }
+    if (p.k == 0) {  // no K block ran: the product is zero (partial still holds the zeros it was filled with)
+      for (int32_t m = m0; m < m1; m += kTileRows)
+        epilogue<T>(p, m, std::min<int32_t>(kTileRows, m1 - m), c, width,
+                    partial.data() + int64_t(m - m0) * kLinearBlockN);
+    }
+    c += width;
+  }
+}
+
+const LinearCpuOps kF32Ops{rect<F32>, kTileRows};
+const LinearCpuOps kBf16Ops{rect<Bf16>, kTileRows};
+
+}  // namespace
+
+const LinearCpuOps* linear_ops_avx2(DType dtype) {
+  if (dtype == DType::kFloat32) return &kF32Ops;
+  if (dtype == DType::kBFloat16) return &kBf16Ops;
+  return nullptr;
+}
+
+}  // namespace pyscore
