@@ -191,8 +191,9 @@ const LinearCpuOps kF32Ops{rect<F32>, kTileRows};
 // Tiles: fp32 accumulators C (up to 4 of 16 rows x 16 columns), A (4-5: 16 rows of x x 32 K) and B (6-7: 16 K pairs
 // x 16 packed columns x 2). B is read straight from the packed layout: a block's K-pair rows are 64 columns x 2 bf16
 // = 256 bytes apart, and 16 columns x one pair is one 64-byte row of a B tile. Micro-kernels: 2 row tiles x one
-// 32-column unit (2x2 C tiles, 4 tile loads per 4 TDPBF16PS) while 17 or more rows are left; 1 row tile x a whole
-// 64-column block (1x4: each K-pair row of the weight read whole, front to back) for 16 rows or fewer, as in decode.
+// 32-column unit (2x2 C tiles, 4 tile loads per 4 TDPBF16PS) for 17 rows or more at K <= 2048; 1 row tile x a whole
+// 64-column block (1x4: each K-pair row of the weight read whole, front to back) for 16 rows or fewer (decode) and
+// for K > 2048. Both give the same bits: an element's TDPBF16PS sequence does not depend on the tiles around it.
 // Each output element is the same TDPBF16PS sequence over K whatever M is and wherever its row falls (tail rows run
 // in a zero-padded copy, K blocks are a function of K alone), so rows are batch-invariant as on the other paths.
 // Needs K % 32 == 0 (every K of the supported families); other K run the widened-FMA path for the whole weight.
@@ -363,16 +364,22 @@ void rect_amx(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t
       auto acc_at = [&](int32_t t, int32_t c) {
         return k_blocks == 1 ? local[flip ^= 1] : partial.data() + int64_t(t) * kAmxTileRows * width + (c - c0);
       };
-      if (tiles == 1) {  // whole 64-column blocks where the rectangle has them
-        AmxRows a;
-        tile_rows(r0, a, 0);
+      // 1 x 4 tiles, each K-pair row of a 64-column block read whole (the 2 x 2 tiles read half of it, and the
+      // other half again for the next unit): for 16 rows or fewer, and over K blocks (K > 2048), where the weight
+      // panels do not stay in L1 either way (0.8x -> 0.87x torch at Qwen3-8B's qkv and down prefill).
+      if (tiles == 1 || k_blocks > 1) {
         for (int32_t c = c0; c < c1;) {
           const bool whole_block = c % kLinearBlockN == 0 && c + kLinearBlockN <= c1;
           const int32_t cw = whole_block ? kLinearBlockN : kLinearUnitN;
-          float* acc = acc_at(0, c);
-          if (whole_block) amx_block<1, 4>(a, weights(c), steps, first, acc, ldc, pending);
-          else amx_block<1, 2>(a, weights(c), steps, first, acc, ldc, pending);
-          if (last) pending.set(r0, r1 - r0, c, cw, acc, ldc);
+          for (int32_t t = 0; t < tiles; ++t) {
+            const int32_t m = r0 + t * kAmxTileRows;
+            AmxRows a;
+            tile_rows(m, a, 0);
+            float* acc = acc_at(t, c);
+            if (whole_block) amx_block<1, 4>(a, weights(c), steps, first, acc, ldc, pending);
+            else amx_block<1, 2>(a, weights(c), steps, first, acc, ldc, pending);
+            if (last) pending.set(m, std::min(kAmxTileRows, r1 - m), c, cw, acc, ldc);
+          }
           c += cw;
         }
         continue;
