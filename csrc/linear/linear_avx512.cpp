@@ -320,7 +320,7 @@ void amx_block(const AmxRows& a, const uint16_t* w, int32_t steps, bool first, f
 
 // Cache blocking (the K blocks are a function of K alone, which keeps the bits): rows in blocks of kAmxRowBlock,
 // K in near-equal blocks of at most kAmxKBlock, so that a row block's x over a K block stays in L2 while every unit
-// of the rectangle passes over it. Partial sums wait in fp32 between K blocks (exact); the epilogue runs after the
+// (or 64-column block) of the rectangle passes over it. Partial sums wait in fp32 between K blocks (exact); the epilogue runs after the
 // last, one tile block behind the tiles (PendingEpilogue).
 constexpr int32_t kAmxKBlock = 2048, kAmxRowBlock = 256;
 
