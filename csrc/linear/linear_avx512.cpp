@@ -188,13 +188,19 @@ const LinearCpuOps kBf16WidenOps{rect<Bf16Widen>, kTileRows};
 const LinearCpuOps kF32Ops{rect<F32>, kTileRows};
 
 // ---- AMX (bf16) ------------------------------------------------------------------------------------------------
-// Tiles 0-3: fp32 accumulators C[2][2] (16 rows x 16 columns each); 4-5: A (16 rows of x x 32 K); 6-7: B (16 K pairs
-// x 16 packed columns x 2), read straight from the packed layout: a block's K-pair rows are 64 columns x 2 bf16 =
-// 256 bytes apart, and 16 columns x one pair is one 64-byte row of a B tile. One micro-step covers 32 rows x one
-// 32-column unit over the whole K; each output element is the same TDPBF16PS sequence over K whatever M is and
-// wherever its row falls (tail rows run in a zero-padded copy), so rows are batch-invariant as on the other paths.
+// Tiles: fp32 accumulators C (up to 4 of 16 rows x 16 columns), A (4-5: 16 rows of x x 32 K) and B (6-7: 16 K pairs
+// x 16 packed columns x 2). B is read straight from the packed layout: a block's K-pair rows are 64 columns x 2 bf16
+// = 256 bytes apart, and 16 columns x one pair is one 64-byte row of a B tile. Micro-kernels: 2 row tiles x one
+// 32-column unit (2x2 C tiles, 4 tile loads per 4 TDPBF16PS) for 17 rows or more at K <= 2048; 1 row tile x a whole
+// 64-column block (1x4: each K-pair row of the weight read whole, front to back) for 16 rows or fewer (decode) and
+// for K > 2048. Both give the same bits: an element's TDPBF16PS sequence does not depend on the tiles around it.
+// Each output element is the same TDPBF16PS sequence over K whatever M is and wherever its row falls (tail rows run
+// in a zero-padded copy, K blocks are a function of K alone), so rows are batch-invariant as on the other paths.
 // Needs K % 32 == 0 (every K of the supported families); other K run the widened-FMA path for the whole weight.
-constexpr int kAmxRows = 32, kAmxK = 32;
+// Tried and measured slower here (Xeon family 6 model 167, bench/results/tiers/linear_amx.txt): x repacked into
+// contiguous 1 KB tile images, software prefetch of the next B rows, K blocks under 2048 (partials in L2), N chunks,
+// row-tile-major order.
+constexpr int kAmxTileRows = 16, kAmxK = 32;
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -211,106 +217,195 @@ void load_tile_config() {
   _tile_loadconfig(&cfg);
 }
 
-// acc [32][32] fp32 = rows a (kAmxRows rows, a_stride elements apart) x unit w (a block's K-pair rows from w) over k.
-// acc [32][32] fp32 (+)= rows a x unit w over K [k0, k1): from zero when `first`, else continuing the partial sums
-// in acc (an fp32 tile stored and reloaded is exact, so a K split in blocks gives the unsplit bits).
-void amx_unit(const uint16_t* a, int64_t a_stride, const uint16_t* w, int32_t k0, int32_t k1, bool first, float* acc) {
-  constexpr int64_t c_bytes = kAmxRows * 4;
-  if (first) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-  } else {
-    _tile_loadd(0, acc, c_bytes);
-    _tile_loadd(1, acc + 16, c_bytes);
-    _tile_loadd(2, acc + 16 * kAmxRows, c_bytes);
-    _tile_loadd(3, acc + 16 * kAmxRows + 16, c_bytes);
-  }
-  const int64_t a_bytes = a_stride * 2, b_bytes = kLinearBlockN * 2 * 2;
-  for (int32_t s = k0; s < k1; s += kAmxK) {
-    const uint16_t* b = w + int64_t(s / 2) * kLinearBlockN * 2;
-    _tile_loadd(4, a + s, a_bytes);
-    _tile_loadd(5, a + 16 * a_stride + s, a_bytes);
-    _tile_loadd(6, b, b_bytes);
-    _tile_loadd(7, b + 32, b_bytes);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-  }
-  _tile_stored(0, acc, c_bytes);
-  _tile_stored(1, acc + 16, c_bytes);
-  _tile_stored(2, acc + 16 * kAmxRows, c_bytes);
-  _tile_stored(3, acc + 16 * kAmxRows + 16, c_bytes);
-}
-
-// The epilogue of rows [m, m + rows) of one unit at packed column c, from acc [32][32].
-void amx_epilogue(const LinearParams& p, int32_t m, int32_t rows, int32_t c, const float* acc) {
-  const __m512 b0 = p.bias ? _mm512_loadu_ps(p.bias + c) : _mm512_setzero_ps();
-  const __m512 b1 = p.bias ? _mm512_loadu_ps(p.bias + c + 16) : _mm512_setzero_ps();
-  for (int32_t r = 0; r < rows; ++r) {
-    const __m512 v0 = _mm512_add_ps(_mm512_loadu_ps(acc + r * kAmxRows), b0);
-    const __m512 v1 = _mm512_add_ps(_mm512_loadu_ps(acc + r * kAmxRows + 16), b1);
-    if (p.gated) {
-      store_out<Bf16>(p, m + r, c / 2, _mm512_mul_ps(silu_ps(v0), v1));
-    } else {
-      store_out<Bf16>(p, m + r, c, v0);
-      store_out<Bf16>(p, m + r, c + 16, v1);
+// The epilogue of rows [m, m + rows) x packed columns [c, c + width) (whole units), from acc (rows ldc apart).
+void amx_epilogue(const LinearParams& p, int32_t m, int32_t rows, int32_t c, int32_t width, const float* acc,
+                  int64_t ldc) {
+  for (int32_t u = 0; u < width; u += kLinearUnitN) {
+    const __m512 b0 = p.bias ? _mm512_loadu_ps(p.bias + c + u) : _mm512_setzero_ps();
+    const __m512 b1 = p.bias ? _mm512_loadu_ps(p.bias + c + u + 16) : _mm512_setzero_ps();
+    for (int32_t r = 0; r < rows; ++r) {
+      const __m512 v0 = _mm512_add_ps(_mm512_loadu_ps(acc + r * ldc + u), b0);
+      const __m512 v1 = _mm512_add_ps(_mm512_loadu_ps(acc + r * ldc + u + 16), b1);
+      if (p.gated) {
+        store_out<Bf16>(p, m + r, (c + u) / 2, _mm512_mul_ps(silu_ps(v0), v1));
+      } else {
+        store_out<Bf16>(p, m + r, c + u, v0);
+        store_out<Bf16>(p, m + r, c + u + 16, v1);
+      }
     }
   }
 }
 
-// Cache blocking: rows in blocks of 32-row groups, K in blocks of kAmxKBlock, so that a row block's x slab over a K
-// block stays in L2 while every unit of the rectangle passes over it, and each unit's weight panel over that K block
-// is read once per row block. Partial sums wait in fp32 between K blocks (exact); the epilogue runs after the last.
-constexpr int32_t kAmxKBlock = 2048, kAmxSlabBytes = 1 << 20;
+// An epilogue waiting to run: rows [m + done, m + rows) x packed columns [c, c + width) from acc. It runs a few rows
+// at a time between the K steps of the next tile block, so the vector units work while the tiles multiply (run in
+// one piece after its block, it left the tiles idle: SmolLM2's gate_up prefill took 1.3 ms instead of 1.2).
+struct PendingEpilogue {
+  const LinearParams& p;
+  int32_t m = 0, rows = 0, done = 0, c = 0, width = 0;
+  const float* acc = nullptr;
+  int64_t ldc = 0;
+  void run(int32_t n) {
+    const int32_t end = std::min(rows, done + n);
+    if (done < end) amx_epilogue(p, m + done, end - done, c, width, acc + done * ldc, ldc);
+    done = end;
+  }
+  void finish() { run(rows); }
+  void set(int32_t m_, int32_t rows_, int32_t c_, int32_t width_, const float* acc_, int64_t ldc_) {
+    m = m_, rows = rows_, done = 0, c = c_, width = width_, acc = acc_, ldc = ldc_;
+  }
+};
+
+// Rows of x for the A tiles: row tile i starts at row[i] (at the K block's first column), its rows stride[i]
+// elements apart (x itself, or the zero-padded copy of a short last tile).
+struct AmxRows {
+  const uint16_t* row[2];
+  int64_t stride[2];
+};
+
+// acc [RT * 16][BT * 16] fp32 (+)= RT row tiles of x x BT B tiles of the weight from w, over `steps` K steps of 32:
+// from zero when `first`, else continuing the partial sums in acc (an fp32 tile stored and reloaded is exact, so a K
+// split in blocks gives the unsplit bits); acc rows are ldc apart. `pending` is run between the steps and finished
+// before acc is written.
+template <int RT, int BT>
+void amx_block(const AmxRows& a, const uint16_t* w, int32_t steps, bool first, float* acc, int64_t ldc,
+               PendingEpilogue& pending) {
+  static_assert((RT == 2 && BT == 2) || (RT == 1 && (BT == 2 || BT == 4)), "four accumulator tiles at most");
+  constexpr int kC = RT * BT;
+  const int64_t c_bytes = ldc * 4, b_bytes = kLinearBlockN * 2 * 2, b_step = (kAmxK / 2) * kLinearBlockN * 2;
+  auto c_at = [&](int t) { return RT == 2 ? acc + (t / 2) * 16 * ldc + (t % 2) * 16 : acc + t * 16; };
+  if (first) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (kC == 4) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+  } else {
+    _tile_loadd(0, c_at(0), c_bytes);
+    _tile_loadd(1, c_at(1), c_bytes);
+    if (kC == 4) {
+      _tile_loadd(2, c_at(2), c_bytes);
+      _tile_loadd(3, c_at(3), c_bytes);
+    }
+  }
+  const int64_t a0_bytes = a.stride[0] * 2, a1_bytes = a.stride[RT - 1] * 2;
+  const int32_t epilogue_rows = (pending.rows - pending.done + steps - 1) / steps;
+  for (int32_t s = 0; s < steps; ++s) {
+    const uint16_t* b = w + int64_t(s) * b_step;
+    _tile_loadd(4, a.row[0] + s * kAmxK, a0_bytes);
+    _tile_loadd(6, b, b_bytes);
+    _tile_loadd(7, b + 32, b_bytes);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (RT == 2) {
+      _tile_loadd(5, a.row[RT - 1] + s * kAmxK, a1_bytes);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    } else if (BT == 4) {
+      _tile_loadd(6, b + 64, b_bytes);
+      _tile_loadd(7, b + 96, b_bytes);
+      _tile_dpbf16ps(2, 4, 6);
+      _tile_dpbf16ps(3, 4, 7);
+    }
+    pending.run(epilogue_rows);
+  }
+  pending.finish();
+  _tile_stored(0, c_at(0), c_bytes);
+  _tile_stored(1, c_at(1), c_bytes);
+  if (kC == 4) {
+    _tile_stored(2, c_at(2), c_bytes);
+    _tile_stored(3, c_at(3), c_bytes);
+  }
+}
+
+// Cache blocking (the K blocks are a function of K alone, which keeps the bits): rows in blocks of kAmxRowBlock,
+// K in near-equal blocks of at most kAmxKBlock, so that a row block's x over a K block stays in L2 while every unit
+// (or 64-column block) of the rectangle passes over it. Partial sums wait in fp32 between K blocks (exact); the epilogue runs after the
+// last, one tile block behind the tiles (PendingEpilogue).
+constexpr int32_t kAmxKBlock = 2048, kAmxRowBlock = 256;
 
 void rect_amx(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1) {
   if (p.k % kAmxK) return rect<Bf16Widen>(p, m0, m1, c0, c1);
   const uint16_t* x = static_cast<const uint16_t*>(p.x);
   const uint16_t* packed = static_cast<const uint16_t*>(p.w_packed);
   const int64_t k_pairs = p.k / 2;
-  // The rows of a short last group, zero-padded to 32 (fresh per call: the tile config and buffers are per thread).
+  const int32_t k_steps = p.k / kAmxK, k_blocks = (p.k + kAmxKBlock - 1) / kAmxKBlock;
+  const int32_t block_steps = (k_steps + k_blocks - 1) / k_blocks;
+  const int32_t width = c1 - c0, row_block = std::min(m1 - m0, kAmxRowBlock);
+  // Per thread, fresh per call: the zero-padded rows of a short last tile; the partials between K blocks.
   thread_local std::vector<uint16_t> tail;
   thread_local std::vector<float> partial;
-  load_tile_config();
-  const int32_t whole = m0 + (m1 - m0) / kAmxRows * kAmxRows;
+  // With one K block the accumulators go through two small L1 buffers instead: one written, one in its epilogue.
+  alignas(64) float local[2][2 * kAmxTileRows * kLinearBlockN];
+  int flip = 0;
+  const int64_t ldc = k_blocks == 1 ? kLinearBlockN : width;
+  if (k_blocks > 1) partial.resize(size_t((row_block + 31) / 32 * 32) * width);
+  const int32_t whole = m0 + (m1 - m0) / kAmxTileRows * kAmxTileRows;
   if (whole < m1) {
-    tail.assign(size_t(kAmxRows) * p.k, 0);
+    tail.assign(size_t(kAmxTileRows) * p.k, 0);
     for (int32_t m = whole; m < m1; ++m)
       std::memcpy(tail.data() + int64_t(m - whole) * p.k, x + m * p.x_row_stride, size_t(p.k) * 2);
   }
-  auto unit_weights = [&](int32_t c) {
-    return packed + (int64_t(c / kLinearBlockN) * k_pairs * kLinearBlockN + c % kLinearBlockN) * 2;
-  };
-  const int32_t kb = std::min(p.k, kAmxKBlock);
-  const int32_t block_rows = std::max<int32_t>(kAmxRows, kAmxSlabBytes / (kb * 2) / kAmxRows * kAmxRows);
-  const int32_t units = (c1 - c0) / kLinearUnitN;
-  const bool k_blocked = kb < p.k;  // else one accumulator tile set is reused: nothing waits between K blocks
-  for (int32_t r0 = m0; r0 < m1; r0 += block_rows) {
-    const int32_t r1 = std::min(m1, r0 + block_rows);
-    const int32_t groups = (r1 - r0 + kAmxRows - 1) / kAmxRows;
-    partial.resize(size_t(k_blocked ? groups * units : 1) * kAmxRows * kAmxRows);
-    for (int32_t k0 = 0; k0 < p.k; k0 += kb) {
-      const int32_t k1 = std::min(p.k, k0 + kb);
-      for (int32_t u = 0; u < units; ++u) {
-        const int32_t c = c0 + u * kLinearUnitN;
-        for (int32_t g = 0; g < groups; ++g) {
-          const int32_t m = r0 + g * kAmxRows;
-          const bool in_tail = m >= whole;
-          float* acc = partial.data() + (k_blocked ? size_t(g * units + u) * kAmxRows * kAmxRows : 0);
-          amx_unit(in_tail ? tail.data() : x + m * p.x_row_stride, in_tail ? p.k : p.x_row_stride, unit_weights(c),
-                   k0, k1, k0 == 0, acc);
-          if (k1 == p.k) amx_epilogue(p, m, std::min(kAmxRows, m1 - m), c, acc);
+  PendingEpilogue pending{p};
+  load_tile_config();
+  for (int32_t r0 = m0; r0 < m1; r0 += row_block) {
+    const int32_t r1 = std::min(m1, r0 + row_block), tiles = (r1 - r0 + kAmxTileRows - 1) / kAmxTileRows;
+    for (int32_t s0 = 0; s0 < k_steps; s0 += block_steps) {
+      const int32_t steps = std::min(block_steps, k_steps - s0);
+      const bool first = s0 == 0, last = s0 + steps == k_steps;
+      auto tile_rows = [&](int32_t m, AmxRows& a, int i) {
+        a.row[i] = (m < whole ? x + m * p.x_row_stride : tail.data()) + int64_t(s0) * kAmxK;
+        a.stride[i] = m < whole ? p.x_row_stride : p.k;
+      };
+      auto weights = [&](int32_t c) {
+        return packed + (int64_t(c / kLinearBlockN) * k_pairs * kLinearBlockN + c % kLinearBlockN) * 2 +
+               int64_t(s0) * (kAmxK / 2) * kLinearBlockN * 2;
+      };
+      auto acc_at = [&](int32_t t, int32_t c) {
+        return k_blocks == 1 ? local[flip ^= 1] : partial.data() + int64_t(t) * kAmxTileRows * width + (c - c0);
+      };
+      // 1 x 4 tiles, each K-pair row of a 64-column block read whole (the 2 x 2 tiles read half of it, and the
+      // other half again for the next unit): for 16 rows or fewer, and over K blocks (K > 2048), where the weight
+      // panels do not stay in L1 either way (0.8x -> 0.87x torch at Qwen3-8B's qkv and down prefill).
+      if (tiles == 1 || k_blocks > 1) {
+        for (int32_t c = c0; c < c1;) {
+          const bool whole_block = c % kLinearBlockN == 0 && c + kLinearBlockN <= c1;
+          const int32_t cw = whole_block ? kLinearBlockN : kLinearUnitN;
+          for (int32_t t = 0; t < tiles; ++t) {
+            const int32_t m = r0 + t * kAmxTileRows;
+            AmxRows a;
+            tile_rows(m, a, 0);
+            float* acc = acc_at(t, c);
+            if (whole_block) amx_block<1, 4>(a, weights(c), steps, first, acc, ldc, pending);
+            else amx_block<1, 2>(a, weights(c), steps, first, acc, ldc, pending);
+            if (last) pending.set(m, std::min(kAmxTileRows, r1 - m), c, cw, acc, ldc);
+          }
+          c += cw;
+        }
+        continue;
+      }
+      for (int32_t c = c0; c < c1; c += kLinearUnitN) {  // unit-major: the unit's weight panel is reused by all rows
+        for (int32_t t = 0; t < tiles; t += 2) {
+          const int32_t m = r0 + t * kAmxTileRows;
+          AmxRows a;
+          tile_rows(m, a, 0);
+          float* acc = acc_at(t, c);
+          if (t + 1 < tiles) {
+            tile_rows(m + kAmxTileRows, a, 1);
+            amx_block<2, 2>(a, weights(c), steps, first, acc, ldc, pending);
+          } else {
+            amx_block<1, 2>(a, weights(c), steps, first, acc, ldc, pending);
+          }
+          if (last) pending.set(m, std::min(2 * kAmxTileRows, r1 - m), c, kLinearUnitN, acc, ldc);
         }
       }
     }
   }
+  pending.finish();
   _tile_release();
 }
 
-const LinearCpuOps kBf16AmxOps{rect_amx, kAmxRows};
+const LinearCpuOps kBf16AmxOps{rect_amx, kAmxTileRows};
 
 }  // namespace
 

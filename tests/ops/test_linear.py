@@ -171,6 +171,31 @@ def test_bf16_widened_path_is_bitwise_the_dpbf16_path(monkeypatch):
         assert torch.equal(outs["widen"], outs["dpbf16"]), shape
 
 
+# The AMX tile GEMM's blockings (K % 32 == 0): (K, N, gated). K over 2048 runs in K blocks with fp32 partials
+# (2080 = 65 steps of 32: blocks of 33 and 32); N off the 64-column blocks leaves a 32-column unit or a partial one;
+# gated I = 40 pads its last unit.
+AMX_SHAPES = {"k-blocked": (2080, 200, False), "k-blocked-gated": (2080, 2 * 40, True), "one-block": (96, 72, False),
+              "gated-i-40": (544, 2 * 40, True)}
+
+
+@pytest.mark.parametrize("shape", list(AMX_SHAPES))
+def test_amx_blockings(shape, monkeypatch):
+    """At tier amx: M from 1 (the 1 x 4 decode tiles, and their 32-column leftover) through odd M over 16 (2 x 2
+    tiles, a 1 x 2 last tile, a zero-padded tail), with bias and residual; and every row bitwise the row alone."""
+    if "amx" not in _ext.runnable_cpu_tiers():
+        pytest.skip("needs a CPU with AMX")
+    monkeypatch.setenv("PYSCORE_CPU_TIER", "amx")
+    k, n, gated = AMX_SHAPES[shape]
+    for m in (1, 8, 16, 17, 33, 47, 64):
+        check_linear(m, k, n, gated, torch.bfloat16, bias=True, residual=m % 2 == 1, strided=m == 17, seed=m)
+    x, w, b, _ = make_inputs(47, k, n, gated, torch.bfloat16, bias=True, residual=False, seed=5)
+    packed = pack_linear(w, b, gated=gated)
+    alone = rows_alone(x, packed)
+    for m in (2, 16, 17, 31, 32, 33, 47):
+        assert torch.equal(linear(x[:m], packed, backend="kernel"), alone[:m]), f"M={m}"
+    assert torch.equal(linear(x.flip(0), packed, backend="kernel"), alone.flip(0))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_linear_portable_cpu_path(monkeypatch, dtype):
     """The scalar code that runs on CPUs without AVX-512, forced on this one (also batch-invariant)."""
