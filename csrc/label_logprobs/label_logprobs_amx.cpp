@@ -16,29 +16,16 @@
 #include <cstring>
 #include <vector>
 
+#include "common/amx_tiles.h"
 #include "label_logprobs/cpu_ops.h"
 
 namespace pyscore {
 namespace {
 
+// Tiles (common/amx_tiles.h): 0-3 C (fp32 16 x 16), 4 A (weight rows), 5-7 B (read-out rows).
 constexpr int kTile = 16;        // vocabulary rows per A tile = read-out rows per B tile
 constexpr int kStep = 32;        // hidden elements per dot step (64 bytes of bf16)
 constexpr int kGroupsPerPass = 4;  // C tiles 0-3
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void load_tile_config() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
 
 // H [R, K] -> B tiles [groups][K / 32][16 pairs][16 rows][2]: tile (g, t) row p holds, for read-out rows
 // 16g .. 16g + 15, hidden elements 32t + 2p and 32t + 2p + 1. Rows past R are zero.
@@ -116,7 +103,7 @@ void logits_chunk(const LabelLogprobsParams& p, int32_t v0, int32_t n, float* ou
   const std::vector<uint32_t>& b = packed_rows();
   thread_local std::vector<uint16_t> tail;
   alignas(64) float c[kGroupsPerPass * kTile * kTile];
-  load_tile_config();
+  load_amx_tiles_16x64();
   for (int32_t j = 0; j < n; j += kTile) {
     const int32_t live = std::min(kTile, n - j);
     const uint16_t* wj = w + (v0 + j) * p.weight_row_stride;

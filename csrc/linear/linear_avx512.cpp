@@ -11,6 +11,7 @@
 #include <cstring>
 #include <vector>
 
+#include "common/amx_tiles.h"
 #include "common/vec_math_avx512.h"
 #include "linear/cpu_ops.h"
 
@@ -202,21 +203,6 @@ const LinearCpuOps kF32Ops{rect<F32>, kTileRows};
 // row-tile-major order.
 constexpr int kAmxTileRows = 16, kAmxK = 32;
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void load_tile_config() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
-
 // The epilogue of rows [m, m + rows) x packed columns [c, c + width) (whole units), from acc (rows ldc apart).
 void amx_epilogue(const LinearParams& p, int32_t m, int32_t rows, int32_t c, int32_t width, const float* acc,
                   int64_t ldc) {
@@ -347,7 +333,7 @@ void rect_amx(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t
       std::memcpy(tail.data() + int64_t(m - whole) * p.k, x + m * p.x_row_stride, size_t(p.k) * 2);
   }
   PendingEpilogue pending{p};
-  load_tile_config();
+  load_amx_tiles_16x64();
   for (int32_t r0 = m0; r0 < m1; r0 += row_block) {
     const int32_t r1 = std::min(m1, r0 + row_block), tiles = (r1 - r0 + kAmxTileRows - 1) / kAmxTileRows;
     for (int32_t s0 = 0; s0 < k_steps; s0 += block_steps) {

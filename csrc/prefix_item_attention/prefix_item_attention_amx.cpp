@@ -20,6 +20,7 @@
 #include <limits>
 #include <vector>
 
+#include "common/amx_tiles.h"
 #include "common/vec_math_avx512.h"
 #include "prefix_item_attention/cpu_ops.h"
 
@@ -28,6 +29,7 @@ namespace {
 
 using namespace avx512;
 
+// Tiles (common/amx_tiles.h): 0-3 C (fp32 16 x 16), 4 A, 5-7 B.
 constexpr int kRows = 16;       // query rows per tile: an AMX tile's rows
 constexpr int kDimStep = 32;    // head_dim elements per Q.K^T dot step: one A-tile row of bf16
 constexpr int kOutDims = 64;    // output dims per P.V pass: four 16-column C tiles
@@ -35,22 +37,6 @@ constexpr int kKeyHalf = 32;    // keys per P.V dot step: one A-tile row of bf16
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0-3: C (fp32 16 x 16); 4: A; 5-7: B. All 16 rows x 64 bytes.
-void load_tile_config() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
 
 // 2^x for probabilities that are rounded to bf16 (relative error 2^-9) before P.V: a degree-4 fit on [-1/2, 1/2]
 // (relative error 2.7e-6) instead of exp2_ps's degree 7 (~1 ulp), which this kernel's softmax spends most of its
@@ -237,7 +223,7 @@ void attend(const void* q_, int32_t rows, const int32_t* limits, const void* k_p
   thread_local std::vector<float> o_tail;
   alignas(64) float lse_tail[kRows];
   TileState st;
-  load_tile_config();
+  load_amx_tiles_16x64();
   for (int32_t r0 = 0; r0 < rows; r0 += kRows) {
     const int32_t n = std::min(kRows, rows - r0);
     for (int r = 0; r < kRows; ++r) st.limit[r] = r >= n ? 0 : limits ? std::min(limits[r0 + r], num_keys) : num_keys;
