@@ -36,8 +36,10 @@ LINEAR_FP32 = Choice("kernel", "AVX-512 FMAs, batch-invariant; 1.0-1.8x torch's 
 LINEAR_AVX2 = Choice("kernel", "AVX2 + FMA, batch-invariant; fp32 1.1-1.7x torch's batch-invariant (chunked) path "
                                "and 0.90-1.20x one unchunked MKL AVX2 F.linear, bf16 (widened to fp32) 2.8-5.1x "
                                "torch's AVX2 bf16 F.linear (bench/results/tiers/linear_avx2.txt)")
-LINEAR_TORCH_AVX512 = Choice("torch", "torch's AVX-512 fp32 GEMM beats our AVX2 one at prefill, 1.4-1.8x "
-                                      "(bench/results/tiers/linear_avx512.txt)")
+LINEAR_FP32_AVX512 = Choice("kernel", "ours, AVX-512 FMAs up to K = 4096 (0.93-0.99x one unchunked F.linear at "
+                                      "prefill, 1.04-1.97x at decode, 1.3-1.4x torch's batch-invariant row calls) and "
+                                      "the K-blocked AVX2 kernel above (0.84x the row calls at K = 12288 prefill) "
+                                      "(bench/results/tiers/linear_avx512_fp32.txt)")
 LINEAR_AVX2_ON_AVX512 = Choice("kernel", "ours (AVX2, bf16 widened) is 2.2-2.5x torch's AVX-512 bf16 F.linear without "
                                          "bf16 hardware (bench/results/tiers/linear_avx512.txt)")
 LINEAR_TORCH = Choice("torch", "oneDNN/MKL GEMM beats a vector-FMA GEMM without bf16 hardware "
@@ -63,7 +65,7 @@ TORCH_UNTUNED = Choice("torch", "no vectorized kernel at this tier: the scalar p
 # op -> tier -> dtype name -> Choice ("*" = every dtype).
 CPU_TIERS: dict[str, dict[str, dict[str, Choice]]] = {
     "linear": {"generic": {"*": LINEAR_TORCH}, "avx2": {"*": LINEAR_AVX2},
-               "avx512": {"float32": LINEAR_TORCH_AVX512, "bfloat16": LINEAR_AVX2_ON_AVX512},
+               "avx512": {"float32": LINEAR_FP32_AVX512, "bfloat16": LINEAR_AVX2_ON_AVX512},
                "avx512bf16": {"*": KERNEL_ZEN4},
                "amx": {"bfloat16": LINEAR_AMX, "float32": LINEAR_FP32}},
     "prefix_item_attention": {"generic": {"*": ALGORITHM}, "avx2": {"*": AVX2}, "avx512": {"*": AVX2_ON_AVX512},

@@ -154,6 +154,29 @@ def test_avx2_kernel_is_batch_invariant(monkeypatch, shape, dtype):
     assert_batch_invariant(shape, dtype)
 
 
+@pytest.mark.parametrize("shape", ["smollm-gate_up", "smollm-down", "k-blocked", "over-4096"])
+def test_avx512_tier_fp32_runs_the_avx512_kernel_up_to_k_4096(monkeypatch, shape):
+    """Tier avx512 (AVX-512F without BF16), fp32: the AVX-512 FMA kernel for K <= 4096, bitwise what it gives at tier
+    avx512bf16, and the K-blocked AVX2 kernel above, bitwise what it gives at tier avx2; both batch-invariant and
+    within the reference's tolerance."""
+    module = _ext.cpu_module()
+    if module is None or not module.cpu_features()["avx512f"]:
+        pytest.skip("needs pyscore._C on a CPU with AVX-512")
+    k, n, gated = {**ALL_SHAPES, "over-4096": (4160, 72, False)}[shape]
+    x, w, b, r = make_inputs(13, k, n, gated, torch.float32, bias=True, residual=True, seed=3)
+    packed = pack_linear(w, b, gated=gated)
+    outs = {}
+    for tier in ("avx512", "avx512bf16", "avx2"):
+        monkeypatch.setenv("PYSCORE_CPU_TIER", tier)
+        outs[tier] = linear(x, packed, residual=r, backend="kernel")
+    same_as = "avx512bf16" if k <= 4096 else "avx2"
+    assert torch.equal(outs["avx512"], outs[same_as]), f"K={k}: tier avx512 did not run the {same_as} kernel"
+    monkeypatch.setenv("PYSCORE_CPU_TIER", "avx512")
+    check_linear(13, k, n, gated, torch.float32, bias=True, residual=True, seed=3)
+    if shape in ALL_SHAPES:
+        assert_batch_invariant(shape, torch.float32)
+
+
 def test_bf16_widened_path_is_bitwise_the_dpbf16_path(monkeypatch):
     module = _ext.cpu_module()
     if module is None or not module.cpu_features()["avx512bf16"]:
