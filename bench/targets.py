@@ -115,7 +115,9 @@ class OurPaths:
     """The five paths for targets with our API (gRPC, our HTTP front door, the engine in process), written once
     over two calls each target makes its own way: `_score_call` (a Score with the Yes/No label ids and
     apply_softmax; the fields the path adds) and `_top_call` (one one-token generation, chat-templated or not:
-    its first token's top alternatives and Usage). Every request carries `cache_options(self.prefix_cache)`."""
+    its first token's top alternatives and Usage). Every question dispatch carries one
+    `cache_options(self.prefix_cache)`: `_generate`'s one-token generations share it, as vLLM's completions of one
+    question share their cache_salt."""
 
     info: TargetInfo
     marker: str | None
@@ -125,7 +127,8 @@ class OurPaths:
     async def _score_call(self, query: str, items: list[str], **fields: Any) -> Any:
         raise NotImplementedError
 
-    async def _top_call(self, prompt: str, chat: bool, top: int) -> tuple[list[tuple[str, float]], Any]:
+    async def _top_call(self, prompt: str, chat: bool, top: int,
+                        cache: dict[str, Any] | None = None) -> tuple[list[tuple[str, float]], Any]:
         raise NotImplementedError
 
     async def _score(self, q: Question, mode: str) -> Decision:
@@ -141,7 +144,8 @@ class OurPaths:
 
     async def _generate(self, q: Question) -> Decision:
         p = prompts.pointwise(q)
-        answers = await asyncio.gather(*(self._top_call(p.query + item, False, GENERATE_TOP_LOGPROBS)
+        cache = cache_options(self.prefix_cache)  # one question dispatch: its candidates share the query's blocks
+        answers = await asyncio.gather(*(self._top_call(p.query + item, False, GENERATE_TOP_LOGPROBS, cache)
                                          for item in p.items))
         return usage_decision(generate_choice([top for top, _ in answers]), [u for _, u in answers], self.timed)
 
@@ -243,9 +247,10 @@ class GrpcTarget(OurPaths, Target):
         return await self.client.score(query, items, label_token_ids=self.info.label_token_ids, apply_softmax=True,
                                        **fields, **cache_options(self.prefix_cache))
 
-    async def _top_call(self, prompt: str, chat: bool, top: int) -> tuple[list[tuple[str, float]], Any]:
-        r = await self.client.generate(prompt, apply_chat_template=chat, max_tokens=1, top_logprobs=top,
-                                       **cache_options(self.prefix_cache))
+    async def _top_call(self, prompt: str, chat: bool, top: int,
+                        cache: dict[str, Any] | None = None) -> tuple[list[tuple[str, float]], Any]:
+        cache = cache_options(self.prefix_cache) if cache is None else cache
+        r = await self.client.generate(prompt, apply_chat_template=chat, max_tokens=1, top_logprobs=top, **cache)
         return tops_of(r), r.usage
 
 
@@ -518,8 +523,9 @@ class PyscoreHTTPTarget(OurPaths, HTTPTarget):
         return ScoreResult(scores=scores, label_token_ids=answer["label_token_ids"], mode=answer.get("mode", ""),
                            usage=self.usage(answer))
 
-    async def _top_call(self, prompt: str, chat: bool, top: int) -> tuple[list[tuple[str, float]], Any]:
-        cache = cache_options(self.prefix_cache)
+    async def _top_call(self, prompt: str, chat: bool, top: int,
+                        cache: dict[str, Any] | None = None) -> tuple[list[tuple[str, float]], Any]:
+        cache = cache_options(self.prefix_cache) if cache is None else cache
         if not chat:
             answer = await self.post("/v1/completions", {"model": self.model, "prompt": prompt, "max_tokens": 1,
                                                          "temperature": 0.0, "logprobs": top, **cache})
@@ -591,10 +597,11 @@ class InProcessTarget(OurPaths, Target):
         return await self.run(lambda: self.engine.score(query, items, label_token_ids=self.info.label_token_ids,
                                                         apply_softmax=True, **fields, **cache))
 
-    async def _top_call(self, prompt: str, chat: bool, top: int) -> tuple[list[tuple[str, float]], Any]:
+    async def _top_call(self, prompt: str, chat: bool, top: int,
+                        cache: dict[str, Any] | None = None) -> tuple[list[tuple[str, float]], Any]:
         from pyscore.types import GenerateRequest
 
-        cache = cache_options(self.prefix_cache)
+        cache = cache_options(self.prefix_cache) if cache is None else cache
         r = await self.run(self.engine.generate, GenerateRequest(prompt=prompt, apply_chat_template=chat, max_tokens=1,
                                                                  top_logprobs=top, **cache))
         return tops_of(r), r.usage

@@ -242,3 +242,30 @@ def test_vllm_counters_sum_label_sets(stub):
     assert after == {"prefix_cache_queries": 300, "prefix_cache_hits": 128, "prompt_tokens": 300,
                      "computed_tokens": 300 - 2 * CACHED_TOKENS}
     assert prometheus_counters("# only comments\n", {"x": ("x_total", ())}) == {}
+
+
+def test_our_generate_shares_one_salt_per_dispatch():
+    """pyscore's one-token generations of one question carry one prefix_cache_salt, so its candidates share the
+    query's cached blocks (as vLLM's completions share their cache_salt); the next dispatch gets a fresh one."""
+    from bench.targets import OurPaths
+    from pyscore.types import Usage
+
+    class Recorder(OurPaths):
+        def __init__(self) -> None:
+            self.caches: list[dict] = []
+
+        async def _top_call(self, prompt, chat, top, cache=None):
+            self.caches.append(cache)
+            return [(" Yes", -0.1)], Usage(prompt_tokens=10, computed_tokens=10, cached_tokens=0)
+
+    target = Recorder()
+
+    async def twice() -> None:
+        await target._generate(Q)
+        await target._generate(Q)
+
+    asyncio.run(twice())
+    salts = [c["prefix_cache_salt"] for c in target.caches]
+    n = len(Q.options)
+    assert len(salts) == 2 * n
+    assert len(set(salts[:n])) == 1 and len(set(salts[n:])) == 1 and salts[0] != salts[n]
