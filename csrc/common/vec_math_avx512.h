@@ -3,7 +3,9 @@
 #pragma once
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
+#include <limits>
 
 namespace pyscore {
 namespace avx512 {
@@ -29,6 +31,19 @@ static inline __m512 exp2_ps(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-01f));  // ln2
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   return _mm512_maskz_scalef_ps(normal, p, n);
+}
+
+// The last step of a flash-attention tile, for `rows` rows of `dim` (a multiple of 16) fp32 outputs: o[r] /= sum[r]
+// (o stays 0 for a row that saw no key) and lse[r], the natural-log log-sum-exp of the row's scores, from the
+// running max of its base-2 scores and the running sum of 2^(score - max) (-inf for a row that saw no key).
+static inline void finish_softmax_rows(float* o, int rows, int dim, const float* max2, const float* sum, float* lse) {
+  for (int r = 0; r < rows; ++r) {
+    const float l = sum[r];
+    const __m512 inv = _mm512_set1_ps(l > 0.0f ? 1.0f / l : 0.0f);
+    for (int d = 0; d < dim; d += 16)
+      _mm512_storeu_ps(o + r * dim + d, _mm512_mul_ps(inv, _mm512_loadu_ps(o + r * dim + d)));
+    lse[r] = l > 0.0f ? max2[r] * 0.6931471805599453f + std::log(l) : -std::numeric_limits<float>::infinity();
+  }
 }
 
 // ---- bf16 pairs widened to fp32 (the Bf16Dot::kWiden path, see common/cpu_features.h) ----------------------------

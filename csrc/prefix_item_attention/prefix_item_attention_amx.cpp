@@ -35,7 +35,6 @@ constexpr int kDimStep = 32;    // head_dim elements per Q.K^T dot step: one A-t
 constexpr int kOutDims = 64;    // output dims per P.V pass: four 16-column C tiles
 constexpr int kKeyHalf = 32;    // keys per P.V dot step: one A-tile row of bf16 P
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // 2^x for probabilities that are rounded to bf16 (relative error 2^-9) before P.V: a degree-4 fit on [-1/2, 1/2]
@@ -203,13 +202,7 @@ void attend_tile(const uint16_t* q, const uint16_t* kp, const uint16_t* vp, int3
       }
     }
   }
-  for (int r = 0; r < kRows; ++r) {
-    const float l = st.sum[r];
-    const __m512 inv = _mm512_set1_ps(l > 0.0f ? 1.0f / l : 0.0f);
-    for (int d = 0; d < head_dim; d += 16)
-      _mm512_storeu_ps(o + r * head_dim + d, _mm512_mul_ps(inv, _mm512_loadu_ps(o + r * head_dim + d)));
-    lse[r] = l > 0.0f ? st.max[r] * kLn2 + std::log(l) : kNegInf;
-  }
+  finish_softmax_rows(o, kRows, head_dim, st.max, st.sum, lse);
 }
 
 void attend(const void* q_, int32_t rows, const int32_t* limits, const void* k_packed, const void* v_packed,

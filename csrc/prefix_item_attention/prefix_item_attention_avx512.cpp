@@ -25,7 +25,6 @@ using namespace avx512;
 constexpr int kTileRows = 6;
 constexpr int kZmmPerTile = 4;
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Element traits. T is the stored type of q, K, V and the output; B the broadcast operand of the tile's products
@@ -276,13 +275,7 @@ void attend_tile(const typename E::B* q, const int32_t* limits, const typename E
     const int pairs = (std::min(kKeyBlock, key_end - key0) + E::kPack - 1) / E::kPack;
     pv_block<E, TM>(pbuf, v_packed + block, pairs, head_dim, st, o);
   }
-  for (int r = 0; r < TM; ++r) {
-    const float l = st.sum[r];
-    const __m512 inv = _mm512_set1_ps(l > 0.0f ? 1.0f / l : 0.0f);
-    for (int d = 0; d < head_dim; d += 16)
-      _mm512_storeu_ps(o + r * head_dim + d, _mm512_mul_ps(inv, _mm512_loadu_ps(o + r * head_dim + d)));
-    lse[r] = l > 0.0f ? st.max[r] * kLn2 + std::log(l) : kNegInf;
-  }
+  finish_softmax_rows(o, TM, head_dim, st.max, st.sum, lse);
 }
 
 template <class E>
