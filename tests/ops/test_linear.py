@@ -196,27 +196,43 @@ def test_bf16_widened_path_is_bitwise_the_dpbf16_path(monkeypatch):
 
 # The AMX tile GEMM's blockings (K % 32 == 0): (K, N, gated). K over 2048 runs in K blocks with fp32 partials
 # (2080 = 65 steps of 32: blocks of 33 and 32); N off the 64-column blocks leaves a 32-column unit or a partial one;
-# gated I = 40 pads its last unit.
+# gated I = 40 pads its last unit; N over 256 packed columns runs in several column chunks (I = 300: 640 packed).
 AMX_SHAPES = {"k-blocked": (2080, 200, False), "k-blocked-gated": (2080, 2 * 40, True), "one-block": (96, 72, False),
-              "gated-i-40": (544, 2 * 40, True)}
+              "gated-i-40": (544, 2 * 40, True), "column-chunks": (96, 600, False),
+              "column-chunks-gated": (544, 2 * 300, True)}
 
 
 @pytest.mark.parametrize("shape", list(AMX_SHAPES))
 def test_amx_blockings(shape, monkeypatch):
     """At tier amx: M from 1 (the 1 x 4 decode tiles, and their 32-column leftover) through odd M over 16 (2 x 2
-    tiles, a 1 x 2 last tile, a zero-padded tail), with bias and residual; and every row bitwise the row alone."""
+    tiles, a 1 x 2 last tile, a zero-padded tail) to M over one 256-row block, with bias and residual; and every row
+    bitwise the row alone."""
     if "amx" not in _ext.runnable_cpu_tiers():
         pytest.skip("needs a CPU with AMX")
     monkeypatch.setenv("PYSCORE_CPU_TIER", "amx")
     k, n, gated = AMX_SHAPES[shape]
-    for m in (1, 8, 16, 17, 33, 47, 64):
+    for m in (1, 8, 16, 17, 33, 47, 64, 301):
         check_linear(m, k, n, gated, torch.bfloat16, bias=True, residual=m % 2 == 1, strided=m == 17, seed=m)
-    x, w, b, _ = make_inputs(47, k, n, gated, torch.bfloat16, bias=True, residual=False, seed=5)
+    x, w, b, _ = make_inputs(301, k, n, gated, torch.bfloat16, bias=True, residual=False, seed=5)
     packed = pack_linear(w, b, gated=gated)
     alone = rows_alone(x, packed)
-    for m in (2, 16, 17, 31, 32, 33, 47):
+    for m in (2, 16, 17, 31, 32, 33, 47, 301):
         assert torch.equal(linear(x[:m], packed, backend="kernel"), alone[:m]), f"M={m}"
     assert torch.equal(linear(x.flip(0), packed, backend="kernel"), alone.flip(0))
+
+
+def test_amx_k_blocked_rows_past_one_row_block(monkeypatch):
+    """At tier amx over several K blocks, rows come in blocks of up to 1024 (fp32 partials between the K blocks):
+    M = 1100 runs two row blocks, and every row is bitwise the row alone."""
+    if "amx" not in _ext.runnable_cpu_tiers():
+        pytest.skip("needs a CPU with AMX")
+    monkeypatch.setenv("PYSCORE_CPU_TIER", "amx")
+    check_linear(1100, 2080, 64, False, torch.bfloat16, bias=True, residual=True, seed=3)
+    x, w, b, _ = make_inputs(1100, 2080, 64, False, torch.bfloat16, bias=True, residual=False, seed=4)
+    packed = pack_linear(w, b)
+    out = linear(x, packed, backend="kernel")
+    for m0, m1 in ((0, 1), (1000, 1100), (1023, 1025)):
+        assert torch.equal(linear(x[m0:m1], packed, backend="kernel"), out[m0:m1]), f"rows {m0}:{m1}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
