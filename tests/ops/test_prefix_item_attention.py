@@ -27,6 +27,8 @@ STREAMS = {
     "mixed": [(70, [1, 7, 33]), (0, [19]), (23, []), (5, [64, 3]), (0, [1]), (1, [1, 1])],
     "long": [(130, [90, 1, 45])],
 }
+# Ranges of over 2,000 keys (some 33 key blocks of the online softmax): a long prefix and a long causal sequence.
+LONG_STREAMS = {"chunked": [(2100, [40, 3]), (0, [2090])]}
 HEADS = {"mha-d64": (4, 4, 64), "gqa3-d64": (9, 3, 64), "gqa4-d128": (8, 2, 128), "gqa2-d96": (4, 2, 96),
          "gqa4-d256": (8, 2, 256)}  # the last: Qwen3.5's heads
 
@@ -77,7 +79,7 @@ def assert_within(out: torch.Tensor, ref: torch.Tensor, atol: float, what: str) 
 
 def check_prefix_item_attention(device, stream: str, heads: str, dtype: torch.dtype, fused: bool) -> None:
     hq, hkv, d = HEADS[heads]
-    segments, num_tokens = make_segments(STREAMS[stream], device)
+    segments, num_tokens = make_segments({**STREAMS, **LONG_STREAMS}[stream], device)
     q, k, v = make_qkv(num_tokens, hq, hkv, d, dtype, device, fused)
     try:
         out = prefix_item_attention(q, k, v, segments, backend="kernel")
@@ -239,6 +241,22 @@ def test_amx_tiles_run_at_tier_amx(monkeypatch, stream, heads):
     assert not torch.equal(tiles, fma), "tier amx ran the AVX-512 attend(), not the AMX tiles"
     monkeypatch.setenv("PYSCORE_CPU_TIER", "amx")
     assert torch.equal(prefix_item_attention(q, k, v, segments, backend="kernel"), tiles)
+
+
+@pytest.mark.parametrize("heads", ["gqa3-d64", "gqa4-d128"])
+def test_amx_tiles_over_long_ranges(monkeypatch, heads):
+    """Ranges of over 2,000 keys (many rescales of the online softmax) pass the reference check at tier amx, and an
+    item's rows come out the same behind a long causal sequence as alone."""
+    amx_or_skip()
+    monkeypatch.setenv("PYSCORE_CPU_TIER", "amx")
+    check_prefix_item_attention("cpu", "chunked", heads, torch.bfloat16, fused=True)
+    hq, hkv, d = HEADS[heads]
+    alone, t_alone = make_segments([(2100, [40, 3])], "cpu")
+    packed, t_packed = make_segments([(0, [2090]), (2100, [40, 3])], "cpu")
+    q, k, v = make_qkv(t_packed, hq, hkv, d, torch.bfloat16, "cpu", fused=True)
+    offset = t_packed - t_alone
+    out_alone = prefix_item_attention(q[offset:], k[offset:], v[offset:], alone, backend="kernel")
+    assert torch.equal(prefix_item_attention(q, k, v, packed, backend="kernel")[offset:], out_alone)
 
 
 def test_amx_tiles_result_does_not_depend_on_batch_mates(monkeypatch):
