@@ -10,7 +10,7 @@ after minute 5 stayed within ±10% of its minute-5 value. Not a CI test: it prod
 Controls, to tell allocator retention from a leak: `--trim-under-load` (the worker calls malloc_trim every
 10 s even while busy), `--allocator jemalloc|tcmalloc` (LD_PRELOAD of Debian's libjemalloc2 /
 libtcmalloc-minimal4: `apt-get install libjemalloc2 libtcmalloc-minimal4`), `--server-env KEY=VALUE` (e.g. a
-fixed MALLOC_MMAP_THRESHOLD_, or ONEDNN_PRIMITIVE_CACHE_CAPACITY; see bench/gemm_shapes_memory.py for why).
+fixed MALLOC_MMAP_THRESHOLD_, or ONEDNN_PRIMITIVE_CACHE_CAPACITY).
 Results are named after the variant (soak, soak-trim, soak-jemalloc, ...) so that runs do not overwrite each
 other.
 
