@@ -296,8 +296,20 @@ def elapsed_ms(fn: Callable[[], object]) -> float:
 
 
 def median_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
-    """Median wall time of fn() in ms over `reps` calls after `warmup` untimed ones (run it under
-    /work/tools/quiet or on an otherwise idle machine)."""
+    """Median wall time of fn() in ms over `reps` calls after `warmup` untimed ones."""
     for _ in range(warmup):
         fn()
     return percentile([elapsed_ms(fn) for _ in range(reps)], 50)
+
+
+def alternate(fns: dict[str, Callable[[], object]], rounds: int, timer: Callable[[Callable[[], object]], float]
+              = elapsed_ms, setup: dict[str, Callable[[], None]] | None = None) -> dict[str, list[float]]:
+    """The one alternation of bench/: `rounds` rounds in which every function is timed in turn (`setup[name]()`
+    first, untimed), so the machine's drift hits each alike; {name: [timer(fn) per round]}."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if setup and name in setup:
+                setup[name]()
+            times[name].append(timer(fn))
+    return times
