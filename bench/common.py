@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import os
@@ -161,34 +160,6 @@ def spawn_server(*flags: str, log: Path, metrics: bool = False, timeout_s: float
             proc.kill()
             raise TimeoutError(f"the server did not serve within {timeout_s} s; see {log}")
         time.sleep(0.2)
-
-
-def add_server_run_args(ap: argparse.ArgumentParser, capacity_s: float, **numbers: tuple[float, str]) -> None:
-    """The options of a load run against a server of our own (overload, soak): `numbers` are the command's own,
-    name=(default, help), each of its default's type."""
-    for name, (default, text) in numbers.items():
-        ap.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default,
-                        help=f"{text} (default {default:g})")
-    ap.add_argument("--capacity-s", type=float, default=capacity_s, help="seconds of the capacity measurement")
-    ap.add_argument("--server-args", default="", help='more `python -m server` flags, e.g. "--threads 1"')
-    ap.add_argument("--name", help="the result files' name (default: the command's, or the variant's)")
-    ap.add_argument("--out", type=Path, default=REPO / "bench/results/hardening")
-
-
-def run_record(name: str, args: argparse.Namespace, load_before: tuple[float, ...], **fields: Any) -> dict[str, Any]:
-    """A load run's result: its name, when, the CPU, the load averages before and after, its options, `fields`."""
-    return dict(run=name, when=time.strftime("%Y-%m-%d %H:%M:%S"), cpu=machine(),
-                machine=dict(before=dict(loadavg=load_before, cpus=os.cpu_count()),
-                             after=dict(loadavg=os.getloadavg(), cpus=os.cpu_count())),
-                config=dict(vars(args), out=str(args.out)), **fields)
-
-
-def run_header(r: dict[str, Any], what: str, offered: str) -> list[str]:
-    """The first lines of a load run's report: the run, the machine, the capacity and the load offered."""
-    m = r["machine"]
-    return [f"# {r['run']} {r['when']} | {r['cpu']}: {what}; load average before {m['before']['loadavg']}, after "
-            f"{m['after']['loadavg']}, {m['before']['cpus']} CPUs; percentiles by bench.summary (linear interpolation)",
-            f"capacity (closed loop, 4 callers) {r['capacity_rps']} req/s; offered {r['offered_rps']} req/s {offered}"]
 
 
 @contextlib.contextmanager

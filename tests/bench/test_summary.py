@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from bench import deploy, loadgen, overload, peers, soak
+from bench import deploy, hardening, loadgen, peers
 from bench.gpu.common import summarize as gpu_summarize
 from bench.loadgen import Record
 from bench.summary import Summary, percentile, write_json, write_report
@@ -47,8 +47,8 @@ def test_every_bench_summary_path_reports_the_same_p95():
     got = {
         "loadgen (serving, sweep, ...)": loadgen.summarize_records(records, 1.0)["end_to_end_latency_ms"]["p95"],
         "peers": peers.phase_summary(records, 1.0)["p95_ms"],
-        "overload": overload.summarize(records)["accepted_latency_ms"]["p95"],
-        "soak": soak.summarize(records, 1.0)["latency_ms"]["p95"],
+        "overload": hardening.summarize(records)["accepted_latency_ms"]["p95"],
+        "soak": hardening.soak_summary(records, 1.0)["latency_ms"]["p95"],
         "deploy": deploy.summary(records, 1.0)["latency_ms"]["p95"],
         "gpu": gpu_summarize(LATENCIES_MS)["p95"],
     }
