@@ -1,6 +1,7 @@
 """What every benchmark shares: where it ran (`machine`, `machine_info`, `git_commit`), a server of our own
 (`spawn_server`, `spawned_server`) and its samples under load (`sampled`), the synthetic decision question
-(`question`), kernel inputs (`segment_rows`, `fused_qkv`) and a median timer."""
+(`question`), kernel inputs (`segment_rows`, `fused_qkv`), and the timers: `median_ms` and `alternate`, the one
+alternation (contenders timed in turn, round after round, so the machine's drift hits each alike)."""
 
 from __future__ import annotations
 
