@@ -244,7 +244,8 @@ def make_bench(a: argparse.Namespace) -> None:
     if not a.skip_inprocess:
         run_inprocess(out, a.reps, a.inprocess_questions, a.threads)
         phases["inprocess_s"] = time.monotonic() - t0
-    settings = Settings(reps=a.reps, num_questions=a.num_questions, duration_s=a.duration or 12.0, warmup=2, seed=0)
+    settings = Settings(reps=a.reps, num_questions=a.num_questions, duration_s=a.duration or 12.0, warmup=2, seed=0,
+                        progress=not a.no_progress)
     steps = [CLOSED_C1, CLOSED_C8] + ([] if a.skip_open else OPEN)
     t1 = time.monotonic()
     with spawned_server(out / "server.log", ["--threads", str(a.threads)] if a.threads else []) as server:
