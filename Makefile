@@ -67,7 +67,7 @@ serve: build
 BENCH_OUT ?= bench/results/latest
 BENCH_ARGS ?=
 bench: build $(DEV_STAMP)
-	$(PY) -m bench.sweep --out $(BENCH_OUT) $(BENCH_ARGS)
+	$(PY) -m bench.serving --sweep --out $(BENCH_OUT) $(BENCH_ARGS)
 
 bench-kernels: build $(DEV_STAMP)
 	$(PY) -m bench.kernels

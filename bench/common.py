@@ -1,10 +1,10 @@
 """What every benchmark shares: where it ran (`machine`, `machine_info`, `git_commit`), a server of our own
 (`spawn_server`, `spawned_server`) and its samples under load (`sampled`), the synthetic decision question
-(`question`), kernel inputs (`segment_rows`, `fused_qkv`) and a median timer."""
+(`question`), kernel inputs (`segment_rows`, `fused_qkv`), and the timers: `median_ms` and `alternate`, the one
+alternation (contenders timed in turn, round after round, so the machine's drift hits each alike)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import os
@@ -163,34 +163,6 @@ def spawn_server(*flags: str, log: Path, metrics: bool = False, timeout_s: float
         time.sleep(0.2)
 
 
-def add_server_run_args(ap: argparse.ArgumentParser, capacity_s: float, **numbers: tuple[float, str]) -> None:
-    """The options of a load run against a server of our own (overload, soak): `numbers` are the command's own,
-    name=(default, help), each of its default's type."""
-    for name, (default, text) in numbers.items():
-        ap.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default,
-                        help=f"{text} (default {default:g})")
-    ap.add_argument("--capacity-s", type=float, default=capacity_s, help="seconds of the capacity measurement")
-    ap.add_argument("--server-args", default="", help='more `python -m server` flags, e.g. "--threads 1"')
-    ap.add_argument("--name", help="the result files' name (default: the command's, or the variant's)")
-    ap.add_argument("--out", type=Path, default=REPO / "bench/results/hardening")
-
-
-def run_record(name: str, args: argparse.Namespace, load_before: tuple[float, ...], **fields: Any) -> dict[str, Any]:
-    """A load run's result: its name, when, the CPU, the load averages before and after, its options, `fields`."""
-    return dict(run=name, when=time.strftime("%Y-%m-%d %H:%M:%S"), cpu=machine(),
-                machine=dict(before=dict(loadavg=load_before, cpus=os.cpu_count()),
-                             after=dict(loadavg=os.getloadavg(), cpus=os.cpu_count())),
-                config=dict(vars(args), out=str(args.out)), **fields)
-
-
-def run_header(r: dict[str, Any], what: str, offered: str) -> list[str]:
-    """The first lines of a load run's report: the run, the machine, the capacity and the load offered."""
-    m = r["machine"]
-    return [f"# {r['run']} {r['when']} | {r['cpu']}: {what}; load average before {m['before']['loadavg']}, after "
-            f"{m['after']['loadavg']}, {m['before']['cpus']} CPUs; percentiles by bench.summary (linear interpolation)",
-            f"capacity (closed loop, 4 callers) {r['capacity_rps']} req/s; offered {r['offered_rps']} req/s {offered}"]
-
-
 @contextlib.contextmanager
 def spawned_server(log: Path, flags: Sequence[str] = (), **kwargs: Any) -> Iterator[ServerProcess]:
     """spawn_server as a context: the server is stopped (gracefully, else killed) on the way out."""
@@ -296,8 +268,20 @@ def elapsed_ms(fn: Callable[[], object]) -> float:
 
 
 def median_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
-    """Median wall time of fn() in ms over `reps` calls after `warmup` untimed ones (run it under
-    /work/tools/quiet or on an otherwise idle machine)."""
+    """Median wall time of fn() in ms over `reps` calls after `warmup` untimed ones."""
     for _ in range(warmup):
         fn()
     return percentile([elapsed_ms(fn) for _ in range(reps)], 50)
+
+
+def alternate(fns: dict[str, Callable[[], object]], rounds: int, timer: Callable[[Callable[[], object]], float]
+              = elapsed_ms, setup: dict[str, Callable[[], None]] | None = None) -> dict[str, list[float]]:
+    """The one alternation of bench/: `rounds` rounds in which every function is timed in turn (`setup[name]()`
+    first, untimed), so the machine's drift hits each alike; {name: [timer(fn) per round]}."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if setup and name in setup:
+                setup[name]()
+            times[name].append(timer(fn))
+    return times

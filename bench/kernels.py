@@ -1,27 +1,18 @@
-"""CPU kernel micro-benchmark, ours and torch measured alternately in one run (rounds of ours, torch, ours, ...; the
-figure is the median of the per-round medians, so a noisy minute hits both sides):
-- prefix_item_attention (one layer's run of a plan made once per batch, as the decoder runs it) on the MIS shape
-  of a SmolLM2 question (prefix 270 + 16 items x 30) and its SIS twin (16 x 300) vs torch SDPA with a dense mask
-  (and, for SIS, torch's batched causal SDPA); bf16 with each bf16 product path (vdpbf16ps / widened FMA);
-- label_logprobs (R = 16 and 1, V = 49152, H = 576) vs log_softmax(h @ W.T).gather;
-- gemm: linear (prepacked) vs F.linear at every projection of SmolLM2-135M and Qwen3-0.6B, M = 1, 4, 8, 16 (decode) and
-  776 (a 16-candidate MIS prefill); decode shapes cycle through ~96 MB of weight copies, as a 30-layer decode
-  step streams its weights from DRAM;
-- decode_attention (8 sequences of 200..1100 cached tokens, SmolLM2 heads) vs one SDPA call per sequence (the
-  decoder's decode path before it);
-- elementwise: add_rms_norm, silu_mul and rotary on the MIS prefill shape (776 tokens, SmolLM2) vs their torch
-  recipes (pyscore.ops.reference, what the decoder ran before the fused ops);
-- `--only linear`: Qwen3.5's linear-attention ops (causal_conv1d + gated_delta_rule, one layer's run of a plan made
-  once per batch) on the same MIS and SIS shapes at the Qwen3.5-0.8B layer shape, ours vs transformers' own torch
-  fallbacks (the chunked rule; MIS as the prefix, then the items batched from its final state) vs our fp32
-  reference, written to bench/results/kernels_linear_cpu.txt.
-Writes the table with the CPU (bench.common.machine: model name, family / model, microarchitecture) and the tier.
-`--tier avx2` (or avx512, generic) forces our kernels' tier (PYSCORE_CPU_TIER) and makes torch take the same ISA
-(ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS; the bench re-executes itself so they hold from
-torch's start): what a machine of that tier would see, measured on a bigger one. `--dtypes` defaults to fp32 on
-tiers without bf16 arithmetic (avx2, avx512, generic, where torch's bf16 is slow), bf16 and fp32 elsewhere. Usage:
-  python -m bench.kernels [--tier avx2] [--dtypes fp32] [--threads 2] [--rounds 5] [--out FILE]
-                          [--only attention labels gemm decode elementwise ...]"""
+"""CPU kernel micro-benchmark: each of our ops against torch's way of doing the same, timed alternately in one run
+(the figure is the median of the per-round medians, so a noisy minute hits both sides). Sections (`--only`):
+attention (prefix_item_attention, one layer's run of a plan, on the MIS shape of a SmolLM2 question and its SIS
+twin, vs SDPA with a dense mask), labels (label_logprobs vs log_softmax(h @ W.T).gather), gemm (prepacked linear vs
+F.linear at SmolLM2 / Qwen3-0.6B projections; decode rows cycle ~96 MB of weight copies, as a decode step streams
+its weights from DRAM), decode (decode_attention vs one SDPA per sequence), elementwise (the fused ops vs their
+pyscore.ops.reference recipes), interleave (our OpenMP kernel between torch matmuls), linear (Qwen3.5's
+conv + gated delta rule vs transformers' torch fallbacks; own file) and tiers (linear at every CPU tier this CPU
+runs vs F.linear, best of --rounds: what pyscore/ops/tiers.py cites; own file).
+
+`--tier T` forces our kernels' tier (PYSCORE_CPU_TIER) and torch's matching ISA; `--torch-isa T` torch's alone.
+Torch reads its ISA settings only when it starts, so the bench re-executes itself with them set. The header names
+the CPU (bench.common.machine) and both tiers. Usage:
+  python -m bench.kernels [--tier avx2] [--dtypes fp32] [--threads 2] [--rounds 5] [--out FILE] [--only SECTION ...]
+  python -m bench.kernels --only tiers [--tiers avx2 avx512] [--torch-isa avx2] [--shapes ...] [--rounds 7]"""
 
 from __future__ import annotations
 
@@ -35,12 +26,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.common import fused_qkv as common_qkv
-from bench.common import machine, median_ms, segment_rows
+from bench.common import alternate as alternate_rounds
+from bench.common import fused_qkv, machine, median_ms, segment_rows
 from bench.summary import write_report
 from pyscore.model.rope import Rotary
 from pyscore.ops import (
     AttentionPlan,
+    PlainLinear,
     SegmentTable,
     _ext,
     add_rms_norm,
@@ -51,8 +43,10 @@ from pyscore.ops import (
     plan_decode,
     rotary_,
     silu_mul,
+    tiers,
 )
 from pyscore.ops.gated_delta_rule import causal_conv1d, gated_delta_rule, plan_linear_attention
+from pyscore.ops.linear import DECODE_ROWS, PREFILL_ROWS
 from pyscore.ops.reference import (
     add_rms_norm_ref,
     causal_conv1d_ref,
@@ -64,8 +58,8 @@ from pyscore.ops.reference import (
     silu_mul_ref,
 )
 
-RESULTS = Path(__file__).resolve().parent / "results" / "kernels_cpu.txt"
-LINEAR_RESULTS = Path(__file__).resolve().parent / "results" / "kernels_linear_cpu.txt"
+RESULTS = Path(__file__).resolve().parent / "results"
+OUT = {"linear": RESULTS / "kernels_linear_cpu.txt", "tiers": RESULTS / "tiers" / "linear.txt"}  # else kernels_cpu
 LIN_SHAPE = (16, 16, 128, 4)  # Qwen3.5-0.8B Gated DeltaNet: Hk, Hv, head dim, conv kernel
 HQ, HKV, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
 VOCAB, HIDDEN = 49152, 576
@@ -77,8 +71,11 @@ LINEAR_SHAPES = [
 ]
 LINEAR_ROWS = [1, 4, 8, 16, 776]
 WEIGHT_BYTES = 96e6  # > 3x this machine's L3: decode-shaped calls read their weights from DRAM
-SECTIONS = ["attention", "labels", "gemm", "decode", "elementwise", "interleave", "linear"]
-DEFAULT_SECTIONS = SECTIONS[:-1]  # "linear" (Qwen3.5's linear attention) runs alone, into its own file
+TIER_SHAPES = {"smollm-gate_up": (576, 3072), "smollm-down": (1536, 576), "qwen3-8b-qkv": (4096, 6144),
+               "qwen3-8b-down": (12288, 4096)}
+TIER_ROWS = {"prefill": (776, PREFILL_ROWS), "decode": (8, DECODE_ROWS)}
+SECTIONS = ["attention", "labels", "gemm", "decode", "elementwise", "interleave", "linear", "tiers"]
+DEFAULT_SECTIONS = SECTIONS[:-2]  # linear and tiers run alone, into their own files
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Per forced tier, torch's own settings for the same ISA (read once, when torch starts).
 TORCH_ISA_ENV = {
@@ -91,22 +88,15 @@ TORCH_ISA_ENV = {
 
 def alternate(fns: dict[str, Callable[[], object]], reps: int, rounds: int,
               setup: dict[str, Callable[[], None]] | None = None) -> dict[str, float]:
-    """Median over `rounds` of each function's median time (ms), the functions taking turns round by round."""
-    per_round: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            if setup and name in setup:
-                setup[name]()
-            per_round[name].append(median_ms(fn, reps))
-    return {name: statistics.median(times) for name, times in per_round.items()}
+    """Median over `rounds` alternating rounds of each function's median time (ms) over `reps` calls."""
+    times = alternate_rounds(fns, rounds, lambda fn: median_ms(fn, reps), setup)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def section(header: list[str], dtypes: list[torch.dtype], rows_of: Callable[[torch.dtype], list[str]]) -> list[str]:
-    """A section's lines: its header, then rows_of(dtype) per dtype, each printed as it comes (a long run shows
-    its progress)."""
-    if header:
-        print("\n".join(header), flush=True)
+    """A section's lines: its header, then rows_of(dtype) per dtype, each printed as it comes."""
     lines = list(header)
+    print("\n".join(header), flush=True)
     for dtype in dtypes:
         rows = rows_of(dtype)
         print("\n".join(rows), flush=True)
@@ -114,46 +104,30 @@ def section(header: list[str], dtypes: list[torch.dtype], rows_of: Callable[[tor
     return lines
 
 
-def with_bf16_dot(path: str) -> Callable[[], None]:
-    def apply() -> None:
-        os.environ["PYSCORE_BF16_DOT"] = path
-    return apply
+def dt(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 # ---- attention and label scores -------------------------------------------------------------------------------
-
-def mis_segments() -> torch.Tensor:
-    """One group: a 270-token prefix, then 16 items of 30 tokens that each see it."""
-    return segment_rows(270, [30] * 16)
-
-
-def sis_segments() -> torch.Tensor:
-    """The same question scored SIS: 16 independent causal sequences of 300 tokens."""
-    return segment_rows(0, [300] * 16)
-
-
-def fused_qkv(num_tokens: int, dtype: torch.dtype):
-    """SmolLM2's q/k/v as the decoder produces them (bench.common.fused_qkv)."""
-    return common_qkv(num_tokens, HQ, HKV, HEAD_DIM, dtype, seed=num_tokens)
+def smollm_qkv(num_tokens: int, dtype: torch.dtype):
+    return fused_qkv(num_tokens, HQ, HKV, HEAD_DIM, dtype, seed=num_tokens)
 
 
 def planned(segments: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable[[], object]:
-    """One layer's attention as the decoder runs it: the plan is made once per batch (not timed), each call runs
-    it."""
+    """One layer's attention as the decoder runs it: the plan made once per batch (untimed), each call runs it."""
     plan = AttentionPlan(SegmentTable.of(segments, q.shape[0]), HQ, HKV, HEAD_DIM, q.dtype, "cpu", backend="kernel")
     return lambda: plan.run(q, k, v)
 
 
 def heads_first(q, k, v):
-    """[Hq, T, D] contiguous copies with the kv heads repeated for GQA: torch SDPA's fastest input layout (made
-    outside the timed region, so the baseline is not charged for it)."""
+    """[Hq, T, D] contiguous copies, kv heads repeated for GQA: torch SDPA's fastest layout (made untimed)."""
     group = q.shape[1] // k.shape[1]
     return tuple(x.transpose(0, 1).repeat_interleave(n, 0).contiguous() for x, n in ((q, 1), (k, group), (v, group)))
 
 
 def bf16_paths(dtype: torch.dtype, default: str) -> list[str]:
-    """The bf16 product paths to time: the CPU's default first, then the other one ("fma" for fp32; "widen" alone on
-    tiers without AVX512-BF16, whose kernels always widen)."""
+    """The bf16 product paths to time, the CPU's default first ("fma" for fp32; "widen" alone on tiers without
+    AVX512-BF16, whose kernels always widen)."""
     if dtype != torch.bfloat16:
         return ["fma"]
     if _ext.cpu_module().cpu_features()["tier"] not in ("avx512bf16", "amx"):
@@ -163,65 +137,61 @@ def bf16_paths(dtype: torch.dtype, default: str) -> list[str]:
 
 def path_setup(paths: list[str]) -> dict[str, Callable[[], None]]:
     """Per bf16 path, what selects it before its turn (PYSCORE_BF16_DOT)."""
-    return {p: with_bf16_dot(p) for p in paths if p != "fma"}
+    return {p: (lambda p=p: os.environ.__setitem__("PYSCORE_BF16_DOT", p)) for p in paths if p != "fma"}
+
+
+def paths_row(label: str, dtype: torch.dtype, paths: list[str], times: dict[str, float], torch_ms: float,
+              ref_ms: float) -> list[str]:
+    return [f"{label:<26}{dt(dtype):<10}{p:<8}{times[p]:>9.3f}{torch_ms:>11.3f}{ref_ms:>11.3f}"
+            f"{torch_ms / times[p]:>11.1f}x{ref_ms / times[p]:>10.1f}x" for p in paths]
 
 
 def attention_rows(name: str, segments: torch.Tensor, dtype: torch.dtype, reps: int, rounds: int,
                    default: str) -> list[str]:
     num_tokens = int(segments[:, 1].sum())
-    q, k, v = fused_qkv(num_tokens, dtype)
+    q, k, v = smollm_qkv(num_tokens, dtype)
     mask = segment_attention_mask(segments, num_tokens)
     qh, kh, vh = (x[None] for x in heads_first(q, k, v))  # [1, H, T, D]: 4-d takes torch's fused CPU kernel
     paths = bf16_paths(dtype, default)
-    run = planned(segments, q, k, v)
-    times = alternate(dict.fromkeys(paths, run), reps, rounds, path_setup(paths))
+    times = alternate(dict.fromkeys(paths, planned(segments, q, k, v)), reps, rounds, path_setup(paths))
     os.environ["PYSCORE_BF16_DOT"] = default
-    sdpa = median_ms(lambda: F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask), max(3, reps // 10),
-                     warmup=1)
+    sdpa = median_ms(lambda: F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask), max(3, reps // 10), 1)
     ref = median_ms(lambda: prefix_item_attention_ref(q, k, v, segments), 3, warmup=1)
-    dt = str(dtype).removeprefix("torch.")
-    return [f"{'attention ' + name:<26}{dt:<10}{p:<8}{times[p]:>9.3f}{sdpa:>11.3f}{ref:>11.3f}"
-            f"{sdpa / times[p]:>11.1f}x{ref / times[p]:>10.1f}x" for p in paths]
+    return paths_row("attention " + name, dtype, paths, times, sdpa, ref)
 
 
 def sis_batched_rows(dtype: torch.dtype, reps: int, default: str) -> list[str]:
-    """SIS against torch at its best: the 16 sequences as a padded-free batch [16, Hq, 300, D], is_causal."""
-    segments = sis_segments()
-    q, k, v = fused_qkv(int(segments[:, 1].sum()), dtype)
-    # [Hq, 16 * 300, D] -> [16, Hq, 300, D]
+    """SIS against torch at its best: the 16 sequences as a pad-free batch [16, Hq, 300, D], is_causal."""
+    segments = segment_rows(0, [300] * 16)
+    q, k, v = smollm_qkv(int(segments[:, 1].sum()), dtype)
     qb, kb, vb = (x.view(HQ, 16, 300, HEAD_DIM).transpose(0, 1).contiguous() for x in heads_first(q, k, v))
     times = alternate({"ours": planned(segments, q, k, v),
                        "torch": lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True)}, reps, 2)
-    dt, path = str(dtype).removeprefix("torch."), bf16_paths(dtype, default)[0]
-    return [f"{'  (torch batched causal)':<26}{dt:<10}{path:<8}{times['ours']:>9.3f}{times['torch']:>11.3f}{'':>11}"
-            f"{times['torch'] / times['ours']:>11.1f}x"]
+    return [f"{'  (torch batched causal)':<26}{dt(dtype):<10}{bf16_paths(dtype, default)[0]:<8}{times['ours']:>9.3f}"
+            f"{times['torch']:>11.3f}{'':>11}{times['torch'] / times['ours']:>11.1f}x"]
 
 
 def label_rows(rows: int, dtype: torch.dtype, reps: int, rounds: int, default: str) -> list[str]:
     h = torch.randn(rows, HIDDEN).to(dtype)
     w = (torch.randn(VOCAB, HIDDEN) * HIDDEN**-0.5).to(dtype)
     labels = torch.randint(0, VOCAB, (rows, 2), dtype=torch.int32)
-    index = labels.long()
     paths = bf16_paths(dtype, default)
     fns: dict[str, Callable[[], object]] = {p: (lambda: label_logprobs(h, w, labels, backend="kernel")) for p in paths}
-    fns["torch"] = lambda: torch.log_softmax((h @ w.T).float(), -1).gather(1, index)
+    fns["torch"] = lambda: torch.log_softmax((h @ w.T).float(), -1).gather(1, labels.long())
     times = alternate(fns, reps, rounds, path_setup(paths))
     os.environ["PYSCORE_BF16_DOT"] = default
     ref = median_ms(lambda: label_logprobs_ref(h, w, labels), 3, warmup=1)
-    dt, plain = str(dtype).removeprefix("torch."), times["torch"]
-    return [f"{f'label_logprobs R={rows}':<26}{dt:<10}{p:<8}{times[p]:>9.3f}{plain:>11.3f}{ref:>11.3f}"
-            f"{plain / times[p]:>11.1f}x{ref / times[p]:>10.1f}x" for p in paths]
+    return paths_row(f"label_logprobs R={rows}", dtype, paths, times, times["torch"], ref)
 
 
 def attention_section(reps: int, rounds: int, default: str, dtypes: list[torch.dtype]) -> list[str]:
     header = ["times: median ms; 'torch' = SDPA with a dense [T, T] bool mask (attention) or "
-              "log_softmax((h @ W.T).float()).gather (labels); path = the bf16 product",
-              "",
+              "log_softmax((h @ W.T).float()).gather (labels); path = the bf16 product", "",
               f"{'op / shape':<26}{'dtype':<10}{'path':<8}{'ours':>9}{'torch':>11}{'reference':>11}{'torch/ours':>12}"
               f"{'ref/ours':>11}"]
     return section(header, dtypes, lambda dtype: [
-        *attention_rows("MIS 270+16x30", mis_segments(), dtype, reps, rounds, default),
-        *attention_rows("SIS 16x300", sis_segments(), dtype, max(3, reps // 3), 2, default),
+        *attention_rows("MIS 270+16x30", segment_rows(270, [30] * 16), dtype, reps, rounds, default),
+        *attention_rows("SIS 16x300", segment_rows(0, [300] * 16), dtype, max(3, reps // 3), 2, default),
         *sis_batched_rows(dtype, max(3, reps // 3), default)])
 
 
@@ -231,11 +201,10 @@ def label_section(reps: int, rounds: int, default: str, dtypes: list[torch.dtype
 
 
 # ---- gemm (the linear op) -----------------------------------------------------------------------------------
-
 def linear_row(name: str, x: torch.Tensor, weights: list[torch.Tensor], packed: list, gated: bool,
                rounds: int) -> str:
-    """ours (prepacked, gated = fused SiLU-mul) vs F.linear (gated: + silu(gate) * up in torch, as the unfused
-    decoder computes it) at one M; decode-sized M cycles through all weight copies."""
+    """ours (prepacked, gated = fused SiLU-mul) vs F.linear (gated: + silu(gate) * up in torch) at one M;
+    decode-sized M cycles through all weight copies."""
     (m, k), n = x.shape, weights[0].shape[0]
     cycle = len(weights) if m <= 16 else 1  # prefill is compute bound: one weight, as one layer's call
     turn = [0]
@@ -255,17 +224,6 @@ def linear_row(name: str, x: torch.Tensor, weights: list[torch.Tensor], packed: 
             f"{t / o:>8.2f}x")
 
 
-def linear_rows(name: str, k: int, n: int, gated: bool, rounds: int) -> list[str]:
-    copies = max(1, int(WEIGHT_BYTES // (n * k * 2)))
-    weights = [(torch.randn(n, k) * k**-0.5).bfloat16() for _ in range(copies)]
-    packed = [pack_linear(w, gated=gated) for w in weights]
-    lines = []
-    for m in LINEAR_ROWS:
-        lines.append(linear_row(name, torch.randn(m, k).bfloat16(), weights, packed, gated, rounds))
-        print(lines[-1], flush=True)
-    return lines
-
-
 def gemm_section(rounds: int) -> list[str]:
     lines = ["linear (bf16, prepacked) vs F.linear; gate_up: ours fuses silu(gate) * up, torch runs it after; "
              "decode rows (M <= 16) cycle ~96 MB of weights; TF/s = 2 M N K / time",
@@ -273,12 +231,67 @@ def gemm_section(rounds: int) -> list[str]:
              f"{'t/ours':>9}"]
     print("\n".join(lines), flush=True)
     for name, k, n, gated in LINEAR_SHAPES:
-        lines += linear_rows(name, k, n, gated, rounds)
+        weights = [(torch.randn(n, k) * k**-0.5).bfloat16() for _ in range(max(1, int(WEIGHT_BYTES // (n * k * 2))))]
+        packed = [pack_linear(w, gated=gated) for w in weights]
+        for m in LINEAR_ROWS:
+            lines.append(linear_row(name, torch.randn(m, k).bfloat16(), weights, packed, gated, rounds))
+            print(lines[-1], flush=True)
     return lines
 
 
-# ---- Qwen3.5's linear attention ----------------------------------------------------------------------------------
+# ---- linear per CPU tier ---------------------------------------------------------------------------------------
+def ours_tiers(dtype: torch.dtype, asked: list[str] | None) -> list[str]:
+    """The runnable tiers to time ours at: those asked for, else those whose linear is ours, and avx2 (elsewhere
+    it is the portable loop, which the table never picks)."""
+    runnable = _ext.runnable_cpu_tiers()
+    if asked:
+        return [t for t in runnable if t in asked]
+    return [t for t in runnable if t == "avx2" or tiers.cpu_choice("linear", t, dtype).path == "kernel"]
 
+
+def tier_contenders(x: torch.Tensor, w: torch.Tensor, rows: int, ours_at: list[str]) -> dict[str, Callable]:
+    packed, plain = pack_linear(w), PlainLinear(w, None)
+
+    def ours(tier: str) -> Callable[[], object]:
+        def run() -> object:
+            os.environ["PYSCORE_CPU_TIER"] = tier
+            return linear(x, packed, backend="kernel")
+        return run
+
+    def torch_path() -> object:
+        os.environ["PYSCORE_CPU_TIER"] = "generic"  # a tier whose linear is torch's
+        return linear(x, plain, rows_per_call=rows)
+
+    # the top tier of ours after the torch path: neither it nor F.linear then runs straight after a long run at a
+    # lower tier (on the AMX Xeon, ours@amx at 1.2 ms read 1.9 ms right after the 12 ms AVX-512 run).
+    runs = {f"ours@{t}": ours(t) for t in ours_at[:-1]}
+    runs[f"torch path ({rows}-row calls)"] = torch_path
+    runs.update({f"ours@{t}": ours(t) for t in ours_at[-1:]})
+    runs["torch F.linear"] = lambda: F.linear(x, w)
+    return runs
+
+
+def tiers_section(args: argparse.Namespace, dtypes: list[torch.dtype]) -> list[str]:
+    lines = [f"linear per tier: best of {args.rounds} alternating rounds; ours at each tier by PYSCORE_CPU_TIER",
+             "dtype     shape            pass     path                          ms      GFLOP/s  vs torch F.linear"]
+    for dtype in dtypes:
+        for name in args.shapes:
+            k, n = TIER_SHAPES[name]
+            for phase, (m, rows) in TIER_ROWS.items():
+                gen = torch.Generator().manual_seed(0)
+                x = torch.randn(m, k, generator=gen).to(dtype)
+                w = (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
+                runs = tier_contenders(x, w, rows, ours_tiers(dtype, args.tiers))
+                times = {key: min(ts) for key, ts in alternate_rounds(runs, args.rounds).items()}
+                os.environ.pop("PYSCORE_CPU_TIER", None)
+                base = times["torch F.linear"]
+                lines += [f"{dt(dtype):9} {name:16} {phase:8} {key:29} {ms:7.3f} {2 * m * k * n / ms / 1e6:8.0f}  "
+                          f"{base / ms:5.2f}x" for key, ms in times.items()]
+                print("\n".join(lines[-len(times):]), flush=True)
+    return [*lines, f"command: python -m bench.kernels {' '.join(sys.argv[1:])}"]
+
+
+# ---- Qwen3.5's linear attention ----------------------------------------------------------------------------------
 def linear_inputs(num_tokens: int, dtype: torch.dtype, heads: tuple[int, int, int, int] = LIN_SHAPE,
                   device: str = "cpu"):
     """(x [T, C] conv input, conv weight [C, K], the rule's inputs as views into one projection output) for a
@@ -298,9 +311,9 @@ def linear_inputs(num_tokens: int, dtype: torch.dtype, heads: tuple[int, int, in
 
 
 def transformers_linear(x, weight, rule_args, prefix: int, items: int, item_len: int):
-    """What transformers' Qwen3.5 torch fallbacks need for the same work: MIS as the prefix (final state and conv
-    tail kept), then the items batched [n, L] continuing from it; SIS (prefix 0) as a batch of n sequences. Returns
-    the items' rule outputs [n L, Hv, Dv]."""
+    """The same work on transformers' Qwen3.5 torch fallbacks: MIS as the prefix (final state and conv tail kept),
+    then the items batched [n, L] continuing from it; SIS (prefix 0) as a batch of n sequences. Returns the items'
+    rule outputs [n L, Hv, Dv]."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_fn, torch_chunk_gated_delta_rule
 
     q, k, v, a, b, a_log, dt_bias = rule_args
@@ -329,10 +342,9 @@ def transformers_linear(x, weight, rule_args, prefix: int, items: int, item_len:
 
 def linear_attention_pair(prefix: int, items: int, item_len: int, dtype: torch.dtype,
                           heads: tuple[int, int, int, int] = LIN_SHAPE, device: str = "cpu"):
-    """One Gated DeltaNet layer (conv + rule) over a MIS stream (a `prefix`, then `items` items of `item_len`
-    tokens) or, with no prefix, SIS: (ours, transformers', our reference, the items' max |ours - transformers' in
-    fp32 on the same inputs|, the largest |value| of the latter). Ours is planned once per batch, as a forward pass
-    does; the GPU bench (bench.gpu.kernel_bench) times the same pair."""
+    """One Gated DeltaNet layer (conv + rule) over a MIS stream (`prefix`, then `items` items of `item_len`) or,
+    with no prefix, SIS: (ours, transformers', our reference, the items' max |ours - transformers' in fp32|, the
+    largest |value| of the latter). Ours is planned once per batch; bench.gpu.kernel_bench times the same pair."""
     segments = segment_rows(prefix, [item_len] * items)
     num_tokens = prefix + items * item_len
     x, weight, rule_args = linear_inputs(num_tokens, dtype, heads, device)
@@ -356,11 +368,9 @@ def linear_attention_pair(prefix: int, items: int, item_len: int, dtype: torch.d
 def linear_attention_rows(name: str, prefix: int, items: int, item_len: int, dtype: torch.dtype,
                           reps: int) -> list[str]:
     ours, theirs, reference, diff, _ = linear_attention_pair(prefix, items, item_len, dtype)
-    mine = median_ms(ours, reps)
-    slow = median_ms(theirs, max(3, reps // 5), warmup=1)
+    mine, slow = median_ms(ours, reps), median_ms(theirs, max(3, reps // 5), warmup=1)
     ref = median_ms(reference, 1, warmup=0)
-    dt = str(dtype).removeprefix("torch.")
-    return [f"{'conv+rule ' + name:<26}{dt:<10}{mine:>9.3f}{slow:>13.3f}{ref:>11.1f}{slow / mine:>11.1f}x"
+    return [f"{'conv+rule ' + name:<26}{dt(dtype):<10}{mine:>9.3f}{slow:>13.3f}{ref:>11.1f}{slow / mine:>11.1f}x"
             f"{ref / mine:>10.0f}x{diff:>11.1e}"]
 
 
@@ -370,8 +380,7 @@ def linear_attention_section(reps: int, dtypes: list[torch.dtype]) -> list[str]:
         "ours = causal_conv1d + gated_delta_rule (segment table)",
         "'transformers' = causal_conv1d_fn + torch_chunk_gated_delta_rule (their torch fallbacks; MIS: the prefix, "
         "then the items batched from its final state and conv tail); times: median ms; max diff: the items' rule "
-        "outputs, ours vs transformers' in fp32 on the same inputs",
-        "",
+        "outputs, ours vs transformers' in fp32 on the same inputs", "",
         f"{'op / shape':<26}{'dtype':<10}{'ours':>9}{'transformers':>13}{'reference':>11}{'tf/ours':>12}"
         f"{'ref/ours':>11}{'max diff':>11}",
     ]
@@ -379,14 +388,8 @@ def linear_attention_section(reps: int, dtypes: list[torch.dtype]) -> list[str]:
                    + linear_attention_rows("SIS 16x300", 0, 16, 300, dtype, reps))
 
 
-# ---- decode attention -------------------------------------------------------------------------------------------
-
-def decode_section(reps: int, rounds: int, dtypes: list[torch.dtype]) -> list[str]:
-    return section([f"{'op':<26}{'dtype':<10}{'ours':>9}{'torch':>11}{'torch/ours':>12}"], dtypes,
-                   lambda dtype: [decode_row(reps, rounds, dtype)])
-
-
-def decode_row(reps: int, rounds: int, dtype: torch.dtype) -> str:
+# ---- decode attention, elementwise ops, thread pools ---------------------------------------------------------------
+def decode_row(reps: int, rounds: int, dtype: torch.dtype) -> list[str]:
     lengths = [200, 350, 500, 650, 800, 900, 1000, 1100]
     layers, layer = 30, 17
     # Every sequence's pages in one pool [pages, 2, L, 64, Hkv, D], as the engine's KV store holds them.
@@ -394,36 +397,28 @@ def decode_row(reps: int, rounds: int, dtype: torch.dtype) -> str:
     pool = torch.randn(sum(counts), 2, layers, 64, HKV, HEAD_DIM).to(dtype)
     firsts = [sum(counts[:b]) for b in range(len(lengths))]
     tables = [list(range(f, f + c)) for f, c in zip(firsts, counts, strict=True)]
-    caches_k = [pool[f : f + c, 0].transpose(0, 1).reshape(layers, -1, HKV, HEAD_DIM)
-                for f, c in zip(firsts, counts, strict=True)]
-    caches_v = [pool[f : f + c, 1].transpose(0, 1).reshape(layers, -1, HKV, HEAD_DIM)
-                for f, c in zip(firsts, counts, strict=True)]
+    caches = [pool[f : f + c].transpose(0, 2).reshape(layers, 2, -1, HKV, HEAD_DIM)
+              for f, c in zip(firsts, counts, strict=True)]  # [L, 2, tokens, Hkv, D] per sequence
     q = torch.randn(len(lengths), HQ, HEAD_DIM).to(dtype)
     plan = plan_decode(pool[:, 0], pool[:, 1], tables, lengths)
 
-    def per_sequence_sdpa():  # the decoder's current decode attention: one SDPA call per sequence
-        outs = []
-        for b, n in enumerate(lengths):
-            keys = caches_k[b][layer, :n].transpose(0, 1)[None]
-            values = caches_v[b][layer, :n].transpose(0, 1)[None]
-            outs.append(F.scaled_dot_product_attention(q[b].unsqueeze(1)[None], keys, values, enable_gqa=True)[0, :, 0])
-        return torch.stack(outs)
+    def per_sequence_sdpa():  # the decoder's decode attention before decode_attention: one SDPA per sequence
+        return torch.stack([F.scaled_dot_product_attention(
+            q[b].unsqueeze(1)[None], *(caches[b][layer, kv, :n].transpose(0, 1)[None] for kv in (0, 1)),
+            enable_gqa=True)[0, :, 0] for b, n in enumerate(lengths)])
 
     times = alternate({"ours": lambda: decode_attention(q, plan, layer, backend="kernel"),
                        "torch": per_sequence_sdpa}, reps, rounds)
-    dt = str(dtype).removeprefix("torch.")
-    return (f"{'decode_attention 8 seqs':<26}{dt:<10}{times['ours']:>9.3f}{times['torch']:>11.3f}"
+    return [f"{'decode_attention 8 seqs':<26}{dt(dtype):<10}{times['ours']:>9.3f}{times['torch']:>11.3f}"
             f"{times['torch'] / times['ours']:>11.1f}x   (200..1100 cached tokens, 9/3 heads, d 64; torch = one "
-            f"SDPA per sequence)")
+            f"SDPA per sequence)"]
 
-
-# ---- elementwise (the fused norm / rotary / SiLU ops) -------------------------------------------------------------
 
 def elementwise_rows(dtype: torch.dtype, reps: int, rounds: int) -> list[str]:
     """Each op on the MIS prefill shape (776 tokens of SmolLM2) against its torch recipe, alternately."""
-    tokens, hidden, inter = 776, HIDDEN, 1536
-    x, delta = torch.randn(tokens, hidden).to(dtype), (torch.randn(tokens, hidden) * 1e-3).to(dtype)
-    weight = (torch.randn(hidden) * 0.1 + 1).to(dtype)
+    tokens, inter = 776, 1536
+    x, delta = torch.randn(tokens, HIDDEN).to(dtype), (torch.randn(tokens, HIDDEN) * 1e-3).to(dtype)
+    weight = (torch.randn(HIDDEN) * 0.1 + 1).to(dtype)
     gate_up = torch.randn(tokens, 2 * inter).to(dtype)
     qkv = torch.randn(tokens, HQ + 2 * HKV, HEAD_DIM).to(dtype)
     q, k = qkv[:, :HQ], qkv[:, HQ : HQ + HKV]
@@ -437,53 +432,42 @@ def elementwise_rows(dtype: torch.dtype, reps: int, rounds: int) -> list[str]:
         "rotary 776x(9+3)x64": (lambda: rotary_(q, k, positions, rope.cos, rope.sin, backend="kernel"),
                                 lambda: rotary_ref(q, k, positions, rope.cos, rope.sin)),
     }
-    dt, lines = str(dtype).removeprefix("torch."), []
+    lines = []
     for name, (ours, theirs) in ops.items():
         times = alternate({"ours": ours, "torch": theirs}, reps, rounds)
-        lines.append(f"{name:<26}{dt:<10}{times['ours']:>9.3f}{times['torch']:>11.3f}"
+        lines.append(f"{name:<26}{dt(dtype):<10}{times['ours']:>9.3f}{times['torch']:>11.3f}"
                      f"{times['torch'] / times['ours']:>11.1f}x")
     return lines
-
-
-def elementwise_section(reps: int, rounds: int, dtypes: list[torch.dtype]) -> list[str]:
-    return section(["fused elementwise ops vs their torch recipes (pyscore.ops.reference); times: median ms",
-                    f"{'op / shape':<26}{'dtype':<10}{'ours':>9}{'torch':>11}{'torch/ours':>12}"], dtypes,
-                   lambda dtype: elementwise_rows(dtype, reps, rounds))
 
 
 def interleave_rows(reps: int) -> list[str]:
     """Our OpenMP kernel between torch matmuls, as in the decoder (qkv projection -> attention -> o projection):
     if the two thread pools fought (spin-waiting on 2 cores), the interleaved step would cost more than the sum
     of its parts measured alone."""
-    segments = mis_segments()
+    segments = segment_rows(270, [30] * 16)
     num_tokens = int(segments[:, 1].sum())
     x = torch.randn(num_tokens, 576).bfloat16()
     w_qkv = torch.randn((HQ + 2 * HKV) * HEAD_DIM, 576).bfloat16()
     w_o = torch.randn(576, HQ * HEAD_DIM).bfloat16()
-    q, k, v = fused_qkv(num_tokens, torch.bfloat16)
-
-    def matmuls():
-        return (x @ w_qkv.T)[:, : HQ * HEAD_DIM] @ w_o.T
-
-    kernel = planned(segments, q, k, v)
+    kernel = planned(segments, *smollm_qkv(num_tokens, torch.bfloat16))
 
     def step():
         qkv = x @ w_qkv.T
-        out = kernel()
-        return out.view(num_tokens, -1) @ w_o.T + qkv[:, :576]
+        return kernel().view(num_tokens, -1) @ w_o.T + qkv[:, :576]
 
-    alone = median_ms(matmuls, reps) + median_ms(kernel, reps)
+    alone = median_ms(lambda: (x @ w_qkv.T)[:, : HQ * HEAD_DIM] @ w_o.T, reps) + median_ms(kernel, reps)
     both = median_ms(step, reps)
     return ["thread pools: torch matmuls and our kernel alternating (one decoder layer's pattern, MIS shape)",
             f"{'matmul+attention step':<26}{'bfloat16':<10}{'sum of parts alone':>20}{alone:>9.3f}"
             f"{'interleaved':>13}{both:>9.3f}{both / alone:>9.2f}x"]
 
 
-def force_tier(tier: str) -> None:
-    """PYSCORE_CPU_TIER for our kernels (read at each call); for a tier below the hardware's, torch's matching ISA
-    settings too, which torch reads only when it starts: re-executes this bench once with them set."""
-    os.environ["PYSCORE_CPU_TIER"] = tier
-    wanted = TORCH_ISA_ENV.get(tier, {})
+def force_isa(tier: str | None, torch_isa: str | None) -> None:
+    """PYSCORE_CPU_TIER for our kernels (read at each call); torch's matching ISA settings, which torch reads only
+    when it starts: re-executes this bench once with them set."""
+    if tier:
+        os.environ["PYSCORE_CPU_TIER"] = tier
+    wanted = TORCH_ISA_ENV.get(torch_isa or tier or "", {})
     if any(os.environ.get(k) != v for k, v in wanted.items()):
         os.environ.update(wanted)
         os.execv(sys.executable, [sys.executable, "-m", "bench.kernels", *sys.argv[1:]])
@@ -495,14 +479,17 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20, help="timed calls per round")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per comparison")
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=DEFAULT_SECTIONS)
-    parser.add_argument("--out", type=Path, help="default: kernels_cpu.txt (kernels_linear_cpu.txt for --only linear)")
+    parser.add_argument("--out", type=Path, help="default: kernels_cpu.txt (linear, tiers: their own files)")
     parser.add_argument("--tier", choices=[*TORCH_ISA_ENV, "avx512bf16", "amx"],
                         help="force our kernels' CPU tier, and torch's ISA to match (default: the hardware's)")
+    parser.add_argument("--torch-isa", choices=sorted(TORCH_ISA_ENV), help="torch on this ISA's paths alone")
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES),
                         help="default: fp32 on tiers avx2, avx512 and generic; bf16 and fp32 elsewhere")
+    parser.add_argument("--tiers", nargs="+", help="tiers section: ours at these tiers only")
+    parser.add_argument("--shapes", nargs="+", choices=list(TIER_SHAPES), default=list(TIER_SHAPES),
+                        help="tiers section: the shapes")
     args = parser.parse_args()
-    if args.tier:
-        force_tier(args.tier)
+    force_isa(args.tier, args.torch_isa)
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     module = _ext.cpu_module()
@@ -515,24 +502,28 @@ def main() -> None:
         raise SystemExit(f"tier {args.tier} asked for, but this CPU runs {features['tier']} at most")
     slow_bf16 = features["tier"] in ("avx2", "avx512", "generic")
     dtypes = [DTYPES[d] for d in args.dtypes or (["fp32"] if slow_bf16 else ["bf16", "fp32"])]
-    torch_env = ", ".join(f"{k}={v}" for k, v in TORCH_ISA_ENV.get(args.tier, {}).items())
+    torch_env = ", ".join(f"{k}={v}" for k, v in TORCH_ISA_ENV.get(args.torch_isa or args.tier or "", {}).items())
     lines = [f"machine: {machine()}",
              f"tier: ours {features['tier']}{' (forced)' if args.tier else ''} (hardware {features['hardware_tier']}),"
              f" torch {torch.backends.cpu.get_cpu_capability()}{f' ({torch_env})' if torch_env else ''}",
              f"torch {torch.__version__}, threads {args.threads}, kernel path {features['path']}, bf16 product "
-             f"{default} by default; dtypes {', '.join(str(d).removeprefix('torch.') for d in dtypes)}; "
-             f"cpu features {features}", ""]
+             f"{default} by default; dtypes {', '.join(dt(d) for d in dtypes)}; cpu features {features}", ""]
     print("\n".join(lines), flush=True)
     sections = {
         "attention": lambda: attention_section(args.reps, args.rounds, default, dtypes),
         "labels": lambda: label_section(args.reps, args.rounds, default, dtypes),
         "gemm": lambda: gemm_section(args.rounds),
-        "decode": lambda: decode_section(args.reps, args.rounds, dtypes),
-        "elementwise": lambda: elementwise_section(args.reps, args.rounds, dtypes),
+        "decode": lambda: section([f"{'op':<26}{'dtype':<10}{'ours':>9}{'torch':>11}{'torch/ours':>12}"], dtypes,
+                                  lambda dtype: decode_row(args.reps, args.rounds, dtype)),
+        "elementwise": lambda: section(["fused elementwise ops vs their torch recipes (pyscore.ops.reference); "
+                                        "times: median ms", f"{'op / shape':<26}{'dtype':<10}{'ours':>9}"
+                                        f"{'torch':>11}{'torch/ours':>12}"], dtypes,
+                                       lambda dtype: elementwise_rows(dtype, args.reps, args.rounds)),
         "interleave": lambda: interleave_rows(args.reps),
         "linear": lambda: linear_attention_section(args.reps, dtypes),
+        "tiers": lambda: tiers_section(args, dtypes),
     }
-    out = args.out or (LINEAR_RESULTS if args.only == ["linear"] else RESULTS)
+    out = args.out or OUT.get(args.only[0] if len(args.only) == 1 else "", RESULTS / "kernels_cpu.txt")
     for name in args.only:
         lines += [*sections[name](), ""]
         print(flush=True)

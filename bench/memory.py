@@ -1,18 +1,21 @@
-"""What loading and serving a model costs in memory (issue 20): for each model, a fresh child process imports torch
-and pyscore.engine, notes its RSS (the baseline), resets its peak (/proc/self/clear_refs), loads the model in bf16
-and scores one 2-candidate MIS question. Recorded above the baseline: the peak RSS while loading (VmHWM), the
-steady RSS after the question, the load time and the question's scores; checked against the issue's targets,
-peak <= 1.25 x weights + 0.5 GiB and steady <= 1.10 x weights + 0.5 GiB (weights: the memory plan's weight bytes).
+"""What serving a model costs in memory, two measurements, each recorded in bench/results/memory/:
 
-Models: the embedded SmolLM2-135M, and random-weight bf16 checkpoints of the Qwen3-1.7B, Qwen3-4B, Qwen3-8B and
-Qwen3.5-4B (text model) shapes, written once under `--cache` (tensor by tensor: the writer holds one tensor) with
-the embedded model's tokenizer. Big models need the memory: run one at a time, and mind what else the machine runs.
+- load (issue 20, memory.md): per model, a fresh child process imports torch and pyscore.engine, notes its RSS
+  (the baseline), resets its peak (/proc/self/clear_refs), loads the model in bf16 and scores one 2-candidate MIS
+  question: the peak RSS while loading (VmHWM) and the steady RSS after, above the baseline, against the targets
+  peak <= 1.25 x weights + 0.5 GiB and steady <= 1.10 x weights + 0.5 GiB. Models: the embedded SmolLM2-135M and
+  random-weight bf16 checkpoints of the Qwen3-1.7B/4B/8B and Qwen3.5-4B shapes, written once under `--cache`
+  (tensor by tensor) with the embedded tokenizer. Each run adds its rows to memory.json (a row measured again
+  replaces the old one), so big models can be measured one at a time (`--models qwen3-8b` needs ~19 GiB free).
+- `--kv-sharing` (issue 21, kv_sharing.md): 32 greedy generations, each a 1,000-token system prompt already in the
+  prefix cache followed by its own user turn, decoded together: the KV store's pages held (cache and sequences,
+  each page once) against what the tokens need (one prefix + the 32 suffixes; target <= 1.2 x) at the last step at
+  which all of them run, and what the allocation rule before the paged store (each sequence a buffer of prompt +
+  max_tokens, the prefix copied in) would have held. Pages round up to 64 tokens, so the ratio falls as the user
+  turn grows: it is recorded for a short and a long one.
 
-    python -m bench.memory [--models embedded,qwen3-1.7b] [--cache ~/.cache/pyscore/bench-memory]
-                           [--out bench/results/memory]
-
-Each run adds its rows to bench/results/memory/memory.json (a row measured again replaces the old one), so the big
-models can be measured one at a time: `--models qwen3-8b` needs ~19 GiB free (its weights are 15.3 GiB).
+    python -m bench.memory [--models embedded,qwen3-1.7b] [--cache DIR] [--out bench/results/memory]
+    python -m bench.memory --kv-sharing [--users 32] [--system 1000] [--suffixes 64,448] [--max-tokens 16]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +38,8 @@ GiB = 2**30
 MODELS = ["embedded", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3.5-4b"]
 LABELS = [" Yes", " No"]
 THREADS = 2
-# The pools a bench engine is planned with: a generation budget of 8k tokens; the prefix cache as served.
-MAX_KV_TOKENS = 8192
+MAX_KV_TOKENS = 8192  # the generation budget a bench engine is planned with
+KV_TARGET = 1.2
 
 
 def shapes() -> dict[str, Any]:
@@ -132,6 +136,65 @@ def run_child(name: str, cache: Path) -> dict[str, Any]:
     return dict(json.loads(out.stdout.strip().splitlines()[-1]), commit=git_commit())
 
 
+# --- KV sharing (in this process) ------------------------------------------------------------------------------
+def token_run(tokenizer: Any, text: str, n: int) -> list[int]:
+    """n token ids of `text` repeated (no special tokens)."""
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ids[:n]
+
+
+def kv_measure(engine: Any, users: int, system: int, suffix: int, max_tokens: int) -> dict[str, Any]:
+    """One run on `engine` (its KV store empty of sequences): the held / needed bytes at the last step at which
+    every generation still ran, and the peak ratio over those steps."""
+    from pyscore.types import GenerateRequest
+
+    tok, store = engine.tokenizer, engine.kv_store
+    per_token = engine.decoder.kv_bytes_per_token
+    prompt = token_run(tok, "You are a careful assistant. Answer briefly, cite the policy, never guess. ", system)
+    engine.generate(GenerateRequest(prompt_token_ids=[*prompt, 13], max_tokens=1))  # the system prompt is cached
+    cached_pages = store.stats.held_pages
+    gens = [engine.start_generation(GenerateRequest(
+        prompt_token_ids=prompt + token_run(tok, f"User {u}: my order {1000 + u} has not arrived, what now? ", suffix),
+        max_tokens=max_tokens)) for u in range(users)]
+    steps, start, last, peak_ratio = 0, time.perf_counter(), None, 0.0
+    while not all(g.finished for g in gens):
+        engine.step(gens)
+        steps += 1
+        if any(g.finished or g.cache is None for g in gens):
+            continue
+        own = sum(g.cache.length - system for g in gens)
+        needed = per_token * (system + own)
+        held = store.stats.held_bytes
+        tables = [set(g.cache.table.pages) for g in gens]
+        last = dict(step=steps, held_bytes=held, needed_bytes=needed, own_tokens=own,
+                    held_pages=store.stats.held_pages, shared_pages=len(set.intersection(*tables)),
+                    table_pages=sum(len(t) for t in tables))
+        peak_ratio = max(peak_ratio, held / needed)
+    if last is None or any(g.error is not None for g in gens):
+        raise RuntimeError(f"the generations did not all run together: {[g.error for g in gens if g.error]}")
+    before = per_token * sum(len(g.prompt) + max_tokens for g in gens) + cached_pages * store.block_bytes
+    return dict(users=users, system_tokens=system, suffix_tokens=suffix, max_tokens=max_tokens, steps=steps,
+                seconds=round(time.perf_counter() - start, 1), bytes_per_token=per_token,
+                page_bytes=store.block_bytes, ratio=last["held_bytes"] / last["needed_bytes"],
+                peak_ratio=peak_ratio, before_bytes=before, **last)
+
+
+def kv_table(rows: list[dict[str, Any]]) -> list[str]:
+    MiB = 2**20
+    lines = ["| user turn (tokens) | new tokens | own tokens (all 32) | needed MiB (1 prefix + 32 suffixes) | "
+             "held MiB | held / needed (target <= 1.2) | | peak over steps | pages in every table | "
+             "pages of the tables (held) | before: 32 prefixes MiB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        ok = "pass" if r["peak_ratio"] <= KV_TARGET else "FAIL"
+        lines.append(f"| {r['suffix_tokens']} | {r['max_tokens']} | {r['own_tokens']} | {r['needed_bytes'] / MiB:.1f} "
+                     f"| {r['held_bytes'] / MiB:.1f} | {r['ratio']:.3f} | {ok} | {r['peak_ratio']:.3f} | "
+                     f"{r['shared_pages']} | {r['table_pages']} ({r['held_pages']}) | {r['before_bytes'] / MiB:.1f} |")
+    return lines
+
+
 # --- the report --------------------------------------------------------------------------------------------------
 def targets(row: dict[str, Any]) -> dict[str, float]:
     w = row["weight_bytes"]
@@ -156,22 +219,53 @@ def table(rows: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
-def report(rows: dict[str, dict[str, Any]], out: Path) -> None:
+def record(out: Path, name: str, header: Sequence[str], lines: Sequence[str], data: dict[str, Any]) -> str:
+    """Writes OUT/NAME.md (the machine, `header`, `lines`) and OUT/NAME.json (the machine and `data`)."""
     out.mkdir(parents=True, exist_ok=True)
+    text = "\n".join([f"{header[0]}: {machine()}", *header[1:], *lines]) + "\n"
+    (out / f"{name}.md").write_text(text)
+    (out / f"{name}.json").write_text(json.dumps(dict(machine=machine_info(), **data), indent=2) + "\n")
+    return text
+
+
+def report(rows: dict[str, dict[str, Any]], out: Path) -> None:
     commits = sorted({r.get("commit") or "?" for r in rows.values()})
-    header = [f"# pyscore memory (issue 20): {machine()}", "",
-              f"commit {', '.join(commits)}; bf16, {THREADS} threads; RSS above the RSS after `import torch, "
-              "pyscore.engine` in a fresh process per model; peak = VmHWM while loading; steady = VmRSS after "
-              "one 2-candidate MIS question. Targets: peak <= 1.25 x weights + 0.5 GiB, steady <= 1.10 x weights "
-              "+ 0.5 GiB.", ""]
     missing = [m for m in MODELS if m not in rows]
     footer = ["", f"Not measured: {', '.join(missing)} (`python -m bench.memory --models {','.join(missing)}`; "
               "each run adds its rows to memory.json)."] if missing else []
-    text = "\n".join(header + table(rows) + footer) + "\n"
-    (out / "memory.md").write_text(text)
-    (out / "memory.json").write_text(json.dumps(dict(machine=machine_info(), threads=THREADS, rows=rows),
-                                                indent=2) + "\n")
-    print(text, end="")
+    print(record(out, "memory", [
+        "# pyscore memory (issue 20)", "",
+        f"commit {', '.join(commits)}; bf16, {THREADS} threads; RSS above the RSS after `import torch, "
+        "pyscore.engine` in a fresh process per model; peak = VmHWM while loading; steady = VmRSS after one "
+        "2-candidate MIS question. Targets: peak <= 1.25 x weights + 0.5 GiB, steady <= 1.10 x weights + 0.5 GiB.",
+        ""], table(rows) + footer, dict(threads=THREADS, rows=rows)), end="")
+
+
+def kv_report(rows: list[dict[str, Any]], out: Path) -> str:
+    r = rows[0]
+    return record(out, "kv_sharing", [
+        f"# KV bytes held by {r['users']} generations sharing a {r['system_tokens']}-token system prompt (issue 21)",
+        "", f"commit {git_commit()}; the embedded SmolLM2-135M in bf16 ({r['bytes_per_token']} bytes of keys and "
+        f"values a token, {r['page_bytes'] / 2**20:.2f} MiB a 64-token page), greedy, {THREADS} threads, "
+        "`python -m bench.memory --kv-sharing`. Held: the KV store's pages in use (the cached system prompt once, "
+        "each sequence's own pages), at the last step at which all generations ran. Needed: the keys and values of "
+        "one prefix + every sequence's own tokens. Before: what main allocated before the paged store (each "
+        "sequence a buffer of prompt + max_tokens, the prefix copied in; computed from that rule).", ""],
+        [*kv_table(rows), "", "Every sequence holds the system prompt's 15 whole pages (1000 = 15 x 64 + 40) by "
+         "reference; its own pages hold the prompt's last 40 system tokens, its user turn and what it generates, "
+         "rounded up to whole pages: up to ~1.5 pages a sequence beyond its own tokens, so held / needed falls as "
+         "the user turn grows (<= 1.2 from a few hundred tokens a sequence)."], dict(rows=rows))
+
+
+def kv_sharing(a: argparse.Namespace) -> None:
+    from pyscore.engine import Engine
+
+    rows = []
+    for suffix in (int(s) for s in a.suffixes.split(",")):
+        engine = Engine.from_pretrained(None, dtype="bfloat16", device="cpu", threads=THREADS)
+        rows.append(kv_measure(engine, a.users, a.system, suffix, a.max_tokens))
+        print(json.dumps(rows[-1]), flush=True)
+    print(kv_report(rows, a.out), end="")
 
 
 def main() -> None:
@@ -181,6 +275,11 @@ def main() -> None:
     p.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "pyscore" / "bench-memory",
                    help="where the random checkpoints are written once (default %(default)s)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "memory")
+    p.add_argument("--kv-sharing", action="store_true", help="KV bytes held by generations sharing a prompt")
+    p.add_argument("--users", type=int, default=32, help="--kv-sharing: generations")
+    p.add_argument("--system", type=int, default=1000, help="--kv-sharing: system prompt tokens")
+    p.add_argument("--suffixes", default="64,448", help="--kv-sharing: user-turn lengths in tokens, one run each")
+    p.add_argument("--max-tokens", type=int, default=16, help="--kv-sharing: tokens each generates")
     p.add_argument("--write", nargs=2, metavar=("SHAPE", "DIR"), help=argparse.SUPPRESS)
     p.add_argument("--measure", metavar="MODEL", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -189,6 +288,9 @@ def main() -> None:
         return
     if a.measure is not None:
         print(json.dumps(measure(a.measure or None)))
+        return
+    if a.kv_sharing:
+        kv_sharing(a)
         return
     rows = {}
     previous = a.out / "memory.json"

@@ -8,9 +8,8 @@
    chat-templated prompt listing the options, one token). p50 per cell, warm/cold, tokens computed and cached.
 2. Served, open loop: Poisson ladders of MIS questions against a server of our own, bypass vs cache on, the two
    alternated level by level; p50/p95 time to decision and achieved rate.
-3. Memory: the server's RSS at start, after a round of questions, and after filling a --fill-mb cache past capacity
-   (evictions counted), against the bytes the cache says it holds.
-Run it under /work/tools/quiet. Usage: python -m bench.prefix_cache [--system 1000 200] [--reps 3]
+(What the cache's pages hold beside running generations: `python -m bench.memory --kv-sharing`.) Run it alone.
+Usage: python -m bench.prefix_cache [--system 1000 200] [--reps 3]
 [--only closed|served]. Writes bench/results/prefix_cache_cpu[_PART].json (and prints the tables)."""
 
 from __future__ import annotations
@@ -47,16 +46,13 @@ def text_of_tokens(engine: Engine, tokens: int, seed: int) -> str:
     return text
 
 
-def questions(engine: Engine, system_tokens: int, candidates: int, count: int, seed: int,
-              distinct_systems: bool = False) -> list[Question]:
-    """`count` questions sharing one system prompt (or each with its own), each with its own ~70-token part and
+def questions(engine: Engine, system_tokens: int, candidates: int, count: int, seed: int) -> list[Question]:
+    """`count` questions sharing one system prompt, each with its own ~70-token part and
     `candidates` options of ~15 words (the pointwise items are ~30 tokens)."""
     system = text_of_tokens(engine, system_tokens, seed=1)
     rng = random.Random(seed)
     out = []
     for i in range(count):
-        if distinct_systems:
-            system = text_of_tokens(engine, system_tokens, seed=rng.randrange(1 << 30))
         own = text_of_tokens(engine, 60, seed=rng.randrange(1 << 30))
         options = [" ".join(rng.choice(WORDS) for _ in range(15)) for _ in range(candidates)]
         out.append(Question(id=f"s{system_tokens}-n{candidates}-{i}", source="prefix-cache", state_json=system + own,
@@ -160,41 +156,16 @@ async def open_ladder(address: str, qs: list[Question], args: argparse.Namespace
 
 
 def served(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
-    """The open-loop ladder, then the memory with the cache filled (a fresh server with --fill-mb)."""
+    """The open-loop ladder against a server of our own."""
     n = args.open_candidates
     qs = questions(engine, args.system[0], n, 1 + len(args.open_qps) * args.arrivals, seed=99)
     log = Path(tempfile.mkdtemp(prefix="prefix-cache-bench-")) / "server.log"
-    out: dict[str, Any] = {}
     with spawned_server(log, ["--threads", str(args.threads), "--dtype", args.dtype], metrics=True) as server:
         print(f"\n## Served (gRPC), open loop: MIS, system {args.system[0]} tokens, {n} candidates, "
               f"{args.arrivals} arrivals per level and kind")
         print(f"{'qps':>6} {'kind':>5} {'p50 ms':>9} {'p95 ms':>9} {'achieved':>9} {'computed':>9} {'errors':>6}")
-        out["open_loop"] = asyncio.run(open_ladder(server.target, qs, args))
-        out["metrics_after_open_loop"] = scrape(server.metrics_port)
-    fill_qs = questions(engine, 1000, 2, args.fill_questions, seed=7, distinct_systems=True)  # ~16 new blocks each
-    with spawned_server(log, ["--threads", str(args.threads), "--dtype", args.dtype, "--prefix-cache-mb",
-                              str(args.fill_mb)], metrics=True) as server:
-        target = GrpcTarget(server.target, prefix_cache="shared")
-
-        async def fill() -> dict[str, float]:
-            await target.open()
-            start = server.rss_mb()
-            await target.decide("mis", fill_qs[0])
-            after_one = server.rss_mb()
-            for q in fill_qs[1:]:
-                await target.decide("mis", q)
-            await target.close()
-            return dict(rss_start_mb=start, rss_after_one_mb=after_one, rss_full_mb=server.rss_mb())
-
-        out["memory"] = {**asyncio.run(fill()), "cache_mb": args.fill_mb, **scrape(server.metrics_port)}
-    m = out["memory"]
-    held_mib = m["pyscore_prefix_cache_bytes"] / 2**20
-    print(f"\n## Memory: --prefix-cache-mb {args.fill_mb}, {args.fill_questions} questions with distinct 1000-token "
-          f"system prompts\nRSS {m['rss_start_mb']:.0f} MB at start, {m['rss_after_one_mb']:.0f} MB after one, "
-          f"{m['rss_full_mb']:.0f} MB with the cache full; the cache holds {held_mib:.0f} MiB in "
-          f"{m['pyscore_prefix_cache_blocks']:.0f} blocks, "
-          f"{m['pyscore_prefix_cache_evicted_blocks_total']:.0f} evicted")
-    return out
+        return dict(open_loop=asyncio.run(open_ladder(server.target, qs, args)),
+                    metrics_after_open_loop=scrape(server.metrics_port))
 
 
 def main() -> None:
@@ -210,8 +181,6 @@ def main() -> None:
     ap.add_argument("--open-qps", type=float, nargs="+", default=[0.5, 1.0, 2.0, 4.0])
     ap.add_argument("--open-candidates", type=int, default=5)
     ap.add_argument("--arrivals", type=int, default=8, help="arrivals per open-loop level and kind")
-    ap.add_argument("--fill-mb", type=float, default=128.0)
-    ap.add_argument("--fill-questions", type=int, default=12)
     ap.add_argument("--out", default=None, help="default bench/results/prefix_cache_cpu[_PART].json")
     args = ap.parse_args()
     engine = Engine.from_pretrained(None, dtype=args.dtype, threads=args.threads)

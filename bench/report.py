@@ -1,7 +1,7 @@
 """`python -m bench.report RESULTS_DIR`: reads the summaries of a serving benchmark (RESULTS_DIR/results.json, or
 every runs/**/summary.json), aggregates the repetitions of each load point (median, with the min-max spread) and
-writes RESULTS_DIR/report.md and the plots: p95 vs offered QPS per path (log y), achieved vs offered QPS, p95 by
-candidate count per path, Fused-Choice vs Setwise, and p95 vs closed-loop concurrency."""
+writes RESULTS_DIR/report.md (the issue's targets, tables per loop and per candidate count) and two plots: p95 vs
+offered QPS per path and p95 by candidate count per path."""
 
 from __future__ import annotations
 
@@ -264,65 +264,18 @@ def write_markdown(results_dir: Path, summaries: Sequence[dict[str, Any]], point
 
 
 # --- plots -----------------------------------------------------------------------------------------------
-def _series(points: Sequence[Point], loop: str) -> dict[tuple[str, str], list[Point]]:
-    series: dict[tuple[str, str], list[Point]] = defaultdict(list)
-    for p in points:
-        if p.loop == loop:
-            series[(p.target, p.path)].append(p)
-    return series
-
-
-def _style(p: Point) -> dict[str, Any]:
-    if p.is_local:  # in-process engine: the same colour, dashed and lighter
-        return {"color": COLORS.get(p.path), "linestyle": "--", "marker": "x", "alpha": 0.6, "linewidth": 1}
-    return {"color": COLORS.get(p.path), "linestyle": "-", "marker": "o"}
-
-
-def _errorbars(ps: Sequence[Point], *keys: str) -> tuple[list[float], list[list[float]]]:
-    mid = [p.median(*keys) or math.nan for p in ps]
-    lo = [m - (p.spread(*keys) or (m, m))[0] for m, p in zip(mid, ps, strict=True)]
-    hi = [(p.spread(*keys) or (m, m))[1] - m for m, p in zip(mid, ps, strict=True)]
-    return mid, [lo, hi]
-
-
-def plot_p95_vs_qps(ax: Any, points: Sequence[Point], many: bool, paths: Sequence[str] | None = None) -> bool:
-    drew = False
-    for (_, path), ps in _series(points, "open").items():
-        if paths is not None and path not in paths:
-            continue
-        y, err = _errorbars(ps, "end_to_end_latency_ms", "p95")
-        ax.errorbar([p.load for p in ps], y, yerr=err, capsize=3, label=label(ps[0], many), **_style(ps[0]))
-        drew = True
-    ax.axhline(SLO_MS, color="grey", linewidth=0.8, linestyle=":", label="1 s")
-    ax.set_yscale("log")
-    ax.set_xlabel("offered load (questions/s)")
-    ax.set_ylabel("p95 time to decision (ms, log)")
-    ax.grid(True, which="both", alpha=0.3)
-    return drew
-
-
-def plot_by_candidates(ax: Any, points: Sequence[Point], many: bool, paths: Sequence[str] | None = None) -> bool:
-    closed = [p for p in points if p.loop == "closed"]
-    if not closed:
-        return False
-    low = min(p.load for p in closed)
-    for p in closed:
-        if p.load != low or (paths is not None and p.path not in paths):
-            continue
-        buckets = [b for b in BUCKETS if p.median("p95_by_candidates", str(b)) is not None]
-        y = [p.median("p95_by_candidates", str(b)) for b in buckets]
-        spreads = [p.spread("p95_by_candidates", str(b)) for b in buckets]
-        err = [[v - s[0] for v, s in zip(y, spreads, strict=True)], [s[1] - v for v, s in zip(y, spreads, strict=True)]]
-        ax.errorbar(buckets, y, yerr=err, capsize=3, label=label(p, many), **_style(p))
-    ax.set_yscale("log")
-    ax.set_xticks(list(BUCKETS))
-    ax.set_xlabel("candidates per question")
-    ax.set_ylabel(f"p95 time to decision (ms, log), concurrency {low:g}")
-    ax.grid(True, which="both", alpha=0.3)
-    return True
+def _errorbar(ax: Any, p0: Point, xs: Sequence[float], mid: Sequence[float], spread: Sequence[tuple[float, float]],
+              many: bool) -> None:
+    """Medians over repetitions at `xs`, their min-max spread as error bars; the in-process engine dashed."""
+    style = ({"linestyle": "--", "marker": "x", "alpha": 0.6, "linewidth": 1} if p0.is_local
+             else {"linestyle": "-", "marker": "o"})
+    ax.errorbar(xs, mid, yerr=[[m - lo for m, (lo, _) in zip(mid, spread, strict=True)],
+                               [hi - m for m, (_, hi) in zip(mid, spread, strict=True)]],
+                capsize=3, label=label(p0, many), color=COLORS.get(p0.path), **style)
 
 
 def make_plots(results_dir: Path, points: Sequence[Point]) -> list[str]:
+    """p95 vs offered QPS (open loop) and p95 by candidate count (lowest closed-loop concurrency), log y."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -331,67 +284,47 @@ def make_plots(results_dir: Path, points: Sequence[Point]) -> list[str]:
     many = len({p.target for p in points if not p.is_local}) > 1
     written = []
 
-    def save(fig: Any, name: str, title: str) -> None:
-        fig.suptitle(title)
-        for ax in fig.axes:
-            handles = ax.get_legend_handles_labels()[0]
-            if len(handles) > 6:  # many series: keep the legend off the data
-                ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-                fig.set_figwidth(fig.get_figwidth() + 2.5)
-            elif handles:
-                ax.legend(fontsize=8)
+    def figure(name: str, title: str, xlabel: str, draw: Any) -> None:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        draw(ax)
+        ax.set_yscale("log")
+        ax.set(xlabel=xlabel, ylabel="p95 time to decision (ms, log)", title=title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(results_dir / name, dpi=110)
         plt.close(fig)
         written.append(name)
 
-    if any(p.loop == "open" for p in points):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        plot_p95_vs_qps(ax, points, many)
-        save(fig, "p95_vs_qps.png", "p95 time to decision vs offered load (open loop)")
+    series: dict[tuple[str, str], list[Point]] = defaultdict(list)
+    for p in points:
+        if p.loop == "open":
+            series[(p.target, p.path)].append(p)
 
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        top = 0.0
-        for (_, _), ps in _series(points, "open").items():
-            y, err = _errorbars(ps, "achieved_qps")
-            ax.errorbar([p.load for p in ps], y, yerr=err, capsize=3, label=label(ps[0], many), **_style(ps[0]))
-            top = max(top, *(p.load for p in ps))
-        ax.plot([0, top], [0, top], color="grey", linewidth=0.8, linestyle=":", label="achieved = offered")
-        ax.set_xlabel("offered load (questions/s)")
-        ax.set_ylabel("achieved (decisions/s, drain included)")
-        ax.grid(True, alpha=0.3)
-        save(fig, "achieved_vs_offered.png", "Achieved vs offered load (open loop)")
+    def by_qps(ax: Any) -> None:
+        for ps in series.values():
+            keys = ("end_to_end_latency_ms", "p95")
+            _errorbar(ax, ps[0], [p.load for p in ps], [p.median(*keys) or math.nan for p in ps],
+                      [p.spread(*keys) or (math.nan, math.nan) for p in ps], many)
+        ax.axhline(SLO_MS, color="grey", linewidth=0.8, linestyle=":", label="1 s")
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    if plot_by_candidates(ax, points, many):
-        save(fig, "p95_by_candidates.png", "p95 time to decision by candidate count")
-    else:
-        plt.close(fig)
+    closed = [p for p in points if p.loop == "closed"]
+    low = min((p.load for p in closed), default=None)
 
-    pair = ("fused", "setwise")
-    if any(p.path in pair for p in points):
-        has_open = any(p.path in pair and p.loop == "open" for p in points)
-        fig, axes = plt.subplots(1, 2 if has_open else 1, figsize=(12 if has_open else 7, 4.5), squeeze=False)
-        plot_by_candidates(axes[0][0], points, many, paths=pair)
-        axes[0][0].set_title("by candidate count")
-        if has_open:
-            plot_p95_vs_qps(axes[0][1], points, many, paths=pair)
-            axes[0][1].set_title("vs offered load")
-        save(fig, "fused_vs_setwise.png", "Fused-Choice vs Setwise")
+    def by_candidates(ax: Any) -> None:
+        for p in closed:
+            buckets = [str(b) for b in BUCKETS if p.median("p95_by_candidates", str(b)) is not None]
+            if p.load == low and buckets:
+                _errorbar(ax, p, [int(b) for b in buckets], [p.median("p95_by_candidates", b) for b in buckets],
+                          [p.spread("p95_by_candidates", b) for b in buckets], many)
+        ax.set_xticks(list(BUCKETS))
 
-    closed = _series(points, "closed")
-    if any(len(ps) > 1 for ps in closed.values()):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for ps in closed.values():
-            if len(ps) > 1:
-                y, err = _errorbars(ps, "end_to_end_latency_ms", "p95")
-                ax.errorbar([p.load for p in ps], y, yerr=err, capsize=3, label=label(ps[0], many), **_style(ps[0]))
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("concurrency (questions in flight)")
-        ax.set_ylabel("p95 time to decision (ms, log)")
-        ax.grid(True, which="both", alpha=0.3)
-        save(fig, "p95_vs_concurrency.png", "p95 time to decision vs concurrency (closed loop)")
+    if series:
+        figure("p95_vs_qps.png", "p95 time to decision vs offered load (open loop)", "offered load (questions/s)",
+               by_qps)
+    if closed:
+        figure("p95_by_candidates.png", f"p95 time to decision by candidate count (concurrency {low:g})",
+               "candidates per question", by_candidates)
     return written
 
 

@@ -1,11 +1,17 @@
-"""Serving benchmark: time to decision per question along each path (generate, sis, mis, fused, setwise), closed
-loop over a concurrency sweep and open loop over an offered-QPS sweep, each load point repeated. Every run
-writes `<out>/runs/<target>/<path>/<load>/rep<r>/summary.json` (and records.jsonl.gz, one line per question);
-`<out>/results.json` collects all summaries for `python -m bench.report`.
+"""Serving benchmark: time to decision per question along each path (generate, sis, mis, fused, setwise) against a
+target (bench.targets), closed loop over a concurrency sweep and open loop over an offered-QPS sweep (bench.loadgen),
+each load point repeated. Every run writes `<out>/runs/<target>/<path>/<load>/rep<r>/summary.json` (and
+records.jsonl.gz); `<out>/results.json` collects them for `python -m bench.report`.
+
+`--sweep` is `make bench`, the CPU-sized sweep on the embedded model (~11 minutes on 2 cores): every path in process
+at c=1 (a subprocess, before the server starts), then against `python -m server`: every path at c=1, the cheap ones
+at c=8, per-path open-loop ladders cut after the first load whose median p95 exceeds 1 s, then the report. Numbers
+are of a commit: a tree with uncommitted changes is refused unless --allow-dirty (the report then says so).
 
     python -m bench.serving --target 127.0.0.1:50051 --paths mis sis generate --concurrency 1 8 16 32
     python -m bench.serving --spawn-server --paths mis --qps 1 2 4 --duration 20 --out bench/results/mine
-    python -m bench.serving --target openai-http://10.0.0.5:8000 --paths generate fused --concurrency 1 8
+    python -m bench.serving --target pyscore-http://127.0.0.1:8080 --paths mis --concurrency 1 8
+    python -m bench.serving --sweep [--reps 3] [--skip-inprocess] [--skip-open] [--out bench/results/latest]
 """
 
 from __future__ import annotations
@@ -18,14 +24,16 @@ import json
 import math
 import os
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench import loadgen
-from bench.common import git_commit, machine_info, spawned_server
+from bench import loadgen, report
+from bench.common import REPO, git_commit, machine_info, spawned_server
 from bench.dataset import Dataset, Question
 from bench.summary import fmt, percentile, write_json
 from bench.targets import PATHS, Target, make_target
@@ -181,6 +189,74 @@ async def run(target_spec: str, paths: Sequence[str], points: Sequence[LoadPoint
         return await sweep(target, paths, points, dataset, s, out, slo_ms)
 
 
+# --- make bench ---------------------------------------------------------------------------------------------
+@dataclass
+class Step:
+    paths: tuple[str, ...]
+    points: tuple[LoadPoint, ...]
+
+
+CLOSED_C1 = Step(("mis", "sis", "generate", "setwise", "fused"), (LoadPoint(concurrency=1),))
+CLOSED_C8 = Step(("mis", "setwise", "fused"), (LoadPoint(concurrency=8),))
+OPEN = [
+    Step(("mis",), tuple(LoadPoint(qps=q) for q in (0.5, 1, 2, 4, 6))),
+    Step(("sis", "generate"), tuple(LoadPoint(qps=q) for q in (0.5, 1))),
+    Step(("setwise", "fused"), tuple(LoadPoint(qps=q) for q in (2, 4))),
+]
+
+
+def require_clean_commit(commit: str | None, allow_dirty: bool) -> None:
+    """Refuses (SystemExit) to benchmark uncommitted code unless allowed; then warns that the report will say so."""
+    if commit is not None and not commit.endswith("+dirty"):
+        return
+    what = commit or "a tree outside git"
+    if not allow_dirty:
+        raise SystemExit(f"refusing to benchmark {what}: commit first, or pass --allow-dirty "
+                         "(make bench BENCH_ARGS=--allow-dirty) to run it marked as such")
+    print(f"WARNING: benchmarking {what}: the report will say it is not from a clean commit", flush=True)
+
+
+def run_inprocess(out: Path, reps: int, num_questions: int, threads: int | None) -> None:
+    """The engine in a fresh process, so the client of the server steps never shares an interpreter with torch."""
+    cmd = [sys.executable, "-m", "bench.serving", "--target", "inprocess", "--concurrency", "1", "--reps", str(reps),
+           "--num-questions", str(num_questions), "--out", str(out), "--warmup", "2"]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    subprocess.run(cmd, check=True, cwd=REPO)
+
+
+async def run_server_steps(address: str, steps: list[Step], dataset: Dataset, s: Settings, out: Path,
+                           slo_ms: float) -> None:
+    async with make_target(address) as target:
+        for step in steps:
+            await sweep(target, step.paths, step.points, dataset, s, out, slo_ms=slo_ms)
+
+
+def make_bench(a: argparse.Namespace) -> None:
+    require_clean_commit(git_commit(), a.allow_dirty)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if (load := os.getloadavg()[0]) > 0.5:
+        print(f"WARNING: 1-minute load average {load:.2f} before the sweep: other work is running and the numbers "
+              f"will be pessimistic (the report records the load before every run)", flush=True)
+    t0 = time.monotonic()
+    phases: dict[str, float] = {}
+    if not a.skip_inprocess:
+        run_inprocess(out, a.reps, a.inprocess_questions, a.threads)
+        phases["inprocess_s"] = time.monotonic() - t0
+    settings = Settings(reps=a.reps, num_questions=a.num_questions, duration_s=a.duration or 12.0, warmup=2, seed=0,
+                        progress=not a.no_progress)
+    steps = [CLOSED_C1, CLOSED_C8] + ([] if a.skip_open else OPEN)
+    t1 = time.monotonic()
+    with spawned_server(out / "server.log", ["--threads", str(a.threads)] if a.threads else []) as server:
+        asyncio.run(run_server_steps(server.target, steps, Dataset.synthetic(64, seed=0), replace(settings), out,
+                                     slo_ms=report.SLO_MS))
+    phases.update(server_s=time.monotonic() - t1, total_s=time.monotonic() - t0)
+    (out / "sweep.json").write_text(json.dumps({"argv": sys.argv[1:], "phases": phases}, indent=2) + "\n")
+    collect(out)
+    print(f"sweep done in {phases['total_s']:.0f} s; report: {report.report(out)}")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -197,7 +273,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--qps", type=float, nargs="*", default=None, help="open-loop offered loads")
     p.add_argument("--reps", type=int, default=3, help="repetitions of each load point (default %(default)s)")
     p.add_argument("--num-questions", type=int, default=16, help="closed loop: questions per repetition")
-    p.add_argument("--duration", type=float, default=20.0, help="open loop: seconds of arrivals per repetition")
+    p.add_argument("--duration", type=float, default=None,
+                   help="open loop: seconds of arrivals per repetition (default 20; --sweep 12)")
     p.add_argument("--warmup", type=int, default=2, help="questions run before a path's first repetition")
     p.add_argument("--workers", type=int, default=None, help="open-loop workers (default: one per arrival)")
     p.add_argument("--slo-ms", type=float, default=None,
@@ -215,16 +292,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="inprocess: model dtype (default %(default)s)")
     p.add_argument("--out", default="bench/results/latest")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--sweep", action="store_true", help="`make bench`: the CPU-sized sweep, then the report")
+    p.add_argument("--inprocess-questions", type=int, default=8, help="--sweep: in-process questions per rep")
+    p.add_argument("--skip-inprocess", action="store_true", help="--sweep: no in-process step")
+    p.add_argument("--skip-open", action="store_true", help="--sweep: no open-loop ladders")
+    p.add_argument("--allow-dirty", action="store_true", help="--sweep: run uncommitted code (the report says so)")
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     a = parse_args(argv)
+    if a.sweep:
+        return make_bench(a)
     if a.concurrency is None and a.qps is None:
         a.concurrency = [1, 8, 16, 32]
     points = [LoadPoint(concurrency=c) for c in a.concurrency or []] + [LoadPoint(qps=q) for q in a.qps or []]
     dataset = Dataset.load(a.dataset_dir, split=a.split, limit=a.limit, seed=a.seed)
-    settings = Settings(reps=a.reps, num_questions=a.num_questions, duration_s=a.duration, warmup=a.warmup,
+    settings = Settings(reps=a.reps, num_questions=a.num_questions, duration_s=a.duration or 20.0, warmup=a.warmup,
                         seed=a.seed, workers=a.workers, progress=not a.no_progress)
     out = Path(a.out)
     options = dict(marker=a.marker, timeout=a.timeout, model=a.model, label_token_ids=a.label_token_ids,

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from bench import engine as bench_engine
+from bench.common import alternate
 from pyscore.engine import Engine
 from pyscore.types import ScoreRequest
 from tests.helpers import make_model_dir
@@ -39,7 +40,8 @@ def test_stock_forward_runs_the_tokens_mis_runs(engine):
     torch.testing.assert_close(torch.tensor(got), expected, atol=1e-4, rtol=1e-4)
 
 
-def test_alternate_interleaves_after_one_warm_up():
+def test_alternate_interleaves_and_sets_up_each_turn():
     order = []
-    times = bench_engine.alternate({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, reps=2)
-    assert order == ["a", "b"] * 3 and [len(v) for v in times.values()] == [2, 2]
+    fns = {"a": lambda: order.append("a"), "b": lambda: order.append("b")}
+    times = alternate(fns, 2, setup={"b": lambda: order.append("setup b")})
+    assert order == ["a", "setup b", "b"] * 2 and [len(v) for v in times.values()] == [2, 2]

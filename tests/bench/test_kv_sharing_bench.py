@@ -1,9 +1,9 @@
-"""bench.kv_sharing on a tiny model: the generations share the cached system prompt's pages (held once), and the
-table checks the target."""
+"""bench.memory --kv-sharing on a tiny model: the generations share the cached system prompt's pages (held once),
+and the table checks the target."""
 
 from __future__ import annotations
 
-from bench import kv_sharing as bench
+from bench import memory as bench
 from tests.helpers import make_model_dir
 
 
@@ -12,11 +12,11 @@ def test_shared_system_prompt_is_held_once(tmp_path) -> None:
 
     engine = Engine.from_pretrained(make_model_dir(tmp_path / "llama", "llama"), dtype="float32", device="cpu",
                                     threads=1)
-    row = bench.measure(engine, users=4, system=200, suffix=20, max_tokens=3)
+    row = bench.kv_measure(engine, users=4, system=200, suffix=20, max_tokens=3)
     assert row["shared_pages"] == 3  # 200 = 3 x 64 + 8: three whole pages referenced by every table
     # each sequence: its 8-token tail of the system prompt + 20 + up to 2 new tokens in one page of its own
     assert row["held_pages"] == 3 + 4 and row["table_pages"] == 4 * 4
     assert row["before_bytes"] > row["held_bytes"]
-    lines = bench.table([row])
+    lines = bench.kv_table([row])
     assert lines[2].startswith("| 20 | 3 |") and "| 16 (7) |" in lines[2]
     assert "| pass |" in lines[2] or "| FAIL |" in lines[2]

@@ -10,7 +10,7 @@ import statistics
 import numpy as np
 import pytest
 
-from bench import loadgen, overload
+from bench import hardening, loadgen
 from bench.dataset import Dataset
 from bench.loadgen import Record
 from bench.targets import Case, Decision, ReplayTarget, Target
@@ -152,6 +152,6 @@ def test_closed_open_and_overload_against_a_server():
     assert len(closed.records) >= 2 and all(r.ok and r.correct for r in closed.records)
     assert {r.kind for r in opened.records} == {"mis", "generate"}
     assert loadgen.statuses(opened.records) == {"OK": 8} and all(r.correct for r in opened.records)
-    s = overload.summarize(burst.records)
+    s = hardening.summarize(burst.records)
     assert s["sent"] == 12 and s["statuses"] == {"OK": 2, "RESOURCE_EXHAUSTED": 10}
     assert s["wrong"] == 0 and s["exact"] == 2  # the accepted answers bitwise equal to alone

@@ -60,18 +60,3 @@ def test_a_serving_run_over_http(server, tmp_path):
                                         settings, tmp_path, timeout=10))
     assert [s["num_errors"] for s in summaries] == [0] * len(PATHS)
     assert all(s["target"] == spec and s["server_compute_ms"]["p50"] > 0 for s in summaries)
-
-
-def test_http_overhead_report(server, tmp_path):
-    """bench.http_overhead end to end on a tiny run (its numbers mean nothing here: the fake engine)."""
-    from bench import http_overhead
-
-    a = http_overhead.parse_args(["--concurrency", "1", "2", "--questions", "2", "--blocks", "2", "--warmup", "1",
-                                  "--pool", "8", "--out", str(tmp_path / "overhead")])
-    results = asyncio.run(http_overhead.run(server.target, f"127.0.0.1:{server.app.http_port}", a))
-    assert set(results) == {"c=1", "c=2"}
-    for r in results.values():
-        assert r["grpc"]["questions"] == r["http"]["questions"] == 4 and r["grpc"]["errors"] == r["http"]["errors"] == 0
-        assert len(r["http"]["block_p50_ms"]) == 2
-    lines = http_overhead.report(results, a)
-    assert lines[1].startswith("machine: ") and len(lines) == 7

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench import report
-from bench.sweep import require_clean_commit
+from bench.serving import require_clean_commit
 
 SUMMARY = dict(machine=dict(cpu="AMD EPYC (family 25 model 17, Zen 4)", cores=2, gpu=None, platform="Linux"),
                model="SmolLM2-135M-Instruct", target="inprocess", dataset="synthetic:seed=0",
