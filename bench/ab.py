@@ -2,7 +2,7 @@
 built extension), `--rounds` times, so both see the same machine state. Prints every output under its tree's
 label and the machine once; the comparison is read from the alternating outputs.
 
-    python -m bench.ab --before /tmp/old-tree --rounds 2 -- -m bench.attention_layers --reps 20
+    python -m bench.ab --before /tmp/old-tree --rounds 2 -- -m bench.kernels --only attention --dtypes bf16
 
 The before tree runs with this interpreter; copy any benchmark script it lacks into it first."""
 

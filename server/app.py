@@ -174,7 +174,7 @@ class ScorerApp:
         self.metrics_port = 0
         self.http: HttpFrontDoor | None = None
         self.http_port = 0
-        self.memory_probe = MemoryProbe.from_env()  # bench/soak.py's diagnostics; None unless asked for
+        self.memory_probe = MemoryProbe.from_env()  # bench.hardening soak's diagnostics; None unless asked for
 
     async def start(self) -> int:
         """Listen (health NOT_SERVING); returns the bound port."""

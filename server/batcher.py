@@ -38,7 +38,7 @@ generation that does not fit waits in the queue
 tokenization. So is a request larger than `max_request_tokens` (Score: the tokens its mode computes; Generate:
 prompt + max_tokens), before any model work. When the worker runs out of work it hands freed heap memory back
 to the OS (glibc's malloc_trim, at most every `TRIM_EVERY_S`): without it, RSS stays at the high-water mark of
-the largest batches seen. `trim_under_load` trims at that pace even while busy (a control of bench/soak.py).
+the largest batches seen. `trim_under_load` trims at that pace even while busy (a control of `bench.hardening soak`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Memory diagnostics of the server process, off unless PYSCORE_MEMORY_LOG=<file> is set (bench/soak.py sets it):
+"""Memory diagnostics of the server process, off unless PYSCORE_MEMORY_LOG=<file> is set (bench.hardening soak sets it):
 every PYSCORE_MEMORY_EVERY_S seconds (default 60) a daemon thread appends one JSON line with the RSS and peak RSS
 (/proc/self/status), glibc's mallinfo2 (heap in use / free / mmapped) and the totals of malloc_info's XML (arenas,
 fast/rest free chunks, mmapped, system bytes), and, when Python's tracemalloc is tracing (PYTHONTRACEMALLOC=N),
