@@ -11,7 +11,8 @@ shape on token-id questions of the same lengths), three measurements:
   (bench/results/decode_step.txt).
 
 `--tier T` forces a CPU tier (PYSCORE_CPU_TIER); `--dtype auto` is the tier's (bf16 where the CPU multiplies bf16).
-The engine bypasses its prefix cache: every round is the question's first sight (bench.prefix_cache times warm)."""
+The engine bypasses its prefix cache: every round is the question's first sight (bench.prefix_cache times warm;
+`--profile --warm` profiles the forward whose query blocks hit the cache)."""
 
 from __future__ import annotations
 
@@ -221,7 +222,7 @@ def profile(args: argparse.Namespace) -> list[str]:
     query, items = question(n, seed=n)
 
     def forward(e: Engine = engine):
-        return e.score(query, items, labels=LABELS, mode="mis")
+        return e.score(query, items, labels=LABELS, mode="mis", bypass_prefix_cache=not args.warm)
 
     other = forward(load_gemm(args, "torch" if args.gemm == "ours" else "ours"))
     change = max(abs(x - y) for a, b in zip(forward().scores, other.scores, strict=True)
@@ -270,6 +271,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="where one MIS forward spends its time")
     ap.add_argument("--gemm", choices=["ours", "torch"], default="ours", help="--profile: the projections' path")
     ap.add_argument("--forwards", type=int, default=10, help="--profile: timed forwards")
+    ap.add_argument("--warm", action="store_true", help="--profile: with the prefix cache (the query's blocks hit)")
     ap.add_argument("--decode", type=int, default=0, help="time a decode step of this many generations")
     ap.add_argument("--steps", type=int, default=20, help="--decode: timed steps per round")
     ap.add_argument("--rounds", type=int, default=2, help="--decode: alternating rounds")
