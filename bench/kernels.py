@@ -74,6 +74,8 @@ WEIGHT_BYTES = 96e6  # > 3x this machine's L3: decode-shaped calls read their we
 TIER_SHAPES = {"smollm-gate_up": (576, 3072), "smollm-down": (1536, 576), "qwen3-8b-qkv": (4096, 6144),
                "qwen3-8b-down": (12288, 4096)}
 TIER_ROWS = {"prefill": (776, PREFILL_ROWS), "decode": (8, DECODE_ROWS)}
+FORWARD_SHAPES = [(576, 960, False), (576, 576, False), (576, 3072, True), (1536, 576, False)]  # SmolLM2's (K, N)
+FORWARD_LAYERS = 30
 SECTIONS = ["attention", "labels", "gemm", "decode", "elementwise", "interleave", "linear", "tiers"]
 DEFAULT_SECTIONS = SECTIONS[:-2]  # linear and tiers run alone, into their own files
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -288,7 +290,43 @@ def tiers_section(args: argparse.Namespace, dtypes: list[torch.dtype]) -> list[s
                 lines += [f"{dt(dtype):9} {name:16} {phase:8} {key:29} {ms:7.3f} {2 * m * k * n / ms / 1e6:8.0f}  "
                           f"{base / ms:5.2f}x" for key, ms in times.items()]
                 print("\n".join(lines[-len(times):]), flush=True)
-    return [*lines, f"command: python -m bench.kernels {' '.join(sys.argv[1:])}"]
+        if not args.no_forward:
+            lines += forward_rows(dtype, args)
+            print("\n".join(lines[-len(ours_tiers(dtype, args.tiers)) - 1:]), flush=True)
+    return [*lines, f"command: python -m bench.kernels {' '.join(sys.argv[1:])}",
+            f"smollm-forward: {FORWARD_LAYERS} layers' qkv, o, gate_up (ours: + the fused SiLU-mul) and down at "
+            "M=776 with distinct weights, in a forward's order, so each weight comes from memory as in the engine"]
+
+
+def forward_rows(dtype: torch.dtype, args: argparse.Namespace) -> list[str]:
+    """A prefill forward's projections: FORWARD_LAYERS layers of SmolLM2's four, distinct weights (more than the
+    L3 holds), ours at each tier against F.linear, alternating."""
+    gen = torch.Generator().manual_seed(1)
+    layers = [[((torch.randn(n, k, generator=gen) * k**-0.5).to(dtype), gated) for k, n, gated in FORWARD_SHAPES]
+              for _ in range(FORWARD_LAYERS)]
+    xs = {k: torch.randn(TIER_ROWS["prefill"][0], k, generator=gen).to(dtype) for k, _, _ in FORWARD_SHAPES}
+    packed = [[pack_linear(w, gated=gated) for w, gated in layer] for layer in layers]
+
+    def ours(tier: str) -> Callable[[], object]:
+        def run() -> None:
+            os.environ["PYSCORE_CPU_TIER"] = tier
+            for layer in packed:
+                for (k, _, _), p in zip(FORWARD_SHAPES, layer, strict=True):
+                    linear(xs[k], p, backend="kernel")
+        return run
+
+    def torch_linear() -> None:
+        for layer in layers:
+            for (k, _, _), (w, _) in zip(FORWARD_SHAPES, layer, strict=True):
+                F.linear(xs[k], w)
+
+    runs = {f"ours@{t}": ours(t) for t in ours_tiers(dtype, args.tiers)}
+    runs["torch F.linear"] = torch_linear
+    times = {key: min(ts) for key, ts in alternate_rounds(runs, args.rounds).items()}
+    os.environ.pop("PYSCORE_CPU_TIER", None)
+    flop = 2 * TIER_ROWS["prefill"][0] * FORWARD_LAYERS * sum(k * n for k, n, _ in FORWARD_SHAPES)
+    return [f"{dt(dtype):9} {'smollm-forward':16} {'prefill':8} {key:29} {ms:7.3f} {flop / ms / 1e6:8.0f}  "
+            f"{times['torch F.linear'] / ms:5.2f}x" for key, ms in times.items()]
 
 
 # ---- Qwen3.5's linear attention ----------------------------------------------------------------------------------
@@ -488,6 +526,7 @@ def main() -> None:
     parser.add_argument("--tiers", nargs="+", help="tiers section: ours at these tiers only")
     parser.add_argument("--shapes", nargs="+", choices=list(TIER_SHAPES), default=list(TIER_SHAPES),
                         help="tiers section: the shapes")
+    parser.add_argument("--no-forward", action="store_true", help="tiers section: skip the smollm-forward row")
     args = parser.parse_args()
     force_isa(args.tier, args.torch_isa)
     torch.manual_seed(0)
