@@ -28,9 +28,10 @@ class Choice:
 
 
 KERNEL_ZEN4 = Choice("kernel", "ours beats torch (bench/results/kernels_cpu_zen4.txt, Zen 4)")
-LINEAR_AMX = Choice("kernel", "AMX tiles, batch-invariant, the fastest batch-invariant GEMM here: 0.8-1.8x torch's "
-                              "F.linear (not batch-invariant) at prefill, 1.2-1.8x at decode, 1.4-3.0x torch's "
-                              "batch-invariant row calls (bench/results/tiers/linear_amx.txt)")
+LINEAR_AMX = Choice("kernel", "AMX tiles, batch-invariant, the fastest batch-invariant GEMM here: 0.7-1.9x torch's "
+                              "F.linear (not batch-invariant) at single prefill shapes, 1.19x over a forward's "
+                              "projections in order, 1.6-2.0x at decode, 1.4-3.4x torch's batch-invariant row calls "
+                              "(bench/results/tiers/linear_amx.txt)")
 LINEAR_FP32 = Choice("kernel", "AVX-512 FMAs, batch-invariant; 1.0-1.8x torch's fp32 GEMM, except 0.5x at a "
                                "K=12288 prefill (bench/results/tiers/linear_amx.txt)")
 LINEAR_AVX2 = Choice("kernel", "AVX2 + FMA, batch-invariant; fp32 1.1-1.7x torch's batch-invariant (chunked) path "
