@@ -21,7 +21,14 @@ from pyscore.budget import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RUNNING_GENERAT
 from pyscore.chunked_prefill import ChunkedPrefill
 from pyscore.errors import PassInterrupted, RequestError
 from pyscore.generation import Generation, GenerationRunner, eos_token_ids
-from pyscore.memory import Pools, describe, plan_memory, release_freed_memory, resident_bytes
+from pyscore.memory import (
+    Pools,
+    describe,
+    keep_activation_pages,
+    plan_memory,
+    release_freed_memory,
+    resident_bytes,
+)
 from pyscore.model.decoder import Decoder
 from pyscore.model.kv_store import KVStore, KVStoreStats
 from pyscore.model.loading import LoadedModel, load_model
@@ -205,8 +212,10 @@ class Engine:
         set_threads(threads)
         dev = resolve_device(device)
         pools = Pools(max_batch_tokens, max_kv_tokens, max_running_generations, prefix_cache_mb, kv_cache_mb)
-        return cls(load_model(model, resolve_dtype(dtype, dev), dev, pools), max_batch_tokens, op_backend,
-                   prefix_cache_mb, max_kv_tokens, max_running_generations, kv_cache_mb, prefill_chunk_tokens)
+        engine = cls(load_model(model, resolve_dtype(dtype, dev), dev, pools), max_batch_tokens, op_backend,
+                     prefix_cache_mb, max_kv_tokens, max_running_generations, kv_cache_mb, prefill_chunk_tokens)
+        log.info(keep_activation_pages())  # after loading: the weights keep glibc's own placement
+        return engine
 
     # --- model facts ---------------------------------------------------------------------------------
     def info(self) -> ModelInfo:

@@ -4,6 +4,8 @@ refused before any tensor is read, with the numbers in the message; the engine a
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from pyscore.memory import InsufficientMemoryError, Pools, cgroup_room
 from pyscore.model.decoder import Decoder
 from pyscore.model.kv_store import KVStore, PageTable
 from pyscore.types import MemoryPlan
+from server.memory import _Mallinfo2
 from tests.helpers import make_model_dir
 
 CPU = torch.device("cpu")
@@ -191,3 +194,42 @@ def test_freed_heap_pages_between_live_blocks_go_back_to_the_system() -> None:
     for b in blocks[1::2]:
         libc.free(b)
     assert released > 32 * 2**20, released
+
+
+def _mmapped_blocks() -> int | None:
+    """glibc's count of blocks it serves by mmap (mallinfo2().hblks), or None off glibc >= 2.33."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name and "libc.so" in name else None
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        return None
+    libc.mallinfo2.restype = _Mallinfo2
+    return int(libc.mallinfo2().hblks)
+
+
+def test_activation_sized_buffers_come_from_the_heap_after_tuning() -> None:
+    """After keep_activation_pages, a 64 MiB buffer (an activation of a big model's pass) is no fresh mapping: it
+    comes from glibc's heap, whose freed pages the next pass reuses without page faults."""
+    if _mmapped_blocks() is None:
+        pytest.skip("needs glibc >= 2.33 (mallinfo2)")
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+
+    def mmapped(nbytes: int) -> bool:
+        before = _mmapped_blocks()
+        buf = libc.malloc(nbytes)
+        try:
+            return _mmapped_blocks() != before
+        finally:
+            libc.free(buf)
+
+    assert libc.mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD back to glibc's start value (earlier tests tuned it)
+    assert mmapped(64 << 20), "control: glibc maps a 64 MiB buffer by default"
+    assert memory.keep_activation_pages({}).startswith("heap: activations from glibc's heap")
+    assert not mmapped(64 << 20), "a 64 MiB buffer was mmapped: the threshold was not raised"
+
+
+@pytest.mark.parametrize("env, said", [({"PYSCORE_HEAP_TUNING": "0"}, "PYSCORE_HEAP_TUNING=0"),
+                                       ({"MALLOC_MMAP_THRESHOLD_": "131072"}, "the user's MALLOC_*_ settings")])
+def test_heap_tuning_leaves_glibc_alone_when_asked(env: dict[str, str], said: str) -> None:
+    assert said in memory.keep_activation_pages(env)
