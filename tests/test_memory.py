@@ -4,8 +4,9 @@ refused before any tensor is read, with the numbers in the message; the engine a
 
 from __future__ import annotations
 
-import ctypes
 import ctypes.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,6 @@ from pyscore.memory import InsufficientMemoryError, Pools, cgroup_room
 from pyscore.model.decoder import Decoder
 from pyscore.model.kv_store import KVStore, PageTable
 from pyscore.types import MemoryPlan
-from server.memory import _Mallinfo2
 from tests.helpers import make_model_dir
 
 CPU = torch.device("cpu")
@@ -196,37 +196,48 @@ def test_freed_heap_pages_between_live_blocks_go_back_to_the_system() -> None:
     assert released > 32 * 2**20, released
 
 
-def _mmapped_blocks() -> int | None:
-    """glibc's count of blocks it serves by mmap (mallinfo2().hblks), or None off glibc >= 2.33."""
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name and "libc.so" in name else None
-    if libc is None or not hasattr(libc, "mallinfo2"):
-        return None
-    libc.mallinfo2.restype = _Mallinfo2
-    return int(libc.mallinfo2().hblks)
+# Run in a fresh interpreter: in this one, earlier tests' engines have tuned glibc, and a large free heap top then
+# serves big buffers whatever the threshold, so the control could not fail there.
+_HEAP_PROBE = """
+import ctypes, ctypes.util, sys
+from server.memory import _Mallinfo2
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+if not hasattr(libc, "mallinfo2"):
+    print("skip"); sys.exit()
+libc.mallinfo2.restype = _Mallinfo2
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+
+def mmapped(nbytes):
+    before = libc.mallinfo2().hblks
+    buf = libc.malloc(nbytes)
+    try:
+        return libc.mallinfo2().hblks != before
+    finally:
+        libc.free(buf)
+
+from pyscore import memory
+control = mmapped(64 << 20)
+said = memory.keep_activation_pages({})
+print(control, mmapped(64 << 20), said)
+"""
 
 
 def test_activation_sized_buffers_come_from_the_heap_after_tuning() -> None:
     """After keep_activation_pages, a 64 MiB buffer (an activation of a big model's pass) is no fresh mapping: it
-    comes from glibc's heap, whose freed pages the next pass reuses without page faults."""
-    if _mmapped_blocks() is None:
+    comes from glibc's heap, whose freed pages the next pass reuses without page faults (mallinfo2's count of
+    mmapped blocks, in a fresh interpreter; the control: the same buffer before the call is mapped)."""
+    name = ctypes.util.find_library("c")
+    if not name or "libc.so" not in name:
+        pytest.skip("needs glibc")
+    out = subprocess.run([sys.executable, "-c", _HEAP_PROBE], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parent.parent).stdout.strip()
+    if out == "skip":
         pytest.skip("needs glibc >= 2.33 (mallinfo2)")
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    libc.malloc.restype = ctypes.c_void_p
-    libc.free.argtypes = [ctypes.c_void_p]
-
-    def mmapped(nbytes: int) -> bool:
-        before = _mmapped_blocks()
-        buf = libc.malloc(nbytes)
-        try:
-            return _mmapped_blocks() != before
-        finally:
-            libc.free(buf)
-
-    assert libc.mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD back to glibc's start value (earlier tests tuned it)
-    assert mmapped(64 << 20), "control: glibc maps a 64 MiB buffer by default"
-    assert memory.keep_activation_pages({}).startswith("heap: activations from glibc's heap")
-    assert not mmapped(64 << 20), "a 64 MiB buffer was mmapped: the threshold was not raised"
+    control, tuned, said = out.split(" ", 2)
+    assert control == "True", "control: glibc maps a 64 MiB buffer by default"
+    assert said.startswith("heap: activations from glibc's heap"), said
+    assert tuned == "False", "a 64 MiB buffer was mmapped after tuning: the threshold was not raised"
 
 
 @pytest.mark.parametrize("env, said", [({"PYSCORE_HEAP_TUNING": "0"}, "PYSCORE_HEAP_TUNING=0"),
