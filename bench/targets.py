@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 import time
 import uuid
 from collections.abc import Sequence
@@ -613,6 +614,12 @@ def mis_cases(n: int, items: int) -> list[Case]:
 
     return [Case(f"mis-{seed}", "mis", *question(items, seed=1000 + seed), dict(labels=[" Yes", " No"], mode="mis"))
             for seed in range(n)]
+
+
+def draws(cases: Sequence[Case], n: int, seed: int) -> list[Case]:
+    """`n` cases drawn at random (with replacement), seeded."""
+    rng = random.Random(seed)
+    return [rng.choice(cases) for _ in range(n)]
 
 
 def max_diff(a: Any, b: Any) -> float:
