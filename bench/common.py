@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from bench import dataset
 from bench.summary import percentile
 
 REPO = Path(__file__).resolve().parent.parent
@@ -213,15 +214,11 @@ def rss_mb(pid: int) -> float:
 
 
 # --- the synthetic question --------------------------------------------------------------------------------------
-WORDS = [
-    "order", "shipment", "customer", "refund", "warehouse", "status", "invoice", "carrier", "tracking",
-    "delayed", "delivered", "address", "payment", "account", "support", "ticket", "priority", "escalation",
-    "policy", "inventory", "return", "label", "package", "route", "agent", "action", "confirm", "cancel",
-    "update", "notify", "schedule", "verify", "region", "express", "standard",
-]
+WORDS = dataset.WORDS[:35]  # the synthetic dataset's first 35 words: the seeded questions depend on this list
 
 
-def _sentence(rng: random.Random, n: int) -> str:
+def sentence(rng: random.Random, n: int) -> str:
+    """`n` seeded words of WORDS, capitalised, with a full stop."""
     return " ".join(rng.choice(WORDS) for _ in range(n)).capitalize() + "."
 
 
@@ -229,9 +226,9 @@ def question(num_items: int, seed: int = 0, query_words: int = 228, item_words: 
     """A seeded decision question shaped like the Open-Jev pointwise workload: a ~270-token query (context +
     question) and `num_items` candidate items of ~30 tokens, each asking for a Yes/No judgement."""
     rng = random.Random(seed)
-    state = " ".join(_sentence(rng, 12) for _ in range(query_words // 12))
+    state = " ".join(sentence(rng, 12) for _ in range(query_words // 12))
     query = f"Context:\n{state}\n\nQuestion: which action should the agent take next?\n"
-    items = [f"Proposed answer: {_sentence(rng, item_words)}\nIs this proposed answer correct? Answer Yes or No."
+    items = [f"Proposed answer: {sentence(rng, item_words)}\nIs this proposed answer correct? Answer Yes or No."
              for _ in range(num_items)]
     return query, items
 

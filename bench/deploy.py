@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import signal
 import tempfile
 import threading
@@ -33,7 +32,7 @@ from bench import loadgen
 from bench.common import machine_info
 from bench.loadgen import Record
 from bench.summary import Summary, write_json, write_report
-from bench.targets import Case, ReplayTarget, mis_cases
+from bench.targets import Case, ReplayTarget, draws, mis_cases
 from deploy.fleet import Envoy, Replica, client_target, start_replicas, stop_replicas
 from pyscore.client import ScorerClient
 
@@ -59,8 +58,7 @@ def open_loop(target: str, cases: list[Case], rate: float, seconds: float, seed:
     timers (threads, so the load goes on) that many seconds after the start. Returns the records and the
     client's retried attempts."""
     schedule = loadgen.poisson_schedule(rate, seed=seed, duration_s=seconds)
-    rng = random.Random(seed)
-    requests = [rng.choice(cases) for _ in schedule]
+    requests = draws(cases, len(schedule), seed)
 
     async def run(replay: ReplayTarget) -> tuple[list[Record], int]:
         for delay, fn in (at or {}).items():
@@ -215,29 +213,25 @@ def report(phase: str, r: dict[str, Any]) -> str:
     head = (f"# bench.deploy {phase} {r['when']}: {m['cpu']}, {m['cores']} CPUs; load average before "
             f"{r['loadavg_before']}; percentiles by bench.summary (linear interpolation)\n"
             f"MIS, {ITEMS} candidates, embedded SmolLM2-135M-Instruct, bf16 on CPU; config {r['config']}")
-    lines = [head]
     if phase == "scaling":
-        lines.append(f"one request: {r['usage_of_one_request']} tokens")
-        lines.append("closed-loop capacity (4 callers), questions/s: " + ", ".join(
-            f"{k} {v}" for k, v in r["capacity_rps"].items()))
-        lines.append(f"open loop, Poisson at {r['offered_rps']} questions/s for {r['config']['seconds']} s each:")
-        for name, runs in r["open_loop"].items():
-            for one in runs:
-                lines.append(f"  {name:16s} answered {one['answered_per_s']} q/s  latency ms {one['latency_ms']}  "
-                             f"statuses {one['statuses']}")
-        lines.append(f"Score calls answered per replica (2x1 runs together): {r['calls_per_replica']}")
+        lines = [head, f"one request: {r['usage_of_one_request']} tokens",
+                 "closed-loop capacity (4 callers), questions/s: " + ", ".join(
+                     f"{k} {v}" for k, v in r["capacity_rps"].items()),
+                 f"open loop, Poisson at {r['offered_rps']} questions/s for {r['config']['seconds']} s each:",
+                 *(f"  {name:16s} answered {one['answered_per_s']} q/s  latency ms {one['latency_ms']}  "
+                   f"statuses {one['statuses']}" for name, runs in r["open_loop"].items() for one in runs),
+                 f"Score calls answered per replica (2x1 runs together): {r['calls_per_replica']}"]
     else:
         t = r["tokenize_round_trip_ms"]
-        lines.append(f"Tokenize round trip, {t['calls_each']} sequential calls each, alternating blocks: direct "
-                     f"{t['direct']} ms, via Envoy {t['envoy']} ms, added {t['added_ms']} ms")
-        lines.append(f"2 replicas x 1 thread: capacity via Envoy {r['capacity_rps_2x1']} q/s; offered "
-                     f"{r['offered_rps']} q/s open loop, replica 2 signalled at 1/4 of the run, restarted at 1/2")
+        lines = [head, f"Tokenize round trip, {t['calls_each']} sequential calls each, alternating blocks: direct "
+                 f"{t['direct']} ms, via Envoy {t['envoy']} ms, added {t['added_ms']} ms",
+                 f"2 replicas x 1 thread: capacity via Envoy {r['capacity_rps_2x1']} q/s; offered "
+                 f"{r['offered_rps']} q/s open loop, replica 2 signalled at 1/4 of the run, restarted at 1/2"]
         for run in r["runs"]:
-            lines.append(f"  {run['route']:11s} {run['signal']:7s} sent {run['sent']} statuses {run['statuses']} "
-                         f"retried {run['retried']}  events {run['events_s']}")
-            lines.append(f"      latency ms overall {run['latency_ms']}")
-            lines.append(f"      by phase (sent before / between signal and restart / after) "
-                         f"{run['latency_ms_by_phase']}")
+            lines += [f"  {run['route']:11s} {run['signal']:7s} sent {run['sent']} statuses {run['statuses']} "
+                      f"retried {run['retried']}  events {run['events_s']}",
+                      f"      latency ms overall {run['latency_ms']}",
+                      f"      by phase (sent before / between signal and restart / after) {run['latency_ms_by_phase']}"]
     return "\n".join(lines) + "\n"
 
 
@@ -261,8 +255,7 @@ def main() -> None:
         result = (scaling if args.phase == "scaling" else failover)(args, Path(tmp))
     config = {k: v for k, v in vars(args).items() if k not in ("out", "phase")}
     result = dict(phase=args.phase, when=time.strftime("%Y-%m-%d %H:%M:%S"), machine=before, config=config,
-                  loadavg_before=loadavg_before,
-                  loadavg_after=os.getloadavg(), **result)
+                  loadavg_before=loadavg_before, loadavg_after=os.getloadavg(), **result)
     name = f"{args.phase}-load{args.load:g}"
     write_json(args.out / f"{name}.json", result)
     write_report(report(args.phase, result), args.out / f"{name}.txt")

@@ -56,9 +56,7 @@ def mis_input_ids(prepared: PreparedScore) -> torch.Tensor:
 def stock_forward(model: Any, ids: torch.Tensor, keep: int | None) -> torch.Tensor:
     """Logits [1, T or keep, V] of one plain causal forward (no KV cache kept, as MIS keeps none)."""
     with torch.inference_mode():
-        if keep is None:
-            return model(input_ids=ids, use_cache=False).logits
-        return model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits
+        return model(input_ids=ids, use_cache=False, **({} if keep is None else {"logits_to_keep": keep})).logits
 
 
 def contenders(engine: Engine, stock: Any, query: Any, items: list[Any], labels: dict[str, Any]
@@ -179,9 +177,9 @@ class Timers:
 
 def load_gemm(args: argparse.Namespace, gemm: str) -> Engine:
     """The embedded model; with gemm="torch", loaded while the registry has no linear kernel (plain projections)."""
-    if gemm == "ours":
-        return Engine.from_pretrained(None, dtype=args.dtype, threads=args.threads)
-    kernels, _ext.REGISTRY["linear"] = _ext.REGISTRY["linear"], {}
+    kernels = _ext.REGISTRY["linear"]
+    if gemm == "torch":
+        _ext.REGISTRY["linear"] = {}
     try:
         return Engine.from_pretrained(None, dtype=args.dtype, threads=args.threads)
     finally:

@@ -34,7 +34,7 @@ from bench import loadgen
 from bench.common import REPO, machine, question, sampled, spawned_server
 from bench.loadgen import Record
 from bench.summary import Summary, write_json, write_report
-from bench.targets import TOLERANCE, Case, ReplayTarget, mis_cases
+from bench.targets import TOLERANCE, Case, ReplayTarget, draws, mis_cases
 
 MARKER = " ###"  # one token in SmolLM2's vocabulary
 MIX = {"sis": 0.3, "mis": 0.3, "setwise": 0.2, "generate": 0.2}
@@ -47,11 +47,6 @@ async def replay_at(server: Any, replay: ReplayTarget, pick: Callable[[int, int]
     """Poisson arrivals at `rate` for `seconds` (requests pick(n, seed)) while the server is sampled."""
     schedule = loadgen.poisson_schedule(rate, seed=seed, duration_s=seconds)
     return await sampled(server, every_s, loadgen.open_loop(replay, "case", pick(len(schedule), seed), schedule))
-
-
-def draws(cases: Sequence[Case], n: int, seed: int) -> list[Case]:
-    rng = random.Random(seed)
-    return [rng.choice(cases) for _ in range(n)]
 
 
 # --- overload ------------------------------------------------------------------------------------------------------

@@ -37,7 +37,6 @@ SIDES: dict[str, dict[str, str]] = {
     "pyscore": {"mis": "mis", "sis": "sis", "setwise": "setwise", "generate": "generate"},
     "vllm": {"generative_scoring": "mis", "completions": "generate"},
 }
-SCORING = ("mis", "sis", "setwise")  # compared with the peer's best path; generate with its completions
 VLLM_PORT = 8013  # fixed by start_vllm.sh
 # Cached-token counts in /v1/completions' usage; no access-log line per request (ours logs at WARNING too).
 VLLM_ARGS = ("--enable-prompt-tokens-details", "--disable-uvicorn-access-log")

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import prompts
-from bench.common import WORDS, git_commit, machine, machine_info, spawned_server
+from bench.common import WORDS, git_commit, machine, machine_info, sentence, spawned_server
 from bench.dataset import Question
 from bench.loadgen import open_loop, poisson_schedule, summarize_records
 from bench.summary import percentile, write_json
@@ -42,7 +42,7 @@ def text_of_tokens(engine: Engine, tokens: int, seed: int) -> str:
     rng = random.Random(seed)
     text = ""
     while len(engine.tokenize(text, add_special_tokens=False)[0]) < tokens:
-        text += " ".join(rng.choice(WORDS) for _ in range(10)).capitalize() + ". "
+        text += sentence(rng, 10) + " "
     return text
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from bench import loadgen, report
 from bench.common import REPO, git_commit, machine_info, spawned_server
-from bench.dataset import Dataset, Question
+from bench.dataset import Dataset
 from bench.summary import fmt, percentile, write_json
 from bench.targets import PATHS, Target, make_target
 
@@ -72,10 +72,6 @@ class Settings:
     extra: dict[str, Any] = field(default_factory=dict)  # copied into every summary
 
 
-def open_loop_questions(dataset: Dataset, num_arrivals: int) -> list[Question]:
-    return [dataset[i % len(dataset)] for i in range(num_arrivals)]
-
-
 def _progress(total: int, desc: str, enabled: bool) -> Any:
     if not enabled:
         return None
@@ -100,7 +96,7 @@ async def run_point(target: Target, path: str, point: LoadPoint, dataset: Datase
         if rep == 0 and s.warmup:
             await loadgen.closed_loop(target, path, dataset.questions[: s.warmup], 1)
         bar = _progress(n, desc, s.progress)
-        result = await loadgen.open_loop(target, path, open_loop_questions(dataset, n), schedule,
+        result = await loadgen.open_loop(target, path, [dataset[i % len(dataset)] for i in range(n)], schedule,
                                          num_workers=s.workers, progress=bar)
     if bar is not None:
         bar.close()
@@ -168,9 +164,7 @@ async def sweep(target: Target, paths: Sequence[str], points: Sequence[LoadPoint
                 log(one_line(summary))
                 if point.qps is not None and (warning := loadgen.lag_warning(summary)):
                     log(warning)
-                p95s.append(summary["end_to_end_latency_ms"]["p95"] or math.inf)
-                if summary["num_errors"]:
-                    p95s[-1] = math.inf
+                p95s.append(math.inf if summary["num_errors"] else summary["end_to_end_latency_ms"]["p95"] or math.inf)
             if slo_ms is not None and point.qps is not None and percentile(p95s, 50) > slo_ms:
                 over_slo = True
     return summaries
@@ -219,9 +213,8 @@ def require_clean_commit(commit: str | None, allow_dirty: bool) -> None:
 def run_inprocess(out: Path, reps: int, num_questions: int, threads: int | None) -> None:
     """The engine in a fresh process, so the client of the server steps never shares an interpreter with torch."""
     cmd = [sys.executable, "-m", "bench.serving", "--target", "inprocess", "--concurrency", "1", "--reps", str(reps),
-           "--num-questions", str(num_questions), "--out", str(out), "--warmup", "2"]
-    if threads:
-        cmd += ["--threads", str(threads)]
+           "--num-questions", str(num_questions), "--out", str(out), "--warmup", "2",
+           *(["--threads", str(threads)] if threads else [])]
     subprocess.run(cmd, check=True, cwd=REPO)
 
 

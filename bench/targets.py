@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partialmethod
 from typing import Any
 
 from bench import prompts
@@ -124,11 +126,15 @@ class OurPaths:
     prefix_cache = "dispatch"
     timed = False  # the results' Usage carries a server's queue wait and compute time
 
+    def __init__(self, *args: Any, prefix_cache: str = "dispatch", **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        cache_options(prefix_cache)  # refuses an unknown mode now, not at the first question
+        self.prefix_cache = prefix_cache
+
     async def _score_call(self, query: str, items: list[str], **fields: Any) -> Any:
         raise NotImplementedError
 
-    async def _top_call(self, prompt: str, chat: bool, top: int,
-                        cache: dict[str, Any] | None = None) -> tuple[list[tuple[str, float]], Any]:
+    async def _top_call(self, prompt: str, chat: bool, top: int, cache: dict[str, Any]) -> tuple[list, Any]:
         raise NotImplementedError
 
     async def _score(self, q: Question, mode: str) -> Decision:
@@ -136,11 +142,8 @@ class OurPaths:
         r = await self._score_call(p.query, p.items, mode=mode)
         return usage_decision(pointwise_choice([rows[0] for rows in r.scores]), [r.usage], self.timed)
 
-    async def _sis(self, q: Question) -> Decision:
-        return await self._score(q, "sis")
-
-    async def _mis(self, q: Question) -> Decision:
-        return await self._score(q, "mis")
+    _sis = partialmethod(_score, mode="sis")
+    _mis = partialmethod(_score, mode="mis")
 
     async def _generate(self, q: Question) -> Decision:
         p = prompts.pointwise(q)
@@ -150,7 +153,8 @@ class OurPaths:
         return usage_decision(generate_choice([top for top, _ in answers]), [u for _, u in answers], self.timed)
 
     async def _fused(self, q: Question) -> Decision:
-        top, usage = await self._top_call(prompts.fused_choice(q), True, FUSED_TOP_LOGPROBS)
+        top, usage = await self._top_call(prompts.fused_choice(q), True, FUSED_TOP_LOGPROBS,
+                                          cache_options(self.prefix_cache))
         return usage_decision(prompts.best_letter(top, q.num_candidates), [usage], self.timed)
 
     async def _setwise(self, q: Question) -> Decision:
@@ -211,13 +215,11 @@ class GrpcTarget(OurPaths, Target):
     paths = PATHS
     timed = True
 
-    def __init__(self, address: str, *, prefix_cache: str = "dispatch", **kw: Any) -> None:
+    def __init__(self, address: str, **kw: Any) -> None:
         super().__init__(**kw)
         self.address = address
         self.spec = f"grpc://{address}"
         self.client: Any = None
-        cache_options(prefix_cache)
-        self.prefix_cache = prefix_cache
 
     async def open(self) -> TargetInfo:
         from pyscore.client import AsyncScorerClient
@@ -247,21 +249,26 @@ class GrpcTarget(OurPaths, Target):
         return await self.client.score(query, items, label_token_ids=self.info.label_token_ids, apply_softmax=True,
                                        **fields, **cache_options(self.prefix_cache))
 
-    async def _top_call(self, prompt: str, chat: bool, top: int,
-                        cache: dict[str, Any] | None = None) -> tuple[list[tuple[str, float]], Any]:
-        cache = cache_options(self.prefix_cache) if cache is None else cache
+    async def _top_call(self, prompt: str, chat: bool, top: int, cache: dict[str, Any]) -> tuple[list, Any]:
         r = await self.client.generate(prompt, apply_chat_template=chat, max_tokens=1, top_logprobs=top, **cache)
         return tops_of(r), r.usage
 
 
 # --- HTTP servers ----------------------------------------------------------------------------------------
 class HTTPTarget(Target):
-    """Shared HTTP plumbing (aiohttp, one pooled session, no connection limit so the client never queues)."""
+    """Shared HTTP plumbing (aiohttp, one pooled session, no connection limit so the client never queues);
+    `spec` is `scheme://HOST:PORT`; targets that send label ids (`labels`) resolve them at open, and `notes`
+    go into the TargetInfo's details."""
+
+    scheme = ""
+    labels = False
+    notes: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, base_url: str, *, model: str | None = None, label_token_ids: Sequence[int] | None = None,
                  **kw: Any) -> None:
         super().__init__(**kw)
         self.base_url = base_url.rstrip("/")
+        self.spec = f"{self.scheme}://" + self.base_url.split("://", 1)[-1]
         self.model = model
         self.label_token_ids = list(label_token_ids) if label_token_ids else None
         self.session: Any = None
@@ -277,7 +284,9 @@ class HTTPTarget(Target):
                 self.model = str(models["data"][0]["id"])
             except (KeyError, IndexError, TypeError) as e:
                 raise TargetError(f"{self.base_url}/v1/models lists no model; pass --model") from e
-        self.info = TargetInfo(model=self.model, marker=None)
+        self.info = TargetInfo(model=self.model, marker=None, details=dict(self.notes))
+        if self.labels:
+            self.info.label_token_ids = self.label_token_ids or await resolve_labels(self.tokenize)
         return self.info
 
     async def close(self) -> None:
@@ -339,10 +348,6 @@ class OpenAIHTTPTarget(HTTPTarget):
     paths = ("generate", "fused")
     scheme = "openai-http"
 
-    def __init__(self, base_url: str, **kw: Any) -> None:
-        super().__init__(base_url, **kw)
-        self.spec = f"{self.scheme}://" + self.base_url.split("://", 1)[-1]
-
     async def _completion_top(self, prompt: str, extra: dict[str, Any]) -> tuple[list[tuple[str, float]], Usage]:
         body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
                 "logprobs": GENERATE_TOP_LOGPROBS, **extra}
@@ -403,12 +408,8 @@ class VLLMHTTPTarget(OpenAIHTTPTarget):
 
     paths = ("generate", "sis", "mis", "fused")
     scheme = "vllm-http"
-
-    async def open(self) -> TargetInfo:
-        info = await super().open()
-        info.label_token_ids = self.label_token_ids or await resolve_labels(self.tokenize)
-        info.details["cache_salt"] = "fresh per question dispatch"
-        return info
+    labels = True
+    notes = (("cache_salt", "fresh per question dispatch"),)
 
     async def decide(self, path: str, q: Question) -> Decision:
         self.check_path(path)
@@ -447,16 +448,9 @@ def generative_scoring_scores(answer: Any, num_items: int) -> list[float]:
 
 class SGLangScoreTarget(HTTPTarget):
     paths = ("sis", "mis")
-
-    def __init__(self, base_url: str, **kw: Any) -> None:
-        super().__init__(base_url, **kw)
-        self.spec = "sglang-score-http://" + self.base_url.split("://", 1)[-1]
-
-    async def open(self) -> TargetInfo:
-        info = await super().open()
-        info.label_token_ids = self.label_token_ids or await resolve_labels(self.tokenize)
-        info.details["mode"] = "chosen by the server's launch flags (--multi-item-scoring-delimiter => MIS)"
-        return info
+    scheme = "sglang-score-http"
+    labels = True
+    notes = (("mode", "chosen by the server's launch flags (--multi-item-scoring-delimiter => MIS)"),)
 
     async def _score(self, q: Question) -> Decision:
         p = prompts.pointwise(q)
@@ -468,11 +462,7 @@ class SGLangScoreTarget(HTTPTarget):
             raise TargetError(f"/v1/score: expected {len(p.items)} score rows, got {str(answer)[:300]}")
         return Decision(pointwise_choice(scores))
 
-    async def _sis(self, q: Question) -> Decision:
-        return await self._score(q)
-
-    async def _mis(self, q: Question) -> Decision:
-        return await self._score(q)
+    _sis = _mis = _score
 
 
 class PyscoreHTTPTarget(OurPaths, HTTPTarget):
@@ -481,16 +471,11 @@ class PyscoreHTTPTarget(OurPaths, HTTPTarget):
 
     paths = PATHS
     timed = True
-
-    def __init__(self, base_url: str, *, prefix_cache: str = "dispatch", **kw: Any) -> None:
-        super().__init__(base_url, **kw)
-        self.spec = "pyscore-http://" + self.base_url.split("://", 1)[-1]
-        cache_options(prefix_cache)
-        self.prefix_cache = prefix_cache
+    scheme = "pyscore-http"
+    labels = True
 
     async def open(self) -> TargetInfo:
         info = await super().open()
-        info.label_token_ids = self.label_token_ids or await resolve_labels(self.tokenize)
         if self.marker is None:
             tokenized = {}
             for candidate in prompts.MARKER_CANDIDATES:
@@ -523,9 +508,7 @@ class PyscoreHTTPTarget(OurPaths, HTTPTarget):
         return ScoreResult(scores=scores, label_token_ids=answer["label_token_ids"], mode=answer.get("mode", ""),
                            usage=self.usage(answer))
 
-    async def _top_call(self, prompt: str, chat: bool, top: int,
-                        cache: dict[str, Any] | None = None) -> tuple[list[tuple[str, float]], Any]:
-        cache = cache_options(self.prefix_cache) if cache is None else cache
+    async def _top_call(self, prompt: str, chat: bool, top: int, cache: dict[str, Any]) -> tuple[list, Any]:
         if not chat:
             answer = await self.post("/v1/completions", {"model": self.model, "prompt": prompt, "max_tokens": 1,
                                                          "temperature": 0.0, "logprobs": top, **cache})
@@ -545,11 +528,9 @@ class InProcessTarget(OurPaths, Target):
     paths = PATHS
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", threads: int | None = None,
-                 prefix_cache: str = "dispatch", **kw: Any) -> None:
+                 **kw: Any) -> None:
         super().__init__(**kw)
         self.model, self.dtype, self.threads = model, dtype, threads
-        cache_options(prefix_cache)
-        self.prefix_cache = prefix_cache
         self.spec = "inprocess" + (f":{model}" if model else "")
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="bench-engine")
         self.engine: Any = None
@@ -597,11 +578,9 @@ class InProcessTarget(OurPaths, Target):
         return await self.run(lambda: self.engine.score(query, items, label_token_ids=self.info.label_token_ids,
                                                         apply_softmax=True, **fields, **cache))
 
-    async def _top_call(self, prompt: str, chat: bool, top: int,
-                        cache: dict[str, Any] | None = None) -> tuple[list[tuple[str, float]], Any]:
+    async def _top_call(self, prompt: str, chat: bool, top: int, cache: dict[str, Any]) -> tuple[list, Any]:
         from pyscore.types import GenerateRequest
 
-        cache = cache_options(self.prefix_cache) if cache is None else cache
         r = await self.run(self.engine.generate, GenerateRequest(prompt=prompt, apply_chat_template=chat, max_tokens=1,
                                                                  top_logprobs=top, **cache))
         return tops_of(r), r.usage
@@ -635,6 +614,12 @@ def mis_cases(n: int, items: int) -> list[Case]:
 
     return [Case(f"mis-{seed}", "mis", *question(items, seed=1000 + seed), dict(labels=[" Yes", " No"], mode="mis"))
             for seed in range(n)]
+
+
+def draws(cases: Sequence[Case], n: int, seed: int) -> list[Case]:
+    """`n` cases drawn at random (with replacement), seeded."""
+    rng = random.Random(seed)
+    return [rng.choice(cases) for _ in range(n)]
 
 
 def max_diff(a: Any, b: Any) -> float:
@@ -711,14 +696,10 @@ def make_target(spec: str, **kw: Any) -> Target:
     http = {k: kw.pop(k) for k in ("model", "label_token_ids") if k in kw}
     local = {k: kw.pop(k) for k in ("dtype", "threads") if k in kw}
     ours = {k: kw.pop(k) for k in ("prefix_cache",) if k in kw}
-    if spec.startswith("pyscore-http://"):
-        return PyscoreHTTPTarget("http://" + spec.removeprefix("pyscore-http://"), **http, **ours, **kw)
-    if spec.startswith("openai-http://"):
-        return OpenAIHTTPTarget("http://" + spec.removeprefix("openai-http://"), **http, **kw)
-    if spec.startswith("vllm-http://"):
-        return VLLMHTTPTarget("http://" + spec.removeprefix("vllm-http://"), **http, **kw)
-    if spec.startswith("sglang-score-http://"):
-        return SGLangScoreTarget("http://" + spec.removeprefix("sglang-score-http://"), **http, **kw)
+    for cls in (PyscoreHTTPTarget, OpenAIHTTPTarget, VLLMHTTPTarget, SGLangScoreTarget):
+        if spec.startswith(f"{cls.scheme}://"):
+            mine = ours if issubclass(cls, OurPaths) else {}
+            return cls("http://" + spec.removeprefix(f"{cls.scheme}://"), **http, **mine, **kw)
     if spec == "inprocess" or spec.startswith("inprocess:"):
         return InProcessTarget(spec.partition(":")[2] or http.get("model"), **local, **ours, **kw)
     return GrpcTarget(spec.removeprefix("grpc://"), **ours, **kw)
