@@ -194,6 +194,7 @@ class Engine:
         log.info("memory: %s expected when every pool is full (--kv-cache-mb %.0f, --max-batch-tokens %d); "
                  "resident now %.2f GiB", describe(self.memory), store.capacity * store.block_bytes / 2**20,
                  max_batch_tokens, resident_bytes() / 2**30)
+        log.info(keep_activation_pages())  # last: the weights and the KV store keep glibc's own placement
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, dtype: str | torch.dtype = "auto",
@@ -212,10 +213,8 @@ class Engine:
         set_threads(threads)
         dev = resolve_device(device)
         pools = Pools(max_batch_tokens, max_kv_tokens, max_running_generations, prefix_cache_mb, kv_cache_mb)
-        engine = cls(load_model(model, resolve_dtype(dtype, dev), dev, pools), max_batch_tokens, op_backend,
-                     prefix_cache_mb, max_kv_tokens, max_running_generations, kv_cache_mb, prefill_chunk_tokens)
-        log.info(keep_activation_pages())  # after loading: the weights keep glibc's own placement
-        return engine
+        return cls(load_model(model, resolve_dtype(dtype, dev), dev, pools), max_batch_tokens, op_backend,
+                   prefix_cache_mb, max_kv_tokens, max_running_generations, kv_cache_mb, prefill_chunk_tokens)
 
     # --- model facts ---------------------------------------------------------------------------------
     def info(self) -> ModelInfo:

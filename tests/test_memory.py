@@ -240,6 +240,22 @@ def test_activation_sized_buffers_come_from_the_heap_after_tuning() -> None:
     assert tuned == "False", "a 64 MiB buffer was mmapped after tuning: the threshold was not raised"
 
 
+@pytest.mark.parametrize("switch", [None, "0"])
+def test_an_engine_keeps_its_activation_pages(model_dirs, monkeypatch, caplog, switch: str | None) -> None:
+    """Every engine, from_pretrained or built from a loaded model, tunes the heap last (or says why not)."""
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "PYSCORE_HEAP_TUNING"):
+        monkeypatch.delenv(name, raising=False)
+    if switch is not None:
+        monkeypatch.setenv("PYSCORE_HEAP_TUNING", switch)
+    caplog.set_level("INFO", logger="pyscore.engine")
+    Engine(loading.load_model(model_dirs["qwen3"], torch.float32, CPU))
+    heap = [r.getMessage() for r in caplog.records if r.getMessage().startswith("heap: ")]
+    name = ctypes.util.find_library("c")
+    expected = ("heap: glibc defaults" if switch == "0" else "heap: activations from glibc's heap"
+                if name and "libc.so" in name else "heap: not glibc")
+    assert len(heap) == 1 and heap[0].startswith(expected), heap
+
+
 @pytest.mark.parametrize("env, said", [({"PYSCORE_HEAP_TUNING": "0"}, "PYSCORE_HEAP_TUNING=0"),
                                        ({"MALLOC_MMAP_THRESHOLD_": "131072"}, "the user's MALLOC_*_ settings")])
 def test_heap_tuning_leaves_glibc_alone_when_asked(env: dict[str, str], said: str) -> None:
