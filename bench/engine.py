@@ -42,9 +42,13 @@ LABELS = ["Yes", "No"]
 
 # --- time to decision, against stock transformers ---------------------------------------------------------------
 def stock_model(engine: Engine) -> Any:
-    """The engine's own weights as stock transformers, in the engine's dtype (default attention: sdpa)."""
+    """The engine's own weights as stock transformers, in the engine's dtype (default attention: sdpa); for a
+    --shape model, stock transformers' own random init of the same config (the same work, other weights: its time
+    is comparable, its scores are not)."""
     from transformers import AutoModelForCausalLM
 
+    if str(engine.model.path).startswith("random:"):
+        return AutoModelForCausalLM.from_config(engine.model.hf_config, dtype=engine.decoder.dtype).eval()
     return AutoModelForCausalLM.from_pretrained(engine.model.path, dtype=engine.decoder.dtype).eval()
 
 
@@ -95,7 +99,7 @@ def load(args: argparse.Namespace) -> tuple[Engine, Callable[[int], tuple[Any, l
 def time_to_decision(args: argparse.Namespace) -> None:
     engine, ask, labels = load(args)
     dtype = str(engine.decoder.dtype).removeprefix("torch.")
-    stock = None if args.no_stock or args.shape else stock_model(engine)
+    stock = None if args.no_stock else stock_model(engine)
     print(f"# {machine()} | CPU tier {engine.cpu_tier or '-'} | {engine.model_name} {dtype} threads={args.threads} "
           f"(torch {torch.get_num_threads()}) reps={args.reps}, alternating")
     print(f"{'items':>5} {'tokens q/item':>14} {'SIS p50 ms':>11} {'MIS p50 ms':>11} {'MIS/SIS':>8}"
