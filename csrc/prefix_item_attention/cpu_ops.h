@@ -12,6 +12,7 @@
 // Padding keys are zero, so masked probabilities (0) never meet garbage values.
 #pragma once
 #include <cstdint>
+#include <cstring>
 
 #include "common/cpu_features.h"
 #include "common/dtype.h"
@@ -25,6 +26,18 @@ inline int32_t key_blocks(int32_t num_keys) { return (num_keys + kKeyBlock - 1) 
 inline int32_t elem_pack(DType dtype) { return dtype == DType::kBFloat16 ? 2 : 1; }
 inline int64_t packed_kv_elems(int32_t num_keys, int32_t head_dim) {
   return int64_t(key_blocks(num_keys)) * kKeyBlock * head_dim;
+}
+
+// The fp32 V block is the rows as they are (pack 1), zero rows as padding: the same code for every vector build.
+inline void pack_v_f32(const void* v, int64_t token_stride, int32_t n, int32_t head_dim, void* out) {
+  auto* dst = static_cast<float*>(out);
+  const auto* src = static_cast<const float*>(v);
+  const int32_t padded = key_blocks(n) * kKeyBlock;
+  for (int32_t j = 0; j < padded; ++j) {
+    float* row = dst + int64_t(j) * head_dim;
+    if (j < n) std::memcpy(row, src + j * token_stride, head_dim * sizeof(float));
+    else std::memset(row, 0, head_dim * sizeof(float));
+  }
 }
 
 struct AttentionCpuOps {

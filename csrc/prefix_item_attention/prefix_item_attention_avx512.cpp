@@ -133,18 +133,6 @@ void pack_k(const void* k, int64_t token_stride, int32_t n, int32_t head_dim, vo
   }
 }
 
-// V, fp32: rows as they are, zero rows as padding.
-void pack_v_f32(const void* v, int64_t token_stride, int32_t n, int32_t head_dim, void* out) {
-  auto* dst = static_cast<float*>(out);
-  const auto* src = static_cast<const float*>(v);
-  const int32_t padded = key_blocks(n) * kKeyBlock;
-  for (int32_t j = 0; j < padded; ++j) {
-    float* row = dst + int64_t(j) * head_dim;
-    if (j < n) std::memcpy(row, src + j * token_stride, head_dim * sizeof(float));
-    else std::memset(row, 0, head_dim * sizeof(float));
-  }
-}
-
 // V, bf16: interleave keys 2j and 2j+1 element by element, 32 dims at a time.
 void pack_v_bf16(const void* v, int64_t token_stride, int32_t n, int32_t head_dim, void* out) {
   auto* dst = static_cast<uint16_t*>(out);
