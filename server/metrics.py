@@ -59,14 +59,14 @@ class Metrics:
     def track_generations(self, running: Callable[[], int], kv_tokens: Callable[[], int]) -> None:
         self.generations_running.set_function(running)
         self.kv_tokens_reserved.set_function(kv_tokens)
+
     def track_prefix_cache(self, stats: Callable[[], Any]) -> None:
         """Export the engine's prefix cache counters (`stats()`: a PrefixCacheStats, or None when off)."""
-        self.registry.register(PrefixCacheCollector(stats))
+        self.registry.register(StatsCollector(stats, PREFIX_CACHE_COUNTERS, PREFIX_CACHE_GAUGES))
 
     def track_kv_store(self, stats: Callable[[], Any]) -> None:
         """Export the KV store's pages held (`stats()`: a KVStoreStats, or None for an engine without one)."""
-        self.registry.register(KVStoreCollector(stats))
-
+        self.registry.register(StatsCollector(stats, gauges=KV_STORE_GAUGES))
 
     def observe_call(self, method: str, status: str, seconds: float, response: Any) -> None:
         """One finished Scorer call; `response` is its (last streamed) response message or None."""
@@ -103,45 +103,39 @@ class Metrics:
             http.server_close()
 
 
-class PrefixCacheCollector(Collector):
-    """The prefix cache's counters and gauges, read at scrape time (ints the engine's worker updates)."""
-
-    def __init__(self, stats: Callable[[], Any]) -> None:
-        self.stats = stats
-
-    def collect(self) -> Any:
-        s = self.stats()
-        if s is None:
-            return
-        for name, doc, value in (
-                ("pyscore_prefix_cache_hit_tokens", "cacheable query/prompt tokens found in the prefix cache",
-                 s.hit_tokens),
-                ("pyscore_prefix_cache_miss_tokens", "cacheable tokens (whole blocks) looked up and not found",
-                 s.miss_tokens),
-                ("pyscore_prefix_cache_evicted_blocks", "blocks evicted to make room (least recently used first)",
-                 s.evicted_blocks)):
-            yield CounterMetricFamily(name, doc, value=value)
-        for name, doc, value in (
-                ("pyscore_prefix_cache_bytes", "bytes of keys/values the prefix cache holds", s.bytes),
-                ("pyscore_prefix_cache_blocks", "blocks the prefix cache holds", s.blocks),
-                ("pyscore_prefix_cache_capacity_bytes", "the most of the KV store the prefix cache may hold",
-                 s.capacity_bytes)):
-            yield GaugeMetricFamily(name, doc, value=value)
+# (name, help, value from the stats object) of the metrics read from the engine at each scrape.
+Readings = tuple[tuple[str, str, Callable[[Any], float]], ...]
+PREFIX_CACHE_COUNTERS: Readings = (
+    ("pyscore_prefix_cache_hit_tokens", "cacheable query/prompt tokens found in the prefix cache",
+     lambda s: s.hit_tokens),
+    ("pyscore_prefix_cache_miss_tokens", "cacheable tokens (whole blocks) looked up and not found",
+     lambda s: s.miss_tokens),
+    ("pyscore_prefix_cache_evicted_blocks", "blocks evicted to make room (least recently used first)",
+     lambda s: s.evicted_blocks))
+PREFIX_CACHE_GAUGES: Readings = (
+    ("pyscore_prefix_cache_bytes", "bytes of keys/values the prefix cache holds", lambda s: s.bytes),
+    ("pyscore_prefix_cache_blocks", "blocks the prefix cache holds", lambda s: s.blocks),
+    ("pyscore_prefix_cache_capacity_bytes", "the most of the KV store the prefix cache may hold",
+     lambda s: s.capacity_bytes))
+KV_STORE_GAUGES: Readings = (
+    ("pyscore_kv_store_held_bytes", "bytes of the KV store's pages in use (prefix cache and generations)",
+     lambda s: s.held_bytes),
+    ("pyscore_kv_store_capacity_bytes", "the KV store's byte budget (--kv-cache-mb)",
+     lambda s: s.capacity_pages * s.block_bytes))
 
 
-class KVStoreCollector(Collector):
-    """What the paged KV store holds, read at scrape time: cache and running sequences together, each page once."""
+class StatsCollector(Collector):
+    """Counters and gauges read at scrape time from `stats()` (ints the engine's worker updates; None: nothing to
+    report, e.g. the prefix cache off)."""
 
-    def __init__(self, stats: Callable[[], Any]) -> None:
-        self.stats = stats
+    def __init__(self, stats: Callable[[], Any], counters: Readings = (), gauges: Readings = ()) -> None:
+        self.stats, self.counters, self.gauges = stats, counters, gauges
 
     def collect(self) -> Any:
         s = self.stats()
         if s is None:
             return
-        for name, doc, value in (
-                ("pyscore_kv_store_held_bytes", "bytes of the KV store's pages in use (prefix cache and generations)",
-                 s.held_bytes),
-                ("pyscore_kv_store_capacity_bytes", "the KV store's byte budget (--kv-cache-mb)",
-                 s.capacity_pages * s.block_bytes)):
-            yield GaugeMetricFamily(name, doc, value=value)
+        for name, doc, value in self.counters:
+            yield CounterMetricFamily(name, doc, value=value(s))
+        for name, doc, value in self.gauges:
+            yield GaugeMetricFamily(name, doc, value=value(s))
