@@ -256,36 +256,37 @@ def _generate_future(client: ScorerClient, prompt: str, max_tokens: int, timeout
     return client.stub.Generate.future(generate_message(prompt, "", max_tokens=max_tokens), timeout=timeout)
 
 
+def _generations_behind_a_blocker(server: Any, client: ScorerClient, fake: FakeEngine, count: int,
+                                  max_tokens: int) -> tuple[list[int], list[int]]:
+    """`count` generations queued while a Score holds the engine, then released together: (each one's number of
+    tokens, the engine's step batch sizes after the release)."""
+    fake.pause()
+    blocker = _score_future(client, "first")
+    assert fake.wait_entered()
+    gens = [_generate_future(client, f"prompt {i}", max_tokens) for i in range(count)]
+    wait_for(lambda: server.batcher.waiting() == count, what=f"{count} waiting generations")
+    steps_before = len(fake.steps)
+    fake.resume()
+    blocker.result()
+    return [len(g.result().token_ids) for g in gens], fake.steps[steps_before:]
+
+
 def test_generations_past_max_running_wait_their_turn(start_server: Any, fake: FakeEngine) -> None:
     server = start_server(fake, max_running_generations=2)
     with ScorerClient(server.target, timeout=10) as client:
-        fake.pause()
-        blocker = _score_future(client, "first")
-        assert fake.wait_entered()
-        gens = [_generate_future(client, f"prompt {i}", 3) for i in range(5)]
-        wait_for(lambda: server.batcher.waiting() == 5, what="5 waiting generations")
-        steps_before = len(fake.steps)
-        fake.resume()
-        blocker.result()
-        assert [len(g.result().token_ids) for g in gens] == [3] * 5
+        lengths, steps = _generations_behind_a_blocker(server, client, fake, 5, 3)
+        assert lengths == [3] * 5
         # two run at a time; a finished one's place is taken at the next step, in arrival order
-        assert fake.steps[steps_before:] == [2, 2, 2, 2, 2, 2, 1, 1, 1]
+        assert steps == [2, 2, 2, 2, 2, 2, 1, 1, 1]
 
 
 def test_kv_budget_reserves_prompt_plus_max_tokens(start_server: Any, fake: FakeEngine) -> None:
     # each generation reserves 1 (BOS) + 2 prompt + 6 new = 9 tokens; a 20-token budget runs two at a time
     server = start_server(fake, max_kv_tokens=20)
     with ScorerClient(server.target, timeout=10) as client:
-        fake.pause()
-        blocker = _score_future(client, "first")
-        assert fake.wait_entered()
-        gens = [_generate_future(client, f"prompt {i}", 6) for i in range(3)]
-        wait_for(lambda: server.batcher.waiting() == 3, what="3 waiting generations")
-        steps_before = len(fake.steps)
-        fake.resume()
-        blocker.result()
-        assert [len(g.result().token_ids) for g in gens] == [6] * 3
-        assert max(fake.steps[steps_before:]) == 2 and sum(fake.steps[steps_before:]) == 18
+        lengths, steps = _generations_behind_a_blocker(server, client, fake, 3, 6)
+        assert lengths == [6] * 3
+        assert max(steps) == 2 and sum(steps) == 18
 
 
 def test_generations_reserve_whole_pages_of_the_engines_kv_store(start_server: Any, fake: FakeEngine) -> None:
@@ -294,16 +295,9 @@ def test_generations_reserve_whole_pages_of_the_engines_kv_store(start_server: A
     fake.kv_budget = lambda: (128, 64)  # type: ignore[method-assign]
     server = start_server(fake, max_kv_tokens=10_000)  # the engine's store, not this flag, bounds generations
     with ScorerClient(server.target, timeout=10) as client:
-        fake.pause()
-        blocker = _score_future(client, "first")
-        assert fake.wait_entered()
-        gens = [_generate_future(client, f"prompt {i}", 6) for i in range(3)]
-        wait_for(lambda: server.batcher.waiting() == 3, what="3 waiting generations")
-        steps_before = len(fake.steps)
-        fake.resume()
-        blocker.result()
-        assert [len(g.result().token_ids) for g in gens] == [6] * 3
-        assert max(fake.steps[steps_before:]) == 2 and server.batcher.kv_tokens_reserved() == 0
+        lengths, steps = _generations_behind_a_blocker(server, client, fake, 3, 6)
+        assert lengths == [6] * 3
+        assert max(steps) == 2 and server.batcher.kv_tokens_reserved() == 0
         with pytest.raises(grpc.RpcError) as err:
             client.generate("short", max_tokens=127)  # prompt + 127 > 128: three pages, more than the store
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
