@@ -16,9 +16,10 @@ killed halfway through loading. `PYSCORE_MEMORY_CHECK=0` turns the refusal into 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -218,14 +219,26 @@ def available_memory(device: torch.device) -> tuple[int, str]:
     return physical, "MemAvailable of the machine"
 
 
+@functools.cache
+def glibc() -> ctypes.CDLL | None:
+    """The C library when it is glibc (the allocator controls below are glibc's), else None (musl, macOS)."""
+    if sys.platform != "linux":
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+
+
 def release_freed_memory() -> None:
     """Hand the heap pages that loading freed (converted and replaced weights) back to the OS: glibc keeps freed
     chunks below its mmap threshold in the heap, which RSS (and a pod's memory limit) still counts. The loader
     calls it once the weights are built (the sources of every fused projection are freed), the engine once they
     are packed (every plain projection is)."""
-    name = ctypes.util.find_library("c")
-    if name and "libc.so" in name:
-        ctypes.CDLL(name).malloc_trim(0)
+    libc = glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 # glibc's mallopt parameters (malloc.h) and the values keep_activation_pages sets.
@@ -250,10 +263,9 @@ def keep_activation_pages(env: dict[str, str] | None = None) -> str:
         return "heap: glibc defaults (PYSCORE_HEAP_TUNING=0)"
     if any(k in env for k in _USER_MALLOC_ENV):
         return "heap: the user's MALLOC_*_ settings"
-    name = ctypes.util.find_library("c")
-    if not name or "libc.so" not in name:
+    libc = glibc()
+    if libc is None:
         return "heap: not glibc, left alone"
-    libc = ctypes.CDLL(name)
     if not (libc.mallopt(_M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD) and libc.mallopt(_M_TRIM_THRESHOLD,
                                                                                     HEAP_TRIM_THRESHOLD)):
         return "heap: glibc refused the thresholds"

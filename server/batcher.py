@@ -44,9 +44,7 @@ the largest batches seen. `trim_under_load` trims at that pace even while busy (
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
-import sys
 import threading
 import time
 from collections import deque
@@ -56,27 +54,12 @@ from typing import Any, Literal, Protocol
 
 from pyscore.budget import count_within_budget
 from pyscore.errors import PassInterrupted, ResourceExhausted
+from pyscore.memory import release_freed_memory as trim_heap  # the free heap back to the OS (glibc only)
 from pyscore.types import GenerateRequest, GenerateResult, ModelInfo, ScoreRequest, ScoreResult, TokenLogprob, Usage
 
 log = logging.getLogger(__name__)
 
 TRIM_EVERY_S = 10.0
-
-
-def _load_libc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL("libc.so.6") if sys.platform == "linux" else None
-    except OSError:  # not glibc (e.g. musl)
-        return None
-
-
-_LIBC = _load_libc()
-
-
-def trim_heap() -> None:
-    """Return the free parts of the heap to the OS (glibc only; a no-op elsewhere)."""
-    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
-        _LIBC.malloc_trim(0)
 
 
 class PreparedLike(Protocol):

@@ -4,7 +4,6 @@ refused before any tensor is read, with the numbers in the message; the engine a
 
 from __future__ import annotations
 
-import ctypes.util
 import subprocess
 import sys
 from pathlib import Path
@@ -199,10 +198,11 @@ def test_freed_heap_pages_between_live_blocks_go_back_to_the_system() -> None:
 # Run in a fresh interpreter: in this one, earlier tests' engines have tuned glibc, and a large free heap top then
 # serves big buffers whatever the threshold, so the control could not fail there.
 _HEAP_PROBE = """
-import ctypes, ctypes.util, sys
+import ctypes, sys
+from pyscore import memory
 from server.memory import _Mallinfo2
-libc = ctypes.CDLL(ctypes.util.find_library("c"))
-if not hasattr(libc, "mallinfo2"):
+libc = memory.glibc()
+if libc is None or not hasattr(libc, "mallinfo2"):
     print("skip"); sys.exit()
 libc.mallinfo2.restype = _Mallinfo2
 libc.malloc.restype = ctypes.c_void_p
@@ -216,7 +216,6 @@ def mmapped(nbytes):
     finally:
         libc.free(buf)
 
-from pyscore import memory
 control = mmapped(64 << 20)
 said = memory.keep_activation_pages({})
 print(control, mmapped(64 << 20), said)
@@ -227,8 +226,7 @@ def test_activation_sized_buffers_come_from_the_heap_after_tuning() -> None:
     """After keep_activation_pages, a 64 MiB buffer (an activation of a big model's pass) is no fresh mapping: it
     comes from glibc's heap, whose freed pages the next pass reuses without page faults (mallinfo2's count of
     mmapped blocks, in a fresh interpreter; the control: the same buffer before the call is mapped)."""
-    name = ctypes.util.find_library("c")
-    if not name or "libc.so" not in name:
+    if memory.glibc() is None:
         pytest.skip("needs glibc")
     out = subprocess.run([sys.executable, "-c", _HEAP_PROBE], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parent.parent).stdout.strip()
@@ -250,9 +248,8 @@ def test_an_engine_keeps_its_activation_pages(model_dirs, monkeypatch, caplog, s
     caplog.set_level("INFO", logger="pyscore.engine")
     Engine(loading.load_model(model_dirs["qwen3"], torch.float32, CPU))
     heap = [r.getMessage() for r in caplog.records if r.getMessage().startswith("heap: ")]
-    name = ctypes.util.find_library("c")
     expected = ("heap: glibc defaults" if switch == "0" else "heap: activations from glibc's heap"
-                if name and "libc.so" in name else "heap: not glibc")
+                if memory.glibc() is not None else "heap: not glibc")
     assert len(heap) == 1 and heap[0].startswith(expected), heap
 
 
