@@ -251,18 +251,32 @@ def ours_tiers(dtype: torch.dtype, asked: list[str] | None) -> list[str]:
     return [t for t in runnable if t == "avx2" or tiers.cpu_choice("linear", t, dtype).path == "kernel"]
 
 
+def at_tier(tier: str, fn: Callable[[], object]) -> Callable[[], object]:
+    """fn run with our kernels forced to `tier` (PYSCORE_CPU_TIER, read at each call)."""
+    def run() -> object:
+        os.environ["PYSCORE_CPU_TIER"] = tier
+        return fn()
+    return run
+
+
+def timed_tier_rows(dtype: torch.dtype, name: str, phase: str, runs: dict[str, Callable], rounds: int,
+                    flop: float) -> list[str]:
+    """Best of `rounds` alternating rounds of each run, a table row each, against torch's F.linear."""
+    times = {key: min(ts) for key, ts in alternate_rounds(runs, rounds).items()}
+    os.environ.pop("PYSCORE_CPU_TIER", None)
+    rows = [f"{dt(dtype):9} {name:16} {phase:8} {key:29} {ms:7.3f} {flop / ms / 1e6:8.0f}  "
+            f"{times['torch F.linear'] / ms:5.2f}x" for key, ms in times.items()]
+    print("\n".join(rows), flush=True)
+    return rows
+
+
 def tier_contenders(x: torch.Tensor, w: torch.Tensor, rows: int, ours_at: list[str]) -> dict[str, Callable]:
     packed, plain = pack_linear(w), PlainLinear(w, None)
 
     def ours(tier: str) -> Callable[[], object]:
-        def run() -> object:
-            os.environ["PYSCORE_CPU_TIER"] = tier
-            return linear(x, packed, backend="kernel")
-        return run
+        return at_tier(tier, lambda: linear(x, packed, backend="kernel"))
 
-    def torch_path() -> object:
-        os.environ["PYSCORE_CPU_TIER"] = "generic"  # a tier whose linear is torch's
-        return linear(x, plain, rows_per_call=rows)
+    torch_path = at_tier("generic", lambda: linear(x, plain, rows_per_call=rows))  # generic: linear is torch's
 
     # the top tier of ours after the torch path: neither it nor F.linear then runs straight after a long run at a
     # lower tier (on the AMX Xeon, ours@amx at 1.2 ms read 1.9 ms right after the 12 ms AVX-512 run).
@@ -284,15 +298,9 @@ def tiers_section(args: argparse.Namespace, dtypes: list[torch.dtype]) -> list[s
                 x = torch.randn(m, k, generator=gen).to(dtype)
                 w = (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
                 runs = tier_contenders(x, w, rows, ours_tiers(dtype, args.tiers))
-                times = {key: min(ts) for key, ts in alternate_rounds(runs, args.rounds).items()}
-                os.environ.pop("PYSCORE_CPU_TIER", None)
-                base = times["torch F.linear"]
-                lines += [f"{dt(dtype):9} {name:16} {phase:8} {key:29} {ms:7.3f} {2 * m * k * n / ms / 1e6:8.0f}  "
-                          f"{base / ms:5.2f}x" for key, ms in times.items()]
-                print("\n".join(lines[-len(times):]), flush=True)
+                lines += timed_tier_rows(dtype, name, phase, runs, args.rounds, 2 * m * k * n)
         if not args.no_forward:
             lines += forward_rows(dtype, args)
-            print("\n".join(lines[-len(ours_tiers(dtype, args.tiers)) - 1:]), flush=True)
     return [*lines, f"command: python -m bench.kernels {' '.join(sys.argv[1:])}",
             f"smollm-forward: {FORWARD_LAYERS} layers' qkv, o, gate_up (ours: + the fused SiLU-mul) and down at "
             "M=776 with distinct weights, in a forward's order, so each weight comes from memory as in the engine"]
@@ -307,26 +315,20 @@ def forward_rows(dtype: torch.dtype, args: argparse.Namespace) -> list[str]:
     xs = {k: torch.randn(TIER_ROWS["prefill"][0], k, generator=gen).to(dtype) for k, _, _ in FORWARD_SHAPES}
     packed = [[pack_linear(w, gated=gated) for w, gated in layer] for layer in layers]
 
-    def ours(tier: str) -> Callable[[], object]:
-        def run() -> None:
-            os.environ["PYSCORE_CPU_TIER"] = tier
-            for layer in packed:
-                for (k, _, _), p in zip(FORWARD_SHAPES, layer, strict=True):
-                    linear(xs[k], p, backend="kernel")
-        return run
+    def ours() -> None:
+        for layer in packed:
+            for (k, _, _), p in zip(FORWARD_SHAPES, layer, strict=True):
+                linear(xs[k], p, backend="kernel")
 
     def torch_linear() -> None:
         for layer in layers:
             for (k, _, _), (w, _) in zip(FORWARD_SHAPES, layer, strict=True):
                 F.linear(xs[k], w)
 
-    runs = {f"ours@{t}": ours(t) for t in ours_tiers(dtype, args.tiers)}
+    runs = {f"ours@{t}": at_tier(t, ours) for t in ours_tiers(dtype, args.tiers)}
     runs["torch F.linear"] = torch_linear
-    times = {key: min(ts) for key, ts in alternate_rounds(runs, args.rounds).items()}
-    os.environ.pop("PYSCORE_CPU_TIER", None)
     flop = 2 * TIER_ROWS["prefill"][0] * FORWARD_LAYERS * sum(k * n for k, n, _ in FORWARD_SHAPES)
-    return [f"{dt(dtype):9} {'smollm-forward':16} {'prefill':8} {key:29} {ms:7.3f} {flop / ms / 1e6:8.0f}  "
-            f"{times['torch F.linear'] / ms:5.2f}x" for key, ms in times.items()]
+    return timed_tier_rows(dtype, "smollm-forward", "prefill", runs, args.rounds, flop)
 
 
 # ---- Qwen3.5's linear attention ----------------------------------------------------------------------------------
