@@ -28,7 +28,7 @@ STREAMS = {
     "long": [(130, [90, 1, 45])],
 }
 # Ranges of over 2,000 keys (some 33 key blocks of the online softmax): a long prefix and a long causal sequence.
-LONG_STREAMS = {"chunked": [(2100, [40, 3]), (0, [2090])]}
+LONG_STREAMS = {"long-ranges": [(2100, [40, 3]), (0, [2090])]}
 HEADS = {"mha-d64": (4, 4, 64), "gqa3-d64": (9, 3, 64), "gqa4-d128": (8, 2, 128), "gqa2-d96": (4, 2, 96),
          "gqa4-d256": (8, 2, 256)}  # the last: Qwen3.5's heads
 
@@ -249,10 +249,16 @@ def test_amx_tiles_over_long_ranges(monkeypatch, heads):
     item's rows come out the same behind a long causal sequence as alone."""
     amx_or_skip()
     monkeypatch.setenv("PYSCORE_CPU_TIER", "amx")
-    check_prefix_item_attention("cpu", "chunked", heads, torch.bfloat16, fused=True)
+    check_prefix_item_attention("cpu", "long-ranges", heads, torch.bfloat16, fused=True)
+    assert_last_group_alone_as_packed(heads, [(2100, [40, 3])], [(0, [2090])])
+
+
+def assert_last_group_alone_as_packed(heads: str, group: list[tuple[int, list[int]]],
+                                      before: list[tuple[int, list[int]]]) -> None:
+    """`group`'s bf16 rows come out bitwise the same alone and packed behind the `before` sequences."""
     hq, hkv, d = HEADS[heads]
-    alone, t_alone = make_segments([(2100, [40, 3])], "cpu")
-    packed, t_packed = make_segments([(0, [2090]), (2100, [40, 3])], "cpu")
+    alone, t_alone = make_segments(group, "cpu")
+    packed, t_packed = make_segments(before + group, "cpu")
     q, k, v = make_qkv(t_packed, hq, hkv, d, torch.bfloat16, "cpu", fused=True)
     offset = t_packed - t_alone
     out_alone = prefix_item_attention(q[offset:], k[offset:], v[offset:], alone, backend="kernel")
@@ -264,14 +270,7 @@ def test_amx_tiles_result_does_not_depend_on_batch_mates(monkeypatch):
     group's bf16 rows still come out bitwise the same alone and packed behind other sequences."""
     amx_or_skip()
     monkeypatch.setenv("PYSCORE_CPU_TIER", "amx")
-    hq, hkv, d = HEADS["gqa3-d64"]
-    alone, t_alone = make_segments([(40, [9, 1, 20])], "cpu")
-    packed, t_packed = make_segments([(0, [33]), (17, [4]), (40, [9, 1, 20])], "cpu")
-    q, k, v = make_qkv(t_packed, hq, hkv, d, torch.bfloat16, "cpu", fused=True)
-    offset = t_packed - t_alone
-    out_alone = prefix_item_attention(q[offset:], k[offset:], v[offset:], alone, backend="kernel")
-    out_packed = prefix_item_attention(q, k, v, packed, backend="kernel")
-    assert torch.equal(out_packed[offset:], out_alone)
+    assert_last_group_alone_as_packed("gqa3-d64", [(40, [9, 1, 20])], [(0, [33]), (17, [4])])
 
 
 @pytest.mark.parametrize("device", DEVICES)
