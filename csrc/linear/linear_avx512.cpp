@@ -308,9 +308,8 @@ void amx_block(const AmxRows& a, const uint16_t* w, int32_t steps, bool first, f
 // kAmxKBlock; rows in blocks of kAmxRowBlock with one K block, so that a row block's x stays in L2 while the
 // rectangle's columns pass over it. Over several K blocks (K > 2048: Qwen3-8B's projections, weights far larger
 // than L3) a row block is as tall as kAmxPartialBytes of fp32 partials allow, up to kAmxRowBlockMax: the weight is
-// then read from memory once per call instead of once per 256 rows (Qwen3-8B down prefill, M=776, alternating:
-// 0.78-0.81x -> 0.90x torch's F.linear). Partial sums wait in fp32 between K blocks (exact); the epilogue runs after
-// the last, one tile block behind the tiles (PendingEpilogue).
+// then read from memory once per call instead of once per 256 rows. Partial sums wait in fp32 between K blocks
+// (exact); the epilogue runs after the last, one tile block behind the tiles (PendingEpilogue).
 constexpr int32_t kAmxKBlock = 2048, kAmxRowBlock = 256, kAmxRowBlockMax = 1024, kAmxColChunk = 256;
 constexpr int64_t kAmxPartialBytes = int64_t(16) << 20;  // per thread
 
