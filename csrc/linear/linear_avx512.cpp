@@ -2,10 +2,10 @@
 //
 // At tier amx, bf16 runs on AMX tiles instead (rect_amx below).
 //
-// Micro-kernel: TM <= 6 rows x ZN <= 4 zmm (64 packed columns) of fp32 accumulators held in registers over the whole
-// K (24 + 4 weight operands + 1 broadcast <= 32 zmm); each step loads ZN weight zmm (16 columns x one pair) and
-// broadcasts one x pair per row. Over a rectangle, the weight panel of a block (K x 64) is reused from L2 by every
-// row tile. bf16 pairs are multiplied by vdpbf16ps or widened to fp32 with two FMAs in its order (Bf16Dot): the
+// Micro-kernel: TM <= 6 rows x ZN <= 4 zmm (64 packed columns) of fp32 accumulators held in registers over a K
+// block (24 + 4 weight operands + 1 broadcast <= 32 zmm); each step loads ZN weight zmm (16 columns x one pair) and
+// broadcasts one x pair per row. Over a rectangle, the weight panel of a block (K block x 64) is reused from L2 by
+// every row tile. bf16 pairs are multiplied by vdpbf16ps or widened to fp32 with two FMAs in its order (Bf16Dot): the
 // same bits. The epilogue (bias, SiLU-mul, residual, rounding) runs on the accumulators before the one store.
 #include <algorithm>
 #include <cstring>
@@ -128,17 +128,32 @@ inline void store_out(const LinearParams& p, int32_t m, int32_t oc, __m512 v) {
   E::store(static_cast<T*>(p.out) + m * p.out_row_stride + oc, mask, v);
 }
 
-// TM rows (from row m) x ZN zmm of packed columns (from column c, block-aligned to 16) over the whole K.
+// One K block of a tile: K steps [s0, s1) (steps of E::kPack elements). The fp32 sums wait in `part` between
+// blocks (the tile's rows kLinearBlockN floats apart): read unless `first`, written unless `last`; the last block
+// runs the epilogue. An fp32 sum stored and reloaded is exact, so a K split in blocks gives the unsplit bits.
+struct KSpan {
+  int64_t s0, s1;
+  float* part;
+  bool first, last;
+};
+
+// TM rows (from row m) x ZN zmm of packed columns (from column c, block-aligned to 16) over one K block.
 template <class E, int TM, int ZN>
-void tile(const LinearParams& p, int32_t m, int32_t c, const typename E::T* w) {
+void tile(const LinearParams& p, int32_t m, int32_t c, const typename E::T* w, const KSpan& ks) {
   using T = typename E::T;
-  const int32_t k = p.k;  // even for bf16 (the launcher pads)
-  const auto x = E::rows(static_cast<const T*>(p.x) + m * p.x_row_stride, p.x_row_stride, TM, k);
+  const auto x = E::rows(static_cast<const T*>(p.x) + m * p.x_row_stride + ks.s0 * E::kPack, p.x_row_stride, TM,
+                         int(ks.s1 - ks.s0) * E::kPack);
   __m512 acc[TM][ZN];
   for (int r = 0; r < TM; ++r)
-    for (int z = 0; z < ZN; ++z) acc[r][z] = _mm512_setzero_ps();
-  for (int32_t s = 0; s < k / E::kPack; ++s)
-    E::template step<TM, ZN>(acc, x.data + s * E::kPack, x.stride, w + int64_t(s) * kLinearBlockN * E::kPack);
+    for (int z = 0; z < ZN; ++z)
+      acc[r][z] = ks.first ? _mm512_setzero_ps() : _mm512_loadu_ps(ks.part + r * kLinearBlockN + 16 * z);
+  for (int64_t s = ks.s0; s < ks.s1; ++s)
+    E::template step<TM, ZN>(acc, x.data + (s - ks.s0) * E::kPack, x.stride, w + s * kLinearBlockN * E::kPack);
+  if (!ks.last) {
+    for (int r = 0; r < TM; ++r)
+      for (int z = 0; z < ZN; ++z) _mm512_storeu_ps(ks.part + r * kLinearBlockN + 16 * z, acc[r][z]);
+    return;
+  }
   for (int z = 0; z < ZN; ++z) {
     const __m512 bias = p.bias ? _mm512_loadu_ps(p.bias + c + 16 * z) : _mm512_setzero_ps();
     for (int r = 0; r < TM; ++r) acc[r][z] = _mm512_add_ps(acc[r][z], bias);
@@ -154,32 +169,55 @@ void tile(const LinearParams& p, int32_t m, int32_t c, const typename E::T* w) {
   }
 }
 
+// Rows [m0, m1) in tiles; ks.part (when blocked) holds row m0's partial sums first.
 template <class E, int ZN>
-void row_tiles(const LinearParams& p, int32_t m0, int32_t m1, int32_t c, const typename E::T* w) {
+void row_tiles(const LinearParams& p, int32_t m0, int32_t m1, int32_t c, const typename E::T* w, KSpan ks) {
+  float* const part = ks.part;
+  auto at = [&](int32_t m) {
+    if (part) ks.part = part + int64_t(m - m0) * kLinearBlockN;
+    return ks;
+  };
   int32_t m = m0;
-  for (; m + kTileRows <= m1; m += kTileRows) tile<E, kTileRows, ZN>(p, m, c, w);
+  for (; m + kTileRows <= m1; m += kTileRows) tile<E, kTileRows, ZN>(p, m, c, w, at(m));
   switch (m1 - m) {
-    case 1: tile<E, 1, ZN>(p, m, c, w); break;
-    case 2: tile<E, 2, ZN>(p, m, c, w); break;
-    case 3: tile<E, 3, ZN>(p, m, c, w); break;
-    case 4: tile<E, 4, ZN>(p, m, c, w); break;
-    case 5: tile<E, 5, ZN>(p, m, c, w); break;
+    case 1: tile<E, 1, ZN>(p, m, c, w, at(m)); break;
+    case 2: tile<E, 2, ZN>(p, m, c, w, at(m)); break;
+    case 3: tile<E, 3, ZN>(p, m, c, w, at(m)); break;
+    case 4: tile<E, 4, ZN>(p, m, c, w, at(m)); break;
+    case 5: tile<E, 5, ZN>(p, m, c, w, at(m)); break;
     default: break;
   }
 }
 
-// Block by block (the weight panel stays in L2 while every row tile of the rectangle passes over it).
+// K steps per block: a block's weight panel (kLinearBlockN columns x this many steps: 512 KiB in fp32 and in bf16
+// pairs) stays in L2 while every row tile of the rectangle passes over it. Unblocked, Qwen3-8B's down (K = 12288,
+// a 3 MiB fp32 panel) came from L3 for every row tile: 0.45-0.58x torch's F.linear at prefill, 0.99-1.03x with
+// these blocks (bench/results/tiers/linear_fp32_kblock_ab.txt; 4096-step blocks 0.94x, 1024 as 2048:
+// linear_fp32_kblock_sizes.txt). Half of Zen 4's 1 MiB L2. The blocks are a function of K alone.
+constexpr int64_t kFmaBlockSteps = 2048;
+
+// Block by block, and in a block K block by K block (the weight panel stays in L2 while every row tile of the
+// rectangle passes over it).
 template <class E>
 void rect(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1) {
   using T = typename E::T;
   const int64_t k_steps = p.k / E::kPack;
+  const int64_t k_blocks = (k_steps + kFmaBlockSteps - 1) / kFmaBlockSteps;
+  const int64_t block_steps = k_blocks > 1 ? (k_steps + k_blocks - 1) / k_blocks : k_steps;
+  thread_local std::vector<float> part;  // per thread: the rectangle's rows x one column block, between K blocks
+  if (k_blocks > 1) part.resize(size_t(m1 - m0) * kLinearBlockN);
   const T* packed = static_cast<const T*>(p.w_packed);
   for (int32_t c = c0; c < c1;) {
     const int32_t block = c / kLinearBlockN, z0 = (c % kLinearBlockN) / 16;
     const int32_t zn = std::min<int32_t>(kMaxZmm - z0, (c1 - c) / 16);
     const T* w = packed + (int64_t(block) * k_steps * kLinearBlockN + z0 * 16) * E::kPack;
-    if (zn == 4) row_tiles<E, 4>(p, m0, m1, c, w);
-    else row_tiles<E, 2>(p, m0, m1, c, w);  // units of 32 columns: 2 or 4 zmm
+    for (int64_t s0 = 0; s0 < k_steps || s0 == 0; s0 += block_steps) {
+      const int64_t s1 = std::min(k_steps, s0 + block_steps);
+      const KSpan ks{s0, s1, k_blocks > 1 ? part.data() : nullptr, s0 == 0, s1 == k_steps};
+      if (zn == 4) row_tiles<E, 4>(p, m0, m1, c, w, ks);
+      else row_tiles<E, 2>(p, m0, m1, c, w, ks);  // units of 32 columns: 2 or 4 zmm
+      if (s1 == k_steps) break;
+    }
     c += 16 * zn;
   }
 }

@@ -70,17 +70,14 @@ void rect_portable(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, in
 const LinearCpuOps kPortableBf16{rect_portable<uint16_t>, kRowTile};
 const LinearCpuOps kPortableF32{rect_portable<float>, kRowTile};
 
-// At tier avx512 (AVX-512F without BF16, Skylake-SP to Ice Lake) fp32 runs the AVX-512 FMA kernel up to this K:
-// its fp32 instantiations use AVX-512F/BW/DQ/VL only (no vdpbf16ps / vcvtneps2bf16 / tile instruction in their
-// code, checked by disassembly of linear_avx512.cpp) and beat our AVX2 kernel and torch's batch-invariant row calls
-// there; above it (Qwen3-8B's down, K = 12288) the AVX2 kernel's K blocks win (bench/results/tiers/
-// linear_avx512_fp32.txt). The choice depends on the weight alone, never on the batch.
-constexpr int32_t kAvx512Fp32MaxK = 4096;
-
-const LinearCpuOps& choose_ops(DType dtype, int32_t k) {
+// At tier avx512 (AVX-512F without BF16, Skylake-SP to Ice Lake) fp32 runs the AVX-512 FMA kernel: its fp32
+// instantiations use AVX-512F/BW/DQ/VL only (no vdpbf16ps / vcvtneps2bf16 / tile instruction in their code, checked
+// by disassembly of linear_avx512.cpp) and, K-blocked, beat our AVX2 kernel and torch's batch-invariant row calls
+// at every bench shape (bench/results/tiers/linear_avx512_fp32.txt).
+const LinearCpuOps& choose_ops(DType dtype) {
   const LinearCpuOps* fast = cpu_tier() == CpuTier::kAmx ? linear_ops_amx(dtype) : nullptr;
   if (!fast && cpu_use_avx512bf16()) fast = linear_ops_avx512(dtype, cpu_bf16_dot());
-  else if (!fast && dtype == DType::kFloat32 && cpu_tier() == CpuTier::kAvx512 && k <= kAvx512Fp32MaxK)
+  else if (!fast && dtype == DType::kFloat32 && cpu_tier() == CpuTier::kAvx512)
     fast = linear_ops_avx512(dtype, cpu_bf16_dot());
   else if (!fast && cpu_use_avx2()) fast = linear_ops_avx2(dtype);
   if (fast) return *fast;
@@ -151,7 +148,7 @@ Status linear_cpu(const LinearParams& params) {
     p.x_row_stride = k2;
     p.k = int32_t(k2);
   }
-  const LinearCpuOps& ops = choose_ops(p.dtype, p.k);
+  const LinearCpuOps& ops = choose_ops(p.dtype);
   const int threads = kernel_threads();
   const Split split = make_split(p, threads, ops.row_tile);
 #pragma omp parallel num_threads(threads)

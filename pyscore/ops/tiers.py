@@ -32,15 +32,15 @@ LINEAR_AMX = Choice("kernel", "AMX tiles, batch-invariant, the fastest batch-inv
                               "F.linear (not batch-invariant) at single prefill shapes, 1.19x over a forward's "
                               "projections in order, 1.6-2.0x at decode, 1.4-3.4x torch's batch-invariant row calls "
                               "(bench/results/tiers/linear_amx.txt)")
-LINEAR_FP32 = Choice("kernel", "AVX-512 FMAs, batch-invariant; 1.0-1.8x torch's fp32 GEMM, except 0.5x at a "
-                               "K=12288 prefill (bench/results/tiers/linear_amx.txt)")
+LINEAR_FP32 = Choice("kernel", "AVX-512 FMAs in K blocks, batch-invariant; 0.98-1.07x torch's fp32 GEMM at prefill "
+                               "(Qwen3-8B's K = 12288 down included: 0.45x before the K blocks), 1.4-1.9x at decode "
+                               "(bench/results/tiers/linear_fp32_kblock_ab.txt)")
 LINEAR_AVX2 = Choice("kernel", "AVX2 + FMA, batch-invariant; fp32 1.1-1.7x torch's batch-invariant (chunked) path "
                                "and 0.90-1.20x one unchunked MKL AVX2 F.linear, bf16 (widened to fp32) 2.8-5.1x "
                                "torch's AVX2 bf16 F.linear (bench/results/tiers/linear_avx2.txt)")
-LINEAR_FP32_AVX512 = Choice("kernel", "ours, AVX-512 FMAs up to K = 4096 (0.93-0.99x one unchunked F.linear at "
-                                      "prefill, 1.04-1.97x at decode, 1.3-1.4x torch's batch-invariant row calls) and "
-                                      "the K-blocked AVX2 kernel above (0.84x the row calls at K = 12288 prefill) "
-                                      "(bench/results/tiers/linear_avx512_fp32.txt)")
+LINEAR_FP32_AVX512 = Choice("kernel", "ours, AVX-512 FMAs in K blocks (0.95-1.04x one unchunked F.linear at prefill, "
+                                      "1.00x over a forward's projections, 1.05-1.72x at decode, 1.4-1.5x torch's "
+                                      "batch-invariant row calls) (bench/results/tiers/linear_avx512_fp32.txt)")
 LINEAR_AVX2_ON_AVX512 = Choice("kernel", "ours (AVX2, bf16 widened) is 2.2-2.5x torch's AVX-512 bf16 F.linear without "
                                          "bf16 hardware (bench/results/tiers/linear_avx512.txt)")
 LINEAR_TORCH = Choice("torch", "oneDNN/MKL GEMM beats a vector-FMA GEMM without bf16 hardware "

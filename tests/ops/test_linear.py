@@ -154,27 +154,68 @@ def test_avx2_kernel_is_batch_invariant(monkeypatch, shape, dtype):
     assert_batch_invariant(shape, dtype)
 
 
-@pytest.mark.parametrize("shape", ["smollm-gate_up", "smollm-down", "k-blocked", "over-4096"])
-def test_avx512_tier_fp32_runs_the_avx512_kernel_up_to_k_4096(monkeypatch, shape):
-    """Tier avx512 (AVX-512F without BF16), fp32: the AVX-512 FMA kernel for K <= 4096, bitwise what it gives at tier
-    avx512bf16, and the K-blocked AVX2 kernel above, bitwise what it gives at tier avx2; both batch-invariant and
-    within the reference's tolerance."""
+@pytest.mark.parametrize("shape", ["smollm-gate_up", "smollm-down", "k-blocked", "fma-k-blocked"])
+def test_avx512_tier_fp32_bits_are_the_other_tiers(monkeypatch, shape):
+    """Tier avx512 (AVX-512F without BF16), fp32, K blocks included: bitwise what tiers avx512bf16 and avx2 give (each
+    output is the same sequence of fp32 FMAs over K on every kernel: fp32 scores do not depend on the CPU's
+    vector width), batch-invariant and within the reference's tolerance. Which kernel runs there is a speed choice
+    (the K-blocked AVX-512 one: bench/results/tiers/linear_avx512_fp32.txt)."""
     module = _ext.cpu_module()
     if module is None or not module.cpu_features()["avx512f"]:
         pytest.skip("needs pyscore._C on a CPU with AVX-512")
-    k, n, gated = {**ALL_SHAPES, "over-4096": (4160, 72, False)}[shape]
+    k, n, gated = {**ALL_SHAPES, **FMA_K_BLOCKED_SHAPES}[shape]
     x, w, b, r = make_inputs(13, k, n, gated, torch.float32, bias=True, residual=True, seed=3)
     packed = pack_linear(w, b, gated=gated)
     outs = {}
     for tier in ("avx512", "avx512bf16", "avx2"):
         monkeypatch.setenv("PYSCORE_CPU_TIER", tier)
         outs[tier] = linear(x, packed, residual=r, backend="kernel")
-    same_as = "avx512bf16" if k <= 4096 else "avx2"
-    assert torch.equal(outs["avx512"], outs[same_as]), f"K={k}: tier avx512 did not run the {same_as} kernel"
+    assert torch.equal(outs["avx512"], outs["avx512bf16"]) and torch.equal(outs["avx512"], outs["avx2"]), f"K={k}"
     monkeypatch.setenv("PYSCORE_CPU_TIER", "avx512")
     check_linear(13, k, n, gated, torch.float32, bias=True, residual=True, seed=3)
     if shape in ALL_SHAPES:
         assert_batch_invariant(shape, torch.float32)
+
+
+# K past the AVX-512 FMA kernel's K block (2048 steps: K 2048 in fp32, 4096 in bf16): fp32 sums carried between
+# blocks. 4200 fp32 steps: three blocks of 1400; 8256 bf16 = 4128 pair steps: three blocks of 1376.
+FMA_K_BLOCKED_SHAPES = {"fma-k-blocked": (4200, 80, False), "fma-k-blocked-gated": (4200, 2 * 40, True),
+                        "fma-k-blocked-bf16": (8256, 72, False)}
+
+
+def fma_tiers() -> list[str]:
+    """The tiers this CPU runs the AVX-512 FMA kernel at (fp32 at every AVX-512 tier, bf16 below amx)."""
+    module = _ext.cpu_module()
+    if module is None or not module.cpu_features()["avx512bf16"]:
+        pytest.skip("needs pyscore._C on a CPU with AVX512-BF16")
+    return ["avx512bf16"]
+
+
+@pytest.mark.parametrize("shape", list(FMA_K_BLOCKED_SHAPES))
+def test_avx512_kernel_k_blocks(monkeypatch, shape):
+    """The AVX-512 FMA kernel over several K blocks: within the reference's tolerance with every epilogue, rows
+    bitwise alone, and the carry exact: zeros in x past K/2 leave every output bit as the first half alone gives
+    (the sums carried into the later blocks only add exact zeros), and zeros before K/2 as the second half alone."""
+    monkeypatch.setenv("PYSCORE_CPU_TIER", fma_tiers()[0])
+    k, n, gated = FMA_K_BLOCKED_SHAPES[shape]
+    dtype = torch.bfloat16 if shape.endswith("bf16") else torch.float32
+    for path in ("dpbf16", "widen") if dtype == torch.bfloat16 else ("widen",):
+        monkeypatch.setenv("PYSCORE_BF16_DOT", path)
+        for m in (1, 7, 13):
+            check_linear(m, k, n, gated, dtype, bias=True, residual=m % 2 == 1, strided=m == 7, seed=m)
+    x, w, b, _ = make_inputs(13, k, n, gated, dtype, bias=True, residual=False, seed=6)
+    packed = pack_linear(w, b, gated=gated)
+    full = linear(x, packed, backend="kernel")
+    for m0, m1 in ((0, 1), (5, 13)):
+        assert torch.equal(linear(x[m0:m1], packed, backend="kernel"), full[m0:m1]), f"rows {m0}:{m1}"
+    half = k // 2
+    head, tail = x.clone(), x.clone()
+    head[:, half:] = 0
+    tail[:, :half] = 0
+    assert torch.equal(linear(head, packed, backend="kernel"),
+                       linear(x[:, :half].contiguous(), pack_linear(w[:, :half], b, gated=gated), backend="kernel"))
+    assert torch.equal(linear(tail, packed, backend="kernel"),
+                       linear(x[:, half:].contiguous(), pack_linear(w[:, half:], b, gated=gated), backend="kernel"))
 
 
 def test_bf16_widened_path_is_bitwise_the_dpbf16_path(monkeypatch):
