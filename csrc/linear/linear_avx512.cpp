@@ -399,21 +399,28 @@ void rect_amx(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t
       };
       // 1 x 4 tiles, each K-pair row of a 64-column block read whole (the 2 x 2 tiles read half of it, and the
       // other half again for the next unit): for 16 rows or fewer, and over K blocks (K > 2048), where the weight
-      // panels do not stay in L1 either way (0.8x -> 0.87x torch at Qwen3-8B's qkv and down prefill).
+      // panels do not stay in L1 either way (0.8x -> 0.87x torch at Qwen3-8B's qkv and down prefill). Over K blocks
+      // the columns go in chunks of kAmxColChunk: a row tile's x block (16 x 2048) is read from L3 once per chunk,
+      // not once per 64 columns, while the chunk's weight panels (1 MiB) stay in L2
+      // (bench/results/tiers/linear_amx_kblock_chunks_ab.txt).
       if (tiles == 1 || k_blocks > 1) {
-        for (int32_t c = c0; c < c1;) {
-          const bool whole_block = c % kLinearBlockN == 0 && c + kLinearBlockN <= c1;
-          const int32_t cw = whole_block ? kLinearBlockN : kLinearUnitN;
+        const int32_t chunk = tiles == 1 ? c1 - c0 : kAmxColChunk;
+        for (int32_t cc = c0; cc < c1; cc += chunk) {
+          const int32_t cc1 = std::min(c1, cc + chunk);
           for (int32_t t = 0; t < tiles; ++t) {
             const int32_t m = r0 + t * kAmxTileRows;
             AmxRows a;
             tile_rows(m, a, 0);
-            float* acc = acc_at(t, c);
-            if (whole_block) amx_block<1, 4>(a, weights(c), steps, first, acc, ldc, pending);
-            else amx_block<1, 2>(a, weights(c), steps, first, acc, ldc, pending);
-            if (last) pending.set(m, std::min(kAmxTileRows, r1 - m), c, cw, acc, ldc);
+            for (int32_t c = cc; c < cc1;) {
+              const bool whole_block = c % kLinearBlockN == 0 && c + kLinearBlockN <= cc1;
+              const int32_t cw = whole_block ? kLinearBlockN : kLinearUnitN;
+              float* acc = acc_at(t, c);
+              if (whole_block) amx_block<1, 4>(a, weights(c), steps, first, acc, ldc, pending);
+              else amx_block<1, 2>(a, weights(c), steps, first, acc, ldc, pending);
+              if (last) pending.set(m, std::min(kAmxTileRows, r1 - m), c, cw, acc, ldc);
+              c += cw;
+            }
           }
-          c += cw;
         }
         continue;
       }
