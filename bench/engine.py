@@ -63,11 +63,12 @@ def stock_forward(model: Any, ids: torch.Tensor, keep: int | None) -> torch.Tens
         return model(input_ids=ids, use_cache=False, **({} if keep is None else {"logits_to_keep": keep})).logits
 
 
-def contenders(engine: Engine, stock: Any, query: Any, items: list[Any], labels: dict[str, Any]
+def contenders(engine: Engine, stock: Any, query: Any, items: list[Any], labels: dict[str, Any], sis: bool = True
                ) -> dict[str, Callable[[], Any]]:
     labels = {**labels, "bypass_prefix_cache": True}
-    runs: dict[str, Callable[[], Any]] = {"sis": lambda: engine.score(query, items, mode="sis", **labels),
-                                          "mis": lambda: engine.score(query, items, mode="mis", **labels)}
+    runs: dict[str, Callable[[], Any]] = {"mis": lambda: engine.score(query, items, mode="mis", **labels)}
+    if sis:
+        runs["sis"] = lambda: engine.score(query, items, mode="sis", **labels)
     if stock is not None:
         ids = mis_input_ids(engine.prepare_score(ScoreRequest(query, items, **labels)))
         runs["stock"] = lambda: stock_forward(stock, ids, None)
@@ -109,13 +110,15 @@ def time_to_decision(args: argparse.Namespace) -> None:
         query, items = ask(n)
         prepared = engine.prepare_score(ScoreRequest(query, items, **labels))
         item_len = sum(map(len, prepared.items)) / n
-        runs = contenders(engine, stock, query, items, labels)
+        runs = contenders(engine, stock, query, items, labels, sis=not args.no_sis)
         for fn in runs.values():  # one warm-up each
             fn()
         times = alternate(runs, args.reps)
         p50 = {name: percentile(ts, 50) for name, ts in times.items()}
+        p50.setdefault("sis", float("nan"))  # --no-sis
         row: dict[str, Any] = dict(items=n, query_tokens=len(prepared.query), item_tokens=item_len,
-                                   sis_ms=p50["sis"], mis_ms=p50["mis"], sis_all=times["sis"], mis_all=times["mis"])
+                                   sis_ms=p50["sis"], mis_ms=p50["mis"], sis_all=times.get("sis", []),
+                                   mis_all=times["mis"])
         line = (f"{n:>5} {len(prepared.query):>6}/{item_len:<7.1f} {row['sis_ms']:>11.1f} {row['mis_ms']:>11.1f} "
                 f"{row['mis_ms'] / row['sis_ms']:>8.3f}")
         if stock is not None:
@@ -268,6 +271,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--candidates", type=int, nargs="+", default=[2, 5, 9, 16], help="--profile: the last")
     ap.add_argument("--no-stock", action="store_true", help="skip stock transformers")
+    ap.add_argument("--no-sis", action="store_true", help="skip SIS (big --shape models: MIS alone)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--shape", default=None, help="a bench.gpu.models shape with random weights (token-id questions)")
     ap.add_argument("--profile", action="store_true", help="where one MIS forward spends its time")

@@ -45,3 +45,10 @@ def test_alternate_interleaves_and_sets_up_each_turn():
     fns = {"a": lambda: order.append("a"), "b": lambda: order.append("b")}
     times = alternate(fns, 2, setup={"b": lambda: order.append("setup b")})
     assert order == ["a", "setup b", "b"] * 2 and [len(v) for v in times.values()] == [2, 2]
+
+
+def test_contenders_without_sis(engine):
+    """`--no-sis` (big shapes): MIS alone, or MIS and stock; SIS is a contender by default."""
+    labels = {"label_token_ids": [5, 6]}
+    assert set(bench_engine.contenders(engine, None, QUERY, ITEMS, labels)) == {"mis", "sis"}
+    assert set(bench_engine.contenders(engine, None, QUERY, ITEMS, labels, sis=False)) == {"mis"}
