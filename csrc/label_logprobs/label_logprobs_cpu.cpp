@@ -54,7 +54,7 @@ const LabelCpuOps kPortableBf16{logits_chunk_portable<uint16_t>, lse_update_port
 const LabelCpuOps kPortableF32{logits_chunk_portable<float>, lse_update_portable};
 
 // At tier avx512 (AVX-512F without BF16) fp32 runs the AVX-512 read-out: its fp32 ops use AVX-512F only (no
-// vdpbf16ps / vcvtneps2bf16 / tile instruction in their code, checked by disassembly of label_logprobs_avx512.cpp),
+// vdpbf16ps / vcvtneps2bf16 / tile instruction in the code they reach: tests/ops/test_avx512_fp32_isa.py),
 // and they beat the AVX2 text and MKL's AVX-512 GEMM there (bench/results/tiers/kernels_labels_avx512.txt).
 const LabelCpuOps& choose_ops(DType dtype) {
   const LabelCpuOps* fast = nullptr;

@@ -71,8 +71,8 @@ const LinearCpuOps kPortableBf16{rect_portable<uint16_t>, kRowTile};
 const LinearCpuOps kPortableF32{rect_portable<float>, kRowTile};
 
 // At tier avx512 (AVX-512F without BF16, Skylake-SP to Ice Lake) fp32 runs the AVX-512 FMA kernel: its fp32
-// instantiations use AVX-512F/BW/DQ/VL only (no vdpbf16ps / vcvtneps2bf16 / tile instruction in their code, checked
-// by disassembly of linear_avx512.cpp) and, K-blocked, beat our AVX2 kernel and torch's batch-invariant row calls
+// instantiations use AVX-512F/BW/DQ/VL only (no vdpbf16ps / vcvtneps2bf16 / tile instruction in the code they reach:
+// tests/ops/test_avx512_fp32_isa.py) and, K-blocked, beat our AVX2 kernel and torch's batch-invariant row calls
 // at every bench shape (bench/results/tiers/linear_avx512_fp32.txt).
 const LinearCpuOps& choose_ops(DType dtype) {
   const LinearCpuOps* fast = cpu_tier() == CpuTier::kAmx ? linear_ops_amx(dtype) : nullptr;
