@@ -202,8 +202,8 @@ template <class E>
 void rect(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1) {
   using T = typename E::T;
   const int64_t k_steps = p.k / E::kPack;
-  const int64_t k_blocks = (k_steps + kFmaBlockSteps - 1) / kFmaBlockSteps;
-  const int64_t block_steps = k_blocks > 1 ? (k_steps + k_blocks - 1) / k_blocks : k_steps;
+  const int64_t k_blocks = std::max<int64_t>(1, (k_steps + kFmaBlockSteps - 1) / kFmaBlockSteps);  // K = 0: one
+  const int64_t block_steps = (k_steps + k_blocks - 1) / k_blocks;
   thread_local std::vector<float> part;  // per thread: the rectangle's rows x one column block, between K blocks
   if (k_blocks > 1) part.resize(size_t(m1 - m0) * kLinearBlockN);
   const T* packed = static_cast<const T*>(p.w_packed);
@@ -211,7 +211,7 @@ void rect(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1)
     const int32_t block = c / kLinearBlockN, z0 = (c % kLinearBlockN) / 16;
     const int32_t zn = std::min<int32_t>(kMaxZmm - z0, (c1 - c) / 16);
     const T* w = packed + (int64_t(block) * k_steps * kLinearBlockN + z0 * 16) * E::kPack;
-    for (int64_t s0 = 0; s0 < k_steps || s0 == 0; s0 += block_steps) {
+    for (int64_t s0 = 0;; s0 += block_steps) {  // at least one pass: K = 0 still runs the epilogue
       const int64_t s1 = std::min(k_steps, s0 + block_steps);
       const KSpan ks{s0, s1, k_blocks > 1 ? part.data() : nullptr, s0 == 0, s1 == k_steps};
       if (zn == 4) row_tiles<E, 4>(p, m0, m1, c, w, ks);

@@ -183,20 +183,14 @@ FMA_K_BLOCKED_SHAPES = {"fma-k-blocked": (4200, 80, False), "fma-k-blocked-gated
                         "fma-k-blocked-bf16": (8256, 72, False)}
 
 
-def fma_tiers() -> list[str]:
-    """The tiers this CPU runs the AVX-512 FMA kernel at (fp32 at every AVX-512 tier, bf16 below amx)."""
-    module = _ext.cpu_module()
-    if module is None or not module.cpu_features()["avx512bf16"]:
-        pytest.skip("needs pyscore._C on a CPU with AVX512-BF16")
-    return ["avx512bf16"]
-
-
 @pytest.mark.parametrize("shape", list(FMA_K_BLOCKED_SHAPES))
 def test_avx512_kernel_k_blocks(monkeypatch, shape):
     """The AVX-512 FMA kernel over several K blocks: within the reference's tolerance with every epilogue, rows
     bitwise alone, and the carry exact: zeros in x past K/2 leave every output bit as the first half alone gives
     (the sums carried into the later blocks only add exact zeros), and zeros before K/2 as the second half alone."""
-    monkeypatch.setenv("PYSCORE_CPU_TIER", fma_tiers()[0])
+    if "avx512bf16" not in _ext.runnable_cpu_tiers():
+        pytest.skip("needs a CPU with AVX512-BF16")
+    monkeypatch.setenv("PYSCORE_CPU_TIER", "avx512bf16")  # both dtypes on the FMA kernel (at amx bf16 is on tiles)
     k, n, gated = FMA_K_BLOCKED_SHAPES[shape]
     dtype = torch.bfloat16 if shape.endswith("bf16") else torch.float32
     for path in ("dpbf16", "widen") if dtype == torch.bfloat16 else ("widen",):
@@ -237,10 +231,11 @@ def test_bf16_widened_path_is_bitwise_the_dpbf16_path(monkeypatch):
 
 # The AMX tile GEMM's blockings (K % 32 == 0): (K, N, gated). K over 2048 runs in K blocks with fp32 partials
 # (2080 = 65 steps of 32: blocks of 33 and 32); N off the 64-column blocks leaves a 32-column unit or a partial one;
-# gated I = 40 pads its last unit; N over 256 packed columns runs in several column chunks (I = 300: 640 packed).
+# gated I = 40 pads its last unit; N over 256 packed columns runs in several column chunks (I = 300: 640 packed), with
+# one K block (2 x 2 tiles) and over K blocks (1 x 4 tiles).
 AMX_SHAPES = {"k-blocked": (2080, 200, False), "k-blocked-gated": (2080, 2 * 40, True), "one-block": (96, 72, False),
               "gated-i-40": (544, 2 * 40, True), "column-chunks": (96, 600, False),
-              "column-chunks-gated": (544, 2 * 300, True)}
+              "column-chunks-gated": (544, 2 * 300, True), "k-blocked-column-chunks": (2080, 600, False)}
 
 
 @pytest.mark.parametrize("shape", list(AMX_SHAPES))
