@@ -1,9 +1,12 @@
-// add_rms_norm rows written once against a vector layer `V` (common/vec_avx2.h or common/vec_avx512.h): included by
-// add_rms_norm_avx2.cpp and add_rms_norm_avx512.cpp, each after declaring `namespace V` as its ISA's layer, so one
-// body is compiled per ISA. A row is walked twice, V::kLanes at a time with ragged ends: the add (stored back rounded,
+// add_rms_norm rows written once against a vector layer `V` (common/vec_avx2.h or common/vec_avx512.h), compiled
+// once per layer named below by cmake/cpu_kernels.cmake, which binds `V` and names the entry point. A row is walked twice, V::kLanes at a time with ragged ends: the add (stored back rounded,
 // re-read rounded so the statistics see exactly the stored residual) with the sum of squares, then the scaling; the
 // second walk finds the row in L1.
+// pyscore-vec-layers: avx2 avx512
 #pragma once
+#ifndef PYSCORE_VEC_ENTRY
+#error "a kernel text is compiled once per vector layer on its pyscore-vec-layers line (cmake/cpu_kernels.cmake)"
+#endif
 #include "add_rms_norm/cpu_ops.h"
 #include "common/rms_portable.h"
 
@@ -49,4 +52,8 @@ AddRmsNormRows rows_for(DType dtype) {
 }
 
 }  // namespace
+
+// The entry point cpu_ops.h declares, named for the layer this text is compiled on (e.g. add_rms_norm_rows_avx2).
+AddRmsNormRows PYSCORE_VEC_ENTRY(add_rms_norm_rows)(DType dtype) { return rows_for(dtype); }
+
 }  // namespace pyscore

@@ -1,8 +1,8 @@
 // Internal interface of the CPU label_logprobs kernel: the launcher (label_logprobs_cpu.cpp, baseline ISA)
 // splits the vocabulary over threads and calls these ops on chunks of it; they come in an AVX-512 build
 // (label_logprobs_avx512.cpp; the LM head product on AMX tiles at tier amx, label_logprobs_amx.cpp), AVX2 and
-// NEON ones (one text, logits_simd.h, compiled per vector layer by label_logprobs_avx2.cpp and
-// label_logprobs_neon.cpp) and a portable one.
+// NEON ones (one text, logits_simd.h, compiled per vector layer by cmake/cpu_kernels.cmake) and a
+// portable one.
 #pragma once
 #include <cstdint>
 

@@ -1,6 +1,6 @@
 // The AVX2 and NEON ops of the CPU label_logprobs kernel (interface in cpu_ops.h), written once against a vector
-// layer `V`: included by label_logprobs_avx2.cpp (common/vec_avx2.h, 8 lanes) and label_logprobs_neon.cpp
-// (common/vec_neon.h, 4 lanes), each after declaring `namespace V` as its layer.
+// layer `V` (common/vec_avx2.h, 8 lanes; common/vec_neon.h, 4 lanes) and compiled once per layer named below by
+// cmake/cpu_kernels.cmake, which binds `V` and names the entry point.
 //
 // The LM head product for R read-out rows is a skinny GEMM bound by streaming the [V, H] weight: each register tile
 // takes VT weight rows and RT hidden rows, so every weight vector loaded serves all the tile's rows and the weight
@@ -11,7 +11,11 @@
 // depend only on its row and its weight row, never on the tile shape or the number of rows. The register tiles are
 // sized for AVX2's 16 registers (at most 13 in use); NEON keeps them (its speed on ARM has not been measured, only
 // its results, under qemu-aarch64 by tests/cpu/kernel_check.cpp).
+// pyscore-vec-layers: avx2 neon
 #pragma once
+#ifndef PYSCORE_VEC_ENTRY
+#error "a kernel text is compiled once per vector layer on its pyscore-vec-layers line (cmake/cpu_kernels.cmake)"
+#endif
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -205,4 +209,8 @@ const LabelCpuOps* ops_for(DType dtype) {
 }
 
 }  // namespace
+
+// The entry point cpu_ops.h declares, named for the layer this text is compiled on (e.g. label_ops_avx2).
+const LabelCpuOps* PYSCORE_VEC_ENTRY(label_ops)(DType dtype) { return ops_for(dtype); }
+
 }  // namespace pyscore

@@ -1,6 +1,6 @@
 // The AVX2 and NEON ops of the CPU prefix_item_attention kernel (interface and packed layouts in cpu_ops.h), written
-// once against a vector layer `V`: included by prefix_item_attention_avx2.cpp (common/vec_avx2.h, 8 lanes) and
-// prefix_item_attention_neon.cpp (common/vec_neon.h, 4 lanes), each after declaring `namespace V` as its layer.
+// once against a vector layer `V` (common/vec_avx2.h, 8 lanes; common/vec_neon.h, 4 lanes) and compiled once per
+// layer named below by cmake/cpu_kernels.cmake, which binds `V` and names the entry point.
 //
 // Flash-attention over 64-key blocks, as the AVX-512 ops: per tile of TM query rows, S = Q.K^T kChunkKeys keys at a
 // time (TM x 2 accumulators), online softmax in base 2 with the denormal-free exp2, then O = alpha O + P.V
@@ -14,7 +14,11 @@
 // Exactness: a row's arithmetic depends only on its own q, its key range and its limit, never on which rows share
 // its tile or how many there are (key groups a row does not see are masked to p = 0, and adding 0 * v is exact), so
 // a row gives the same bits in MIS and SIS and warm and cold, as the AVX-512 and portable ops do.
+// pyscore-vec-layers: avx2 neon
 #pragma once
+#ifndef PYSCORE_VEC_ENTRY
+#error "a kernel text is compiled once per vector layer on its pyscore-vec-layers line (cmake/cpu_kernels.cmake)"
+#endif
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -267,4 +271,10 @@ const AttentionCpuOps* ops_for(DType dtype, int32_t head_dim) {
 }
 
 }  // namespace
+
+// The entry point cpu_ops.h declares, named for the layer this text is compiled on (e.g. attention_ops_avx2).
+const AttentionCpuOps* PYSCORE_VEC_ENTRY(attention_ops)(DType dtype, int32_t head_dim) {
+  return ops_for(dtype, head_dim);
+}
+
 }  // namespace pyscore

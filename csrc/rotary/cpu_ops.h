@@ -1,7 +1,7 @@
 // The CPU rotary kernel (contract in params.h): its launcher, which bindings_cpu.cpp calls, and the parts the
 // launcher (rotary_cpu.cpp, baseline ISA) dispatches to. It splits tokens over threads and calls `tokens` on each
-// slice; `tokens` comes in AVX-512 and AVX2 builds (one body, tokens_simd.h, compiled per ISA by rotary_avx512.cpp
-// and rotary_avx2.cpp) and a portable one.
+// slice; `tokens` comes in AVX-512 and AVX2 builds (one body, tokens_simd.h, compiled per vector layer by
+// cmake/cpu_kernels.cmake) and a portable one.
 #pragma once
 #include <cstdint>
 

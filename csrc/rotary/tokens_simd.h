@@ -1,10 +1,14 @@
-// rotary tokens written once against a vector layer `V` (common/vec_avx2.h or common/vec_avx512.h): included by
-// rotary_avx2.cpp and rotary_avx512.cpp, each after declaring `namespace V` as its ISA's layer. Per token the cos/sin
+// rotary tokens written once against a vector layer `V` (common/vec_avx2.h or common/vec_avx512.h), compiled once per
+// layer named below by cmake/cpu_kernels.cmake, which binds `V` and names the entry point. Per token the cos/sin
 // rows are rounded to the dtype once into L1 buffers; each head row is rotated V::kLanes lanes of each half at a time
 // (lane i of the first half pairs with lane i of the second), after an optional pass for the qk-norm statistics.
 // Products and sums are rounded one by one like torch's separate kernels: the layers' add / sub / mul are never fused
 // into an FMA (explicit-rounding intrinsics on AVX-512, -ffp-contract=off for the AVX2 files).
+// pyscore-vec-layers: avx2 avx512
 #pragma once
+#ifndef PYSCORE_VEC_ENTRY
+#error "a kernel text is compiled once per vector layer on its pyscore-vec-layers line (cmake/cpu_kernels.cmake)"
+#endif
 #include "common/rms_portable.h"
 #include "rotary/cpu_ops.h"
 
@@ -70,4 +74,8 @@ RotaryTokens tokens_for(DType dtype) {
 }
 
 }  // namespace
+
+// The entry point cpu_ops.h declares, named for the layer this text is compiled on (e.g. rotary_tokens_avx2).
+RotaryTokens PYSCORE_VEC_ENTRY(rotary_tokens)(DType dtype) { return tokens_for(dtype); }
+
 }  // namespace pyscore

@@ -1,7 +1,7 @@
 // The CPU silu_mul kernel (contract in params.h): its launcher, which bindings_cpu.cpp calls, and the parts the
 // launcher (silu_mul_cpu.cpp, baseline ISA) dispatches to. It splits rows over threads and calls `rows` on each
-// slice; `rows` comes in AVX-512 and AVX2 builds (one body, rows_simd.h, compiled per ISA by silu_mul_avx512.cpp
-// and silu_mul_avx2.cpp) and a portable one.
+// slice; `rows` comes in AVX-512 and AVX2 builds (one body, rows_simd.h, compiled per vector layer by
+// cmake/cpu_kernels.cmake) and a portable one.
 #pragma once
 #include <cstdint>
 

@@ -1,8 +1,12 @@
-// silu_mul rows written once against a vector layer `V` (common/vec_avx2.h or common/vec_avx512.h): included by
-// silu_mul_avx2.cpp and silu_mul_avx512.cpp, each after declaring `namespace V` as its ISA's layer. V::kLanes at a
+// silu_mul rows written once against a vector layer `V` (common/vec_avx2.h or common/vec_avx512.h), compiled once per
+// layer named below by cmake/cpu_kernels.cmake, which binds `V` and names the entry point. V::kLanes at a
 // time, two independent vectors per step for the long exp/div chains, ragged ends. exp is the full-accuracy one (the
 // result is rounded to bf16 and must land where torch's Sleef exp lands).
+// pyscore-vec-layers: avx2 avx512
 #pragma once
+#ifndef PYSCORE_VEC_ENTRY
+#error "a kernel text is compiled once per vector layer on its pyscore-vec-layers line (cmake/cpu_kernels.cmake)"
+#endif
 #include "silu_mul/cpu_ops.h"
 
 namespace pyscore {
@@ -39,4 +43,8 @@ SiluMulRows rows_for(DType dtype) {
 }
 
 }  // namespace
+
+// The entry point cpu_ops.h declares, named for the layer this text is compiled on (e.g. silu_mul_rows_avx2).
+SiluMulRows PYSCORE_VEC_ENTRY(silu_mul_rows)(DType dtype) { return rows_for(dtype); }
+
 }  // namespace pyscore
