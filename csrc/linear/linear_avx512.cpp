@@ -238,7 +238,10 @@ const LinearCpuOps kF32Ops{rect<F32>, kTileRows};
 // Needs K % 32 == 0 (every K of the supported families); other K run the widened-FMA path for the whole weight.
 // Tried and measured slower here (Xeon family 6 model 167, bench/results/tiers/linear_amx.txt): x repacked into
 // contiguous 1 KB tile images, software prefetch of the next B rows, K blocks under 2048 (partials in L2), N chunks,
-// row-tile-major order.
+// row-tile-major order; and (a later session, one thread's rectangle timed alone) the weight held in L1: a 64-column
+// block over K slabs of 4-16 steps met by every row tile, x in slab-major tile images, fp32 partials in L2 (padded
+// rows) reloaded per slab: 0.75-0.9x this kernel at Qwen3-8B's qkv and SmolLM2's gate_up for every slab, row block
+// and column chunk tried. Tile rows must start 64-byte aligned: misaligned x or weights halved this kernel's speed.
 constexpr int kAmxTileRows = 16, kAmxK = 32;
 
 // The epilogue of rows [m, m + rows) x packed columns [c, c + width) (whole units), from acc (rows ldc apart).
