@@ -238,7 +238,7 @@ const LinearCpuOps kF32Ops{rect<F32>, kTileRows};
 // Needs K % 32 == 0 (every K of the supported families); other K run the widened-FMA path for the whole weight.
 // Tried and measured slower here (Xeon family 6 model 167, bench/results/tiers/linear_amx.txt): x repacked into
 // contiguous 1 KB tile images, software prefetch of the next B rows, K blocks under 2048 (partials in L2), N chunks,
-// row-tile-major order; and (a later session, one thread's rectangle timed alone) the weight held in L1: a 64-column
+// row-tile-major order; and, timing one thread's rectangle alone, the weight held in L1: a 64-column
 // block over K slabs of 4-16 steps met by every row tile, x in slab-major tile images, fp32 partials in L2 (padded
 // rows) reloaded per slab: 0.75-0.9x this kernel at Qwen3-8B's qkv and SmolLM2's gate_up for every slab, row block
 // and column chunk tried. Tile rows must start 64-byte aligned: misaligned x or weights halved this kernel's speed.
@@ -323,8 +323,9 @@ void amx_block(const AmxRows& a, const uint16_t* w, int32_t steps, bool first, f
     if (RT == 2) {
       // The weight unit streams past the pair of row tiles, which the chunk's next units reuse: loaded with the
       // non-temporal hint (TILELOADDT1), the weight leaves the pair's x in L1 instead of evicting it (SmolLM2's
-      // qkv / gate_up / down prefill 11% / 7% / 2% faster, one thread's rectangle alone). The 1 x 4 kernel keeps
-      // plain loads: there the weight panels are the operand reused (from L2) and the hint measured slower.
+      // gate_up prefill 0.87-0.90x -> 0.96-1.00x torch: bench/results/tiers/linear_amx_stream_ab.txt). The 1 x 4
+      // kernel keeps plain loads: over K blocks the weight panels are the operand reused (from L2), and at decode
+      // each weight tile meets one row tile; the hint measured slower or no faster in both.
       _tile_stream_loadd(6, b, b_bytes);
       _tile_stream_loadd(7, b + 32, b_bytes);
     } else {
