@@ -1,7 +1,7 @@
 // add_rms_norm rows written once against a vector layer `V` (common/vec_avx2.h or common/vec_avx512.h), compiled
-// once per layer named below by cmake/cpu_kernels.cmake, which binds `V` and names the entry point. A row is walked twice, V::kLanes at a time with ragged ends: the add (stored back rounded,
-// re-read rounded so the statistics see exactly the stored residual) with the sum of squares, then the scaling; the
-// second walk finds the row in L1.
+// once per layer named below by cmake/cpu_kernels.cmake, which binds `V` and names the entry point. A row is walked
+// twice, V::kLanes at a time with ragged ends: the add (stored back rounded, re-read rounded so the statistics see
+// exactly the stored residual) with the sum of squares, then the scaling; the second walk finds the row in L1.
 // pyscore-vec-layers: avx2 avx512
 #pragma once
 #ifndef PYSCORE_VEC_ENTRY

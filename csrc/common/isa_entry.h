@@ -4,7 +4,8 @@
 // cmake/cpu_kernels.cmake compiles *_avx512.cpp and *_avx2.cpp (and the kernel texts' avx2 / avx512 units) on x86-64
 // only and *_neon.cpp (and the texts' neon units) on aarch64 only. On its own architecture the macro is the plain
 // declaration (a missing definition stays a link error); on the other it defines an inline stand-in that returns
-// nullptr, "not covered", so every launcher keeps one dispatch code for all architectures. The stand-ins are never reached: cpu_tier() never names another architecture's tier.
+// nullptr, "not covered", so every launcher keeps one dispatch code for all architectures. The stand-ins are never
+// reached: cpu_tier() never names another architecture's tier.
 // csrc/common/isa_stubs.cpp holds the stand-ins of the ops whose headers declare their entry points plainly.
 #pragma once
 

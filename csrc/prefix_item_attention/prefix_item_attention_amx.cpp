@@ -151,14 +151,16 @@ inline __m512 reduce_rows(const __m512 (&v)[kRows], Op op) {
   const __m512 u0 = op(_mm512_shuffle_ps(w[0], w[1], 0x44), _mm512_shuffle_ps(w[0], w[1], 0xEE));
   const __m512 u1 = op(_mm512_shuffle_ps(w[2], w[3], 0x44), _mm512_shuffle_ps(w[2], w[3], 0xEE));
   const __m512 t = op(_mm512_shuffle_ps(u0, u1, 0x88), _mm512_shuffle_ps(u0, u1, 0xDD));
-  const __m512i rows = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);  // row r: lane 4 (r % 4) + r / 4
+  // Row r sits in lane 4 (r % 4) + r / 4.
+  const __m512i rows = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
   return _mm512_permutexvar_ps(rows, t);
 }
 
 // Scale and mask s to base-2 scores, update the running max / sum, write P rounded to bf16 (the AVX-512 path's
 // rules, with exp2_p4_ps: a row that has seen no key keeps max -inf and subtracts 0, so 2^(-inf) stays 0). Two
-// passes over the 16 rows, each row's 64 scores in registers: the rows' maxima, reduced together, then P and the
-// rows' sums, reduced together. The 16-key groups past every row's limit (groups >= `groups`) are P = 0 without an exp.
+// passes over the 16 rows: the rows' maxima, reduced together, then P and the rows' sums, reduced together. The
+// second pass scales and masks s again (the same arithmetic, so the same scores) rather than holding 16 x 4 zmm of
+// them across the reduction. The 16-key groups past every row's limit (groups >= `groups`) are P = 0 without an exp.
 void softmax_block(const float* s, int key0, int groups, float scale2, TileState& st, uint16_t* p) {
   const __m512 neg_inf = _mm512_set1_ps(kNegInf), scale = _mm512_set1_ps(scale2);
   auto scaled = [&](int r, int z) {

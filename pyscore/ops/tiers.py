@@ -28,10 +28,10 @@ class Choice:
 
 
 KERNEL_ZEN4 = Choice("kernel", "ours beats torch (bench/results/kernels_cpu_zen4.txt, Zen 4)")
-LINEAR_AMX = Choice("kernel", "AMX tiles, batch-invariant, the fastest batch-invariant GEMM here: 0.84-1.9x torch's "
-                              "F.linear (not batch-invariant) at single prefill shapes (Qwen3-8B's 0.84-0.99x: "
-                              "linear_amx_kblock_chunks_ab.txt), 1.19x over a forward's projections in order, "
-                              "1.6-2.0x at decode, 1.4-3.4x torch's batch-invariant row calls "
+LINEAR_AMX = Choice("kernel", "AMX tiles, batch-invariant, the fastest batch-invariant GEMM here: 0.84-2.0x torch's "
+                              "F.linear (not batch-invariant) at single prefill shapes (Qwen3-8B's 0.84-1.01x: "
+                              "linear_amx_kblock_chunks_ab.txt), 1.19-1.27x over a forward's projections in order, "
+                              "1.6-2.0x at decode, 1.7-3.5x torch's batch-invariant row calls "
                               "(bench/results/tiers/linear_amx.txt)")
 LINEAR_FP32 = Choice("kernel", "AVX-512 FMAs in K blocks, batch-invariant; 0.98-1.07x torch's fp32 GEMM at prefill "
                                "(Qwen3-8B's K = 12288 down included: 0.45x before the K blocks), 1.4-1.9x at decode "
