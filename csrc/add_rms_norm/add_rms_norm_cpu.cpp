@@ -1,5 +1,7 @@
-// CPU add_rms_norm (contract in params.h): rows are independent, so OpenMP threads take slices of them. The
+// CPU add_rms_norm (contract in params.h): rows are independent, so OpenMP threads take contiguous slices of them. The
 // arithmetic is in AddRmsNormRows: AVX-512 or AVX2 by the CPU tier, else the portable loop below.
+#include <omp.h>
+
 #include <algorithm>
 
 #include "add_rms_norm/cpu_ops.h"
@@ -59,9 +61,14 @@ Status add_rms_norm_cpu(const AddRmsNormParams& p) {
   const AddRmsNormRows rows = choose_rows(p.dtype);
   const int32_t tasks = (p.num_rows + kRowsPerTask - 1) / kRowsPerTask;
   const bool parallel = int64_t(p.num_rows) * p.hidden_size >= kMinParallelElems;
-#pragma omp parallel for num_threads(kernel_threads()) schedule(static) if (parallel)
-  for (int32_t task = 0; task < tasks; ++task)
-    rows(p, task * kRowsPerTask, std::min(p.num_rows, (task + 1) * kRowsPerTask));
+  // One call per thread on a contiguous slice of whole tasks: `rows` sets up per-slice scratch once.
+#pragma omp parallel num_threads(kernel_threads()) if (parallel)
+  {
+    const int32_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+    const int32_t begin = int32_t(int64_t(tasks) * t / threads) * kRowsPerTask;
+    const int32_t end = std::min(p.num_rows, int32_t(int64_t(tasks) * (t + 1) / threads) * kRowsPerTask);
+    if (begin < end) rows(p, begin, end);
+  }
   return kOk;
 }
 

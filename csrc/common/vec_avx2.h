@@ -76,6 +76,18 @@ static inline __m128i narrow_bf16(Vec x) {
 static inline void store(float* p, Vec x) { _mm256_storeu_ps(p, x); }
 static inline void store(uint16_t* p, Vec x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), narrow_bf16(x)); }
 
+// Two vectors a, b stored as 16 consecutive elements (b after a), rounded as store: for bf16 one pack and one
+// permute for both (vec_avx512.h's store2 names the same operation).
+static inline void store2(float* p, Vec a, Vec b) {
+  _mm256_storeu_ps(p, a);
+  _mm256_storeu_ps(p + kLanes, b);
+}
+static inline void store2(uint16_t* p, Vec a, Vec b) {
+  const __m256i lanes = _mm256_packus_epi32(_mm256_srli_epi32(round_bf16_bits(a), 16),
+                                            _mm256_srli_epi32(round_bf16_bits(b), 16));  // a0-3 b0-3 | a4-7 b4-7
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(lanes, 0xD8));
+}
+
 // Stores the first n lanes (0 <= n <= 8); never writes past p + n.
 static inline void store_first(float* p, Vec x, int n) { _mm256_maskstore_ps(p, first_lanes(n), x); }
 static inline void store_first(uint16_t* p, Vec x, int n) {

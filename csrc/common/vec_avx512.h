@@ -46,6 +46,19 @@ static inline void store_n(T* p, Vec x, int n) {
   else store_first(p, x, n);
 }
 
+// Two vectors a, b stored as 2 * kLanes consecutive elements (b after a), rounded as store: for bf16 one shuffle
+// (vpermt2w picks the rounded bits' high halves of both) and one store, where two stores cost two vpmovdw of two
+// shuffle-port uops each (that port bounds the elementwise bf16 loops).
+static inline void store2(float* p, Vec a, Vec b) {
+  _mm512_storeu_ps(p, a);
+  _mm512_storeu_ps(p + kLanes, b);
+}
+static inline void store2(uint16_t* p, Vec a, Vec b) {
+  const __m512i odd_words = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29,
+                                             27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  _mm512_storeu_si512(p, _mm512_permutex2var_epi16(round_bf16_bits(a), odd_words, round_bf16_bits(b)));
+}
+
 static inline Vec round_as(Vec x, const float*) { return x; }
 static inline Vec round_as(Vec x, const uint16_t*) { return round_bf16_exact_ps(x); }
 

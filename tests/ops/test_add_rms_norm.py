@@ -13,8 +13,10 @@ from pyscore.ops import add_rms_norm
 from pyscore.ops.reference import add_rms_norm_ref
 from tests.helpers import CPU_ISAS, force_cpu_isa, ulp_distance
 
-# (rows T, hidden H): SmolLM2's width, a ragged 17 (one full zmm + 1), tiny, wide.
-SHAPES = {"smollm-775": (775, 576), "ragged-17": (5, 17), "one-row-h1": (1, 1), "wide": (3, 4096), "odd": (37, 100)}
+# (rows T, hidden H): SmolLM2's width, a ragged 17 (one full zmm + 1), tiny, wide, wider than the bf16 rows' stack
+# scratch (4096: it moves to the heap) with a ragged end.
+SHAPES = {"smollm-775": (775, 576), "ragged-17": (5, 17), "one-row-h1": (1, 1), "wide": (3, 4096), "odd": (37, 100),
+          "heap-4100": (2, 4100)}
 
 
 @pytest.fixture(params=CPU_ISAS)
