@@ -36,12 +36,14 @@ def _filtered_logits(logits: torch.Tensor, req: GenerateRequest) -> torch.Tensor
     return logits
 
 
-def choose_tokens(logits: torch.Tensor, gens: list[Generation], tokenizer: Any) -> list[Choice | Exception]:
+def choose_tokens(logits: torch.Tensor, gens: list[Generation], tokenizer: Any,
+                  logz: torch.Tensor | None = None) -> list[Choice | Exception]:
     """logits [B, V] (any dtype) -> per generation its next token and logprob entry, or the exception that
-    fails that sequence alone (NonFiniteLogits for a NaN / inf row)."""
+    fails that sequence alone (NonFiniteLogits for a NaN / inf row). logz [B], when the logits came with each
+    row's log-sum-exp (`lm_head_logits`' CPU walk): log-softmax is logits - logz, without another pass."""
     logits = logits.float()
     finite = torch.isfinite(logits).all(dim=-1).tolist()
-    logp = torch.log_softmax(logits, dim=-1)
+    logp = torch.log_softmax(logits, dim=-1) if logz is None else logits - logz[:, None]
     out: list[Choice | Exception] = []
     for row, gen in enumerate(gens):
         if not finite[row]:

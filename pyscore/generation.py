@@ -32,6 +32,7 @@ from pyscore.model.decoder import Decoder, KVCache
 from pyscore.model.kv_store import KVStore, PageTable
 from pyscore.model.packing import CacheUse, Group, pack
 from pyscore.model.prefix_cache import Block, CacheLease, PrefixCache, pass_lease
+from pyscore.ops.label_logprobs import lm_head_logits
 from pyscore.types import GenerateRequest, GenerateResult, TokenLogprob, Usage
 
 __all__ = ["MAX_STOP_LENGTH", "MAX_STOP_STRINGS", "MAX_TOP_LOGPROBS", "Choice", "Generation", "GenerationRunner",
@@ -353,8 +354,9 @@ class GenerationRunner:
         (`commit`: the pass's slot becomes valid, a hybrid model's new states current) and its token. A row whose
         choice failed fails that sequence alone; if this raises before the loop, nothing has changed and the
         pass can be retried."""
-        logits = hidden @ self.decoder.w.lm_head.T  # [B, V]: generation needs the whole distribution
-        chosen = choose_tokens(logits, gens, self.tokenizer)
+        # [B, V]: generation needs the whole distribution (on CPU the label read-out's walk, with each row's logZ)
+        logits, logz = lm_head_logits(hidden, self.decoder.w.lm_head, self.decoder.op_backend)
+        chosen = choose_tokens(logits, gens, self.tokenizer, logz)
         for g, cache, choice in zip(gens, caches, chosen, strict=True):
             if isinstance(choice, Exception):
                 g.fail(choice)  # a running sequence's pages go back here; a new one's in _prefill

@@ -145,10 +145,10 @@ def test_retry_after_a_failure_past_the_kv_write_keeps_batch_mates_exact(model_d
     e.step(gens)  # prefill all three together
     bad, choose = gens[1], generation.choose_tokens
 
-    def failing_choice(logits, batch, tokenizer):
+    def failing_choice(logits, batch, tokenizer, logz=None):
         if any(g is bad for g in batch):
             raise RuntimeError("injected token-choice failure")
-        return choose(logits, batch, tokenizer)
+        return choose(logits, batch, tokenizer, logz)
 
     monkeypatch.setattr(generation, "choose_tokens", failing_choice)
     while not all(g.finished for g in gens):

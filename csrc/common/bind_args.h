@@ -134,7 +134,8 @@ inline DecodeAttentionParams make_decode_params(
 inline LabelLogprobsParams make_label_params(
     uintptr_t hidden, int64_t hidden_row_stride, uintptr_t weight, int64_t weight_row_stride, uintptr_t labels,
     uintptr_t logprobs, uintptr_t label_softmax, uintptr_t logz, int32_t num_rows, int32_t hidden_size,
-    int32_t vocab_size, int32_t num_labels, const std::string& dtype) {
+    int32_t vocab_size, int32_t num_labels, const std::string& dtype, uintptr_t logits = 0,
+    int64_t logits_row_stride = 0) {
   LabelLogprobsParams p{};
   p.hidden = reinterpret_cast<const void*>(hidden);
   p.hidden_row_stride = hidden_row_stride;
@@ -149,6 +150,8 @@ inline LabelLogprobsParams make_label_params(
   p.vocab_size = vocab_size;
   p.num_labels = num_labels;
   p.dtype = dtype_or_throw(dtype);
+  p.logits = reinterpret_cast<float*>(logits);
+  p.logits_row_stride = logits_row_stride;
   return p;
 }
 

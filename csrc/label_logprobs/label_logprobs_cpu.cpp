@@ -97,6 +97,9 @@ void walk_slice(const LabelLogprobsParams& p, const LabelCpuOps& ops, int thread
     const int32_t n = std::min(kChunk, end - v0);
     ops.logits_chunk(p, v0, n, chunk.data());
     for (int32_t r = 0; r < p.num_rows; ++r) ops.lse_update(chunk.data() + int64_t(r) * n, n, max + r, sum + r);
+    if (p.logits)
+      for (int32_t r = 0; r < p.num_rows; ++r)
+        std::memcpy(p.logits + r * p.logits_row_stride + v0, chunk.data() + int64_t(r) * n, size_t(n) * sizeof(float));
     gather_labels(p, v0, n, chunk.data(), label_logits);
   }
 }
@@ -115,6 +118,8 @@ float merged_logz(const LseStates& states, int threads, int rows, int r) {
 
 // logprobs = label logit - logZ; label_softmax over the row's valid labels only (padding: -inf and 0).
 void write_row(const LabelLogprobsParams& p, int32_t r, float logz, const float* label_logits) {
+  if (p.logz) p.logz[r] = logz;
+  if (p.num_labels == 0) return;
   const int32_t* labels = p.labels + int64_t(r) * p.num_labels;
   float* logprobs = p.logprobs + int64_t(r) * p.num_labels;
   float* soft = p.label_softmax + int64_t(r) * p.num_labels;
@@ -129,15 +134,15 @@ void write_row(const LabelLogprobsParams& p, int32_t r, float logz, const float*
     total += soft[k];
   }
   for (int32_t k = 0; k < p.num_labels; ++k) soft[k] = total > 0.0f ? soft[k] / total : 0.0f;
-  if (p.logz) p.logz[r] = logz;
 }
 
 Status check_params(const LabelLogprobsParams& p) {
   if (p.dtype != DType::kFloat32 && p.dtype != DType::kBFloat16) return kUnsupportedDType;
   if (p.num_rows < 0 || p.num_labels < 0 || p.vocab_size <= 0 || (p.weight && p.hidden_size <= 0))
     return kInvalidArgument;
-  if (p.num_rows > 0 && (!p.hidden || !p.logprobs || !p.label_softmax || (p.num_labels > 0 && !p.labels)))
+  if (p.num_rows > 0 && (!p.hidden || (p.num_labels > 0 && (!p.labels || !p.logprobs || !p.label_softmax))))
     return kInvalidArgument;
+  if (p.logits && p.logits_row_stride < p.vocab_size) return kInvalidArgument;
   for (int64_t i = 0; i < int64_t(p.num_rows) * p.num_labels; ++i)
     if (p.labels[i] >= p.vocab_size) return kInvalidArgument;
   return kOk;

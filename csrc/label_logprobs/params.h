@@ -5,6 +5,11 @@
 //
 // labels is [R, K] int32; an entry < 0 is padding (rows of one batch may ask for different label sets):
 // its outputs are written as -inf (logprobs) and 0 (label_softmax). Outputs are fp32. Strides in elements.
+//
+// With `logits` (CPU only: the CUDA launcher rejects it) every logit is also written out, [R, V] fp32: Generate
+// samples from the whole row, and with logz its log-softmax is logits - logZ, so no second pass over the row is
+// needed. A row's logits are the ones the label outputs are computed from; they do not depend on the other rows.
+// With K = 0 no label output is read or written (labels, logprobs and label_softmax may be null).
 #pragma once
 #include <cstdint>
 
@@ -26,6 +31,8 @@ struct LabelLogprobsParams {
   int32_t vocab_size;
   int32_t num_labels;
   DType dtype;
+  float* logits = nullptr;  // [R, V] out (rows logits_row_stride apart), may be nullptr; CPU only
+  int64_t logits_row_stride = 0;
 };
 
 }  // namespace pyscore

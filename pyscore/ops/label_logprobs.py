@@ -1,7 +1,8 @@
 """label_logprobs: the label scores at read-out rows without a vocabulary-wide softmax (see
 csrc/label_logprobs/params.h). Returns fp32 (logprobs [R, K] under the full-vocabulary softmax, softmax over
 each row's valid labels [R, K]); label ids < 0 are padding. The CPU or CUDA kernel runs where the registry in
-pyscore/ops/_ext.py has one for the tensors' device and dtype, else the fp32 reference."""
+pyscore/ops/_ext.py has one for the tensors' device and dtype, else the fp32 reference. `lm_head_logits` is the same
+CPU vocabulary walk for Generate: every logit of a row, with the row's log-sum-exp."""
 
 from __future__ import annotations
 
@@ -50,3 +51,25 @@ def label_logprobs(
         args.append(_ext.cuda_stream(hidden.device))
     module.label_logprobs(*args)
     return logprobs, label_softmax
+
+
+def lm_head_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, backend: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """hidden [R, H], LM head weight [V, H] -> (logits [R, V] fp32, logZ [R] fp32 or None). Where the registry has a
+    CPU label_logprobs kernel for the tensors, its vocabulary walk writes every logit and each row's log-sum-exp
+    (so log-softmax is logits - logZ: no second pass over the row), a row's values independent of the other rows.
+    Elsewhere (CUDA, the reference backend): torch's product in the weight's dtype, widened, and logZ None."""
+    _check(hidden, weight, torch.empty(hidden.shape[0], 0, dtype=torch.int32))
+    module = _ext.kernel_for("label_logprobs", hidden.device, hidden.dtype, backend)
+    if module is None or hidden.is_cuda or hidden.shape[0] == 0:
+        return (hidden @ weight.T).float(), None
+    rows, vocab = hidden.shape[0], weight.shape[0]
+    logits = torch.empty(rows, vocab, dtype=torch.float32)
+    logz = torch.empty(rows, dtype=torch.float32)
+    module.label_logprobs(
+        hidden.data_ptr(), hidden.stride(0), weight.data_ptr(), weight.stride(0), 0, 0, 0, logz.data_ptr(), rows,
+        hidden.shape[1], vocab, 0, _ext.torch_dtype_name(hidden.dtype), logits=logits.data_ptr(),
+        logits_row_stride=vocab,
+    )
+    return logits, logz

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyscore.ops import _ext, label_logprobs
+from pyscore.ops import _ext, label_logprobs, lm_head_logits
 from pyscore.ops.reference import label_logprobs_ref
 from tests.helpers import force_cpu_isa
 
@@ -178,3 +178,36 @@ def test_avx512_tier_reads_fp32_out_on_the_avx512_kernel(monkeypatch, shape):
     assert torch.equal(outs[torch.bfloat16, "avx512"], outs[torch.bfloat16, "avx2"])
     monkeypatch.setenv("PYSCORE_CPU_TIER", "avx512")
     check_label_logprobs("cpu", shape, torch.float32, given_logits=False)
+
+
+@pytest.mark.parametrize("isa", ["hardware", "avx512", "avx2", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", ["amx-rows", "one-row-odd-h"])
+def test_lm_head_logits_are_the_walks_logits(monkeypatch, isa, shape, dtype):
+    """lm_head_logits (Generate's whole rows on CPU): every logit within the fp32 reference's tolerance, logZ their
+    log-sum-exp, each row bitwise the same alone and among the others (greedy decoding stays batch-invariant), and
+    the label outputs computed from those same logits: logits[label] - logZ is label_logprobs' logprob."""
+    if isa != "hardware":
+        force_cpu_isa(monkeypatch, isa)
+    rows, hidden, vocab, num_labels = SHAPES[shape]
+    h, w, labels = make_inputs(rows, hidden, vocab, num_labels, dtype, "cpu", strided=True, seed=11)
+    logits, logz = lm_head_logits(h, w, backend="kernel")
+    assert logits.shape == (rows, vocab) and logits.dtype == logz.dtype == torch.float32
+    ref = h.float() @ w.float().T
+    atol = 1e-4 if dtype == torch.float32 else 2 * (h @ w.T).float().sub(ref).abs().max().item() + 1e-3
+    assert_within(logits, ref, atol, f"{shape} {dtype} logits")
+    assert_within(logz, torch.logsumexp(logits.double(), -1).float(), 1e-5, "logZ")
+    valid = labels.clamp_min(0).long()
+    logprobs, _ = label_logprobs(h, w, labels, backend="kernel")
+    want = (logits.gather(1, valid) - logz[:, None]).masked_fill(labels < 0, float("-inf"))
+    assert torch.equal(logprobs, want)
+    for r in sorted({0, min(16, rows - 1), rows - 1}):
+        alone, alone_z = lm_head_logits(h[r : r + 1], w, backend="kernel")
+        assert torch.equal(alone[0], logits[r]) and torch.equal(alone_z[0], logz[r]), f"row {r}"
+
+
+def test_lm_head_logits_without_a_kernel_is_torchs_product():
+    """The reference backend (and CUDA) keep torch's product in the weight's dtype, and no logZ."""
+    h, w, _ = make_inputs(*SHAPES["one-row-odd-h"], torch.bfloat16, "cpu", strided=False)
+    logits, logz = lm_head_logits(h, w, backend="reference")
+    assert logz is None and torch.equal(logits, (h @ w.T).float())
