@@ -11,8 +11,8 @@
   prefix cache followed by its own user turn, decoded together: the KV store's pages held (cache and sequences,
   each page once) against what the tokens need (one prefix + the 32 suffixes; target <= 1.2 x) at the last step at
   which all of them run, and what the allocation rule before the paged store (each sequence a buffer of prompt +
-  max_tokens, the prefix copied in) would have held. Pages round up to 64 tokens, so the ratio falls as the user
-  turn grows: it is recorded for a short and a long one.
+  max_tokens, the prefix copied in) would have held. A sequence's own tokens round up to whole pages (16 tokens on
+  the CPU), so the ratio falls as the user turn grows: it is recorded for a short and a long one.
 
     python -m bench.memory [--models embedded,qwen3-1.7b] [--cache DIR] [--out bench/results/memory]
     python -m bench.memory --kv-sharing [--users 32] [--system 1000] [--suffixes 64,448] [--max-tokens 16]
@@ -177,7 +177,8 @@ def kv_measure(engine: Any, users: int, system: int, suffix: int, max_tokens: in
     before = per_token * sum(len(g.prompt) + max_tokens for g in gens) + cached_pages * store.block_bytes
     return dict(users=users, system_tokens=system, suffix_tokens=suffix, max_tokens=max_tokens, steps=steps,
                 seconds=round(time.perf_counter() - start, 1), bytes_per_token=per_token,
-                page_bytes=store.block_bytes, ratio=last["held_bytes"] / last["needed_bytes"],
+                page_bytes=store.block_bytes, page_tokens=store.block_tokens,
+                ratio=last["held_bytes"] / last["needed_bytes"],
                 peak_ratio=peak_ratio, before_bytes=before, **last)
 
 
@@ -243,18 +244,20 @@ def report(rows: dict[str, dict[str, Any]], out: Path) -> None:
 
 def kv_report(rows: list[dict[str, Any]], out: Path) -> str:
     r = rows[0]
+    b = r["page_tokens"]
+    whole, tail = divmod(r["system_tokens"], b)
     return record(out, "kv_sharing", [
         f"# KV bytes held by {r['users']} generations sharing a {r['system_tokens']}-token system prompt (issue 21)",
         "", f"commit {git_commit()}; the embedded SmolLM2-135M in bf16 ({r['bytes_per_token']} bytes of keys and "
-        f"values a token, {r['page_bytes'] / 2**20:.2f} MiB a 64-token page), greedy, {THREADS} threads, "
+        f"values a token, {r['page_bytes'] / 2**20:.2f} MiB a {b}-token page), greedy, {THREADS} threads, "
         "`python -m bench.memory --kv-sharing`. Held: the KV store's pages in use (the cached system prompt once, "
         "each sequence's own pages), at the last step at which all generations ran. Needed: the keys and values of "
         "one prefix + every sequence's own tokens. Before: what main allocated before the paged store (each "
         "sequence a buffer of prompt + max_tokens, the prefix copied in; computed from that rule).", ""],
-        [*kv_table(rows), "", "Every sequence holds the system prompt's 15 whole pages (1000 = 15 x 64 + 40) by "
-         "reference; its own pages hold the prompt's last 40 system tokens, its user turn and what it generates, "
-         "rounded up to whole pages: up to ~1.5 pages a sequence beyond its own tokens, so held / needed falls as "
-         "the user turn grows (<= 1.2 from a few hundred tokens a sequence)."], dict(rows=rows))
+        [*kv_table(rows), "", f"Every sequence holds the system prompt's {whole} whole pages ({r['system_tokens']} = "
+         f"{whole} x {b} + {tail}) by reference; its own pages hold the prompt's last {tail} system tokens, its user "
+         f"turn and what it generates, rounded up to whole {b}-token pages, so held / needed falls as the user turn "
+         "grows."], dict(rows=rows))
 
 
 def kv_sharing(a: argparse.Namespace) -> None:

@@ -3,10 +3,10 @@ that steps sequences over the decoder (prefill, decode, cache bookkeeping). A se
 of the paged KV store (pyscore.model.kv_store): a prompt's leading full blocks found in the prefix cache are
 referenced in place (pinned, never copied) and only the rest is prefilled, into the prompt's full blocks that the
 prefix cache takes (published once the pass succeeded, as every cache write) and pages the sequence owns; decode
-takes a new page every 64 tokens. A finished sequence gives its own pages back and unpins its shared ones. A prompt
-longer than the prefill budget is prefilled in chunks (pyscore.chunked_prefill) into the prefix cache's blocks, one
-chunk per step, so running sequences keep decoding meanwhile; its table then references those blocks. Like the
-engine, the runner is not thread-safe.
+takes a new page every `block_tokens` tokens (16 on the CPU). A finished sequence gives its own pages back and
+unpins its shared ones. A prompt longer than the prefill budget is prefilled in chunks (pyscore.chunked_prefill)
+into the prefix cache's blocks, one chunk per step, so running sequences keep decoding meanwhile; its table then
+references those blocks. Like the engine, the runner is not thread-safe.
 
 Its parts live beside it: request validation in `pyscore.gen_validate`, the stop-string and streaming text rule
 in `pyscore.gen_text`, the next-token choice (sampling, raw-distribution logprobs) in `pyscore.gen_sampling`.

@@ -11,12 +11,13 @@ from pyscore.chunked_prefill import ChunkedPrefill
 from pyscore.engine import Engine
 from pyscore.errors import PassInterrupted
 from pyscore.generation import SeqState
+from pyscore.model.kv_store import page_tokens
 from pyscore.types import GenerateRequest, ScoreRequest
 from tests.helpers import make_model_dir
 from tests.reference_scoring import max_abs_diff
 from tests.test_engine_prefix_cache import FP32_TOL, ITEMS, QUERY
 
-B = 64
+B = page_tokens("cpu")  # the CPU store's page: a cache block
 BUDGET = 2 * B  # --max-batch-tokens of the chunking engines: chunks of two blocks
 LONG = QUERY + " The carrier adds that the parcel left the hub on time and the route is clear." * 4
 LABELS = ["Yes", "No"]
@@ -79,7 +80,7 @@ def test_the_chunk_size_is_its_own_knob_below_the_pass_budget(model_dir, chunks)
     expected = engine(model_dir).score(LONG, ITEMS, labels=LABELS)
     assert e.score(LONG, ITEMS, labels=LABELS, bypass_prefix_cache=True).scores == expected.scores
     assert chunks[0] == BUDGET and len(chunks) == -(-(n // B * B) // BUDGET)
-    within = e.prepare_score(ScoreRequest(query=LONG[:450], items=ITEMS[2:3], labels=LABELS))
+    within = e.prepare_score(ScoreRequest(query=LONG[: 450 * B // 64], items=ITEMS[2:3], labels=LABELS))
     assert BUDGET < within.computed_tokens <= 4 * B and e.plan_chunks(within) is None
 
 
@@ -166,7 +167,7 @@ def test_the_chunked_requests_blocks_survive_cache_pressure(model_dir):
     assert plan is not None
     for k in range(4):
         e.run_chunk(plan) if not plan.finished else None
-        other = f"Another question number {k}, with enough words to fill two cache blocks of the tiny model. " * 3
+        other = f"{k}: another question, with enough words to fill two cache blocks of the tiny model. " * 6
         e.score(other, ITEMS[:1], labels=LABELS)  # stores what it can: at most the one free block
     while not plan.finished:
         e.run_chunk(plan)

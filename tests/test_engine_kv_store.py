@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 
 from pyscore.engine import Engine
-from pyscore.model.kv_store import KVStoreFull
+from pyscore.model.kv_store import KVStoreFull, page_tokens
 from pyscore.types import GenerateRequest
 from tests.helpers import make_model_dir
 
-B = 64
+B = page_tokens("cpu")  # the CPU store's page: a cache block
 
 
 @pytest.fixture(scope="module")
@@ -79,10 +79,10 @@ def test_the_store_never_exceeds_its_budget(model_dir):
         assert store.stats.held_pages <= 8
     assert cache.stats.evicted_blocks > 0 and cache.stats.blocks == store.stats.held_pages
 
-    # Two sequences of 5 pages each (prompt 300) cannot both run in 8 pages: the one that finds no page fails with
-    # KVStoreFull, alone; the other takes the cache's unheld pages and finishes as it would alone.
-    first, second = (e.start_generation(GenerateRequest(prompt_token_ids=tokens(20 + i, 300, vocab), max_tokens=20))
-                     for i in range(2))
+    # Two prompts of 5 pages each cannot both run in 8 pages: the one that finds no page fails with KVStoreFull,
+    # alone; the other takes the cache's unheld pages and finishes as it would alone (in 6 pages).
+    first, second = (e.start_generation(GenerateRequest(prompt_token_ids=tokens(20 + i, 5 * B - 4, vocab),
+                                                        max_tokens=20)) for i in range(2))
     run(e, [first, second])
     assert first.error is None and isinstance(second.error, KVStoreFull)
     assert store.stats.held_pages == cache.stats.blocks <= 8  # both ended: only cached pages are left

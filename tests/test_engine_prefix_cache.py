@@ -12,6 +12,7 @@ import logging
 import pytest
 
 from pyscore.engine import Engine, make_prefix_cache
+from pyscore.model.kv_store import page_tokens
 from pyscore.types import GenerateRequest, ScoreRequest
 from tests.helpers import REFERENCE_TOL, load_reference, make_model_dir
 from tests.reference_scoring import max_abs_diff, reference_scores
@@ -26,7 +27,7 @@ ITEMS = [" Proposed answer: tell the customer the order is on its way. Is this p
          " Proposed answer: ask the warehouse to check the stock and the quick brown fox. Yes or No?"]
 SETWISE_ITEMS = [" A) ship B) cancel Scores: <|marker|> <|marker|>", "<|marker|> x <|marker|> y <|marker|>"]
 FP32_TOL = 1e-5
-B = 64
+B = page_tokens("cpu")  # the CPU store's page: a cache block
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
@@ -35,7 +36,7 @@ def model_dir(request, tmp_path_factory):
 
 
 def block_mib(model_dir) -> float:
-    """The tiny fp32 model's cache block in MiB: 2 (K, V) x layers x 64 tokens x kv heads x head_dim x 4 bytes."""
+    """The tiny fp32 model's cache block in MiB: 2 (K, V) x layers x B tokens x kv heads x head_dim x 4 bytes."""
     cfg = engine(model_dir, prefix_cache_mb=0).cfg
     return 2 * cfg.num_layers * B * cfg.num_kv_heads * cfg.head_dim * 4 / 2**20
 

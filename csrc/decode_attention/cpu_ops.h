@@ -10,10 +10,10 @@
 namespace pyscore {
 
 struct DecodeCpuOps {
-  // `rows` query rows (row r at q + r * q_row_stride) against keys [0, num_keys) in tiles of kKeyTile (key t at
-  // k_tiles[t / kKeyTile] + (t % kKeyTile) * token_stride, its value likewise in v_tiles: one tile never straddles
-  // two pages): writes the normalized o [rows, D] (fp32) and the natural-log log-sum-exp lse [rows] of the scaled
-  // scores. num_keys >= 1.
+  // `rows` query rows (row r at q + r * q_row_stride) against keys [0, num_keys) in tiles of kCpuKeyTile (key t
+  // at k_tiles[t / kCpuKeyTile] + (t % kCpuKeyTile) * token_stride, its value likewise in v_tiles: one tile never
+  // straddles two pages): writes the normalized o [rows, D] (fp32) and the natural-log log-sum-exp lse [rows] of
+  // the scaled scores. num_keys >= 1.
   void (*attend)(const void* q, int64_t q_row_stride, int32_t rows, const void* const* k_tiles,
                  const void* const* v_tiles, int64_t token_stride, int32_t num_keys, int32_t head_dim, float scale,
                  float* o, float* lse);

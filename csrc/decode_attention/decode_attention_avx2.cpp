@@ -108,7 +108,7 @@ void attend(const void* q_, int64_t q_row_stride, int32_t rows, const void* cons
             const void* const* v_tiles, int64_t token_stride, int32_t num_keys, int32_t head_dim, float scale, float* o,
             float* lse) {
   using T = typename E::T;
-  static_assert(kKeyTile % kKeysPerBlock == 0, "a block of keys never straddles two tiles (pages)");
+  static_assert(kCpuKeyTile % kKeysPerBlock == 0, "a block of keys never straddles two tiles (pages)");
   const T* q = static_cast<const T*>(q_);
   const float scale2 = scale * kLog2e;
   alignas(32) float qbuf[kMaxRows][kMaxHeadDim];
@@ -125,8 +125,8 @@ void attend(const void* q_, int64_t q_row_stride, int32_t rows, const void* cons
   for (int32_t key0 = 0; key0 < num_keys; key0 += kKeysPerBlock) {
     const int n = std::min<int32_t>(kKeysPerBlock, num_keys - key0);
     const Vec valid = _mm256_castsi256_ps(V::first_lanes(n));
-    const T* k = static_cast<const T*>(k_tiles[key0 / kKeyTile]) + (key0 % kKeyTile) * token_stride;
-    const T* v = static_cast<const T*>(v_tiles[key0 / kKeyTile]) + (key0 % kKeyTile) * token_stride;
+    const T* k = static_cast<const T*>(k_tiles[key0 / kCpuKeyTile]) + (key0 % kCpuKeyTile) * token_stride;
+    const T* v = static_cast<const T*>(v_tiles[key0 / kCpuKeyTile]) + (key0 % kCpuKeyTile) * token_stride;
     const T* keys[kKeysPerBlock];
     for (int j = 0; j < kKeysPerBlock; ++j) keys[j] = j < n ? k + j * token_stride : kZeroRow<T>;
     int64_t v_stride;

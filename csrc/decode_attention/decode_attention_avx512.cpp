@@ -75,7 +75,7 @@ void attend(const void* q_, int64_t q_row_stride, int32_t rows, const void* cons
             float* lse) {
   using T = typename E::T;
   constexpr int D = 16 * DZ, QZ = D / E::kPerZmm;
-  static_assert(kKeyTile % kKeysPerBlock == 0, "a block of keys never straddles two tiles (pages)");
+  static_assert(kCpuKeyTile % kKeysPerBlock == 0, "a block of keys never straddles two tiles (pages)");
   const T* q = static_cast<const T*>(q_);
   const float scale2 = scale * kLog2e;
   float max[kMaxRows], sum[kMaxRows];
@@ -89,8 +89,8 @@ void attend(const void* q_, int64_t q_row_stride, int32_t rows, const void* cons
   for (int32_t key0 = 0; key0 < num_keys; key0 += kKeysPerBlock) {
     const int n = std::min<int32_t>(kKeysPerBlock, num_keys - key0);
     const __mmask16 valid = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
-    const T* k = static_cast<const T*>(k_tiles[key0 / kKeyTile]) + (key0 % kKeyTile) * token_stride;
-    const T* v = static_cast<const T*>(v_tiles[key0 / kKeyTile]) + (key0 % kKeyTile) * token_stride;
+    const T* k = static_cast<const T*>(k_tiles[key0 / kCpuKeyTile]) + (key0 % kCpuKeyTile) * token_stride;
+    const T* v = static_cast<const T*>(v_tiles[key0 / kCpuKeyTile]) + (key0 % kCpuKeyTile) * token_stride;
     for (int j = 0; j < n; ++j)
       for (int c = 0; c < DZ; ++c) _mm512_store_ps(vf[j] + 16 * c, E::widen(v + j * token_stride + 16 * c));
     for (int r = 0; r < rows; ++r) {

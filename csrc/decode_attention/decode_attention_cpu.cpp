@@ -1,5 +1,5 @@
 // CPU decode_attention (contract in params.h): keys read through each sequence's block table, a unit's chunk as
-// tiles of kKeyTile keys, each inside one page. Work units are (sequence, kv head, chunk of kDecodeChunk keys); a
+// tiles of kCpuKeyTile keys, each inside one page. Work units are (sequence, kv head, chunk of kDecodeChunk keys); a
 // unit's rows are the GQA query heads of its kv head (the keys are read once for all of them). Units run on OpenMP
 // threads; a sequence with several chunks gets its partial states merged by log-sum-exp in chunk order, so its bits
 // depend on its own length only, never on the batch or the thread count. When new keys / values are given they are
@@ -33,7 +33,7 @@ void attend_portable(const void* q_, int64_t q_row_stride, int32_t rows, const v
                      float* o, float* lse) {
   const T* q = static_cast<const T*>(q_);
   auto key = [&](const void* const* tiles, int32_t t) {
-    return static_cast<const T*>(tiles[t / kKeyTile]) + (t % kKeyTile) * token_stride;
+    return static_cast<const T*>(tiles[t / kCpuKeyTile]) + (t % kCpuKeyTile) * token_stride;
   };
   std::vector<float> s(num_keys);
   for (int32_t r = 0; r < rows; ++r) {
@@ -136,10 +136,10 @@ void run_unit(const DecodeAttentionParams& p, const DecodeCpuOps& ops, const Uni
   const size_t elem = elem_size(p.dtype);
   const int32_t key0 = u.chunk * kDecodeChunk, keys = std::min(kDecodeChunk, p.lengths[u.seq] - key0);
   // The chunk's key tiles, each inside one page.
-  const void* k_tiles[kDecodeChunk / kKeyTile];
-  const void* v_tiles[kDecodeChunk / kKeyTile];
-  for (int32_t t = 0; t * kKeyTile < keys; ++t) {
-    const int64_t kv = cache_offset(p, u.seq, u.kv_head, key0 + t * kKeyTile);
+  const void* k_tiles[kDecodeChunk / kCpuKeyTile];
+  const void* v_tiles[kDecodeChunk / kCpuKeyTile];
+  for (int32_t t = 0; t * kCpuKeyTile < keys; ++t) {
+    const int64_t kv = cache_offset(p, u.seq, u.kv_head, key0 + t * kCpuKeyTile);
     k_tiles[t] = at(p.k_pool, kv, elem);
     v_tiles[t] = at(p.v_pool, kv, elem);
   }
@@ -169,7 +169,7 @@ Status check_params(const DecodeAttentionParams& p) {
   if (p.num_seqs == 0) return kOk;
   if (!p.q || !p.o || !p.k_pool || !p.v_pool || !p.block_table || !p.lengths || (!p.k_new != !p.v_new))
     return kInvalidArgument;
-  if (p.block_tokens <= 0 || p.block_tokens % kKeyTile) return kInvalidArgument;
+  if (p.block_tokens <= 0 || p.block_tokens % kCpuKeyTile) return kInvalidArgument;
   for (int32_t b = 0; b < p.num_seqs; ++b)
     if (p.lengths[b] < 1 || p.lengths[b] > p.max_length || p.lengths[b] > p.block_table_stride * p.block_tokens)
       return kInvalidArgument;

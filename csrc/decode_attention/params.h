@@ -10,7 +10,9 @@
 //          + h * head_stride
 // (values likewise from v_pool, with the same strides). For the pool [pages, 2 (K, V), L, block_tokens, Hkv, D] that
 // is block_stride = 2 L block_tokens Hkv D, layer_stride = block_tokens Hkv D, token_stride = Hkv D, head_stride = D.
-// block_tokens is a multiple of kKeyTile, so a tile of 64 keys never straddles two pages.
+// block_tokens is a multiple of the kernel's key tile, so a tile never straddles two pages: kKeyTile (64) for the
+// CUDA kernel, kCpuKeyTile (16: the CPU kernels' vector blocks of 16 or 8 keys) on the CPU, where smaller pages
+// waste less of a sequence's last page (the KV store's CPU pages are 16 tokens).
 //
 // Sequence b attends to keys [0, lengths[b]), which include its new token. When k_new / v_new are given ([B, Hkv, D])
 // the kernel first writes them into the pages at position lengths[b] - 1 (the caller advances its own length
@@ -26,6 +28,7 @@ namespace pyscore {
 
 constexpr int32_t kDecodeChunk = 256;  // a multiple of kKeyTile
 constexpr int32_t kKeyTile = 64;
+constexpr int32_t kCpuKeyTile = 16;
 
 struct DecodeAttentionParams {
   const void* q;  // [B, Hq, D]
@@ -41,7 +44,7 @@ struct DecodeAttentionParams {
   int32_t layer;
   const int32_t* block_table;  // [B, block_table_stride] page indices; row b lists ceil(lengths[b] / block_tokens)
   int64_t block_table_stride;
-  int32_t block_tokens;  // a multiple of kKeyTile
+  int32_t block_tokens;  // a multiple of kKeyTile (CUDA) or kCpuKeyTile (CPU)
   const int32_t* lengths;  // [B], each >= 1
   int32_t max_length;      // >= every length (sizes the CUDA grid; the CPU kernel reads the lengths)
   int32_t num_seqs;

@@ -21,8 +21,10 @@
 //   kCachedBeforePrefix (the items of an MIS group whose prefix starts with cached tokens) — the cached keys
 //                        precede the prefix range [prefix_start, +prefix_length), which may be empty when the
 //                        whole prefix is cached; the group's items share that one range.
-// block_tokens is a multiple of 64 (the kernels' key tile), so a cached block is whole key tiles and a cached
-// range followed by stream keys tiles exactly as the same keys in one stream range would.
+// block_tokens is a multiple of 64 (the kernels' key tile) on CUDA, so a cached block is whole key tiles and a
+// cached range followed by stream keys tiles exactly as the same keys in one stream range would. The CPU kernel takes
+// multiples of 16 (the KV store's CPU pages): blocks that are not whole packed key tiles are gathered with the
+// range's stream keys and packed as one run, the same layout.
 //
 // The work that depends only on the segment table and the head layout is planned once per batch
 // (AttentionPlanParams; plan_cpu.h on the CPU, the tile work list on CUDA) and every layer runs with it.
@@ -34,7 +36,8 @@
 namespace pyscore {
 
 enum CachedKind : int32_t { kCachedBeforeOwn = 0, kCachedBeforePrefix = 1 };
-constexpr int32_t kCachedBlockMultiple = 64;
+constexpr int32_t kCachedBlockMultiple = 64;     // CUDA
+constexpr int32_t kCpuCachedBlockMultiple = 16;  // CPU
 
 // What a plan depends on: the batch's segment table and the model's head layout, no tensors.
 struct AttentionPlanParams {

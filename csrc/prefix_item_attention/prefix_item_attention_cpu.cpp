@@ -287,8 +287,41 @@ char* packed_v(const AttentionCpuPlan& plan, const KeyRange& r, int32_t h) {
 }
 
 // Packs one kv head of a key range: its cached blocks (whole key tiles each) first, then its stream tokens.
+// Blocks smaller than a packed key block (the KV store's 16-token CPU pages) do not fill whole packed blocks: the
+// range's keys (cached blocks, then its stream tokens) are gathered into one contiguous [keys, D] run per kv head and
+// packed in one call, which lays them out exactly as one stream range of the same keys (so warm = cold bitwise).
+void pack_range_gathered(const PrefixItemAttentionParams& p, const AttentionCpuOps& ops, const AttentionCpuPlan& plan,
+                         const KeyRange& r, int32_t h) {
+  const size_t elem = elem_size(p.dtype), row_bytes = size_t(p.head_dim) * elem;
+  const int32_t cached = plan.cached_tokens(r.cached), keys = cached + r.length;
+  thread_local std::vector<char> run;
+  run.resize(size_t(keys) * row_bytes);
+  const struct {
+    const void* cache;
+    const void* stream;
+    int64_t stream_token_stride, stream_head_stride;
+    char* dst;
+    decltype(ops.pack_k) pack;
+  } sides[2] = {{p.cache_k, p.k, p.k_token_stride, p.k_head_stride, packed_k(plan, r, h), ops.pack_k},
+                {p.cache_v, p.v, p.v_token_stride, p.v_head_stride, packed_v(plan, r, h), ops.pack_v}};
+  for (const auto& side : sides) {
+    char* out = run.data();
+    for (int32_t b = 0; b < r.cached.count; ++b) {
+      const int64_t at = plan.cached_blocks[r.cached.first + b] * p.cache_block_stride + h * p.cache_head_stride;
+      for (int32_t j = 0; j < plan.block_tokens; ++j, out += row_bytes)
+        std::memcpy(out, static_cast<const char*>(side.cache) + (at + j * p.cache_token_stride) * elem, row_bytes);
+    }
+    for (int32_t j = 0; j < r.length; ++j, out += row_bytes)
+      std::memcpy(out, static_cast<const char*>(side.stream) +
+                           ((r.start + j) * side.stream_token_stride + h * side.stream_head_stride) * elem,
+                  row_bytes);
+    side.pack(run.data(), p.head_dim, keys, p.head_dim, side.dst);
+  }
+}
+
 void pack_range(const PrefixItemAttentionParams& p, const AttentionCpuOps& ops, const AttentionCpuPlan& plan,
                 const KeyRange& r, int32_t h) {
+  if (r.cached.count > 0 && plan.block_tokens % kKeyBlock) return pack_range_gathered(p, ops, plan, r, h);
   const size_t elem = elem_size(p.dtype);
   char* dst_k = packed_k(plan, r, h);
   char* dst_v = packed_v(plan, r, h);
@@ -417,7 +450,7 @@ Status prefix_item_attention_plan_cpu(const AttentionPlanParams& shape, Attentio
   plan->shape.cached = plan->shape.cached_blocks = nullptr;
   if (shape.cached) {
     if (shape.num_cached_blocks < 0 || (shape.num_cached_blocks > 0 && !shape.cached_blocks) ||
-        shape.block_tokens <= 0 || shape.block_tokens % kCachedBlockMultiple)
+        shape.block_tokens <= 0 || shape.block_tokens % kCpuCachedBlockMultiple)
       return kInvalidArgument;
     plan->cached_blocks.assign(shape.cached_blocks, shape.cached_blocks + shape.num_cached_blocks);
     for (int32_t b : plan->cached_blocks)

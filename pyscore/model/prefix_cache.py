@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pyscore.model.kv_store import BLOCK_TOKENS, KVStore
+from pyscore.model.kv_store import KVStore
 from pyscore.model.packing import CacheUse
 
-__all__ = ["BLOCK_TOKENS", "Block", "CacheLease", "PrefixCache", "PrefixCacheStats", "pass_lease",
+__all__ = ["Block", "CacheLease", "PrefixCache", "PrefixCacheStats", "pass_lease",
            "unsupported_reason"]
 
 

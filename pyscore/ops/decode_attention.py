@@ -14,6 +14,7 @@ import torch
 
 from pyscore.ops import _ext
 from pyscore.ops.reference import decode_attention_ref
+from pyscore.ops.segments import key_tile
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,10 @@ def plan_decode(k_pool: torch.Tensor, v_pool: torch.Tensor, tables: list[list[in
     if v_pool.dtype != k_pool.dtype or v_pool.device != k_pool.device:
         raise ValueError("k_pool and v_pool must share a dtype and a device")
     pages, block = k_pool.shape[0], k_pool.shape[2]
-    if block % 64:
-        raise ValueError(f"block_tokens must be a multiple of 64, got {block}")
+    tile = key_tile(k_pool.device)
+    if block % tile:
+        raise ValueError(f"block_tokens must be a multiple of {tile} (the kernels' key tile on "
+                         f"{k_pool.device.type}), got {block}")
     for b, (table, n) in enumerate(zip(tables, lengths, strict=True)):
         if not 1 <= n <= len(table) * block:
             raise ValueError(f"lengths[{b}] must be in [1, {len(table) * block}] (its {len(table)} pages), got {n}")

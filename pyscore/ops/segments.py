@@ -54,7 +54,13 @@ def _check_rows(seg: torch.Tensor, num_tokens: int) -> None:
 
 CACHED_BEFORE_OWN = 0  # cached keys continue a causal sequence (SIS, a Generate prompt, an MIS prefix's rest)
 CACHED_BEFORE_PREFIX = 1  # cached keys lead the prefix an MIS group's items share (it may be wholly cached)
-KEY_TILE = 64  # the kernels' key tile: a cached block must be whole tiles
+KEY_TILE = 64  # the CUDA kernels' key tile: a cached block (a page) must be whole tiles
+CPU_KEY_TILE = 16  # the CPU kernels' (their vector blocks of 16 or 8 keys; prefix attention re-tiles cached keys)
+
+
+def key_tile(device: torch.device | str) -> int:
+    """The attention kernels' key tile on `device`: a page of the KV store (a cached block) must be whole tiles."""
+    return KEY_TILE if torch.device(device).type == "cuda" else CPU_KEY_TILE
 
 
 @dataclass(frozen=True, eq=False)
@@ -81,12 +87,13 @@ class CachedKeys:
                              f"{tuple(rows.shape)}")
         if blocks.dtype != torch.int32 or blocks.dim() != 1:
             raise ValueError(f"cached blocks must be int32 [NB], got {blocks.dtype} {tuple(blocks.shape)}")
-        if block_tokens <= 0 or block_tokens % KEY_TILE:
-            raise ValueError(f"block_tokens must be a positive multiple of {KEY_TILE} (the kernels' key tile), "
-                             f"got {block_tokens}")
+        device = torch.device(device)
+        tile = key_tile(device)
+        if block_tokens <= 0 or block_tokens % tile:
+            raise ValueError(f"block_tokens must be a positive multiple of {tile} (the kernels' key tile on "
+                             f"{device.type}), got {block_tokens}")
         rows, blocks = rows.cpu().contiguous(), blocks.cpu().contiguous()
         _check_cached(table.host, rows, blocks, pool_blocks)
-        device = torch.device(device)
         on_device = (lambda t: t) if device.type == "cpu" else (lambda t: t.to(device))
         return cls(rows=rows, blocks=blocks, rows_device=on_device(rows), blocks_device=on_device(blocks),
                    block_tokens=block_tokens, pool_blocks=pool_blocks)

@@ -163,7 +163,7 @@ void check_attention() {
 
 void check_decode_case(DType dtype, int32_t hq, int32_t hkv, int32_t d) {
   const std::vector<int32_t> lengths = {1, 37, 300};  // 300 > one 256-key chunk: two chunks merged
-  const int32_t layers = 2, layer = 1, b_count = int32_t(lengths.size()), block = 64;
+  const int32_t layers = 2, layer = 1, b_count = int32_t(lengths.size()), block = 16;  // the CPU store's pages
   const int64_t token_stride = int64_t(hkv) * d, layer_stride = block * token_stride;
   const int64_t block_stride = layers * layer_stride;
   // One paged pool; each sequence's block table lists its pages in reverse pool order (a table must be followed).

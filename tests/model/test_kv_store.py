@@ -10,8 +10,8 @@ import torch
 from pyscore.model.kv_store import KVStore, KVStoreFull, PageTable
 from pyscore.model.prefix_cache import PrefixCache
 
-DIMS = dict(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32, device="cpu")
-B = 64
+B = 64  # pages of 64 tokens (the CUDA store's; any multiple of the device's key tile works)
+DIMS = dict(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32, device="cpu", block_tokens=B)
 PAGE_BYTES = 2 * 2 * B * 1 * 4 * 4
 
 

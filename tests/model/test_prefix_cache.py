@@ -13,8 +13,8 @@ import torch
 
 from pyscore.model.prefix_cache import CacheLease, PrefixCache, unsupported_reason
 
-B = 64
-DIMS = dict(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32, device="cpu")
+B = 64  # blocks of 64 tokens (the CUDA store's; any multiple of the device's key tile works)
+DIMS = dict(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32, device="cpu", block_tokens=B)
 BLOCK_BYTES = 2 * 2 * B * 1 * 4 * 4  # K and V, 2 layers, 64 tokens, 1 head, 4 dims, fp32
 
 

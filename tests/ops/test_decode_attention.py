@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pyscore.model.kv_store import page_tokens
 from pyscore.ops import _ext, decode_attention, plan_decode
 from pyscore.ops.reference import decode_attention_ref
 from tests.helpers import force_cpu_isa
@@ -21,12 +22,10 @@ LENGTHS = {"ragged": [1, 17, 256, 257, 600, 33], "one": [5], "long": [1100, 3]}
 LAYERS = 3
 
 
-BLOCK = 64
-
-
 class Paged:
-    """One pool [pages, 2, L, 64, Hkv, D] and per-sequence block tables; k[b] / v[b] give sequence b's
-    [L, pages * 64, Hkv, D] keys / values as a copy gathered through its table (for references and checks)."""
+    """One pool [pages, 2, L, B, Hkv, D] (pages of B tokens: the KV store's on the device, 16 on the CPU, 64 on
+    CUDA) and per-sequence block tables; k[b] / v[b] give sequence b's [L, pages * B, Hkv, D] keys / values as a
+    copy gathered through its table (for references and checks)."""
 
     def __init__(self, pool: torch.Tensor, tables: list[list[int]]):
         self.pool, self.tables = pool, tables
@@ -36,7 +35,7 @@ class Paged:
         return plan_decode(self.pool[:, 0], self.pool[:, 1], [self.tables[b] for b in rows], lengths)
 
     def gathered(self, kv: int, b: int) -> torch.Tensor:
-        pages = self.pool[torch.tensor(self.tables[b]), kv]  # [n pages, L, 64, Hkv, D]
+        pages = self.pool[torch.tensor(self.tables[b]), kv]  # [n pages, L, B, Hkv, D]
         return pages.transpose(0, 1).reshape(LAYERS, -1, *pages.shape[3:])
 
     @property
@@ -48,12 +47,14 @@ class Paged:
         return [self.gathered(1, b) for b in range(len(self.tables))]
 
 
-def make_step(lengths, hq, hkv, d, dtype, device, seed=0, shared_pages=0):
-    """A pool holding every sequence's pages (room for 3 more tokens) in scrambled order, the first
-    `shared_pages` pages of every table being the same ones (a shared prefix), and q, k_new, v_new as views into
-    one fused [B, (Hq + 2 Hkv) D] projection output, as the decoder produces them."""
+def make_step(lengths, hq, hkv, d, dtype, device, seed=0, shared_pages=0, block=None):
+    """A pool holding every sequence's pages of `block` tokens (default: the KV store's page on the device; room
+    for 3 more tokens) in scrambled order, the first `shared_pages` pages of every table being the same ones (a
+    shared prefix), and q, k_new, v_new as views into one fused [B, (Hq + 2 Hkv) D] projection output, as the
+    decoder produces them."""
     gen = torch.Generator().manual_seed(seed)
-    counts = [-(-(n + 3) // BLOCK) for n in lengths]
+    block = page_tokens(device) if block is None else block
+    counts = [-(-(n + 3) // block) for n in lengths]
     own = [c - shared_pages for c in counts]
     total = shared_pages + sum(own)
     order = torch.randperm(total, generator=gen).tolist()
@@ -62,7 +63,7 @@ def make_step(lengths, hq, hkv, d, dtype, device, seed=0, shared_pages=0):
     for c in own:
         tables.append(shared + rest[:c])
         rest = rest[c:]
-    pool = torch.randn(total, 2, LAYERS, BLOCK, hkv, d, generator=gen).to(device=device, dtype=dtype)
+    pool = torch.randn(total, 2, LAYERS, block, hkv, d, generator=gen).to(device=device, dtype=dtype)
     qkv = torch.randn(len(lengths), (hq + 2 * hkv) * d, generator=gen).to(device=device, dtype=dtype)
     q = qkv[:, : hq * d].view(-1, hq, d)
     k_new = qkv[:, hq * d : (hq + hkv) * d].view(-1, hkv, d)
@@ -95,9 +96,9 @@ def assert_within(out, ref, atol, what) -> None:
         f"{what}: max diff {diff.max().item():.3g} (allowed {atol:.3g}), mean diff {diff.mean().item():.3g}")
 
 
-def check_decode(device, lengths, heads, dtype, with_new=True, layer=1, shared_pages=0):
+def check_decode(device, lengths, heads, dtype, with_new=True, layer=1, shared_pages=0, block=None):
     hq, hkv, d = HEADS[heads]
-    paged, q, k_new, v_new = make_step(lengths, hq, hkv, d, dtype, device, shared_pages=shared_pages)
+    paged, q, k_new, v_new = make_step(lengths, hq, hkv, d, dtype, device, shared_pages=shared_pages, block=block)
     out = decode_attention(q, paged.plan(lengths), layer, k_new if with_new else None, v_new if with_new else None,
                            backend="kernel")
     if device == "cuda":
@@ -123,6 +124,16 @@ def check_decode(device, lengths, heads, dtype, with_new=True, layer=1, shared_p
 @pytest.mark.parametrize("lengths", list(LENGTHS))
 def test_decode_attention(device, lengths, heads, dtype):
     check_decode(device, LENGTHS[lengths], heads, dtype)
+
+
+@pytest.mark.parametrize("isa", ["hardware", "avx2", "portable"])
+@pytest.mark.parametrize("block", [32, 64])
+def test_decode_attention_cpu_larger_pages(monkeypatch, isa, block):
+    """Pages of any multiple of the CPU key tile (16): 32 and 64 tokens read as the store's 16."""
+    if isa != "hardware":
+        force_cpu_isa(monkeypatch, isa)
+    for dtype in (torch.float32, torch.bfloat16):
+        check_decode("cpu", LENGTHS["ragged"], "smollm-gqa3-d64", dtype, block=block)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -214,8 +225,8 @@ def test_arguments_are_checked_by_name():
         plan_decode(k_pool, v_pool, paged.tables[:1], [4, 9])
     with pytest.raises(ValueError, match="tables\\[0\\] must hold page indices"):
         plan_decode(k_pool, v_pool, [[99], paged.tables[1]], [4, 9])
-    with pytest.raises(ValueError, match="multiple of 64"):
-        plan_decode(k_pool[:, :, :32], v_pool[:, :, :32], paged.tables, [4, 9])
+    with pytest.raises(ValueError, match="multiple of 16 \\(the kernels' key tile on cpu\\)"):
+        plan_decode(k_pool[:, :, :8], v_pool[:, :, :8], paged.tables, [4, 9])
     plan = paged.plan([4, 9])
     with pytest.raises(ValueError, match="q must be"):
         decode_attention(q[:, :3], plan, 0)

@@ -83,8 +83,10 @@ def test_score_over_http_equals_grpc_bitwise(base: str, client: ScorerClient, la
     body = post(base, "/v1/score", {"query": QUERY, "items": ITEMS, "label_token_ids": labels, **options}).json()
     assert body["scores"] == [rows[0] for rows in over_grpc.scores]  # == on floats: the same bits
     assert body["mode"] == over_grpc.mode and body["label_token_ids"] == labels
-    assert (body["usage"]["prompt_tokens"], body["usage"]["computed_tokens"]) == (
-        over_grpc.usage.prompt_tokens, over_grpc.usage.computed_tokens)
+    usage = body["usage"]  # the same tokens, read from the cache the gRPC call filled where they are whole blocks
+    cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    assert (usage["prompt_tokens"], usage["computed_tokens"] + cached) == (
+        over_grpc.usage.prompt_tokens, over_grpc.usage.computed_tokens + over_grpc.usage.cached_tokens)
     vllm = post(base, "/generative_scoring", {"query": QUERY, "items": ITEMS, "label_token_ids": labels,
                                               "apply_softmax": False,  # vLLM's default is True, the proto's False
                                               **{k: v for k, v in options.items() if k != "mode"}}).json()

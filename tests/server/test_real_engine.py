@@ -16,6 +16,7 @@ import torch
 import pyscore
 from pyscore.client import AsyncScorerClient, ScorerClient
 from pyscore.engine import Engine
+from pyscore.model.kv_store import page_tokens
 from pyscore.ops import _ext
 from pyscore.types import GenerateRequest
 from tests.helpers import load_reference, make_model_dir
@@ -139,7 +140,9 @@ def test_concurrent_requests_equal_alone(served: ServerThread, client: ScorerCli
     concurrent = asyncio.run(together())
     assert served.batcher.stats.batches - batches < len(requests)  # some requests shared a pass
     for a, b in zip(alone, concurrent, strict=True):
-        assert (a.mode, a.label_token_ids, a.usage) == (b.mode, b.label_token_ids, b.usage)
+        assert (a.mode, a.label_token_ids, a.usage.prompt_tokens) == (b.mode, b.label_token_ids, b.usage.prompt_tokens)
+        # the second run reads the first's cached blocks (queries of whole 16-token blocks): the same tokens in all
+        assert a.usage.computed_tokens + a.usage.cached_tokens == b.usage.computed_tokens + b.usage.cached_tokens
         assert max_abs_diff(a.scores, b.scores) <= TOL
 
 
@@ -165,8 +168,9 @@ def test_prefix_cache_usage_and_metrics_over_the_wire(start_server: Any, model_d
     query = (QUERY + " ") * 5  # ~150 tokens: two whole blocks
     with ScorerClient(server.target, timeout=30) as client:
         info = client.model_info()
-        assert info.prefix_cache_block_tokens == 64 and info.prefix_cache_bytes > 0
-        full = len(client.tokenize(query)[0]) // 64 * 64
+        block = info.prefix_cache_block_tokens
+        assert block == page_tokens("cpu") and info.prefix_cache_bytes > 0
+        full = len(client.tokenize(query)[0]) // block * block
         assert full >= 128
         first = client.score(query, ITEMS, labels=["Yes", "No"])
         second = client.score(query, ITEMS, labels=["Yes", "No"])
@@ -180,7 +184,7 @@ def test_prefix_cache_usage_and_metrics_over_the_wire(start_server: Any, model_d
     m = scrape(server.app.metrics_port)
     assert m[("pyscore_prefix_cache_hit_tokens_total", ())] == 2 * full
     assert m[("pyscore_prefix_cache_miss_tokens_total", ())] == 2 * full  # the first and the salted request
-    assert m[("pyscore_prefix_cache_blocks", ())] == 2 * full // 64  # unsalted and salted chains
+    assert m[("pyscore_prefix_cache_blocks", ())] == 2 * full // block  # unsalted and salted chains
     assert m[("pyscore_prefix_cache_bytes", ())] > 0 and m[("pyscore_prefix_cache_evicted_blocks_total", ())] == 0
     # the KV store: the cache's pages (the finished generation gave its own back), within its budget
     assert m[("pyscore_kv_store_held_bytes", ())] == m[("pyscore_prefix_cache_bytes", ())]
