@@ -1,7 +1,8 @@
 """What every benchmark shares: where it ran (`machine`, `machine_info`, `git_commit`), a server of our own
 (`spawn_server`, `spawned_server`) and its samples under load (`sampled`), the synthetic decision question
-(`question`), kernel inputs (`segment_rows`, `fused_qkv`), and the timers: `median_ms` and `alternate`, the one
-alternation (contenders timed in turn, round after round, so the machine's drift hits each alike)."""
+(`question`), kernel inputs (`segment_rows`, `fused_qkv`), and the timers: `elapsed_ms` (the host clock, a GPU
+synchronised around the call), `device_ms` (CUDA events on a GPU), `median_ms` and `alternate`, the one alternation
+(contenders timed in turn, round after round, so the machine's drift hits each alike)."""
 
 from __future__ import annotations
 
@@ -257,11 +258,59 @@ def fused_qkv(num_tokens: int, hq: int, hkv: int, d: int, dtype: Any, device: st
 
 
 # --- timing ------------------------------------------------------------------------------------------------------
-def elapsed_ms(fn: Callable[[], object]) -> float:
-    """Host wall time of one fn() call in ms (the one timer of bench/'s in-process benchmarks)."""
+def synchronize(device: Any = None) -> None:
+    """Waits for the GPU's queued work when `device` is a CUDA device (torch is imported only then)."""
+    if device is not None and "cuda" in str(device):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def elapsed_ms(fn: Callable[[], object], device: Any = None) -> float:
+    """Host wall time of one fn() call in ms (the one timer of bench/'s in-process benchmarks); on a CUDA `device`
+    synchronised on both sides, so it is what a caller waits for."""
+    synchronize(device)
     t0 = time.perf_counter()
     fn()
+    synchronize(device)
     return (time.perf_counter() - t0) * 1e3
+
+
+def device_ms(fn: Callable[[], object], device: Any, reps: int, warmup: int = 3) -> list[float]:
+    """Per-call times in ms after `warmup` calls: CUDA events around each call on a GPU (device time, without the
+    host's sync), `elapsed_ms` elsewhere."""
+    for _ in range(warmup):
+        fn()
+    if "cuda" not in str(device):
+        return [elapsed_ms(fn) for _ in range(reps)]
+    import torch
+
+    out = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end))
+    return out
+
+
+def device_info(device: Any) -> dict[str, Any]:
+    """A GPU-capable benchmark's environment: the machine, torch and its CUDA, which kernel modules loaded (and why
+    not) and, on a GPU, its name, SMs and memory."""
+    import torch
+
+    from pyscore.ops import _ext
+
+    env: dict[str, Any] = dict(machine=machine(), python=platform.python_version(), torch=torch.__version__,
+                               torch_cuda=torch.version.cuda, device=str(device),
+                               cpu_kernels=_ext.cpu_module() is not None, cuda_kernels=_ext.cuda_module() is not None,
+                               cuda_kernels_error=_ext.import_error(_ext.CUDA_MODULE))
+    if torch.device(device).type == "cuda":
+        props = torch.cuda.get_device_properties(torch.device(device))
+        env.update(gpu=props.name, sms=props.multi_processor_count, gpu_mem_gib=round(props.total_memory / 2**30, 1))
+    return env
 
 
 def median_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:

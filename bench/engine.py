@@ -1,27 +1,34 @@
-"""In-process engine benchmark on the embedded model (or, with `--shape`, a random-weight model of a bench.gpu.models
-shape on token-id questions of the same lengths), three measurements:
+"""In-process engine benchmark on the embedded model or, with `--shape`, a random-weight model of a bench.models
+shape on token-id questions of the same lengths; three measurements:
 
-- default: time to decision of one question at concurrency 1 across candidate counts, SIS vs MIS and, for MIS, stock
-  transformers' one plain causal forward over the same tokens (all positions' logits, and logits_to_keep=1), all
-  four timed alternately; a table, and bench/results/engine_cpu.json;
+- default: time to decision at concurrency 1 across candidate counts, over `--questions` distinct questions: the
+  `--modes` (mis, sis and generate: one max_tokens=1 request per candidate, all prefilled in one `engine.step`, as
+  if every candidate were in flight at once) and, unless --no-stock, stock transformers' one plain causal forward
+  over MIS's tokens (all positions' logits, and logits_to_keep=1), all timed alternately; p50/p95 per cell, the
+  MIS-vs-SIS score difference, MIS(16)/MIS(2) and, with --overhead, where a MIS of the most candidates spends its
+  time (host enqueue vs device). A table, and JSON (default bench/results/engine_cpu.json). A `--shape` run adds
+  the H200 compute and weight-read floors and the verdicts against issue 6's targets and the LMSYS study's SGLang
+  numbers; bench/gpu_check.sh runs it with `--device cuda` (and `--tiny`, the shape family's tiny model on the CPU);
 - `--profile`: where one MIS forward spends its time: wall-clock timers around every op the decoder and the read-out
   call (our C++ kernels are invisible to the torch profiler), then the torch profiler's table; `--gemm torch` loads
   the model with no linear kernel registered, so the projections run on torch's path (bench/results/profile_mis.txt);
 - `--decode B`: one decode step of B running generations, our projections against torch's, alternating
   (bench/results/decode_step.txt).
 
-`--tier T` forces a CPU tier (PYSCORE_CPU_TIER); `--dtype auto` is the tier's (bf16 where the CPU multiplies bf16).
-The engine bypasses its prefix cache: every round is the question's first sight (bench.prefix_cache times warm;
-`--profile --warm` profiles the forward whose query blocks hit the cache)."""
+`--tier T` forces a CPU tier (PYSCORE_CPU_TIER); `--dtype auto` is the tier's (bf16 where the CPU multiplies bf16;
+bf16 on a GPU). The engine bypasses its prefix cache: every call is the question's first sight (bench.prefix_cache
+times warm; `--profile --warm` profiles the forward whose query blocks hit the cache)."""
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -29,18 +36,31 @@ import torch.nn.functional as F
 
 import pyscore.engine as engine_module
 import pyscore.model.decoder as decoder_module
-from bench.common import REPO, alternate, elapsed_ms, machine, machine_info, question
-from bench.summary import percentile, write_json, write_report
-from pyscore.engine import Engine
+from bench.common import REPO, alternate, device_info, device_ms, elapsed_ms, machine, question, synchronize
+from bench.models import SHAPES, Shape, build_random_engine, id_questions, labels_for
+from bench.summary import percentile, timings, write_json, write_report
+from pyscore.engine import Engine, set_threads
+from pyscore.model.packing import pack
 from pyscore.ops import AttentionPlan, _ext
 from pyscore.scoring import PreparedScore
 from pyscore.types import GenerateRequest, ScoreRequest
 
 RESULTS = REPO / "bench" / "results"
 LABELS = ["Yes", "No"]
+MODES = ("mis", "sis", "generate")
+# p95 ms at 16 candidates, concurrency 1 (the LMSYS study, SGLang on one H200) and issue 6's targets
+STUDY = {"qwen3-0.6b": dict(mis=18.7, generate=39.6, sis=24.3), "qwen3-8b": dict(mis=20.6, generate=54.1, sis=53.1),
+         "qwen3.5-4b": dict(mis=55.7, generate=84.8, sis=74.4)}
+TARGET_MIS16 = {"qwen3-0.6b": 10.0, "qwen3-8b": 15.0}
+TARGET_RATIO = 1.3
+# Measured on this workplace's H200s (.library/device/KINDS.md, 2026-10-28 and 2026-11-04): bf16 8192^3 matmul
+# on random data, and a device-to-device copy counting bytes read plus written. The floors use these.
+H200_BF16_FLOPS = 788e12
+H200_BYTES_PER_S = 4.3e12
+Question = tuple[Any, list[Any]]  # (query, items): text, or token ids
 
 
-# --- time to decision, against stock transformers ---------------------------------------------------------------
+# --- time to decision ---------------------------------------------------------------------------------------------
 def stock_model(engine: Engine) -> Any:
     """The engine's own weights as stock transformers, in the engine's dtype (default attention: sdpa); for a
     --shape model, stock transformers' own random init of the same config (the same work, other weights: its time
@@ -63,83 +83,213 @@ def stock_forward(model: Any, ids: torch.Tensor, keep: int | None) -> torch.Tens
         return model(input_ids=ids, use_cache=False, **({} if keep is None else {"logits_to_keep": keep})).logits
 
 
-def contenders(engine: Engine, stock: Any, query: Any, items: list[Any], labels: dict[str, Any], sis: bool = True
-               ) -> dict[str, Callable[[], Any]]:
+def generate_first_tokens(engine: Engine, query: Any, items: list[Any]) -> None:
+    """One max_tokens=1 generation per candidate, all new, so one packed prefill pass, then each first token."""
+    key = "prompt" if isinstance(query, str) else "prompt_token_ids"
+    gens = [engine.start_generation(GenerateRequest(**{key: query + item}, max_tokens=1, bypass_prefix_cache=True))
+            for item in items]
+    engine.step(gens)
+    if not all(g.finished for g in gens):
+        raise RuntimeError("a max_tokens=1 generation did not finish in one step")
+
+
+def in_turn(calls: list[Callable[[], Any]]) -> Callable[[], Any]:
+    """One function that makes the next of `calls` each time (every contender cycles through the questions)."""
+    turn = itertools.cycle(calls)
+    return lambda: next(turn)()
+
+
+def contenders(engine: Engine, stock: Any, questions: list[Question], labels: dict[str, Any],
+               modes: tuple[str, ...] = ("mis", "sis")) -> dict[str, Callable[[], Any]]:
     labels = {**labels, "bypass_prefix_cache": True}
-    runs: dict[str, Callable[[], Any]] = {"mis": lambda: engine.score(query, items, mode="mis", **labels)}
-    if sis:
-        runs["sis"] = lambda: engine.score(query, items, mode="sis", **labels)
+    runs: dict[str, Callable[[], Any]] = {}
+    for mode in modes:
+        runs[mode] = in_turn([partial(generate_first_tokens, engine, q, items) if mode == "generate"
+                              else partial(engine.score, q, items, mode=mode, **labels) for q, items in questions])
     if stock is not None:
-        ids = mis_input_ids(engine.prepare_score(ScoreRequest(query, items, **labels)))
-        runs["stock"] = lambda: stock_forward(stock, ids, None)
-        runs["stock_keep1"] = lambda: stock_forward(stock, ids, 1)
+        ids = [mis_input_ids(engine.prepare_score(ScoreRequest(q, items, **labels))) for q, items in questions]
+        runs["stock"] = in_turn([partial(stock_forward, stock, i, None) for i in ids])
+        runs["stock_keep1"] = in_turn([partial(stock_forward, stock, i, 1) for i in ids])
     return runs
 
 
-def load(args: argparse.Namespace) -> tuple[Engine, Callable[[int], tuple[Any, list[Any]]], dict[str, Any]]:
-    """(engine, n -> (query, items), label arguments): the embedded model on text questions, or a random-weight
-    model of --shape on token-id questions of the suite's lengths."""
+def load(args: argparse.Namespace) -> tuple[Engine, Callable[[int], list[Question]], dict[str, Any]]:
+    """(engine, n -> questions of n candidates, label arguments): the embedded model on text questions, or a
+    random-weight model of --shape on token-id questions of the suite's lengths."""
     if args.shape is None:
-        return (Engine.from_pretrained(None, dtype=args.dtype, threads=args.threads), lambda n: question(n, seed=n),
-                dict(labels=LABELS))
-    from bench.gpu.models import build_random_engine
-    from bench.gpu.workload import id_question, labels_for
-    from pyscore.engine import set_threads
-
-    set_threads(args.threads)
-    engine = build_random_engine(args.shape, device="cpu", dtype=args.dtype)
+        engine = Engine.from_pretrained(None, dtype=args.dtype, device=args.device, threads=args.threads)
+        return engine, lambda n: [question(n, seed=n + 1000 * i) for i in range(args.questions)], dict(labels=LABELS)
+    set_threads(args.threads)  # also sizes the C++ kernels' OpenMP pool, which otherwise takes every host CPU
+    engine = build_random_engine(args.shape, device=args.device, dtype=args.dtype,
+                                 max_batch_tokens=args.max_batch_tokens)
     vocab = engine.cfg.vocab_size
 
-    def ask(n: int) -> tuple[list[int], list[list[int]]]:
-        q = id_question(n, seed=n, vocab=vocab)
-        return q.query, q.items
+    def ask(n: int) -> list[Question]:
+        return [(q.query, q.items) for q in id_questions(n, args.questions, vocab, tiny=args.tiny)]
 
     return engine, ask, dict(label_token_ids=labels_for(vocab))
 
 
-def time_to_decision(args: argparse.Namespace) -> None:
+def floors_ms(shape: Shape, tokens: float, readout_rows: int) -> dict[str, float]:
+    """Lower bounds on the H200 for one forward pass: matmul FLOPs at the measured bf16 rate (attention and the
+    LM head's label rows are small beside them) and one read of the weights at the measured bandwidth."""
+    flops = 2 * shape.matmul_params * tokens + 2 * shape.vocab * shape.hidden * readout_rows
+    weight_bytes = 2 * (shape.matmul_params + shape.vocab * shape.hidden)  # layers + the LM head streamed once
+    return dict(compute_ms=flops / H200_BF16_FLOPS * 1e3, weights_ms=weight_bytes / H200_BYTES_PER_S * 1e3)
+
+
+def mis_sis_difference(engine: Engine, q: Question, labels: dict[str, Any]) -> dict[str, float]:
+    mis, sis = (engine.score(*q, mode=mode, bypass_prefix_cache=True, **labels).scores for mode in ("mis", "sis"))
+    diffs = [abs(a - b) for im, is_ in zip(mis, sis, strict=True) for a, b in zip(im[0], is_[0], strict=True)]
+    return dict(max_abs=max(diffs), max_score=max(abs(v) for item in sis for v in item[0]))
+
+
+def overhead_probe(engine: Engine, q: Question, labels: dict[str, Any], reps: int) -> dict[str, Any]:
+    """Where a pointwise MIS decision's time goes: host-side preparation and packing, the decoder (host enqueue
+    time vs. the synchronised total: equal means the GPU waits on Python launches) and the label read-out."""
+    decoder, device = engine.decoder, engine.decoder.device
+    request = ScoreRequest(*q, mode="mis", **labels)
+    prepared = engine.prepare_score(request)
+    batch = pack(prepared.groups())
+    out: dict[str, Any] = dict(tokens=batch.num_tokens, segments=int(batch.segments.shape[0]))
+    out["prepare_pack_ms"] = percentile([elapsed_ms(lambda: pack(engine.prepare_score(request).groups()))
+                                         for _ in range(reps)], 50)
+    decoder.hidden_at(batch)
+    enqueue, total = [], []
+    for _ in range(reps):
+        synchronize(device)
+        t0 = time.perf_counter()
+        decoder.hidden_at(batch)
+        enqueue.append((time.perf_counter() - t0) * 1e3)
+        synchronize(device)
+        total.append((time.perf_counter() - t0) * 1e3)
+    out.update(decoder_enqueue_ms=percentile(enqueue, 50), decoder_total_ms=percentile(total, 50))
+    hidden = decoder.hidden_at(batch)
+    out["readout_ms"] = percentile(device_ms(lambda: engine._row_scores(hidden, [prepared] * hidden.shape[0]),
+                                             device, reps), 50)
+    return out
+
+
+def decision_cell(engine: Engine, stock: Any, questions: list[Question], labels: dict[str, Any],
+                  args: argparse.Namespace) -> dict[str, Any]:
+    """One candidate count: the token counts, every contender's timings (alternating, after --warmup calls each),
+    stock's ratios to MIS and the MIS-vs-SIS difference."""
+    prepared = [engine.prepare_score(ScoreRequest(q, items, **labels)) for q, items in questions]
+    n = len(questions[0][1])
+    cell: dict[str, Any] = dict(
+        query_tokens=statistics.mean(len(p.query) for p in prepared),
+        item_tokens=statistics.mean(sum(map(len, p.items)) / n for p in prepared),
+        mis_tokens=statistics.mean(len(p.query) + sum(map(len, p.items)) for p in prepared),
+        sis_tokens=statistics.mean(sum(len(p.query) + len(i) for i in p.items) for p in prepared))
+    runs = contenders(engine, stock, questions, labels, tuple(args.modes))
+    for fn in list(runs.values()) * args.warmup:
+        fn()
+    timer = partial(elapsed_ms, device=engine.decoder.device)
+    cell.update({name: timings(ts) for name, ts in alternate(runs, args.reps, timer).items()})
+    if stock is not None and "mis" in cell:
+        cell.update(stock_over_mis=cell["stock"]["p50"] / cell["mis"]["p50"],
+                    stock_keep1_over_mis=cell["stock_keep1"]["p50"] / cell["mis"]["p50"])
+    cell["mis_vs_sis"] = mis_sis_difference(engine, questions[0], labels)
+    return cell
+
+
+def time_to_decision(args: argparse.Namespace) -> dict[str, Any]:
+    t0 = time.perf_counter()
     engine, ask, labels = load(args)
-    dtype = str(engine.decoder.dtype).removeprefix("torch.")
+    device = engine.decoder.device
     stock = None if args.no_stock else stock_model(engine)
-    print(f"# {machine()} | CPU tier {engine.cpu_tier or '-'} | {engine.model_name} {dtype} threads={args.threads} "
-          f"(torch {torch.get_num_threads()}) reps={args.reps}, alternating")
-    print(f"{'items':>5} {'tokens q/item':>14} {'SIS p50 ms':>11} {'MIS p50 ms':>11} {'MIS/SIS':>8}"
-          + ("" if stock is None else f" {'stock ms':>9} {'keep-1 ms':>10} {'stock/MIS':>10} {'keep-1/MIS':>11}"))
-    rows = []
+    synchronize(device)
+    shape = SHAPES.get(args.shape or "")
+    report: dict[str, Any] = dict(
+        machine=machine(), env=device_info(device), tier=engine.cpu_tier, model=engine.model_name, shape=args.shape,
+        dtype=str(engine.decoder.dtype).removeprefix("torch."), threads=args.threads, reps=args.reps,
+        questions=args.questions, build_s=time.perf_counter() - t0, results={}, skipped=[])
+    out = args.out or RESULTS / "engine_cpu.json"
+    deadline = t0 + args.budget_s
+    print("\n".join(table_head(report, args.modes, stock is not None)), flush=True)
     for n in args.candidates:
-        query, items = ask(n)
-        prepared = engine.prepare_score(ScoreRequest(query, items, **labels))
-        item_len = sum(map(len, prepared.items)) / n
-        runs = contenders(engine, stock, query, items, labels, sis=not args.no_sis)
-        for fn in runs.values():  # one warm-up each
-            fn()
-        times = alternate(runs, args.reps)
-        p50 = {name: percentile(ts, 50) for name, ts in times.items()}
-        p50.setdefault("sis", float("nan"))  # --no-sis
-        row: dict[str, Any] = dict(items=n, query_tokens=len(prepared.query), item_tokens=item_len,
-                                   sis_ms=p50["sis"], mis_ms=p50["mis"], sis_all=times.get("sis", []),
-                                   mis_all=times["mis"])
-        line = (f"{n:>5} {len(prepared.query):>6}/{item_len:<7.1f} {row['sis_ms']:>11.1f} {row['mis_ms']:>11.1f} "
-                f"{row['mis_ms'] / row['sis_ms']:>8.3f}")
-        if stock is not None:
-            row.update(mis_tokens=len(prepared.query) + sum(map(len, prepared.items)), stock_ms=p50["stock"],
-                       stock_keep1_ms=p50["stock_keep1"], stock_all=times["stock"],
-                       stock_keep1_all=times["stock_keep1"],
-                       stock_over_mis=p50["stock"] / p50["mis"], stock_keep1_over_mis=p50["stock_keep1"] / p50["mis"])
-            line += (f" {row['stock_ms']:>9.1f} {row['stock_keep1_ms']:>10.1f} {row['stock_over_mis']:>9.2f}x "
-                     f"{row['stock_keep1_over_mis']:>10.2f}x")
-        rows.append(row)
-        print(line)
-    by_n = {r["items"]: r for r in rows}
-    if 2 in by_n and 16 in by_n:
-        print(f"MIS(16)/MIS(2) = {by_n[16]['mis_ms'] / by_n[2]['mis_ms']:.2f}")
-    if stock is not None:
-        print("stock = one AutoModelForCausalLM forward over the query+items tokens (use_cache=False); stock/MIS, "
-              "the ratio issue #9 sets its target on, uses the default forward (logits at every position); "
-              "keep-1/MIS the forward with logits_to_keep=1 (no LM head over the other positions)")
-    write_json(args.out or RESULTS / "engine_cpu.json", dict(
-        machine=machine(), cpu=machine_info(), tier=engine.cpu_tier, dtype=dtype, threads=args.threads,
-        model=engine.model_name, ratio_uses="stock (default forward) / MIS", rows=rows), indent=2)
+        if time.perf_counter() > deadline:
+            report["skipped"].append(f"{n} candidates: budget")
+            continue
+        try:
+            cell = decision_cell(engine, stock, ask(n), labels, args)
+        except Exception as e:  # one failing cell does not cost the others
+            cell = dict(error=f"{type(e).__name__}: {e}")
+        if shape is not None and "mis_tokens" in cell:
+            cell.update({f"floor_{m}": floors_ms(shape, cell[f"{m}_tokens"], n) for m in ("mis", "sis")})
+        report["results"][str(n)] = cell
+        print(table_row(n, cell, args.modes, stock is not None), flush=True)
+        write_json(out, report)  # after every cell: a run killed by its timeout keeps what it measured
+    mis = {n: report["results"].get(n, {}).get("mis", {}) for n in ("2", "16")}
+    if all("p95" in m for m in mis.values()):
+        report.update(mis16_over_mis2_p50=mis["16"]["p50"] / mis["2"]["p50"],
+                      mis16_over_mis2_p95=mis["16"]["p95"] / mis["2"]["p95"])
+    if args.overhead and time.perf_counter() < deadline:
+        try:
+            q = ask(max(args.candidates))[0]
+            report["overhead_mis"] = overhead_probe(engine, q, labels, max(5, args.reps // 2))
+        except Exception as e:
+            report["overhead_mis"] = dict(error=f"{type(e).__name__}: {e}")
+    report["total_s"] = time.perf_counter() - t0
+    write_json(out, report)
+    print("\n".join(table_foot(report)), flush=True)
+    return report
+
+
+def table_head(report: dict[str, Any], modes: list[str], stock: bool) -> list[str]:
+    env = report["env"]
+    return [f"# engine {report['model']} on {env.get('gpu') or report['machine']} | CPU tier {report['tier'] or '-'} | "
+            f"{report['dtype']} threads={report['threads']} | p50/p95 ms over {report['reps']} decisions "
+            f"({report['questions']} questions), alternating",
+            f"{'cands':>5} {'tok q/item':>11} " + " ".join(f"{m + ' p50/p95':>17}" for m in modes)
+            + f" {'MIS/SIS':>8}" + (f" {'stock ms':>9} {'keep-1 ms':>10} {'stock/MIS':>10} {'keep-1/MIS':>11}"
+                                    if stock else "") + f" {'floor mis':>9} {'|mis-sis|':>9}"]
+
+
+def table_row(n: int | str, cell: dict[str, Any], modes: list[str], stock: bool) -> str:
+    if "error" in cell:
+        return f"{n:>5} ERROR {cell['error']}"
+    p50 = {k: v["p50"] for k, v in cell.items() if isinstance(v, dict) and "p50" in v}
+    line = f"{n:>5} {cell['query_tokens']:>4.0f}/{cell['item_tokens']:<6.1f} " + " ".join(
+        f"{p50[m]:>8.2f}/{cell[m]['p95']:<8.2f}" for m in modes)
+    line += f" {p50['mis'] / p50['sis']:>8.3f}" if "mis" in p50 and "sis" in p50 else f" {'-':>8}"
+    if stock:
+        line += (f" {p50['stock']:>9.1f} {p50['stock_keep1']:>10.1f} {cell['stock_over_mis']:>9.2f}x "
+                 f"{cell['stock_keep1_over_mis']:>10.2f}x")
+    floor = max(cell["floor_mis"].values()) if "floor_mis" in cell else float("nan")
+    return line + f" {floor:>9.2f} {cell['mis_vs_sis']['max_abs']:>9.2e}"
+
+
+def table_foot(report: dict[str, Any]) -> list[str]:
+    lines, shape = [], report["shape"]
+    if "mis16_over_mis2_p95" in report:
+        r = report["mis16_over_mis2_p95"]
+        lines.append(f"MIS(16)/MIS(2) p95 {r:.2f} (p50 {report['mis16_over_mis2_p50']:.2f})"
+                     + (f" vs target {TARGET_RATIO} ({'MET' if r <= TARGET_RATIO else 'missed'})" if shape in STUDY
+                        else ""))
+    mis16 = report["results"].get("16", {}).get("mis", {}).get("p95")
+    if mis16 is not None and shape in STUDY:
+        target = TARGET_MIS16.get(shape, STUDY[shape]["mis"])  # no target of its own: the study's MIS
+        lines.append(f"MIS(16) p95 {mis16:.2f} ms vs target {target} ({'MET' if mis16 <= target else 'missed'}); "
+                     "study SGLang: " + ", ".join(f"{k} {v}" for k, v in STUDY[shape].items()))
+    if any("stock" in cell for cell in report["results"].values()):
+        lines.append("stock = one AutoModelForCausalLM forward over the query+items tokens (use_cache=False); "
+                     "stock/MIS, the ratio issue #9 sets its target on, uses the default forward (logits at every "
+                     "position); keep-1/MIS the forward with logits_to_keep=1 (no LM head over the other positions)")
+    if "overhead_mis" in report:
+        lines.append(f"overhead (MIS, max candidates): {report['overhead_mis']}")
+    if report["skipped"]:
+        lines.append(f"skipped: {report['skipped']}")
+    return lines
+
+
+def table(report: dict[str, Any]) -> str:
+    """The whole table of a recorded report (bench.gpu's summary prints each engine run's)."""
+    cells = report["results"]
+    modes = [m for m in MODES if any(m in c for c in cells.values())]
+    stock = any("stock" in c for c in cells.values())
+    return "\n".join([*table_head(report, modes, stock), *(table_row(n, c, modes, stock) for n, c in cells.items()),
+                      *table_foot(report)])
 
 
 # --- where the time goes ------------------------------------------------------------------------------------------
@@ -263,17 +413,25 @@ def profile(args: argparse.Namespace) -> list[str]:
             "the C++ kernel):", prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | auto (default %(default)s)")
     ap.add_argument("--tier", default=None, help="force this CPU tier (PYSCORE_CPU_TIER), at or below the CPU's")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=5, help="timed decisions per contender and candidate count")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed calls per contender before each count's rounds")
     ap.add_argument("--candidates", type=int, nargs="+", default=[2, 5, 9, 16], help="--profile: the last")
+    ap.add_argument("--questions", type=int, default=1, help="distinct questions per count, taken in turn")
+    ap.add_argument("--modes", nargs="+", default=["mis", "sis"], choices=MODES, help="our contenders (big --shape "
+                    "models: MIS alone)")
     ap.add_argument("--no-stock", action="store_true", help="skip stock transformers")
-    ap.add_argument("--no-sis", action="store_true", help="skip SIS (big --shape models: MIS alone)")
+    ap.add_argument("--overhead", action="store_true", help="probe where a MIS of the most candidates spends its time")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="soft time budget; later candidate counts are skipped")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--shape", default=None, help="a bench.gpu.models shape with random weights (token-id questions)")
+    ap.add_argument("--shape", default=None, choices=sorted(SHAPES), help="a random-weight model (token-id questions)")
+    ap.add_argument("--tiny", action="store_true", help="--shape's tiny twin, short questions (plumbing)")
+    ap.add_argument("--max-batch-tokens", type=int, default=8192, help="--shape: the engine's batch budget")
     ap.add_argument("--profile", action="store_true", help="where one MIS forward spends its time")
     ap.add_argument("--gemm", choices=["ours", "torch"], default="ours", help="--profile: the projections' path")
     ap.add_argument("--forwards", type=int, default=10, help="--profile: timed forwards")
@@ -281,7 +439,9 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=0, help="time a decode step of this many generations")
     ap.add_argument("--steps", type=int, default=20, help="--decode: timed steps per round")
     ap.add_argument("--rounds", type=int, default=2, help="--decode: alternating rounds")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.shape = "tiny-qwen3.5" if args.shape and SHAPES[args.shape].linear else "tiny"
     if args.tier:
         os.environ["PYSCORE_CPU_TIER"] = args.tier
     if args.decode:
@@ -289,7 +449,8 @@ def main() -> None:
     elif args.profile:
         write_report(profile(args), args.out or RESULTS / "profile_mis.txt")
     else:
-        time_to_decision(args)
+        return time_to_decision(args)
+    return None
 
 
 if __name__ == "__main__":

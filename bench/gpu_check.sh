@@ -5,7 +5,7 @@
 # benchmark. Every stage runs under `timeout`, writes its JSON/log under $OUT before the next starts, and a
 # failing stage does not stop the others. Stage limits add up to 9.5 min (env 20 s, build 120 (the CUDA module
 # alone took 21 s on 2 cores here), tests 60, kernels 50, engine 0.6B 70, engine 8B 110, engine Qwen3.5-4B 100,
-# gRPC 50); expect about 5-6 min. The last thing printed is bench/gpu/summary.py's table.
+# gRPC 50); expect about 5-6 min. The last thing printed is `python -m bench.gpu summary`'s table.
 #
 # $OUT ends with at most 10 files: build.log tests.log run.log summary.txt kernels.json engine-qwen3-0.6b.json
 # engine-qwen3-8b.json engine-qwen3.5-4b.json grpc.json grpc.server.log.
@@ -19,7 +19,7 @@
 #
 # Wheels (the device has no registry; pybind11 and pytest are on its image, grpcio-tools / health / reflection
 # are not, and grpcio + protobuf travel as a set matched to the generated code). Once, here, in the repo root:
-#   bench/gpu/fetch_wheels.sh           which runs:
+#   bench/fetch_wheels.sh               which runs:
 #     echo /.whl/ >> .git/info/exclude
 #     python -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
@@ -55,10 +55,15 @@ if [ "$MODE" = gpu ]; then
       && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || echo "wheel install FAILED" | tee -a "$SUMMARY"
   fi
   export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
-  SIZE=(--device cuda)  # explicit: without _C_cuda the engine still runs on the GPU (torch reference attention)
+  # explicit: without _C_cuda the engine still runs on the GPU (torch reference attention); every host core
+  SIZE=(--device cuda --threads "$(nproc)")
+  REPS=(--reps 40 --warmup 3)
+  GRPC_SIZE=(--device cuda)
 else
   PY=$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)
   SIZE=(--tiny)
+  REPS=(--reps 3 --warmup 1)
+  GRPC_SIZE=(--tiny)
 fi
 
 want() { [ -z "$ONLY" ] || [[ "$ONLY" == *",$1,"* ]]; }
@@ -129,21 +134,23 @@ export -f env_info build tests
 stage env 20 "$RUNLOG" -- env_info
 stage build 120 "$OUT/build.log" -- build
 stage tests 60 "$OUT/tests.log" -- tests
-stage kernels 50 "$RUNLOG" -- "$PY" -m bench.gpu.kernel_bench "${SIZE[@]}" --out "$OUT/kernels.json"
-stage engine06b 70 "$RUNLOG" -- "$PY" -m bench.gpu.engine_bench "${SIZE[@]}" --shape qwen3-0.6b --budget-s 55 \
+stage kernels 50 "$RUNLOG" -- "$PY" -m bench.kernels "${SIZE[@]}" --json "$OUT/kernels.json"
+# bench.engine as the kit runs it: Generate, SIS and MIS over 8 distinct token-id questions per count, no stock
+# transformers, the JSON rewritten after every count
+ENGINE=("$PY" -m bench.engine "${SIZE[@]}" "${REPS[@]}" --modes generate sis mis --questions 8 --no-stock)
+stage engine06b 70 "$RUNLOG" -- "${ENGINE[@]}" --shape qwen3-0.6b --overhead --budget-s 55 \
   --out "$OUT/engine-qwen3-0.6b.json"
-stage engine8b 110 "$RUNLOG" -- "$PY" -m bench.gpu.engine_bench "${SIZE[@]}" --shape qwen3-8b --budget-s 90 \
+stage engine8b 110 "$RUNLOG" -- "${ENGINE[@]}" --shape qwen3-8b --overhead --budget-s 90 \
   --out "$OUT/engine-qwen3-8b.json"
 # Qwen3.5-4B: hybrid (Gated DeltaNet + gated attention); its 256-dim attention heads take the CUDA-core attention
-# path. No overhead probe (--no-overhead).
-stage engine35 100 "$RUNLOG" -- "$PY" -m bench.gpu.engine_bench "${SIZE[@]}" --shape qwen3.5-4b --budget-s 80 \
-  --no-overhead --out "$OUT/engine-qwen3.5-4b.json"
-stage grpc 50 "$RUNLOG" -- "$PY" -m bench.gpu.grpc_bench "${SIZE[@]}" --shape qwen3-0.6b --out "$OUT/grpc.json"
+# path. No overhead probe.
+stage engine35 100 "$RUNLOG" -- "${ENGINE[@]}" --shape qwen3.5-4b --budget-s 80 --out "$OUT/engine-qwen3.5-4b.json"
+stage grpc 50 "$RUNLOG" -- "$PY" -m bench.gpu grpc "${GRPC_SIZE[@]}" --shape qwen3-0.6b --out "$OUT/grpc.json"
 
 {
   echo "total $(($(date +%s) - START)) s"
   echo
-  "$PY" -m bench.gpu.summary "$OUT" 2>&1
+  "$PY" -m bench.gpu summary "$OUT" 2>&1
 } >>"$SUMMARY"
 echo
 cat "$SUMMARY"

@@ -10,9 +10,16 @@ runs vs F.linear, best of --rounds: what pyscore/ops/tiers.py cites; own file).
 
 `--tier T` forces our kernels' tier (PYSCORE_CPU_TIER) and torch's matching ISA; `--torch-isa T` torch's alone.
 Torch reads its ISA settings only when it starts, so the bench re-executes itself with them set. The header names
-the CPU (bench.common.machine) and both tiers. Usage:
+the CPU (bench.common.machine) and both tiers.
+
+`--json OUT` runs the H200 kit's cases instead (bench/gpu_check.sh; `--device cuda`, or `--tiny` on the CPU), the
+study's shapes, median of --reps calls (CUDA events on the GPU), as JSON: prefix_item_attention vs SDPA with a dense
+mask on MIS streams (query 300 + 2/5/9/16 items of ~32 tokens) with Qwen3-0.6B and Qwen3-8B heads, each against the
+fp32 reference, and the items' MIS-vs-SIS difference; label_logprobs at R = 16, V = 151936, H = 1024 / 4096;
+Qwen3.5-4B's conv + gated delta rule vs transformers' fallbacks on the same streams. Usage:
   python -m bench.kernels [--tier avx2] [--dtypes fp32] [--threads 2] [--rounds 5] [--out FILE] [--only SECTION ...]
-  python -m bench.kernels --only tiers [--tiers avx2 avx512] [--torch-isa avx2] [--shapes ...] [--rounds 7]"""
+  python -m bench.kernels --only tiers [--tiers avx2 avx512] [--torch-isa avx2] [--shapes ...] [--rounds 7]
+  python -m bench.kernels --json kernels.json [--device cuda | --tiny] [--reps 50]"""
 
 from __future__ import annotations
 
@@ -22,13 +29,15 @@ import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from bench.common import alternate as alternate_rounds
-from bench.common import fused_qkv, machine, median_ms, segment_rows
-from bench.summary import write_report
+from bench.common import device_info, device_ms, fused_qkv, machine, median_ms, segment_rows
+from bench.summary import percentile, write_json, write_report
+from pyscore.engine import set_threads
 from pyscore.model.rope import Rotary
 from pyscore.ops import (
     AttentionPlan,
@@ -41,6 +50,7 @@ from pyscore.ops import (
     linear,
     pack_linear,
     plan_decode,
+    prefix_item_attention,
     rotary_,
     silu_mul,
     tiers,
@@ -384,7 +394,7 @@ def linear_attention_pair(prefix: int, items: int, item_len: int, dtype: torch.d
                           heads: tuple[int, int, int, int] = LIN_SHAPE, device: str = "cpu"):
     """One Gated DeltaNet layer (conv + rule) over a MIS stream (`prefix`, then `items` items of `item_len`) or,
     with no prefix, SIS: (ours, transformers', our reference, the items' max |ours - transformers' in fp32|, the
-    largest |value| of the latter). Ours is planned once per batch; bench.gpu.kernel_bench times the same pair."""
+    largest |value| of the latter). Ours is planned once per batch; the kit's `linear_case` times the same pair."""
     segments = segment_rows(prefix, [item_len] * items)
     num_tokens = prefix + items * item_len
     x, weight, rule_args = linear_inputs(num_tokens, dtype, heads, device)
@@ -502,6 +512,152 @@ def interleave_rows(reps: int) -> list[str]:
             f"{'interleaved':>13}{both:>9.3f}{both / alone:>9.2f}x"]
 
 
+# ---- the H200 kit's cases (--json) --------------------------------------------------------------------------------
+KIT_HEADS = {"qwen3-0.6b": (16, 8, 128), "qwen3-8b": (32, 8, 128), "tiny": (4, 2, 64)}
+KIT_HIDDEN = {"qwen3-0.6b": 1024, "qwen3-8b": 4096, "tiny": 128}
+KIT_LINEAR = {"qwen3.5-4b": (16, 32, 128, 4), "tiny": (2, 4, 32, 4)}  # Hk, Hv, head dim, conv kernel
+
+
+def p50_ms(fn: Callable[[], object], device: str, reps: int) -> float:
+    return percentile(device_ms(fn, device, reps), 50)
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def attention_case(model: str, query: int, items: list[int], dtype: torch.dtype, device: str, reps: int,
+                   ref_check: bool) -> dict[str, Any]:
+    """One layer's run of a plan (made once, as a forward pass does) vs SDPA at its best (heads first, kv heads
+    repeated, made untimed) with the stream's dense mask; with `ref_check`, both against the fp32 reference."""
+    hq, hkv, d = KIT_HEADS[model]
+    segments = segment_rows(query, items)
+    t = int(segments[:, 1].sum())
+    q, k, v = fused_qkv(t, hq, hkv, d, dtype, device, seed=t)
+    mask = segment_attention_mask(segments, t).to(device)
+    qh, kh, vh = (x[None] for x in heads_first(q, k, v))
+    plan = AttentionPlan(SegmentTable.of(segments, t, device), hq, hkv, d, dtype, device, backend="kernel")
+    ours = p50_ms(lambda: plan.run(q, k, v), device, reps)
+    sdpa = p50_ms(lambda: F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask), device, reps)
+    out: dict[str, Any] = dict(model=model, query=query, items=len(items), tokens=t, dtype=str(dtype), ours_ms=ours,
+                               sdpa_dense_mask_ms=sdpa, sdpa_over_ours=sdpa / ours)
+    if ref_check:
+        ref = prefix_item_attention_ref(q, k, v, segments.to(device))
+        ours_out = plan.run(q, k, v)
+        sdpa_out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)[0].transpose(0, 1)
+        out.update(ours_rel_err=rel_err(ours_out, ref), sdpa_rel_err=rel_err(sdpa_out, ref),
+                   ours_max_abs=float((ours_out.float() - ref).abs().max()))
+    return out
+
+
+def mis_vs_sis_attention(model: str, query: int, items: list[int], dtype: torch.dtype, device: str) -> dict[str, Any]:
+    """The items' tokens attended in the MIS layout vs the same tokens (same q/k/v rows) in SIS layout."""
+    hq, hkv, d = KIT_HEADS[model]
+    q, k, v = fused_qkv(query + sum(items), hq, hkv, d, dtype, device, seed=1)
+    # SIS stream: query rows then item i's rows, per item
+    index, item_rows_sis, item_rows_mis, start_mis, start_sis = [], [], [], query, 0
+    for n in items:
+        index += list(range(query)) + list(range(start_mis, start_mis + n))
+        item_rows_sis += range(start_sis + query, start_sis + query + n)
+        item_rows_mis += range(start_mis, start_mis + n)
+        start_mis += n
+        start_sis += query + n
+    idx = torch.tensor(index, device=device)
+    seg_mis, seg_sis = segment_rows(query, items).to(device), segment_rows(0, [query + n for n in items]).to(device)
+    mis = prefix_item_attention(q, k, v, seg_mis, backend="kernel")
+    sis = prefix_item_attention(q[idx], k[idx], v[idx], seg_sis, backend="kernel")
+    a = mis[torch.tensor(item_rows_mis, device=device)].float()
+    b = sis[torch.tensor(item_rows_sis, device=device)].float()
+    return dict(model=model, items=len(items), max_abs=float((a - b).abs().max()), max_value=float(b.abs().max()))
+
+
+def label_case(hidden: int, vocab: int, rows: int, dtype: torch.dtype, device: str, reps: int) -> dict[str, Any]:
+    g = torch.Generator(device=device).manual_seed(hidden)
+    h = torch.randn(rows, hidden, generator=g, device=device).to(dtype)
+    w = (torch.randn(vocab, hidden, generator=g, device=device) * hidden**-0.5).to(dtype)
+    labels = torch.randint(0, vocab, (rows, 2), generator=g, device=device, dtype=torch.int32)
+    labels_cpu, index = labels.cpu(), labels.long()
+
+    def plain() -> torch.Tensor:
+        return torch.log_softmax((h @ w.T).float(), -1).gather(1, index)
+
+    ours, theirs = (p50_ms(fn, device, reps) for fn in (lambda: label_logprobs(h, w, labels_cpu, backend="kernel"),
+                                                        plain))
+    ref, _ = label_logprobs_ref(h, w, labels)
+    got, _ = label_logprobs(h, w, labels_cpu, backend="kernel")
+    return dict(hidden=hidden, vocab=vocab, rows=rows, dtype=str(dtype), ours_ms=ours, torch_ms=theirs,
+                torch_over_ours=theirs / ours, ours_max_abs=float((got - ref).abs().max()),
+                torch_max_abs=float((plain() - ref).abs().max()), weight_read_ms_at_4_3TBs=2 * vocab * hidden / 4.3e9)
+
+
+def linear_case(model: str, query: int, items: list[int], dtype: torch.dtype, device: str, reps: int
+                ) -> dict[str, Any]:
+    """conv + rule over one MIS stream, ours vs transformers' fallbacks (items of equal length, so they batch)."""
+    ours, theirs, _, diff, scale = linear_attention_pair(query, len(items), items[0], dtype, KIT_LINEAR[model], device)
+    mine, slow = p50_ms(ours, device, reps), p50_ms(theirs, device, max(3, reps // 10))
+    return dict(model=model, query=query, items=len(items), tokens=query + sum(items), dtype=str(dtype),
+                ours_ms=mine, transformers_ms=slow, transformers_over_ours=slow / mine, items_max_abs=diff,
+                items_max_value=scale)
+
+
+def kit(args: argparse.Namespace) -> dict[str, Any]:
+    """Every case, the JSON rewritten after each (a stage killed by its timeout keeps what it measured); a case
+    that raises is recorded in `errors` and costs the others nothing."""
+    device, tiny, out = args.device, args.tiny, args.json
+    report: dict[str, Any] = dict(env=device_info(device), attention=[], mis_vs_sis=[], label_logprobs=[], linear=[],
+                                  errors=[])
+    if (_ext.cuda_module() if device != "cpu" else _ext.cpu_module()) is None:
+        report["errors"].append(f"no kernel module for {device}: {_ext.import_error(_ext.CUDA_MODULE)}")
+        write_json(out, report)
+        return report
+
+    def record(key: str, what: str, fn: Callable[..., dict[str, Any]], *fn_args: Any, **kwargs: Any) -> None:
+        try:
+            report[key].append(fn(*fn_args, **kwargs))
+        except Exception as e:
+            report["errors"].append(f"{what}: {type(e).__name__}: {e}")
+        write_json(out, report)
+
+    query, item_len = (24, 5) if tiny else (300, 32)
+    counts = [2, 5] if tiny else [2, 5, 9, 16]
+    dtype = torch.bfloat16
+    for model in ["tiny"] if tiny else ["qwen3-0.6b", "qwen3-8b"]:
+        for n in counts:
+            record("attention", f"attention {model} n={n}", attention_case, model, query,
+                   [item_len + (i % 3) for i in range(n)], dtype, device, args.reps, ref_check=n in (2, 16) or tiny)
+        record("mis_vs_sis", f"mis_vs_sis {model}", mis_vs_sis_attention, model, query,
+               [item_len + (i % 3) for i in range(16)], dtype, device)
+    for model in ["tiny"] if tiny else ["qwen3-0.6b", "qwen3-8b"]:
+        hidden = KIT_HIDDEN[model]
+        record("label_logprobs", f"label_logprobs H={hidden}", label_case, hidden, 1000 if tiny else 151936, 16,
+               dtype, device, args.reps)
+    for n in counts:
+        record("linear", f"linear n={n}", linear_case, "tiny" if tiny else "qwen3.5-4b", query, [item_len] * n, dtype,
+               device, args.reps)
+    return report
+
+
+def kit_table(report: dict[str, Any]) -> str:
+    lines = [f"# kernels on {report['env'].get('gpu', report['env']['device'])}: median ms",
+             f"{'attention (MIS stream)':<28}{'T':>6}{'ours':>9}{'sdpa+mask':>11}{'ratio':>8}{'rel err':>10}"]
+    for r in report["attention"]:
+        lines.append(f"{r['model'] + ' n=' + str(r['items']):<28}{r['tokens']:>6}{r['ours_ms']:>9.3f}"
+                     f"{r['sdpa_dense_mask_ms']:>11.3f}{r['sdpa_over_ours']:>7.1f}x"
+                     f"{r.get('ours_rel_err', float('nan')):>10.1e}")
+    for r in report["mis_vs_sis"]:
+        lines.append(f"MIS vs SIS attention {r['model']} n={r['items']}: max abs {r['max_abs']:.2e} "
+                     f"(values up to {r['max_value']:.2f})")
+    for r in report["label_logprobs"]:
+        lines.append(f"label_logprobs R={r['rows']} V={r['vocab']} H={r['hidden']}: ours {r['ours_ms']:.3f} ms, "
+                     f"torch {r['torch_ms']:.3f} ms ({r['torch_over_ours']:.1f}x), max abs vs fp32 ours "
+                     f"{r['ours_max_abs']:.1e} torch {r['torch_max_abs']:.1e}")
+    for r in report["linear"]:
+        lines.append(f"conv+gated_delta_rule {r['model']} {r['query']}+{r['items']}x: ours {r['ours_ms']:.3f} ms, "
+                     f"transformers {r['transformers_ms']:.3f} ms ({r['transformers_over_ours']:.1f}x), items max abs "
+                     f"{r['items_max_abs']:.1e} (values up to {r['items_max_value']:.2f})")
+    return "\n".join(lines + [f"error: {e}" for e in report["errors"]])
+
+
 def force_isa(tier: str | None, torch_isa: str | None) -> None:
     """PYSCORE_CPU_TIER for our kernels (read at each call); torch's matching ISA settings, which torch reads only
     when it starts: re-executes this bench once with them set."""
@@ -513,10 +669,11 @@ def force_isa(tier: str | None, torch_isa: str | None) -> None:
         os.execv(sys.executable, [sys.executable, "-m", "bench.kernels", *sys.argv[1:]])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=20, help="timed calls per round")
+    parser.add_argument("--reps", type=int, default=None, help="timed calls per round (default 20; --json: 50, "
+                        "3 with --tiny)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per comparison")
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=DEFAULT_SECTIONS)
     parser.add_argument("--out", type=Path, help="default: kernels_cpu.txt (linear, tiers: their own files)")
@@ -529,14 +686,24 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", choices=list(TIER_SHAPES), default=list(TIER_SHAPES),
                         help="tiers section: the shapes")
     parser.add_argument("--no-forward", action="store_true", help="tiers section: skip the smollm-forward row")
-    args = parser.parse_args()
+    parser.add_argument("--json", type=Path, help="run the H200 kit's cases instead, into this JSON file")
+    parser.add_argument("--device", default=None, help="--json: cuda | cpu (default: cpu with --tiny, else cuda)")
+    parser.add_argument("--tiny", action="store_true", help="--json: small shapes on the CPU (plumbing tests)")
+    args = parser.parse_args(argv)
     force_isa(args.tier, args.torch_isa)
     torch.manual_seed(0)
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
+    if args.json:
+        args.device = args.device or ("cpu" if args.tiny else "cuda")
+        args.reps = args.reps or (3 if args.tiny else 50)
+        report = kit(args)
+        write_json(args.json, report)
+        print(kit_table(report), flush=True)
+        return report
+    args.reps = args.reps or 20
     module = _ext.cpu_module()
     if module is None:
         raise SystemExit("pyscore._C is not built: python setup.py build_ext --inplace")
-    module.set_num_threads(args.threads)
     features = module.cpu_features()
     default = features["bf16_dot"]
     if args.tier and features["tier"] != args.tier:
@@ -570,6 +737,7 @@ def main() -> None:
         print(flush=True)
     write_report(lines, out, echo=False)
     print(f"written to {out}")
+    return None
 
 
 if __name__ == "__main__":

@@ -42,18 +42,6 @@ MAX_KV_TOKENS = 8192  # the generation budget a bench engine is planned with
 KV_TARGET = 1.2
 
 
-def shapes() -> dict[str, Any]:
-    from bench.gpu.models import SHAPES, Shape
-
-    extra = {  # config.json of Qwen/Qwen3-1.7B and Qwen/Qwen3-4B
-        "qwen3-1.7b": Shape(hidden=2048, layers=28, q_heads=16, kv_heads=8, head_dim=128, intermediate=6144,
-                            vocab=151936, tied=True),
-        "qwen3-4b": Shape(hidden=2560, layers=36, q_heads=32, kv_heads=8, head_dim=128, intermediate=9728,
-                          vocab=151936, tied=True),
-    }
-    return {**SHAPES, **extra}
-
-
 # --- the checkpoints ---------------------------------------------------------------------------------------------
 def write_checkpoint(shape_name: str, out: Path) -> None:
     """A random-weight bf16 checkpoint of the shape (config.json, model.safetensors, the embedded tokenizer),
@@ -61,12 +49,12 @@ def write_checkpoint(shape_name: str, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from bench.gpu.models import hf_config, random_getter
+    from bench.models import SHAPES, hf_config, random_getter
     from pyscore.model.checkpoint import TensorSpec, write_safetensors
     from pyscore.model.config import ModelConfig
     from pyscore.model.loading import resolve_model_dir
 
-    hf = hf_config(shapes()[shape_name])
+    hf = hf_config(SHAPES[shape_name])
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(hf)
     names = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()

@@ -77,6 +77,12 @@ class Summary:
         return vals if digits is None else {k: round(v, digits) for k, v in vals.items()}
 
 
+def timings(times_ms: Sequence[float]) -> dict[str, Any]:
+    """A timed cell as the in-process benchmarks record it: n, p50, p95, mean, min, max (ms) and every time."""
+    s = Summary.of(times_ms)
+    return dict(n=s.count, p50=s.p50, p95=s.p95, mean=s.mean, min=s.min, max=s.max, all=[round(t, 4) for t in times_ms])
+
+
 def fmt(x: float | None, spec: str = ".0f") -> str:
     """A report cell: `x` formatted, or a dash where nothing was measured."""
     return "–" if x is None else format(x, spec)

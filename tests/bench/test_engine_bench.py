@@ -47,8 +47,13 @@ def test_alternate_interleaves_and_sets_up_each_turn():
     assert order == ["a", "setup b", "b"] * 2 and [len(v) for v in times.values()] == [2, 2]
 
 
-def test_contenders_without_sis(engine):
-    """`--no-sis` (big shapes): MIS alone, or MIS and stock; SIS is a contender by default."""
+def test_contenders_by_mode(engine):
+    """`--modes`: MIS and SIS by default, MIS alone for big shapes, Generate on request; each takes the questions
+    in turn."""
     labels = {"label_token_ids": [5, 6]}
-    assert set(bench_engine.contenders(engine, None, QUERY, ITEMS, labels)) == {"mis", "sis"}
-    assert set(bench_engine.contenders(engine, None, QUERY, ITEMS, labels, sis=False)) == {"mis"}
+    questions = [(QUERY, ITEMS), (QUERY, ITEMS[:1])]
+    assert set(bench_engine.contenders(engine, None, questions, labels)) == {"mis", "sis"}
+    assert set(bench_engine.contenders(engine, None, questions, labels, ("mis",))) == {"mis"}
+    runs = bench_engine.contenders(engine, None, questions, labels, ("mis", "generate"))
+    assert [len(runs["mis"]().scores) for _ in range(3)] == [2, 1, 2]
+    runs["generate"]()

@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 
 from bench import deploy, hardening, loadgen, peers
-from bench.gpu.common import summarize as gpu_summarize
 from bench.loadgen import Record
-from bench.summary import Summary, percentile, write_json, write_report
+from bench.summary import Summary, percentile, timings, write_json, write_report
 
 # 20 latencies (s) where the nearest rank (what overload/soak/deploy used to take) and linear interpolation differ
 LATENCIES_S = [0.010 * ((7 * k) % 20 + 1) ** 2 for k in range(20)]  # 10 ms ... 4 s, out of order
@@ -50,7 +49,7 @@ def test_every_bench_summary_path_reports_the_same_p95():
         "overload": hardening.summarize(records)["accepted_latency_ms"]["p95"],
         "soak": hardening.soak_summary(records, 1.0)["latency_ms"]["p95"],
         "deploy": deploy.summary(records, 1.0)["latency_ms"]["p95"],
-        "gpu": gpu_summarize(LATENCIES_MS)["p95"],
+        "in-process (engine, gpu grpc)": timings(LATENCIES_MS)["p95"],
     }
     for name, p95 in got.items():
         assert p95 == pytest.approx(expected, abs=0.05), name  # overload and soak round to 0.1 ms

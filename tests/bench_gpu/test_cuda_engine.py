@@ -8,8 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from bench.gpu.models import build_random_model
-from bench.gpu.workload import id_questions, labels_for
+from bench.models import build_random_model, id_questions, labels_for
 from pyscore.engine import Engine
 from pyscore.model.loading import LoadedModel
 from pyscore.model.rope import Rotary, inverse_frequencies

@@ -1,4 +1,4 @@
-"""The random-weight engines of bench/gpu: published shapes, finite scores, MIS = SIS and the server hook, all at
+"""The random-weight engines of bench/models.py: published shapes, finite scores, MIS = SIS and the server hook, all at
 tiny sizes on the CPU."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ import math
 import pytest
 import torch
 
-from bench.gpu.models import SHAPES, RandomEngine, build_random_engine, hf_config, qwen3_config
-from bench.gpu.workload import id_questions, labels_for
+from bench.models import SHAPES, RandomEngine, build_random_engine, hf_config, id_questions, labels_for
 from pyscore.model.config import ModelConfig
 
 
@@ -21,7 +20,7 @@ def engine32():
 @pytest.mark.parametrize("name, layers, params_b", [("qwen3-0.6b", 28, 0.440), ("qwen3-8b", 36, 6.946)])
 def test_shapes_match_the_published_configs(name, layers, params_b):
     shape = SHAPES[name]
-    cfg = ModelConfig.from_hf(qwen3_config(shape))
+    cfg = ModelConfig.from_hf(hf_config(shape))
     assert (cfg.num_layers, cfg.head_dim, cfg.num_kv_heads, cfg.vocab_size) == (layers, 128, 8, 151936)
     assert cfg.qk_norm and cfg.tie_word_embeddings == (name == "qwen3-0.6b")
     assert shape.matmul_params / 1e9 == pytest.approx(params_b, rel=1e-3)

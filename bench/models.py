@@ -1,14 +1,19 @@
-"""Random-weight engines built in memory: the published Qwen3-0.6B and Qwen3-8B shapes, the hybrid Qwen3.5-0.8B and
-Qwen3.5-4B shapes (3 Gated DeltaNet layers to 1 gated attention layer), and tiny ones for CPU tests, with weights
-drawn on the target device, so the H200 run needs neither a model hub nor 16 GB of files. Latency does not depend
-on weight values; the scale keeps bf16 activations finite.
+"""Random-weight engines built in memory, and the token-id questions they are asked: the published Qwen3-0.6B /
+1.7B / 4B / 8B shapes, the hybrid Qwen3.5-0.8B and Qwen3.5-4B shapes (3 Gated DeltaNet layers to 1 gated attention
+layer), and tiny ones for CPU tests, with weights drawn on the target device, so the H200 run needs neither a model
+hub nor 16 GB of files. Latency does not depend on weight values; the scale keeps bf16 activations finite.
+
+Questions are random token ids with the lengths Qwen3's tokenizer gives the pointwise Open-Jev-like prompts of the
+bench suite (bench/prompts.py `pointwise`): a query of 270-350 tokens (context + question) and one item of 25-40
+tokens per candidate. A random-weight model reads any ids the same way, and ids keep the real tokenizer out.
 
 `RandomEngine` is a drop-in for the server's hidden `--engine` flag:
-`python -m server --engine bench.gpu.models:RandomEngine --model qwen3-0.6b`."""
+`python -m server --engine bench.models:RandomEngine --model qwen3-0.6b`."""
 
 from __future__ import annotations
 
 import os
+import random
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +82,11 @@ SHAPES = {
                         vocab=151936, tied=True),
     "qwen3-8b": Shape(hidden=4096, layers=36, q_heads=32, kv_heads=8, head_dim=128, intermediate=12288,
                       vocab=151936, tied=False),
+    # config.json of Qwen/Qwen3-1.7B and Qwen/Qwen3-4B (bench.memory's checkpoints)
+    "qwen3-1.7b": Shape(hidden=2048, layers=28, q_heads=16, kv_heads=8, head_dim=128, intermediate=6144,
+                        vocab=151936, tied=True),
+    "qwen3-4b": Shape(hidden=2560, layers=36, q_heads=32, kv_heads=8, head_dim=128, intermediate=9728,
+                      vocab=151936, tied=True),
     # config.json of Qwen/Qwen3.5-0.8B and Qwen/Qwen3.5-4B (text_config)
     "qwen3.5-0.8b": Shape(hidden=1024, layers=24, q_heads=8, kv_heads=2, head_dim=256, intermediate=3584,
                           vocab=248320, tied=True, linear=LinearShape(k_heads=16, v_heads=16)),
@@ -91,42 +101,27 @@ SHAPES = {
 
 
 def hf_config(shape: Shape):
-    """The transformers config of a shape: Qwen3 or, with linear layers, Qwen3.5 text."""
-    return qwen3_config(shape) if shape.linear is None else qwen3_5_config(shape)
+    """The transformers config of a shape: Qwen3 (rope theta 1e6) or, with linear layers, Qwen3.5 text (rope theta
+    1e7, a quarter of each head rotating); eps 1e-6 in both, as published."""
+    from transformers import Qwen3_5TextConfig, Qwen3Config
 
-
-def qwen3_5_config(shape: Shape):
-    """A transformers Qwen3_5TextConfig with the shape's numbers (rope theta 1e7, a quarter of each head rotating,
-    eps 1e-6 as in Qwen3.5)."""
-    from transformers import Qwen3_5TextConfig
-
+    common = dict(vocab_size=shape.vocab, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
+                  num_attention_heads=shape.q_heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
+                  intermediate_size=shape.intermediate, tie_word_embeddings=shape.tied,
+                  max_position_embeddings=shape.max_positions, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+                  pad_token_id=0)
     lin = shape.linear
+    if lin is None:
+        cfg = Qwen3Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+        cfg.architectures = ["Qwen3ForCausalLM"]
+        return cfg
     cfg = Qwen3_5TextConfig(
-        vocab_size=shape.vocab, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
-        num_attention_heads=shape.q_heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
-        intermediate_size=shape.intermediate, tie_word_embeddings=shape.tied,
-        max_position_embeddings=shape.max_positions, rms_norm_eps=1e-6, linear_num_key_heads=lin.k_heads,
-        linear_num_value_heads=lin.v_heads,
+        **common, linear_num_key_heads=lin.k_heads, linear_num_value_heads=lin.v_heads,
         linear_key_head_dim=lin.head_dim, linear_value_head_dim=lin.head_dim, linear_conv_kernel_dim=lin.conv_kernel,
         layer_types=["full_attention" if (i + 1) % lin.interval == 0 else "linear_attention"
                      for i in range(shape.layers)],
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
-        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25})
     cfg.architectures = ["Qwen3_5ForCausalLM"]
-    return cfg
-
-
-def qwen3_config(shape: Shape):
-    """A transformers Qwen3Config with the shape's numbers (rope theta 1e6 and eps 1e-6 as in Qwen3)."""
-    from transformers import Qwen3Config
-
-    cfg = Qwen3Config(vocab_size=shape.vocab, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
-                      num_attention_heads=shape.q_heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
-                      intermediate_size=shape.intermediate, tie_word_embeddings=shape.tied,
-                      max_position_embeddings=shape.max_positions, rms_norm_eps=1e-6,
-                      rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    cfg.architectures = ["Qwen3ForCausalLM"]
     return cfg
 
 
@@ -217,3 +212,31 @@ class RandomEngine(Engine):
         loaded = build_random_model(str(model or "qwen3-0.6b"), resolve_dtype(dtype, dev), dev)
         return cls(loaded, max_batch_tokens, op_backend, prefix_cache_mb, max_kv_tokens, max_running_generations,
                    kv_cache_mb, prefill_chunk_tokens)
+
+
+# --- token-id questions --------------------------------------------------------------------------------------------
+CANDIDATE_COUNTS = (2, 5, 9, 16)  # the study's buckets (bench/dataset.py BUCKETS)
+YES_NO = (9454, 2753)  # Qwen3's " Yes" / " No"; any ids below the vocabulary would do
+
+
+@dataclass
+class IdQuestion:
+    query: list[int]
+    items: list[list[int]]
+
+
+def id_questions(num_items: int, count: int, vocab: int, seed: int = 0, tiny: bool = False) -> list[IdQuestion]:
+    """`count` distinct seeded questions of `num_items` candidates: queries of 270-350 tokens, items of 25-40
+    (`tiny`: 20-30 and 3-6, for CPU tests)."""
+    query_tokens, item_tokens = ((20, 30), (3, 6)) if tiny else ((270, 350), (25, 40))
+    low = min(1000, vocab // 2)  # skip the low ids, where tokenizers keep their special tokens
+
+    def ids(rng: random.Random, lengths: tuple[int, int]) -> list[int]:
+        return [rng.randrange(low, vocab) for _ in range(rng.randint(*lengths))]
+
+    rngs = [random.Random(seed * 1000 + 17 * num_items + i) for i in range(count)]
+    return [IdQuestion(ids(rng, query_tokens), [ids(rng, item_tokens) for _ in range(num_items)]) for rng in rngs]
+
+
+def labels_for(vocab: int) -> list[int]:
+    return list(YES_NO) if vocab > max(YES_NO) else [vocab // 3, vocab // 2]

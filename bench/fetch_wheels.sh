@@ -3,9 +3,9 @@
 # installs on the H200 machine, which has no registry access. One version of each: two stop the whole install.
 # grpcio, grpcio-tools and protobuf travel as one matched set (the generated code checks the runtime's version),
 # so the device's own grpcio/protobuf are shadowed rather than trusted. pytest is already on the device image.
-# Usage: bench/gpu/fetch_wheels.sh [python]   (run from anywhere; writes <repo>/.whl)
+# Usage: bench/fetch_wheels.sh [python]   (run from anywhere; writes <repo>/.whl)
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 PY=${1:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 exclude=$(git rev-parse --git-path info/exclude)
 mkdir -p "$(dirname "$exclude")"
