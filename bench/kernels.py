@@ -637,6 +637,16 @@ def kit(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+KIT_LINES = {  # the kit's report key: the line of each of its rows
+    "mis_vs_sis": "MIS vs SIS attention {model} n={items}: max abs {max_abs:.2e} (values up to {max_value:.2f})",
+    "label_logprobs": "label_logprobs R={rows} V={vocab} H={hidden}: ours {ours_ms:.3f} ms, torch {torch_ms:.3f} ms "
+                      "({torch_over_ours:.1f}x), max abs vs fp32 ours {ours_max_abs:.1e} torch {torch_max_abs:.1e}",
+    "linear": "conv+gated_delta_rule {model} {query}+{items}x: ours {ours_ms:.3f} ms, transformers "
+              "{transformers_ms:.3f} ms ({transformers_over_ours:.1f}x), items max abs {items_max_abs:.1e} (values up "
+              "to {items_max_value:.2f})",
+}
+
+
 def kit_table(report: dict[str, Any]) -> str:
     lines = [f"# kernels on {report['env'].get('gpu', report['env']['device'])}: median ms",
              f"{'attention (MIS stream)':<28}{'T':>6}{'ours':>9}{'sdpa+mask':>11}{'ratio':>8}{'rel err':>10}"]
@@ -644,17 +654,7 @@ def kit_table(report: dict[str, Any]) -> str:
         lines.append(f"{r['model'] + ' n=' + str(r['items']):<28}{r['tokens']:>6}{r['ours_ms']:>9.3f}"
                      f"{r['sdpa_dense_mask_ms']:>11.3f}{r['sdpa_over_ours']:>7.1f}x"
                      f"{r.get('ours_rel_err', float('nan')):>10.1e}")
-    for r in report["mis_vs_sis"]:
-        lines.append(f"MIS vs SIS attention {r['model']} n={r['items']}: max abs {r['max_abs']:.2e} "
-                     f"(values up to {r['max_value']:.2f})")
-    for r in report["label_logprobs"]:
-        lines.append(f"label_logprobs R={r['rows']} V={r['vocab']} H={r['hidden']}: ours {r['ours_ms']:.3f} ms, "
-                     f"torch {r['torch_ms']:.3f} ms ({r['torch_over_ours']:.1f}x), max abs vs fp32 ours "
-                     f"{r['ours_max_abs']:.1e} torch {r['torch_max_abs']:.1e}")
-    for r in report["linear"]:
-        lines.append(f"conv+gated_delta_rule {r['model']} {r['query']}+{r['items']}x: ours {r['ours_ms']:.3f} ms, "
-                     f"transformers {r['transformers_ms']:.3f} ms ({r['transformers_over_ours']:.1f}x), items max abs "
-                     f"{r['items_max_abs']:.1e} (values up to {r['items_max_value']:.2f})")
+    lines += [template.format(**r) for key, template in KIT_LINES.items() for r in report.get(key, [])]
     return "\n".join(lines + [f"error: {e}" for e in report["errors"]])
 
 
