@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from pyscore.types import GenerateRequest, TokenLogprob, TopLogprob
@@ -40,30 +41,57 @@ def choose_tokens(logits: torch.Tensor, gens: list[Generation], tokenizer: Any,
                   logz: torch.Tensor | None = None) -> list[Choice | Exception]:
     """logits [B, V] (any dtype) -> per generation its next token and logprob entry, or the exception that
     fails that sequence alone (NonFiniteLogits for a NaN / inf row). logz [B], when the logits came with each
-    row's log-sum-exp (`lm_head_logits`' CPU walk): log-softmax is logits - logz, without another pass."""
+    row's log-sum-exp (`lm_head_logits`' CPU walk): a logprob is logit - logz (fp32), computed for the entries
+    reported only, without another pass over the rows."""
     logits = logits.float()
-    finite = torch.isfinite(logits).all(dim=-1).tolist()
-    logp = torch.log_softmax(logits, dim=-1) if logz is None else logits - logz[:, None]
+    finite, greedy = _finite_and_argmax(logits)
+    if logz is None:
+        rows, shift = torch.log_softmax(logits, dim=-1), logits.new_zeros(logits.shape[0])
+    else:
+        rows, shift = logits, logz
+    tokens = [greedy[r] if g.request.temperature == 0 or not finite[r] else _sample(logits[r], g.request, g.generator)
+              for r, g in enumerate(gens)]
+    chosen = (rows[torch.arange(len(gens)), torch.tensor(tokens)] - shift).tolist()  # each row's token's logprob
+    tops = _top_logprobs(rows, shift, [g.request.top_logprobs if ok else 0 for g, ok in zip(gens, finite,
+                                                                                            strict=True)])
     out: list[Choice | Exception] = []
-    for row, gen in enumerate(gens):
+    for row, (gen, token) in enumerate(zip(gens, tokens, strict=True)):
         if not finite[row]:
             out.append(NonFiniteLogits(f"the model's logits for this sequence are not finite (NaN or inf) at "
                                        f"generated token {len(gen.token_ids) + 1}; its generation stopped"))
             continue
-        out.append(_choose(logits[row], logp[row], gen.request, gen.generator, tokenizer))
+        top = [TopLogprob(i, tokenizer.decode([i]), v) for i, v in tops.get(row, [])]
+        out.append((token, TokenLogprob(token, tokenizer.decode([token]), chosen[row], top)))
     return out
 
 
-def _choose(logits: torch.Tensor, logp: torch.Tensor, req: GenerateRequest, generator: torch.Generator | None,
-            tokenizer: Any) -> Choice:
-    """One row: the next token (greedy or sampled) and its logprob entry with the top alternatives."""
-    if req.temperature == 0:
-        token = int(torch.argmax(logits))
-    else:
-        probs = _filtered_logits(logits, req).softmax(-1)
-        token = int(torch.multinomial(probs, 1, generator=generator))
-    top = []
-    if req.top_logprobs:
-        values, ids = torch.topk(logp, req.top_logprobs)
-        top = [TopLogprob(int(i), tokenizer.decode([int(i)]), float(v)) for v, i in zip(values, ids, strict=True)]
-    return token, TokenLogprob(token, tokenizer.decode([token]), float(logp[token]), top)
+def _finite_and_argmax(logits: torch.Tensor) -> tuple[list[bool], list[int]]:
+    """Per row of fp32 logits [B, V]: whether every value is finite, and the first index of its maximum (greedy's
+    token). On CPU through numpy's vectorized reductions: torch's max / argmax along the last dimension took
+    ~450 us each for 8 rows of a 49,152-token vocabulary on the AMX Xeon, numpy's ~32 (a decode step is ~20 ms)."""
+    if logits.device.type == "cpu":
+        rows = logits.numpy()
+        low, high = rows.min(axis=1), rows.max(axis=1)  # NaN propagates into both; -inf / inf show in one
+        return (np.isfinite(low) & np.isfinite(high)).tolist(), rows.argmax(axis=1).tolist()
+    low, high = torch.aminmax(logits, dim=-1)
+    return (low.isfinite() & high.isfinite()).tolist(), torch.argmax(logits, dim=-1).tolist()
+
+
+def _sample(logits: torch.Tensor, req: GenerateRequest, generator: torch.Generator | None) -> int:
+    """One row's token drawn after temperature, top-k and top-p."""
+    return int(torch.multinomial(_filtered_logits(logits, req).softmax(-1), 1, generator=generator))
+
+
+def _top_logprobs(rows: torch.Tensor, shift: torch.Tensor, ks: list[int]) -> dict[int, list[tuple[int, float]]]:
+    """row -> its ks[row] most likely (token, logprob), best first, for the rows with ks[row] > 0: one top-k over
+    those rows at their largest k (torch's per-row calls cost ~140 us each at a 49,152-token vocabulary). A
+    logprob is row - shift in fp32: rows of log-softmax with shift 0, or of logits with shift logZ (subtracting
+    one value keeps a row's order, so its top tokens are its logits')."""
+    wanted = [r for r, k in enumerate(ks) if k > 0]
+    if not wanted:
+        return {}
+    index = torch.tensor(wanted)
+    values, ids = torch.topk(rows[index], max(ks), dim=-1)
+    values = (values - shift[index, None]).tolist()
+    ids = ids.tolist()
+    return {r: list(zip(ids[j][: ks[r]], values[j][: ks[r]], strict=True)) for j, r in enumerate(wanted)}
