@@ -104,9 +104,30 @@ def resolve(op: str, device: torch.device, dtype: torch.dtype, backend: str = "a
     return module, why
 
 
+# resolve_path's answers by everything they are computed from: the arguments, the two environment switches, the
+# op's registry entry and the module loaders (which tests replace), so that a changed input is seen at once. Each
+# op wrapper asks on every call (~240 calls a decode step): a hit costs ~2 us instead of ~8. The keys do not grow
+# with load; the bound only guards a process that keeps changing the switches.
+_PATHS: dict[tuple, tuple[ModuleType | None, str, str]] = {}
+_PATHS_MAX = 1024
+
+
 def resolve_path(op: str, device: torch.device, dtype: torch.dtype, backend: str = "auto",
                  ) -> tuple[ModuleType | None, str, str]:
     """(kernel module or None, path, why) with path "kernel" | "torch" | "reference"."""
+    key = (op, device, dtype, backend, os.environ.get("PYSCORE_OP_BACKEND"), os.environ.get("PYSCORE_CPU_TIER"),
+           id(REGISTRY.get(op)), _load, cpu_module, cuda_module)
+    hit = _PATHS.get(key)
+    if hit is None:
+        hit = _resolve_path(op, device, dtype, backend)
+        if len(_PATHS) >= _PATHS_MAX:
+            _PATHS.clear()
+        _PATHS[key] = hit
+    return hit
+
+
+def _resolve_path(op: str, device: torch.device, dtype: torch.dtype, backend: str,
+                  ) -> tuple[ModuleType | None, str, str]:
     if backend not in ("auto", "kernel", "reference"):
         raise ValueError(f"backend must be auto, kernel or reference, got {backend!r}")
     if backend == "auto" and default_backend() == "reference":
