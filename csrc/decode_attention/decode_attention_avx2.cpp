@@ -3,9 +3,9 @@
 //
 // Decode is a matrix-vector product per (sequence, kv head): the few GQA query rows against keys read straight from
 // the cache (token-major rows, no packing). Keys go in blocks of 8: per row, 8 lane-partial dot products (one per
-// key, the row's q chunk loaded once for all 8) are reduced by a transposing add tree into one vector of 8 scores;
-// online softmax in base 2 (exp2 without denormals); the block's values are widened to fp32 once into L1 scratch
-// (bf16) and every row adds p_j * v_j with FMA (P stays fp32). bf16 keys are widened in registers as pairs against
+// key, the row's q chunk loaded once for all 8) are reduced by a transposing add tree into one vector of 8 scores
+// (base 2); a chunk's softmax in two passes (its maximum, then exp2 without denormals); the block's values are
+// widened to fp32 once into L1 scratch (bf16) and every row adds p_j * v_j with FMA (P stays fp32). bf16 keys are widened in registers as pairs against
 // a de-interleaved fp32 copy of q (per 16 elements: the 8 even, then the 8 odd).
 #include <algorithm>
 #include <cmath>
@@ -103,53 +103,60 @@ inline void add_values(float* o, float alpha, const float* p, const float* v, in
   }
 }
 
+// A chunk (at most kDecodeChunk keys) in three passes per row rather than an online softmax per block of 8 keys:
+// the scores and their maximum, 2^(score - max) and their sum, then P.V (the block's values widened once for every
+// row). The online form chained every block's reduce, max, exp and rescale through the row's running state
+// (latency-bound); here only each pass's final reduction is serial.
 template <class E>
 void attend(const void* q_, int64_t q_row_stride, int32_t rows, const void* const* k_tiles,
             const void* const* v_tiles, int64_t token_stride, int32_t num_keys, int32_t head_dim, float scale, float* o,
             float* lse) {
   using T = typename E::T;
   static_assert(kCpuKeyTile % kKeysPerBlock == 0, "a block of keys never straddles two tiles (pages)");
+  static_assert(kDecodeChunk % kKeysPerBlock == 0, "whole blocks of scores");
   const T* q = static_cast<const T*>(q_);
   const float scale2 = scale * kLog2e;
-  alignas(32) float qbuf[kMaxRows][kMaxHeadDim];
-  const float* qf[kMaxRows];
-  float max[kMaxRows], sum[kMaxRows];
+  alignas(32) float qbuf[kMaxHeadDim];
+  alignas(32) float p[kMaxRows][kDecodeChunk];  // a row's scores, then their exponentials
+  float sum[kMaxRows];
   for (int r = 0; r < rows; ++r) {
-    qf[r] = E::prepare_q(q + r * q_row_stride, head_dim, qbuf[r]);
-    max[r] = kNegInf;
-    sum[r] = 0.0f;
+    const float* qf = E::prepare_q(q + r * q_row_stride, head_dim, qbuf);
+    Vec m = V::set1(kNegInf);
+    for (int32_t key0 = 0; key0 < num_keys; key0 += kKeysPerBlock) {
+      const int n = std::min<int32_t>(kKeysPerBlock, num_keys - key0);
+      const T* k = static_cast<const T*>(k_tiles[key0 / kCpuKeyTile]) + (key0 % kCpuKeyTile) * token_stride;
+      const T* keys[kKeysPerBlock];
+      for (int j = 0; j < kKeysPerBlock; ++j) keys[j] = j < n ? k + j * token_stride : kZeroRow<T>;
+      Vec partial[kKeysPerBlock];
+      for (int j = 0; j < kKeysPerBlock; ++j) partial[j] = V::zero();
+      E::dots(qf, keys, head_dim, partial);
+      const Vec s = V::select(V::first_lanes(n), V::mul(reduce8(partial), V::set1(scale2)), V::set1(kNegInf));
+      V::store(p[r] + key0, s);
+      m = V::max(m, s);
+    }
+    const float max = V::reduce_max(m);  // finite: the chunk has a key
+    Vec total = V::zero();
+    for (int32_t key0 = 0; key0 < num_keys; key0 += kKeysPerBlock) {
+      const Vec pz = V::exp2_ps(V::sub(V::load(p[r] + key0), V::set1(max)));  // -inf lanes: 0
+      V::store(p[r] + key0, pz);
+      total = V::add(total, pz);
+    }
+    sum[r] = V::reduce_add(total);  // >= 1: the maximum key contributes 2^0
+    lse[r] = max * kLn2 + std::log(sum[r]);
     std::memset(o + r * head_dim, 0, head_dim * sizeof(float));
   }
   alignas(32) float vf[kKeysPerBlock][kMaxHeadDim];
-  alignas(32) float p[kKeysPerBlock];
   for (int32_t key0 = 0; key0 < num_keys; key0 += kKeysPerBlock) {
     const int n = std::min<int32_t>(kKeysPerBlock, num_keys - key0);
-    const Vec valid = _mm256_castsi256_ps(V::first_lanes(n));
-    const T* k = static_cast<const T*>(k_tiles[key0 / kCpuKeyTile]) + (key0 % kCpuKeyTile) * token_stride;
     const T* v = static_cast<const T*>(v_tiles[key0 / kCpuKeyTile]) + (key0 % kCpuKeyTile) * token_stride;
-    const T* keys[kKeysPerBlock];
-    for (int j = 0; j < kKeysPerBlock; ++j) keys[j] = j < n ? k + j * token_stride : kZeroRow<T>;
     int64_t v_stride;
     const float* vals = E::values(v, token_stride, n, head_dim, vf, &v_stride);
-    for (int r = 0; r < rows; ++r) {
-      Vec partial[kKeysPerBlock];
-      for (int j = 0; j < kKeysPerBlock; ++j) partial[j] = V::zero();
-      E::dots(qf[r], keys, head_dim, partial);
-      const Vec s = _mm256_blendv_ps(V::set1(kNegInf), V::mul(reduce8(partial), V::set1(scale2)), valid);
-      const float new_max = std::max(max[r], V::reduce_max(s));  // finite: the block has a key
-      const float alpha = std::exp2(max[r] - new_max);              // 0 on the first block
-      const Vec pz = V::exp2_ps(V::sub(s, V::set1(new_max)));
-      V::store(p, pz);
-      sum[r] = sum[r] * alpha + V::reduce_add(pz);
-      max[r] = new_max;
-      add_values(o + r * head_dim, alpha, p, vals, v_stride, n, head_dim);
-    }
+    for (int r = 0; r < rows; ++r) add_values(o + r * head_dim, 1.0f, p[r] + key0, vals, v_stride, n, head_dim);
   }
   for (int r = 0; r < rows; ++r) {
-    const Vec inv = V::set1(1.0f / sum[r]);  // sum >= 1: the maximum key contributes 2^0
+    const Vec inv = V::set1(1.0f / sum[r]);
     for (int c = 0; c < head_dim; c += V::kLanes)
       V::store(o + r * head_dim + c, V::mul(inv, V::load(o + r * head_dim + c)));
-    lse[r] = max[r] * kLn2 + std::log(sum[r]);
   }
 }
 

@@ -1,11 +1,11 @@
 // AVX-512 ops of the CPU decode_attention kernel (interface in cpu_ops.h).
 //
 // Decode is a matrix-vector product per (sequence, kv head): the few GQA query rows against keys read straight from
-// the cache (token-major rows, no packing: every key is read once per step). Keys go in blocks of 16: per row, one
-// zmm of 16 lane-partial dot products per key (vdpbf16ps on bf16 pairs, FMA on fp32) is reduced by a transposing
-// add tree into one zmm of 16 scores; online softmax in base 2 (exp2 without denormals); the block's values are
-// widened to fp32 once into L1 scratch and every row adds p_j * v_j with FMA (P stays fp32). The block's keys and
-// values stay in L1 while the rows take their turns.
+// the cache (token-major rows, no packing: every key is read once per step). A chunk's keys (at most kDecodeChunk)
+// go in three passes per row: the scores (keys in blocks of 16: per key one zmm of 16 lane-partial dot products,
+// vdpbf16ps on bf16 pairs or FMA on fp32, reduced by a transposing add tree into one zmm of 16 scores; base 2) and
+// their maximum; 2^(score - max) (exp2 without denormals) and their sum; then P.V, each value row widened to fp32
+// in registers once for all the rows, whose accumulators stay in registers. The launcher merges chunks by lse.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -69,58 +69,107 @@ struct F32 {
   static void store(T* dst, __m512 x) { _mm512_storeu_ps(dst, x); }
 };
 
+// Row r's base-2 scores over the chunk's keys into s (invalid lanes of the last block -inf); returns their maximum.
+template <class E, int DZ>
+float scores(const typename E::T* q, const void* const* k_tiles, int64_t token_stride, int32_t num_keys,
+             float scale2, float* s) {
+  using T = typename E::T;
+  constexpr int QZ = 16 * DZ / E::kPerZmm;
+  __m512 qz[QZ];
+  for (int c = 0; c < QZ; ++c) qz[c] = _mm512_loadu_ps(q + E::kPerZmm * c);
+  __m512 m = _mm512_set1_ps(kNegInf);
+  for (int32_t key0 = 0; key0 < num_keys; key0 += kKeysPerBlock) {
+    const int n = std::min<int32_t>(kKeysPerBlock, num_keys - key0);
+    const __mmask16 valid = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+    const T* k = static_cast<const T*>(k_tiles[key0 / kCpuKeyTile]) + (key0 % kCpuKeyTile) * token_stride;
+    __m512 partial[kKeysPerBlock];
+    for (int j = 0; j < kKeysPerBlock; ++j)
+      partial[j] = j < n ? E::dot(qz, k + j * token_stride) : _mm512_setzero_ps();
+    const __m512 sz = _mm512_mask_mul_ps(_mm512_set1_ps(kNegInf), valid, reduce16(partial), _mm512_set1_ps(scale2));
+    _mm512_store_ps(s + key0, sz);
+    m = _mm512_max_ps(m, sz);
+  }
+  return _mm512_reduce_max_ps(m);  // finite: the chunk has a key
+}
+
+// s (base-2 scores) -> 2^(s - max) in place; returns their sum.
+inline float exponentials(float* s, int32_t num_keys, float max) {
+  const __m512 mz = _mm512_set1_ps(max);
+  __m512 sum = _mm512_setzero_ps();
+  for (int32_t key0 = 0; key0 < num_keys; key0 += kKeysPerBlock) {
+    const __m512 pz = exp2_ps(_mm512_sub_ps(_mm512_load_ps(s + key0), mz));  // -inf lanes: 0
+    _mm512_store_ps(s + key0, pz);
+    sum = _mm512_add_ps(sum, pz);
+  }
+  return _mm512_reduce_add_ps(sum);  // >= 1: the maximum key contributes 2^0
+}
+
+// o[g] = sum_j p[g][j] v_j / sum[g] for G rows: each value row is widened once into registers and met by every row,
+// whose G x DZ accumulators stay in registers over the chunk (G x DZ independent FMA chains).
+template <class E, int DZ, int G>
+void weighted_values(const float* p, const void* const* v_tiles, int64_t token_stride, int32_t num_keys,
+                     const float* sum, float* o) {
+  using T = typename E::T;
+  constexpr int D = 16 * DZ;
+  __m512 acc[G][DZ];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < DZ; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int32_t key0 = 0; key0 < num_keys; key0 += kKeysPerBlock) {
+    const int n = std::min<int32_t>(kKeysPerBlock, num_keys - key0);
+    const T* v = static_cast<const T*>(v_tiles[key0 / kCpuKeyTile]) + (key0 % kCpuKeyTile) * token_stride;
+    for (int j = 0; j < n; ++j) {
+      __m512 vz[DZ];
+      for (int c = 0; c < DZ; ++c) vz[c] = E::widen(v + j * token_stride + 16 * c);
+      for (int g = 0; g < G; ++g) {
+        const __m512 pj = _mm512_set1_ps(p[g * kDecodeChunk + key0 + j]);
+        for (int c = 0; c < DZ; ++c) acc[g][c] = _mm512_fmadd_ps(pj, vz[c], acc[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.0f / sum[g]);
+    for (int c = 0; c < DZ; ++c) _mm512_storeu_ps(o + g * D + 16 * c, _mm512_mul_ps(inv, acc[g][c]));
+  }
+}
+
+// Rows in groups of at most kGroup (DZ accumulators each, beside DZ widened values, in 32 zmm).
+template <class E, int DZ>
+void weighted_values_rows(const float* p, int32_t rows, const void* const* v_tiles, int64_t token_stride,
+                          int32_t num_keys, const float* sum, float* o) {
+  constexpr int kGroup = DZ <= 4 ? 4 : 2, D = 16 * DZ;
+  for (int32_t r = 0; r < rows; r += kGroup) {
+    const float* pr = p + int64_t(r) * kDecodeChunk;
+    switch (std::min<int32_t>(kGroup, rows - r)) {
+      case 1: weighted_values<E, DZ, 1>(pr, v_tiles, token_stride, num_keys, sum + r, o + r * D); break;
+      case 2: weighted_values<E, DZ, 2>(pr, v_tiles, token_stride, num_keys, sum + r, o + r * D); break;
+      case 3: weighted_values<E, DZ, kGroup == 4 ? 3 : 2>(pr, v_tiles, token_stride, num_keys, sum + r, o + r * D);
+        break;
+      default: weighted_values<E, DZ, kGroup>(pr, v_tiles, token_stride, num_keys, sum + r, o + r * D); break;
+    }
+  }
+}
+
+// A chunk (at most kDecodeChunk keys) in three passes per row instead of an online softmax per key block: the
+// scores and their maximum, the exponentials and their sum, then P.V. The online form chained every block's
+// reduce, max, exp and rescale through one row's running state (latency-bound: ~31 ns a key and kv head with its
+// L2-resident keys on the Xeon); here only the reductions at a pass's end are serial.
 template <class E, int DZ>
 void attend(const void* q_, int64_t q_row_stride, int32_t rows, const void* const* k_tiles,
             const void* const* v_tiles, int64_t token_stride, int32_t num_keys, int32_t head_dim, float scale, float* o,
             float* lse) {
   using T = typename E::T;
-  constexpr int D = 16 * DZ, QZ = D / E::kPerZmm;
   static_assert(kCpuKeyTile % kKeysPerBlock == 0, "a block of keys never straddles two tiles (pages)");
+  static_assert(kDecodeChunk % kKeysPerBlock == 0, "whole blocks of scores");
   const T* q = static_cast<const T*>(q_);
-  const float scale2 = scale * kLog2e;
-  float max[kMaxRows], sum[kMaxRows];
+  alignas(64) float p[kMaxRows * kDecodeChunk];  // the rows' scores, then their exponentials
+  float sum[kMaxRows];
   for (int r = 0; r < rows; ++r) {
-    max[r] = kNegInf;
-    sum[r] = 0.0f;
-    std::memset(o + r * D, 0, D * sizeof(float));
+    float* pr = p + r * kDecodeChunk;
+    const float max = scores<E, DZ>(q + r * q_row_stride, k_tiles, token_stride, num_keys, scale * kLog2e, pr);
+    sum[r] = exponentials(pr, num_keys, max);
+    lse[r] = max * kLn2 + std::log(sum[r]);
   }
-  alignas(64) float vf[kKeysPerBlock][D];  // the block's values in fp32
-  alignas(64) float p[kKeysPerBlock];
-  for (int32_t key0 = 0; key0 < num_keys; key0 += kKeysPerBlock) {
-    const int n = std::min<int32_t>(kKeysPerBlock, num_keys - key0);
-    const __mmask16 valid = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
-    const T* k = static_cast<const T*>(k_tiles[key0 / kCpuKeyTile]) + (key0 % kCpuKeyTile) * token_stride;
-    const T* v = static_cast<const T*>(v_tiles[key0 / kCpuKeyTile]) + (key0 % kCpuKeyTile) * token_stride;
-    for (int j = 0; j < n; ++j)
-      for (int c = 0; c < DZ; ++c) _mm512_store_ps(vf[j] + 16 * c, E::widen(v + j * token_stride + 16 * c));
-    for (int r = 0; r < rows; ++r) {
-      __m512 qz[QZ];
-      for (int c = 0; c < QZ; ++c) qz[c] = _mm512_loadu_ps(q + r * q_row_stride + E::kPerZmm * c);
-      __m512 partial[kKeysPerBlock];
-      for (int j = 0; j < kKeysPerBlock; ++j)
-        partial[j] = j < n ? E::dot(qz, k + j * token_stride) : _mm512_setzero_ps();
-      const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(kNegInf), valid, reduce16(partial), _mm512_set1_ps(scale2));
-      const float new_max = std::max(max[r], _mm512_reduce_max_ps(s));  // finite: the block has a key
-      const float alpha = std::exp2(max[r] - new_max);                  // 0 on the first block
-      const __m512 pz = exp2_ps(_mm512_sub_ps(s, _mm512_set1_ps(new_max)));
-      _mm512_store_ps(p, pz);
-      sum[r] = sum[r] * alpha + _mm512_reduce_add_ps(pz);
-      max[r] = new_max;
-      __m512 acc[DZ];
-      for (int c = 0; c < DZ; ++c) acc[c] = _mm512_mul_ps(_mm512_set1_ps(alpha), _mm512_loadu_ps(o + r * D + 16 * c));
-      for (int j = 0; j < n; ++j) {
-        const __m512 pj = _mm512_set1_ps(p[j]);
-        for (int c = 0; c < DZ; ++c) acc[c] = _mm512_fmadd_ps(pj, _mm512_load_ps(vf[j] + 16 * c), acc[c]);
-      }
-      for (int c = 0; c < DZ; ++c) _mm512_storeu_ps(o + r * D + 16 * c, acc[c]);
-    }
-  }
-  for (int r = 0; r < rows; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.0f / sum[r]);  // sum >= 1: the maximum key contributes 2^0
-    for (int c = 0; c < DZ; ++c)
-      _mm512_storeu_ps(o + r * D + 16 * c, _mm512_mul_ps(inv, _mm512_loadu_ps(o + r * D + 16 * c)));
-    lse[r] = max[r] * kLn2 + std::log(sum[r]);
-  }
+  weighted_values_rows<E, DZ>(p, rows, v_tiles, token_stride, num_keys, sum, o);
   (void)head_dim;
 }
 
