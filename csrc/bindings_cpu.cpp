@@ -4,6 +4,8 @@
 
 #include <omp.h>
 
+#include <cstdlib>
+
 #include "add_rms_norm/cpu_ops.h"
 #include "common/bind_args.h"
 #include "gated_delta_rule/launch.h"
@@ -161,6 +163,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_num_threads", [](int n) { set_kernel_threads(n); },
         "Threads used by the CPU kernels, process-wide (0 = OpenMP's default)");
   m.def("get_num_threads", []() { return kernel_threads(); });
+  // An environment variable as the C library sees it (os.environ's changes reach it through putenv / unsetenv):
+  // the registry reads its switches on every op call, and os.environ's encode and lookup cost ~10x this.
+  m.def("getenv", [](const char* name) -> py::object {
+    const char* value = std::getenv(name);
+    return value ? py::object(py::str(value)) : py::object(py::none());
+  });
   m.def("cpu_features", []() {
     py::dict d;
     d["avx512f"] = cpu_has_avx512();

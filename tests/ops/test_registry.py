@@ -85,6 +85,24 @@ def test_unregistered_dtype_falls_back_with_the_reason():
     assert why == "reference: the CPU kernel takes bfloat16/float32, not float16"
 
 
+def test_memoized_paths_see_a_switch_changed_between_calls(monkeypatch):
+    """resolve_path answers from a memo: a switch set, a lower tier forced or a registry entry replaced between two
+    calls is seen by the second."""
+    monkeypatch.delenv("PYSCORE_OP_BACKEND", raising=False)
+    monkeypatch.delenv("PYSCORE_CPU_TIER", raising=False)
+    first = _ext.resolve_path("label_logprobs", CPU, torch.float32)
+    assert _ext.resolve_path("label_logprobs", CPU, torch.float32) == first and first[1] == "kernel"
+    monkeypatch.setenv("PYSCORE_OP_BACKEND", "reference")
+    assert _ext.resolve_path("label_logprobs", CPU, torch.float32)[1] == "reference"
+    monkeypatch.delenv("PYSCORE_OP_BACKEND")
+    monkeypatch.setenv("PYSCORE_CPU_TIER", "generic")
+    assert _ext.resolve_path("add_rms_norm", CPU, torch.float32)[2].startswith("torch: tier generic")
+    monkeypatch.delenv("PYSCORE_CPU_TIER")
+    assert _ext.resolve_path("label_logprobs", CPU, torch.float32) == first
+    monkeypatch.setitem(_ext.REGISTRY, "label_logprobs", {})
+    assert _ext.resolve_path("label_logprobs", CPU, torch.float32)[0] is None
+
+
 def test_op_without_a_device_kernel_falls_back():
     module, why = _ext.resolve("rotary", torch.device("cuda"), torch.bfloat16)
     assert module is None and why == "reference: no CUDA kernel for rotary"
