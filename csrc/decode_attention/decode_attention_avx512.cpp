@@ -52,7 +52,28 @@ struct Bf16 {
       acc = _mm512_dpbf16_ps(acc, (__m512bh)qz[c], (__m512bh)_mm512_loadu_ps(k + kPerZmm * c));
     return acc;
   }
-  static __m512 widen(const T* v) { return load_bf16_ps(v); }
+  // A value row [16 * DZ] in fp32, each 32 elements as two zmm: the even elements, then the odd ones (a bf16 pair
+  // widened by a shift and a mask: no shuffle, which vpmovzxwd would spend per 16 elements on the shuffle port the
+  // FMAs share). The accumulators keep this order; store_scaled() interleaves them back.
+  template <int DZ>
+  static void values(const T* v, __m512 (&vz)[DZ]) {
+    for (int c = 0; c < DZ / 2; ++c) {
+      const __m512i x = _mm512_loadu_si512(v + 32 * c);
+      vz[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      vz[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+    }
+  }
+  // o[0, 16 * DZ) = inv * acc, acc in values()' order.
+  template <int DZ>
+  static void store_scaled(float* o, const __m512 (&acc)[DZ], __m512 inv) {
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int c = 0; c < DZ / 2; ++c) {
+      const __m512 even = _mm512_mul_ps(inv, acc[2 * c]), odd = _mm512_mul_ps(inv, acc[2 * c + 1]);
+      _mm512_storeu_ps(o + 32 * c, _mm512_permutex2var_ps(even, lo, odd));
+      _mm512_storeu_ps(o + 32 * c + 16, _mm512_permutex2var_ps(even, hi, odd));
+    }
+  }
   static void store(T* dst, __m512 x) { store_bf16_ps(dst, x); }
 };
 
@@ -65,7 +86,14 @@ struct F32 {
     for (int c = 0; c < QZ; ++c) acc = _mm512_fmadd_ps(qz[c], _mm512_loadu_ps(k + kPerZmm * c), acc);
     return acc;
   }
-  static __m512 widen(const T* v) { return _mm512_loadu_ps(v); }
+  template <int DZ>
+  static void values(const T* v, __m512 (&vz)[DZ]) {
+    for (int c = 0; c < DZ; ++c) vz[c] = _mm512_loadu_ps(v + 16 * c);
+  }
+  template <int DZ>
+  static void store_scaled(float* o, const __m512 (&acc)[DZ], __m512 inv) {
+    for (int c = 0; c < DZ; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(inv, acc[c]));
+  }
   static void store(T* dst, __m512 x) { _mm512_storeu_ps(dst, x); }
 };
 
@@ -119,17 +147,14 @@ void weighted_values(const float* p, const void* const* v_tiles, int64_t token_s
     const T* v = static_cast<const T*>(v_tiles[key0 / kCpuKeyTile]) + (key0 % kCpuKeyTile) * token_stride;
     for (int j = 0; j < n; ++j) {
       __m512 vz[DZ];
-      for (int c = 0; c < DZ; ++c) vz[c] = E::widen(v + j * token_stride + 16 * c);
+      E::values(v + j * token_stride, vz);
       for (int g = 0; g < G; ++g) {
         const __m512 pj = _mm512_set1_ps(p[g * kDecodeChunk + key0 + j]);
         for (int c = 0; c < DZ; ++c) acc[g][c] = _mm512_fmadd_ps(pj, vz[c], acc[g][c]);
       }
     }
   }
-  for (int g = 0; g < G; ++g) {
-    const __m512 inv = _mm512_set1_ps(1.0f / sum[g]);
-    for (int c = 0; c < DZ; ++c) _mm512_storeu_ps(o + g * D + 16 * c, _mm512_mul_ps(inv, acc[g][c]));
-  }
+  for (int g = 0; g < G; ++g) E::store_scaled(o + g * D, acc[g], _mm512_set1_ps(1.0f / sum[g]));
 }
 
 // Rows in groups of at most kGroup (DZ accumulators each, beside DZ widened values, in 32 zmm).
