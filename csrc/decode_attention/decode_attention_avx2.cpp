@@ -5,8 +5,9 @@
 // the cache (token-major rows, no packing). Keys go in blocks of 8: per row, 8 lane-partial dot products (one per
 // key, the row's q chunk loaded once for all 8) are reduced by a transposing add tree into one vector of 8 scores
 // (base 2); a chunk's softmax in two passes (its maximum, then exp2 without denormals); the block's values are
-// widened to fp32 once into L1 scratch (bf16) and every row adds p_j * v_j with FMA (P stays fp32). bf16 keys are widened in registers as pairs against
-// a de-interleaved fp32 copy of q (per 16 elements: the 8 even, then the 8 odd).
+// widened to fp32 once into L1 scratch (bf16) and every row adds p_j * v_j with FMA (P stays fp32). bf16 keys are
+// widened in registers as pairs against a de-interleaved fp32 copy of q (per 16 elements: the 8 even, then the 8
+// odd).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -89,12 +90,12 @@ struct Bf16 {
   }
 };
 
-// o[0, D) = alpha * o + sum_j p[j] * v_j, 64 dims per pass so the accumulators stay in registers.
-inline void add_values(float* o, float alpha, const float* p, const float* v, int64_t v_stride, int n, int head_dim) {
+// o[0, D) += sum_j p[j] * v_j, 64 dims per pass so the accumulators stay in registers.
+inline void add_values(float* o, const float* p, const float* v, int64_t v_stride, int n, int head_dim) {
   for (int c0 = 0; c0 < head_dim; c0 += kOutVecs * V::kLanes) {
     const int vecs = std::min(kOutVecs, (head_dim - c0) / V::kLanes);
     Vec acc[kOutVecs];
-    for (int z = 0; z < vecs; ++z) acc[z] = V::mul(V::set1(alpha), V::load(o + c0 + z * V::kLanes));
+    for (int z = 0; z < vecs; ++z) acc[z] = V::load(o + c0 + z * V::kLanes);
     for (int j = 0; j < n; ++j) {
       const Vec pj = V::set1(p[j]);
       for (int z = 0; z < vecs; ++z) acc[z] = V::fma(pj, V::load(v + j * v_stride + c0 + z * V::kLanes), acc[z]);
@@ -151,7 +152,7 @@ void attend(const void* q_, int64_t q_row_stride, int32_t rows, const void* cons
     const T* v = static_cast<const T*>(v_tiles[key0 / kCpuKeyTile]) + (key0 % kCpuKeyTile) * token_stride;
     int64_t v_stride;
     const float* vals = E::values(v, token_stride, n, head_dim, vf, &v_stride);
-    for (int r = 0; r < rows; ++r) add_values(o + r * head_dim, 1.0f, p[r] + key0, vals, v_stride, n, head_dim);
+    for (int r = 0; r < rows; ++r) add_values(o + r * head_dim, p[r] + key0, vals, v_stride, n, head_dim);
   }
   for (int r = 0; r < rows; ++r) {
     const Vec inv = V::set1(1.0f / sum[r]);

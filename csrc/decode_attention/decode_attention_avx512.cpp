@@ -157,21 +157,24 @@ void weighted_values(const float* p, const void* const* v_tiles, int64_t token_s
   for (int g = 0; g < G; ++g) E::store_scaled(o + g * D, acc[g], _mm512_set1_ps(1.0f / sum[g]));
 }
 
+// weighted_values for g <= G rows, G a compile-time count (the accumulators stay in registers).
+template <class E, int DZ, int G>
+void weighted_values_upto(int32_t g, const float* p, const void* const* v_tiles, int64_t token_stride,
+                          int32_t num_keys, const float* sum, float* o) {
+  if constexpr (G > 1) {
+    if (g < G) return weighted_values_upto<E, DZ, G - 1>(g, p, v_tiles, token_stride, num_keys, sum, o);
+  }
+  weighted_values<E, DZ, G>(p, v_tiles, token_stride, num_keys, sum, o);
+}
+
 // Rows in groups of at most kGroup (DZ accumulators each, beside DZ widened values, in 32 zmm).
 template <class E, int DZ>
 void weighted_values_rows(const float* p, int32_t rows, const void* const* v_tiles, int64_t token_stride,
                           int32_t num_keys, const float* sum, float* o) {
   constexpr int kGroup = DZ <= 4 ? 4 : 2, D = 16 * DZ;
-  for (int32_t r = 0; r < rows; r += kGroup) {
-    const float* pr = p + int64_t(r) * kDecodeChunk;
-    switch (std::min<int32_t>(kGroup, rows - r)) {
-      case 1: weighted_values<E, DZ, 1>(pr, v_tiles, token_stride, num_keys, sum + r, o + r * D); break;
-      case 2: weighted_values<E, DZ, 2>(pr, v_tiles, token_stride, num_keys, sum + r, o + r * D); break;
-      case 3: weighted_values<E, DZ, kGroup == 4 ? 3 : 2>(pr, v_tiles, token_stride, num_keys, sum + r, o + r * D);
-        break;
-      default: weighted_values<E, DZ, kGroup>(pr, v_tiles, token_stride, num_keys, sum + r, o + r * D); break;
-    }
-  }
+  for (int32_t r = 0; r < rows; r += kGroup)
+    weighted_values_upto<E, DZ, kGroup>(std::min<int32_t>(kGroup, rows - r), p + int64_t(r) * kDecodeChunk,
+                                        v_tiles, token_stride, num_keys, sum + r, o + r * D);
 }
 
 // A chunk (at most kDecodeChunk keys) in three passes per row instead of an online softmax per key block: the

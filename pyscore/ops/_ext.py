@@ -115,7 +115,7 @@ _PATHS_MAX = 1024
 def _switches() -> tuple[str | None, str | None]:
     """PYSCORE_OP_BACKEND and PYSCORE_CPU_TIER as set now, read through the CPU module's getenv where it loads
     (~0.3 us a read; os.environ's ~1.8)."""
-    module = _load(CPU_MODULE)[0]
+    module = cpu_module()
     read = os.environ.get if module is None else module.getenv
     return read("PYSCORE_OP_BACKEND"), read("PYSCORE_CPU_TIER")
 
