@@ -17,10 +17,10 @@ import random
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from pyscore.budget import DEFAULT_MAX_RUNNING_GENERATIONS
 from pyscore.engine import Engine, resolve_device, resolve_dtype, set_threads
 from pyscore.model.config import ModelConfig
 from pyscore.model.loading import LoadedModel
@@ -69,11 +69,6 @@ class Shape:
             width = 2 * lin.k_heads * lin.head_dim + 2 * value + 2 * lin.v_heads  # in_proj qkv, z, b, a
             mixers += self.num_linear * (width + value) * self.hidden  # + out_proj
         return mixers + self.layers * 3 * self.hidden * self.intermediate
-
-    @property
-    def weight_bytes_bf16(self) -> int:
-        embed = self.vocab * self.hidden * (1 if self.tied else 2)
-        return 2 * (self.matmul_params + embed)
 
 
 SHAPES = {
@@ -202,16 +197,10 @@ class RandomEngine(Engine):
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, dtype: str | torch.dtype = "auto",
-                        device: str = "auto", threads: int | None = None, max_batch_tokens: int = 8192,
-                        op_backend: str = "auto", prefix_cache_mb: float | None = None,
-                        max_kv_tokens: int | None = None,
-                        max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS,
-                        kv_cache_mb: float | None = None, prefill_chunk_tokens: int | None = None) -> RandomEngine:
+                        device: str = "auto", threads: int | None = None, **engine_args: Any) -> RandomEngine:
         set_threads(threads)
         dev = resolve_device(device)
-        loaded = build_random_model(str(model or "qwen3-0.6b"), resolve_dtype(dtype, dev), dev)
-        return cls(loaded, max_batch_tokens, op_backend, prefix_cache_mb, max_kv_tokens, max_running_generations,
-                   kv_cache_mb, prefill_chunk_tokens)
+        return cls(build_random_model(str(model or "qwen3-0.6b"), resolve_dtype(dtype, dev), dev), **engine_args)
 
 
 # --- token-id questions --------------------------------------------------------------------------------------------
