@@ -1,6 +1,6 @@
 """What every benchmark shares: where it ran (`machine`, `machine_info`, `git_commit`), a server of our own
 (`spawn_server`, `spawned_server`) and its samples under load (`sampled`), the synthetic decision question
-(`question`), kernel inputs (`segment_rows`, `fused_qkv`), and the timers: `elapsed_ms` (the host clock, a GPU
+(`question`), and the timers: `elapsed_ms` (the host clock, a GPU
 synchronised around the call), `device_ms` (CUDA events on a GPU), `median_ms` and `alternate`, the one alternation
 (contenders timed in turn, round after round, so the machine's drift hits each alike)."""
 
@@ -232,29 +232,6 @@ def question(num_items: int, seed: int = 0, query_words: int = 228, item_words: 
     items = [f"Proposed answer: {sentence(rng, item_words)}\nIs this proposed answer correct? Answer Yes or No."
              for _ in range(num_items)]
     return query, items
-
-
-# --- kernel inputs ----------------------------------------------------------------------------------------------
-def segment_rows(prefix: int, items: Sequence[int]) -> Any:
-    """A packed batch's segment table (pyscore/ops/segments.py, int32 [S, 4]): one group of a `prefix`-token prefix
-    and items that each see it (MIS); with no prefix, independent causal sequences of the items' lengths (SIS)."""
-    import torch
-
-    rows, start = ([[0, prefix, 0, 0]], prefix) if prefix else ([], 0)
-    for n in items:
-        rows.append([start, n, 0, prefix])
-        start += n
-    return torch.tensor(rows, dtype=torch.int32)
-
-
-def fused_qkv(num_tokens: int, hq: int, hkv: int, d: int, dtype: Any, device: str = "cpu", seed: int = 0) -> Any:
-    """q/k/v ([T, H, D]) as views into one seeded [T, (Hq + 2 Hkv) D] projection output, as the decoder has them."""
-    import torch
-
-    g = torch.Generator(device=device).manual_seed(seed)
-    qkv = torch.randn(num_tokens, (hq + 2 * hkv) * d, generator=g, device=device).to(dtype)
-    return (qkv[:, : hq * d].view(num_tokens, hq, d), qkv[:, hq * d : (hq + hkv) * d].view(num_tokens, hkv, d),
-            qkv[:, (hq + hkv) * d :].view(num_tokens, hkv, d))
 
 
 # --- timing ------------------------------------------------------------------------------------------------------

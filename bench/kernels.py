@@ -27,7 +27,7 @@ import argparse
 import os
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import alternate as alternate_rounds
-from bench.common import device_info, device_ms, fused_qkv, machine, median_ms, segment_rows
+from bench.common import device_info, device_ms, machine, median_ms
 from bench.summary import percentile, write_json, write_report
 from pyscore.engine import set_threads
 from pyscore.model.rope import Rotary
@@ -120,7 +120,30 @@ def dt(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def vs_row(label: str, dtype: torch.dtype, times: dict[str, float]) -> str:
+    """A row of ours against torch: the label, the dtype, both median ms and torch / ours."""
+    ours, theirs = times["ours"], times["torch"]
+    return f"{label:<26}{dt(dtype):<10}{ours:>9.3f}{theirs:>11.3f}{theirs / ours:>11.1f}x"
+
+
 # ---- attention and label scores -------------------------------------------------------------------------------
+def segment_rows(prefix: int, items: Sequence[int]) -> torch.Tensor:
+    """A packed batch's segment table (pyscore/ops/segments.py, int32 [S, 4]): one group of a `prefix`-token prefix
+    and items that each see it (MIS); with no prefix, independent causal sequences of the items' lengths (SIS)."""
+    rows, start = ([[0, prefix, 0, 0]], prefix) if prefix else ([], 0)
+    for n in items:
+        rows.append([start, n, 0, prefix])
+        start += n
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def fused_qkv(num_tokens: int, hq: int, hkv: int, d: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0):
+    """q/k/v ([T, H, D]) as views into one seeded [T, (Hq + 2 Hkv) D] projection output, as the decoder has them."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    qkv = torch.randn(num_tokens, (hq + 2 * hkv) * d, generator=g, device=device).to(dtype)
+    return tuple(t.view(num_tokens, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], 1))
+
+
 def smollm_qkv(num_tokens: int, dtype: torch.dtype):
     return fused_qkv(num_tokens, HQ, HKV, HEAD_DIM, dtype, seed=num_tokens)
 
@@ -352,10 +375,8 @@ def linear_inputs(num_tokens: int, dtype: torch.dtype, heads: tuple[int, int, in
     x = torch.randn(num_tokens, channels, generator=g, device=device).to(dtype)
     weight = (torch.randn(channels, taps, generator=g, device=device) * 0.5).to(dtype)
     y = torch.randn(num_tokens, channels + 2 * hv, generator=g, device=device).to(dtype)
-    q = y[:, : hk * d].view(num_tokens, hk, d)
-    k = y[:, hk * d : 2 * hk * d].view(num_tokens, hk, d)
-    v = y[:, 2 * hk * d : channels].view(num_tokens, hv, d)
-    a, b = y[:, channels : channels + hv], y[:, channels + hv :]
+    q, k, v = (t.view(num_tokens, -1, d) for t in y[:, :channels].split([hk * d, hk * d, hv * d], 1))
+    a, b = y[:, channels:].split(hv, 1)
     a_log, dt_bias = torch.randn(2, hv, generator=g, device=device).unbind(0)
     return x, weight, (q, k, v, a, b, a_log * 0.5, dt_bias)
 
@@ -459,9 +480,8 @@ def decode_row(reps: int, rounds: int, dtype: torch.dtype) -> list[str]:
 
     times = alternate({"ours": lambda: decode_attention(q, plan, layer, backend="kernel"),
                        "torch": per_sequence_sdpa}, reps, rounds)
-    return [f"{'decode_attention 8 seqs':<26}{dt(dtype):<10}{times['ours']:>9.3f}{times['torch']:>11.3f}"
-            f"{times['torch'] / times['ours']:>11.1f}x   (200..1100 cached tokens, 9/3 heads, d 64; torch = one "
-            f"SDPA per sequence)"]
+    return [vs_row("decode_attention 8 seqs", dtype, times) + "   (200..1100 cached tokens, 9/3 heads, d 64; torch = "
+            "one SDPA per sequence)"]
 
 
 def elementwise_rows(dtype: torch.dtype, reps: int, rounds: int) -> list[str]:
@@ -482,12 +502,8 @@ def elementwise_rows(dtype: torch.dtype, reps: int, rounds: int) -> list[str]:
         "rotary 776x(9+3)x64": (lambda: rotary_(q, k, positions, rope.cos, rope.sin, backend="kernel"),
                                 lambda: rotary_ref(q, k, positions, rope.cos, rope.sin)),
     }
-    lines = []
-    for name, (ours, theirs) in ops.items():
-        times = alternate({"ours": ours, "torch": theirs}, reps, rounds)
-        lines.append(f"{name:<26}{dt(dtype):<10}{times['ours']:>9.3f}{times['torch']:>11.3f}"
-                     f"{times['torch'] / times['ours']:>11.1f}x")
-    return lines
+    return [vs_row(name, dtype, alternate({"ours": ours, "torch": theirs}, reps, rounds))
+            for name, (ours, theirs) in ops.items()]
 
 
 def interleave_rows(reps: int) -> list[str]:
