@@ -13,9 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.common import machine
-
-REPO = Path(__file__).resolve().parent.parent
+from bench.common import REPO, machine
 
 
 def git_describe(tree: Path) -> str:

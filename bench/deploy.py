@@ -29,14 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from bench import loadgen
-from bench.common import machine_info
+from bench.common import REPO, machine_info
 from bench.loadgen import Record
 from bench.summary import Summary, write_json, write_report
 from bench.targets import Case, ReplayTarget, draws, mis_cases
 from deploy.fleet import Envoy, Replica, client_target, start_replicas, stop_replicas
 from pyscore.client import ScorerClient
 
-ROOT = Path(__file__).resolve().parents[1]
 ITEMS = 16
 SERVER_FLAGS = ("--log-level", "WARNING", "--drain-delay-s", "2", "--grace-s", "10")
 TRACE = [("grpc.max_channel_trace_event_memory_per_node", 1 << 20)]  # the whole channelz trace: client_retries
@@ -244,7 +243,7 @@ def main() -> None:
                     help="offered load / capacity (default: scaling 0.7 of 1x2, failover 0.4 of 2x1)")
     ap.add_argument("--reps", type=int, default=1, help="scaling: alternations of the two 2x1 routes")
     ap.add_argument("--pool", type=int, default=16, help="distinct questions (default 16)")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench/results/deploy")
+    ap.add_argument("--out", type=Path, default=REPO / "bench/results/deploy")
     args = ap.parse_args()
     if args.load is None:
         args.load = 0.7 if args.phase == "scaling" else 0.4

@@ -39,6 +39,7 @@ import pyscore.model.decoder as decoder_module
 from bench.common import REPO, alternate, device_info, device_ms, elapsed_ms, machine, question, synchronize
 from bench.models import SHAPES, Shape, build_random_engine, id_questions, labels_for
 from bench.summary import percentile, timings, write_json, write_report
+from bench.targets import max_diff
 from pyscore.engine import Engine, set_threads
 from pyscore.model.packing import pack
 from pyscore.ops import AttentionPlan, _ext
@@ -380,8 +381,7 @@ def profile(args: argparse.Namespace) -> list[str]:
         return e.score(query, items, labels=LABELS, mode="mis", bypass_prefix_cache=not args.warm)
 
     other = forward(load_gemm(args, "torch" if args.gemm == "ours" else "ours"))
-    change = max(abs(x - y) for a, b in zip(forward().scores, other.scores, strict=True)
-                 for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+    change = max_diff(forward(), other)
     plain = [elapsed_ms(forward) for _ in range(args.forwards)]
     timers = Timers()
     undo = timers.install()
