@@ -55,7 +55,8 @@ async def long_requests(client: AsyncScorerClient, windows: list[tuple[float, fl
         tokens.append(result.usage.prompt_tokens)
 
 
-async def measure(target: str, n_idle: int, n_loaded: int) -> dict[str, object]:
+async def measure(target: str, n_idle: int, n_loaded: int) -> tuple[Summary, Summary, Summary, int]:
+    """The short Scores' latencies idle and under load (ms), the long requests' and their longest prompt."""
     async with AsyncScorerClient(target) as short, AsyncScorerClient(target) as long:
         await short_latencies(short, 5, seed=1)  # warm-up
         idle = await short_latencies(short, n_idle, seed=100)
@@ -70,8 +71,8 @@ async def measure(target: str, n_idle: int, n_loaded: int) -> dict[str, object]:
         stop.set()
         await background
     done = [b - a for a, b in windows if b != float("inf")]
-    return {"idle": Summary.of(idle, scale=1e3), "loaded": Summary.of(loaded, scale=1e3),
-            "long": Summary.of(done, scale=1e3), "long_tokens": max(tokens, default=0)}
+    return (Summary.of(idle, scale=1e3), Summary.of(loaded, scale=1e3), Summary.of(done, scale=1e3),
+            max(tokens, default=0))
 
 
 def run(configs: list[tuple[str, list[str]]], n_idle: int, n_loaded: int, logs: Path) -> list[str]:
@@ -83,12 +84,11 @@ def run(configs: list[tuple[str, list[str]]], n_idle: int, n_loaded: int, logs: 
              f"{'n':>4} {'long ms p50':>12} {'long tokens':>12}  target"]
     for name, flags in configs:
         with spawned_server(logs / f"fairness_{name}.log", ["--threads", "2", *flags]) as server:
-            m = asyncio.run(measure(server.target, n_idle, n_loaded if "one-pass" not in name else n_loaded // 3))
-        idle, loaded, long = m["idle"], m["loaded"], m["long"]
-        assert isinstance(idle, Summary) and isinstance(loaded, Summary) and isinstance(long, Summary)
+            idle, loaded, long, long_tokens = asyncio.run(
+                measure(server.target, n_idle, n_loaded if "one-pass" not in name else n_loaded // 3))
         ratio = loaded.p95 / idle.p95
         lines.append(f"  {name:<26} {idle.p50:9.1f} {idle.p95:9.1f} {loaded.p50:9.1f} {loaded.p95:9.1f} "
-                     f"{ratio:6.2f} {loaded.count:4d} {long.p50:12.0f} {m['long_tokens']:12d}  "
+                     f"{ratio:6.2f} {loaded.count:4d} {long.p50:12.0f} {long_tokens:12d}  "
                      f"{'met' if ratio <= TARGET_RATIO else 'MISSED'}")
         print(lines[-1], flush=True)
     return lines
