@@ -242,6 +242,10 @@ const LinearCpuOps kF32Ops{rect<F32>, kTileRows};
 // block over K slabs of 4-16 steps met by every row tile, x in slab-major tile images, fp32 partials in L2 (padded
 // rows) reloaded per slab: 0.75-0.9x this kernel at Qwen3-8B's qkv and SmolLM2's gate_up for every slab, row block
 // and column chunk tried. Tile rows must start 64-byte aligned: misaligned x or weights halved this kernel's speed.
+// Where the rest goes (Xeon family 6 model 207, bench/results/tiers/linear_amx_epilogue_probes.txt): 42-53% of the
+// TDPBF16PS rate at SmolLM2's prefill shapes on one thread; the epilogue is 14-23% of a call, almost all of it the
+// output stores (two new lines per 4 TDPBF16PS at K = 576). Paired vpermt2w stores, prefetchw of the output lines,
+// streaming stores, a later start of the epilogue and 512-wide K slices in the 2 x 2 kernel gained nothing.
 constexpr int kAmxTileRows = 16, kAmxK = 32;
 
 // The epilogue of rows [m, m + rows) x packed columns [c, c + width) (whole units), from acc (rows ldc apart).

@@ -1,0 +1,147 @@
+// The physical ceilings of this CPU's matrix and vector units, the reference every GEMM figure in bench/ is read
+// against (issue 19: "the physical limit: the GEMM ceiling of the CPU at hand"). Each loop keeps its operands in
+// registers or L1 and runs enough independent accumulators to cover the unit's latency, so it measures issue
+// rate, not memory:
+//   amx        TDPBF16PS on 4 independent C tiles, A/B tiles resident (16 x 16 x 32 MACs each);
+//   amx+loads  the same with linear's 2 x 2 pattern: 2 A + 2 B tile loads (L1) per 4 TDPBF16PS;
+//   amx+stores amx+loads plus what linear's epilogue adds at K = 576 (SmolLM2's qkv / o / gate_up): two 64-byte
+//              output lines written per 4 TDPBF16PS, rows 1920 bytes apart, cycling over 15 MB (each line misses
+//              L1 and L2, as a call's output does);
+//   fma        AVX-512 fp32 FMA, 16 independent zmm chains (the avx512 tier's fp32 GEMM ceiling);
+//   dpbf16     AVX512-BF16 VDPBF16PS, 16 independent chains (the avx512bf16 tier's bf16 ceiling).
+// Best of ROUNDS rounds per loop (default 15; the loops alternate within a round), on 1 thread and on every thread
+// (OpenMP), in GFLOP/s (a MAC = 2 FLOP).
+// Build and run (x86-64 with AVX-512; the AMX and BF16 loops are skipped where the CPU lacks them):
+//   g++ -O2 -fopenmp -mavx512f -mavx512bf16 -mamx-tile -mamx-bf16 bench/peak/peak.cpp -o /tmp/peak && /tmp/peak [ROUNDS]
+// tests/bench/test_peak.py builds it and runs one round.
+#include <immintrin.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+
+namespace {
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+alignas(64) uint16_t g_tiles[16 * 1024];  // 16 slots of 4 tiles: 32 KiB, L1
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+constexpr int64_t kOutStride = 1920, kOutLines = 8000;  // 15 MB of output rows, per thread
+
+// FLOP per second of `iters` iterations of 4 TDPBF16PS (with the 2 x 2 loads when `loads`, and two output lines
+// written per iteration when `stores`).
+double amx(long iters, bool loads, bool stores = false) {
+  thread_local char* const out = static_cast<char*>(std::aligned_alloc(64, kOutStride * kOutLines));
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  _tile_loadconfig(&cfg);
+  _tile_loadd(4, g_tiles, 64);
+  _tile_loadd(5, g_tiles + 512, 64);
+  _tile_loadd(6, g_tiles + 1024, 64);
+  _tile_loadd(7, g_tiles + 1536, 64);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (long i = 0; i < iters; ++i) {
+    const uint16_t* slot = g_tiles + (i & 7) * 2048;
+    if (loads) {
+      _tile_loadd(4, slot, 64);
+      _tile_loadd(6, slot + 512, 64);
+      _tile_loadd(7, slot + 1024, 64);
+    }
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (loads) _tile_loadd(5, slot + 1536, 64);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+    if (stores) {
+      char* const line = out + (2 * i) % kOutLines * kOutStride;
+      _mm512_store_si512(line, _mm512_set1_epi32(int(i)));
+      _mm512_store_si512(line + kOutStride, _mm512_set1_epi32(int(i)));
+    }
+  }
+  alignas(64) float sink[256];
+  _tile_stored(0, sink, 64);
+  const double s = seconds_since(t0);
+  _tile_release();
+  return sink[0] == 1.0f ? 0 : iters * 4.0 * 16 * 16 * 32 * 2 / s;
+}
+
+// FLOP per second of 16 independent zmm chains of FMA (bf16: VDPBF16PS, 32 MACs per instruction).
+template <bool kBf16>
+double vector(long iters) {
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_set1_ps(1.0f + j * 1e-3f);
+  const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-3f);
+  const __m512bh ab = (__m512bh)_mm512_set1_epi16(0x3f80), bb = (__m512bh)_mm512_set1_epi16(0x0001);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (long i = 0; i < iters; ++i)
+#pragma GCC unroll 16  // the 16 accumulators must live in registers
+    for (int j = 0; j < 16; ++j)
+      acc[j] = kBf16 ? _mm512_dpbf16_ps(acc[j], ab, bb) : _mm512_fmadd_ps(acc[j], a, b);
+  const double s = seconds_since(t0);
+  float sum = 0;
+  for (int j = 0; j < 16; ++j) sum += _mm512_reduce_add_ps(acc[j]);
+  return sum == 1.0f ? 0 : iters * 16.0 * (kBf16 ? 64 : 32) / s;
+}
+
+// One run of fn on `threads` threads together: the sum of their rates, each bounded by the slowest thread's time
+// (the threads run the same count).
+double together(int threads, double (*fn)()) {
+  double slowest = 1e30;
+#pragma omp parallel num_threads(threads) reduction(min : slowest)
+  slowest = fn();
+  return slowest * threads;
+}
+
+bool amx_granted() {
+  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureTileData = 18;
+  return __builtin_cpu_supports("amx-bf16") && syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureTileData) == 0;
+}
+
+}  // namespace
+
+struct Loop {
+  const char* name;
+  double (*run)();
+  bool needs_amx, needs_bf16;
+};
+
+int main(int argc, char** argv) {
+  for (auto& v : g_tiles) v = 0x3f80;  // bf16 1.0
+  const bool has_amx = amx_granted(), has_bf16 = __builtin_cpu_supports("avx512bf16");
+  const Loop loops[] = {
+      {"amx", [] { return amx(400000, false); }, true, false},
+      {"amx+loads", [] { return amx(400000, true); }, true, false},
+      {"amx+stores", [] { return amx(400000, true, true); }, true, false},
+      {"fma", [] { return vector<false>(2000000); }, false, false},
+      {"dpbf16", [] { return vector<true>(2000000); }, false, true},
+  };
+  // Best of `reps` rounds; in each round every loop runs once in turn, so a slow phase of the machine hits all.
+  const int threads[] = {1, omp_get_max_threads()}, reps = argc > 1 ? std::max(1, std::atoi(argv[1])) : 15;
+  double top[2][5] = {};
+  for (int r = 0; r < reps; ++r)
+    for (int t = 0; t < 2; ++t)
+      for (int l = 0; l < 5; ++l)
+        if ((!loops[l].needs_amx || has_amx) && (!loops[l].needs_bf16 || has_bf16))
+          top[t][l] = std::max(top[t][l], together(threads[t], loops[l].run));
+  std::printf("loop        threads  GFLOP/s\n");
+  for (int t = 0; t < 2; ++t)
+    for (int l = 0; l < 5; ++l)
+      if (top[t][l] > 0) std::printf("%-10s  %7d  %7.0f\n", loops[l].name, threads[t], top[t][l] / 1e9);
+}
