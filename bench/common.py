@@ -243,6 +243,27 @@ def synchronize(device: Any = None) -> None:
         torch.cuda.synchronize()
 
 
+# Per forced tier, torch's own settings for the same ISA (read once, when torch starts).
+TORCH_ISA_ENV = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+               "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    "generic": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+}
+
+
+def force_isa(module: str, tier: str | None, torch_isa: str | None = None) -> None:
+    """PYSCORE_CPU_TIER for our kernels (read at each call) and torch's settings for the same ISA (or `torch_isa`'s),
+    which torch reads only when it starts: re-executes `python -m module` once with them set, so that torch's own
+    ops (stock transformers' included) run as on a CPU of that tier."""
+    if tier:
+        os.environ["PYSCORE_CPU_TIER"] = tier
+    wanted = TORCH_ISA_ENV.get(torch_isa or tier or "", {})
+    if any(os.environ.get(k) != v for k, v in wanted.items()):
+        os.environ.update(wanted)
+        os.execv(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]])
+
+
 def elapsed_ms(fn: Callable[[], object], device: Any = None) -> float:
     """Host wall time of one fn() call in ms (the one timer of bench/'s in-process benchmarks); on a CUDA `device`
     synchronised on both sides, so it is what a caller waits for."""

@@ -14,16 +14,19 @@ shape on token-id questions of the same lengths; three measurements:
   the model with no linear kernel registered, so the projections run on torch's path (bench/results/profile_mis.txt);
 - `--decode B`: one decode step of B running generations, our projections against torch's, alternating
   (bench/results/decode_step.txt).
+- `--generate B`: B greedy generations of --new-tokens tokens against stock transformers' generate() on the same
+  weights (bench/results/generate_vs_stock.txt).
 
-`--tier T` forces a CPU tier (PYSCORE_CPU_TIER); `--dtype auto` is the tier's (bf16 where the CPU multiplies bf16;
-bf16 on a GPU). The engine bypasses its prefix cache: every call is the question's first sight (bench.prefix_cache
-times warm; `--profile --warm` profiles the forward whose query blocks hit the cache)."""
+`--tier T` forces a CPU tier (PYSCORE_CPU_TIER) and, for avx2 / avx512 / generic, torch's matching ISA settings
+(bench.common.force_isa: the bench re-executes itself with them, so stock transformers runs as on that CPU);
+`--dtype auto` is the tier's (bf16 where the CPU multiplies bf16; bf16 on a GPU). The engine bypasses its prefix
+cache: every call is the question's first sight (bench.prefix_cache times warm; `--profile --warm` profiles the
+forward whose query blocks hit the cache)."""
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import statistics
 import time
 from collections import defaultdict
@@ -36,7 +39,7 @@ import torch.nn.functional as F
 
 import pyscore.engine as engine_module
 import pyscore.model.decoder as decoder_module
-from bench.common import REPO, alternate, device_info, device_ms, elapsed_ms, machine, question, synchronize
+from bench.common import REPO, alternate, device_info, device_ms, elapsed_ms, force_isa, machine, question, synchronize
 from bench.models import SHAPES, Shape, build_random_engine, id_questions, labels_for
 from bench.summary import percentile, timings, write_json, write_report
 from bench.targets import max_diff
@@ -372,6 +375,56 @@ def decode(args: argparse.Namespace) -> list[str]:
             f"(F.linear / linear = {theirs / ours:.2f}x)"]
 
 
+def greedy_generations(engine: Engine, stock: Any, ids: list[list[int]], n: int
+                       ) -> dict[str, Callable[[], list[list[int]]]]:
+    """{"ours", "stock"}: each runs one greedy generation of n new tokens per prompt in `ids` (all of one length) and
+    returns the new tokens: the engine's Generate path (a prefill, then decode steps of all sequences together)
+    and stock transformers' generate() (its KV cache on). Neither stops at eos (the engine's eos set is emptied)."""
+    engine.generation.eos_ids = frozenset()
+
+    def ours() -> list[list[int]]:
+        gens = [engine.start_generation(GenerateRequest(prompt_token_ids=i, max_tokens=n, bypass_prefix_cache=True))
+                for i in ids]
+        while not all(g.finished for g in gens):
+            engine.step(gens)
+        return [g.token_ids for g in gens]
+
+    def theirs() -> list[list[int]]:
+        with torch.inference_mode():
+            prompts = torch.tensor(ids)
+            out = stock.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n,
+                                 min_new_tokens=n, do_sample=False, pad_token_id=stock.config.eos_token_id)
+        return out[:, len(ids[0]):].tolist()
+
+    return {"ours": ours, "stock": theirs}
+
+
+def generate_vs_stock(args: argparse.Namespace) -> list[str]:
+    """--generate B: B greedy generations of --new-tokens tokens from prompts of one length, ours against stock
+    transformers' generate() on the same weights in the same dtype, alternating --rounds times."""
+    engine = Engine.from_pretrained(None, dtype=args.dtype, threads=args.threads)
+    query, items = question(args.generate, seed=5)
+    ids = [engine.tokenize(query + item)[0] for item in items]
+    length, n = min(map(len, ids)), args.new_tokens
+    runs = greedy_generations(engine, stock_model(engine), [i[:length] for i in ids], n)
+    same = [next((j for j, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), n)
+            for x, y in zip(runs["ours"](), runs["stock"](), strict=True)]
+    times = alternate(runs, args.rounds)
+    best = {name: min(ms) for name, ms in times.items()}
+    return [f"machine: {machine()}",
+            f"{engine.model_name} {str(engine.decoder.dtype).removeprefix('torch.')}, CPU tier {_ext.cpu_tier()} "
+            f"(torch's ISA {torch.backends.cpu.get_cpu_capability()}), threads {args.threads}: {args.generate} greedy "
+            f"generation(s) of {n} tokens from {length}-token prompts, "
+            f"best of {args.rounds} alternating rounds (ms: "
+            f"{'; '.join(k + ' ' + ' '.join(f'{t:.0f}' for t in v) for k, v in times.items())})",
+            f"ours (Engine, start_generation + step): {best['ours']:.0f} ms, {best['ours'] / n:.1f} ms per token "
+            "(its prefill included)",
+            f"stock transformers generate():          {best['stock']:.0f} ms, {best['stock'] / n:.1f} ms per token "
+            f"(stock / ours = {best['stock'] / best['ours']:.2f}x)",
+            f"greedy tokens equal to stock's, per sequence: the first {same} of {n} (in bf16 a near-tie may go either "
+            "way)"]
+
+
 def profile(args: argparse.Namespace) -> list[str]:
     engine = load_gemm(args, args.gemm)
     n = args.candidates[-1]
@@ -438,14 +491,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     ap.add_argument("--warm", action="store_true", help="--profile: with the prefix cache (the query's blocks hit)")
     ap.add_argument("--decode", type=int, default=0, help="time a decode step of this many generations")
     ap.add_argument("--steps", type=int, default=20, help="--decode: timed steps per round")
-    ap.add_argument("--rounds", type=int, default=2, help="--decode: alternating rounds")
+    ap.add_argument("--rounds", type=int, default=2, help="--decode, --generate: alternating rounds")
+    ap.add_argument("--generate", type=int, default=0, help="greedy generation of this many prompts vs stock's")
+    ap.add_argument("--new-tokens", type=int, default=64, help="--generate: tokens per generation")
     args = ap.parse_args(argv)
     if args.tiny:
         args.shape = "tiny-qwen3.5" if args.shape and SHAPES[args.shape].linear else "tiny"
-    if args.tier:
-        os.environ["PYSCORE_CPU_TIER"] = args.tier
+    force_isa("bench.engine", args.tier)
     if args.decode:
         write_report(decode(args), args.out or RESULTS / "decode_step.txt")
+    elif args.generate:
+        write_report(generate_vs_stock(args), args.out or RESULTS / "generate_vs_stock.txt")
     elif args.profile:
         write_report(profile(args), args.out or RESULTS / "profile_mis.txt")
     else:

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from bench.common import TORCH_ISA_ENV, device_info, device_ms, force_isa, machine, median_ms
 from bench.common import alternate as alternate_rounds
-from bench.common import device_info, device_ms, machine, median_ms
 from bench.summary import percentile, write_json, write_report
 from pyscore.engine import set_threads
 from pyscore.model.rope import Rotary
@@ -89,13 +89,6 @@ FORWARD_LAYERS = 30
 SECTIONS = ["attention", "labels", "gemm", "decode", "elementwise", "interleave", "linear", "tiers"]
 DEFAULT_SECTIONS = SECTIONS[:-2]  # linear and tiers run alone, into their own files
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-# Per forced tier, torch's own settings for the same ISA (read once, when torch starts).
-TORCH_ISA_ENV = {
-    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
-               "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
-    "generic": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
-}
 
 
 def alternate(fns: dict[str, Callable[[], object]], reps: int, rounds: int,
@@ -674,17 +667,6 @@ def kit_table(report: dict[str, Any]) -> str:
     return "\n".join(lines + [f"error: {e}" for e in report["errors"]])
 
 
-def force_isa(tier: str | None, torch_isa: str | None) -> None:
-    """PYSCORE_CPU_TIER for our kernels (read at each call); torch's matching ISA settings, which torch reads only
-    when it starts: re-executes this bench once with them set."""
-    if tier:
-        os.environ["PYSCORE_CPU_TIER"] = tier
-    wanted = TORCH_ISA_ENV.get(torch_isa or tier or "", {})
-    if any(os.environ.get(k) != v for k, v in wanted.items()):
-        os.environ.update(wanted)
-        os.execv(sys.executable, [sys.executable, "-m", "bench.kernels", *sys.argv[1:]])
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -706,7 +688,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument("--device", default=None, help="--json: cuda | cpu (default: cpu with --tiny, else cuda)")
     parser.add_argument("--tiny", action="store_true", help="--json: small shapes on the CPU (plumbing tests)")
     args = parser.parse_args(argv)
-    force_isa(args.tier, args.torch_isa)
+    force_isa("bench.kernels", args.tier, args.torch_isa)
     torch.manual_seed(0)
     set_threads(args.threads)
     if args.json:

@@ -57,3 +57,13 @@ def test_contenders_by_mode(engine):
     runs = bench_engine.contenders(engine, None, questions, labels, ("mis", "generate"))
     assert [len(runs["mis"]().scores) for _ in range(3)] == [2, 1, 2]
     runs["generate"]()
+
+
+def test_greedy_generations_do_the_same_work(engine):
+    """`--generate`: both contenders generate n tokens per prompt, eos or not, and (fp32) the same greedy tokens."""
+    stock = bench_engine.stock_model(engine)
+    ids = [engine.tokenize(QUERY)[0][:12], engine.tokenize(ITEMS[0])[0][:12]]
+    runs = bench_engine.greedy_generations(engine, stock, ids, 6)
+    ours, theirs = runs["ours"](), runs["stock"]()
+    assert [len(t) for t in ours] == [len(t) for t in theirs] == [6, 6]
+    assert ours == theirs
