@@ -156,9 +156,10 @@ inline bool cpu_tier_at_least(CpuTier min) {
 // The AVX-512 (+BF16) kernels: tiers avx512bf16 and amx.
 inline bool cpu_use_avx512bf16() { return cpu_tier_at_least(CpuTier::kAvx512Bf16); }
 
-// An AVX-512 kernel whose fp32 code needs AVX-512F alone (linear's and label_logprobs' *_avx512.cpp: no BF16 or tile
-// instruction in the code their fp32 entry points reach, tests/ops/test_avx512_fp32_isa.py): fp32 from tier avx512
-// up (Skylake-SP to Ice Lake run it), any other dtype from avx512bf16 up.
+// An AVX-512 kernel whose fp32 code needs AVX-512F alone (the *_avx512.cpp of linear, label_logprobs,
+// prefix_item_attention and decode_attention: no BF16 or tile instruction in the code their fp32 entry points reach,
+// tests/ops/test_avx512_fp32_isa.py): fp32 from tier avx512 up (Skylake-SP to Ice Lake run it), any other dtype from
+// avx512bf16 up.
 inline bool cpu_use_avx512_for(bool fp32) {
   return cpu_tier_at_least(fp32 ? CpuTier::kAvx512 : CpuTier::kAvx512Bf16);
 }

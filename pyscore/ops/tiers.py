@@ -6,7 +6,9 @@ inherits the entry of the tier below it (amx -> avx512bf16 -> avx512 -> avx2 -> 
 see pyscore/ops/linear.py); for the other ops, the op's PyTorch implementation in pyscore.ops.reference.
 "kernel" means pyscore._C at that tier: the AVX-512 code at avx512bf16 / amx (at amx, bf16 `linear` where K is a
 multiple of 32, bf16 prefix_item_attention where head_dim is a multiple of 64 and the bf16 label read-out's product
-where H is a multiple of 32 run on AMX tiles), the AVX2 + FMA code at avx2 / avx512, the NEON layer at neon
+where H is a multiple of 32 run on AMX tiles), the AVX2 + FMA code at avx2 / avx512 (at avx512, fp32 `linear`,
+attention, decode attention and the label read-out run the AVX-512 code, whose fp32 paths need AVX-512F alone),
+the NEON layer at neon
 (attention and the label read-out; the portable C++, vectorized by the compiler, for the rest) and the portable C++
 at generic.
 Unmeasured pairs say so; causal_conv1d / gated_delta_rule at avx512 inherit avx2's (measured there, not at avx512)."""
@@ -52,6 +54,10 @@ AVX2_ON_AVX512 = Choice("kernel", "ours (AVX2 + FMA) beats torch's AVX-512 op (b
 LABELS_AVX512_FP32 = Choice("kernel", "ours, the AVX-512 read-out (fp32 code without BF16 instructions: "
                                       "tests/ops/test_avx512_fp32_isa.py): 1.8-2.0x MKL's AVX-512 GEMM at R=16, "
                                       "where the AVX2 text was 1.0x (bench/results/tiers/kernels_labels_avx512.txt)")
+ATTENTION_AVX512_FP32 = Choice("kernel", "ours, the AVX-512 ops (fp32 code without BF16 instructions: "
+                                         "tests/ops/test_avx512_fp32_isa.py): prefill 1.6-1.8x the AVX2 ops and "
+                                         "3.3-3.6x SDPA with a dense mask, decode 1.5-1.7x the AVX2 ops and 2.9-3.2x "
+                                         "one SDPA per sequence (bench/results/tiers/attention_avx512_fp32_ab.txt)")
 ATTENTION_AMX = Choice("kernel", "Q.K^T and P.V on AMX tiles: 2.4x our AVX-512 attend() on this Intel CPU, 4.0x "
                                  "SDPA with a dense mask (bench/results/tiers/kernels_attention_amx.txt vs "
                                  "kernels_attention_avx512bf16_intel.txt)")
@@ -70,10 +76,12 @@ CPU_TIERS: dict[str, dict[str, dict[str, Choice]]] = {
                "avx512": {"float32": LINEAR_FP32_AVX512, "bfloat16": LINEAR_AVX2_ON_AVX512},
                "avx512bf16": {"*": KERNEL_ZEN4},
                "amx": {"bfloat16": LINEAR_AMX, "float32": LINEAR_FP32}},
-    "prefix_item_attention": {"generic": {"*": ALGORITHM}, "avx2": {"*": AVX2}, "avx512": {"*": AVX2_ON_AVX512},
+    "prefix_item_attention": {"generic": {"*": ALGORITHM}, "avx2": {"*": AVX2},
+                              "avx512": {"float32": ATTENTION_AVX512_FP32, "bfloat16": AVX2_ON_AVX512},
                               "avx512bf16": {"*": KERNEL_ZEN4}, "amx": {"bfloat16": ATTENTION_AMX},
                               "neon": {"*": NEON}},
-    "decode_attention": {"generic": {"*": ALGORITHM}, "avx2": {"*": AVX2}, "avx512": {"*": AVX2_ON_AVX512},
+    "decode_attention": {"generic": {"*": ALGORITHM}, "avx2": {"*": AVX2},
+                         "avx512": {"float32": ATTENTION_AVX512_FP32, "bfloat16": AVX2_ON_AVX512},
                          "avx512bf16": {"*": KERNEL_ZEN4}},
     "label_logprobs": {"generic": {"*": ALGORITHM}, "avx2": {"*": AVX2},
                        "avx512": {"float32": LABELS_AVX512_FP32, "bfloat16": AVX2_ON_AVX512},

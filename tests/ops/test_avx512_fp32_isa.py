@@ -1,8 +1,9 @@
-"""Tier `avx512` (AVX-512F without BF16: Skylake-SP to Ice Lake) runs fp32 `linear` and the fp32 label read-out from
-the AVX-512 files, which are compiled with AVX512-BF16 and AMX enabled. The code it reaches must hold no instruction
-those CPUs lack, or they die of SIGILL: this compiles the two files as the build does (without LTO, so that each
-function's code is its own), disassembles them, and checks every function the fp32 entry points reach through
-calls. No machine of that kind is at hand to run them; this is the check that stands for it."""
+"""Tier `avx512` (AVX-512F without BF16: Skylake-SP to Ice Lake) runs fp32 `linear`, the fp32 label read-out and fp32
+attention (prefill and decode) from the AVX-512 files, which are compiled with AVX512-BF16 and AMX enabled. The code
+it reaches must hold no instruction those CPUs lack, or they die of SIGILL: this compiles those files as the build
+does (without LTO, so that each function's code is its own), disassembles them, and checks every function the fp32
+entry points reach through calls. No machine of that kind is at hand to run them; this is the check that stands for
+it."""
 
 from __future__ import annotations
 
@@ -22,6 +23,17 @@ FP32_ENTRIES = {
     "csrc/label_logprobs/label_logprobs_avx512.cpp": [
         "void pyscore::(anonymous namespace)::logits_chunk<pyscore::(anonymous namespace)::F32>(",
         "pyscore::(anonymous namespace)::lse_update("],
+    "csrc/prefix_item_attention/prefix_item_attention_avx512.cpp": [
+        "pyscore::attention_ops_avx512(",
+        "void pyscore::(anonymous namespace)::pack_k<pyscore::(anonymous namespace)::F32>(",
+        "pyscore::pack_v_f32(",
+        "void pyscore::(anonymous namespace)::attend<pyscore::(anonymous namespace)::F32>(",
+        "void pyscore::(anonymous namespace)::store_row<pyscore::(anonymous namespace)::F32>("],
+    "csrc/decode_attention/decode_attention_avx512.cpp": [
+        "pyscore::decode_ops_avx512(",
+        "void pyscore::(anonymous namespace)::attend_rows<pyscore::(anonymous namespace)::F32, 4>(",
+        "void pyscore::(anonymous namespace)::attend_rows<pyscore::(anonymous namespace)::F32, 8>(",
+        "void pyscore::(anonymous namespace)::store_row<pyscore::(anonymous namespace)::F32>("],
 }
 # AVX512-BF16 (vdpbf16ps, vcvtneps2bf16, vcvtne2ps2bf16) and AMX (tile*, tdp*, ldtilecfg, sttilecfg)
 FORBIDDEN = re.compile(r"bf16|^tile|^tdp|tilecfg")

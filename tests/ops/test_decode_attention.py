@@ -246,3 +246,25 @@ def test_new_keys_and_values_with_different_strides():
     ref = reference(q, paged, [7, 30], 2)
     bound = 2 * (in_dtype(q, paged, [7, 30], 2).float() - ref).abs().max().item() + 1e-4
     assert_within(out, ref, bound, "strides")
+
+
+@pytest.mark.parametrize("heads", list(HEADS))
+def test_tier_avx512_runs_fp32_on_the_avx512_kernel_and_bf16_on_avx2(monkeypatch, heads):
+    """Tier avx512 (AVX-512F without BF16): fp32 on the AVX-512 ops (their fp32 code needs AVX-512F alone:
+    tests/ops/test_avx512_fp32_isa.py), bitwise tier avx512bf16's; bf16 on the AVX2 ops, bitwise tier avx2's."""
+    module = _ext.cpu_module()
+    if module is None or not module.cpu_features()["avx512bf16"]:
+        pytest.skip("needs pyscore._C on a CPU with AVX512-BF16 (to run tiers avx512bf16, avx512 and avx2)")
+    hq, hkv, d = HEADS[heads]
+    lengths = LENGTHS["ragged"]
+    # fp32 on the AVX-512 ops where they cover the head size (64, 128), the AVX2 ops otherwise
+    fp32_kernel = "avx512bf16" if d in (64, 128) else "avx2"
+    for dtype, same_as in ((torch.float32, fp32_kernel), (torch.bfloat16, "avx2")):
+        paged, q, _, _ = make_step(lengths, hq, hkv, d, dtype, "cpu", seed=4)
+        out = {}
+        for tier in ("avx512", "avx512bf16", "avx2"):
+            monkeypatch.setenv("PYSCORE_CPU_TIER", tier)
+            out[tier] = decode_attention(q, paged.plan(lengths), 1, backend="kernel")
+        if dtype == torch.float32 and d in (64, 128):  # their fp32 sums differ in order, so their bits differ
+            assert not torch.equal(out["avx512bf16"], out["avx2"]), "the kernels agree bitwise: the test cannot tell"
+        assert torch.equal(out["avx512"], out[same_as]), f"{dtype} at tier avx512 is not tier {same_as}'s kernel"
