@@ -170,6 +170,21 @@ def force_cpu_isa(monkeypatch, isa: str) -> str:
     return isa
 
 
+def outputs_at_tiers(monkeypatch, run, tiers=("avx512", "avx512bf16", "avx2")) -> dict[str, torch.Tensor]:
+    """run() with the CPU kernels forced to each tier in turn (PYSCORE_CPU_TIER); skips unless this CPU runs them
+    all (one with AVX512-BF16)."""
+    from pyscore.ops import _ext
+
+    module = _ext.cpu_module()
+    if module is None or not module.cpu_features()["avx512bf16"]:
+        pytest.skip("needs pyscore._C on a CPU with AVX512-BF16 (to run tiers " + ", ".join(tiers) + ")")
+    out = {}
+    for tier in tiers:
+        monkeypatch.setenv("PYSCORE_CPU_TIER", tier)
+        out[tier] = run()
+    return out
+
+
 def on_device(monkeypatch, device: str) -> str:
     """A test's device parameter: "cpu-avx2" / "cpu-portable" force that CPU path (force_cpu_isa) and run on "cpu";
     any other device is returned as it is."""

@@ -13,7 +13,7 @@ import torch
 from pyscore.model.kv_store import page_tokens
 from pyscore.ops import _ext, decode_attention, plan_decode
 from pyscore.ops.reference import decode_attention_ref
-from tests.helpers import force_cpu_isa
+from tests.helpers import force_cpu_isa, outputs_at_tiers
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 HEADS = {"smollm-gqa3-d64": (9, 3, 64), "qwen3-gqa2-d128": (16, 8, 128), "mha-d64": (4, 4, 64),
@@ -251,20 +251,15 @@ def test_new_keys_and_values_with_different_strides():
 @pytest.mark.parametrize("heads", list(HEADS))
 def test_tier_avx512_runs_fp32_on_the_avx512_kernel_and_bf16_on_avx2(monkeypatch, heads):
     """Tier avx512 (AVX-512F without BF16): fp32 on the AVX-512 ops (their fp32 code needs AVX-512F alone:
-    tests/ops/test_avx512_fp32_isa.py), bitwise tier avx512bf16's; bf16 on the AVX2 ops, bitwise tier avx2's."""
-    module = _ext.cpu_module()
-    if module is None or not module.cpu_features()["avx512bf16"]:
-        pytest.skip("needs pyscore._C on a CPU with AVX512-BF16 (to run tiers avx512bf16, avx512 and avx2)")
+    tests/ops/test_avx512_fp32_isa.py), bitwise tier avx512bf16's; bf16 on the AVX2 ops, bitwise tier avx2's.
+    fp32 at a head size the AVX-512 ops lack (96) stays on the AVX2 ops."""
     hq, hkv, d = HEADS[heads]
     lengths = LENGTHS["ragged"]
-    # fp32 on the AVX-512 ops where they cover the head size (64, 128), the AVX2 ops otherwise
-    fp32_kernel = "avx512bf16" if d in (64, 128) else "avx2"
-    for dtype, same_as in ((torch.float32, fp32_kernel), (torch.bfloat16, "avx2")):
+    covered = d in (64, 128)
+    for dtype, same_as in ((torch.float32, "avx512bf16" if covered else "avx2"), (torch.bfloat16, "avx2")):
         paged, q, _, _ = make_step(lengths, hq, hkv, d, dtype, "cpu", seed=4)
-        out = {}
-        for tier in ("avx512", "avx512bf16", "avx2"):
-            monkeypatch.setenv("PYSCORE_CPU_TIER", tier)
-            out[tier] = decode_attention(q, paged.plan(lengths), 1, backend="kernel")
-        if dtype == torch.float32 and d in (64, 128):  # their fp32 sums differ in order, so their bits differ
+        plan = paged.plan(lengths)
+        out = outputs_at_tiers(monkeypatch, lambda q=q, plan=plan: decode_attention(q, plan, 1, backend="kernel"))
+        if dtype == torch.float32 and covered:  # their fp32 sums differ in order, so their bits differ
             assert not torch.equal(out["avx512bf16"], out["avx2"]), "the kernels agree bitwise: the test cannot tell"
         assert torch.equal(out["avx512"], out[same_as]), f"{dtype} at tier avx512 is not tier {same_as}'s kernel"

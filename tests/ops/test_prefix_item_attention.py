@@ -15,7 +15,7 @@ from pyscore.ops.reference import (
     prefix_item_attention_ref,
     segment_attention_mask,
 )
-from tests.helpers import force_cpu_isa
+from tests.helpers import force_cpu_isa, outputs_at_tiers
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
@@ -509,17 +509,12 @@ def test_cached_keys_are_checked_at_the_door():
 def test_tier_avx512_runs_fp32_on_the_avx512_kernel_and_bf16_on_avx2(monkeypatch, heads):
     """Tier avx512 (AVX-512F without BF16): fp32 on the AVX-512 ops (their fp32 code needs AVX-512F alone:
     tests/ops/test_avx512_fp32_isa.py), bitwise tier avx512bf16's; bf16 on the AVX2 ops, bitwise tier avx2's."""
-    module = _ext.cpu_module()
-    if module is None or not module.cpu_features()["avx512bf16"]:
-        pytest.skip("needs pyscore._C on a CPU with AVX512-BF16 (to run tiers avx512bf16, avx512 and avx2)")
     hq, hkv, d = HEADS[heads]
     segments, num_tokens = make_segments(STREAMS["mixed"], "cpu")
     for dtype, same_as in ((torch.float32, "avx512bf16"), (torch.bfloat16, "avx2")):
         q, k, v = make_qkv(num_tokens, hq, hkv, d, dtype, "cpu", fused=True, seed=5)
-        out = {}
-        for tier in ("avx512", "avx512bf16", "avx2"):
-            monkeypatch.setenv("PYSCORE_CPU_TIER", tier)
-            out[tier] = prefix_item_attention(q, k, v, segments, backend="kernel")
+        out = outputs_at_tiers(monkeypatch, lambda q=q, k=k, v=v: prefix_item_attention(q, k, v, segments,
+                                                                                    backend="kernel"))
         if dtype == torch.float32:  # their fp32 sums differ in order, so their bits differ
             assert not torch.equal(out["avx512bf16"], out["avx2"]), "the kernels agree bitwise: the test cannot tell"
         assert torch.equal(out["avx512"], out[same_as]), f"{dtype} at tier avx512 is not tier {same_as}'s kernel"
