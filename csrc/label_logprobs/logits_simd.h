@@ -46,11 +46,13 @@ struct F32 {
     const float* row(int r) const { return data + r * stride; }
   };
   static Hidden hidden_rows(const T* h, int64_t stride, int, int) { return {h, stride}; }
+  static void weights_full(const T* w, int i, Vec (&out)[kParts]) { out[0] = V::load(w + i); }
   static void weights(const T* w, int i, int hidden, Vec (&out)[kParts]) {
-    out[0] = hidden - i >= kStep ? V::load(w + i) : V::load_first(w + i, hidden - i);
+    out[0] = V::load_first(w + i, hidden - i);
   }
+  static void hiddens_full(const float* h, int i, Vec (&out)[kParts]) { out[0] = V::load(h + i); }
   static void hiddens(const float* h, int i, int hidden, Vec (&out)[kParts]) {
-    out[0] = hidden - i >= kStep ? V::load(h + i) : V::load_first(h + i, hidden - i);
+    out[0] = V::load_first(h + i, hidden - i);
   }
   static Vec dot(Vec acc, const Vec (&h)[kParts], const Vec (&w)[kParts]) { return V::fma(h[0], w[0], acc); }
 };
@@ -79,15 +81,18 @@ struct Bf16 {
       }
     return {buf.data(), stride};
   }
-  static void weights(const T* w, int i, int hidden, Vec (&out)[kParts]) {
-    const V::Bits x = pairs(w, i, hidden);
+  static void weights_full(const T* w, int i, Vec (&out)[kParts]) { widen(V::load_bits(w + i), out); }
+  static void weights(const T* w, int i, int hidden, Vec (&out)[kParts]) { widen(pairs(w, i, hidden), out); }
+  static void widen(V::Bits x, Vec (&out)[kParts]) {
     out[0] = V::bf16_even(x);
     out[1] = V::bf16_odd(x);
   }
-  static void hiddens(const float* h, int i, int, Vec (&out)[kParts]) {
+  // The widened rows are zero-filled to whole steps: no ragged load.
+  static void hiddens_full(const float* h, int i, Vec (&out)[kParts]) {
     out[0] = V::load(h + i);
     out[1] = V::load(h + i + V::kLanes);
   }
+  static void hiddens(const float* h, int i, int, Vec (&out)[kParts]) { hiddens_full(h, i, out); }
   // The odd product first, as vdpbf16ps adds them (the AVX-512 widened path does the same).
   static Vec dot(Vec acc, const Vec (&h)[kParts], const Vec (&w)[kParts]) {
     return V::fma(h[0], w[0], V::fma(h[1], w[1], acc));
@@ -101,6 +106,27 @@ struct Bf16 {
   }
 };
 
+// One step of dot_tile: elements [i, i + kStep) of the tile's rows into acc. kFull: the whole step lies inside
+// `hidden` (plain loads); else the ragged last step (zero-filled past `hidden`). The two kinds are separate loops in
+// dot_tile so that the main loop has no branch: with the bounds check inside it, GCC kept the accumulators in
+// memory, a store per FMA (the same bits in registers: R=16 on one thread 40-42 -> 27-36 ms at tier avx2,
+// bench/results/tiers/labels_avx2_ab.txt).
+template <class E, int VT, int RT, bool kFull>
+inline __attribute__((always_inline)) void dot_step(Vec (&acc)[RT][VT], const typename E::T* w, int64_t w_stride,
+                                                    typename E::Hidden h, int i, int hidden) {
+  Vec wv[VT][E::kParts];
+  for (int v = 0; v < VT; ++v) {
+    if constexpr (kFull) E::weights_full(w + v * w_stride, i, wv[v]);
+    else E::weights(w + v * w_stride, i, hidden, wv[v]);
+  }
+  for (int r = 0; r < RT; ++r) {
+    Vec hv[E::kParts];
+    if constexpr (kFull) E::hiddens_full(h.row(r), i, hv);
+    else E::hiddens(h.row(r), i, hidden, hv);
+    for (int v = 0; v < VT; ++v) acc[r][v] = E::dot(acc[r][v], hv, wv[v]);
+  }
+}
+
 // out[r * out_stride + v] = h[r] . w[v] for RT hidden rows x VT weight rows. With `prefetch`, also pulls the same
 // span of the weight rows kPrefetchRows ahead into cache.
 template <class E, int VT, int RT>
@@ -109,18 +135,13 @@ void dot_tile(const typename E::T* w, int64_t w_stride, typename E::Hidden h, in
   Vec acc[RT][VT];
   for (int r = 0; r < RT; ++r)
     for (int v = 0; v < VT; ++v) acc[r][v] = V::zero();
-  for (int i = 0; i < hidden; i += E::kStep) {
-    Vec wv[VT][E::kParts];
-    for (int v = 0; v < VT; ++v) E::weights(w + v * w_stride, i, hidden, wv[v]);
+  int i = 0;
+  for (; i + E::kStep <= hidden; i += E::kStep) {
     if (prefetch && (i * sizeof(typename E::T)) % 64 == 0)  // one prefetch per cache line of each row
-      for (int v = 0; v < VT; ++v)
-        V::prefetch(w + (kPrefetchRows + v) * w_stride + i);
-    for (int r = 0; r < RT; ++r) {
-      Vec hv[E::kParts];
-      E::hiddens(h.row(r), i, hidden, hv);
-      for (int v = 0; v < VT; ++v) acc[r][v] = E::dot(acc[r][v], hv, wv[v]);
-    }
+      for (int v = 0; v < VT; ++v) V::prefetch(w + (kPrefetchRows + v) * w_stride + i);
+    dot_step<E, VT, RT, true>(acc, w, w_stride, h, i, hidden);
   }
+  if (i < hidden) dot_step<E, VT, RT, false>(acc, w, w_stride, h, i, hidden);
   for (int r = 0; r < RT; ++r)
     for (int v = 0; v < VT; ++v) out[r * out_stride + v] = V::reduce_add(acc[r][v]);
 }

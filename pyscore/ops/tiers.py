@@ -51,6 +51,8 @@ LINEAR_TORCH = Choice("torch", "oneDNN/MKL GEMM beats a vector-FMA GEMM without 
 AVX2 = Choice("kernel", "ours (AVX2 + FMA) beats torch's AVX2 op (bench/results/kernels_cpu_avx2.txt, "
                         "kernels_cpu_avx2_bf16.txt, kernels_linear_cpu_avx2.txt)")
 AVX2_ON_AVX512 = Choice("kernel", "ours (AVX2 + FMA) beats torch's AVX-512 op (bench/results/kernels_cpu_avx512.txt)")
+LABELS_AVX2 = Choice("kernel", "ours (AVX2 + FMA): at R=16 1.1-1.3x torch's AVX2 GEMM + log_softmax on 2 threads, "
+                               "1.4-1.6x on one, bf16 (widened) 2.9-3.3x (bench/results/tiers/labels_avx2_ab.txt)")
 LABELS_AVX512_FP32 = Choice("kernel", "ours, the AVX-512 read-out (fp32 code without BF16 instructions: "
                                       "tests/ops/test_avx512_fp32_isa.py): 1.8-2.0x MKL's AVX-512 GEMM at R=16, "
                                       "where the AVX2 text was 1.0x (bench/results/tiers/kernels_labels_avx512.txt)")
@@ -83,7 +85,7 @@ CPU_TIERS: dict[str, dict[str, dict[str, Choice]]] = {
     "decode_attention": {"generic": {"*": ALGORITHM}, "avx2": {"*": AVX2},
                          "avx512": {"float32": ATTENTION_AVX512_FP32, "bfloat16": AVX2_ON_AVX512},
                          "avx512bf16": {"*": KERNEL_ZEN4}},
-    "label_logprobs": {"generic": {"*": ALGORITHM}, "avx2": {"*": AVX2},
+    "label_logprobs": {"generic": {"*": ALGORITHM}, "avx2": {"*": LABELS_AVX2},
                        "avx512": {"float32": LABELS_AVX512_FP32, "bfloat16": AVX2_ON_AVX512},
                        "avx512bf16": {"*": KERNEL_ZEN4}, "amx": {"bfloat16": LABELS_AMX}, "neon": {"*": NEON}},
     "add_rms_norm": {"generic": {"*": TORCH_UNTUNED}, "avx2": {"*": AVX2}, "avx512": {"*": AVX2_ON_AVX512},
