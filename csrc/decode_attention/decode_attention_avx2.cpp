@@ -90,17 +90,30 @@ struct Bf16 {
   }
 };
 
-// o[0, D) += sum_j p[j] * v_j, 64 dims per pass so the accumulators stay in registers.
+// o[0, VECS lanes) += sum_j p[j] * v_j: VECS accumulators, a compile-time count so that they stay in registers (with
+// a run-time count GCC kept them in memory, a store per FMA: 8 sequences' decode attention took 0.65-0.78 ms in fp32
+// instead of 0.54-0.62, bench/results/tiers/decode_attention_avx2_ab.txt).
+template <int VECS>
+inline void add_values_pass(float* o, const float* p, const float* v, int64_t v_stride, int n) {
+  Vec acc[VECS];
+  for (int z = 0; z < VECS; ++z) acc[z] = V::load(o + z * V::kLanes);
+  for (int j = 0; j < n; ++j) {
+    const Vec pj = V::set1(p[j]);
+    for (int z = 0; z < VECS; ++z) acc[z] = V::fma(pj, V::load(v + j * v_stride + z * V::kLanes), acc[z]);
+  }
+  for (int z = 0; z < VECS; ++z) V::store(o + z * V::kLanes, acc[z]);
+}
+
+// o[0, D) += sum_j p[j] * v_j, 64 dims per pass (head_dim is a multiple of 16: the last pass has 2, 4, 6 or 8
+// vectors). Each output lane's sum runs over j in the same order whatever the pass, so the bits do not depend on it.
 inline void add_values(float* o, const float* p, const float* v, int64_t v_stride, int n, int head_dim) {
   for (int c0 = 0; c0 < head_dim; c0 += kOutVecs * V::kLanes) {
-    const int vecs = std::min(kOutVecs, (head_dim - c0) / V::kLanes);
-    Vec acc[kOutVecs];
-    for (int z = 0; z < vecs; ++z) acc[z] = V::load(o + c0 + z * V::kLanes);
-    for (int j = 0; j < n; ++j) {
-      const Vec pj = V::set1(p[j]);
-      for (int z = 0; z < vecs; ++z) acc[z] = V::fma(pj, V::load(v + j * v_stride + c0 + z * V::kLanes), acc[z]);
+    switch (std::min(kOutVecs, (head_dim - c0) / V::kLanes)) {
+      case 2: add_values_pass<2>(o + c0, p, v + c0, v_stride, n); break;
+      case 4: add_values_pass<4>(o + c0, p, v + c0, v_stride, n); break;
+      case 6: add_values_pass<6>(o + c0, p, v + c0, v_stride, n); break;
+      default: add_values_pass<kOutVecs>(o + c0, p, v + c0, v_stride, n); break;
     }
-    for (int z = 0; z < vecs; ++z) V::store(o + c0 + z * V::kLanes, acc[z]);
   }
 }
 
