@@ -121,25 +121,39 @@ WidenedRows widen_rows(const uint16_t* h, int64_t h_stride, int rows, int hidden
 
 // dot_tile<Bf16, VT, RT> computed with widened pairs: the same accumulation order lane by lane (odd product, then
 // even, block after block, then the same reduction), so the same bits on normal numbers. At most 4 rows: 16
-// accumulators + 8 widened weight vectors + 2 hidden vectors fit the 32 registers.
+// accumulators + 8 widened weight vectors + 2 hidden vectors fit the 32 registers. The whole 32-element steps and the
+// ragged last one are separate loops, as in dot_tile: with the mask computed in one loop GCC kept the accumulators in
+// memory, a store per FMA.
 template <int VT, int RT>
 void dot_tile_widened(const uint16_t* w, int64_t w_stride, WidenedRows h, int hidden, float* out, int64_t out_stride,
                       bool prefetch) {
   __m512 acc[RT][VT];
   for (int r = 0; r < RT; ++r)
     for (int v = 0; v < VT; ++v) acc[r][v] = _mm512_setzero_ps();
-  for (int i = 0; i < hidden; i += 32) {
-    const int rest = hidden - i;
-    const __mmask32 m = rest >= 32 ? ~__mmask32(0) : __mmask32((uint64_t(1) << rest) - 1);
+  int i = 0;
+  for (; i + 32 <= hidden; i += 32) {
     __m512 we[VT], wo[VT];
     for (int v = 0; v < VT; ++v) {
-      const __m512i x = _mm512_maskz_loadu_epi16(m, w + v * w_stride + i);
+      const __m512i x = _mm512_loadu_si512(w + v * w_stride + i);
       we[v] = bf16_even_ps(x);
       wo[v] = bf16_odd_ps(x);
     }
     if (prefetch)
       for (int v = 0; v < VT; ++v)
         _mm_prefetch(reinterpret_cast<const char*>(w + (kPrefetchRows + v) * w_stride + i), _MM_HINT_T0);
+    for (int r = 0; r < RT; ++r) {
+      const __m512 he = _mm512_loadu_ps(h.data + r * h.stride + i), ho = _mm512_loadu_ps(h.data + r * h.stride + i + 16);
+      for (int v = 0; v < VT; ++v) acc[r][v] = dot2_widened_ps(acc[r][v], he, ho, we[v], wo[v]);
+    }
+  }
+  if (i < hidden) {  // zero-filled tail: contributes nothing beyond `hidden`
+    const __mmask32 m = __mmask32((uint64_t(1) << (hidden - i)) - 1);
+    __m512 we[VT], wo[VT];
+    for (int v = 0; v < VT; ++v) {
+      const __m512i x = _mm512_maskz_loadu_epi16(m, w + v * w_stride + i);
+      we[v] = bf16_even_ps(x);
+      wo[v] = bf16_odd_ps(x);
+    }
     for (int r = 0; r < RT; ++r) {
       const __m512 he = _mm512_loadu_ps(h.data + r * h.stride + i), ho = _mm512_loadu_ps(h.data + r * h.stride + i + 16);
       for (int v = 0; v < VT; ++v) acc[r][v] = dot2_widened_ps(acc[r][v], he, ho, we[v], wo[v]);
