@@ -7,15 +7,12 @@ it."""
 
 from __future__ import annotations
 
-import platform
 import re
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.ops.machine_code import Instruction, functions, needs_x86_gcc
+
 # file -> the fp32 entry points its launcher takes at tier avx512 (as objdump -C names them)
 FP32_ENTRIES = {
     "csrc/linear/linear_avx512.cpp": [
@@ -37,41 +34,12 @@ FP32_ENTRIES = {
 }
 # AVX512-BF16 (vdpbf16ps, vcvtneps2bf16, vcvtne2ps2bf16) and AMX (tile*, tdp*, ldtilecfg, sttilecfg)
 FORBIDDEN = re.compile(r"bf16|^tile|^tdp|tilecfg")
-FUNCTION = re.compile(r"^[0-9a-f]+ <(.+)>:$")
-INSTRUCTION = re.compile(r"^\s+[0-9a-f]+:\s+(\S+)\s*(.*)$")
 CALL_TARGET = re.compile(r"<(.+?)(\+0x[0-9a-f]+)?>$")
 
-pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not shutil.which("g++")
-                                or not shutil.which("objdump"), reason="needs x86-64 with g++ and objdump")
+pytestmark = needs_x86_gcc
 
 
-def build_flags() -> list[str]:
-    """The AVX-512 files' flags and the kernels' options, read from cmake/cpu_kernels.cmake."""
-    text = (REPO / "cmake" / "cpu_kernels.cmake").read_text()
-    isa = re.search(r"set\(PYSCORE_AVX512_FLAGS \"([^\"]+)\"\)", text)
-    options = re.search(r"set\(PYSCORE_CPU_KERNEL_OPTIONS ([^)]*)\)", text)
-    assert isa and options, "cmake/cpu_kernels.cmake no longer reads as this test expects"
-    return [*options.group(1).split(), *isa.group(1).split(";")]
-
-
-def functions(source: str, tmp_path: Path) -> dict[str, list[tuple[str, str]]]:
-    """Each function of the compiled file: its (mnemonic, operands) list."""
-    obj = tmp_path / (Path(source).stem + ".o")
-    subprocess.run(["g++", "-std=c++17", *build_flags(), f"-I{REPO / 'csrc'}", "-c", str(REPO / source), "-o",
-                    str(obj)], check=True)
-    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", str(obj)], check=True,
-                             capture_output=True, text=True).stdout
-    found: dict[str, list[tuple[str, str]]] = {}
-    current = None
-    for line in listing.splitlines():
-        if m := FUNCTION.match(line):
-            current = found.setdefault(m.group(1), [])
-        elif (m := INSTRUCTION.match(line)) and current is not None:
-            current.append((m.group(1), m.group(2)))
-    return found
-
-
-def reached(entries: list[str], found: dict[str, list[tuple[str, str]]]) -> set[str]:
+def reached(entries: list[str], found: dict[str, list[Instruction]]) -> set[str]:
     """The functions of this object the entries reach through direct calls (library calls are not followed)."""
     todo = [name for name in found if any(name.startswith(e) for e in entries)]
     assert len(todo) >= len(entries), f"entry points missing from the object: {entries}"
@@ -81,7 +49,7 @@ def reached(entries: list[str], found: dict[str, list[tuple[str, str]]]) -> set[
         if name in seen:
             continue
         seen.add(name)
-        for mnemonic, operands in found[name]:
+        for _, mnemonic, operands in found[name]:
             if mnemonic.startswith("call") and (m := CALL_TARGET.search(operands)) and m.group(1) in found:
                 todo.append(m.group(1))
     return seen
@@ -89,9 +57,9 @@ def reached(entries: list[str], found: dict[str, list[tuple[str, str]]]) -> set[
 
 @pytest.mark.parametrize("source", list(FP32_ENTRIES))
 def test_fp32_code_of_the_avx512_files_needs_no_bf16_or_amx(source, tmp_path):
-    found = functions(source, tmp_path)
+    found = functions(source, "avx512", tmp_path)
     code = reached(FP32_ENTRIES[source], found)
-    bad = {name: sorted({m for m, _ in found[name] if FORBIDDEN.search(m)}) for name in code}
+    bad = {name: sorted({i.mnemonic for i in found[name] if FORBIDDEN.search(i.mnemonic)}) for name in code}
     assert not any(bad.values()), {name[:120]: ops for name, ops in bad.items() if ops}
     # the check can fail: the same file's bf16 code does use those instructions
-    assert any(FORBIDDEN.search(m) for name, body in found.items() if "F32" not in name for m, _ in body)
+    assert any(FORBIDDEN.search(i.mnemonic) for name, body in found.items() if "F32" not in name for i in body)

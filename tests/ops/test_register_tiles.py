@@ -1,0 +1,88 @@
+"""The register-tiled CPU kernels keep their tiles in registers, as compiled by the build (g++, the build's flags).
+
+A kernel's hot loop (the innermost loop with the most multiply-adds) must store at most one vector register to the
+stack per iteration: a register spilled under pressure costs a store and a load, but when GCC cannot keep a tile's
+accumulators in registers (a run-time trip count, or a bounds check inside the loop) it keeps them in memory and
+writes every one back on every step. The results stay bitwise the same, so no other test sees it, and the benches
+see it only through this VM's noise: the AVX2 label read-out ran at 40-42 ms instead of 27-36 (R=16, one thread,
+bench/results/tiers/labels_avx2_ab.txt), the AVX2 decode attention at 0.65-0.78 ms instead of 0.54-0.62
+(decode_attention_avx2_ab.txt). Every instantiation of each kernel below is checked. The check can fail: a loop with
+a run-time accumulator count, as the decode attention's was, is flagged."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.ops.machine_code import Instruction, functions, needs_x86_gcc
+
+pytestmark = needs_x86_gcc
+
+# (source, vector layer) -> the register-tiled kernels in it (function names as objdump -C gives them, by prefix)
+TILED = {
+    ("csrc/label_logprobs/logits_simd.h", "avx2"): ["void pyscore::(anonymous namespace)::dot_tile<"],
+    ("csrc/label_logprobs/label_logprobs_avx512.cpp", "avx512"): [
+        "void pyscore::(anonymous namespace)::dot_tile<", "void pyscore::(anonymous namespace)::dot_tile_widened<"],
+    ("csrc/linear/linear_avx2.cpp", "avx2"): ["void pyscore::(anonymous namespace)::micro<"],
+    ("csrc/linear/linear_avx512.cpp", "avx512"): ["void pyscore::(anonymous namespace)::rect<"],
+    ("csrc/decode_attention/decode_attention_avx2.cpp", "avx2"): ["void pyscore::(anonymous namespace)::attend<"],
+    ("csrc/prefix_item_attention/attention_simd.h", "avx2"): ["void pyscore::(anonymous namespace)::attend_tile<"],
+}
+MULTIPLY_ADD = re.compile(r"^(vfn?m(add|sub)|vdpbf16ps)")
+JUMP = re.compile(r"^j\w+$")
+TARGET = re.compile(r"^([0-9a-f]+)\b")
+STACK_STORE = re.compile(r"%[xyz]mm\d+,\s*-?(0x[0-9a-f]+)?\(%r[sb]p\)")
+
+
+def loops(code: list[Instruction]) -> list[list[Instruction]]:
+    """The innermost loops: spans from a backward jump's target to the jump that hold no other such span and no return
+    (GCC places some blocks after the return and jumps back from them: not loops)."""
+    spans = []
+    for i, ins in enumerate(code):
+        if JUMP.match(ins.mnemonic) and (m := TARGET.match(ins.operands)) and int(m.group(1), 16) < ins.address:
+            start = next((j for j, x in enumerate(code) if x.address == int(m.group(1), 16)), None)
+            if start is not None and not any(x.mnemonic.startswith("ret") for x in code[start:i + 1]):
+                spans.append((start, i))
+    inner = [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)]
+    return [code[a:b + 1] for a, b in inner]
+
+
+def hot_loop_stack_stores(code: list[Instruction]) -> tuple[int, int] | None:
+    """(multiply-adds, vector stores to the stack) of the innermost loop with the most multiply-adds, or None."""
+    counted = [(sum(bool(MULTIPLY_ADD.match(x.mnemonic)) for x in body),
+                sum(x.mnemonic.startswith(("vmov", "mov")) and bool(STACK_STORE.search(x.operands)) for x in body))
+               for body in loops(code)]
+    counted = [c for c in counted if c[0]]
+    return max(counted) if counted else None
+
+
+@pytest.mark.parametrize("source, layer", list(TILED), ids=[f"{Path(s).stem}-{layer}" for s, layer in TILED])
+def test_hot_loops_keep_their_tiles_in_registers(source, layer, tmp_path):
+    found = functions(source, layer, tmp_path)
+    kernels = {name: code for name, code in found.items() if any(name.startswith(p) for p in TILED[source, layer])}
+    assert kernels, f"no {TILED[source, layer]} in {source}: the kernel was renamed, rename it here"
+    checked = {name[:110]: hot_loop_stack_stores(code) for name, code in kernels.items()}
+    assert any(c for c in checked.values()), f"no multiply-add loop found in {source}'s kernels"
+    spilling = {name: c for name, c in checked.items() if c and c[1] > 1}
+    assert not spilling, f"hot loops storing their tile to the stack, (multiply-adds, stack stores): {spilling}"
+
+
+def test_the_check_flags_a_tile_kept_in_memory(tmp_path):
+    """The pattern the AVX2 decode attention had: accumulators over a run-time count of vectors."""
+    probe = tmp_path / "runtime_count_avx2.cpp"
+    probe.write_text("""#include <immintrin.h>
+void add_values(float* o, const float* p, const float* v, long v_stride, int n, int vecs) {
+  __m256 acc[8];
+  for (int z = 0; z < vecs; ++z) acc[z] = _mm256_loadu_ps(o + 8 * z);
+  for (int j = 0; j < n; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    for (int z = 0; z < vecs; ++z) acc[z] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * v_stride + 8 * z), acc[z]);
+  }
+  for (int z = 0; z < vecs; ++z) _mm256_storeu_ps(o + 8 * z, acc[z]);
+}
+""")
+    found = functions(str(probe), "avx2", tmp_path)  # an absolute path: compiled as it is
+    counts = hot_loop_stack_stores(found["add_values(float*, float const*, float const*, long, int, int)"])
+    assert counts and counts[1] > 1, counts
