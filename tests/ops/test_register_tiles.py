@@ -29,6 +29,12 @@ TILED = {
     ("csrc/linear/linear_avx512.cpp", "avx512"): ["void pyscore::(anonymous namespace)::rect<"],
     ("csrc/decode_attention/decode_attention_avx2.cpp", "avx2"): ["void pyscore::(anonymous namespace)::attend<"],
     ("csrc/prefix_item_attention/attention_simd.h", "avx2"): ["void pyscore::(anonymous namespace)::attend_tile<"],
+    ("csrc/prefix_item_attention/prefix_item_attention_avx512.cpp", "avx512"): [
+        "void pyscore::(anonymous namespace)::attend_tile<"],
+    ("csrc/gated_delta_rule/gated_delta_rule_avx2.cpp", "avx2"): [
+        "void pyscore::(anonymous namespace)::state_columns<", "void pyscore::(anonymous namespace)::conv_tokens<"],
+    ("csrc/gated_delta_rule/gated_delta_rule_avx512.cpp", "avx512"): [
+        "void pyscore::(anonymous namespace)::state_columns<", "void pyscore::(anonymous namespace)::conv_tokens<"],
 }
 MULTIPLY_ADD = re.compile(r"^(vfn?m(add|sub)|vdpbf16ps)")
 JUMP = re.compile(r"^j\w+$")
