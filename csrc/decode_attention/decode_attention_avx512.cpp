@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "common/vec_math_avx512.h"
 #include "decode_attention/cpu_ops.h"
@@ -49,7 +50,7 @@ struct Bf16 {
   static __m512 dot(const __m512 (&qz)[QZ], const T* k) {
     __m512 acc = _mm512_setzero_ps();
     for (int c = 0; c < QZ; ++c)
-      acc = _mm512_dpbf16_ps(acc, (__m512bh)qz[c], (__m512bh)_mm512_loadu_ps(k + kPerZmm * c));
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)qz[c], (__m512bh)_mm512_loadu_si512(k + kPerZmm * c));
     return acc;
   }
   // A value row [16 * DZ] in fp32, each 32 elements as two zmm: the even elements, then the odd ones (a bf16 pair
@@ -111,8 +112,17 @@ float scores(const typename E::T* q, const void* const* k_tiles, int64_t token_s
     const __mmask16 valid = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
     const T* k = static_cast<const T*>(k_tiles[key0 / kCpuKeyTile]) + (key0 % kCpuKeyTile) * token_stride;
     __m512 partial[kKeysPerBlock];
-    for (int j = 0; j < kKeysPerBlock; ++j)
-      partial[j] = j < n ? E::dot(qz, k + j * token_stride) : _mm512_setzero_ps();
+    if (std::is_same_v<E, Bf16> && n == kKeysPerBlock) {
+      // bf16, a whole block: no per-key check. With it GCC sent some key rows through a stack slot on their way to
+      // vdpbf16ps (a store and a reload per key; 8 sequences 0.31-0.38 vs 0.35-0.46 ms without:
+      // bench/results/tiers/decode_attention_avx512_ab.txt); fp32 at head_dim 128 spills in this form, so keeps the
+      // other.
+      const T* kj = k;
+      for (int j = 0; j < kKeysPerBlock; ++j, kj += token_stride) partial[j] = E::dot(qz, kj);
+    } else {
+      for (int j = 0; j < kKeysPerBlock; ++j)
+        partial[j] = j < n ? E::dot(qz, k + j * token_stride) : _mm512_setzero_ps();
+    }
     const __m512 sz = _mm512_mask_mul_ps(_mm512_set1_ps(kNegInf), valid, reduce16(partial), _mm512_set1_ps(scale2));
     _mm512_store_ps(s + key0, sz);
     m = _mm512_max_ps(m, sz);

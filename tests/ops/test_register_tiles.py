@@ -28,6 +28,7 @@ TILED = {
     ("csrc/linear/linear_avx2.cpp", "avx2"): ["void pyscore::(anonymous namespace)::micro<"],
     ("csrc/linear/linear_avx512.cpp", "avx512"): ["void pyscore::(anonymous namespace)::rect<"],
     ("csrc/decode_attention/decode_attention_avx2.cpp", "avx2"): ["void pyscore::(anonymous namespace)::attend<"],
+    ("csrc/decode_attention/decode_attention_avx512.cpp", "avx512"): ["void pyscore::(anonymous namespace)::attend<"],
     ("csrc/prefix_item_attention/attention_simd.h", "avx2"): ["void pyscore::(anonymous namespace)::attend_tile<"],
     ("csrc/prefix_item_attention/prefix_item_attention_avx512.cpp", "avx512"): [
         "void pyscore::(anonymous namespace)::attend_tile<"],
