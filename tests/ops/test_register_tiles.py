@@ -26,7 +26,8 @@ TILED = {
     ("csrc/label_logprobs/label_logprobs_avx512.cpp", "avx512"): [
         "void pyscore::(anonymous namespace)::dot_tile<", "void pyscore::(anonymous namespace)::dot_tile_widened<"],
     ("csrc/linear/linear_avx2.cpp", "avx2"): ["void pyscore::(anonymous namespace)::micro<"],
-    ("csrc/linear/linear_avx512.cpp", "avx512"): ["void pyscore::(anonymous namespace)::rect<"],
+    ("csrc/linear/linear_avx512.cpp", "avx512"): [
+        "void pyscore::(anonymous namespace)::rect<", "void pyscore::(anonymous namespace)::row_tiles<"],
     ("csrc/decode_attention/decode_attention_avx2.cpp", "avx2"): ["void pyscore::(anonymous namespace)::attend<"],
     ("csrc/decode_attention/decode_attention_avx512.cpp", "avx512"): ["void pyscore::(anonymous namespace)::attend<"],
     ("csrc/prefix_item_attention/attention_simd.h", "avx2"): ["void pyscore::(anonymous namespace)::attend_tile<"],
