@@ -142,7 +142,8 @@ void dot_tile_widened(const uint16_t* w, int64_t w_stride, WidenedRows h, int hi
       for (int v = 0; v < VT; ++v)
         _mm_prefetch(reinterpret_cast<const char*>(w + (kPrefetchRows + v) * w_stride + i), _MM_HINT_T0);
     for (int r = 0; r < RT; ++r) {
-      const __m512 he = _mm512_loadu_ps(h.data + r * h.stride + i), ho = _mm512_loadu_ps(h.data + r * h.stride + i + 16);
+      const float* hr = h.data + r * h.stride + i;
+      const __m512 he = _mm512_loadu_ps(hr), ho = _mm512_loadu_ps(hr + 16);
       for (int v = 0; v < VT; ++v) acc[r][v] = dot2_widened_ps(acc[r][v], he, ho, we[v], wo[v]);
     }
   }
@@ -155,7 +156,8 @@ void dot_tile_widened(const uint16_t* w, int64_t w_stride, WidenedRows h, int hi
       wo[v] = bf16_odd_ps(x);
     }
     for (int r = 0; r < RT; ++r) {
-      const __m512 he = _mm512_loadu_ps(h.data + r * h.stride + i), ho = _mm512_loadu_ps(h.data + r * h.stride + i + 16);
+      const float* hr = h.data + r * h.stride + i;
+      const __m512 he = _mm512_loadu_ps(hr), ho = _mm512_loadu_ps(hr + 16);
       for (int v = 0; v < VT; ++v) acc[r][v] = dot2_widened_ps(acc[r][v], he, ho, we[v], wo[v]);
     }
   }
