@@ -164,6 +164,10 @@ inline bool cpu_use_avx512_for(bool fp32) {
   return cpu_tier_at_least(fp32 ? CpuTier::kAvx512 : CpuTier::kAvx512Bf16);
 }
 
+// An AVX-512 kernel that needs AVX-512 F/BW/DQ/VL alone whatever the dtype (the elementwise kernel texts' avx512
+// units: no BF16 or tile instruction anywhere in them, tests/ops/test_avx512_fp32_isa.py): tiers avx512 and up.
+inline bool cpu_use_avx512() { return cpu_tier_at_least(CpuTier::kAvx512); }
+
 // The AVX2 + FMA kernels (*_avx2.cpp): tiers avx2 and avx512 (an AVX-512 CPU without BF16 runs them).
 inline bool cpu_use_avx2() { return cpu_tier_at_least(CpuTier::kAvx2) && !cpu_use_avx512bf16(); }
 

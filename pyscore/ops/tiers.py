@@ -7,7 +7,8 @@ see pyscore/ops/linear.py); for the other ops, the op's PyTorch implementation i
 "kernel" means pyscore._C at that tier: the AVX-512 code at avx512bf16 / amx (at amx, bf16 `linear` where K is a
 multiple of 32, bf16 prefix_item_attention where head_dim is a multiple of 64 and the bf16 label read-out's product
 where H is a multiple of 32 run on AMX tiles), the AVX2 + FMA code at avx2 / avx512 (at avx512, fp32 `linear`,
-attention, decode attention and the label read-out run the AVX-512 code, whose fp32 paths need AVX-512F alone),
+attention, decode attention and the label read-out run the AVX-512 code, whose fp32 paths need AVX-512F alone, and
+add_rms_norm, rotary and silu_mul run their AVX-512 units in both dtypes: no BF16 instruction in them),
 the NEON layer at neon
 (attention and the label read-out; the portable C++, vectorized by the compiler, for the rest) and the portable C++
 at generic.
@@ -56,6 +57,10 @@ LABELS_AVX2 = Choice("kernel", "ours (AVX2 + FMA): at R=16 1.1-1.3x torch's AVX2
 LABELS_AVX512_FP32 = Choice("kernel", "ours, the AVX-512 read-out (fp32 code without BF16 instructions: "
                                       "tests/ops/test_avx512_fp32_isa.py): 1.8-2.0x MKL's AVX-512 GEMM at R=16, "
                                       "where the AVX2 text was 1.0x (bench/results/tiers/kernels_labels_avx512.txt)")
+ELEMENTWISE_AVX512 = Choice("kernel", "ours, the kernel text's AVX-512 unit (no BF16 instruction in it: "
+                                      "tests/ops/test_avx512_fp32_isa.py): 1.1-2.1x the AVX2 unit, 1.3-13x torch's "
+                                      "AVX-512 ops, bf16 silu_mul 1.3-1.6x where the AVX2 unit was 0.9x "
+                                      "(bench/results/tiers/elementwise_avx512_ab.txt)")
 ATTENTION_AVX512_FP32 = Choice("kernel", "ours, the AVX-512 ops (fp32 code without BF16 instructions: "
                                          "tests/ops/test_avx512_fp32_isa.py): prefill 1.6-1.8x the AVX2 ops and "
                                          "3.3-3.6x SDPA with a dense mask, decode 1.5-1.7x the AVX2 ops and 2.9-3.2x "
@@ -88,11 +93,11 @@ CPU_TIERS: dict[str, dict[str, dict[str, Choice]]] = {
     "label_logprobs": {"generic": {"*": ALGORITHM}, "avx2": {"*": LABELS_AVX2},
                        "avx512": {"float32": LABELS_AVX512_FP32, "bfloat16": AVX2_ON_AVX512},
                        "avx512bf16": {"*": KERNEL_ZEN4}, "amx": {"bfloat16": LABELS_AMX}, "neon": {"*": NEON}},
-    "add_rms_norm": {"generic": {"*": TORCH_UNTUNED}, "avx2": {"*": AVX2}, "avx512": {"*": AVX2_ON_AVX512},
+    "add_rms_norm": {"generic": {"*": TORCH_UNTUNED}, "avx2": {"*": AVX2}, "avx512": {"*": ELEMENTWISE_AVX512},
                      "avx512bf16": {"*": KERNEL_ZEN4}, "neon": {"*": TORCH_UNTUNED}},
-    "rotary": {"generic": {"*": TORCH_UNTUNED}, "avx2": {"*": AVX2}, "avx512": {"*": AVX2_ON_AVX512},
+    "rotary": {"generic": {"*": TORCH_UNTUNED}, "avx2": {"*": AVX2}, "avx512": {"*": ELEMENTWISE_AVX512},
                "avx512bf16": {"*": KERNEL_ZEN4}, "neon": {"*": TORCH_UNTUNED}},
-    "silu_mul": {"generic": {"*": TORCH_UNTUNED}, "avx2": {"*": AVX2}, "avx512": {"*": AVX2_ON_AVX512},
+    "silu_mul": {"generic": {"*": TORCH_UNTUNED}, "avx2": {"*": AVX2}, "avx512": {"*": ELEMENTWISE_AVX512},
                  "avx512bf16": {"*": KERNEL_ZEN4}, "neon": {"*": TORCH_UNTUNED}},
     "causal_conv1d": {"generic": {"*": ALGORITHM}, "avx2": {"*": AVX2}, "avx512bf16": {"*": KERNEL_ZEN4}},
     "gated_delta_rule": {"generic": {"*": ALGORITHM}, "avx2": {"*": AVX2}, "avx512bf16": {"*": KERNEL_ZEN4}},

@@ -11,7 +11,7 @@ import torch
 
 from pyscore.ops import add_rms_norm
 from pyscore.ops.reference import add_rms_norm_ref
-from tests.helpers import CPU_ISAS, force_cpu_isa, ulp_distance
+from tests.helpers import CPU_ISAS, force_cpu_isa, outputs_at_tiers, ulp_distance
 
 # (rows T, hidden H): SmolLM2's width, a ragged 17 (one full zmm + 1), tiny, wide, wider than the bf16 rows' stack
 # scratch (4096: it moves to the heap) with a ragged end.
@@ -122,3 +122,17 @@ def test_cuda_falls_back_to_reference():
     x_ref = x.clone()
     out = add_rms_norm(x, weight, 1e-6, delta=delta)
     assert torch.equal(out, add_rms_norm_ref(x_ref, weight, 1e-6, delta=delta)) and torch.equal(x, x_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tier_avx512_runs_the_avx512_unit(monkeypatch, dtype):
+    """Tier avx512 (AVX-512 without BF16) runs the kernel text's AVX-512 unit in both dtypes (no BF16 instruction in
+    it: tests/ops/test_avx512_fp32_isa.py), so it gives tier avx512bf16's bits. In fp32 those differ from the AVX2
+    unit's (its sum of squares runs 8 lanes wide), so the check can fail; silu_mul and rotary give the same bits on
+    every layer, and their dispatch is checked by the ISA test and the bench alone."""
+    x, delta, weight = make_inputs(*SHAPES["smollm-775"], dtype, strided=True)
+    out = outputs_at_tiers(monkeypatch, lambda: add_rms_norm(x.clone(), weight, 1e-5, delta=delta, backend="kernel"))
+    assert torch.equal(out["avx512"], out["avx512bf16"]), f"{dtype} at tier avx512 is not the AVX-512 unit's"
+    if dtype == torch.float32:
+        assert not torch.equal(out["avx512bf16"], out["avx2"]), "the units agree bitwise: the test cannot tell"
+
