@@ -165,7 +165,8 @@ inline bool cpu_use_avx512_for(bool fp32) {
 }
 
 // An AVX-512 kernel that needs AVX-512 F/BW/DQ/VL alone whatever the dtype (the elementwise kernel texts' avx512
-// units: no BF16 or tile instruction anywhere in them, tests/ops/test_avx512_fp32_isa.py): tiers avx512 and up.
+// units and gated_delta_rule_avx512.cpp: no BF16 or tile instruction anywhere in them,
+// tests/ops/test_avx512_fp32_isa.py): tiers avx512 and up.
 inline bool cpu_use_avx512() { return cpu_tier_at_least(CpuTier::kAvx512); }
 
 // The AVX2 + FMA kernels (*_avx2.cpp): tiers avx2 and avx512 (an AVX-512 CPU without BF16 runs them).

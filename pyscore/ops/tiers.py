@@ -8,11 +8,12 @@ see pyscore/ops/linear.py); for the other ops, the op's PyTorch implementation i
 multiple of 32, bf16 prefix_item_attention where head_dim is a multiple of 64 and the bf16 label read-out's product
 where H is a multiple of 32 run on AMX tiles), the AVX2 + FMA code at avx2 / avx512 (at avx512, fp32 `linear`,
 attention, decode attention and the label read-out run the AVX-512 code, whose fp32 paths need AVX-512F alone, and
-add_rms_norm, rotary and silu_mul run their AVX-512 units in both dtypes: no BF16 instruction in them),
+add_rms_norm, rotary, silu_mul, causal_conv1d and gated_delta_rule run their AVX-512 code in both dtypes: no BF16
+instruction in it),
 the NEON layer at neon
 (attention and the label read-out; the portable C++, vectorized by the compiler, for the rest) and the portable C++
 at generic.
-Unmeasured pairs say so; causal_conv1d / gated_delta_rule at avx512 inherit avx2's (measured there, not at avx512)."""
+Unmeasured pairs say so."""
 
 from __future__ import annotations
 
@@ -61,6 +62,10 @@ ELEMENTWISE_AVX512 = Choice("kernel", "ours, the kernel text's AVX-512 unit (no 
                                       "tests/ops/test_avx512_fp32_isa.py): 1.1-2.1x the AVX2 unit, 1.3-13x torch's "
                                       "AVX-512 ops, bf16 silu_mul 1.3-1.6x where the AVX2 unit was 0.9x "
                                       "(bench/results/tiers/elementwise_avx512_ab.txt)")
+LINEAR_ATTENTION_AVX512 = Choice("kernel", "ours, gated_delta_rule_avx512.cpp (no BF16 instruction in it: "
+                                           "tests/ops/test_avx512_fp32_isa.py): conv + rule 0.9-1.5x the AVX2 file "
+                                           "(11 of 12 pairs faster), 4.7-10x transformers' torch fallbacks "
+                                           "(bench/results/tiers/gated_delta_rule_avx512_ab.txt)")
 ATTENTION_AVX512_FP32 = Choice("kernel", "ours, the AVX-512 ops (fp32 code without BF16 instructions: "
                                          "tests/ops/test_avx512_fp32_isa.py): prefill 1.6-1.8x the AVX2 ops and "
                                          "3.3-3.6x SDPA with a dense mask, decode 1.5-1.7x the AVX2 ops and 2.9-3.2x "
@@ -99,8 +104,10 @@ CPU_TIERS: dict[str, dict[str, dict[str, Choice]]] = {
                "avx512bf16": {"*": KERNEL_ZEN4}, "neon": {"*": TORCH_UNTUNED}},
     "silu_mul": {"generic": {"*": TORCH_UNTUNED}, "avx2": {"*": AVX2}, "avx512": {"*": ELEMENTWISE_AVX512},
                  "avx512bf16": {"*": KERNEL_ZEN4}, "neon": {"*": TORCH_UNTUNED}},
-    "causal_conv1d": {"generic": {"*": ALGORITHM}, "avx2": {"*": AVX2}, "avx512bf16": {"*": KERNEL_ZEN4}},
-    "gated_delta_rule": {"generic": {"*": ALGORITHM}, "avx2": {"*": AVX2}, "avx512bf16": {"*": KERNEL_ZEN4}},
+    "causal_conv1d": {"generic": {"*": ALGORITHM}, "avx2": {"*": AVX2}, "avx512": {"*": LINEAR_ATTENTION_AVX512},
+                      "avx512bf16": {"*": KERNEL_ZEN4}},
+    "gated_delta_rule": {"generic": {"*": ALGORITHM}, "avx2": {"*": AVX2}, "avx512": {"*": LINEAR_ATTENTION_AVX512},
+                         "avx512bf16": {"*": KERNEL_ZEN4}},
 }
 
 

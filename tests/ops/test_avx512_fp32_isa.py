@@ -1,10 +1,10 @@
 """Tier `avx512` (AVX-512 F/BW/DQ/VL without BF16: Skylake-SP to Ice Lake) runs fp32 `linear`, the fp32 label
-read-out and fp32 attention (prefill and decode) from the AVX-512 files, and add_rms_norm, rotary and silu_mul in both
-dtypes from the avx512 units of their kernel texts; all are compiled with AVX512-BF16 and AMX enabled. The code it
-reaches must hold no instruction those CPUs lack, or they die of SIGILL: this compiles those sources as the build
-does (without LTO, so that each function's code is its own), disassembles them, and checks every function the fp32
-entry points reach through calls, or every function of an elementwise unit. No machine of that kind is at hand to
-run them; this is the check that stands for it."""
+read-out and fp32 attention (prefill and decode) from the AVX-512 files, and add_rms_norm, rotary and silu_mul (the
+avx512 units of their kernel texts) and Qwen3.5's causal conv1d and gated delta rule in both dtypes; all are
+compiled with AVX512-BF16 and AMX enabled. The code it reaches must hold no instruction those CPUs lack, or they die
+of SIGILL: this compiles those sources as the build does (without LTO, so that each function's code is its own),
+disassembles them, and checks every function the fp32 entry points reach through calls, or every function of a
+source that runs whole. No machine of that kind is at hand to run them; this is the check that stands for it."""
 
 from __future__ import annotations
 
@@ -33,8 +33,9 @@ FP32_ENTRIES = {
         "void pyscore::(anonymous namespace)::attend_rows<pyscore::(anonymous namespace)::F32, 8>(",
         "void pyscore::(anonymous namespace)::store_row<pyscore::(anonymous namespace)::F32>("],
 }
-# kernel texts whose whole avx512 unit runs at tier avx512, every dtype (their launchers: cpu_use_avx512())
-WHOLE_UNITS = ["csrc/add_rms_norm/rows_simd.h", "csrc/rotary/tokens_simd.h", "csrc/silu_mul/rows_simd.h"]
+# sources (a kernel text: its avx512 unit) that run whole at tier avx512, every dtype (launchers: cpu_use_avx512())
+WHOLE_SOURCES = ["csrc/add_rms_norm/rows_simd.h", "csrc/rotary/tokens_simd.h", "csrc/silu_mul/rows_simd.h",
+                 "csrc/gated_delta_rule/gated_delta_rule_avx512.cpp"]
 # AVX512-BF16 (vdpbf16ps, vcvtneps2bf16, vcvtne2ps2bf16) and AMX (tile*, tdp*, ldtilecfg, sttilecfg)
 FORBIDDEN = re.compile(r"bf16|^tile|^tdp|tilecfg")
 CALL_TARGET = re.compile(r"<(.+?)(\+0x[0-9a-f]+)?>$")
@@ -68,8 +69,8 @@ def test_fp32_code_of_the_avx512_files_needs_no_bf16_or_amx(source, tmp_path):
     assert any(FORBIDDEN.search(i.mnemonic) for name, body in found.items() if "F32" not in name for i in body)
 
 
-@pytest.mark.parametrize("source", WHOLE_UNITS)
-def test_elementwise_avx512_units_need_no_bf16_or_amx(source, tmp_path):
+@pytest.mark.parametrize("source", WHOLE_SOURCES)
+def test_whole_avx512_sources_need_no_bf16_or_amx(source, tmp_path):
     found = functions(source, "avx512", tmp_path)
     assert any(name.startswith("pyscore::") and "_avx512(" in name for name in found), "the unit's entry point"
     bad = {name: sorted({i.mnemonic for i in body if FORBIDDEN.search(i.mnemonic)}) for name, body in found.items()}

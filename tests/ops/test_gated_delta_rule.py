@@ -13,7 +13,7 @@ import torch
 from pyscore.ops import SegmentTable
 from pyscore.ops.gated_delta_rule import causal_conv1d, gated_delta_rule, plan_linear_attention
 from pyscore.ops.reference import causal_conv1d_ref, gated_delta_rule_ref
-from tests.helpers import on_device, ulp_distance
+from tests.helpers import on_device, outputs_at_tiers, ulp_distance
 from tests.ops.test_prefix_item_attention import assert_within, make_segments
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -227,3 +227,20 @@ def test_inputs_are_checked_at_the_door():
         causal_conv1d(x, torch.randn(8, 9), segments)
     with pytest.raises(ValueError, match="weight must be a contiguous"):
         causal_conv1d(x, torch.randn(7, 4), segments)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tier_avx512_runs_the_avx512_kernels(monkeypatch, dtype):
+    """Tier avx512 (AVX-512 without BF16) runs gated_delta_rule_avx512.cpp in both dtypes (no BF16 instruction in it:
+    tests/ops/test_avx512_fp32_isa.py), so conv and rule give tier avx512bf16's bits there. The rule's bits differ
+    from the AVX2 kernel's (its sums run 16 lanes wide), so the check can fail."""
+    segments, num_tokens = make_segments(STREAMS["mixed"], "cpu")
+    q, k, v, a, b, a_log, dt_bias = rule_inputs(num_tokens, *HEADS["r2-d32x48"], dtype, "cpu")
+    x = torch.cat([q.reshape(num_tokens, -1), k.reshape(num_tokens, -1)], 1)
+    weight = (torch.randn(x.shape[1], 4, generator=torch.Generator().manual_seed(2)) * 0.5).to(dtype)
+    out = outputs_at_tiers(monkeypatch, lambda: torch.cat([
+        causal_conv1d(x, weight, segments, backend="kernel").flatten(),
+        gated_delta_rule(q, k, v, a, b, a_log, dt_bias, segments, backend="kernel").flatten()]))
+    assert torch.equal(out["avx512"], out["avx512bf16"]), f"{dtype} at tier avx512 is not the AVX-512 kernels'"
+    assert not torch.equal(out["avx512bf16"], out["avx2"]), "the kernels agree bitwise: the test cannot tell"
+

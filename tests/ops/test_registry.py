@@ -41,7 +41,7 @@ def test_the_tier_table_covers_every_op_and_tier():
                 choice = tiers.cpu_choice(op, tier, dtype)
                 assert choice.path in ("kernel", "torch") and choice.why, (op, tier, dtype)
     # a tier without an entry inherits the one below it
-    assert tiers.cpu_choice("causal_conv1d", "avx512", torch.float32) == tiers.AVX2  # inherited from avx2
+    assert tiers.cpu_choice("decode_attention", "amx", torch.bfloat16) == tiers.KERNEL_ZEN4  # from avx512bf16
     assert tiers.cpu_choice("linear", "amx", torch.bfloat16) == tiers.LINEAR_AMX
     with pytest.raises(ValueError, match="unknown CPU tier"):
         tiers.cpu_choice("rotary", "sse2", torch.float32)
