@@ -156,18 +156,16 @@ inline bool cpu_tier_at_least(CpuTier min) {
 // The AVX-512 (+BF16) kernels: tiers avx512bf16 and amx.
 inline bool cpu_use_avx512bf16() { return cpu_tier_at_least(CpuTier::kAvx512Bf16); }
 
-// An AVX-512 kernel whose fp32 code needs AVX-512F alone (the *_avx512.cpp of linear, label_logprobs,
-// prefix_item_attention and decode_attention: no BF16 or tile instruction in the code their fp32 entry points reach,
-// tests/ops/test_avx512_fp32_isa.py): fp32 from tier avx512 up (Skylake-SP to Ice Lake run it), any other dtype from
-// avx512bf16 up.
-inline bool cpu_use_avx512_for(bool fp32) {
-  return cpu_tier_at_least(fp32 ? CpuTier::kAvx512 : CpuTier::kAvx512Bf16);
-}
-
 // An AVX-512 kernel that needs AVX-512 F/BW/DQ/VL alone whatever the dtype (the elementwise kernel texts' avx512
 // units and gated_delta_rule_avx512.cpp: no BF16 or tile instruction anywhere in them,
 // tests/ops/test_avx512_fp32_isa.py): tiers avx512 and up.
 inline bool cpu_use_avx512() { return cpu_tier_at_least(CpuTier::kAvx512); }
+
+// An AVX-512 kernel whose fp32 code needs AVX-512F alone (the *_avx512.cpp of linear, label_logprobs,
+// prefix_item_attention and decode_attention: no BF16 or tile instruction in the code their fp32 entry points reach,
+// tests/ops/test_avx512_fp32_isa.py): fp32 from tier avx512 up (Skylake-SP to Ice Lake run it), any other dtype from
+// avx512bf16 up.
+inline bool cpu_use_avx512_for(bool fp32) { return fp32 ? cpu_use_avx512() : cpu_use_avx512bf16(); }
 
 // The AVX2 + FMA kernels (*_avx2.cpp): tiers avx2 and avx512 (an AVX-512 CPU without BF16 runs them).
 inline bool cpu_use_avx2() { return cpu_tier_at_least(CpuTier::kAvx2) && !cpu_use_avx512bf16(); }

@@ -123,7 +123,8 @@ WidenedRows widen_rows(const uint16_t* h, int64_t h_stride, int rows, int hidden
 // even, block after block, then the same reduction), so the same bits on normal numbers. At most 4 rows: 16
 // accumulators + 8 widened weight vectors + 2 hidden vectors fit the 32 registers. The whole 32-element steps and the
 // ragged last one are separate loops, as in dot_tile: with the mask computed in one loop GCC kept the accumulators in
-// memory, a store per FMA.
+// memory, a store per FMA. The step is written out in both rather than shared through an inline helper taking acc
+// by reference, which GCC 12 compiled the same bad way here (tests/ops/test_register_tiles.py guards it).
 template <int VT, int RT>
 void dot_tile_widened(const uint16_t* w, int64_t w_stride, WidenedRows h, int hidden, float* out, int64_t out_stride,
                       bool prefetch) {

@@ -9,10 +9,8 @@ multiple of 32, bf16 prefix_item_attention where head_dim is a multiple of 64 an
 where H is a multiple of 32 run on AMX tiles), the AVX2 + FMA code at avx2 / avx512 (at avx512, fp32 `linear`,
 attention, decode attention and the label read-out run the AVX-512 code, whose fp32 paths need AVX-512F alone, and
 add_rms_norm, rotary, silu_mul, causal_conv1d and gated_delta_rule run their AVX-512 code in both dtypes: no BF16
-instruction in it),
-the NEON layer at neon
-(attention and the label read-out; the portable C++, vectorized by the compiler, for the rest) and the portable C++
-at generic.
+instruction in it), the NEON layer at neon (attention and the label read-out; the portable C++, vectorized by the
+compiler, for the rest) and the portable C++ at generic.
 Unmeasured pairs say so."""
 
 from __future__ import annotations

@@ -135,4 +135,3 @@ def test_tier_avx512_runs_the_avx512_unit(monkeypatch, dtype):
     assert torch.equal(out["avx512"], out["avx512bf16"]), f"{dtype} at tier avx512 is not the AVX-512 unit's"
     if dtype == torch.float32:
         assert not torch.equal(out["avx512bf16"], out["avx2"]), "the units agree bitwise: the test cannot tell"
-

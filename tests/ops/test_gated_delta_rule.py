@@ -243,4 +243,3 @@ def test_tier_avx512_runs_the_avx512_kernels(monkeypatch, dtype):
         gated_delta_rule(q, k, v, a, b, a_log, dt_bias, segments, backend="kernel").flatten()]))
     assert torch.equal(out["avx512"], out["avx512bf16"]), f"{dtype} at tier avx512 is not the AVX-512 kernels'"
     assert not torch.equal(out["avx512bf16"], out["avx2"]), "the kernels agree bitwise: the test cannot tell"
-

@@ -47,10 +47,11 @@ STACK_STORE = re.compile(r"%[xyz]mm\d+,\s*-?(0x[0-9a-f]+)?\(%r[sb]p\)")
 def loops(code: list[Instruction]) -> list[list[Instruction]]:
     """The innermost loops: spans from a backward jump's target to the jump that hold no other such span and no return
     (GCC places some blocks after the return and jumps back from them: not loops)."""
+    at = {x.address: j for j, x in enumerate(code)}
     spans = []
     for i, ins in enumerate(code):
         if JUMP.match(ins.mnemonic) and (m := TARGET.match(ins.operands)) and int(m.group(1), 16) < ins.address:
-            start = next((j for j, x in enumerate(code) if x.address == int(m.group(1), 16)), None)
+            start = at.get(int(m.group(1), 16))
             if start is not None and not any(x.mnemonic.startswith("ret") for x in code[start:i + 1]):
                 spans.append((start, i))
     inner = [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)]
