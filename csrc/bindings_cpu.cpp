@@ -181,7 +181,7 @@ PYBIND11_MODULE(_C, m) {
     d["hardware_tier"] = tier_name(cpu_hardware_tier());
     // What the kernels run now (PYSCORE_CPU_TIER / PYSCORE_BF16_DOT read at each call, as the launchers do).
     d["tier"] = tier_name(cpu_tier());
-    d["path"] = cpu_use_avx512bf16() ? "avx512" : cpu_use_avx2() ? "avx2" : "portable";
+    d["path"] = cpu_use_avx512() ? "avx512" : cpu_use_avx2() ? "avx2" : "portable";
     d["bf16_dot"] = bf16_dot_name(cpu_bf16_dot());
     return d;
   });

@@ -5,6 +5,7 @@
 #pragma once
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #if defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>
 #endif
@@ -156,16 +157,12 @@ inline bool cpu_tier_at_least(CpuTier min) {
 // The AVX-512 (+BF16) kernels: tiers avx512bf16 and amx.
 inline bool cpu_use_avx512bf16() { return cpu_tier_at_least(CpuTier::kAvx512Bf16); }
 
-// An AVX-512 kernel that needs AVX-512 F/BW/DQ/VL alone whatever the dtype (the elementwise kernel texts' avx512
-// units and gated_delta_rule_avx512.cpp: no BF16 or tile instruction anywhere in them,
-// tests/ops/test_avx512_fp32_isa.py): tiers avx512 and up.
+// The AVX-512 kernels at tiers avx512 and up. What a tier below avx512bf16 (Skylake-SP to Ice Lake) reaches in them
+// needs AVX-512 F/BW/DQ/VL alone: the elementwise kernel texts' avx512 units and gated_delta_rule_avx512.cpp whole;
+// in the *_avx512.cpp of linear, label_logprobs, prefix_item_attention and decode_attention, the fp32 code and the
+// bf16 code that widens pairs to fp32 (Bf16Dot::kWiden, which cpu_bf16_dot() answers there). No BF16 or tile
+// instruction in any of it: tests/ops/test_avx512_tier_isa.py reads the machine code.
 inline bool cpu_use_avx512() { return cpu_tier_at_least(CpuTier::kAvx512); }
-
-// An AVX-512 kernel whose fp32 code needs AVX-512F alone (the *_avx512.cpp of linear, label_logprobs,
-// prefix_item_attention and decode_attention: no BF16 or tile instruction in the code their fp32 entry points reach,
-// tests/ops/test_avx512_fp32_isa.py): fp32 from tier avx512 up (Skylake-SP to Ice Lake run it), any other dtype from
-// avx512bf16 up.
-inline bool cpu_use_avx512_for(bool fp32) { return fp32 ? cpu_use_avx512() : cpu_use_avx512bf16(); }
 
 // The AVX2 + FMA kernels (*_avx2.cpp): tiers avx2 and avx512 (an AVX-512 CPU without BF16 runs them).
 inline bool cpu_use_avx2() { return cpu_tier_at_least(CpuTier::kAvx2) && !cpu_use_avx512bf16(); }
@@ -176,10 +173,12 @@ inline bool cpu_use_avx2() { return cpu_tier_at_least(CpuTier::kAvx2) && !cpu_us
 //  kWiden:  widen each bf16 pair to two fp32 vectors in registers (a shift and a mask) and use two FMAs, odd element
 //           first as vdpbf16ps does. On Intel (Sapphire Rapids) vdpbf16ps retires one per 2 cycles, half the FMA
 //           rate, and this is faster.
-// Chosen by vendor; PYSCORE_BF16_DOT=dpbf16|widen forces either so both are tested on any AVX512-BF16 machine.
+// Chosen by vendor; PYSCORE_BF16_DOT=dpbf16|widen forces either so both are tested on any AVX512-BF16 machine. Below
+// tier avx512bf16 it is kWiden.
 enum class Bf16Dot { kDpbf16, kWiden };
 
 inline Bf16Dot cpu_bf16_dot() {
+  if (!cpu_use_avx512bf16()) return Bf16Dot::kWiden;  // no vdpbf16ps below tier avx512bf16, whatever is asked
   const char* forced = std::getenv("PYSCORE_BF16_DOT");
   if (forced && std::strcmp(forced, "widen") == 0) return Bf16Dot::kWiden;
   if (forced && std::strcmp(forced, "dpbf16") == 0) return Bf16Dot::kDpbf16;

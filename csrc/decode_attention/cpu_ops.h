@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 
+#include "common/cpu_features.h"
 #include "common/dtype.h"
 #include "decode_attention/params.h"
 
@@ -21,8 +22,9 @@ struct DecodeCpuOps {
   void (*store_row)(const float* src, int32_t dim, void* dst);
 };
 
-// nullptr when the dtype / head_dim is not covered (the caller checks the CPU).
-const DecodeCpuOps* decode_ops_avx512(DType dtype, int32_t head_dim);
+// nullptr when the dtype / head_dim is not covered (the caller checks the CPU). bf16_dot: how the AVX-512 ops
+// multiply bf16 pairs (kWiden is the one a tier without AVX512-BF16 may run).
+const DecodeCpuOps* decode_ops_avx512(DType dtype, int32_t head_dim, Bf16Dot bf16_dot);
 const DecodeCpuOps* decode_ops_avx2(DType dtype, int32_t head_dim);
 
 }  // namespace pyscore

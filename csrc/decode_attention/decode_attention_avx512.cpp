@@ -10,7 +10,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 
 #include "common/vec_math_avx512.h"
 #include "decode_attention/cpu_ops.h"
@@ -41,11 +40,21 @@ inline __m512 reduce16(__m512 (&a)[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
 }
 
-// Element traits: a query row for the dot products is QZ = D / kPerZmm zmm; dot() adds q . (one key row)
-// lane-partially.
+// Element traits: a query row spans QZ = D / kPerZmm zmm of its elements and is held for the dot products in
+// QZ * kQRegs zmm (load_q); dot() adds q . (one key row) lane-partially. kWholeBlocks: scores() takes a block of 16
+// keys without a per-key check (see there).
+template <class T, int QZ>
+inline void load_q_as_is(const T* q, __m512 (&qz)[QZ]) {
+  for (int c = 0; c < QZ; ++c) qz[c] = _mm512_loadu_ps(q + 64 / sizeof(T) * c);
+}
+
 struct Bf16 {
   using T = uint16_t;
   static constexpr int kPerZmm = 32;  // vdpbf16ps on pairs
+  static constexpr int kQRegs = 1;
+  static constexpr bool kWholeBlocks = true;
+  template <int QZ>
+  static void load_q(const T* q, __m512 (&qz)[QZ]) { load_q_as_is<T, QZ>(q, qz); }
   template <int QZ>
   static __m512 dot(const __m512 (&qz)[QZ], const T* k) {
     __m512 acc = _mm512_setzero_ps();
@@ -78,9 +87,39 @@ struct Bf16 {
   static void store(T* dst, __m512 x) { store_bf16_ps(dst, x); }
 };
 
+// bf16 pairs widened to fp32 in registers, two FMAs per pair in vdpbf16ps's order (odd element first): Bf16::dot's
+// sums bitwise on normal numbers, with no BF16 instruction (tier avx512 runs it; Bf16Dot::kWiden). The query row is
+// held widened (each zmm of pairs as its even and its odd elements), so a key zmm costs a load, a shift, a mask and
+// two FMAs. Values and stores as Bf16's, the output rounded as torch rounds (no vcvtneps2bf16).
+struct Bf16Widen : Bf16 {
+  static constexpr int kQRegs = 2;
+  template <int QZ2>
+  static void load_q(const T* q, __m512 (&qz)[QZ2]) {
+    for (int c = 0; c < QZ2 / 2; ++c) {
+      const __m512i x = _mm512_loadu_si512(q + kPerZmm * c);
+      qz[2 * c] = bf16_even_ps(x);
+      qz[2 * c + 1] = bf16_odd_ps(x);
+    }
+  }
+  template <int QZ2>
+  static __m512 dot(const __m512 (&qz)[QZ2], const T* k) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int c = 0; c < QZ2 / 2; ++c) {
+      const __m512i x = _mm512_loadu_si512(k + kPerZmm * c);
+      acc = dot2_widened_ps(acc, qz[2 * c], qz[2 * c + 1], bf16_even_ps(x), bf16_odd_ps(x));
+    }
+    return acc;
+  }
+  static void store(T* dst, __m512 x) { mask_store_bf16_exact_ps(dst, 0xFFFF, x); }
+};
+
 struct F32 {
   using T = float;
   static constexpr int kPerZmm = 16;
+  static constexpr int kQRegs = 1;
+  static constexpr bool kWholeBlocks = false;  // at head_dim 128 the unchecked form spills
+  template <int QZ>
+  static void load_q(const T* q, __m512 (&qz)[QZ]) { load_q_as_is<T, QZ>(q, qz); }
   template <int QZ>
   static __m512 dot(const __m512 (&qz)[QZ], const T* k) {
     __m512 acc = _mm512_setzero_ps();
@@ -103,16 +142,16 @@ template <class E, int DZ>
 float scores(const typename E::T* q, const void* const* k_tiles, int64_t token_stride, int32_t num_keys,
              float scale2, float* s) {
   using T = typename E::T;
-  constexpr int QZ = 16 * DZ / E::kPerZmm;
+  constexpr int QZ = 16 * DZ / E::kPerZmm * E::kQRegs;
   __m512 qz[QZ];
-  for (int c = 0; c < QZ; ++c) qz[c] = _mm512_loadu_ps(q + E::kPerZmm * c);
+  E::load_q(q, qz);
   __m512 m = _mm512_set1_ps(kNegInf);
   for (int32_t key0 = 0; key0 < num_keys; key0 += kKeysPerBlock) {
     const int n = std::min<int32_t>(kKeysPerBlock, num_keys - key0);
     const __mmask16 valid = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
     const T* k = static_cast<const T*>(k_tiles[key0 / kCpuKeyTile]) + (key0 % kCpuKeyTile) * token_stride;
     __m512 partial[kKeysPerBlock];
-    if (std::is_same_v<E, Bf16> && n == kKeysPerBlock) {
+    if (E::kWholeBlocks && n == kKeysPerBlock) {
       // bf16, a whole block: no per-key check. With it GCC sent some key rows through a stack slot on their way to
       // vdpbf16ps (a store and a reload per key; 8 sequences 0.31-0.38 vs 0.35-0.46 ms without:
       // bench/results/tiers/decode_attention_avx512_ab.txt); fp32 at head_dim 128 spills in this form, so keeps the
@@ -229,13 +268,17 @@ void store_row(const float* src, int32_t dim, void* dst_) {
 
 const DecodeCpuOps kBf16D64{attend_rows<Bf16, 4>, store_row<Bf16>};
 const DecodeCpuOps kBf16D128{attend_rows<Bf16, 8>, store_row<Bf16>};
+const DecodeCpuOps kBf16WidenD64{attend_rows<Bf16Widen, 4>, store_row<Bf16Widen>};
+const DecodeCpuOps kBf16WidenD128{attend_rows<Bf16Widen, 8>, store_row<Bf16Widen>};
 const DecodeCpuOps kF32D64{attend_rows<F32, 4>, store_row<F32>};
 const DecodeCpuOps kF32D128{attend_rows<F32, 8>, store_row<F32>};
 
 }  // namespace
 
-const DecodeCpuOps* decode_ops_avx512(DType dtype, int32_t head_dim) {
+const DecodeCpuOps* decode_ops_avx512(DType dtype, int32_t head_dim, Bf16Dot bf16_dot) {
   if (head_dim != 64 && head_dim != 128) return nullptr;
+  if (dtype == DType::kBFloat16 && bf16_dot == Bf16Dot::kWiden)
+    return head_dim == 64 ? &kBf16WidenD64 : &kBf16WidenD128;
   if (dtype == DType::kBFloat16) return head_dim == 64 ? &kBf16D64 : &kBf16D128;
   if (dtype == DType::kFloat32) return head_dim == 64 ? &kF32D64 : &kF32D128;
   return nullptr;

@@ -62,9 +62,9 @@ const DecodeCpuOps kPortableF32{attend_portable<float>, store_row_portable<float
 
 const DecodeCpuOps& choose_ops(DType dtype, int32_t head_dim) {
   const DecodeCpuOps* fast = nullptr;
-  // fp32 from tier avx512 up: AVX-512F alone (tests/ops/test_avx512_fp32_isa.py), 1.5-1.7x the AVX2 ops there
-  // (bench/results/tiers/attention_avx512_fp32_ab.txt).
-  if (cpu_use_avx512_for(dtype == DType::kFloat32)) fast = decode_ops_avx512(dtype, head_dim);
+  // From tier avx512 up (fp32 and widened bf16 need AVX-512F/BW alone: tests/ops/test_avx512_tier_isa.py); fp32
+  // 1.5-1.7x the AVX2 ops there (bench/results/tiers/attention_avx512_fp32_ab.txt).
+  if (cpu_use_avx512()) fast = decode_ops_avx512(dtype, head_dim, cpu_bf16_dot());
   if (!fast && cpu_use_avx2()) fast = decode_ops_avx2(dtype, head_dim);
   if (fast) return *fast;
   return dtype == DType::kBFloat16 ? kPortableBf16 : kPortableF32;

@@ -53,13 +53,14 @@ void lse_update_portable(const float* x, int32_t n, float* max, float* sum) {
 const LabelCpuOps kPortableBf16{logits_chunk_portable<uint16_t>, lse_update_portable};
 const LabelCpuOps kPortableF32{logits_chunk_portable<float>, lse_update_portable};
 
-// At tier avx512 (AVX-512F without BF16) fp32 runs the AVX-512 read-out: it beats the AVX2 text and MKL's AVX-512
-// GEMM there (bench/results/tiers/kernels_labels_avx512.txt).
+// At tier avx512 (AVX-512F without BF16) the AVX-512 read-out runs fp32 and bf16 (pairs widened: cpu_bf16_dot()
+// answers kWiden there): it beats the AVX2 text and MKL's AVX-512 GEMM there
+// (bench/results/tiers/kernels_labels_avx512.txt, kernels_avx512_bf16_ab.txt).
 const LabelCpuOps& choose_ops(DType dtype) {
   const LabelCpuOps* fast = nullptr;
   if (cpu_tier() == CpuTier::kAmx) fast = label_ops_amx(dtype);
   if (fast) return *fast;
-  if (cpu_use_avx512_for(dtype == DType::kFloat32)) fast = label_ops_avx512(dtype, cpu_bf16_dot());
+  if (cpu_use_avx512()) fast = label_ops_avx512(dtype, cpu_bf16_dot());
   else if (cpu_use_avx2()) fast = label_ops_avx2(dtype);
   else if (cpu_tier() == CpuTier::kNeon) fast = label_ops_neon(dtype);
   if (fast) return *fast;

@@ -70,11 +70,12 @@ void rect_portable(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, in
 const LinearCpuOps kPortableBf16{rect_portable<uint16_t>, kRowTile};
 const LinearCpuOps kPortableF32{rect_portable<float>, kRowTile};
 
-// At tier avx512 (AVX-512F without BF16) fp32 runs the AVX-512 FMA kernel: K-blocked, it beats our AVX2 kernel
-// and torch's batch-invariant row calls at every bench shape (bench/results/tiers/linear_avx512_fp32.txt).
+// At tier avx512 (AVX-512F without BF16) the AVX-512 FMA kernel runs fp32 and bf16 (pairs widened: cpu_bf16_dot()
+// answers kWiden there): K-blocked, it beats our AVX2 kernel and torch's batch-invariant row calls at every bench
+// shape (bench/results/tiers/linear_avx512_fp32.txt, linear_avx512_bf16_ab.txt).
 const LinearCpuOps& choose_ops(DType dtype) {
   const LinearCpuOps* fast = cpu_tier() == CpuTier::kAmx ? linear_ops_amx(dtype) : nullptr;
-  if (!fast && cpu_use_avx512_for(dtype == DType::kFloat32)) fast = linear_ops_avx512(dtype, cpu_bf16_dot());
+  if (!fast && cpu_use_avx512()) fast = linear_ops_avx512(dtype, cpu_bf16_dot());
   else if (!fast && cpu_use_avx2()) fast = linear_ops_avx2(dtype);
   if (fast) return *fast;
   return dtype == DType::kBFloat16 ? kPortableBf16 : kPortableF32;

@@ -76,12 +76,11 @@ struct Bf16Widen {
     for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(qf.data() + i, load_bf16_ps(q + i));  // D % 64 == 0
     return qf.data();
   }
-  // P rounded to bf16 by the same instruction as Bf16::store_p, then widened back.
-  static void store_p(B* dst, __m512 p) {
-    const __m256i h = (__m256i)_mm512_cvtneps_pbh(p);
-    _mm512_storeu_ps(dst, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-  }
-  static void store(T* dst, __m512 x) { store_bf16_ps(dst, x); }
+  // P rounded to bf16 and kept as fp32, in integer arithmetic: no BF16 instruction, so tier avx512 runs this path.
+  // Bitwise Bf16::store_p's vcvtneps2bf16 on P, which is never denormal (exp2_ps flushes below 2^-126).
+  static void store_p(B* dst, __m512 p) { _mm512_storeu_ps(dst, round_bf16_exact_ps(p)); }
+  // The output rounded as torch rounds (vcvtneps2bf16 would also flush denormal outputs to zero).
+  static void store(T* dst, __m512 x) { mask_store_bf16_exact_ps(dst, 0xFFFF, x); }
 };
 
 struct F32 {
@@ -298,7 +297,7 @@ void store_row(const float* src, int32_t dim, void* dst_) {
 }
 
 const AttentionCpuOps kBf16Ops{pack_k<Bf16>, pack_v_bf16, attend<Bf16>, store_row<Bf16>};
-const AttentionCpuOps kBf16WidenOps{pack_k<Bf16>, pack_v_bf16, attend<Bf16Widen>, store_row<Bf16>};
+const AttentionCpuOps kBf16WidenOps{pack_k<Bf16>, pack_v_bf16, attend<Bf16Widen>, store_row<Bf16Widen>};
 const AttentionCpuOps kF32Ops{pack_k<F32>, pack_v_f32, attend<F32>, store_row<F32>};
 
 }  // namespace

@@ -219,11 +219,11 @@ def runnable_cpu_tiers() -> list[str]:
 def cpu_isa(module: ModuleType) -> str:
     """Which code the CPU kernels run at the current tier, as the module itself decides it: the tier, for AVX-512
     BF16 the bf16 product it uses (vdpbf16ps on AMD, bf16 pairs widened to fp32 FMAs on Intel, PYSCORE_BF16_DOT
-    forcing either), and whether the tier was forced below the hardware's."""
+    forcing either; widened pairs at tier avx512), and whether the tier was forced below the hardware's."""
     features = module.cpu_features()
     tier, hardware = features["tier"], features["hardware_tier"]
     what = f"tier {tier}"
-    if tier in ("avx512bf16", "amx"):
+    if tier in ("avx512", "avx512bf16", "amx"):  # avx512: always widen (no vdpbf16ps)
         what += f", bf16 products by {features['bf16_dot']}"
     if tier != hardware:
         what += f"; forced below the CPU's {hardware}"

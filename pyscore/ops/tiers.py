@@ -4,13 +4,12 @@ inherits the entry of the tier below it (amx -> avx512bf16 -> avx512 -> avx2 -> 
 
 "torch" means torch's op in the model's dtype: for `linear`, F.linear over fixed-size row chunks (batch-invariant,
 see pyscore/ops/linear.py); for the other ops, the op's PyTorch implementation in pyscore.ops.reference.
-"kernel" means pyscore._C at that tier: the AVX-512 code at avx512bf16 / amx (at amx, bf16 `linear` where K is a
-multiple of 32, bf16 prefix_item_attention where head_dim is a multiple of 64 and the bf16 label read-out's product
-where H is a multiple of 32 run on AMX tiles), the AVX2 + FMA code at avx2 / avx512 (at avx512, fp32 `linear`,
-attention, decode attention and the label read-out run the AVX-512 code, whose fp32 paths need AVX-512F alone, and
-add_rms_norm, rotary, silu_mul, causal_conv1d and gated_delta_rule run their AVX-512 code in both dtypes: no BF16
-instruction in it), the NEON layer at neon (attention and the label read-out; the portable C++, vectorized by the
-compiler, for the rest) and the portable C++ at generic.
+"kernel" means pyscore._C at that tier: the AVX-512 code at avx512 / avx512bf16 / amx (at amx, bf16 `linear` where K
+is a multiple of 32, bf16 prefix_item_attention where head_dim is a multiple of 64 and the bf16 label read-out's
+product where H is a multiple of 32 run on AMX tiles; at avx512 the code that needs AVX-512 F/BW/DQ/VL alone: fp32,
+bf16 pairs widened to fp32, and the elementwise and Qwen3.5 kernels whole, tests/ops/test_avx512_tier_isa.py), the
+AVX2 + FMA code at avx2, the NEON layer at neon (attention and the label read-out; the portable C++, vectorized by
+the compiler, for the rest) and the portable C++ at generic.
 Unmeasured pairs say so."""
 
 from __future__ import annotations
@@ -44,28 +43,35 @@ LINEAR_AVX2 = Choice("kernel", "AVX2 + FMA, batch-invariant; fp32 1.1-1.7x torch
 LINEAR_FP32_AVX512 = Choice("kernel", "ours, AVX-512 FMAs in K blocks (0.95-1.04x one unchunked F.linear at prefill, "
                                       "1.00x over a forward's projections, 1.05-1.72x at decode, 1.4-1.5x torch's "
                                       "batch-invariant row calls) (bench/results/tiers/linear_avx512_fp32.txt)")
-LINEAR_AVX2_ON_AVX512 = Choice("kernel", "ours (AVX2, bf16 widened) is 2.2-2.5x torch's AVX-512 bf16 F.linear without "
-                                         "bf16 hardware (bench/results/tiers/linear_avx512.txt)")
+LINEAR_BF16_AVX512 = Choice("kernel", "ours, AVX-512 FMAs on bf16 pairs widened to fp32: 1.2-2.4x the AVX2 kernel at "
+                                      "prefill, 2.2-3.6x torch's AVX-512 bf16 F.linear without bf16 hardware there "
+                                      "and 2.0-3.1x at M = 4-16 (its batch-invariant row calls: 2.9-4.4x); at M = 1 "
+                                      "1.1-1.5x, but 0.83-0.95x (the AVX2 kernel's 0.69-0.78x) for Qwen3-0.6B's o "
+                                      "and down, N = 1024 (bench/results/tiers/linear_avx512_bf16_ab.txt)")
 LINEAR_TORCH = Choice("torch", "oneDNN/MKL GEMM beats a vector-FMA GEMM without bf16 hardware "
                                "(bench/results/tiers/linear_amx.txt)")
 AVX2 = Choice("kernel", "ours (AVX2 + FMA) beats torch's AVX2 op (bench/results/kernels_cpu_avx2.txt, "
                         "kernels_cpu_avx2_bf16.txt, kernels_linear_cpu_avx2.txt)")
-AVX2_ON_AVX512 = Choice("kernel", "ours (AVX2 + FMA) beats torch's AVX-512 op (bench/results/kernels_cpu_avx512.txt)")
+BF16_AVX512 = Choice("kernel", "ours, the AVX-512 ops on bf16 pairs widened to fp32: prefill attention 1.6-2.1x the "
+                               "AVX2 ops (3.3-3.9x SDPA with a dense mask), the read-out 1.6-2.1x at R=16 (3.2-3.3x "
+                               "torch) and 1.0-1.4x at R=1 (1.3-1.4x torch, where the AVX2 text was 1.0x), decode "
+                               "attention 1.2-1.7x (15-17x one SDPA per sequence) "
+                               "(bench/results/tiers/kernels_avx512_bf16_ab.txt)")
 LABELS_AVX2 = Choice("kernel", "ours (AVX2 + FMA): at R=16 1.1-1.3x torch's AVX2 GEMM + log_softmax on 2 threads, "
                                "1.4-1.6x on one, bf16 (widened) 2.9-3.3x (bench/results/tiers/labels_avx2_ab.txt)")
 LABELS_AVX512_FP32 = Choice("kernel", "ours, the AVX-512 read-out (fp32 code without BF16 instructions: "
-                                      "tests/ops/test_avx512_fp32_isa.py): 1.8-2.0x MKL's AVX-512 GEMM at R=16, "
+                                      "tests/ops/test_avx512_tier_isa.py): 1.8-2.0x MKL's AVX-512 GEMM at R=16, "
                                       "where the AVX2 text was 1.0x (bench/results/tiers/kernels_labels_avx512.txt)")
 ELEMENTWISE_AVX512 = Choice("kernel", "ours, the kernel text's AVX-512 unit (no BF16 instruction in it: "
-                                      "tests/ops/test_avx512_fp32_isa.py): 1.1-2.1x the AVX2 unit, 1.3-13x torch's "
+                                      "tests/ops/test_avx512_tier_isa.py): 1.1-2.1x the AVX2 unit, 1.3-13x torch's "
                                       "AVX-512 ops, bf16 silu_mul 1.3-1.6x where the AVX2 unit was 0.9x "
                                       "(bench/results/tiers/elementwise_avx512_ab.txt)")
 LINEAR_ATTENTION_AVX512 = Choice("kernel", "ours, gated_delta_rule_avx512.cpp (no BF16 instruction in it: "
-                                           "tests/ops/test_avx512_fp32_isa.py): conv + rule 0.9-1.5x the AVX2 file "
+                                           "tests/ops/test_avx512_tier_isa.py): conv + rule 0.9-1.5x the AVX2 file "
                                            "(11 of 12 pairs faster), 4.7-10x transformers' torch fallbacks "
                                            "(bench/results/tiers/gated_delta_rule_avx512_ab.txt)")
 ATTENTION_AVX512_FP32 = Choice("kernel", "ours, the AVX-512 ops (fp32 code without BF16 instructions: "
-                                         "tests/ops/test_avx512_fp32_isa.py): prefill 1.6-1.8x the AVX2 ops and "
+                                         "tests/ops/test_avx512_tier_isa.py): prefill 1.6-1.8x the AVX2 ops and "
                                          "3.3-3.6x SDPA with a dense mask, decode 1.5-1.7x the AVX2 ops and 2.9-3.2x "
                                          "one SDPA per sequence (bench/results/tiers/attention_avx512_fp32_ab.txt)")
 ATTENTION_AMX = Choice("kernel", "Q.K^T and P.V on AMX tiles: 2.4x our AVX-512 attend() on this Intel CPU, 4.0x "
@@ -83,18 +89,18 @@ TORCH_UNTUNED = Choice("torch", "no vectorized kernel at this tier: the scalar p
 # op -> tier -> dtype name -> Choice ("*" = every dtype).
 CPU_TIERS: dict[str, dict[str, dict[str, Choice]]] = {
     "linear": {"generic": {"*": LINEAR_TORCH}, "avx2": {"*": LINEAR_AVX2},
-               "avx512": {"float32": LINEAR_FP32_AVX512, "bfloat16": LINEAR_AVX2_ON_AVX512},
+               "avx512": {"float32": LINEAR_FP32_AVX512, "bfloat16": LINEAR_BF16_AVX512},
                "avx512bf16": {"*": KERNEL_ZEN4},
                "amx": {"bfloat16": LINEAR_AMX, "float32": LINEAR_FP32}},
     "prefix_item_attention": {"generic": {"*": ALGORITHM}, "avx2": {"*": AVX2},
-                              "avx512": {"float32": ATTENTION_AVX512_FP32, "bfloat16": AVX2_ON_AVX512},
+                              "avx512": {"float32": ATTENTION_AVX512_FP32, "bfloat16": BF16_AVX512},
                               "avx512bf16": {"*": KERNEL_ZEN4}, "amx": {"bfloat16": ATTENTION_AMX},
                               "neon": {"*": NEON}},
     "decode_attention": {"generic": {"*": ALGORITHM}, "avx2": {"*": AVX2},
-                         "avx512": {"float32": ATTENTION_AVX512_FP32, "bfloat16": AVX2_ON_AVX512},
+                         "avx512": {"float32": ATTENTION_AVX512_FP32, "bfloat16": BF16_AVX512},
                          "avx512bf16": {"*": KERNEL_ZEN4}},
     "label_logprobs": {"generic": {"*": ALGORITHM}, "avx2": {"*": LABELS_AVX2},
-                       "avx512": {"float32": LABELS_AVX512_FP32, "bfloat16": AVX2_ON_AVX512},
+                       "avx512": {"float32": LABELS_AVX512_FP32, "bfloat16": BF16_AVX512},
                        "avx512bf16": {"*": KERNEL_ZEN4}, "amx": {"bfloat16": LABELS_AMX}, "neon": {"*": NEON}},
     "add_rms_norm": {"generic": {"*": TORCH_UNTUNED}, "avx2": {"*": AVX2}, "avx512": {"*": ELEMENTWISE_AVX512},
                      "avx512bf16": {"*": KERNEL_ZEN4}, "neon": {"*": TORCH_UNTUNED}},

@@ -1,7 +1,7 @@
 """What the compiler made of a CPU kernel source: the file compiled as the build compiles it (its vector layer's flags
 and the kernels' options, read from cmake/cpu_kernels.cmake; a kernel text through the translation unit the build
 generates for it), without LTO so that each function's code is its own, then disassembled. For the tests that check
-the machine code itself: tests/ops/test_avx512_fp32_isa.py (no instruction a lower tier lacks) and
+the machine code itself: tests/ops/test_avx512_tier_isa.py (no instruction a lower tier lacks) and
 tests/ops/test_register_tiles.py (register tiles kept in registers)."""
 
 from __future__ import annotations

@@ -127,7 +127,7 @@ def test_cuda_falls_back_to_reference():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_tier_avx512_runs_the_avx512_unit(monkeypatch, dtype):
     """Tier avx512 (AVX-512 without BF16) runs the kernel text's AVX-512 unit in both dtypes (no BF16 instruction in
-    it: tests/ops/test_avx512_fp32_isa.py), so it gives tier avx512bf16's bits. In fp32 those differ from the AVX2
+    it: tests/ops/test_avx512_tier_isa.py), so it gives tier avx512bf16's bits. In fp32 those differ from the AVX2
     unit's (its sum of squares runs 8 lanes wide), so the check can fail; silu_mul and rotary give the same bits on
     every layer, and their dispatch is checked by the ISA test and the bench alone."""
     x, delta, weight = make_inputs(*SHAPES["smollm-775"], dtype, strided=True)

@@ -160,24 +160,24 @@ def test_amx_tiles_run_at_tier_amx(monkeypatch, shape):
 
 
 @pytest.mark.parametrize("shape", ["smollm-r16", "many-rows"])  # enough outputs for the two kernels' bits to differ
-def test_avx512_tier_reads_fp32_out_on_the_avx512_kernel(monkeypatch, shape):
-    """Tier avx512 (AVX-512F without BF16): the fp32 read-out runs the AVX-512 kernel (bitwise what tier avx512bf16
-    gives, not the AVX2 text's bits: 1.8-2.0x MKL at R=16 there, the AVX2 text 1.0x), within the reference's
-    tolerance; bf16 stays on the AVX2 text. That its code needs no BF16 instruction: test_avx512_fp32_isa.py."""
+def test_avx512_tier_reads_out_on_the_avx512_kernel(monkeypatch, shape):
+    """Tier avx512 (AVX-512F without BF16): the read-out runs the AVX-512 kernel in both dtypes, bf16 on pairs widened
+    to fp32 (bitwise what tier avx512bf16 gives with its bf16 products widened, not the AVX2 text's bits), within
+    the reference's tolerance. That its code needs no BF16 instruction: test_avx512_tier_isa.py."""
     module = _ext.cpu_module()
     if module is None or not module.cpu_features()["avx512bf16"]:
         pytest.skip("needs pyscore._C on a CPU with AVX512-BF16")
-    outs = {}
+    monkeypatch.setenv("PYSCORE_BF16_DOT", "widen")
     for dtype in (torch.float32, torch.bfloat16):
         h, w, labels = make_inputs(*SHAPES[shape], dtype, "cpu", strided=False, seed=3)
+        outs = {}
         for tier in ("avx512", "avx512bf16", "avx2"):
             monkeypatch.setenv("PYSCORE_CPU_TIER", tier)
-            outs[dtype, tier] = label_logprobs(h, w, labels, backend="kernel")[0]
-    assert torch.equal(outs[torch.float32, "avx512"], outs[torch.float32, "avx512bf16"])
-    assert not torch.equal(outs[torch.float32, "avx512"], outs[torch.float32, "avx2"])
-    assert torch.equal(outs[torch.bfloat16, "avx512"], outs[torch.bfloat16, "avx2"])
-    monkeypatch.setenv("PYSCORE_CPU_TIER", "avx512")
-    check_label_logprobs("cpu", shape, torch.float32, given_logits=False)
+            outs[tier] = label_logprobs(h, w, labels, backend="kernel")[0]
+        assert torch.equal(outs["avx512"], outs["avx512bf16"]), dtype
+        assert not torch.equal(outs["avx512"], outs["avx2"]), f"{dtype}: the kernels agree: the test cannot tell"
+        monkeypatch.setenv("PYSCORE_CPU_TIER", "avx512")
+        check_label_logprobs("cpu", shape, dtype, given_logits=False)
 
 
 @pytest.mark.parametrize("isa", ["hardware", "avx512", "avx2", "portable"])

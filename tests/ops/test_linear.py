@@ -154,27 +154,33 @@ def test_avx2_kernel_is_batch_invariant(monkeypatch, shape, dtype):
     assert_batch_invariant(shape, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", ["smollm-gate_up", "smollm-down", "k-blocked", "fma-k-blocked"])
-def test_avx512_tier_fp32_bits_are_the_other_tiers(monkeypatch, shape):
-    """Tier avx512 (AVX-512F without BF16), fp32, K blocks included: bitwise what tiers avx512bf16 and avx2 give (each
-    output is the same sequence of fp32 FMAs over K on every kernel: fp32 scores do not depend on the CPU's
-    vector width), batch-invariant and within the reference's tolerance. Which kernel runs there is a speed choice
-    (the K-blocked AVX-512 one: bench/results/tiers/linear_avx512_fp32.txt)."""
+def test_avx512_tier_bits_are_the_other_tiers(monkeypatch, shape, dtype):
+    """Tier avx512 (AVX-512F without BF16), K blocks included, runs the AVX-512 kernel in fp32 and in bf16 (pairs
+    widened to fp32: the code needs no BF16 instruction, tests/ops/test_avx512_tier_isa.py): bitwise what tier
+    avx512bf16 gives, batch-invariant and within the reference's tolerance. In fp32 that is tier avx2's bits too
+    (each output is the same sequence of fp32 FMAs over K on every kernel: fp32 scores do not depend on the CPU's
+    vector width); the AVX2 kernel adds a widened bf16 pair in another order, so in bf16 they differ, which shows
+    which kernel ran (bench/results/tiers/linear_avx512_fp32.txt, linear_avx512_bf16_ab.txt)."""
     module = _ext.cpu_module()
     if module is None or not module.cpu_features()["avx512f"]:
         pytest.skip("needs pyscore._C on a CPU with AVX-512")
+    monkeypatch.setenv("PYSCORE_BF16_DOT", "dpbf16")  # what tier avx512 must not take: it answers widen there
     k, n, gated = {**ALL_SHAPES, **FMA_K_BLOCKED_SHAPES}[shape]
-    x, w, b, r = make_inputs(13, k, n, gated, torch.float32, bias=True, residual=True, seed=3)
+    x, w, b, r = make_inputs(13, k, n, gated, dtype, bias=True, residual=True, seed=3)
     packed = pack_linear(w, b, gated=gated)
     outs = {}
     for tier in ("avx512", "avx512bf16", "avx2"):
         monkeypatch.setenv("PYSCORE_CPU_TIER", tier)
         outs[tier] = linear(x, packed, residual=r, backend="kernel")
-    assert torch.equal(outs["avx512"], outs["avx512bf16"]) and torch.equal(outs["avx512"], outs["avx2"]), f"K={k}"
+    assert torch.equal(outs["avx512"], outs["avx512bf16"]), f"K={k}"
+    assert torch.equal(outs["avx512"], outs["avx2"]) == (dtype == torch.float32), f"K={k}"
     monkeypatch.setenv("PYSCORE_CPU_TIER", "avx512")
-    check_linear(13, k, n, gated, torch.float32, bias=True, residual=True, seed=3)
+    assert module.cpu_features()["bf16_dot"] == "widen" and module.cpu_features()["path"] == "avx512"
+    check_linear(13, k, n, gated, dtype, bias=True, residual=True, seed=3)
     if shape in ALL_SHAPES:
-        assert_batch_invariant(shape, torch.float32)
+        assert_batch_invariant(shape, dtype)
 
 
 # K past the AVX-512 FMA kernel's K block (2048 steps: K 2048 in fp32, 4096 in bf16): fp32 sums carried between

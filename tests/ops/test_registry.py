@@ -145,6 +145,11 @@ def test_op_paths_name_the_tier_and_the_bf16_product(monkeypatch):
     monkeypatch.setenv("PYSCORE_BF16_DOT", "widen")
     tier = features["hardware_tier"]
     assert _ext.op_paths(CPU, torch.bfloat16)["rotary"] == f"kernel: pyscore._C (tier {tier}, bf16 products by widen)"
+    monkeypatch.setenv("PYSCORE_BF16_DOT", "dpbf16")  # not at tier avx512: no vdpbf16ps there, whatever is asked
+    monkeypatch.setenv("PYSCORE_CPU_TIER", "avx512")
+    assert _ext.op_paths(CPU, torch.bfloat16)["linear"] == (
+        f"kernel: pyscore._C (tier avx512, bf16 products by widen; forced below the CPU's {tier})")
+    monkeypatch.delenv("PYSCORE_CPU_TIER")
     monkeypatch.setenv("PYSCORE_DISABLE_AVX512", "1")  # the legacy switch: the generic tier
     forced = _ext.op_paths(CPU, torch.float32, "kernel")["rotary"]
     assert forced == f"kernel: pyscore._C (tier generic; forced below the CPU's {tier})"
