@@ -19,7 +19,6 @@
 #include <arm_neon.h>
 
 #include <cstdint>
-#include <cstring>
 
 namespace pyscore {
 namespace neon {
@@ -59,16 +58,24 @@ static inline Vec widen_bf16(uint16x4_t h) { return vreinterpretq_f32_u32(vshll_
 static inline Vec load(const float* p) { return vld1q_f32(p); }
 static inline Vec load(const uint16_t* p) { return widen_bf16(vld1_u16(p)); }
 
-// The first n elements (0 <= n <= 4), the other lanes 0; never reads past p + n.
+// The first n elements (0 <= n <= 4), the other lanes 0; never reads past p + n. Lane by lane into a register: a
+// stack buffer here (memcpy, or element copies) made GCC keep a calling kernel's whole register tile in memory, a
+// store per multiply-add in its main loop (the label read-out's fp32 tile: tests/ops/test_register_tiles.py).
 static inline Vec load_first(const float* p, int n) {
-  float buf[4] = {};
-  std::memcpy(buf, p, size_t(n) * sizeof(float));
-  return vld1q_f32(buf);
+  Vec v = vdupq_n_f32(0.0f);
+  if (n > 0) v = vsetq_lane_f32(p[0], v, 0);
+  if (n > 1) v = vsetq_lane_f32(p[1], v, 1);
+  if (n > 2) v = vsetq_lane_f32(p[2], v, 2);
+  if (n > 3) v = vsetq_lane_f32(p[3], v, 3);
+  return v;
 }
 static inline Vec load_first(const uint16_t* p, int n) {
-  uint16_t buf[4] = {};
-  std::memcpy(buf, p, size_t(n) * sizeof(uint16_t));
-  return widen_bf16(vld1_u16(buf));
+  uint16x4_t h = vdup_n_u16(0);
+  if (n > 0) h = vset_lane_u16(p[0], h, 0);
+  if (n > 1) h = vset_lane_u16(p[1], h, 1);
+  if (n > 2) h = vset_lane_u16(p[2], h, 2);
+  if (n > 3) h = vset_lane_u16(p[3], h, 3);
+  return widen_bf16(h);
 }
 
 // Round to nearest even to bf16 as torch does, on the fp32 bits: add 0x7FFF plus the lowest kept bit; the bf16 sits
@@ -85,16 +92,19 @@ static inline uint16x4_t narrow_bf16(Vec x) { return vshrn_n_u32(round_bf16_bits
 static inline void store(float* p, Vec x) { vst1q_f32(p, x); }
 static inline void store(uint16_t* p, Vec x) { vst1_u16(p, narrow_bf16(x)); }
 
-// Stores the first n lanes (0 <= n <= 4); never writes past p + n.
+// Stores the first n lanes (0 <= n <= 4); never writes past p + n. Lane by lane from the register, as load_first.
 static inline void store_first(float* p, Vec x, int n) {
-  float buf[4];
-  vst1q_f32(buf, x);
-  std::memcpy(p, buf, size_t(n) * sizeof(float));
+  if (n > 0) vst1q_lane_f32(p, x, 0);
+  if (n > 1) vst1q_lane_f32(p + 1, x, 1);
+  if (n > 2) vst1q_lane_f32(p + 2, x, 2);
+  if (n > 3) vst1q_lane_f32(p + 3, x, 3);
 }
 static inline void store_first(uint16_t* p, Vec x, int n) {
-  uint16_t buf[4];
-  vst1_u16(buf, narrow_bf16(x));
-  std::memcpy(p, buf, size_t(n) * sizeof(uint16_t));
+  const uint16x4_t h = narrow_bf16(x);
+  if (n > 0) vst1_lane_u16(p, h, 0);
+  if (n > 1) vst1_lane_u16(p + 1, h, 1);
+  if (n > 2) vst1_lane_u16(p + 2, h, 2);
+  if (n > 3) vst1_lane_u16(p + 3, h, 3);
 }
 
 // Lanes [0, n) of the chunk at p, n clamped to 4: a full load or a ragged one.

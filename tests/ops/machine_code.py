@@ -1,8 +1,9 @@
 """What the compiler made of a CPU kernel source: the file compiled as the build compiles it (its vector layer's flags
 and the kernels' options, read from cmake/cpu_kernels.cmake; a kernel text through the translation unit the build
-generates for it), without LTO so that each function's code is its own, then disassembled. For the tests that check
-the machine code itself: tests/ops/test_avx512_tier_isa.py (no instruction a lower tier lacks) and
-tests/ops/test_register_tiles.py (register tiles kept in registers)."""
+generates for it), without LTO so that each function's code is its own, then disassembled: the x86 layers (avx2,
+avx512) with this machine's g++, the aarch64 one (neon) with Debian's cross g++ (`make aarch64-deps`, as for
+tests/ops/test_aarch64.py). For the tests that check the machine code itself: tests/ops/test_avx512_tier_isa.py (no
+instruction a lower tier lacks) and tests/ops/test_register_tiles.py (register tiles kept in registers)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,16 @@ INSTRUCTION = re.compile(r"^\s+([0-9a-f]+):\s+(\S+)\s*(.*)$")
 
 needs_x86_gcc = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not shutil.which("g++")
                                    or not shutil.which("objdump"), reason="needs x86-64 with g++ and objdump")
+# (compiler, objdump) per architecture; aarch64: the cross tools on x86, the native ones on an ARM machine
+ON_ARM = platform.machine() in ("aarch64", "arm64")
+AARCH64_TOOLS = ("g++", "objdump") if ON_ARM else ("aarch64-linux-gnu-g++", "aarch64-linux-gnu-objdump")
+needs_aarch64_gcc = pytest.mark.skipif(not all(map(shutil.which, AARCH64_TOOLS)),
+                                       reason="needs g++ and objdump for aarch64 (make aarch64-deps)")
+
+
+def tools(layer: str) -> tuple[str, str]:
+    """The compiler and the disassembler for a vector layer's architecture."""
+    return AARCH64_TOOLS if layer == "neon" else ("g++", "objdump")
 
 
 class Instruction(NamedTuple):
@@ -30,7 +41,8 @@ class Instruction(NamedTuple):
 
 
 def build_flags(layer: str) -> list[str]:
-    """The kernels' options and one vector layer's ISA flags ("avx2" or "avx512"), from cmake/cpu_kernels.cmake."""
+    """The kernels' options and one vector layer's ISA flags ("avx2", "avx512" or "neon"), from
+    cmake/cpu_kernels.cmake."""
     text = (REPO / "cmake" / "cpu_kernels.cmake").read_text()
     isa = re.search(rf"set\(PYSCORE_{layer.upper()}_FLAGS \"([^\"]+)\"\)", text)
     options = re.search(r"set\(PYSCORE_CPU_KERNEL_OPTIONS ([^)]*)\)", text)
@@ -53,9 +65,10 @@ def translation_unit(source: str, layer: str, tmp_path: Path) -> Path:
 def functions(source: str, layer: str, tmp_path: Path) -> dict[str, list[Instruction]]:
     """Each function of the compiled source (demangled name): its instructions in address order."""
     obj = tmp_path / f"{Path(source).stem}_{layer}.o"
-    subprocess.run(["g++", "-std=c++17", *build_flags(layer), f"-I{REPO / 'csrc'}", "-c",
+    compiler, objdump = tools(layer)
+    subprocess.run([compiler, "-std=c++17", *build_flags(layer), f"-I{REPO / 'csrc'}", "-c",
                     str(translation_unit(source, layer, tmp_path)), "-o", str(obj)], check=True)
-    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", str(obj)], check=True,
+    listing = subprocess.run([objdump, "-d", "--no-show-raw-insn", "-C", str(obj)], check=True,
                              capture_output=True, text=True).stdout
     found: dict[str, list[Instruction]] = {}
     current = None

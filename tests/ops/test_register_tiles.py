@@ -6,19 +6,21 @@ accumulators in registers (a run-time trip count, or a bounds check inside the l
 writes every one back on every step. The results stay bitwise the same, so no other test sees it, and the benches
 see it only through this VM's noise: the AVX2 label read-out ran at 40-42 ms instead of 27-36 (R=16, one thread,
 bench/results/tiers/labels_avx2_ab.txt), the AVX2 decode attention at 0.65-0.78 ms instead of 0.54-0.62
-(decode_attention_avx2_ab.txt). Every instantiation of each kernel below is checked. The check can fail: a loop with
-a run-time accumulator count, as the decode attention's was, is flagged."""
+(decode_attention_avx2_ab.txt). Every instantiation of each kernel below is checked, on x86 and, for the kernel texts
+NEON shares, in the aarch64 code (Debian's cross g++; no ARM machine has timed it): there a ragged load through a
+stack buffer kept the fp32 read-out's tile in memory. The check can fail: a loop with a run-time accumulator count,
+as the decode attention's was, is flagged."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
-from tests.ops.machine_code import Instruction, functions, needs_x86_gcc
-
-pytestmark = needs_x86_gcc
+from tests.ops.machine_code import Instruction, functions, needs_aarch64_gcc, needs_x86_gcc
 
 # (source, vector layer) -> the register-tiled kernels in it (function names as objdump -C gives them, by prefix)
 TILED = {
@@ -37,20 +39,46 @@ TILED = {
         "void pyscore::(anonymous namespace)::state_columns<", "void pyscore::(anonymous namespace)::conv_tokens<"],
     ("csrc/gated_delta_rule/gated_delta_rule_avx512.cpp", "avx512"): [
         "void pyscore::(anonymous namespace)::state_columns<", "void pyscore::(anonymous namespace)::conv_tokens<"],
+    # the NEON layer's compile of the same texts (GCC inlines the read-out's tiles into logits_chunk there)
+    ("csrc/label_logprobs/logits_simd.h", "neon"): [
+        "void pyscore::(anonymous namespace)::dot_tile<", "void pyscore::(anonymous namespace)::logits_chunk<"],
+    ("csrc/prefix_item_attention/attention_simd.h", "neon"): ["void pyscore::(anonymous namespace)::attend_tile<"],
 }
-MULTIPLY_ADD = re.compile(r"^(vfn?m(add|sub)|vdpbf16ps)")
-JUMP = re.compile(r"^j\w+$")
-TARGET = re.compile(r"^([0-9a-f]+)\b")
-STACK_STORE = re.compile(r"%[xyz]mm\d+,\s*-?(0x[0-9a-f]+)?\(%r[sb]p\)")
 
 
-def loops(code: list[Instruction]) -> list[list[Instruction]]:
+class Isa(NamedTuple):
+    """What the hot-loop check reads in one architecture's disassembly (objdump's syntax)."""
+    multiply_add: re.Pattern  # a vector multiply-add's mnemonic
+    jump: re.Pattern  # a branch's mnemonic
+    target: re.Pattern  # its target address in the operands
+    stack_store: Callable[[Instruction], int]  # vector registers the instruction stores to the stack
+
+
+def x86_stack_store(x: Instruction) -> int:
+    return int(x.mnemonic.startswith(("vmov", "mov")) and bool(re.search(r"%[xyz]mm\d+,\s*-?(0x[0-9a-f]+)?\(%r[sb]p\)",
+                                                                        x.operands)))
+
+
+def aarch64_stack_store(x: Instruction) -> int:  # str q0, [sp, #16] / stp q0, q1, [x29, #32]
+    if x.mnemonic not in ("str", "stp") or not x.operands.startswith("q") or not re.search(r"\[(sp|x29)\b", x.operands):
+        return 0
+    return 2 if x.mnemonic == "stp" else 1
+
+
+X86 = Isa(re.compile(r"^(vfn?m(add|sub)|vdpbf16ps)"), re.compile(r"^j\w+$"), re.compile(r"^([0-9a-f]+)\b"),
+          x86_stack_store)
+AARCH64 = Isa(re.compile(r"^(fml[as]|bfdot|bfmmla)$"), re.compile(r"^(b|b\.\w+|cbn?z|tbn?z)$"),
+              re.compile(r"(?:^|,\s*)([0-9a-f]+) <"), aarch64_stack_store)
+
+
+def loops(code: list[Instruction], isa: Isa = X86) -> list[list[Instruction]]:
     """The innermost loops: spans from a backward jump's target to the jump that hold no other such span and no return
     (GCC places some blocks after the return and jumps back from them: not loops)."""
     at = {x.address: j for j, x in enumerate(code)}
     spans = []
     for i, ins in enumerate(code):
-        if JUMP.match(ins.mnemonic) and (m := TARGET.match(ins.operands)) and int(m.group(1), 16) < ins.address:
+        m = isa.jump.match(ins.mnemonic) and isa.target.search(ins.operands)
+        if m and int(m.group(1), 16) < ins.address:
             start = at.get(int(m.group(1), 16))
             if start is not None and not any(x.mnemonic.startswith("ret") for x in code[start:i + 1]):
                 spans.append((start, i))
@@ -58,26 +86,29 @@ def loops(code: list[Instruction]) -> list[list[Instruction]]:
     return [code[a:b + 1] for a, b in inner]
 
 
-def hot_loop_stack_stores(code: list[Instruction]) -> tuple[int, int] | None:
+def hot_loop_stack_stores(code: list[Instruction], isa: Isa = X86) -> tuple[int, int] | None:
     """(multiply-adds, vector stores to the stack) of the innermost loop with the most multiply-adds, or None."""
-    counted = [(sum(bool(MULTIPLY_ADD.match(x.mnemonic)) for x in body),
-                sum(x.mnemonic.startswith(("vmov", "mov")) and bool(STACK_STORE.search(x.operands)) for x in body))
-               for body in loops(code)]
+    counted = [(sum(bool(isa.multiply_add.match(x.mnemonic)) for x in body), sum(isa.stack_store(x) for x in body))
+               for body in loops(code, isa)]
     counted = [c for c in counted if c[0]]
     return max(counted) if counted else None
 
 
-@pytest.mark.parametrize("source, layer", list(TILED), ids=[f"{Path(s).stem}-{layer}" for s, layer in TILED])
+@pytest.mark.parametrize("source, layer", [
+    pytest.param(s, layer, id=f"{Path(s).stem}-{layer}", marks=needs_aarch64_gcc if layer == "neon" else needs_x86_gcc)
+    for s, layer in TILED])
 def test_hot_loops_keep_their_tiles_in_registers(source, layer, tmp_path):
+    isa = AARCH64 if layer == "neon" else X86
     found = functions(source, layer, tmp_path)
     kernels = {name: code for name, code in found.items() if any(name.startswith(p) for p in TILED[source, layer])}
     assert kernels, f"no {TILED[source, layer]} in {source}: the kernel was renamed, rename it here"
-    checked = {name[:110]: hot_loop_stack_stores(code) for name, code in kernels.items()}
+    checked = {name[:110]: hot_loop_stack_stores(code, isa) for name, code in kernels.items()}
     assert any(c for c in checked.values()), f"no multiply-add loop found in {source}'s kernels"
     spilling = {name: c for name, c in checked.items() if c and c[1] > 1}
     assert not spilling, f"hot loops storing their tile to the stack, (multiply-adds, stack stores): {spilling}"
 
 
+@needs_x86_gcc
 def test_the_check_flags_a_tile_kept_in_memory(tmp_path):
     """The pattern the AVX2 decode attention had: accumulators over a run-time count of vectors."""
     probe = tmp_path / "runtime_count_avx2.cpp"
@@ -94,4 +125,24 @@ void add_values(float* o, const float* p, const float* v, long v_stride, int n, 
 """)
     found = functions(str(probe), "avx2", tmp_path)  # an absolute path: compiled as it is
     counts = hot_loop_stack_stores(found["add_values(float*, float const*, float const*, long, int, int)"])
+    assert counts and counts[1] > 1, counts
+
+
+@needs_aarch64_gcc
+def test_the_aarch64_check_flags_a_tile_kept_in_memory(tmp_path):
+    """The same pattern in NEON code."""
+    probe = tmp_path / "runtime_count_neon.cpp"
+    probe.write_text("""#include <arm_neon.h>
+void add_values(float* o, const float* p, const float* v, long v_stride, int n, int vecs) {
+  float32x4_t acc[8];
+  for (int z = 0; z < vecs; ++z) acc[z] = vld1q_f32(o + 4 * z);
+  for (int j = 0; j < n; ++j) {
+    const float32x4_t pj = vdupq_n_f32(p[j]);
+    for (int z = 0; z < vecs; ++z) acc[z] = vfmaq_f32(acc[z], pj, vld1q_f32(v + j * v_stride + 4 * z));
+  }
+  for (int z = 0; z < vecs; ++z) vst1q_f32(o + 4 * z, acc[z]);
+}
+""")
+    found = functions(str(probe), "neon", tmp_path)
+    counts = hot_loop_stack_stores(found["add_values(float*, float const*, float const*, long, int, int)"], AARCH64)
     assert counts and counts[1] > 1, counts
