@@ -78,6 +78,12 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return resolved
 
 
+def smaller_dtype(dtype: str | torch.dtype, resolved: torch.dtype) -> torch.dtype | None:
+    """bfloat16 for dtype "auto" resolved to float32 (a CPU without bf16 arithmetic): the loader serves a model in it
+    where the model fits only in it (pyscore.model.loading.choose_dtype). None otherwise: an asked dtype is kept."""
+    return torch.bfloat16 if isinstance(dtype, str) and dtype == "auto" and resolved == torch.float32 else None
+
+
 def set_threads(threads: int | None) -> None:
     threads = threads or int(os.environ.get("PYSCORE_THREADS", 0)) or (os.cpu_count() or 1)
     torch.set_num_threads(threads)
@@ -213,8 +219,10 @@ class Engine:
         set_threads(threads)
         dev = resolve_device(device)
         pools = Pools(max_batch_tokens, max_kv_tokens, max_running_generations, prefix_cache_mb, kv_cache_mb)
-        return cls(load_model(model, resolve_dtype(dtype, dev), dev, pools), max_batch_tokens, op_backend,
-                   prefix_cache_mb, max_kv_tokens, max_running_generations, kv_cache_mb, prefill_chunk_tokens)
+        resolved = resolve_dtype(dtype, dev)
+        loaded = load_model(model, resolved, dev, pools, smaller_dtype(dtype, resolved))
+        return cls(loaded, max_batch_tokens, op_backend, prefix_cache_mb, max_kv_tokens, max_running_generations,
+                   kv_cache_mb, prefill_chunk_tokens)
 
     # --- model facts ---------------------------------------------------------------------------------
     def info(self) -> ModelInfo:

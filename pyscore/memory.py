@@ -281,14 +281,20 @@ def resident_bytes() -> int:
 
 
 # -- the check -----------------------------------------------------------------------------------------------
+def still_needed(plan: MemoryPlan, device: torch.device) -> int:
+    """Bytes of the plan still to allocate on `device`: on the CPU less what the process holds already (a GPU's plan
+    leaves the runtime on the host)."""
+    already = resident_bytes() if device.type == "cpu" else 0
+    device_total = plan.expected_total_bytes - (plan.runtime_bytes if device.type == "cuda" else 0)
+    return max(device_total - already, 0)
+
+
 def check_fits(plan: MemoryPlan, name: str, device: torch.device, pools: Pools,
                available: tuple[int, str] | None = None) -> None:
     """Raises InsufficientMemoryError, naming the numbers and what to change, when what the plan has yet to
     allocate exceeds the memory available; a GPU's plan leaves the runtime on the host."""
     free, source = available if available is not None else available_memory(device)
-    already = resident_bytes() if device.type == "cpu" else 0
-    device_total = plan.expected_total_bytes - (plan.runtime_bytes if device.type == "cuda" else 0)
-    need = max(device_total - already, 0)
+    need = still_needed(plan, device)
     if need <= free:
         return
     message = (f"{name} does not fit: it needs {describe(plan)}; {need / GiB:.2f} GiB of it is still to be "

