@@ -108,41 +108,33 @@ def test_hot_loops_keep_their_tiles_in_registers(source, layer, tmp_path):
     assert not spilling, f"hot loops storing their tile to the stack, (multiply-adds, stack stores): {spilling}"
 
 
-@needs_x86_gcc
-def test_the_check_flags_a_tile_kept_in_memory(tmp_path):
-    """The pattern the AVX2 decode attention had: accumulators over a run-time count of vectors."""
-    probe = tmp_path / "runtime_count_avx2.cpp"
-    probe.write_text("""#include <immintrin.h>
-void add_values(float* o, const float* p, const float* v, long v_stride, int n, int vecs) {
-  __m256 acc[8];
-  for (int z = 0; z < vecs; ++z) acc[z] = _mm256_loadu_ps(o + 8 * z);
-  for (int j = 0; j < n; ++j) {
-    const __m256 pj = _mm256_set1_ps(p[j]);
-    for (int z = 0; z < vecs; ++z) acc[z] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * v_stride + 8 * z), acc[z]);
-  }
-  for (int z = 0; z < vecs; ++z) _mm256_storeu_ps(o + 8 * z, acc[z]);
+# The pattern the AVX2 decode attention had: accumulators over a run-time count of vectors, per vector layer.
+PROBE = """{include}
+void add_values(float* o, const float* p, const float* v, long v_stride, int n, int vecs) {{
+  {vec} acc[8];
+  for (int z = 0; z < vecs; ++z) acc[z] = {load}(o + {lanes} * z);
+  for (int j = 0; j < n; ++j) {{
+    const {vec} pj = {set1}(p[j]);
+    for (int z = 0; z < vecs; ++z) acc[z] = {fma};
+  }}
+  for (int z = 0; z < vecs; ++z) {store}(o + {lanes} * z, acc[z]);
+}}
+"""
+PROBE_LAYERS = {
+    "avx2": dict(include="#include <immintrin.h>", vec="__m256", load="_mm256_loadu_ps", lanes=8,
+                 set1="_mm256_set1_ps", fma="_mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * v_stride + 8 * z), acc[z])",
+                 store="_mm256_storeu_ps"),
+    "neon": dict(include="#include <arm_neon.h>", vec="float32x4_t", load="vld1q_f32", lanes=4, set1="vdupq_n_f32",
+                 fma="vfmaq_f32(acc[z], pj, vld1q_f32(v + j * v_stride + 4 * z))", store="vst1q_f32"),
 }
-""")
-    found = functions(str(probe), "avx2", tmp_path)  # an absolute path: compiled as it is
-    counts = hot_loop_stack_stores(found["add_values(float*, float const*, float const*, long, int, int)"])
-    assert counts and counts[1] > 1, counts
 
 
-@needs_aarch64_gcc
-def test_the_aarch64_check_flags_a_tile_kept_in_memory(tmp_path):
-    """The same pattern in NEON code."""
-    probe = tmp_path / "runtime_count_neon.cpp"
-    probe.write_text("""#include <arm_neon.h>
-void add_values(float* o, const float* p, const float* v, long v_stride, int n, int vecs) {
-  float32x4_t acc[8];
-  for (int z = 0; z < vecs; ++z) acc[z] = vld1q_f32(o + 4 * z);
-  for (int j = 0; j < n; ++j) {
-    const float32x4_t pj = vdupq_n_f32(p[j]);
-    for (int z = 0; z < vecs; ++z) acc[z] = vfmaq_f32(acc[z], pj, vld1q_f32(v + j * v_stride + 4 * z));
-  }
-  for (int z = 0; z < vecs; ++z) vst1q_f32(o + 4 * z, acc[z]);
-}
-""")
-    found = functions(str(probe), "neon", tmp_path)
-    counts = hot_loop_stack_stores(found["add_values(float*, float const*, float const*, long, int, int)"], AARCH64)
+@pytest.mark.parametrize("layer", [pytest.param("avx2", marks=needs_x86_gcc),
+                                   pytest.param("neon", marks=needs_aarch64_gcc)])
+def test_the_check_flags_a_tile_kept_in_memory(layer, tmp_path):
+    probe = tmp_path / f"runtime_count_{layer}.cpp"
+    probe.write_text(PROBE.format(**PROBE_LAYERS[layer]))
+    found = functions(str(probe), layer, tmp_path)  # an absolute path: compiled as it is
+    counts = hot_loop_stack_stores(found["add_values(float*, float const*, float const*, long, int, int)"],
+                                   AARCH64 if layer == "neon" else X86)
     assert counts and counts[1] > 1, counts
