@@ -65,8 +65,10 @@ def test_waiting_requests_share_the_next_pass(server: ServerThread, client: Scor
     fake.pause()
     first = _score_future(client, "first")
     assert fake.wait_entered()
-    rest = [_score_future(client, f"r{i}") for i in range(5)]
-    wait_for(lambda: server.batcher.waiting() == 5, what="5 waiting requests")
+    rest = []
+    for i in range(5):  # one at a time: calls in flight together may arrive in any order
+        rest.append(_score_future(client, f"r{i}"))
+        wait_for(lambda n=i + 1: server.batcher.waiting() == n, what=f"{i + 1} waiting requests")
     fake.resume()
     for f in [first, *rest]:
         f.result()
@@ -81,8 +83,10 @@ def test_token_budget_splits_in_arrival_order(start_server: Any, fake: FakeEngin
         first = _score_future(client, "first")
         assert fake.wait_entered()
         queries = ["r0", "r1", "big " * 20, "r2", "r3", "r4"]
-        rest = [_score_future(client, q) for q in queries]
-        wait_for(lambda: server.batcher.waiting() == 6, what="6 waiting requests")
+        rest = []
+        for i, q in enumerate(queries):  # one at a time: calls in flight together may arrive in any order
+            rest.append(_score_future(client, q))
+            wait_for(lambda n=i + 1: server.batcher.waiting() == n, what=f"{i + 1} waiting requests")
         fake.resume()
         for f in [first, *rest]:
             f.result()
