@@ -164,7 +164,8 @@ inline bool cpu_use_avx512bf16() { return cpu_tier_at_least(CpuTier::kAvx512Bf16
 // instruction in any of it: tests/ops/test_avx512_tier_isa.py reads the machine code.
 inline bool cpu_use_avx512() { return cpu_tier_at_least(CpuTier::kAvx512); }
 
-// The AVX2 + FMA kernels (*_avx2.cpp): tiers avx2 and avx512 (an AVX-512 CPU without BF16 runs them).
+// The AVX2 + FMA kernels (*_avx2.cpp): tier avx2, and tier avx512 where its AVX-512 code does not cover a shape
+// (the attention ops' other head sizes).
 inline bool cpu_use_avx2() { return cpu_tier_at_least(CpuTier::kAvx2) && !cpu_use_avx512bf16(); }
 
 // How the AVX-512 kernels multiply bf16 pairs (both give bitwise the same fp32 result on normal numbers):
