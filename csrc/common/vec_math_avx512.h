@@ -134,5 +134,8 @@ static inline void mask_store_bf16_exact_ps(uint16_t* p, __mmask16 m, __m512 x) 
   _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16_bits(x), 16)));
 }
 
+// 16 fp32 -> 16 bf16 as torch rounds, without vcvtneps2bf16 (store_bf16_ps's instruction, which tier avx512 lacks).
+static inline void store_bf16_exact_ps(uint16_t* p, __m512 x) { mask_store_bf16_exact_ps(p, 0xFFFF, x); }
+
 }  // namespace avx512
 }  // namespace pyscore

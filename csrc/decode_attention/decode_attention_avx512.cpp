@@ -110,7 +110,7 @@ struct Bf16Widen : Bf16 {
     }
     return acc;
   }
-  static void store(T* dst, __m512 x) { mask_store_bf16_exact_ps(dst, 0xFFFF, x); }
+  static void store(T* dst, __m512 x) { store_bf16_exact_ps(dst, x); }
 };
 
 struct F32 {

@@ -80,7 +80,7 @@ struct Bf16Widen {
   // Bitwise Bf16::store_p's vcvtneps2bf16 on P, which is never denormal (exp2_ps flushes below 2^-126).
   static void store_p(B* dst, __m512 p) { _mm512_storeu_ps(dst, round_bf16_exact_ps(p)); }
   // The output rounded as torch rounds (vcvtneps2bf16 would also flush denormal outputs to zero).
-  static void store(T* dst, __m512 x) { mask_store_bf16_exact_ps(dst, 0xFFFF, x); }
+  static void store(T* dst, __m512 x) { store_bf16_exact_ps(dst, x); }
 };
 
 struct F32 {

@@ -35,6 +35,7 @@ from pyscore.model.config import ModelConfig
 from pyscore.model.gguf import convert_gguf
 from pyscore.model.rope import Rotary, inverse_frequencies
 from pyscore.model.weights import DecoderWeights, build_weights
+from pyscore.ops._ext import torch_dtype_name
 from pyscore.types import MemoryPlan
 
 log = logging.getLogger(__name__)
@@ -116,14 +117,10 @@ def choose_dtype(path: Path, cfg: ModelConfig, name: str, dtype: torch.dtype, sm
     if still_needed(small, device) > available[0]:
         return dtype, checkpoint, plan
     log.warning("dtype auto -> %s instead of %s: %s needs %.2f GiB in %s and %.2f GiB in %s, and %.2f GiB is "
-                "available (%s). Pass --dtype to choose.", dtype_name(smaller), dtype_name(dtype), name,
-                plan.expected_total_bytes / 2**30, dtype_name(dtype), small.expected_total_bytes / 2**30,
-                dtype_name(smaller), available[0] / 2**30, available[1])
+                "available (%s). Pass --dtype to choose.", torch_dtype_name(smaller), torch_dtype_name(dtype), name,
+                plan.expected_total_bytes / 2**30, torch_dtype_name(dtype), small.expected_total_bytes / 2**30,
+                torch_dtype_name(smaller), available[0] / 2**30, available[1])
     return smaller, checkpoint, small
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def memory_plan(model: str | os.PathLike | None, dtype: torch.dtype, pools: Pools) -> tuple[str, MemoryPlan]:
