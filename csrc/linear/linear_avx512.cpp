@@ -6,9 +6,12 @@
 // block (24 + 4 weight operands + 1 broadcast <= 32 zmm); each step loads ZN weight zmm (16 columns x one pair) and
 // broadcasts one x pair per row. Over a rectangle, the weight panel of a block (K block x 64) is reused from L2 by
 // every row tile. bf16 pairs are multiplied by vdpbf16ps or widened to fp32 with two FMAs in its order (Bf16Dot): the
-// same bits. The epilogue (bias, SiLU-mul, residual, rounding) runs on the accumulators before the one store.
+// same bits; widened, a rectangle of 64 rows or more first widens each weight panel to fp32 once (Bf16Panel), so its
+// steps are the fp32 kernel's. The epilogue (bias, SiLU-mul, residual, rounding) runs on the accumulators before the
+// one store.
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "common/amx_tiles.h"
@@ -28,6 +31,7 @@ constexpr int kMaxZmm = kLinearBlockN / 16;
 // (b + r * b_stride) times the ZN weight zmm at w into acc[r][0..ZN).
 struct Bf16 {  // vdpbf16ps
   using T = uint16_t;
+  using W = uint16_t;
   using B = uint16_t;
   static constexpr int kPack = 2;
   template <int TM, int ZN>
@@ -55,6 +59,7 @@ struct Bf16 {  // vdpbf16ps
 // broadcasts are FMA memory operands (see opaque()).
 struct Bf16Widen {
   using T = uint16_t;
+  using W = uint16_t;
   using B = float;
   static constexpr int kPack = 2;
   template <int TM, int ZN>
@@ -88,6 +93,7 @@ struct Bf16Widen {
 
 struct F32 {
   using T = float;
+  using W = float;
   using B = float;
   static constexpr int kPack = 1;
   template <int TM, int ZN>
@@ -106,6 +112,54 @@ struct F32 {
   static Rows rows(const T* x, int64_t x_stride, int, int) { return {x, x_stride}; }
   static __m512 load(const T* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
   static void store(T* p, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(p, m, v); }
+};
+
+// Bf16Widen's arithmetic near the fp32 kernel's rate, for rectangles of many rows: the rect widens each K block's
+// weight panel once into a per-thread fp32 buffer (panel() below, at most 512 KiB), each pair stored odd row first,
+// and a tile's x rows into fp32 with each pair swapped the same way; a pair step is then two fp32 steps, odd then
+// even: the same two FMAs per pair in the same order as Bf16Widen, so the same bits, while a pair step loads 8
+// weight zmm and 12 broadcasts and widens nothing (Bf16Widen: 4 zmm widened on the FMA ports and 48 broadcasts,
+// 0.54-0.78x the fp32 kernel's rate: bench/results/tiers/linear_avx512_dtypes.txt).
+struct Bf16Panel {
+  using T = uint16_t;
+  using W = float;
+  using B = float;
+  static constexpr int kPack = 2;
+  template <int TM, int ZN>
+  static void step(__m512 (&acc)[TM][ZN], const B* b, int64_t b_stride, const W* w) {
+    F32::step<TM, ZN>(acc, b, b_stride, w);                      // x_odd * w_odd
+    F32::step<TM, ZN>(acc, b + 1, b_stride, w + kLinearBlockN);  // then x_even * w_even
+  }
+  struct Rows {
+    const B* data;
+    int64_t stride;
+  };
+  static Rows rows(const T* x, int64_t x_stride, int tm, int k) {
+    thread_local std::vector<float> buf;
+    if (int64_t(buf.size()) < int64_t(tm) * k) buf.resize(int64_t(tm) * k);
+    for (int r = 0; r < tm; ++r)
+      for (int i = 0; i < k; i += 16) {  // k even: a ragged end is whole pairs
+        const __mmask16 m = k - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k - i)) - 1);
+        const __m512 v = maskz_load_bf16_ps(m, x + r * x_stride + i);
+        _mm512_mask_storeu_ps(buf.data() + int64_t(r) * k + i, m, _mm512_permute_ps(v, 0xB1));  // (odd, even)
+      }
+    return {buf.data(), k};
+  }
+  // The packed bf16 panel w (steps pair rows of a block, from its zmm column z0) as fp32 pair rows, zn zmm wide:
+  // row 2s the odd elements, row 2s + 1 the even ones, kLinearBlockN floats apart (the fp32 packed layout).
+  static const W* panel(const uint16_t* w, int64_t steps, int zn) {
+    thread_local std::vector<float> buf;
+    buf.resize(size_t(steps) * 2 * kLinearBlockN);
+    for (int64_t s = 0; s < steps; ++s)
+      for (int z = 0; z < zn; ++z) {
+        const __m512i v = _mm512_loadu_si512(w + (s * kLinearBlockN + z * 16) * 2);
+        _mm512_storeu_ps(buf.data() + s * 2 * kLinearBlockN + z * 16, bf16_odd_ps(v));
+        _mm512_storeu_ps(buf.data() + (s * 2 + 1) * kLinearBlockN + z * 16, bf16_even_ps(v));
+      }
+    return buf.data();
+  }
+  static __m512 load(const T* p, __mmask16 m) { return maskz_load_bf16_ps(m, p); }
+  static void store(T* p, __mmask16 m, __m512 v) { mask_store_bf16_exact_ps(p, m, v); }
 };
 
 inline __mmask16 lanes_below(int32_t count) {
@@ -137,9 +191,10 @@ struct KSpan {
   bool first, last;
 };
 
-// TM rows (from row m) x ZN zmm of packed columns (from column c, block-aligned to 16) over one K block.
+// TM rows (from row m) x ZN zmm of packed columns (from column c, block-aligned to 16) over one K block; w is the
+// block's weight at step ks.s0.
 template <class E, int TM, int ZN>
-void tile(const LinearParams& p, int32_t m, int32_t c, const typename E::T* w, const KSpan& ks) {
+void tile(const LinearParams& p, int32_t m, int32_t c, const typename E::W* w, const KSpan& ks) {
   using T = typename E::T;
   const auto x = E::rows(static_cast<const T*>(p.x) + m * p.x_row_stride + ks.s0 * E::kPack, p.x_row_stride, TM,
                          int(ks.s1 - ks.s0) * E::kPack);
@@ -148,7 +203,7 @@ void tile(const LinearParams& p, int32_t m, int32_t c, const typename E::T* w, c
     for (int z = 0; z < ZN; ++z)
       acc[r][z] = ks.first ? _mm512_setzero_ps() : _mm512_loadu_ps(ks.part + r * kLinearBlockN + 16 * z);
   for (int64_t s = ks.s0; s < ks.s1; ++s)
-    E::template step<TM, ZN>(acc, x.data + (s - ks.s0) * E::kPack, x.stride, w + s * kLinearBlockN * E::kPack);
+    E::template step<TM, ZN>(acc, x.data + (s - ks.s0) * E::kPack, x.stride, w + (s - ks.s0) * kLinearBlockN * E::kPack);
   if (!ks.last) {
     for (int r = 0; r < TM; ++r)
       for (int z = 0; z < ZN; ++z) _mm512_storeu_ps(ks.part + r * kLinearBlockN + 16 * z, acc[r][z]);
@@ -171,7 +226,7 @@ void tile(const LinearParams& p, int32_t m, int32_t c, const typename E::T* w, c
 
 // Rows [m0, m1) in tiles; ks.part (when blocked) holds row m0's partial sums first.
 template <class E, int ZN>
-void row_tiles(const LinearParams& p, int32_t m0, int32_t m1, int32_t c, const typename E::T* w, KSpan ks) {
+void row_tiles(const LinearParams& p, int32_t m0, int32_t m1, int32_t c, const typename E::W* w, KSpan ks) {
   float* const part = ks.part;
   auto at = [&](int32_t m) {
     if (part) ks.part = part + int64_t(m - m0) * kLinearBlockN;
@@ -190,40 +245,58 @@ void row_tiles(const LinearParams& p, int32_t m0, int32_t m1, int32_t c, const t
 }
 
 // K steps per block: a block's weight panel (kLinearBlockN columns x this many steps: 512 KiB in fp32 and in bf16
-// pairs) stays in L2 while every row tile of the rectangle passes over it. Unblocked, Qwen3-8B's down (K = 12288,
-// a 3 MiB fp32 panel) came from L3 for every row tile: 0.45-0.58x torch's F.linear at prefill, 0.99-1.03x with
-// these blocks (bench/results/tiers/linear_fp32_kblock_ab.txt; 4096-step blocks 0.94x, 1024 as 2048:
-// linear_fp32_kblock_sizes.txt). Half of Zen 4's 1 MiB L2. The blocks are a function of K alone.
-constexpr int64_t kFmaBlockSteps = 2048;
+// pairs, and in Bf16Panel's widened pairs at half as many steps) stays in L2 while every row tile of the rectangle
+// passes over it. Unblocked, Qwen3-8B's down (K = 12288, a 3 MiB fp32 panel) came from L3 for every row tile:
+// 0.45-0.58x torch's F.linear at prefill, 0.99-1.03x with these blocks
+// (bench/results/tiers/linear_fp32_kblock_ab.txt; 4096-step blocks 0.94x, 1024 as 2048: linear_fp32_kblock_sizes.txt).
+// Half of Zen 4's 1 MiB L2. The blocks change no bit (partial sums wait in fp32, exactly).
+template <class E>
+constexpr int64_t kBlockSteps = std::is_same_v<E, Bf16Panel> ? 1024 : 2048;
 
 // Block by block, and in a block K block by K block (the weight panel stays in L2 while every row tile of the
 // rectangle passes over it).
 template <class E>
 void rect(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1) {
-  using T = typename E::T;
+  using Packed = std::conditional_t<std::is_same_v<E, Bf16Panel>, uint16_t, typename E::W>;
   const int64_t k_steps = p.k / E::kPack;
-  const int64_t k_blocks = std::max<int64_t>(1, (k_steps + kFmaBlockSteps - 1) / kFmaBlockSteps);  // K = 0: one
+  const int64_t k_blocks = std::max<int64_t>(1, (k_steps + kBlockSteps<E> - 1) / kBlockSteps<E>);  // K = 0: one
   const int64_t block_steps = (k_steps + k_blocks - 1) / k_blocks;
   thread_local std::vector<float> part;  // per thread: the rectangle's rows x one column block, between K blocks
   if (k_blocks > 1) part.resize(size_t(m1 - m0) * kLinearBlockN);
-  const T* packed = static_cast<const T*>(p.w_packed);
+  const Packed* packed = static_cast<const Packed*>(p.w_packed);
   for (int32_t c = c0; c < c1;) {
     const int32_t block = c / kLinearBlockN, z0 = (c % kLinearBlockN) / 16;
     const int32_t zn = std::min<int32_t>(kMaxZmm - z0, (c1 - c) / 16);
-    const T* w = packed + (int64_t(block) * k_steps * kLinearBlockN + z0 * 16) * E::kPack;
+    const Packed* w = packed + (int64_t(block) * k_steps * kLinearBlockN + z0 * 16) * E::kPack;
     for (int64_t s0 = 0;; s0 += block_steps) {  // at least one pass: K = 0 still runs the epilogue
       const int64_t s1 = std::min(k_steps, s0 + block_steps);
       const KSpan ks{s0, s1, k_blocks > 1 ? part.data() : nullptr, s0 == 0, s1 == k_steps};
-      if (zn == 4) row_tiles<E, 4>(p, m0, m1, c, w, ks);
-      else row_tiles<E, 2>(p, m0, m1, c, w, ks);  // units of 32 columns: 2 or 4 zmm
+      const Packed* wk = w + s0 * kLinearBlockN * E::kPack;
+      const typename E::W* we;
+      if constexpr (std::is_same_v<E, Bf16Panel>) we = E::panel(wk, s1 - s0, zn);
+      else we = wk;
+      if (zn == 4) row_tiles<E, 4>(p, m0, m1, c, we, ks);
+      else row_tiles<E, 2>(p, m0, m1, c, we, ks);  // units of 32 columns: 2 or 4 zmm
       if (s1 == k_steps) break;
     }
     c += 16 * zn;
   }
 }
 
+// Widened bf16 pairs: through the fp32 panel where the rectangle has the rows to repay widening it, else pair by
+// pair. Both give the same bits, so the rows a call has change no row's result. At SmolLM2's gate_up and down and
+// Qwen3-8B's qkv and down, alternated call by call (bench/results/tiers/linear_widen_panel.txt): 1.21-1.34x at
+// 776 rows on two threads, 1.12-1.17x on one; 1.08-1.33x at 64 rows on two threads (0.94-1.30x on one); at 48
+// rows 0.91-1.24x, so a decode step's few rows stay pair by pair.
+constexpr int32_t kPanelMinRows = 64;
+
+void rect_widen(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1) {
+  if (m1 - m0 >= kPanelMinRows) rect<Bf16Panel>(p, m0, m1, c0, c1);
+  else rect<Bf16Widen>(p, m0, m1, c0, c1);
+}
+
 const LinearCpuOps kBf16Ops{rect<Bf16>, kTileRows};
-const LinearCpuOps kBf16WidenOps{rect<Bf16Widen>, kTileRows};
+const LinearCpuOps kBf16WidenOps{rect_widen, kTileRows};
 const LinearCpuOps kF32Ops{rect<F32>, kTileRows};
 
 // ---- AMX (bf16) ------------------------------------------------------------------------------------------------
@@ -375,7 +448,7 @@ int32_t amx_row_block(int32_t rows, int32_t k_blocks, int32_t width) {
 }
 
 void rect_amx(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1) {
-  if (p.k % kAmxK) return rect<Bf16Widen>(p, m0, m1, c0, c1);
+  if (p.k % kAmxK) return rect_widen(p, m0, m1, c0, c1);
   const uint16_t* x = static_cast<const uint16_t*>(p.x);
   const uint16_t* packed = static_cast<const uint16_t*>(p.w_packed);
   const int64_t k_pairs = p.k / 2;

@@ -47,7 +47,9 @@ LINEAR_BF16_AVX512 = Choice("kernel", "ours, AVX-512 FMAs on bf16 pairs widened 
                                       "prefill, 2.2-3.6x torch's AVX-512 bf16 F.linear without bf16 hardware there "
                                       "and 2.0-3.1x at M = 4-16 (its batch-invariant row calls: 2.9-4.4x); at M = 1 "
                                       "1.1-1.5x, but 0.83-0.95x (the AVX2 kernel's 0.69-0.78x) for Qwen3-0.6B's o "
-                                      "and down, N = 1024 (bench/results/tiers/linear_avx512_bf16_ab.txt)")
+                                      "and down, N = 1024 (bench/results/tiers/linear_avx512_bf16_ab.txt); from 64 "
+                                      "rows on through a weight panel widened once, 1.21-1.34x that on two threads "
+                                      "(bench/results/tiers/linear_widen_panel.txt)")
 LINEAR_TORCH = Choice("torch", "oneDNN/MKL GEMM beats a vector-FMA GEMM without bf16 hardware "
                                "(bench/results/tiers/linear_amx.txt)")
 AVX2 = Choice("kernel", "ours (AVX2 + FMA) beats torch's AVX2 op (bench/results/kernels_cpu_avx2.txt, "

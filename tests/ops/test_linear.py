@@ -235,6 +235,46 @@ def test_bf16_widened_path_is_bitwise_the_dpbf16_path(monkeypatch):
         assert torch.equal(outs["widen"], outs["dpbf16"]), shape
 
 
+# Shapes for the AVX-512 widened panel (a rectangle of 64 rows or more widens each weight panel to fp32 once):
+# decoder shapes, K off a 16-element vector (odd K: a padded pair), and K over the panel's K block (1024 pair steps:
+# 1500 pairs in blocks of 750, 4128 in blocks of 1032).
+PANEL_SHAPES = ["smollm-gate_up", "smollm-down", "odd-k", "gated-i-odd", "k-blocked-gated", "fma-k-blocked-bf16"]
+
+
+@pytest.mark.parametrize("tier", ["avx512", "avx512bf16"])
+def test_bf16_widened_panel_is_bitwise_pair_by_pair(monkeypatch, tier):
+    """bf16 pairs widened (tier avx512; tier avx512bf16 with PYSCORE_BF16_DOT=widen): rows in a call of 64 or more
+    (the panel path, on one or two threads) are bitwise those rows computed one by one (pair by pair), with bias and
+    residual, and bitwise the vdpbf16ps path of tier avx512bf16 where the CPU has it."""
+    if tier not in _ext.runnable_cpu_tiers():
+        pytest.skip(f"needs a CPU that runs tier {tier}")
+    module = _ext.cpu_module()
+    threads = module.get_num_threads()
+    shapes = {**ALL_SHAPES, **FMA_K_BLOCKED_SHAPES}
+    try:
+        for i, shape in enumerate(PANEL_SHAPES):
+            monkeypatch.setenv("PYSCORE_CPU_TIER", tier)
+            monkeypatch.setenv("PYSCORE_BF16_DOT", "widen")
+            module.set_num_threads(1 + i % 2)
+            k, n, gated = shapes[shape]
+            m = 131 if k < 4000 else 67  # two threads may split the rows: 65 or more each
+            x, w, b, r = make_inputs(m, k, n, gated, torch.bfloat16, bias=True, residual=True, seed=i)
+            packed = pack_linear(w, b, gated=gated)
+            out = linear(x, packed, residual=r, backend="kernel")
+            alone = torch.cat([linear(x[j : j + 1], packed, residual=r[j : j + 1], backend="kernel")
+                               for j in range(m)])
+            assert torch.equal(out, alone), shape
+            if "avx512bf16" in _ext.runnable_cpu_tiers():
+                monkeypatch.setenv("PYSCORE_CPU_TIER", "avx512bf16")
+                monkeypatch.setenv("PYSCORE_BF16_DOT", "dpbf16")
+                assert torch.equal(linear(x, packed, residual=r, backend="kernel"), out), shape
+    finally:
+        module.set_num_threads(threads)
+    monkeypatch.setenv("PYSCORE_CPU_TIER", tier)
+    monkeypatch.setenv("PYSCORE_BF16_DOT", "widen")
+    check_linear(131, 1536, 576, False, torch.bfloat16, bias=True, residual=True, strided=True, seed=5)
+
+
 # The AMX tile GEMM's blockings (K % 32 == 0): (K, N, gated). K over 2048 runs in K blocks with fp32 partials
 # (2080 = 65 steps of 32: blocks of 33 and 32); N off the 64-column blocks leaves a 32-column unit or a partial one;
 # gated I = 40 pads its last unit; N over 256 packed columns runs in several column chunks (I = 300: 640 packed), with
