@@ -55,7 +55,7 @@ def _check_rows(seg: torch.Tensor, num_tokens: int) -> None:
 CACHED_BEFORE_OWN = 0  # cached keys continue a causal sequence (SIS, a Generate prompt, an MIS prefix's rest)
 CACHED_BEFORE_PREFIX = 1  # cached keys lead the prefix an MIS group's items share (it may be wholly cached)
 KEY_TILE = 64  # the CUDA kernels' key tile: a cached block (a page) must be whole tiles
-CPU_KEY_TILE = 16  # the CPU kernels' (their vector blocks of 16 or 8 keys; prefix attention re-tiles cached keys)
+CPU_KEY_TILE = 16  # the CPU kernels' (kCpuKeyTile, pyscore._C.CPU_KEY_TILE: their vector blocks of 16 or 8 keys)
 
 
 def key_tile(device: torch.device | str) -> int:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pyscore.model.kv_store import page_tokens
-from pyscore.ops import _ext, decode_attention, plan_decode
+from pyscore.ops import _ext, decode_attention, plan_decode, segments
 from pyscore.ops.reference import decode_attention_ref
 from tests.helpers import force_cpu_isa, outputs_at_tiers
 
@@ -124,6 +124,15 @@ def check_decode(device, lengths, heads, dtype, with_new=True, layer=1, shared_p
 @pytest.mark.parametrize("lengths", list(LENGTHS))
 def test_decode_attention(device, lengths, heads, dtype):
     check_decode(device, LENGTHS[lengths], heads, dtype)
+
+
+def test_cpu_key_tile_is_the_kernels():
+    """pyscore.ops.segments states the CPU kernels' key tile for processes without them (a KV page holds whole
+    tiles): it must be the one the C++ kernels were built with."""
+    module = _ext.cpu_module()
+    if module is None:
+        pytest.skip("needs pyscore._C")
+    assert module.CPU_KEY_TILE == segments.CPU_KEY_TILE == segments.key_tile("cpu")
 
 
 @pytest.mark.parametrize("isa", ["hardware", "avx2", "portable"])
