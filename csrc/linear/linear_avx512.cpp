@@ -54,6 +54,22 @@ struct Bf16 {  // vdpbf16ps
   static void store(T* p, __mmask16 m, __m512 v) { mask_store_bf16_exact_ps(p, m, v); }
 };
 
+// A tile's tm bf16 x rows over k (even) elements widened into a per-thread fp32 buffer, rows k apart; with
+// kSwapPairs each pair is stored odd element first (Bf16Panel's order).
+template <bool kSwapPairs>
+const float* widen_rows(const uint16_t* x, int64_t x_stride, int tm, int k) {
+  thread_local std::vector<float> buf;
+  if (int64_t(buf.size()) < int64_t(tm) * k) buf.resize(int64_t(tm) * k);
+  for (int r = 0; r < tm; ++r)
+    for (int i = 0; i < k; i += 16) {  // k even: a ragged end is whole pairs
+      const __mmask16 m = k - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k - i)) - 1);
+      __m512 v = maskz_load_bf16_ps(m, x + r * x_stride + i);
+      if (kSwapPairs) v = _mm512_permute_ps(v, 0xB1);
+      _mm512_mask_storeu_ps(buf.data() + int64_t(r) * k + i, m, v);
+    }
+  return buf.data();
+}
+
 // Widened pairs, two FMAs in vdpbf16ps's order (odd first): Bf16's bits on normal numbers. The tile's x rows are
 // widened once per tile into a per-thread fp32 buffer; each weight zmm is widened once for all TM rows, and the
 // broadcasts are FMA memory operands (see opaque()).
@@ -77,16 +93,7 @@ struct Bf16Widen {
     const B* data;
     int64_t stride;
   };
-  static Rows rows(const T* x, int64_t x_stride, int tm, int k) {
-    thread_local std::vector<float> buf;
-    if (int64_t(buf.size()) < int64_t(tm) * k) buf.resize(int64_t(tm) * k);
-    for (int r = 0; r < tm; ++r)
-      for (int i = 0; i < k; i += 16) {
-        const __mmask16 m = k - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k - i)) - 1);
-        _mm512_mask_storeu_ps(buf.data() + int64_t(r) * k + i, m, maskz_load_bf16_ps(m, x + r * x_stride + i));
-      }
-    return {buf.data(), k};
-  }
+  static Rows rows(const T* x, int64_t x_stride, int tm, int k) { return {widen_rows<false>(x, x_stride, tm, k), k}; }
   static __m512 load(const T* p, __mmask16 m) { return maskz_load_bf16_ps(m, p); }
   static void store(T* p, __mmask16 m, __m512 v) { mask_store_bf16_exact_ps(p, m, v); }
 };
@@ -120,31 +127,14 @@ struct F32 {
 // even: the same two FMAs per pair in the same order as Bf16Widen, so the same bits, while a pair step loads 8
 // weight zmm and 12 broadcasts and widens nothing (Bf16Widen: 4 zmm widened on the FMA ports and 48 broadcasts,
 // 0.54-0.78x the fp32 kernel's rate: bench/results/tiers/linear_avx512_dtypes.txt).
-struct Bf16Panel {
-  using T = uint16_t;
+struct Bf16Panel : Bf16Widen {  // T, B, kPack, Rows, load and store as Bf16Widen
   using W = float;
-  using B = float;
-  static constexpr int kPack = 2;
   template <int TM, int ZN>
   static void step(__m512 (&acc)[TM][ZN], const B* b, int64_t b_stride, const W* w) {
     F32::step<TM, ZN>(acc, b, b_stride, w);                      // x_odd * w_odd
     F32::step<TM, ZN>(acc, b + 1, b_stride, w + kLinearBlockN);  // then x_even * w_even
   }
-  struct Rows {
-    const B* data;
-    int64_t stride;
-  };
-  static Rows rows(const T* x, int64_t x_stride, int tm, int k) {
-    thread_local std::vector<float> buf;
-    if (int64_t(buf.size()) < int64_t(tm) * k) buf.resize(int64_t(tm) * k);
-    for (int r = 0; r < tm; ++r)
-      for (int i = 0; i < k; i += 16) {  // k even: a ragged end is whole pairs
-        const __mmask16 m = k - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k - i)) - 1);
-        const __m512 v = maskz_load_bf16_ps(m, x + r * x_stride + i);
-        _mm512_mask_storeu_ps(buf.data() + int64_t(r) * k + i, m, _mm512_permute_ps(v, 0xB1));  // (odd, even)
-      }
-    return {buf.data(), k};
-  }
+  static Rows rows(const T* x, int64_t x_stride, int tm, int k) { return {widen_rows<true>(x, x_stride, tm, k), k}; }
   // The packed bf16 panel w (steps pair rows of a block, from its zmm column z0) as fp32 pair rows, zn zmm wide:
   // row 2s the odd elements, row 2s + 1 the even ones, kLinearBlockN floats apart (the fp32 packed layout).
   static const W* panel(const uint16_t* w, int64_t steps, int zn) {
@@ -158,8 +148,6 @@ struct Bf16Panel {
       }
     return buf.data();
   }
-  static __m512 load(const T* p, __mmask16 m) { return maskz_load_bf16_ps(m, p); }
-  static void store(T* p, __mmask16 m, __m512 v) { mask_store_bf16_exact_ps(p, m, v); }
 };
 
 inline __mmask16 lanes_below(int32_t count) {
@@ -203,7 +191,8 @@ void tile(const LinearParams& p, int32_t m, int32_t c, const typename E::W* w, c
     for (int z = 0; z < ZN; ++z)
       acc[r][z] = ks.first ? _mm512_setzero_ps() : _mm512_loadu_ps(ks.part + r * kLinearBlockN + 16 * z);
   for (int64_t s = ks.s0; s < ks.s1; ++s)
-    E::template step<TM, ZN>(acc, x.data + (s - ks.s0) * E::kPack, x.stride, w + (s - ks.s0) * kLinearBlockN * E::kPack);
+    E::template step<TM, ZN>(acc, x.data + (s - ks.s0) * E::kPack, x.stride,
+                             w + (s - ks.s0) * kLinearBlockN * E::kPack);
   if (!ks.last) {
     for (int r = 0; r < TM; ++r)
       for (int z = 0; z < ZN; ++z) _mm512_storeu_ps(ks.part + r * kLinearBlockN + 16 * z, acc[r][z]);
