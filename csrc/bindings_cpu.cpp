@@ -43,7 +43,10 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "pyscore CPU kernels: prefix_item_attention, decode_attention, label_logprobs, linear, add_rms_norm, "
             "rotary, silu_mul, causal_conv1d, gated_delta_rule";
   // The key tile a KV page must hold whole tiles of (pyscore.ops.segments.CPU_KEY_TILE states it for a process
-  // without this module; tests/ops/test_decode_attention.py checks that the two agree).
+  // without this module; tests/ops/test_decode_attention.py checks that the two agree). Both attention ops read the
+  // same pages, so their page multiples are one constant each for CPU and CUDA.
+  static_assert(kCpuCachedBlockMultiple == kCpuKeyTile && kCachedBlockMultiple == kKeyTile,
+                "prefix attention and decode attention must accept the same KV pages");
   m.attr("CPU_KEY_TILE") = kCpuKeyTile;
   py::class_<AttentionCpuPlan, std::shared_ptr<AttentionCpuPlan>>(
       m, "AttentionPlan", "prefix_item_attention's plan for one batch (opaque): the segment table read and "
