@@ -1,10 +1,11 @@
 // CPU decode_attention (contract in params.h): keys read through each sequence's block table, a unit's chunk as
 // tiles of kCpuKeyTile keys, each inside one page. Work units are (sequence, kv head, chunk of kDecodeChunk keys); a
 // unit's rows are the GQA query heads of its kv head (the keys are read once for all of them). Units run on OpenMP
-// threads; a sequence with several chunks gets its partial states merged by log-sum-exp in chunk order, so its bits
-// depend on its own length only, never on the batch or the thread count. When new keys / values are given they are
-// written into the caches first (one pass, before any unit reads). The arithmetic lives in DecodeCpuOps: AVX-512
-// (+BF16) or AVX2 + FMA by the CPU tier, else the portable loops below.
+// threads (a chunk's kv heads in turn on one thread where chunks are many); a sequence with several chunks gets its
+// partial states merged by log-sum-exp in chunk order, so its bits depend on its own length only, never on the
+// batch or the thread count. When new keys / values are given they are written into the caches first (one pass,
+// before any unit reads). The arithmetic lives in DecodeCpuOps: AVX-512 (+BF16) or AVX2 + FMA by the CPU tier, else
+// the portable loops below.
 #include <omp.h>
 
 #include <algorithm>
@@ -100,9 +101,11 @@ struct Unit {
   int64_t scratch_row;  // first row of this unit's partial state in the scratch (multi-chunk sequences), or -1
 };
 
+// Units go sequence by sequence, chunk by chunk, kv head by kv head: a chunk's heads are num_kv_heads consecutive
+// units, which one thread runs in turn where there are enough chunks (see decode_attention_cpu).
 struct Plan {
   std::vector<Unit> units;
-  std::vector<int64_t> first_unit;  // per (sequence, kv head): index of its chunk 0 unit
+  std::vector<int64_t> first_unit;  // per (sequence, kv head): index of its chunk 0 unit (chunk c: + c * kv heads)
   int64_t scratch_rows = 0;
 };
 
@@ -110,13 +113,12 @@ Plan make_plan(const DecodeAttentionParams& p, int32_t group) {
   Plan plan;
   for (int32_t b = 0; b < p.num_seqs; ++b) {
     const int32_t chunks = chunks_of(p.lengths[b]);
-    for (int32_t h = 0; h < p.num_kv_heads; ++h) {
-      plan.first_unit.push_back(int64_t(plan.units.size()));
-      for (int32_t c = 0; c < chunks; ++c) {
+    for (int32_t h = 0; h < p.num_kv_heads; ++h) plan.first_unit.push_back(int64_t(plan.units.size()) + h);
+    for (int32_t c = 0; c < chunks; ++c)
+      for (int32_t h = 0; h < p.num_kv_heads; ++h) {
         plan.units.push_back({b, h, c, chunks > 1 ? plan.scratch_rows : -1});
         if (chunks > 1) plan.scratch_rows += group;
       }
-    }
   }
   return plan;
 }
@@ -152,14 +154,17 @@ void run_unit(const DecodeAttentionParams& p, const DecodeCpuOps& ops, const Uni
   if (u.scratch_row < 0) store_rows(p, ops, u.seq, u.kv_head, group, o);
 }
 
-// Chunk partial states of one (sequence, kv head), merged into chunk 0's in chunk order, then stored.
+// Chunk partial states of one (sequence, kv head), merged into chunk 0's in chunk order, then stored; its chunk c
+// is units[c * stride].
 void merge_chunks(const DecodeAttentionParams& p, const DecodeCpuOps& ops, const Unit* units, int32_t chunks,
-                  int32_t group, float* o_parts, float* lse_parts) {
+                  int32_t stride, int32_t group, float* o_parts, float* lse_parts) {
   float* o0 = o_parts + units[0].scratch_row * p.head_dim;
   float* lse0 = lse_parts + units[0].scratch_row;
-  for (int32_t c = 1; c < chunks; ++c)
-    merge_state(o0, lse0, o_parts + units[c].scratch_row * p.head_dim, lse_parts + units[c].scratch_row, group,
-                p.head_dim, o0, lse0);
+  for (int32_t c = 1; c < chunks; ++c) {
+    const Unit& u = units[int64_t(c) * stride];
+    merge_state(o0, lse0, o_parts + u.scratch_row * p.head_dim, lse_parts + u.scratch_row, group, p.head_dim, o0,
+                lse0);
+  }
   store_rows(p, ops, units[0].seq, units[0].kv_head, group, o0);
 }
 
@@ -188,6 +193,7 @@ Status decode_attention_cpu(const DecodeAttentionParams& p) {
   const Plan plan = make_plan(p, group);
   std::vector<float> o_parts(size_t(plan.scratch_rows) * p.head_dim), lse_parts(plan.scratch_rows);
   const int64_t num_units = int64_t(plan.units.size()), heads = int64_t(p.num_seqs) * p.num_kv_heads;
+  const int64_t num_chunks = num_units / p.num_kv_heads;
 
 #pragma omp parallel num_threads(kernel_threads())
   {
@@ -199,15 +205,28 @@ Status decode_attention_cpu(const DecodeAttentionParams& p) {
       for (int64_t i = 0; i < heads; ++i) write_new_token(p, int32_t(i / p.num_kv_heads), int32_t(i % p.num_kv_heads));
       // (implicit barrier: the new tokens are in the caches before any unit reads them)
     }
+    // A chunk's kv heads in turn on one thread, instead of units dealt out one by one (which puts the heads of a
+    // page, a head's 128 or 256 bytes a token apart, on both cores at once; why that reads slower is not measured,
+    // this VM has no counters: bench/results/tiers/decode_attention_memory_probes.txt). 16-token pages, one layer,
+    // two threads, alternated call by call: 1.39-1.50x at 16-32 generations of ~330 keys, 1.71x at 8; one thread
+    // 1.06x (bench/results/tiers/decode_attention_heads_together.txt). With fewer chunks than two per thread the
+    // units go one by one, so that a few long sequences still use every thread. Bits are the same either way.
+    if (num_chunks >= 2 * int64_t(omp_get_num_threads())) {
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_units; ++i) {
-      run_unit(p, ops, plan.units[i], group, o_parts.data(), lse_parts.data(), local);
+      for (int64_t i = 0; i < num_chunks; ++i)
+        for (int32_t h = 0; h < p.num_kv_heads; ++h)
+          run_unit(p, ops, plan.units[i * p.num_kv_heads + h], group, o_parts.data(), lse_parts.data(), local);
+    } else {
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t i = 0; i < num_units; ++i)
+        run_unit(p, ops, plan.units[i], group, o_parts.data(), lse_parts.data(), local);
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < heads; ++i) {
       const int32_t chunks = chunks_of(p.lengths[i / p.num_kv_heads]);
       if (chunks > 1)
-        merge_chunks(p, ops, &plan.units[plan.first_unit[i]], chunks, group, o_parts.data(), lse_parts.data());
+        merge_chunks(p, ops, &plan.units[plan.first_unit[i]], chunks, p.num_kv_heads, group, o_parts.data(),
+                     lse_parts.data());
     }
   }
   return kOk;
