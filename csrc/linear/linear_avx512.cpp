@@ -289,14 +289,15 @@ const LinearCpuOps kBf16WidenOps{rect_widen, kTileRows};
 const LinearCpuOps kF32Ops{rect<F32>, kTileRows};
 
 // ---- AMX (bf16) ------------------------------------------------------------------------------------------------
-// Tiles: fp32 accumulators C (up to 4 of 16 rows x 16 columns), A (4-5: 16 rows of x x 32 K) and B (6-7: 16 K pairs
-// x 16 packed columns x 2). B is read straight from the packed layout: a block's K-pair rows are 64 columns x 2 bf16
-// = 256 bytes apart, and 16 columns x one pair is one 64-byte row of a B tile. Micro-kernels: 2 row tiles x one
-// 32-column unit (2x2 C tiles, 4 tile loads per 4 TDPBF16PS) for 17 rows or more at K <= 2048; 1 row tile x a whole
-// 64-column block (1x4: each K-pair row of the weight read whole, front to back) for 16 rows or fewer (decode) and
-// for K > 2048. Both give the same bits: an element's TDPBF16PS sequence does not depend on the tiles around it.
-// Each output element is the same TDPBF16PS sequence over K whatever M is and wherever its row falls (tail rows run
-// in a zero-padded copy, K blocks are a function of K alone), so rows are batch-invariant as on the other paths.
+// Tiles: fp32 accumulators C (up to 4 of 16 rows x 16 columns), A (4-5: 16 rows of x x 32 K) and B (6-7: 16 K pairs x
+// 16 packed columns x 2). B is read straight from the packed layout: a block's K-pair rows are 64 columns x 2 bf16 =
+// 256 bytes apart, and 16 columns x one pair is one 64-byte row of a B tile. Micro-kernels: 2 row tiles x one 32-column
+// unit (2x2 C tiles, 4 tile loads per 4 TDPBF16PS) for a row block of more than 192 rows at K <= 2048; 1 row tile x a
+// whole 64-column block (1x4: each K-pair row of the weight read whole, front to back) for 192 rows or fewer (decode
+// steps, mid-sized batches) and for K > 2048. Both give the same bits: an element's TDPBF16PS sequence does not depend
+// on the tiles around it. Each output element is the same TDPBF16PS sequence over K whatever M is and wherever its row
+// falls (tail rows run in a zero-padded copy, K blocks are a function of K alone), so rows are batch-invariant as on
+// the other paths.
 // Needs K % 32 == 0 (every K of the supported families); other K run the widened-FMA path for the whole weight.
 // Tried and measured slower here (Xeon family 6 model 167, bench/results/tiers/linear_amx.txt): x repacked into
 // contiguous 1 KB tile images, software prefetch of the next B rows, K blocks under 2048 (partials in L2), N chunks,
@@ -428,6 +429,13 @@ void amx_block(const AmxRows& a, const uint16_t* w, int32_t steps, bool first, f
 // then read from memory once per call instead of once per 256 rows. Partial sums wait in fp32 between K blocks
 // (exact); the epilogue runs after the last, one tile block behind the tiles (PendingEpilogue).
 constexpr int32_t kAmxKBlock = 2048, kAmxRowBlock = 256, kAmxRowBlockMax = 1024, kAmxColChunk = 256;
+// Row tiles per row block up to which the 1 x 4 kernel runs at one K block. A forward's projections in order (their
+// weights from memory, as a decode step or a small batch reads them), alternated in one process, bitwise the same:
+// SmolLM2 1.27-1.38x the 2 x 2 kernel at 17-96 rows, 1.19-1.22x at 128-192, mixed at a full 256-row block, 0.85x
+// over 776 rows; Qwen3-0.6B's K <= 2048 projections 1.06-1.37x up to 256 rows
+// (bench/results/tiers/linear_amx_mid_rows.txt). Before, only a single row tile (16 rows) ran 1 x 4: a decode step
+// of 17 generations took ~1.8x one of 16 in the projections.
+constexpr int32_t kAmx1x4MaxTiles = 12;
 constexpr int64_t kAmxPartialBytes = int64_t(16) << 20;  // per thread
 
 int32_t amx_row_block(int32_t rows, int32_t k_blocks, int32_t width) {
@@ -477,12 +485,12 @@ void rect_amx(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t
         return k_blocks == 1 ? local[flip ^= 1] : partial.data() + int64_t(t) * kAmxTileRows * width + (c - c0);
       };
       // 1 x 4 tiles, each K-pair row of a 64-column block read whole (the 2 x 2 tiles read half of it, and the
-      // other half again for the next unit): for 16 rows or fewer, and over K blocks (K > 2048), where the weight
-      // panels do not stay in L1 either way (0.8x -> 0.87x torch at Qwen3-8B's qkv and down prefill). Over K blocks
-      // the columns go in chunks of kAmxColChunk: a row tile's x block (16 x 2048) is read from L3 once per chunk,
-      // not once per 64 columns, while the chunk's weight panels (1 MiB) stay in L2
-      // (bench/results/tiers/linear_amx_kblock_chunks_ab.txt).
-      if (tiles == 1 || k_blocks > 1) {
+      // other half again for the next unit): for up to kAmx1x4MaxTiles row tiles, and over K blocks (K > 2048),
+      // where the weight panels do not stay in L1 either way (0.8x -> 0.87x torch at Qwen3-8B's qkv and down
+      // prefill). With several row tiles the columns go in chunks of kAmxColChunk, each tile meeting the chunk's
+      // weight panels in L2 (over K blocks: a row tile's x block (16 x 2048) is read from L3 once per chunk, not
+      // once per 64 columns; bench/results/tiers/linear_amx_kblock_chunks_ab.txt).
+      if (tiles <= kAmx1x4MaxTiles || k_blocks > 1) {
         const int32_t chunk = tiles == 1 ? c1 - c0 : kAmxColChunk;
         for (int32_t cc = c0; cc < c1; cc += chunk) {
           const int32_t cc1 = std::min(c1, cc + chunk);

@@ -286,19 +286,20 @@ AMX_SHAPES = {"k-blocked": (2080, 200, False), "k-blocked-gated": (2080, 2 * 40,
 
 @pytest.mark.parametrize("shape", list(AMX_SHAPES))
 def test_amx_blockings(shape, monkeypatch):
-    """At tier amx: M from 1 (the 1 x 4 decode tiles, and their 32-column leftover) through odd M over 16 (2 x 2
-    tiles, a 1 x 2 last tile, a zero-padded tail) to M over one 256-row block, with bias and residual; and every row
-    bitwise the row alone."""
+    """At tier amx: M from 1 through 192 (the 1 x 4 tiles, one row tile or several in column chunks, their 32-column
+    leftover, a zero-padded tail), then 201 (13 row tiles: 2 x 2 tiles in pairs, a 1 x 2 last tile, a zero-padded
+    tail) and M over one 256-row block (a full block of 2 x 2 tiles, then a short one of 1 x 4), with bias and
+    residual; and every row bitwise the row alone."""
     if "amx" not in _ext.runnable_cpu_tiers():
         pytest.skip("needs a CPU with AMX")
     monkeypatch.setenv("PYSCORE_CPU_TIER", "amx")
     k, n, gated = AMX_SHAPES[shape]
-    for m in (1, 8, 16, 17, 33, 47, 64, 301):
+    for m in (1, 8, 16, 17, 33, 47, 64, 192, 201, 301):
         check_linear(m, k, n, gated, torch.bfloat16, bias=True, residual=m % 2 == 1, strided=m == 17, seed=m)
     x, w, b, _ = make_inputs(301, k, n, gated, torch.bfloat16, bias=True, residual=False, seed=5)
     packed = pack_linear(w, b, gated=gated)
     alone = rows_alone(x, packed)
-    for m in (2, 16, 17, 31, 32, 33, 47, 301):
+    for m in (2, 16, 17, 31, 32, 33, 47, 192, 193, 201, 301):
         assert torch.equal(linear(x[:m], packed, backend="kernel"), alone[:m]), f"M={m}"
     assert torch.equal(linear(x.flip(0), packed, backend="kernel"), alone.flip(0))
 
