@@ -270,7 +270,9 @@ def test_sigterm_under_load_then_restart() -> None:
             wait_for(lambda: stopped_serving(target), what="the server to stop taking calls")
             with pytest.raises(grpc.RpcError) as err:
                 client.score("too late", ["a"], labels=["Yes"], timeout=5)
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            # Refused, never run: UNAVAILABLE, or CANCELLED when the call reached gRPC's queue just as the server
+            # stopped (gRPC core cancels calls not yet handed to a handler; a fresh-clone CI run saw it once)
+            assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
             for q, f in zip(queries, scores, strict=True):
                 expected = FakeEngine().score(q, ["a", "b"], labels=["Yes", "No"]).scores
                 got = [[list(row.values) for row in item.rows] for item in f.result().scores]
