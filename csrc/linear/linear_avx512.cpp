@@ -11,7 +11,6 @@
 // one store.
 #include <algorithm>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #include "common/amx_tiles.h"
@@ -29,9 +28,24 @@ constexpr int kMaxZmm = kLinearBlockN / 16;
 // Element traits as in the attention kernel: T is the stored type of x, the weight and the output; B the broadcast
 // operand (x rows), one 4-byte unit (kPack elements) per step. step() adds, for TM rows, row r's unit
 // (b + r * b_stride) times the ZN weight zmm at w into acc[r][0..ZN).
-struct Bf16 {  // vdpbf16ps
+// The weight as the rect hands it to the steps: P is the packed element (params.h), W what step() reads; weights()
+// turns a K block of the packed weight (steps K steps, zn zmm from the rect's first column) into W. Here it is the
+// packed weight itself. K steps per block: a block's weight panel (kLinearBlockN columns x this many steps: 512 KiB in
+// fp32 and in bf16 pairs) stays in L2 while every row tile of the rectangle passes over it. Unblocked, Qwen3-8B's down
+// (K = 12288, a 3 MiB fp32 panel) came from L3 for every row tile: 0.45-0.58x torch's F.linear at prefill,
+// 0.99-1.03x with these blocks (bench/results/tiers/linear_fp32_kblock_ab.txt; 4096-step blocks 0.94x, 1024 as
+// 2048: linear_fp32_kblock_sizes.txt). Half of Zen 4's 1 MiB L2. The blocks change no bit (partial sums wait in
+// fp32, exactly).
+template <class Elem>
+struct PackedAsIs {
+  using P = Elem;
+  using W = Elem;
+  static constexpr int64_t kBlockSteps = 2048;
+  static const W* weights(const P* w, int64_t, int) { return w; }
+};
+
+struct Bf16 : PackedAsIs<uint16_t> {  // vdpbf16ps
   using T = uint16_t;
-  using W = uint16_t;
   using B = uint16_t;
   static constexpr int kPack = 2;
   template <int TM, int ZN>
@@ -73,9 +87,8 @@ const float* widen_rows(const uint16_t* x, int64_t x_stride, int tm, int k) {
 // Widened pairs, two FMAs in vdpbf16ps's order (odd first): Bf16's bits on normal numbers. The tile's x rows are
 // widened once per tile into a per-thread fp32 buffer; each weight zmm is widened once for all TM rows, and the
 // broadcasts are FMA memory operands (see opaque()).
-struct Bf16Widen {
+struct Bf16Widen : PackedAsIs<uint16_t> {
   using T = uint16_t;
-  using W = uint16_t;
   using B = float;
   static constexpr int kPack = 2;
   template <int TM, int ZN>
@@ -98,9 +111,8 @@ struct Bf16Widen {
   static void store(T* p, __mmask16 m, __m512 v) { mask_store_bf16_exact_ps(p, m, v); }
 };
 
-struct F32 {
+struct F32 : PackedAsIs<float> {
   using T = float;
-  using W = float;
   using B = float;
   static constexpr int kPack = 1;
   template <int TM, int ZN>
@@ -122,13 +134,15 @@ struct F32 {
 };
 
 // Bf16Widen's arithmetic near the fp32 kernel's rate, for rectangles of many rows: the rect widens each K block's
-// weight panel once into a per-thread fp32 buffer (panel() below, at most 512 KiB), each pair stored odd row first,
+// weight panel once into a per-thread fp32 buffer (weights() below: at most 512 KiB, hence K blocks of half the
+// steps), each pair stored odd row first,
 // and a tile's x rows into fp32 with each pair swapped the same way; a pair step is then two fp32 steps, odd then
 // even: the same two FMAs per pair in the same order as Bf16Widen, so the same bits, while a pair step loads 8
 // weight zmm and 12 broadcasts and widens nothing (Bf16Widen: 4 zmm widened on the FMA ports and 48 broadcasts,
 // 0.54-0.78x the fp32 kernel's rate: bench/results/tiers/linear_avx512_dtypes.txt).
-struct Bf16Panel : Bf16Widen {  // T, B, kPack, Rows, load and store as Bf16Widen
+struct Bf16Panel : Bf16Widen {  // T, P, B, kPack, Rows, load and store as Bf16Widen
   using W = float;
+  static constexpr int64_t kBlockSteps = 1024;
   template <int TM, int ZN>
   static void step(__m512 (&acc)[TM][ZN], const B* b, int64_t b_stride, const W* w) {
     F32::step<TM, ZN>(acc, b, b_stride, w);                      // x_odd * w_odd
@@ -137,7 +151,7 @@ struct Bf16Panel : Bf16Widen {  // T, B, kPack, Rows, load and store as Bf16Wide
   static Rows rows(const T* x, int64_t x_stride, int tm, int k) { return {widen_rows<true>(x, x_stride, tm, k), k}; }
   // The packed bf16 panel w (steps pair rows of a block, from its zmm column z0) as fp32 pair rows, zn zmm wide:
   // row 2s the odd elements, row 2s + 1 the even ones, kLinearBlockN floats apart (the fp32 packed layout).
-  static const W* panel(const uint16_t* w, int64_t steps, int zn) {
+  static const W* weights(const P* w, int64_t steps, int zn) {
     thread_local std::vector<float> buf;
     buf.resize(size_t(steps) * 2 * kLinearBlockN);
     for (int64_t s = 0; s < steps; ++s)
@@ -233,37 +247,26 @@ void row_tiles(const LinearParams& p, int32_t m0, int32_t m1, int32_t c, const t
   }
 }
 
-// K steps per block: a block's weight panel (kLinearBlockN columns x this many steps: 512 KiB in fp32 and in bf16
-// pairs, and in Bf16Panel's widened pairs at half as many steps) stays in L2 while every row tile of the rectangle
-// passes over it. Unblocked, Qwen3-8B's down (K = 12288, a 3 MiB fp32 panel) came from L3 for every row tile:
-// 0.45-0.58x torch's F.linear at prefill, 0.99-1.03x with these blocks
-// (bench/results/tiers/linear_fp32_kblock_ab.txt; 4096-step blocks 0.94x, 1024 as 2048: linear_fp32_kblock_sizes.txt).
-// Half of Zen 4's 1 MiB L2. The blocks change no bit (partial sums wait in fp32, exactly).
-template <class E>
-constexpr int64_t kBlockSteps = std::is_same_v<E, Bf16Panel> ? 1024 : 2048;
 
 // Block by block, and in a block K block by K block (the weight panel stays in L2 while every row tile of the
 // rectangle passes over it).
 template <class E>
 void rect(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1) {
-  using Packed = std::conditional_t<std::is_same_v<E, Bf16Panel>, uint16_t, typename E::W>;
+  using P = typename E::P;
   const int64_t k_steps = p.k / E::kPack;
-  const int64_t k_blocks = std::max<int64_t>(1, (k_steps + kBlockSteps<E> - 1) / kBlockSteps<E>);  // K = 0: one
+  const int64_t k_blocks = std::max<int64_t>(1, (k_steps + E::kBlockSteps - 1) / E::kBlockSteps);  // K = 0: one
   const int64_t block_steps = (k_steps + k_blocks - 1) / k_blocks;
   thread_local std::vector<float> part;  // per thread: the rectangle's rows x one column block, between K blocks
   if (k_blocks > 1) part.resize(size_t(m1 - m0) * kLinearBlockN);
-  const Packed* packed = static_cast<const Packed*>(p.w_packed);
+  const P* packed = static_cast<const P*>(p.w_packed);
   for (int32_t c = c0; c < c1;) {
     const int32_t block = c / kLinearBlockN, z0 = (c % kLinearBlockN) / 16;
     const int32_t zn = std::min<int32_t>(kMaxZmm - z0, (c1 - c) / 16);
-    const Packed* w = packed + (int64_t(block) * k_steps * kLinearBlockN + z0 * 16) * E::kPack;
+    const P* w = packed + (int64_t(block) * k_steps * kLinearBlockN + z0 * 16) * E::kPack;
     for (int64_t s0 = 0;; s0 += block_steps) {  // at least one pass: K = 0 still runs the epilogue
       const int64_t s1 = std::min(k_steps, s0 + block_steps);
       const KSpan ks{s0, s1, k_blocks > 1 ? part.data() : nullptr, s0 == 0, s1 == k_steps};
-      const Packed* wk = w + s0 * kLinearBlockN * E::kPack;
-      const typename E::W* we;
-      if constexpr (std::is_same_v<E, Bf16Panel>) we = E::panel(wk, s1 - s0, zn);
-      else we = wk;
+      const typename E::W* we = E::weights(w + s0 * kLinearBlockN * E::kPack, s1 - s0, zn);
       if (zn == 4) row_tiles<E, 4>(p, m0, m1, c, we, ks);
       else row_tiles<E, 2>(p, m0, m1, c, we, ks);  // units of 32 columns: 2 or 4 zmm
       if (s1 == k_steps) break;
