@@ -62,6 +62,8 @@ def test_max_connection_age_ends_connections(server_thread) -> None:
     with ScorerClient(server.target, timeout=5) as client:
         client.channel.subscribe(states.append, try_to_connect=True)
         client.score("first", ["a"], labels=["Yes"])
+        # gRPC delivers connectivity callbacks on its own thread: READY may land after the call returns.
+        wait_for(lambda: grpc.ChannelConnectivity.READY in states, timeout=10, what="READY")
         ready = states.index(grpc.ChannelConnectivity.READY)
         wait_for(lambda: grpc.ChannelConnectivity.IDLE in states[ready:], timeout=10, what="the server's GOAWAY")
         assert client.score("on a new connection", ["a"], labels=["Yes"]).scores
