@@ -69,8 +69,10 @@ def matrix_engine() -> str:
 
 
 def machine() -> str:
-    """One line for a report: the CPU (see `cpu`), its core count and whether it has a matrix engine."""
-    return f"{cpu()}, {os.cpu_count()} cores, {matrix_engine()}"
+    """One line for a report: the CPU (see `cpu`), its core count, whether it has a matrix engine and its L3 as
+    lscpu reports it (under KVM the family/model may be the host's choice: the L3 tells Xeons apart)."""
+    l3 = lscpu().get("L3 cache", "").split(" (")[0]
+    return f"{cpu()}, {os.cpu_count()} cores, {matrix_engine()}{f', L3 {l3}' if l3 else ''}"
 
 
 def gpus() -> list[str]:
