@@ -426,11 +426,15 @@ void amx_block(const AmxRows& a, const uint16_t* w, int32_t steps, bool first, f
 }
 
 // Cache blocking (the K blocks are a function of K alone, which keeps the bits): K in near-equal blocks of at most
-// kAmxKBlock; rows in blocks of kAmxRowBlock with one K block, so that a row block's x stays in L2 while the
-// rectangle's columns pass over it. Over several K blocks (K > 2048: Qwen3-8B's projections, weights far larger
-// than L3) a row block is as tall as kAmxPartialBytes of fp32 partials allow, up to kAmxRowBlockMax: the weight is
-// then read from memory once per call instead of once per 256 rows. Partial sums wait in fp32 between K blocks
-// (exact); the epilogue runs after the last, one tile block behind the tiles (PendingEpilogue).
+// kAmxKBlock. With one K block, all of the rectangle's rows are one row block: each 256-column chunk's weight panels
+// come from memory once per call while the rows pass over them (x from L2 / L3). Blocks of 256 rows read the whole
+// weight once per block, and a short last block (a 776-row MIS: 3 x 256 + 8) once more for a few rows: in one
+// process, bitwise the same, one block read 1.09-1.13x paired over Qwen3-0.6B's projections at 300-1552 rows (its
+// weights stream from DRAM; 1.06x at 3104) and a 16-candidate Qwen3-0.6B MIS 1.11x; SmolLM2 (weights in L3)
+// 0.99-1.03x paired up to 4825 rows, its MIS 1.03x (bench/results/tiers/linear_amx_row_blocks.txt). Over
+// several K blocks (K > 2048: Qwen3-8B's projections, weights far larger than L3) a row block is as tall as
+// kAmxPartialBytes of fp32 partials allow, from kAmxRowBlock up to kAmxRowBlockMax rows. Partial sums wait in fp32
+// between K blocks (exact); the epilogue runs after the last, one tile block behind the tiles (PendingEpilogue).
 constexpr int32_t kAmxKBlock = 2048, kAmxRowBlock = 256, kAmxRowBlockMax = 1024, kAmxColChunk = 256;
 // Row tiles per row block up to which the 1 x 4 kernel runs at one K block. A forward's projections in order (their
 // weights from memory, as a decode step or a small batch reads them), alternated in one process, bitwise the same:
@@ -442,7 +446,7 @@ constexpr int32_t kAmx1x4MaxTiles = 12;
 constexpr int64_t kAmxPartialBytes = int64_t(16) << 20;  // per thread
 
 int32_t amx_row_block(int32_t rows, int32_t k_blocks, int32_t width) {
-  if (k_blocks == 1) return std::min(rows, kAmxRowBlock);
+  if (k_blocks == 1) return rows;
   const int64_t fit = kAmxPartialBytes / (int64_t(width) * 4) / 32 * 32;
   return int32_t(std::min<int64_t>(rows, std::clamp<int64_t>(fit, kAmxRowBlock, kAmxRowBlockMax)));
 }

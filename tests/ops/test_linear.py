@@ -287,9 +287,8 @@ AMX_SHAPES = {"k-blocked": (2080, 200, False), "k-blocked-gated": (2080, 2 * 40,
 @pytest.mark.parametrize("shape", list(AMX_SHAPES))
 def test_amx_blockings(shape, monkeypatch):
     """At tier amx: M from 1 through 192 (the 1 x 4 tiles, one row tile or several in column chunks, their 32-column
-    leftover, a zero-padded tail), then 201 (13 row tiles: 2 x 2 tiles in pairs, a 1 x 2 last tile, a zero-padded
-    tail) and M over one 256-row block (a full block of 2 x 2 tiles, then a short one of 1 x 4), with bias and
-    residual; and every row bitwise the row alone."""
+    leftover, a zero-padded tail), then 201 and 301 (13 and 19 row tiles in one row block: 2 x 2 tiles in pairs, a
+    1 x 2 last tile, a zero-padded tail), with bias and residual; and every row bitwise the row alone."""
     if "amx" not in _ext.runnable_cpu_tiers():
         pytest.skip("needs a CPU with AMX")
     monkeypatch.setenv("PYSCORE_CPU_TIER", "amx")
