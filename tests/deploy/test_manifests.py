@@ -145,14 +145,15 @@ def test_envoy_pre_stop_drains_http2_clients(tmp_path: Path) -> None:
             check = health_pb2.HealthCheckRequest()
             with pytest.raises(grpc.RpcError):  # no replica behind it: Envoy answers UNAVAILABLE itself
                 stub.Check(check, timeout=5)
-            # connectivity callbacks arrive on gRPC's own thread, possibly after the call returned
-            wait_for(lambda: states[-1] == grpc.ChannelConnectivity.READY, what="a connection to Envoy")
+            # connectivity callbacks arrive on gRPC's own thread, possibly after the call returned (even the
+            # first: `states` may still be empty here)
+            wait_for(lambda: states[-1:] == [grpc.ChannelConnectivity.READY], what="a connection to Envoy")
             script = script.replace("/9901", f"/{envoy.admin_port}").replace("sleep 30", "sleep 0")
             done = subprocess.run([shell, dash_c, script], capture_output=True, text=True, timeout=30)
             assert done.returncode == 0, done.stderr
             with pytest.raises(grpc.RpcError):
                 stub.Check(check, timeout=5)
-            wait_for(lambda: states[-1] == grpc.ChannelConnectivity.IDLE, what="Envoy's GOAWAY")
+            wait_for(lambda: states[-1:] == [grpc.ChannelConnectivity.IDLE], what="Envoy's GOAWAY")
             channel.unsubscribe(states.append)
     finally:
         envoy.stop()

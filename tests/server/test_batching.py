@@ -127,14 +127,23 @@ def test_cancelled_request_never_runs(server: ServerThread, client: ScorerClient
     assert server.batcher.stats.dropped == 1
 
 
-def test_expired_deadline_never_runs(server: ServerThread, client: ScorerClient, fake: FakeEngine) -> None:
+def test_expired_deadline_never_runs(server: ServerThread, client: ScorerClient, fake: FakeEngine,
+                                    caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="server.requests")
     fake.pause()
     first = _score_future(client, "first")
     assert fake.wait_entered()
-    late = _score_future(client, "late", timeout=0.2)
+    # it must reach the server (be queued) before it expires, or the server has nothing to drop: 1 s, not a
+    # fraction of one, leaves a loaded machine the time to deliver it
+    late = _score_future(client, "late", timeout=1.0)
+    wait_for(lambda: server.batcher.waiting() == 1, what="the late request queued")
     with pytest.raises(grpc.RpcError) as err:
         late.result()
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # The client's clock passes the deadline first; the server's copy (set on arrival) a moment later, and the
+    # client's cancel is on its way: resumed before either lands, the engine may rightly run the request.
+    wait_for(lambda: any("status=DEADLINE_EXCEEDED" in r.getMessage() for r in caplog.records),
+             what="the server to see the deadline pass")
     fake.resume()
     first.result()
     client.score("next", ["x"], labels=["Yes"])
@@ -349,6 +358,6 @@ def test_usage_reports_server_queue_wait_and_compute_time(server: ServerThread, 
     held, queued = (wire.usage_from_proto(f.result(10).usage) for f in (first, second))
     assert held.compute_s >= 0.3 and held.queue_s < 0.3
     assert queued.queue_s >= 0.3 and queued.compute_s < 0.3
-    fake.delay_s = 0.01
+    fake.delay_s = 0.05  # 0.25 s of steps: well above the worker's wake-up on a loaded machine (its queue wait)
     generated = client.generate("hi there", max_tokens=5).usage
-    assert generated.compute_s >= 5 * 0.01 and generated.queue_s < generated.compute_s
+    assert generated.compute_s >= 5 * 0.05 and generated.queue_s < generated.compute_s

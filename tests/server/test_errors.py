@@ -181,16 +181,19 @@ def test_bytes_that_are_not_a_valid_request(channel: grpc.Channel, stub: scorer_
 
 def test_deadline_already_expired(server: ServerThread, fake: FakeEngine) -> None:
     """Requests whose deadline has passed by the time the server gets to them (its event loop is held for
-    0.3 s; they allow 0.05 s): DEADLINE_EXCEEDED, and nothing reaches the engine."""
+    1 s; they allow 0.05 s): DEADLINE_EXCEEDED, and nothing reaches the engine."""
     import threading
     import time
 
     calls, batches = fake.calls, len(fake.batches)
-    held = threading.Event()
+    held, released = threading.Event(), threading.Event()
 
     def hold_the_loop() -> None:
         held.set()
-        time.sleep(0.3)
+        # long enough that the requests below are sent and expire inside it even when this thread is not
+        # scheduled for a while after `held` (a loaded machine): else they could reach a free loop in time
+        time.sleep(1.0)
+        released.set()
 
     with ScorerClient(server.target, timeout=0.05) as client:
         server.loop.call_soon_threadsafe(hold_the_loop)
@@ -200,6 +203,7 @@ def test_deadline_already_expired(server: ServerThread, fake: FakeEngine) -> Non
                     client.stub.Tokenize.future(pb.TokenizeRequest(text="hi"), timeout=0.05)]
         for f in requests:
             assert f.exception(5).code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        time.sleep(0.3)
+        assert released.wait(5)
+        time.sleep(0.3)  # the freed loop's turn: a server that ran them anyway would have called the engine by now
         assert (fake.calls, len(fake.batches)) == (calls, batches)  # nothing reached the engine
         assert client.score("q", ["a"], labels=["Yes"], timeout=10).scores

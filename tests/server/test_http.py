@@ -322,7 +322,6 @@ def test_python_m_server_with_http_drains_on_sigterm_and_exits_0() -> None:
     import subprocess
     import sys
     import threading
-    import time
 
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, FAKE_ENGINE_DELAY_S="0.5", PYTHONPATH=str(root))
@@ -340,7 +339,15 @@ def test_python_m_server_with_http_drains_on_sigterm_and_exits_0() -> None:
         worker = threading.Thread(target=lambda: answers.append(requests.post(f"{base}/v1/score", json=SCORE,
                                                                                timeout=10)))
         worker.start()
-        time.sleep(0.2)  # inside the 0.5 s model call
+
+        def in_flight() -> float:  # the front door counts its calls in the gRPC metrics, on its own /metrics
+            text = requests.get(f"{base}/metrics", timeout=10).text
+            return sum(float(line.split()[1]) for line in text.splitlines()
+                       if line.startswith('pyscore_requests_in_flight{method="Score"}'))
+
+        # at the server (inside its 0.5 s model call), not still on its way: a loaded machine can take longer
+        # than any fixed sleep to deliver it, and a request that arrives after SIGTERM is refused, not drained
+        wait_for(lambda: in_flight() == 1, what="the request at the server")
         proc.send_signal(signal.SIGTERM)
         worker.join(10)
         assert answers and answers[0].status_code == 200

@@ -225,12 +225,14 @@ def stopped_serving(target: str) -> bool:
 
 
 @pytest.fixture
-def server_process() -> Iterator[tuple[subprocess.Popen[str], str]]:
+def server_process() -> Iterator[tuple[subprocess.Popen[str], str, int]]:
+    """(the process, its gRPC target, its metrics port)."""
     procs: list[subprocess.Popen[str]] = []
     try:
-        proc, target = spawn_server()
+        metrics_port = free_port()
+        proc, target = spawn_server(0, "--metrics-port", str(metrics_port))
         procs.append(proc)
-        yield proc, target
+        yield proc, target, metrics_port
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -238,13 +240,15 @@ def server_process() -> Iterator[tuple[subprocess.Popen[str], str]]:
             proc.wait(10)
 
 
-def test_sigterm_drains_in_flight_work_and_exits_0(server_process: tuple[subprocess.Popen[str], str]) -> None:
-    proc, target = server_process
+def test_sigterm_drains_in_flight_work_and_exits_0(server_process: tuple[subprocess.Popen[str], str, int]) -> None:
+    proc, target, metrics_port = server_process
     with ScorerClient(target, timeout=10) as client:
-        in_flight = client.stub.Score.future(score_message("in flight", ["a"], "", labels=["Yes"]), timeout=10)
-        time.sleep(0.2)  # the request is inside the 0.5 s model call
+        call = client.stub.Score.future(score_message("in flight", ["a"], "", labels=["Yes"]), timeout=10)
+        # at the server (inside its 0.5 s model call), not still on its way: a loaded machine can take longer
+        # than any fixed sleep to deliver it, and a call that arrives after SIGTERM is refused, not drained
+        wait_for(lambda: in_flight(metrics_port) == 1, what="the call at the server")
         proc.send_signal(signal.SIGTERM)
-        assert in_flight.result().scores  # drained, not cut off
+        assert call.result().scores  # drained, not cut off
         assert proc.wait(10) == 0
     out = proc.stdout.read()  # type: ignore[union-attr]
     assert "shutting down" in out
