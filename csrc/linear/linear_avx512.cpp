@@ -429,9 +429,9 @@ void amx_block(const AmxRows& a, const uint16_t* w, int32_t steps, bool first, f
 // kAmxKBlock. With one K block, all of the rectangle's rows are one row block: each 256-column chunk's weight panels
 // come from memory once per call while the rows pass over them (x from L2 / L3). Blocks of 256 rows read the whole
 // weight once per block, and a short last block (a 776-row MIS: 3 x 256 + 8) once more for a few rows: in one
-// process, bitwise the same, one block read 1.09-1.13x paired over Qwen3-0.6B's projections at 300-1552 rows (its
+// process, bitwise the same, one block read 1.09-1.14x paired over Qwen3-0.6B's projections at 300-1552 rows (its
 // weights stream from DRAM; 1.06x at 3104) and a 16-candidate Qwen3-0.6B MIS 1.11x; SmolLM2 (weights in L3)
-// 0.99-1.03x paired up to 4825 rows, its MIS 1.03x (bench/results/tiers/linear_amx_row_blocks.txt). Over
+// 0.99-1.04x paired up to 4825 rows, its MIS 1.03x (bench/results/tiers/linear_amx_row_blocks.txt). Over
 // several K blocks (K > 2048: Qwen3-8B's projections, weights far larger than L3) a row block is as tall as
 // kAmxPartialBytes of fp32 partials allow, from kAmxRowBlock up to kAmxRowBlockMax rows. Partial sums wait in fp32
 // between K blocks (exact); the epilogue runs after the last, one tile block behind the tiles (PendingEpilogue).

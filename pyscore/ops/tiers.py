@@ -35,7 +35,7 @@ LINEAR_AMX = Choice("kernel", "AMX tiles, batch-invariant, the fastest batch-inv
                               "1.6-2.0x at decode, 1.7-3.5x torch's batch-invariant row calls "
                               "(bench/results/tiers/linear_amx.txt); 17-192 rows on the 1 x 4 tiles, 1.06-1.38x the "
                               "2 x 2 ones there (linear_amx_mid_rows.txt); at K <= 2048 all rows in one row block, "
-                              "1.09-1.13x 256-row blocks at Qwen3-0.6B's projections (linear_amx_row_blocks.txt)")
+                              "1.09-1.14x 256-row blocks at Qwen3-0.6B's projections (linear_amx_row_blocks.txt)")
 LINEAR_FP32 = Choice("kernel", "AVX-512 FMAs in K blocks, batch-invariant; 0.98-1.07x torch's fp32 GEMM at prefill "
                                "(Qwen3-8B's K = 12288 down included: 0.45x before the K blocks), 1.4-1.9x at decode "
                                "(bench/results/tiers/linear_fp32_kblock_ab.txt)")
