@@ -211,16 +211,11 @@ Status decode_attention_cpu(const DecodeAttentionParams& p) {
     // two threads, alternated call by call: 1.39-1.50x at 16-32 generations of ~330 keys, 1.71x at 8; one thread
     // 1.06x (bench/results/tiers/decode_attention_heads_together.txt). With fewer chunks than two per thread the
     // units go one by one, so that a few long sequences still use every thread. Bits are the same either way.
-    if (num_chunks >= 2 * int64_t(omp_get_num_threads())) {
+    const int64_t together = num_chunks >= 2 * int64_t(omp_get_num_threads()) ? p.num_kv_heads : 1;
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t i = 0; i < num_chunks; ++i)
-        for (int32_t h = 0; h < p.num_kv_heads; ++h)
-          run_unit(p, ops, plan.units[i * p.num_kv_heads + h], group, o_parts.data(), lse_parts.data(), local);
-    } else {
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t i = 0; i < num_units; ++i)
-        run_unit(p, ops, plan.units[i], group, o_parts.data(), lse_parts.data(), local);
-    }
+    for (int64_t i = 0; i < num_units / together; ++i)
+      for (int64_t j = i * together; j < (i + 1) * together; ++j)
+        run_unit(p, ops, plan.units[j], group, o_parts.data(), lse_parts.data(), local);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < heads; ++i) {
       const int32_t chunks = chunks_of(p.lengths[i / p.num_kv_heads]);

@@ -135,9 +135,8 @@ struct F32 : PackedAsIs<float> {
 
 // Bf16Widen's arithmetic near the fp32 kernel's rate, for rectangles of many rows: the rect widens each K block's
 // weight panel once into a per-thread fp32 buffer (weights() below: at most 512 KiB, hence K blocks of half the
-// steps), each pair stored odd row first,
-// and a tile's x rows into fp32 with each pair swapped the same way; a pair step is then two fp32 steps, odd then
-// even: the same two FMAs per pair in the same order as Bf16Widen, so the same bits, while a pair step loads 8
+// steps), each pair stored odd row first, and a tile's x rows into fp32 with each pair swapped the same way; a pair
+// step is then two fp32 steps, odd then even: the same two FMAs per pair in the same order as Bf16Widen, so the same bits, while a pair step loads 8
 // weight zmm and 12 broadcasts and widens nothing (Bf16Widen: 4 zmm widened on the FMA ports and 48 broadcasts,
 // 0.54-0.78x the fp32 kernel's rate: bench/results/tiers/linear_avx512_dtypes.txt).
 struct Bf16Panel : Bf16Widen {  // T, P, B, kPack, Rows, load and store as Bf16Widen
