@@ -1,15 +1,21 @@
 """OpenAI's `POST /v1/completions` and `POST /v1/chat/completions` over the batcher's generations, so that the
 `openai` client (and vLLM's or SGLang's users of it) work unchanged: max_tokens, temperature, top_p, stop,
-seed, logprobs / top_logprobs, n=1, `stream: true` as server-sent events ending `data: [DONE]` (with
-`stream_options.include_usage`, a last chunk carrying usage), and usage with cached tokens.
+seed, logprobs / top_logprobs, n, a list of prompts, `stream: true` as server-sent events ending `data: [DONE]`
+(with `stream_options.include_usage`, a last chunk carrying usage), and usage with cached tokens.
 
-A completion is one GenerateRequest (text or token-id prompt). A chat's messages are rendered with the model's
+A completion is one GenerateRequest per prompt and sample: a list of prompts (texts or token-id lists) and n
+samples of each give len(prompts) x n choices, choice `index` = prompt * n + sample (OpenAI's and vLLM's order),
+at most MAX_CHOICES a request; all run at once through the batcher and stream interleaved as their tokens come.
+Sample j of a seeded request draws with seed + j, so the n samples differ and each is the single-sample request
+with that seed, bit for bit. Usage counts each prompt once (its first sample's prompt and cached tokens), every
+sample's computed and completion tokens, and the longest queue wait and compute time. A chat's messages are
+rendered with the model's
 chat template on the engine thread into prompt token ids, exactly as a gRPC Generate with apply_chat_template
 renders its one user message (`chat_template_kwargs` reach the template). OpenAI's defaults hold where they
 differ from the proto's: temperature 1, completions 16 tokens, chats up to the context. Sampling floats go
 through float32, as the proto's `float` does, so the same question asked over gRPC gets the same tokens.
-Fields OpenAI has and pyscore cannot honour (n > 1, best_of, echo, suffix, penalties, logit_bias, tools, a JSON
-response_format) are refused naming the field. A stream's status is settled by its first token: anything the
+Fields OpenAI has and pyscore cannot honour (best_of other than n, echo, suffix, penalties, logit_bias, tools,
+a JSON response_format) are refused naming the field. A stream's status is settled by its first token: anything the
 request gets wrong is an HTTP error before the stream starts; a failure after that is a last `data:` event
 carrying the error object."""
 
@@ -38,6 +44,9 @@ COMPLETION_FIELDS = {"prompt_token_ids": "prompt", "top_logprobs": "logprobs"}
 CHAT_FIELDS = {"prompt": "messages", "prompt_token_ids": "messages", "apply_chat_template": "messages"}
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 RESERVED_TEMPLATE_KWARGS = {"conversation", "tokenize", "add_generation_prompt", "return_dict"}
+# Choices (prompts x n) per request: each is a queued job, then a running sequence holding KV pages until it ends;
+# a request may ask for as many as the engine runs at once by default (--max-running-generations 64), no more.
+MAX_CHOICES = 64
 
 
 class EventStream(StreamingResponse):
@@ -62,9 +71,12 @@ def event(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def refuse_unsupported(body: SamplingBody) -> None:
-    if body.n != 1:
-        raise InvalidArgument("n", f"only n=1 is supported, got {body.n}")
+def refuse_unsupported(body: SamplingBody, prompts: int = 1) -> None:
+    if body.n < 1:
+        raise InvalidArgument("n", f"must be at least 1, got {body.n}")
+    if prompts * body.n > MAX_CHOICES:
+        raise InvalidArgument("n" if body.n > 1 else "prompt", f"{prompts} prompt(s) x n={body.n} would be "
+                              f"{prompts * body.n} choices; at most {MAX_CHOICES} per request")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name):
             raise InvalidArgument(name, "is not supported: leave it at 0")
@@ -72,13 +84,36 @@ def refuse_unsupported(body: SamplingBody) -> None:
         raise InvalidArgument("logit_bias", "is not supported")
 
 
-def sampling(body: SamplingBody, max_tokens: int) -> dict[str, Any]:
-    """GenerateRequest fields from OpenAI's sampling fields (OpenAI's defaults; floats as float32)."""
+def sampling(body: SamplingBody, max_tokens: int, sample: int = 0) -> dict[str, Any]:
+    """GenerateRequest fields from OpenAI's sampling fields (OpenAI's defaults; floats as float32) for sample
+    `sample` of n (a seeded request's sample j draws with seed + j)."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return dict(max_tokens=max_tokens, temperature=fp32([1.0 if body.temperature is None else body.temperature])[0],
                 top_p=fp32([1.0 if body.top_p is None else body.top_p])[0],
-                top_k=0 if body.top_k in (None, -1) else body.top_k, seed=body.seed, stop=stop,
+                top_k=0 if body.top_k in (None, -1) else body.top_k,
+                seed=None if body.seed is None else body.seed + sample, stop=stop,
                 bypass_prefix_cache=body.bypass_prefix_cache, prefix_cache_salt=body.salt())
+
+
+def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """The prompts of a completion request: one text, one token-id list, or a list of either."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise InvalidArgument("prompt", "must not be empty")
+    if isinstance(prompt[0], int):
+        return [prompt]  # type: ignore[list-item]
+    return list(prompt)  # type: ignore[arg-type]
+
+
+def merged_usage(results: list[GenerateResult], n: int) -> Usage:
+    """One usage for a request's choices (results in choice order, n samples a prompt): each prompt's prompt and
+    cached tokens once (its first sample's), every choice's computed tokens, the longest queue wait and compute."""
+    firsts = results[::n]
+    return Usage(prompt_tokens=sum(r.usage.prompt_tokens for r in firsts),
+                 computed_tokens=sum(r.usage.computed_tokens for r in results),
+                 cached_tokens=sum(r.usage.cached_tokens for r in firsts),
+                 queue_s=max(r.usage.queue_s for r in results), compute_s=max(r.usage.compute_s for r in results))
 
 
 async def final_result(deltas: AsyncIterator[GenerationDelta]) -> GenerateResult:
@@ -86,6 +121,24 @@ async def final_result(deltas: AsyncIterator[GenerationDelta]) -> GenerateResult
         if delta.final is not None:
             return delta.final
     raise RuntimeError("generation ended without a result")
+
+
+async def close_all(tasks: list[asyncio.Future[Any]], streams: list[AsyncIterator[GenerationDelta]]) -> None:
+    """Cancels what still waits on a stream, then closes every stream (its sequence is freed)."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for deltas in streams:
+        await deltas.aclose()  # type: ignore[attr-defined]
+
+
+async def final_results(streams: list[AsyncIterator[GenerationDelta]]) -> list[GenerateResult]:
+    """Every choice's result, in choice order; the first failure fails the request and frees the others."""
+    tasks = [asyncio.ensure_future(final_result(deltas)) for deltas in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        await close_all(tasks, streams)
 
 
 def completion_logprobs(logprobs: list[TokenLogprob]) -> dict[str, Any]:
@@ -137,43 +190,43 @@ class OpenAIEndpoints:
         self.gate = gate
 
     async def completions(self, call: Call, body: CompletionBody) -> Response:
-        refuse_unsupported(body)
-        for name, unsupported in (("echo", body.echo), ("best_of", body.best_of not in (None, 1)),
+        prompts = completion_prompts(body.prompt)
+        refuse_unsupported(body, len(prompts))  # bounds the list before anything walks it
+        for i, p in enumerate(prompts):
+            if not p and len(prompts) > 1:
+                raise InvalidArgument(f"prompt[{i}]", "must not be empty")
+        for name, unsupported in (("echo", body.echo), ("best_of", body.best_of not in (None, body.n)),
                                   ("suffix", body.suffix)):
             if unsupported:
                 raise InvalidArgument(name, "is not supported")
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise InvalidArgument("prompt", f"one prompt per request, got {len(prompt)}")
-            prompt = prompt[0]
         batcher, info = self.gate.ready(body.model)
-        ids = prompt if isinstance(prompt, list) else None
-        self.gate.check_ids("prompt", len(ids or []))
+        self.gate.check_ids("prompt", sum(len(p) for p in prompts if isinstance(p, list)))
         max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
-        request = GenerateRequest(prompt=prompt if isinstance(prompt, str) else None, prompt_token_ids=ids,
-                                  top_logprobs=body.logprobs or 0, **sampling(body, max_tokens))
-        logprobs = body.logprobs is not None
+        n, logprobs = body.n, body.logprobs is not None
+        requests = [GenerateRequest(prompt=p if isinstance(p, str) else None,
+                                    prompt_token_ids=p if isinstance(p, list) else None,
+                                    top_logprobs=body.logprobs or 0, **sampling(body, max_tokens, j))
+                    for p in prompts for j in range(n)]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def choice(text: str, lps: list[TokenLogprob], finish: str | None) -> dict[str, Any]:
-            return {"index": 0, "text": text, "logprobs": completion_logprobs(lps) if logprobs else None,
+        def choice(k: int, text: str, lps: list[TokenLogprob], finish: str | None) -> dict[str, Any]:
+            return {"index": k, "text": text, "logprobs": completion_logprobs(lps) if logprobs else None,
                     "finish_reason": FINISH.get(finish or "")}
 
         def chunk(choices: list[dict[str, Any]], usage: Usage | None = None, generated: int = 0) -> dict[str, Any]:
             out = {"id": rid, "object": "text_completion", "created": created, "model": info.name, "choices": choices}
             return out | ({"usage": usage_json(usage, generated)} if usage is not None else {})
 
-        deltas = batcher.generate(request)
+        streams = [batcher.generate(r) for r in requests]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await stream(call, deltas, COMPLETION_FIELDS, lambda d: [chunk([choice(
-                d.text, d.logprobs, d.final.finish_reason if d.final else None)])],
-                lambda r: [chunk([], r.usage, len(r.token_ids))] if include_usage else [])
-        result = await final_result(deltas)
-        call.usage = result.usage
-        return JSON(chunk([choice(result.text, result.logprobs, result.finish_reason)], result.usage,
-                          len(result.token_ids)))
+            return await stream(call, streams, n, COMPLETION_FIELDS, lambda k, d: [chunk([choice(
+                k, d.text, d.logprobs, d.final.finish_reason if d.final else None)])],
+                lambda rs, usage: [chunk([], usage, generated(rs))] if include_usage else [])
+        results = await final_results(streams)
+        call.usage = usage = merged_usage(results, n)
+        return JSON(chunk([choice(k, r.text, r.logprobs, r.finish_reason) for k, r in enumerate(results)], usage,
+                          generated(results)))
 
     async def chat(self, call: Call, body: ChatCompletionBody) -> Response:
         refuse_unsupported(body)
@@ -188,8 +241,8 @@ class OpenAIEndpoints:
         prompt = await batcher.call(render_chat, batcher.engine, messages, dict(body.chat_template_kwargs or {}))
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = info.max_context - len(prompt) if asked is None else asked  # OpenAI: up to the context
-        request = GenerateRequest(prompt_token_ids=prompt, top_logprobs=body.top_logprobs or 0,
-                                  **sampling(body, max_tokens))
+        requests = [GenerateRequest(prompt_token_ids=prompt, top_logprobs=body.top_logprobs or 0,
+                                    **sampling(body, max_tokens, j)) for j in range(body.n)]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def chunk(choices: list[dict[str, Any]], usage: Usage | None = None, generated: int = 0,
@@ -197,57 +250,73 @@ class OpenAIEndpoints:
             out = {"id": rid, "object": obj, "created": created, "model": info.name, "choices": choices}
             return out | ({"usage": usage_json(usage, generated)} if usage is not None else {})
 
-        def delta_chunks(d: GenerationDelta) -> list[dict[str, Any]]:
+        def delta_chunks(k: int, d: GenerationDelta) -> list[dict[str, Any]]:
             lps = chat_logprobs(d.logprobs) if body.logprobs else None
-            out = [chunk([{"index": 0, "delta": {"content": d.text}, "logprobs": lps, "finish_reason": None}])]
+            out = [chunk([{"index": k, "delta": {"content": d.text}, "logprobs": lps, "finish_reason": None}])]
             if d.final is not None:
-                out.append(chunk([{"index": 0, "delta": {}, "logprobs": None,
+                out.append(chunk([{"index": k, "delta": {}, "logprobs": None,
                                    "finish_reason": FINISH[d.final.finish_reason]}]))
             return out
 
-        deltas = batcher.generate(request)
+        streams = [batcher.generate(r) for r in requests]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            role = chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                           "finish_reason": None}])
-            return await stream(call, deltas, CHAT_FIELDS, delta_chunks,
-                                lambda r: [chunk([], r.usage, len(r.token_ids))] if include_usage else [], [role])
-        result = await final_result(deltas)
-        call.usage = result.usage
-        message = {"role": "assistant", "content": result.text}
-        return JSON(chunk([{"index": 0, "message": message,
-                            "logprobs": chat_logprobs(result.logprobs) if body.logprobs else None,
-                            "finish_reason": FINISH[result.finish_reason]}],
-                          result.usage, len(result.token_ids), obj="chat.completion"))
+            roles = [chunk([{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}]) for k in range(body.n)]
+            return await stream(call, streams, body.n, CHAT_FIELDS, delta_chunks,
+                                lambda rs, usage: [chunk([], usage, generated(rs))] if include_usage else [], roles)
+        results = await final_results(streams)
+        call.usage = usage = merged_usage(results, body.n)
+        return JSON(chunk([{"index": k, "message": {"role": "assistant", "content": r.text},
+                            "logprobs": chat_logprobs(r.logprobs) if body.logprobs else None,
+                            "finish_reason": FINISH[r.finish_reason]} for k, r in enumerate(results)],
+                          usage, generated(results), obj="chat.completion"))
 
 
-async def stream(call: Call, deltas: AsyncIterator[GenerationDelta], renames: dict[str, str],
-                 chunks: Callable[[GenerationDelta], list[dict[str, Any]]],
-                 ending: Callable[[GenerateResult], list[dict[str, Any]]],
+def generated(results: list[GenerateResult]) -> int:
+    return sum(len(r.token_ids) for r in results)
+
+
+async def stream(call: Call, streams: list[AsyncIterator[GenerationDelta]], n: int, renames: dict[str, str],
+                 chunks: Callable[[int, GenerationDelta], list[dict[str, Any]]],
+                 ending: Callable[[list[GenerateResult], Usage], list[dict[str, Any]]],
                  opening: list[dict[str, Any]] | None = None) -> Response:
-    """Waits for the first delta (so a bad request is still an HTTP error), then streams every delta as events,
-    the ending events and `data: [DONE]`."""
+    """Waits for every choice's first delta (so a bad request is still an HTTP error), then streams the choices'
+    deltas as events as they come (choice k's through chunks(k, delta); deltas that arrive together in choice
+    order), the ending events once every choice has finished, and `data: [DONE]`."""
+    firsts = [asyncio.ensure_future(anext(deltas)) for deltas in streams]
     try:
-        first = await anext(deltas)
+        ready = list(enumerate(await asyncio.gather(*firsts)))
     except BaseException:
-        await deltas.aclose()  # type: ignore[attr-defined]
+        await close_all(firsts, streams)
         raise
 
     async def events() -> AsyncIterator[str]:
         status = "OK"
+        results: list[GenerateResult | None] = [None] * len(streams)
+        waiting: dict[asyncio.Future[GenerationDelta | None], int] = {}
         try:
             for data in opening or []:
                 yield event(data)
-            delta: GenerationDelta | None = first
-            while delta is not None:
-                for data in chunks(delta):
-                    yield event(data)
-                if delta.final is not None:
-                    call.usage = delta.final.usage
-                    for data in ending(delta.final):
+            batch: list[tuple[int, GenerationDelta | None]] = list(ready)
+            while True:
+                for k, delta in batch:
+                    if delta is None:
+                        raise RuntimeError("generation ended without a result")
+                    for data in chunks(k, delta):
                         yield event(data)
+                    if delta.final is not None:
+                        results[k] = delta.final
+                    else:
+                        waiting[asyncio.ensure_future(anext(streams[k], None))] = k
+                if not waiting:
                     break
-                delta = await anext(deltas, None)
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                batch = sorted((waiting.pop(task), task.result()) for task in done)
+            finished = [r for r in results if r is not None]
+            call.usage = usage = merged_usage(finished, n)
+            for data in ending(finished, usage):
+                yield event(data)
         except (asyncio.CancelledError, GeneratorExit):
             status = "CANCELLED"
             raise
@@ -255,12 +324,12 @@ async def stream(call: Call, deltas: AsyncIterator[GenerationDelta], renames: di
             status, message, param, http_status = described(e, renames)
             yield event(error_body(status, message, param, http_status))
         finally:
-            await deltas.aclose()  # type: ignore[attr-defined]
+            await close_all(list(waiting), streams)
             call.finish(status, 200)
         yield "data: [DONE]\n\n"
 
     async def on_close() -> None:  # both idempotent: a no-op after a stream that ran its course
-        await deltas.aclose()  # type: ignore[attr-defined]
+        await close_all([], streams)
         call.finish("CANCELLED", 200)
 
     return EventStream(events(), on_close)

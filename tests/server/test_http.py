@@ -94,6 +94,30 @@ def test_completions_and_stream(http: ServerThread) -> None:
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
 
 
+def test_completions_of_several_prompts_and_samples(http: ServerThread) -> None:
+    """A list of prompts x n samples: choice index = prompt * n + sample; each choice is what its prompt alone
+    gets (a seeded sample j: what seed + j alone gets); streamed, every choice's text arrives under its index."""
+    body = {"prompt": ["hello there", "a much longer prompt"], "n": 2, "max_tokens": 3, "temperature": 0.5,
+            "seed": 7, "logprobs": 1}
+    whole = post(http, "/v1/completions", body).json()
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2, 3]
+    alone = [post(http, "/v1/completions", body | {"prompt": p, "n": 1, "seed": 7 + j}).json()
+             for p in body["prompt"] for j in range(2)]
+    assert [c["text"] for c in whole["choices"]] == [a["choices"][0]["text"] for a in alone]
+    assert whole["choices"][0]["text"] != whole["choices"][1]["text"]  # seeds 7 and 8
+    assert whole["usage"]["prompt_tokens"] == alone[0]["usage"]["prompt_tokens"] + alone[2]["usage"]["prompt_tokens"]
+    assert whole["usage"]["completion_tokens"] == 12
+    r = requests.post(url(http, "/v1/completions"), json=body | {"stream": True, "stream_options":
+                                                                  {"include_usage": True}}, stream=True, timeout=30)
+    events = [line.removeprefix("data: ") for line in r.iter_lines(decode_unicode=True) if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    texts = ["".join(c["choices"][0]["text"] for c in chunks if c["choices"] and c["choices"][0]["index"] == k)
+             for k in range(4)]
+    assert texts == [c["text"] for c in whole["choices"]]
+    assert chunks[-1]["usage"] == whole["usage"] | {k: chunks[-1]["usage"][k] for k in ("queue_s", "compute_s")}
+
+
 def test_models_tokenize_health_metrics(http: ServerThread, fake: FakeEngine) -> None:
     models = requests.get(url(http, "/v1/models"), timeout=10).json()
     assert [m["id"] for m in models["data"]] == ["fake-smollm2"]
@@ -130,8 +154,12 @@ def test_health_and_calls_before_the_model_is_loaded(start_server: Any) -> None:
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),  # the proto's top_logprobs
     ("/v1/completions", {"prompt": [1, 10**6]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", ""]}, 400, "prompt[1]"),
+    ("/v1/completions", {"prompt": ["a"] * 65}, 400, "prompt"),  # MAX_CHOICES
+    ("/v1/completions", {"prompt": ["a", "b"], "n": 33}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of"),
     ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "3"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "stream": True, "top_p": 2}, 400, "top_p"),  # before the stream starts

@@ -121,6 +121,33 @@ def test_completions_over_http_equal_grpc(base: str, client: ScorerClient, oa: o
     assert by_ids.choices[0].text == over_grpc.text
 
 
+def test_prompt_lists_and_samples_over_http_equal_grpc(client: ScorerClient, oa: openai.OpenAI, name: str) -> None:
+    """vLLM's batch completion (a list of prompts) and n samples through the openai client: choice prompt * n + j
+    is what gRPC gets for that prompt with seed + j; a chat's n samples likewise."""
+    prompts = [PROMPT, "Context: the order 1234"]
+    c = oa.completions.create(model=name, prompt=prompts, n=2, max_tokens=5, temperature=0.8, seed=21, logprobs=1)
+    want = [client.generate(p, max_tokens=5, temperature=0.8, seed=21 + j, top_logprobs=1) for p in prompts
+            for j in range(2)]
+    assert [ch.index for ch in c.choices] == [0, 1, 2, 3]
+    assert [ch.text for ch in c.choices] == [w.text for w in want]
+    assert [ch.logprobs.token_logprobs for ch in c.choices] == [[lp.logprob for lp in w.logprobs] for w in want]
+    assert c.usage.prompt_tokens == want[0].usage.prompt_tokens + want[2].usage.prompt_tokens
+    assert c.usage.completion_tokens == sum(len(w.token_ids) for w in want)
+    streamed = oa.completions.create(model=name, prompt=prompts, n=2, max_tokens=5, temperature=0.8, seed=21,
+                                     stream=True)
+    texts = [""] * 4
+    for chunk in streamed:
+        for ch in chunk.choices:
+            texts[ch.index] += ch.text
+    assert texts == [w.text for w in want]
+    question = "Where is my order 1234?"
+    chat = oa.chat.completions.create(model=name, messages=[{"role": "user", "content": question}], max_tokens=4,
+                                      temperature=0.8, seed=5, n=3)
+    assert [ch.message.content for ch in chat.choices] == [
+        client.generate(question, apply_chat_template=True, max_tokens=4, temperature=0.8, seed=5 + j).text
+        for j in range(3)]
+
+
 def test_chat_over_http_equals_grpc_with_the_template(client: ScorerClient, oa: openai.OpenAI, name: str) -> None:
     question = "Where is my order 1234?"
     over_grpc = client.generate(question, apply_chat_template=True, max_tokens=5, top_logprobs=2)
