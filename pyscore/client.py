@@ -49,6 +49,7 @@ class GenerateChunk:
     logprobs: list[TokenLogprob]
     finish_reason: str | None = None
     usage: Usage | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # the first chunk, when the request asked for them
 
 
 def field_violations(error: grpc.RpcError) -> list[tuple[str, str]]:
@@ -124,7 +125,8 @@ def chunk_from_proto(msg: pb.GenerateResponse) -> GenerateChunk:
     last = finish_reason is not None
     return GenerateChunk(text=msg.text, token_ids=list(msg.token_ids), logprobs=wire.logprobs_from_proto(msg.logprobs),
                          finish_reason=finish_reason,
-                         usage=wire.usage_from_proto(msg.usage) if last else None)
+                         usage=wire.usage_from_proto(msg.usage) if last else None,
+                         prompt_logprobs=wire.logprobs_from_proto(msg.prompt_logprobs) if msg.prompt_logprobs else None)
 
 
 class ScorerClient(_CallOptions):
@@ -161,9 +163,10 @@ class ScorerClient(_CallOptions):
     def generate(self, prompt: str | list[int], *, model: str = "", timeout: float | None = None,
                  **options: Any) -> GenerateResult:
         """options: max_tokens, temperature, top_p, top_k, seed, stop, top_logprobs, apply_chat_template,
-        bypass_prefix_cache, prefix_cache_salt."""
+        bypass_prefix_cache, prefix_cache_salt, prompt_logprobs."""
         msg = generate_message(prompt, model, **options)
-        return wire.generate_result_from_proto(self.stub.Generate(msg, **self._kw(timeout, prompt)))
+        return wire.generate_result_from_proto(self.stub.Generate(msg, **self._kw(timeout, prompt)),
+                                               msg.HasField("prompt_logprobs"))
 
     def generate_stream(self, prompt: str | list[int], *, model: str = "", timeout: float | None = None,
                         **options: Any) -> Iterator[GenerateChunk]:
@@ -233,7 +236,8 @@ class AsyncScorerClient(_CallOptions):
     async def generate(self, prompt: str | list[int], *, model: str = "", timeout: float | None = None,
                        **options: Any) -> GenerateResult:
         msg = generate_message(prompt, model, **options)
-        return wire.generate_result_from_proto(await self.stub.Generate(msg, **self._kw(timeout, prompt)))
+        return wire.generate_result_from_proto(await self.stub.Generate(msg, **self._kw(timeout, prompt)),
+                                               msg.HasField("prompt_logprobs"))
 
     async def generate_stream(self, prompt: str | list[int], *, model: str = "", timeout: float | None = None,
                               **options: Any) -> AsyncIterator[GenerateChunk]:

@@ -1,6 +1,7 @@
 """The next-token choice: greedy at temperature 0, else sampled after temperature, top-k and top-p; the logprob
 entry (with the top alternatives) is always the model's raw distribution's. A NaN / inf row fails its own
-sequence (NonFiniteLogits), never its batch-mates."""
+sequence (NonFiniteLogits), never its batch-mates. And the prompt's own tokens' logprob entries
+(`prompt_token_logprobs`), from the same distribution at every prompt position."""
 
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from pyscore.ops.label_logprobs import lm_head_logits
 from pyscore.types import GenerateRequest, TokenLogprob, TopLogprob
 
 if TYPE_CHECKING:
     from pyscore.generation import Generation
 
 Choice = tuple[int, TokenLogprob]
+# Prompt positions whose logits are held at once: [rows, V] fp32 (a 151,936-token vocabulary: 78 MB).
+PROMPT_LOGPROB_ROWS = 128
 
 
 class NonFiniteLogits(RuntimeError):
@@ -95,3 +99,29 @@ def _top_logprobs(rows: torch.Tensor, shift: torch.Tensor, ks: list[int]) -> dic
     values = (values - shift[index, None]).tolist()
     ids = ids.tolist()
     return {r: list(zip(ids[j][: ks[r]], values[j][: ks[r]], strict=True)) for j, r in enumerate(wanted)}
+
+
+def prompt_token_logprobs(hidden: torch.Tensor, prompt: list[int], top: int, lm_head: torch.Tensor, backend: str,
+                          tokenizer: Any) -> list[TokenLogprob]:
+    """hidden [n, H]: the final hidden states at a prompt's n positions -> one entry per prompt token: token i's
+    logprob given tokens < i (read at position i - 1, as a generated token's), with its `top` most likely
+    alternatives there; token 0's logprob is NaN, with none. Rows of logits are made PROMPT_LOGPROB_ROWS at a
+    time. Raises NonFiniteLogits for a NaN / inf row."""
+    out = [TokenLogprob(prompt[0], tokenizer.decode([prompt[0]]), float("nan"))]
+    for start in range(0, len(prompt) - 1, PROMPT_LOGPROB_ROWS):
+        end = min(len(prompt) - 1, start + PROMPT_LOGPROB_ROWS)
+        logits, logz = lm_head_logits(hidden[start:end], lm_head, backend)
+        logits = logits.float()
+        finite, _ = _finite_and_argmax(logits)
+        if not all(finite):
+            raise NonFiniteLogits(f"the model's logits are not finite (NaN or inf) after prompt token "
+                                  f"{start + finite.index(False)}")
+        rows, shift = (logits, logz) if logz is not None else (torch.log_softmax(logits, -1),
+                                                               logits.new_zeros(end - start))
+        targets = prompt[start + 1 : end + 1]
+        chosen = (rows[torch.arange(end - start), torch.tensor(targets)] - shift).tolist()
+        tops = _top_logprobs(rows, shift, [top] * (end - start))
+        for j, token in enumerate(targets):
+            alternatives = [TopLogprob(i, tokenizer.decode([i]), v) for i, v in tops.get(j, [])]
+            out.append(TokenLogprob(token, tokenizer.decode([token]), chosen[j], alternatives))
+    return out

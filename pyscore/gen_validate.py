@@ -20,6 +20,8 @@ def validate_generate(req: GenerateRequest, tokenizer: Any, vocab_size: int, max
         raise InvalidArgument("prompt", "is empty: give prompt or prompt_token_ids")
     if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidArgument("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
+    if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument("prompt_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {req.prompt_logprobs}")
     if not math.isfinite(req.temperature) or req.temperature < 0:
         raise InvalidArgument("temperature", f"must be a finite number >= 0, got {req.temperature}")
     if not (math.isfinite(req.top_p) and 0 < req.top_p <= 1):
@@ -44,8 +46,8 @@ def validate_generate(req: GenerateRequest, tokenizer: Any, vocab_size: int, max
                                                     add_generation_prompt=True, return_dict=False))
     else:
         prompt = list(tokenizer(req.prompt, add_special_tokens=True)["input_ids"])
-    if req.max_tokens <= 0:
-        raise InvalidArgument("max_tokens", f"must be > 0, got {req.max_tokens}")
+    if req.max_tokens < 0 or (req.max_tokens == 0 and req.prompt_logprobs is None):
+        raise InvalidArgument("max_tokens", f"must be > 0 (or 0 with prompt_logprobs), got {req.max_tokens}")
     if len(prompt) + req.max_tokens > max_context:
         raise InvalidArgument("max_tokens", f"prompt ({len(prompt)} tokens) + max_tokens ({req.max_tokens}) "
                               f"exceeds the model's context of {max_context}")

@@ -25,7 +25,7 @@ import torch
 from pyscore import chunked_prefill
 from pyscore.chunked_prefill import ChunkedPrefill
 from pyscore.errors import FailedPrecondition, PassInterrupted
-from pyscore.gen_sampling import Choice, NonFiniteLogits, choose_tokens
+from pyscore.gen_sampling import Choice, NonFiniteLogits, choose_tokens, prompt_token_logprobs
 from pyscore.gen_text import StopText
 from pyscore.gen_validate import MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, validate_generate
 from pyscore.model.decoder import Decoder, KVCache
@@ -62,6 +62,8 @@ class Generation:
     cached_tokens: int = 0  # prompt tokens the prefill read from the prefix cache
     chunks: ChunkedPrefill | None = None  # while a long prompt is prefilled in chunks (still WAITING)
     computed: int = 0  # tokens generated (eos excluded), including any cut off by a stop string
+    prompt_logprobs: list[TokenLogprob] | None = None  # set by the prefill when the request asks for them
+    prompt_logprobs_taken: bool = False  # a stream has carried them (in its first delta)
     out: StopText = field(init=False)  # the result's tokens and text (see pyscore.gen_text's rule)
 
     def __post_init__(self) -> None:
@@ -120,12 +122,20 @@ class Generation:
         """What became final since the last call (pyscore.gen_text's streaming rule)."""
         return self.out.take_delta(self.finished)
 
+    def take_prompt_logprobs(self) -> list[TokenLogprob] | None:
+        """The prompt's logprob entries the first time they are there, then None (a stream sends them once)."""
+        if self.prompt_logprobs is None or self.prompt_logprobs_taken:
+            return None
+        self.prompt_logprobs_taken = True
+        return self.prompt_logprobs
+
     def result(self) -> GenerateResult:
         return GenerateResult(text=self.text, token_ids=list(self.token_ids), logprobs=list(self.logprobs),
                               finish_reason=self.finish_reason or "length",
                               usage=Usage(prompt_tokens=len(self.prompt),
                                           computed_tokens=len(self.prompt) - self.cached_tokens + self.computed,
-                                          cached_tokens=self.cached_tokens))
+                                          cached_tokens=self.cached_tokens),
+                              prompt_logprobs=self.prompt_logprobs)
 
 
 def eos_token_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
@@ -215,7 +225,7 @@ class GenerationRunner:
         """A prompt that bypasses the cache runs as one pass: its sequence's table would reference the chunks'
         private blocks, which the end of the chunking drops (they are never published)."""
         n, r = len(g.prompt), g.request
-        if r.bypass_prefix_cache:
+        if r.bypass_prefix_cache or r.prompt_logprobs is not None:
             return False
         g.chunks = chunked_prefill.plan(self.prefix_cache, g.prompt, n - 1, self.chunk_tokens, r.prefix_cache_salt)
         return g.chunks is not None
@@ -259,20 +269,38 @@ class GenerationRunner:
                 except Exception as e_alone:
                     g.fail(e_alone)
 
+    @staticmethod
+    def _readouts(g: Generation) -> list[int]:
+        """The prompt positions whose output the prefill reads: the last (the first token's distribution), or
+        every one when the request asks for the prompt's logprobs."""
+        n = len(g.prompt)
+        return list(range(n)) if g.request.prompt_logprobs is not None else [n - 1]
+
     def _prefill(self, gens: list[Generation]) -> None:
-        """One packed pass over the new sequences' prompts (`_prefill_pass`), then each sequence's first token.
-        A cache no sequence took (its token failed, or this raised) gives its pages back."""
-        hidden, kv, skips = self._prefill_pass(gens)
-        for g, skip in zip(gens, skips, strict=True):
-            # reported only if the sequence gets its first token (else it failed); a chunked prompt's blocks
-            # were computed by this sequence, not cached
-            g.cached_tokens = skip - (g.chunks.computed if g.chunks else 0)
+        """One packed pass over the new sequences' prompts (`_prefill_pass`), the prompt logprobs of those that ask
+        for them, then each sequence's first token (none for max_tokens 0: it ends there). A cache no sequence took
+        (its token failed, or this raised) gives its pages back."""
+        hidden, kv, skips, rows = self._prefill_pass(gens)
 
         def commit(c: KVCache, g: Generation) -> None:
             c.length = len(g.prompt)  # prefill wrote the linear layers' states into the cache's current ones
 
         try:
-            self._commit(gens, hidden, kv, commit)
+            logprobs = [None if g.request.prompt_logprobs is None else prompt_token_logprobs(
+                hidden[r], g.prompt, g.request.prompt_logprobs, self.decoder.w.lm_head, self.decoder.op_backend,
+                self.tokenizer) for g, r in zip(gens, rows, strict=True)]
+            for g, skip, lps in zip(gens, skips, logprobs, strict=True):
+                # reported only if the sequence gets its first token (else it failed); a chunked prompt's blocks
+                # were computed by this sequence, not cached
+                g.cached_tokens = skip - (g.chunks.computed if g.chunks else 0)
+                g.prompt_logprobs = lps
+            going = [i for i, g in enumerate(gens) if g.request.max_tokens > 0]
+            if going:
+                self._commit([gens[i] for i in going], hidden[[rows[i][-1] for i in going]],
+                             [kv[i] for i in going], commit)
+            for g in gens:
+                if g.request.max_tokens == 0:
+                    g._finish("length")  # the prompt's logprobs alone: no token to choose
         finally:
             for g, c in zip(gens, kv, strict=True):
                 if g.cache is not c:
@@ -281,12 +309,13 @@ class GenerationRunner:
             if g.chunks is not None:
                 g.chunks.close(ok=g.error is None)  # published once its first token is chosen; its table holds them
 
-    def _prefill_pass(self, gens: list[Generation]) -> tuple[torch.Tensor, list[KVCache], list[int]]:
+    def _prefill_pass(self, gens: list[Generation]) -> tuple[torch.Tensor, list[KVCache], list[int], list[list[int]]]:
         """With the prefix cache a prompt's leading full blocks (leaving at least its last token, whose output
         chooses the first token) are read in place from the cache; the prompt's other full blocks are written into
         blocks the cache takes, visible to later passes once this one succeeded (they hold the prompt's keys
         whatever token is chosen next). The sequence's block table starts with these blocks; the rest of its prompt
-        goes into pages it owns. Returns the final hidden states, the caches and the tokens read from the cache."""
+        goes into pages it owns. Returns the final hidden states at the read-out rows, the caches, the tokens read
+        from the cache and each sequence's read-out rows (`_readouts`' positions, in order)."""
         cache = self.prefix_cache
         with pass_lease(cache) as lease:
             kv: list[KVCache] = []
@@ -294,7 +323,7 @@ class GenerationRunner:
                 groups, shared = [], []
                 for g in gens:
                     use, blocks = self._cache_use(lease, g)
-                    groups.append(Group(prefix=[], items=[g.prompt], readouts=[[len(g.prompt) - 1]], cache=use))
+                    groups.append(Group(prefix=[], items=[g.prompt], readouts=[self._readouts(g)], cache=use))
                     shared.append(len(blocks))
                     kv.append(self.decoder.new_cache(PageTable(self.store, cache, blocks)))
                     kv[-1].reserve(len(g.prompt))
@@ -318,7 +347,7 @@ class GenerationRunner:
                 for c in kv:  # before the lease drops the blocks it wrote
                     c.release()
                 raise
-        return hidden, kv, skips
+        return hidden, kv, skips, [rows[0] for rows in batch.rows]
 
     def _cache_use(self, lease: CacheLease | None, g: Generation) -> tuple[CacheUse | None, list[Block]]:
         """The prompt's use of the cache (read: the cached blocks; write: the full blocks the cache takes) and the
@@ -326,8 +355,8 @@ class GenerationRunner:
         n = len(g.prompt)
         if g.chunks is not None:  # its whole-block prompt, prefilled in chunks under its own lease
             return g.chunks.read_all(), list(g.chunks.blocks)
-        if lease is None or g.request.bypass_prefix_cache:
-            return None, []
+        if lease is None or g.request.bypass_prefix_cache or g.request.prompt_logprobs is not None:
+            return None, []  # (every prompt position read out must be computed)
         salt = g.request.prefix_cache_salt
         chain = lease.match(g.prompt, n - 1, salt)
         written = lease.store(chain, g.prompt, n, salt)

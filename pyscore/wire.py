@@ -155,6 +155,7 @@ def generate_request_from_proto(msg: pb.GenerateRequest) -> GenerateRequest:
         top_logprobs=msg.top_logprobs,
         bypass_prefix_cache=msg.bypass_prefix_cache,
         prefix_cache_salt=msg.prefix_cache_salt,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
 
 
@@ -173,6 +174,7 @@ def generate_request_to_proto(req: GenerateRequest, model: str = "") -> pb.Gener
         top_logprobs=req.top_logprobs,
         bypass_prefix_cache=req.bypass_prefix_cache,
         prefix_cache_salt=req.prefix_cache_salt,
+        prompt_logprobs=req.prompt_logprobs,
     )
 
 
@@ -192,10 +194,12 @@ def logprobs_from_proto(msgs: Sequence[pb.TokenLogprob]) -> list[TokenLogprob]:
 
 
 def generate_response(token_ids: Sequence[int], logprobs: Sequence[TokenLogprob], text: str,
-                      final: GenerateResult | None = None) -> pb.GenerateResponse:
+                      final: GenerateResult | None = None,
+                      prompt_logprobs: Sequence[TokenLogprob] | None = None) -> pb.GenerateResponse:
     """One GenerateResponse: the whole result (unary), or a stream chunk whose `final` (the finished
-    result, on the last chunk only) supplies finish_reason and usage."""
-    msg = pb.GenerateResponse(text=text, token_ids=token_ids, logprobs=logprobs_to_proto(logprobs))
+    result, on the last chunk only) supplies finish_reason and usage; `prompt_logprobs` on the first only."""
+    msg = pb.GenerateResponse(text=text, token_ids=token_ids, logprobs=logprobs_to_proto(logprobs),
+                              prompt_logprobs=logprobs_to_proto(prompt_logprobs or []))
     if final is not None:
         msg.finish_reason = _FINISH_TO_PROTO[final.finish_reason]  # type: ignore[assignment]
         msg.usage.CopyFrom(usage_to_proto(final.usage))
@@ -203,13 +207,16 @@ def generate_response(token_ids: Sequence[int], logprobs: Sequence[TokenLogprob]
 
 
 def generate_result_to_proto(result: GenerateResult) -> pb.GenerateResponse:
-    return generate_response(result.token_ids, result.logprobs, result.text, result)
+    return generate_response(result.token_ids, result.logprobs, result.text, result, result.prompt_logprobs)
 
 
-def generate_result_from_proto(msg: pb.GenerateResponse) -> GenerateResult:
+def generate_result_from_proto(msg: pb.GenerateResponse, prompt_logprobs: bool = False) -> GenerateResult:
+    """prompt_logprobs: the request asked for them (an empty list is then an answer, not their absence)."""
     return GenerateResult(text=msg.text, token_ids=list(msg.token_ids), logprobs=logprobs_from_proto(msg.logprobs),
                           finish_reason=finish_reason_from_proto(msg.finish_reason),  # type: ignore[arg-type]
-                          usage=usage_from_proto(msg.usage))
+                          usage=usage_from_proto(msg.usage),
+                          prompt_logprobs=logprobs_from_proto(msg.prompt_logprobs)
+                          if prompt_logprobs or msg.prompt_logprobs else None)
 
 
 # -- ModelInfo ------------------------------------------------------------------------------------------------

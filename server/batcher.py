@@ -78,6 +78,7 @@ class GenerationLike(Protocol):
     error: Exception | None
 
     def take_delta(self) -> tuple[list[int], list[TokenLogprob], str]: ...
+    def take_prompt_logprobs(self) -> list[TokenLogprob] | None: ...
     def result(self) -> GenerateResult: ...
     def abandon(self) -> None: ...  # the server gives up on it: free what it holds (a chunked prompt's blocks)
 
@@ -129,6 +130,7 @@ class GenerationDelta:
     logprobs: list[TokenLogprob]
     text: str
     final: GenerateResult | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # the first delta, when the request asked for them
 
 
 @dataclass(eq=False)  # hashed by identity: the loop keeps the live ones in a set
@@ -606,13 +608,14 @@ class Batcher:
                 self._finish(job, error)
                 continue
             token_ids, logprobs, text = gen.take_delta()
+            prompt = gen.take_prompt_logprobs()
             if gen.finished:
                 result = gen.result()
                 job.timed(result.usage)
-                self._finish(job, GenerationDelta(token_ids, logprobs, text, result))
+                self._finish(job, GenerationDelta(token_ids, logprobs, text, result, prompt))
             else:
-                if token_ids or text:
-                    self._finish(job, GenerationDelta(token_ids, logprobs, text))
+                if token_ids or text or prompt is not None:
+                    self._finish(job, GenerationDelta(token_ids, logprobs, text, None, prompt))
                 still.append(job)
         self._set_active(still)
 

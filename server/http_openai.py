@@ -8,14 +8,17 @@ samples of each give len(prompts) x n choices, choice `index` = prompt * n + sam
 at most MAX_CHOICES a request; all run at once through the batcher and stream interleaved as their tokens come.
 Sample j of a seeded request draws with seed + j, so the n samples differ and each is the single-sample request
 with that seed, bit for bit. Usage counts each prompt once (its first sample's prompt and cached tokens), every
-sample's computed and completion tokens, and the longest queue wait and compute time. A chat's messages are
+sample's computed and completion tokens, and the longest queue wait and compute time. `echo` puts the prompt in
+front of each choice's text (a token-id prompt decoded on the engine thread) and, with `logprobs`, the prompt's
+tokens in front of its logprobs (the first with a null logprob: vLLM's prompt logprobs, what lm-evaluation-harness
+scores continuations with); `max_tokens` 0 with `echo` returns the prompt alone. A chat's messages are
 rendered with the model's
 chat template on the engine thread into prompt token ids, exactly as a gRPC Generate with apply_chat_template
 renders its one user message (`chat_template_kwargs` reach the template). OpenAI's defaults hold where they
 differ from the proto's: temperature 1, completions 16 tokens, chats up to the context. Sampling floats go
 through float32, as the proto's `float` does, so the same question asked over gRPC gets the same tokens.
-Fields OpenAI has and pyscore cannot honour (best_of other than n, echo, suffix, penalties, logit_bias, tools,
-a JSON response_format) are refused naming the field. A stream's status is settled by its first token: anything the
+Fields OpenAI has and pyscore cannot honour (best_of other than n, suffix, penalties, logit_bias, tools, a JSON
+response_format) are refused naming the field. A stream's status is settled by its first token: anything the
 request gets wrong is an HTTP error before the stream starts; a failure after that is a last `data:` event
 carrying the error object."""
 
@@ -40,7 +43,7 @@ from .http_schema import ChatCompletionBody, ChatMessage, CompletionBody, Sampli
 from .http_score import usage_json
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
-COMPLETION_FIELDS = {"prompt_token_ids": "prompt", "top_logprobs": "logprobs"}
+COMPLETION_FIELDS = {"prompt_token_ids": "prompt", "top_logprobs": "logprobs", "prompt_logprobs": "logprobs"}
 CHAT_FIELDS = {"prompt": "messages", "prompt_token_ids": "messages", "apply_chat_template": "messages"}
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 RESERVED_TEMPLATE_KWARGS = {"conversation", "tokenize", "add_generation_prompt", "return_dict"}
@@ -106,6 +109,14 @@ def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) ->
     return list(prompt)  # type: ignore[arg-type]
 
 
+async def echo_texts(batcher: Any, prompts: list[str | list[int]]) -> list[str]:
+    """What echo puts in front of each prompt's choices: a text prompt as given, a token-id prompt decoded (on the
+    engine thread, all in one call: decoding grows with the input)."""
+    ids = [p for p in prompts if isinstance(p, list)]
+    decoded = iter(await batcher.call(lambda: [batcher.engine.tokenizer.decode(p) for p in ids]) if ids else [])
+    return [p if isinstance(p, str) else next(decoded) for p in prompts]
+
+
 def merged_usage(results: list[GenerateResult], n: int) -> Usage:
     """One usage for a request's choices (results in choice order, n samples a prompt): each prompt's prompt and
     cached tokens once (its first sample's), every choice's computed tokens, the longest queue wait and compute."""
@@ -141,15 +152,19 @@ async def final_results(streams: list[AsyncIterator[GenerationDelta]]) -> list[G
         await close_all(tasks, streams)
 
 
-def completion_logprobs(logprobs: list[TokenLogprob]) -> dict[str, Any]:
-    """OpenAI's legacy completion logprobs; text offsets count within the completion."""
+def completion_logprobs(logprobs: list[TokenLogprob], prompt: list[TokenLogprob] | None = None) -> dict[str, Any]:
+    """OpenAI's legacy completion logprobs; text offsets count within the text. With `prompt` (echo), the prompt's
+    entries come first, the first token's logprob and alternatives null (nothing precedes it)."""
+    entries = [*(prompt or []), *logprobs]
     offsets, at = [], 0
-    for lp in logprobs:
+    for lp in entries:
         offsets.append(at)
         at += len(lp.token)
-    return {"tokens": [lp.token for lp in logprobs], "token_logprobs": fp32([lp.logprob for lp in logprobs]),
-            "top_logprobs": [dict(zip([t.token for t in lp.top], fp32([t.logprob for t in lp.top]), strict=True))
-                             for lp in logprobs],
+    values = fp32([lp.logprob for lp in entries])
+    tops = [dict(zip([t.token for t in lp.top], fp32([t.logprob for t in lp.top]), strict=True)) for lp in entries]
+    if prompt:
+        values[0] = tops[0] = None  # type: ignore[call-overload]
+    return {"tokens": [lp.token for lp in entries], "token_logprobs": values, "top_logprobs": tops,
             "text_offset": offsets}
 
 
@@ -195,22 +210,31 @@ class OpenAIEndpoints:
         for i, p in enumerate(prompts):
             if not p and len(prompts) > 1:
                 raise InvalidArgument(f"prompt[{i}]", "must not be empty")
-        for name, unsupported in (("echo", body.echo), ("best_of", body.best_of not in (None, body.n)),
-                                  ("suffix", body.suffix)):
+        for name, unsupported in (("best_of", body.best_of not in (None, body.n)), ("suffix", body.suffix)):
             if unsupported:
                 raise InvalidArgument(name, "is not supported")
+        max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
+        if max_tokens == 0 and not body.echo:
+            raise InvalidArgument("max_tokens", "must be > 0 (0 only with echo: the prompt alone)")
         batcher, info = self.gate.ready(body.model)
         self.gate.check_ids("prompt", sum(len(p) for p in prompts if isinstance(p, list)))
-        max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
         n, logprobs = body.n, body.logprobs is not None
+        # echo with logprobs (or alone, with max_tokens 0) reads the prompt's own logprobs
+        prompt_logprobs = (body.logprobs or 0) if body.echo and (logprobs or max_tokens == 0) else None
         requests = [GenerateRequest(prompt=p if isinstance(p, str) else None,
                                     prompt_token_ids=p if isinstance(p, list) else None,
-                                    top_logprobs=body.logprobs or 0, **sampling(body, max_tokens, j))
+                                    top_logprobs=body.logprobs or 0, prompt_logprobs=prompt_logprobs,
+                                    **sampling(body, max_tokens, j))
                     for p in prompts for j in range(n)]
+        echoes = await echo_texts(batcher, prompts) if body.echo else []
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def choice(k: int, text: str, lps: list[TokenLogprob], finish: str | None) -> dict[str, Any]:
-            return {"index": k, "text": text, "logprobs": completion_logprobs(lps) if logprobs else None,
+        def choice(k: int, text: str, lps: list[TokenLogprob], finish: str | None, first: bool,
+                   prompt_lps: list[TokenLogprob] | None) -> dict[str, Any]:
+            """Choice k's entry; its `first` (the whole answer, or a stream's first chunk) carries the echo."""
+            echo = body.echo and first
+            return {"index": k, "text": echoes[k // n] + text if echo else text,
+                    "logprobs": completion_logprobs(lps, prompt_lps if echo else None) if logprobs else None,
                     "finish_reason": FINISH.get(finish or "")}
 
         def chunk(choices: list[dict[str, Any]], usage: Usage | None = None, generated: int = 0) -> dict[str, Any]:
@@ -220,13 +244,20 @@ class OpenAIEndpoints:
         streams = [batcher.generate(r) for r in requests]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await stream(call, streams, n, COMPLETION_FIELDS, lambda k, d: [chunk([choice(
-                k, d.text, d.logprobs, d.final.finish_reason if d.final else None)])],
-                lambda rs, usage: [chunk([], usage, generated(rs))] if include_usage else [])
+            started: set[int] = set()
+
+            def chunks(k: int, d: GenerationDelta) -> list[dict[str, Any]]:
+                first = k not in started
+                started.add(k)
+                return [chunk([choice(k, d.text, d.logprobs, d.final.finish_reason if d.final else None, first,
+                                      d.prompt_logprobs)])]
+
+            return await stream(call, streams, n, COMPLETION_FIELDS, chunks,
+                                lambda rs, usage: [chunk([], usage, generated(rs))] if include_usage else [])
         results = await final_results(streams)
         call.usage = usage = merged_usage(results, n)
-        return JSON(chunk([choice(k, r.text, r.logprobs, r.finish_reason) for k, r in enumerate(results)], usage,
-                          generated(results)))
+        return JSON(chunk([choice(k, r.text, r.logprobs, r.finish_reason, True, r.prompt_logprobs)
+                           for k, r in enumerate(results)], usage, generated(results)))
 
     async def chat(self, call: Call, body: ChatCompletionBody) -> Response:
         refuse_unsupported(body)

@@ -80,7 +80,8 @@ class ScorerServicer(scorer_pb2_grpc.ScorerServicer):
     async def GenerateStream(self, request: pb.GenerateRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         async for delta in self._generate(request, context):
-            yield wire.generate_response(delta.token_ids, delta.logprobs, delta.text, delta.final)
+            yield wire.generate_response(delta.token_ids, delta.logprobs, delta.text, delta.final,
+                                         delta.prompt_logprobs)
 
     def _generate(self, request: pb.GenerateRequest,
                   context: grpc.aio.ServicerContext) -> AsyncIterator[GenerationDelta]:

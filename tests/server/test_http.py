@@ -118,6 +118,23 @@ def test_completions_of_several_prompts_and_samples(http: ServerThread) -> None:
     assert chunks[-1]["usage"] == whole["usage"] | {k: chunks[-1]["usage"][k] for k in ("queue_s", "compute_s")}
 
 
+def test_echo_puts_the_prompt_first(http: ServerThread, fake: FakeEngine) -> None:
+    ids = [fake.tokenizer.encode_words("a b"), fake.tokenizer.encode_words("c")]
+    texts = ["hello there", "hi"]
+    for prompt, echoed in ((texts, texts), (ids, [fake.tokenizer.decode(i) for i in ids])):
+        body = {"prompt": prompt, "max_tokens": 2, "echo": True, "temperature": 0}
+        whole = post(http, "/v1/completions", body).json()
+        plain = post(http, "/v1/completions", body | {"echo": False}).json()
+        assert [c["text"] for c in whole["choices"]] == [p + c["text"] for p, c in zip(echoed, plain["choices"],
+                                                                                     strict=True)]
+        r = requests.post(url(http, "/v1/completions"), json=body | {"stream": True}, stream=True, timeout=30)
+        chunks = [json.loads(line.removeprefix("data: ")) for line in r.iter_lines(decode_unicode=True)
+                  if line and line != "data: [DONE]"]
+        streamed = ["".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == k)
+                    for k in range(2)]
+        assert streamed == [c["text"] for c in whole["choices"]]
+
+
 def test_models_tokenize_health_metrics(http: ServerThread, fake: FakeEngine) -> None:
     models = requests.get(url(http, "/v1/models"), timeout=10).json()
     assert [m["id"] for m in models["data"]] == ["fake-smollm2"]
@@ -160,7 +177,8 @@ def test_health_and_calls_before_the_model_is_loaded(start_server: Any) -> None:
     ("/v1/completions", {"prompt": ["a", "b"], "n": 33}, 400, "n"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of"),
-    ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),  # 0 only with echo
+    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "3"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "stream": True, "top_p": 2}, 400, "top_p"),  # before the stream starts
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 400, "messages"),  # no template

@@ -148,6 +148,35 @@ def test_prompt_lists_and_samples_over_http_equal_grpc(client: ScorerClient, oa:
         for j in range(3)]
 
 
+def test_prompt_logprobs_over_grpc_and_http_echo(client: ScorerClient, oa: openai.OpenAI, name: str) -> None:
+    """gRPC's prompt_logprobs (unary: with the result; streamed: in the first message) and OpenAI's echo with
+    logprobs, lm-evaluation-harness's loglikelihood request (token-id prompts, max_tokens 1), carry the same
+    entries; max_tokens 0 with echo answers the prompt alone."""
+    unary = client.generate(PROMPT, max_tokens=2, prompt_logprobs=2)
+    assert unary.prompt_logprobs is not None and math.isnan(unary.prompt_logprobs[0].logprob)
+    ids = client.tokenize(PROMPT)[0]
+    assert [lp.token_id for lp in unary.prompt_logprobs] == ids
+    assert all(len(lp.top) == 2 for lp in unary.prompt_logprobs[1:])
+    chunks = list(client.generate_stream(PROMPT, max_tokens=2, prompt_logprobs=2))
+    assert chunks[0].prompt_logprobs is not None and all(c.prompt_logprobs is None for c in chunks[1:])
+    assert [(lp.token_id, lp.logprob, lp.top) for lp in chunks[0].prompt_logprobs[1:]] == [
+        (lp.token_id, lp.logprob, lp.top) for lp in unary.prompt_logprobs[1:]]
+    assert client.generate(PROMPT, max_tokens=2).prompt_logprobs is None
+    other = client.tokenize("Context: the order 1234")[0]
+    c = oa.completions.create(model=name, prompt=[ids, other], max_tokens=1, temperature=0, logprobs=1, echo=True)
+    lps = c.choices[0].logprobs
+    assert c.choices[0].text.endswith(client.generate(ids, max_tokens=1).text)
+    assert lps.tokens[: len(ids)] == [lp.token for lp in unary.prompt_logprobs]
+    assert lps.token_logprobs[0] is None and lps.top_logprobs[0] is None
+    assert lps.token_logprobs[1 : len(ids)] == [lp.logprob for lp in unary.prompt_logprobs[1:]]
+    assert lps.top_logprobs[1 : len(ids)] == [{t.token: t.logprob for t in lp.top[:1]}
+                                              for lp in unary.prompt_logprobs[1:]]
+    assert len(lps.tokens) == len(ids) + 1 and len(c.choices[1].logprobs.tokens) == len(other) + 1
+    alone = oa.completions.create(model=name, prompt=PROMPT, max_tokens=0, echo=True, logprobs=0)
+    assert alone.choices[0].text == PROMPT and alone.usage.completion_tokens == 0
+    assert alone.choices[0].logprobs.token_logprobs[1:] == [lp.logprob for lp in unary.prompt_logprobs[1:]]
+
+
 def test_chat_over_http_equals_grpc_with_the_template(client: ScorerClient, oa: openai.OpenAI, name: str) -> None:
     question = "Where is my order 1234?"
     over_grpc = client.generate(question, apply_chat_template=True, max_tokens=5, top_logprobs=2)
@@ -292,6 +321,8 @@ def http_completion_body(fields: dict[str, Any]) -> dict[str, Any]:
             body[name] = f[key]
     if body.get("top_k") == -1:
         body["top_k"] = -2  # -1 is vLLM's (and so this endpoint's) "off"; any other negative is refused
+    if "prompt_logprobs" in f:  # OpenAI's way of asking for them: echo with logprobs
+        body |= {"echo": True, "logprobs": f["prompt_logprobs"]}
     return body
 
 
