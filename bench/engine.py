@@ -16,6 +16,9 @@ shape on token-id questions of the same lengths; three measurements:
   (bench/results/decode_step.txt).
 - `--generate B`: B greedy generations of --new-tokens tokens against stock transformers' generate() on the same
   weights (bench/results/generate_vs_stock.txt).
+- `--prompt-logprobs K`: a prompt's logprobs with K alternatives a position (Generate, max_tokens 0) against stock
+  transformers' one forward with its log-softmax, gather and top-K over every position
+  (bench/results/prompt_logprobs.txt).
 
 `--tier T` forces a CPU tier (PYSCORE_CPU_TIER) and, for avx2 / avx512 / generic, torch's matching ISA settings
 (bench.common.force_isa: the bench re-executes itself with them, so stock transformers runs as on that CPU);
@@ -425,6 +428,45 @@ def generate_vs_stock(args: argparse.Namespace) -> list[str]:
             "way)"]
 
 
+def prompt_logprob_runs(engine: Engine, stock: Any, ids: list[int], k: int) -> dict[str, Callable[[], list[float]]]:
+    """{"ours", "stock"}: each returns the logprobs of prompt tokens 1.. of `ids` (and makes k alternatives a
+    position): the engine's Generate with prompt_logprobs=k and max_tokens 0, and stock transformers' forward
+    with log-softmax, gather and top-k over every position."""
+
+    def ours() -> list[float]:
+        r = engine.generate(GenerateRequest(prompt_token_ids=ids, max_tokens=0, prompt_logprobs=k))
+        return [lp.logprob for lp in r.prompt_logprobs or []][1:]
+
+    def theirs() -> list[float]:
+        with torch.inference_mode():
+            logp = stock(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
+            logp.topk(max(k, 1), dim=-1)
+            return logp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+
+    return {"ours": ours, "stock": theirs}
+
+
+def prompt_logprobs_vs_stock(args: argparse.Namespace) -> list[str]:
+    """--prompt-logprobs K: prompts of the 16-candidate question's shapes (its query; with 8; with 16 items), ours
+    against stock transformers on the same weights in the same dtype, alternating --rounds times."""
+    engine = Engine.from_pretrained(None, dtype=args.dtype, threads=args.threads)
+    stock, k = stock_model(engine), args.prompt_logprobs
+    query, items = question(16, seed=7)
+    lines = [f"machine: {machine()}",
+             f"{engine.model_name} {str(engine.decoder.dtype).removeprefix('torch.')}, CPU tier {_ext.cpu_tier()} "
+             f"(torch's ISA {torch.backends.cpu.get_cpu_capability()}), threads {args.threads}: a prompt's logprobs "
+             f"with {k} alternatives a position, best of {args.rounds} alternating rounds",
+             f"{'prompt tokens':>13}{'ours ms':>10}{'stock ms':>10}{'stock/ours':>12}{'max |diff|':>12}"]
+    for prompt in (query, query + "".join(items[:8]), query + "".join(items)):
+        ids = engine.tokenize(prompt)[0]
+        runs = prompt_logprob_runs(engine, stock, ids, k)
+        diff = max(abs(a - b) for a, b in zip(runs["ours"](), runs["stock"](), strict=True))
+        best = {name: min(ms) for name, ms in alternate(runs, args.rounds).items()}
+        lines.append(f"{len(ids):>13}{best['ours']:>10.1f}{best['stock']:>10.1f}{best['stock'] / best['ours']:>11.2f}x"
+                     f"{diff:>12.2e}")
+    return [*lines, f"command: python -m bench.engine --prompt-logprobs {k} --rounds {args.rounds}"]
+
+
 def profile(args: argparse.Namespace) -> list[str]:
     engine = load_gemm(args, args.gemm)
     n = args.candidates[-1]
@@ -494,6 +536,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     ap.add_argument("--rounds", type=int, default=2, help="--decode, --generate: alternating rounds")
     ap.add_argument("--generate", type=int, default=0, help="greedy generation of this many prompts vs stock's")
     ap.add_argument("--new-tokens", type=int, default=64, help="--generate: tokens per generation")
+    ap.add_argument("--prompt-logprobs", type=int, default=None, help="time prompt logprobs with this many "
+                    "alternatives against stock's forward")
     args = ap.parse_args(argv)
     if args.tiny:
         args.shape = "tiny-qwen3.5" if args.shape and SHAPES[args.shape].linear else "tiny"
@@ -502,6 +546,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         write_report(decode(args), args.out or RESULTS / "decode_step.txt")
     elif args.generate:
         write_report(generate_vs_stock(args), args.out or RESULTS / "generate_vs_stock.txt")
+    elif args.prompt_logprobs is not None:
+        write_report(prompt_logprobs_vs_stock(args), args.out or RESULTS / "prompt_logprobs.txt")
     elif args.profile:
         write_report(profile(args), args.out or RESULTS / "profile_mis.txt")
     else:

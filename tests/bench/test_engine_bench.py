@@ -67,3 +67,12 @@ def test_greedy_generations_do_the_same_work(engine):
     ours, theirs = runs["ours"](), runs["stock"]()
     assert [len(t) for t in ours] == [len(t) for t in theirs] == [6, 6]
     assert ours == theirs
+
+
+def test_prompt_logprob_runs_give_the_same_values(engine):
+    """`--prompt-logprobs`: both contenders return every prompt token's logprob after the first, equal in fp32."""
+    ids = engine.tokenize(QUERY)[0]
+    runs = bench_engine.prompt_logprob_runs(engine, bench_engine.stock_model(engine), ids, 2)
+    ours, theirs = runs["ours"](), runs["stock"]()
+    assert len(ours) == len(theirs) == len(ids) - 1
+    assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) <= 1e-4
