@@ -177,6 +177,18 @@ def test_prompt_logprobs_over_grpc_and_http_echo(client: ScorerClient, oa: opena
     assert alone.choices[0].logprobs.token_logprobs[1:] == [lp.logprob for lp in unary.prompt_logprobs[1:]]
 
 
+def test_cli_prints_prompt_logprobs(served: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
+    from pyscore import cli
+
+    assert cli.main(["generate", PROMPT, "--max-tokens", "2", "--prompt-logprobs", "1", "--target",
+                     served.target]) == 0
+    out = capsys.readouterr().out
+    assert "prompt (the first token has nothing before it):" in out and "nan" in out
+    assert cli.main(["generate", PROMPT, "--max-tokens", "2", "--prompt-logprobs", "1", "--json", "--target",
+                     served.target]) == 0
+    assert len(json.loads(capsys.readouterr().out)["prompt_logprobs"]) > 1
+
+
 def test_chat_over_http_equals_grpc_with_the_template(client: ScorerClient, oa: openai.OpenAI, name: str) -> None:
     question = "Where is my order 1234?"
     over_grpc = client.generate(question, apply_chat_template=True, max_tokens=5, top_logprobs=2)
