@@ -291,13 +291,17 @@ def test_a_client_that_goes_away_is_dropped(http: ServerThread, fake: FakeEngine
     assert http.batcher.stats.dropped == 1
 
 
-def test_a_stream_whose_client_goes_away_frees_its_sequence(http: ServerThread, fake: FakeEngine) -> None:
+@pytest.mark.parametrize(("choices", "sequences"), [(dict(prompt="long one"), 1),
+                                                     (dict(prompt=["long one", "another"], n=2), 4)])
+def test_a_stream_whose_client_goes_away_frees_its_sequence(http: ServerThread, fake: FakeEngine,
+                                                            choices: dict[str, Any], sequences: int) -> None:
+    """Every choice's sequence is freed (one, or a list of prompts x n)."""
     fake.delay_s = 0.01  # 500 steps take 5 s: the disconnect surely comes first
-    sock = raw_post(http, "/v1/completions", {"prompt": "long one", "max_tokens": 500, "stream": True})
+    sock = raw_post(http, "/v1/completions", choices | {"max_tokens": 500, "stream": True})
     received = b""
     while b"data: " not in received:
         received += sock.recv(4096)
-    assert http.batcher.running_generations() == 1
+    wait_for(lambda: http.batcher.running_generations() == sequences, what="every choice running")
     sock.close()
     wait_for(lambda: http.batcher.running_generations() == 0, what="the sequence freed")
     assert len(fake.steps) < 500
