@@ -34,9 +34,12 @@ from bench.targets import Target, make_target
 
 # What each side runs: report label -> target path.
 SIDES: dict[str, dict[str, str]] = {
-    "pyscore": {"mis": "mis", "sis": "sis", "setwise": "setwise", "generate": "generate"},
-    "vllm": {"generative_scoring": "mis", "completions": "generate"},
+    "pyscore": {"mis": "mis", "sis": "sis", "setwise": "setwise", "generate": "generate", "loglik": "loglik"},
+    "vllm": {"generative_scoring": "mis", "completions": "generate", "echo_logprobs": "loglik"},
 }
+# Our label -> the peer labels it is compared with (the best of them); unnamed labels: the scoring paths.
+PEERS_OF = {"generate": ("completions",), "loglik": ("echo_logprobs",)}
+SCORING_PEERS = ("generative_scoring", "completions")
 VLLM_PORT = 8013  # fixed by start_vllm.sh
 # Cached-token counts in /v1/completions' usage; no access-log line per request (ours logs at WARNING too).
 VLLM_ARGS = ("--enable-prompt-tokens-details", "--disable-uvicorn-access-log")
@@ -244,9 +247,9 @@ def aggregate(phases: Sequence[dict[str, Any]]) -> dict[tuple[str, str, int, int
 
 def peer_for(label: str, agg: dict[tuple[str, str, int, int], dict[str, Any]], c: int, n: int,
              key: str) -> tuple[str, dict[str, Any]] | None:
-    """The peer path ours is compared with: its completions for Generate; for a scoring path its best path by
-    `key` (lowest p50, or highest q/s)."""
-    names = ["completions"] if label == "generate" else list(SIDES["vllm"])
+    """The peer path ours is compared with: its completions for Generate, its echoed prompt logprobs for loglik;
+    for a scoring path its best scoring path by `key` (lowest p50, or highest q/s)."""
+    names = PEERS_OF.get(label, SCORING_PEERS)
     found = [(name, agg[("vllm", name, c, n)]) for name in names if ("vllm", name, c, n) in agg]
     found = [(name, a) for name, a in found if a[key] is not None]
     if not found:
@@ -317,7 +320,8 @@ def render(meta: dict[str, Any], phases: Sequence[dict[str, Any]], plan: Plan) -
     out += ["## Ratios (medians over blocks)", "",
             "Speed-up = the peer's p50 / ours (above 1: we are faster); q/s ratio = ours / the peer's. A scoring "
             "path is compared with the peer's best path at that point (lowest p50, highest q/s); Generate with "
-            "the peer's one-token completions.", "",
+            "the peer's one-token completions; loglik (each option's continuation log-likelihood, "
+            "lm-evaluation-harness's multiple choice) with the peer's echoed prompt logprobs.", "",
             "| c | cand. | pyscore | p50 ms (range) | q/s | peer (by p50) | peer p50 ms (range) | peer q/s (best) "
             "| speed-up p50 | q/s ratio |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -1,6 +1,8 @@
-"""Prompt builders of the three scoring formulations, and the decision each one reads back:
+"""Prompt builders of the four scoring formulations, and the decision each one reads back:
 - pointwise (generate, sis, mis): a shared query and one Yes/No item per option; the decision is the option
   with the highest Yes score;
+- log-likelihood (loglik, lm-evaluation-harness's multiple choice): the context, then each option as its
+  continuation; the decision is the option whose tokens have the highest summed log-probability;
 - fused choice: one chat-templated prompt with lettered options; the decision is the best available letter
   among the first generated token's top log-probabilities;
 - setwise: one item listing every option and ending in one marker token per option; one Yes/No row per marker.
@@ -55,6 +57,19 @@ class Pointwise:
 def pointwise(q: Question) -> Pointwise:
     items = [f"Proposed answer: {option}\nIs this proposed answer correct? Answer Yes or No." for option in q.options]
     return Pointwise(query=context(q), items=items)
+
+
+@dataclass
+class Loglikelihood:
+    """One context and one continuation per option (each starts with a space, so its tokens follow the
+    context's at the same boundary whichever option it is)."""
+
+    context: str
+    continuations: list[str]
+
+
+def loglikelihood(q: Question) -> Loglikelihood:
+    return Loglikelihood(context=f"{context(q)}Answer:", continuations=[f" {option}" for option in q.options])
 
 
 def fused_choice(q: Question) -> str:

@@ -1,5 +1,9 @@
 """Where a benchmark sends its questions. Every target turns one question into one decision along a path
-(`generate`, `sis`, `mis`, `fused`, `setwise`) and knows nothing of load generation:
+(`generate`, `sis`, `mis`, `fused`, `setwise`, `loglik`) and knows nothing of load generation. `loglik` is
+lm-evaluation-harness's multiple choice: each option's continuation tokens' summed log-probability after the
+context, from the prompt's own logprobs (OpenAI's echo with logprobs, one request of every option's token-id
+prompt; over gRPC one Generate with prompt_logprobs per option, all in flight at once); the texts are tokenized
+by the target's own tokenizer (its /tokenize, or Tokenize), once per target and text:
 
 - `GrpcTarget` (`HOST:PORT` or `grpc://HOST:PORT`): our pyscore.v1.Scorer; all five paths. Its prefix cache
   is used as `prefix_cache` says (`cache_options`): by default with a fresh salt per question dispatch, the
@@ -37,7 +41,7 @@ from typing import Any
 from bench import prompts
 from bench.dataset import Question
 
-PATHS = ("generate", "sis", "mis", "fused", "setwise")
+PATHS = ("generate", "sis", "mis", "fused", "setwise", "loglik")
 PREFIX_CACHE_MODES = ("dispatch", "shared", "off")
 GENERATE_TOP_LOGPROBS = 5
 FUSED_TOP_LOGPROBS = 20
@@ -130,12 +134,27 @@ class OurPaths:
         super().__init__(*args, **kw)
         cache_options(prefix_cache)  # refuses an unknown mode now, not at the first question
         self.prefix_cache = prefix_cache
+        self.tokens = TokenCache(self._tokenize)
 
     async def _score_call(self, query: str, items: list[str], **fields: Any) -> Any:
         raise NotImplementedError
 
     async def _top_call(self, prompt: str, chat: bool, top: int, cache: dict[str, Any]) -> tuple[list, Any]:
         raise NotImplementedError
+
+    async def _tokenize(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    async def _prompt_logprobs_call(self, ids: list[int], cache: dict[str, Any]) -> tuple[list[float], Any]:
+        """One one-token generation of `ids` with its prompt's logprobs: (them, its Usage)."""
+        raise NotImplementedError
+
+    async def _loglik(self, q: Question) -> Decision:
+        start, ids = await loglik_prompts(q, self.tokens)
+        cache = cache_options(self.prefix_cache)
+        answers = await asyncio.gather(*(self._prompt_logprobs_call(i, cache) for i in ids))
+        choice = loglik_choice([lps for lps, _ in answers], start, [len(i) for i in ids])
+        return usage_decision(choice, [u for _, u in answers], self.timed)
 
     async def _score(self, q: Question, mode: str) -> Decision:
         p = prompts.pointwise(q)
@@ -193,6 +212,32 @@ def pointwise_choice(rows: Sequence[Sequence[float]]) -> int:
 def generate_choice(tops: Sequence[Sequence[tuple[str, float]]]) -> int:
     """tops[i] = option i's first-token top alternatives: the option with the highest Yes log-probability."""
     return prompts.argmax([prompts.yes_score(top) for top in tops])
+
+
+class TokenCache:
+    """Token ids of texts (without special tokens) through a target's own tokenizer, each text asked once."""
+
+    def __init__(self, tokenize: Any) -> None:
+        self.tokenize, self.ids = tokenize, {}
+
+    async def __call__(self, texts: Sequence[str]) -> list[list[int]]:
+        missing = [t for t in dict.fromkeys(texts) if t not in self.ids]
+        for text, ids in zip(missing, await asyncio.gather(*(self.tokenize(t) for t in missing)), strict=True):
+            self.ids[text] = list(ids)
+        return [self.ids[t] for t in texts]
+
+
+async def loglik_prompts(q: Question, tokens: TokenCache) -> tuple[int, list[list[int]]]:
+    """(the context's token count, each option's prompt: context + continuation token ids)."""
+    p = prompts.loglikelihood(q)
+    context, *continuations = await tokens([p.context, *p.continuations])
+    return len(context), [context + c for c in continuations]
+
+
+def loglik_choice(logprobs: Sequence[Sequence[float | None]], start: int, ends: Sequence[int]) -> int:
+    """logprobs[i] = option i's prompt-token logprobs (the first None or NaN): the option whose continuation,
+    positions start .. ends[i] - 1, sums highest."""
+    return prompts.argmax([sum(float(v) for v in lps[start:end]) for lps, end in zip(logprobs, ends, strict=True)])
 
 
 # --- our gRPC server -------------------------------------------------------------------------------------
@@ -253,6 +298,13 @@ class GrpcTarget(OurPaths, Target):
         r = await self.client.generate(prompt, apply_chat_template=chat, max_tokens=1, top_logprobs=top, **cache)
         return tops_of(r), r.usage
 
+    async def _tokenize(self, text: str) -> list[int]:
+        return (await self.client.tokenize(text, add_special_tokens=False))[0]
+
+    async def _prompt_logprobs_call(self, ids: list[int], cache: dict[str, Any]) -> tuple[list[float], Any]:
+        r = await self.client.generate(ids, max_tokens=1, prompt_logprobs=0, **cache)
+        return [lp.logprob for lp in r.prompt_logprobs or []], r.usage
+
 
 # --- HTTP servers ----------------------------------------------------------------------------------------
 class HTTPTarget(Target):
@@ -272,6 +324,7 @@ class HTTPTarget(Target):
         self.model = model
         self.label_token_ids = list(label_token_ids) if label_token_ids else None
         self.session: Any = None
+        self.tokens = TokenCache(self.tokenize)
 
     async def open(self) -> TargetInfo:
         import aiohttp
@@ -341,12 +394,35 @@ def http_usage_decision(choice: int | None, usages: Sequence[Usage]) -> Decision
     return Decision(choice, calls=len(usages), prompt_tokens=prompt, computed_tokens=computed)
 
 
+async def echo_logprobs(target: HTTPTarget, prompts_ids: list[list[int]], extra: dict[str, Any]
+                        ) -> tuple[list[list[float | None]], Any]:
+    """One /v1/completions of every prompt (token ids) with echo and logprobs, one token each: every prompt's
+    tokens' logprobs (the first None), and the answer."""
+    body = {"model": target.model, "prompt": prompts_ids, "max_tokens": 1, "temperature": 0.0, "logprobs": 1,
+            "echo": True, **extra}
+    answer = await target.post("/v1/completions", body)
+    try:
+        choices = sorted(answer["choices"], key=lambda c: int(c["index"]))
+        logprobs = [c["logprobs"]["token_logprobs"] for c in choices]
+    except (KeyError, TypeError, ValueError) as e:
+        raise TargetError(f"/v1/completions: no echoed token_logprobs in {str(answer)[:300]}") from e
+    if len(logprobs) != len(prompts_ids):
+        raise TargetError(f"/v1/completions: {len(logprobs)} choices for {len(prompts_ids)} prompts")
+    return logprobs, answer
+
+
 class OpenAIHTTPTarget(HTTPTarget):
     """`extra` (the body fields one question dispatch adds to each of its requests) is empty here; the vLLM
-    target sets a fresh cache salt in it."""
+    target sets a fresh cache salt in it. `loglik` sends every option's prompt in one request (a list of
+    prompts, as lm-evaluation-harness batches them)."""
 
-    paths = ("generate", "fused")
+    paths = ("generate", "fused", "loglik")
     scheme = "openai-http"
+
+    async def _loglik(self, q: Question, extra: dict[str, Any] | None = None) -> Decision:
+        start, ids = await loglik_prompts(q, self.tokens)
+        logprobs, answer = await echo_logprobs(self, ids, extra or {})
+        return http_usage_decision(loglik_choice(logprobs, start, [len(i) for i in ids]), [Usage.of(answer)])
 
     async def _completion_top(self, prompt: str, extra: dict[str, Any]) -> tuple[list[tuple[str, float]], Usage]:
         body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
@@ -406,7 +482,7 @@ class VLLMHTTPTarget(OpenAIHTTPTarget):
     request (query, items, Yes/No label ids, apply_softmax — how vLLM runs it, one sequence per item sharing
     the query's cached blocks, is its own choice), `generate` one one-token /v1/completions per candidate."""
 
-    paths = ("generate", "sis", "mis", "fused")
+    paths = ("generate", "sis", "mis", "fused", "loglik")
     scheme = "vllm-http"
     labels = True
     notes = (("cache_salt", "fresh per question dispatch"),)
@@ -497,6 +573,15 @@ class PyscoreHTTPTarget(OurPaths, HTTPTarget):
                             cached_tokens=u["prompt_tokens_details"]["cached_tokens"], queue_s=u["queue_s"],
                             compute_s=u["compute_s"])
 
+    async def _tokenize(self, text: str) -> list[int]:
+        return await self.tokenize(text)
+
+    async def _loglik(self, q: Question) -> Decision:
+        """Every option's prompt in one echo request, as OpenAIHTTPTarget (and lm-evaluation-harness) sends it."""
+        start, ids = await loglik_prompts(q, self.tokens)
+        logprobs, answer = await echo_logprobs(self, ids, cache_options(self.prefix_cache))
+        return usage_decision(loglik_choice(logprobs, start, [len(i) for i in ids]), [self.usage(answer)], self.timed)
+
     async def _score_call(self, query: str, items: list[str], **fields: Any) -> Any:
         from pyscore.types import ScoreResult
 
@@ -584,6 +669,16 @@ class InProcessTarget(OurPaths, Target):
         r = await self.run(self.engine.generate, GenerateRequest(prompt=prompt, apply_chat_template=chat, max_tokens=1,
                                                                  top_logprobs=top, **cache))
         return tops_of(r), r.usage
+
+    async def _tokenize(self, text: str) -> list[int]:
+        return self.engine.tokenize(text, add_special_tokens=False)[0]
+
+    async def _prompt_logprobs_call(self, ids: list[int], cache: dict[str, Any]) -> tuple[list[float], Any]:
+        from pyscore.types import GenerateRequest
+
+        r = await self.run(self.engine.generate, GenerateRequest(prompt_token_ids=ids, max_tokens=1, prompt_logprobs=0,
+                                                                 **cache))
+        return [lp.logprob for lp in r.prompt_logprobs or []], r.usage
 
 
 # --- recorded requests replayed against our server (overload, soak, fleet) ----------------------------------

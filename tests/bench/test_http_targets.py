@@ -38,6 +38,11 @@ vllm:prompt_tokens_by_source_total{{engine="0",model_name="stub-model",source="l
 """
 
 
+def text_id(text):
+    """The stub tokenizer: any text but the labels is one token, its id a function of the text."""
+    return sum(map(ord, text)) % 40000 + 10
+
+
 def usage(body, details=True):
     """vLLM-like usage: with a cache salt, the first request of that salt computes everything and the others
     find CACHED_TOKENS of their prompt cached (as one question's candidates sharing the query's blocks).
@@ -91,7 +96,15 @@ class Stub(BaseHTTPRequestHandler):
         if "boom" in json.dumps(body):
             self.reply({"error": "injected"}, 500)
         elif self.path == "/tokenize":
-            self.reply({"tokens": TOKENS.get(body["prompt"], [1, 2]), "count": 1})
+            self.reply({"tokens": TOKENS.get(body["prompt"], [text_id(body["prompt"])]), "count": 1})
+        elif self.path == "/v1/completions" and body.get("echo"):
+            # each option's continuation token: -0.1 after the context for " Refund it.", -2.0 for the others
+            best = text_id(" Refund it.")
+            choices = [{"index": i, "text": "?", "logprobs": {
+                "tokens": ["t"] * (len(ids) + 1),
+                "token_logprobs": [None, *(-0.1 if t == best else -2.0 for t in ids[1:]), -0.7]}}
+                for i, ids in enumerate(body["prompt"])]
+            self.reply({"choices": choices[::-1], "usage": usage(body)})
         elif self.path == "/v1/completions":
             yes = -0.1 if "Refund" in body["prompt"] else -3.0
             top = {" Yes": yes, " No": -0.5, "\n": -4.0}
@@ -164,6 +177,18 @@ def test_sglang_score(stub):
     assert body["query"].startswith("Context:\n{}") and len(body["items"]) == 3
     with pytest.raises(ValueError, match="does not serve path 'setwise'"):
         asyncio.run(decide(make_target(f"sglang-score-http://{stub}", label_token_ids=[1, 2]), "setwise"))
+
+
+@pytest.mark.parametrize("scheme", ["openai-http", "vllm-http"])
+def test_loglik_sends_every_option_in_one_echo_request(stub, scheme):
+    """lm-evaluation-harness's multiple choice: one /v1/completions of every option's token-id prompt (context +
+    continuation), echo with logprobs; the option whose continuation sums highest wins."""
+    d = asyncio.run(decide(make_target(f"{scheme}://{stub}", model="m", label_token_ids=[1, 2]), "loglik"))
+    assert d.choice == 1
+    (body,) = [b for route, b in Stub.requests if route == "/v1/completions"]
+    assert body["echo"] is True and body["logprobs"] == 1 and body["max_tokens"] == 1
+    assert [ids[1] for ids in body["prompt"]] == [text_id(" " + o) for o in Q.options]
+    assert ("cache_salt" in body) == (scheme == "vllm-http")
 
 
 def test_http_errors_name_the_route(stub):

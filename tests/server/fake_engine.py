@@ -18,6 +18,7 @@ subprocess tests, which cannot reach `pause()`), slept in "layers" of LAYER_S be
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import random
@@ -231,7 +232,19 @@ class FakeEngine:
         if any(g.request.prompt == "boom" for g in active):
             raise RuntimeError("injected failure of a generation step")
         for g in active:
+            if g.request.prompt_logprobs is not None and g.prompt_logprobs is None:  # its prefill
+                g.prompt_logprobs = self._prompt_logprobs(g.prompt, g.request.prompt_logprobs)
             g.append(*self._next_token(g))
+
+    def _prompt_logprobs(self, prompt: list[int], top: int) -> list[TokenLogprob]:
+        """A made-up logprob per prompt token, a function of the token and the one before (the first NaN)."""
+        word = self.tokenizer.word
+        out = [TokenLogprob(prompt[0], word(prompt[0]), float("nan"))]
+        for before, token in itertools.pairwise(prompt):
+            logprob = -(((token + 3 * before) % 89) / 10.0) - 0.01
+            out.append(TokenLogprob(token, word(token), logprob,
+                                    [TopLogprob(token + k, word(token + k), logprob - k) for k in range(top)]))
+        return out
 
     def _next_token(self, g: Generation) -> tuple[int, TokenLogprob]:
         n, req = g.computed, g.request
