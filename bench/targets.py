@@ -145,16 +145,17 @@ class OurPaths:
     async def _tokenize(self, text: str) -> list[int]:
         raise NotImplementedError
 
-    async def _prompt_logprobs_call(self, ids: list[int], cache: dict[str, Any]) -> tuple[list[float], Any]:
-        """One one-token generation of `ids` with its prompt's logprobs: (them, its Usage)."""
+    async def _prompt_logprobs_call(self, ids: list[int], start: int, cache: dict[str, Any]
+                                    ) -> tuple[list[float], Any]:
+        """One one-token generation of `ids` with the logprobs of its tokens from `start` on (prompt_logprobs_start:
+        the context before it may come from the prefix cache): (them, its Usage)."""
         raise NotImplementedError
 
     async def _loglik(self, q: Question) -> Decision:
         start, ids = await loglik_prompts(q, self.tokens)
         cache = cache_options(self.prefix_cache)
-        answers = await asyncio.gather(*(self._prompt_logprobs_call(i, cache) for i in ids))
-        choice = loglik_choice([lps for lps, _ in answers], start, [len(i) for i in ids])
-        return usage_decision(choice, [u for _, u in answers], self.timed)
+        answers = await asyncio.gather(*(self._prompt_logprobs_call(i, start, cache) for i in ids))
+        return usage_decision(loglik_choice([lps for lps, _ in answers]), [u for _, u in answers], self.timed)
 
     async def _score(self, q: Question, mode: str) -> Decision:
         p = prompts.pointwise(q)
@@ -234,10 +235,16 @@ async def loglik_prompts(q: Question, tokens: TokenCache) -> tuple[int, list[lis
     return len(context), [context + c for c in continuations]
 
 
-def loglik_choice(logprobs: Sequence[Sequence[float | None]], start: int, ends: Sequence[int]) -> int:
-    """logprobs[i] = option i's prompt-token logprobs (the first None or NaN): the option whose continuation,
-    positions start .. ends[i] - 1, sums highest."""
-    return prompts.argmax([sum(float(v) for v in lps[start:end]) for lps, end in zip(logprobs, ends, strict=True)])
+def loglik_choice(continuations: Sequence[Sequence[float]]) -> int:
+    """continuations[i] = the logprobs of option i's continuation tokens: the option whose sum is highest."""
+    return prompts.argmax([sum(float(v) for v in lps) for lps in continuations])
+
+
+def echoed_continuations(logprobs: Sequence[Sequence[float | None]], start: int, ids: Sequence[Sequence[int]]
+                         ) -> list[list[float]]:
+    """Each option's continuation logprobs (positions start .. its prompt's end) out of echoed prompt logprobs
+    (the first None, the generated token's last)."""
+    return [[float(v) for v in lps[start : len(i)]] for lps, i in zip(logprobs, ids, strict=True)]
 
 
 # --- our gRPC server -------------------------------------------------------------------------------------
@@ -301,8 +308,9 @@ class GrpcTarget(OurPaths, Target):
     async def _tokenize(self, text: str) -> list[int]:
         return (await self.client.tokenize(text, add_special_tokens=False))[0]
 
-    async def _prompt_logprobs_call(self, ids: list[int], cache: dict[str, Any]) -> tuple[list[float], Any]:
-        r = await self.client.generate(ids, max_tokens=1, prompt_logprobs=0, **cache)
+    async def _prompt_logprobs_call(self, ids: list[int], start: int, cache: dict[str, Any]
+                                    ) -> tuple[list[float], Any]:
+        r = await self.client.generate(ids, max_tokens=1, prompt_logprobs=0, prompt_logprobs_start=start, **cache)
         return [lp.logprob for lp in r.prompt_logprobs or []], r.usage
 
 
@@ -422,7 +430,7 @@ class OpenAIHTTPTarget(HTTPTarget):
     async def _loglik(self, q: Question, extra: dict[str, Any] | None = None) -> Decision:
         start, ids = await loglik_prompts(q, self.tokens)
         logprobs, answer = await echo_logprobs(self, ids, extra or {})
-        return http_usage_decision(loglik_choice(logprobs, start, [len(i) for i in ids]), [Usage.of(answer)])
+        return http_usage_decision(loglik_choice(echoed_continuations(logprobs, start, ids)), [Usage.of(answer)])
 
     async def _completion_top(self, prompt: str, extra: dict[str, Any]) -> tuple[list[tuple[str, float]], Usage]:
         body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
@@ -580,7 +588,8 @@ class PyscoreHTTPTarget(OurPaths, HTTPTarget):
         """Every option's prompt in one echo request, as OpenAIHTTPTarget (and lm-evaluation-harness) sends it."""
         start, ids = await loglik_prompts(q, self.tokens)
         logprobs, answer = await echo_logprobs(self, ids, cache_options(self.prefix_cache))
-        return usage_decision(loglik_choice(logprobs, start, [len(i) for i in ids]), [self.usage(answer)], self.timed)
+        choice = loglik_choice(echoed_continuations(logprobs, start, ids))
+        return usage_decision(choice, [self.usage(answer)], self.timed)
 
     async def _score_call(self, query: str, items: list[str], **fields: Any) -> Any:
         from pyscore.types import ScoreResult
@@ -673,11 +682,12 @@ class InProcessTarget(OurPaths, Target):
     async def _tokenize(self, text: str) -> list[int]:
         return self.engine.tokenize(text, add_special_tokens=False)[0]
 
-    async def _prompt_logprobs_call(self, ids: list[int], cache: dict[str, Any]) -> tuple[list[float], Any]:
+    async def _prompt_logprobs_call(self, ids: list[int], start: int, cache: dict[str, Any]
+                                    ) -> tuple[list[float], Any]:
         from pyscore.types import GenerateRequest
 
         r = await self.run(self.engine.generate, GenerateRequest(prompt_token_ids=ids, max_tokens=1, prompt_logprobs=0,
-                                                                 **cache))
+                                                                 prompt_logprobs_start=start, **cache))
         return [lp.logprob for lp in r.prompt_logprobs or []], r.usage
 
 

@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-logprobs", type=int, default=0, help="print this many alternatives per token")
     g.add_argument("--prompt-logprobs", type=int, default=None,
                    help="also print every prompt token's logprob, with this many alternatives each")
+    g.add_argument("--prompt-logprobs-start", type=int, default=0,
+                   help="with --prompt-logprobs: from this prompt token on (the context before may be cached)")
     g.add_argument("--stream", action="store_true", help="print the text as it is generated")
     g.add_argument("--bypass-prefix-cache", action="store_true",
                    help="neither read nor write the server's prefix cache (prefill the whole prompt)")
@@ -171,7 +173,8 @@ def run(args: argparse.Namespace, client: ScorerClient) -> None:
         prompt = args.prompt_ids if args.prompt_ids is not None else (args.prompt or "")
         options = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                        seed=args.seed, stop=args.stop, top_logprobs=args.top_logprobs, apply_chat_template=args.chat,
-                       bypass_prefix_cache=args.bypass_prefix_cache, prompt_logprobs=args.prompt_logprobs)
+                       bypass_prefix_cache=args.bypass_prefix_cache, prompt_logprobs=args.prompt_logprobs,
+                       prompt_logprobs_start=args.prompt_logprobs_start)
         if args.stream and not args.json:
             for chunk in client.generate_stream(prompt, model=args.model, **options):
                 print(chunk.text, end="", flush=True)

@@ -101,26 +101,27 @@ def _top_logprobs(rows: torch.Tensor, shift: torch.Tensor, ks: list[int]) -> dic
     return {r: list(zip(ids[j][: ks[r]], values[j][: ks[r]], strict=True)) for j, r in enumerate(wanted)}
 
 
-def prompt_token_logprobs(hidden: torch.Tensor, prompt: list[int], top: int, lm_head: torch.Tensor, backend: str,
-                          tokenizer: Any) -> list[TokenLogprob]:
-    """hidden [n, H]: the final hidden states at a prompt's n positions -> one entry per prompt token: token i's
-    logprob given tokens < i (read at position i - 1, as a generated token's), with its `top` most likely
-    alternatives there; token 0's logprob is NaN, with none. Rows of logits are made PROMPT_LOGPROB_ROWS at a
-    time. Raises NonFiniteLogits when a row has a NaN or +inf logit (its logZ, or its log-softmax, is then not
-    finite)."""
-    out = [TokenLogprob(prompt[0], tokenizer.decode([prompt[0]]), float("nan"))]
-    for start in range(0, len(prompt) - 1, PROMPT_LOGPROB_ROWS):
-        end = min(len(prompt) - 1, start + PROMPT_LOGPROB_ROWS)
+def prompt_token_logprobs(hidden: torch.Tensor, prompt: list[int], first: int, top: int, lm_head: torch.Tensor,
+                          backend: str, tokenizer: Any) -> list[TokenLogprob]:
+    """hidden [r, H]: the final hidden states at prompt positions max(first, 1) - 1 .. (at least up to the one
+    before the last) -> one entry per prompt token from `first` on: token i's logprob given tokens < i (read at
+    position i - 1, as a generated token's), with its `top` most likely alternatives there; token 0's logprob is
+    NaN, with none. Rows of logits are made PROMPT_LOGPROB_ROWS at a time. Raises NonFiniteLogits when a row has a
+    NaN or +inf logit (its logZ, or its log-softmax, is then not finite)."""
+    out = [TokenLogprob(prompt[0], tokenizer.decode([prompt[0]]), float("nan"))] if first == 0 else []
+    offset = max(first, 1) - 1  # the prompt position of hidden's row 0
+    for start in range(0, len(prompt) - 1 - offset, PROMPT_LOGPROB_ROWS):
+        end = min(len(prompt) - 1 - offset, start + PROMPT_LOGPROB_ROWS)
         logits, logz = lm_head_logits(hidden[start:end], lm_head, backend)
         logits = logits.float()
         rows, shift = (logits, logz) if logz is not None else (torch.log_softmax(logits, -1),
                                                                logits.new_zeros(end - start))
-        targets = prompt[start + 1 : end + 1]
+        targets = prompt[offset + start + 1 : offset + end + 1]
         chosen = rows[torch.arange(end - start), torch.tensor(targets)] - shift
         bad = ~(torch.isfinite(chosen) & torch.isfinite(shift))
         if bool(bad.any()):
             raise NonFiniteLogits(f"the model's logits are not finite (NaN or inf) after prompt token "
-                                  f"{start + int(bad.nonzero()[0])}")
+                                  f"{offset + start + int(bad.nonzero()[0])}")
         ids, values = _row_tops(rows, shift, top)
         names = tokenizer.batch_decode([[t] for t in targets] + [[i] for row in ids for i in row])
         alternatives = iter(names[len(targets):])

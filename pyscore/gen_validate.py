@@ -46,6 +46,9 @@ def validate_generate(req: GenerateRequest, tokenizer: Any, vocab_size: int, max
                                                     add_generation_prompt=True, return_dict=False))
     else:
         prompt = list(tokenizer(req.prompt, add_special_tokens=True)["input_ids"])
+    if not 0 <= req.prompt_logprobs_start <= len(prompt):
+        raise InvalidArgument("prompt_logprobs_start", f"must be in [0, {len(prompt)}] (the prompt's tokens), got "
+                              f"{req.prompt_logprobs_start}")
     if req.max_tokens < 0 or (req.max_tokens == 0 and req.prompt_logprobs is None):
         raise InvalidArgument("max_tokens", f"must be > 0 (or 0 with prompt_logprobs), got {req.max_tokens}")
     if len(prompt) + req.max_tokens > max_context:

@@ -223,7 +223,8 @@ class GenerationRunner:
 
     def _plan_chunks(self, g: Generation) -> bool:
         """A prompt that bypasses the cache runs as one pass: its sequence's table would reference the chunks'
-        private blocks, which the end of the chunking drops (they are never published)."""
+        private blocks, which the end of the chunking drops (they are never published). So does one asking for its
+        prompt's logprobs: the positions read out must be in the pass."""
         n, r = len(g.prompt), g.request
         if r.bypass_prefix_cache or r.prompt_logprobs is not None:
             return False
@@ -271,10 +272,10 @@ class GenerationRunner:
 
     @staticmethod
     def _readouts(g: Generation) -> list[int]:
-        """The prompt positions whose output the prefill reads: the last (the first token's distribution), or
-        every one when the request asks for the prompt's logprobs."""
-        n = len(g.prompt)
-        return list(range(n)) if g.request.prompt_logprobs is not None else [n - 1]
+        """The prompt positions whose output the prefill reads: the last (the first token's distribution), and,
+        when the request asks for the prompt's logprobs, every one from the token before prompt_logprobs_start."""
+        n, r = len(g.prompt), g.request
+        return list(range(max(r.prompt_logprobs_start, 1) - 1, n)) if r.prompt_logprobs is not None else [n - 1]
 
     def _prefill(self, gens: list[Generation]) -> None:
         """One packed pass over the new sequences' prompts (`_prefill_pass`), the prompt logprobs of those that ask
@@ -287,8 +288,9 @@ class GenerationRunner:
 
         try:
             logprobs = [None if g.request.prompt_logprobs is None else prompt_token_logprobs(
-                hidden[r], g.prompt, g.request.prompt_logprobs, self.decoder.w.lm_head, self.decoder.op_backend,
-                self.tokenizer) for g, r in zip(gens, rows, strict=True)]
+                hidden[r], g.prompt, g.request.prompt_logprobs_start, g.request.prompt_logprobs,
+                self.decoder.w.lm_head, self.decoder.op_backend, self.tokenizer)
+                for g, r in zip(gens, rows, strict=True)]
             for g, skip, lps in zip(gens, skips, logprobs, strict=True):
                 # reported only if the sequence gets its first token (else it failed); a chunked prompt's blocks
                 # were computed by this sequence, not cached
@@ -355,10 +357,10 @@ class GenerationRunner:
         n = len(g.prompt)
         if g.chunks is not None:  # its whole-block prompt, prefilled in chunks under its own lease
             return g.chunks.read_all(), list(g.chunks.blocks)
-        if lease is None or g.request.bypass_prefix_cache or g.request.prompt_logprobs is not None:
-            return None, []  # (every prompt position read out must be computed)
+        if lease is None or g.request.bypass_prefix_cache:
+            return None, []
         salt = g.request.prefix_cache_salt
-        chain = lease.match(g.prompt, n - 1, salt)
+        chain = lease.match(g.prompt, self._readouts(g)[0], salt)  # every position read out is computed
         written = lease.store(chain, g.prompt, n, salt)
         blocks = list(chain)
         for j, block in written:  # another pass's published block breaks the run: the rest is the sequence's

@@ -66,9 +66,11 @@ class GenerateRequest:
     top_logprobs: int = 0
     bypass_prefix_cache: bool = False  # neither read nor write the prefix cache (cold timings)
     prefix_cache_salt: str = ""  # requests with different salts never share cached blocks
-    # Set: every prompt token's logprob given the tokens before it, with this many alternatives (0 to 20); such a
-    # request computes its whole prompt (no prefix cache). max_tokens may then be 0: the prompt's logprobs alone.
+    # Set: the logprob of every prompt token from prompt_logprobs_start on given the tokens before it, with this
+    # many alternatives (0 to 20); the prompt is computed from the token before the start on (the prefix cache may
+    # serve the blocks before it). max_tokens may then be 0: the prompt's logprobs alone.
     prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 0
 
 
 @dataclass
@@ -93,8 +95,8 @@ class GenerateResult:
     logprobs: list[TokenLogprob]
     finish_reason: Literal["length", "stop", "eos"]
     usage: Usage = field(default_factory=Usage)  # prompt_tokens, computed = prompt - cached + generated
-    # With GenerateRequest.prompt_logprobs: one entry per prompt token; the first's logprob is NaN (nothing
-    # precedes it) and it has no alternatives.
+    # With GenerateRequest.prompt_logprobs: one entry per prompt token from prompt_logprobs_start on; the first
+    # prompt token's logprob is NaN (nothing precedes it) and it has no alternatives.
     prompt_logprobs: list[TokenLogprob] | None = None
 
 

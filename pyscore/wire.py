@@ -156,6 +156,7 @@ def generate_request_from_proto(msg: pb.GenerateRequest) -> GenerateRequest:
         bypass_prefix_cache=msg.bypass_prefix_cache,
         prefix_cache_salt=msg.prefix_cache_salt,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        prompt_logprobs_start=msg.prompt_logprobs_start,
     )
 
 
@@ -175,6 +176,7 @@ def generate_request_to_proto(req: GenerateRequest, model: str = "") -> pb.Gener
         bypass_prefix_cache=req.bypass_prefix_cache,
         prefix_cache_salt=req.prefix_cache_salt,
         prompt_logprobs=req.prompt_logprobs,
+        prompt_logprobs_start=req.prompt_logprobs_start,
     )
 
 

@@ -1,7 +1,8 @@
 """Prompt logprobs (GenerateRequest.prompt_logprobs): every prompt token's logprob given the tokens before it, and
 the top alternatives at its position, equal stock transformers' log-softmax over one forward of the prompt, for
 every family (the hybrid Qwen3.5 included); max_tokens 0 returns them alone; asking for them changes nothing else
-of the generation, whatever the rows' chunking or the batch-mates."""
+of the generation, whatever the rows' chunking or the batch-mates. From prompt_logprobs_start on, the entries are
+the full prompt's, bitwise, with the context before it read from the prefix cache when it is there."""
 
 from __future__ import annotations
 
@@ -93,8 +94,35 @@ def test_stepped_with_others_equals_alone(engine):
     assert [key(r) for r in together] == [key(r) for r in alone]
 
 
+def test_from_a_start_the_entries_are_the_whole_prompts_and_the_context_may_be_cached(engine):
+    ids = engine.tokenize(PROMPT)[0]
+    whole = engine.generate(GenerateRequest(prompt_token_ids=ids, max_tokens=2, prompt_logprobs=2,
+                                            bypass_prefix_cache=True))
+
+    def bits(lps):
+        return [(lp.token_id, lp.logprob, lp.top) for lp in lps]
+
+    start = len(ids) - 5
+    salt = {"prefix_cache_salt": "start-test"}
+    cold = engine.generate(GenerateRequest(prompt_token_ids=ids, max_tokens=2, prompt_logprobs=2,
+                                           prompt_logprobs_start=start, **salt))
+    warm = engine.generate(GenerateRequest(prompt_token_ids=ids, max_tokens=2, prompt_logprobs=2,
+                                           prompt_logprobs_start=start, **salt))
+    assert bits(cold.prompt_logprobs) == bits(warm.prompt_logprobs) == bits(whole.prompt_logprobs[start:])
+    assert cold.token_ids == warm.token_ids == whole.token_ids
+    block = engine.generation.store.block_tokens
+    cached = (start - 1) // block * block if engine.prefix_cache is not None else 0  # hybrids run without one
+    assert warm.usage.cached_tokens == cached  # the context, up to the token before the start
+    end = engine.generate(GenerateRequest(prompt_token_ids=ids, max_tokens=0, prompt_logprobs=1,
+                                          prompt_logprobs_start=len(ids)))
+    assert end.prompt_logprobs == []
+
+
 def test_bad_values_are_refused(engine):
     with pytest.raises(InvalidArgument, match="prompt_logprobs"):
         engine.start_generation(GenerateRequest(prompt=PROMPT, prompt_logprobs=21))
     with pytest.raises(InvalidArgument, match="max_tokens"):
         engine.start_generation(GenerateRequest(prompt=PROMPT, max_tokens=0))
+    for start in (-1, len(engine.tokenize(PROMPT)[0]) + 1):
+        with pytest.raises(InvalidArgument, match="prompt_logprobs_start"):
+            engine.start_generation(GenerateRequest(prompt=PROMPT, prompt_logprobs=0, prompt_logprobs_start=start))

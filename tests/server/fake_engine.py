@@ -233,7 +233,8 @@ class FakeEngine:
             raise RuntimeError("injected failure of a generation step")
         for g in active:
             if g.request.prompt_logprobs is not None and g.prompt_logprobs is None:  # its prefill
-                g.prompt_logprobs = self._prompt_logprobs(g.prompt, g.request.prompt_logprobs)
+                g.prompt_logprobs = self._prompt_logprobs(g.prompt, g.request.prompt_logprobs)[
+                    g.request.prompt_logprobs_start:]
             g.append(*self._next_token(g))
 
     def _prompt_logprobs(self, prompt: list[int], top: int) -> list[TokenLogprob]:

@@ -61,6 +61,8 @@ GENERATE: list[tuple[str, dict[str, Any], grpc.StatusCode, str]] = [
     ("top_logprobs negative", dict(top_logprobs=-1), INVALID, "top_logprobs"),
     ("prompt_logprobs above limit", dict(prompt_logprobs=21), INVALID, "prompt_logprobs"),
     ("prompt_logprobs negative", dict(prompt_logprobs=-1), INVALID, "prompt_logprobs"),
+    ("prompt_logprobs_start past the prompt", dict(prompt_logprobs=0, prompt_logprobs_start=10**6), INVALID,
+     "prompt_logprobs_start"),
     ("thousands of stop strings", dict(stop=[f"s{i}" for i in range(5000)]), INVALID, "stop"),
     ("empty stop string", dict(stop=[""]), INVALID, "stop"),
     ("stop string too long", dict(stop=["x" * 300]), INVALID, "stop"),

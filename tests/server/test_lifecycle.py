@@ -44,7 +44,7 @@ CONTRACT = {
     "Usage": ["prompt_tokens", "computed_tokens", "cached_tokens", "queue_duration", "compute_duration"],
     "GenerateRequest": ["model", "prompt", "prompt_token_ids", "apply_chat_template", "max_tokens", "temperature",
                         "top_p", "top_k", "seed", "stop", "top_logprobs", "bypass_prefix_cache", "prefix_cache_salt",
-                        "prompt_logprobs"],
+                        "prompt_logprobs", "prompt_logprobs_start"],
     "GenerateResponse": ["text", "token_ids", "logprobs", "usage", "finish_reason", "prompt_logprobs"],
     "TokenLogprob": ["token_id", "token", "logprob", "top"],
     "TopLogprob": ["token_id", "token", "logprob"],
