@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from pyscore.ops.label_logprobs import lm_head_logits
+from pyscore.ops.label_logprobs import label_logprobs, lm_head_logits
 from pyscore.types import GenerateRequest, TokenLogprob, TopLogprob
 
 if TYPE_CHECKING:
@@ -112,17 +112,21 @@ def prompt_token_logprobs(hidden: torch.Tensor, prompt: list[int], first: int, t
     offset = max(first, 1) - 1  # the prompt position of hidden's row 0
     for start in range(0, len(prompt) - 1 - offset, PROMPT_LOGPROB_ROWS):
         end = min(len(prompt) - 1 - offset, start + PROMPT_LOGPROB_ROWS)
-        logits, logz = lm_head_logits(hidden[start:end], lm_head, backend)
-        logits = logits.float()
-        rows, shift = (logits, logz) if logz is not None else (torch.log_softmax(logits, -1),
-                                                               logits.new_zeros(end - start))
         targets = prompt[offset + start + 1 : offset + end + 1]
-        chosen = rows[torch.arange(end - start), torch.tensor(targets)] - shift
+        if top == 0:  # the token's own logprob alone: the streamed label read-out, no row of logits written
+            lps, _ = label_logprobs(hidden[start:end], lm_head, torch.tensor(targets)[:, None], backend)
+            chosen, shift, ids, values = lps[:, 0], lps.new_zeros(end - start), [], []
+        else:
+            logits, logz = lm_head_logits(hidden[start:end], lm_head, backend)
+            logits = logits.float()
+            rows, shift = (logits, logz) if logz is not None else (torch.log_softmax(logits, -1),
+                                                                   logits.new_zeros(end - start))
+            chosen = rows[torch.arange(end - start), torch.tensor(targets)] - shift
+            ids, values = _row_tops(rows, shift, top)
         bad = ~(torch.isfinite(chosen) & torch.isfinite(shift))
         if bool(bad.any()):
             raise NonFiniteLogits(f"the model's logits are not finite (NaN or inf) after prompt token "
                                   f"{offset + start + int(bad.nonzero()[0])}")
-        ids, values = _row_tops(rows, shift, top)
         names = tokenizer.batch_decode([[t] for t in targets] + [[i] for row in ids for i in row])
         alternatives = iter(names[len(targets):])
         for j, (token, name) in enumerate(zip(targets, names, strict=False)):
@@ -132,10 +136,8 @@ def prompt_token_logprobs(hidden: torch.Tensor, prompt: list[int], first: int, t
 
 
 def _row_tops(rows: torch.Tensor, shift: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
-    """Every row's k most likely (ids, logprobs), best first: numpy's argmax for k = 1 on the CPU (~4x torch's
+    """Every row's k >= 1 most likely (ids, logprobs), best first: numpy's argmax for k = 1 on the CPU (~4x torch's
     top-k over a 49,152-token row), torch's top-k else."""
-    if k == 0:
-        return [[] for _ in range(rows.shape[0])], [[] for _ in range(rows.shape[0])]
     if k == 1 and rows.device.type == "cpu":
         best = torch.from_numpy(rows.numpy().argmax(axis=1))[:, None]
         values = rows.gather(1, best)

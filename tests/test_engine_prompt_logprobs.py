@@ -75,6 +75,9 @@ def test_max_tokens_0_and_chunked_rows_give_the_same_entries(engine, monkeypatch
         return [(lp.token_id, lp.logprob, lp.top) for lp in lps[1:]]
 
     assert bits(alone.prompt_logprobs) == bits(whole.prompt_logprobs) == bits(chunked.prompt_logprobs)
+    # without alternatives the streamed label read-out gives them, the same values
+    own = engine.generate(GenerateRequest(prompt=PROMPT, max_tokens=0, prompt_logprobs=0))
+    assert [lp.logprob for lp in own.prompt_logprobs[1:]] == [lp.logprob for lp in alone.prompt_logprobs[1:]]
 
 
 def test_stepped_with_others_equals_alone(engine):
