@@ -431,7 +431,7 @@ def generate_vs_stock(args: argparse.Namespace) -> list[str]:
 def prompt_logprob_runs(engine: Engine, stock: Any, ids: list[int], k: int) -> dict[str, Callable[[], list[float]]]:
     """{"ours", "stock"}: each returns the logprobs of prompt tokens 1.. of `ids` (and makes k alternatives a
     position): the engine's Generate with prompt_logprobs=k and max_tokens 0, and stock transformers' forward
-    with log-softmax, gather and top-k over every position."""
+    with log-softmax, gather and (k > 0) top-k over every position."""
 
     def ours() -> list[float]:
         r = engine.generate(GenerateRequest(prompt_token_ids=ids, max_tokens=0, prompt_logprobs=k))
@@ -440,7 +440,8 @@ def prompt_logprob_runs(engine: Engine, stock: Any, ids: list[int], k: int) -> d
     def theirs() -> list[float]:
         with torch.inference_mode():
             logp = stock(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
-            logp.topk(max(k, 1), dim=-1)
+            if k:
+                logp.topk(k, dim=-1)
             return logp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
 
     return {"ours": ours, "stock": theirs}
