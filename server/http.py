@@ -9,6 +9,7 @@ Routes, each shaped like its peer's so that the peer's clients work unchanged:
   POST /generative_scoring    vLLM's generative scoring                                       server/http_score.py
   POST /v1/completions        OpenAI completions (SSE streaming)                              server/http_openai.py
   POST /v1/chat/completions   OpenAI chat completions over the model's chat template         server/http_openai.py
+  POST /generate              SGLang's native generate (batch, logprobs from a prompt position) server/http_sglang.py
   POST /tokenize              vLLM's tokenize (`prompt` -> `tokens`)
   GET  /v1/models             the one model served
   GET  /health                200 while SERVING, 503 otherwise (loading, draining); open without the token
@@ -41,8 +42,16 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .http_call import JSON, Call, Gate, endpoint, error_response
 from .http_openai import CHAT_FIELDS, COMPLETION_FIELDS, OpenAIEndpoints
-from .http_schema import ChatCompletionBody, CompletionBody, GenerativeScoringBody, ScoringBody, TokenizeBody
+from .http_schema import (
+    ChatCompletionBody,
+    CompletionBody,
+    GenerativeScoringBody,
+    ScoringBody,
+    SGLangGenerateBody,
+    TokenizeBody,
+)
 from .http_score import SCORE_FIELDS, ScoreEndpoints
+from .http_sglang import SGLANG_FIELDS, SGLangEndpoints
 from .metrics import Metrics
 from .security import DENIED, bearer_credentials
 from .servicer import ScorerServicer
@@ -72,7 +81,7 @@ class BearerAuth:
 def build_app(servicer: ScorerServicer, metrics: Metrics, serving: Callable[[], bool], *, max_body_bytes: int,
               token: str | None = None) -> ASGIApp:
     gate = Gate(servicer)
-    scoring, openai = ScoreEndpoints(gate), OpenAIEndpoints(gate)
+    scoring, openai, sglang = ScoreEndpoints(gate), OpenAIEndpoints(gate), SGLangEndpoints(gate)
 
     def post(path: str, method: str, schema: Any, handle: Any, renames: dict[str, str] | None = None) -> Route:
         return Route(path, endpoint(method, schema, handle, limit=max_body_bytes, metrics=metrics,
@@ -107,6 +116,7 @@ def build_app(servicer: ScorerServicer, metrics: Metrics, serving: Callable[[], 
         post("/generative_scoring", "Score", GenerativeScoringBody, scoring.generative_scoring, SCORE_FIELDS),
         post("/v1/completions", "Generate", CompletionBody, openai.completions, COMPLETION_FIELDS),
         post("/v1/chat/completions", "Generate", ChatCompletionBody, openai.chat, CHAT_FIELDS),
+        post("/generate", "Generate", SGLangGenerateBody, sglang.generate, SGLANG_FIELDS),
         post("/tokenize", "Tokenize", TokenizeBody, tokenize),
         Route("/v1/models", endpoint("GetModelInfo", None, models, limit=max_body_bytes, metrics=metrics),
               methods=["GET"]),

@@ -110,6 +110,41 @@ class ChatCompletionBody(SamplingBody):
     response_format: dict[str, Any] | None = None
 
 
+class SGLangSamplingParams(Body):
+    """SGLang's sampling_params for /generate (its defaults: 128 new tokens, temperature 1)."""
+
+    max_new_tokens: int | None = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0): off
+    stop: str | list[str] | None = None
+    sampling_seed: int | None = None
+    n: int = 1
+    ignore_eos: bool = False
+    min_new_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+
+
+class SGLangGenerateBody(CacheOptions):
+    """SGLang's native GenerateReqInput, the fields pyscore serves: one prompt or a batch (`text`, or `input_ids`),
+    sampling_params (one for all, or one per prompt), return_logprob with logprob_start_len / top_logprobs_num /
+    return_text_in_logprobs, stream (one prompt)."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SGLangSamplingParams | list[SGLangSamplingParams] | None = None
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # -1: the generated tokens' logprobs only
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    rid: str | list[str] | None = None
+
+
 class TokenizeBody(Body):
     """vLLM's /tokenize (SGLang's takes the same `prompt`)."""
 

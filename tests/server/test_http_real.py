@@ -6,6 +6,7 @@ mapped status, naming the field as the HTTP client wrote it."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import shutil
@@ -187,6 +188,52 @@ def test_cli_prints_prompt_logprobs(served: ServerThread, capsys: pytest.Capture
     assert cli.main(["generate", PROMPT, "--max-tokens", "2", "--prompt-logprobs", "1", "--json", "--target",
                      served.target]) == 0
     assert len(json.loads(capsys.readouterr().out)["prompt_logprobs"]) > 1
+
+
+def test_sglang_generate_equals_grpc(base: str, client: ScorerClient) -> None:
+    """SGLang's native /generate: a prompt's greedy text and ids as gRPC's; a batch of token-id prompts with
+    return_logprob from a prompt position (SGLang's scoring request) carries gRPC's prompt and output logprobs;
+    max_new_tokens 0 answers the prompt's alone; a stream's text is cumulative."""
+    over_grpc = client.generate(PROMPT, max_tokens=6, top_logprobs=2)
+    one = post(base, "/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}).json()
+    assert one["text"] == over_grpc.text and one["output_ids"] == over_grpc.token_ids
+    meta = one["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 6} and meta["completion_tokens"] == 6
+    assert meta["prompt_tokens"] == over_grpc.usage.prompt_tokens and "input_token_logprobs" not in meta
+    ids = [client.tokenize(PROMPT)[0], client.tokenize("Context: the order 1234")[0]]
+    start = 2
+    batch = post(base, "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+                                     "return_logprob": True, "logprob_start_len": start, "top_logprobs_num": 2,
+                                     "return_text_in_logprobs": True}).json()
+    assert isinstance(batch, list) and len(batch) == 2
+    for prompt, got in zip(ids, batch, strict=True):
+        want = client.generate(prompt, max_tokens=3, top_logprobs=2, prompt_logprobs=2, prompt_logprobs_start=start)
+        meta = got["meta_info"]
+        assert got["output_ids"] == want.token_ids
+        assert meta["input_token_logprobs"] == [[lp.logprob, lp.token_id, lp.token] for lp in want.prompt_logprobs]
+        assert meta["output_token_logprobs"] == [[lp.logprob, lp.token_id, lp.token] for lp in want.logprobs]
+        assert meta["input_top_logprobs"] == [[[t.logprob, t.token_id, t.token] for t in lp.top]
+                                              for lp in want.prompt_logprobs]
+    alone = post(base, "/generate", {"input_ids": ids[0], "sampling_params": {"max_new_tokens": 0},
+                                     "return_logprob": True, "logprob_start_len": 0}).json()
+    assert alone["output_ids"] == [] and alone["meta_info"]["input_token_logprobs"][0][0] is None
+    assert len(alone["meta_info"]["input_token_logprobs"]) == len(ids[0])
+    r = requests.post(f"{base}/generate", json={"text": PROMPT, "stream": True,
+                                                "sampling_params": {"max_new_tokens": 6, "temperature": 0}},
+                      stream=True, timeout=60)
+    events = [line.removeprefix("data: ") for line in r.iter_lines(decode_unicode=True) if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["text"] == over_grpc.text and chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert all(b["text"].startswith(a["text"]) for a, b in itertools.pairwise(chunks))  # cumulative
+    for body, param in (({"text": PROMPT, "sampling_params": {"n": 2}}, "sampling_params.n"),
+                        ({"text": PROMPT, "input_ids": ids[0]}, "text"),
+                        ({"text": [PROMPT, PROMPT], "stream": True}, "stream"),
+                        ({"text": PROMPT, "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+                        ({"input_ids": ids[0], "return_logprob": True, "logprob_start_len": 10**6},
+                         "logprob_start_len")):
+        bad = post(base, "/generate", body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
 
 
 def test_chat_over_http_equals_grpc_with_the_template(client: ScorerClient, oa: openai.OpenAI, name: str) -> None:
