@@ -11,7 +11,9 @@ with that seed, bit for bit. Usage counts each prompt once (its first sample's p
 sample's computed and completion tokens, and the longest queue wait and compute time. `echo` puts the prompt in
 front of each choice's text (a token-id prompt decoded on the engine thread) and, with `logprobs`, the prompt's
 tokens in front of its logprobs (the first with a null logprob: vLLM's prompt logprobs, what lm-evaluation-harness
-scores continuations with); `max_tokens` 0 with `echo` returns the prompt alone. A chat's messages are
+scores continuations with); `max_tokens` 0 with `echo` returns the prompt alone. vLLM's `prompt_logprobs` extension
+adds each choice's `prompt_logprobs` in vLLM's shape (null, then per token {id: {logprob, rank, decoded_token}} for
+the token and its alternatives; the token's rank null when it is not among them). A chat's messages are
 rendered with the model's
 chat template on the engine thread into prompt token ids, exactly as a gRPC Generate with apply_chat_template
 renders its one user message (`chat_template_kwargs` reach the template). OpenAI's defaults hold where they
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -35,7 +38,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pyscore.errors import FailedPrecondition, InvalidArgument
-from pyscore.types import GenerateRequest, GenerateResult, TokenLogprob, Usage
+from pyscore.types import MAX_TOP_LOGPROBS, GenerateRequest, GenerateResult, TokenLogprob, Usage
 
 from .batcher import GenerationDelta
 from .http_call import JSON, Call, Gate, described, error_body, fp32
@@ -43,7 +46,7 @@ from .http_schema import ChatCompletionBody, ChatMessage, CompletionBody, Sampli
 from .http_score import usage_json
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
-COMPLETION_FIELDS = {"prompt_token_ids": "prompt", "top_logprobs": "logprobs", "prompt_logprobs": "logprobs"}
+COMPLETION_FIELDS = {"prompt_token_ids": "prompt", "top_logprobs": "logprobs"}
 CHAT_FIELDS = {"prompt": "messages", "prompt_token_ids": "messages", "apply_chat_template": "messages"}
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 RESERVED_TEMPLATE_KWARGS = {"conversation", "tokenize", "add_generation_prompt", "return_dict"}
@@ -152,10 +155,31 @@ async def final_results(streams: list[AsyncIterator[GenerationDelta]]) -> list[G
         await close_all(tasks, streams)
 
 
-def completion_logprobs(logprobs: list[TokenLogprob], prompt: list[TokenLogprob] | None = None) -> dict[str, Any]:
+def vllm_prompt_logprobs(entries: list[TokenLogprob], k: int) -> list[dict[str, Any] | None]:
+    """vLLM's choices[].prompt_logprobs: null for the first token, then {token id: {logprob, rank, decoded_token}}
+    for the token (rank null unless it is among the k alternatives) and its k alternatives (ranks 1..k)."""
+    out: list[dict[str, Any] | None] = []
+    for lp in entries:
+        if math.isnan(lp.logprob):
+            out.append(None)
+            continue
+        tops = lp.top[:k]
+        rank = next((r + 1 for r, t in enumerate(tops) if t.token_id == lp.token_id), None)
+        position = {str(lp.token_id): {"logprob": fp32([lp.logprob])[0], "rank": rank, "decoded_token": lp.token}}
+        for r, t in enumerate(tops):
+            position.setdefault(str(t.token_id), {"logprob": fp32([t.logprob])[0], "rank": r + 1,
+                                                  "decoded_token": t.token})
+        out.append(position)
+    return out
+
+
+def completion_logprobs(logprobs: list[TokenLogprob], prompt: list[TokenLogprob] | None = None,
+                        prompt_top: int = MAX_TOP_LOGPROBS) -> dict[str, Any]:
     """OpenAI's legacy completion logprobs; text offsets count within the text. With `prompt` (echo), the prompt's
-    entries come first, the first token's logprob and alternatives null (nothing precedes it)."""
-    entries = [*(prompt or []), *logprobs]
+    entries come first (at most `prompt_top` alternatives each), the first token's logprob and alternatives null
+    (nothing precedes it)."""
+    entries = [*(TokenLogprob(lp.token_id, lp.token, lp.logprob, lp.top[:prompt_top]) for lp in prompt or []),
+               *logprobs]
     offsets, at = [], 0
     for lp in entries:
         offsets.append(at)
@@ -219,8 +243,12 @@ class OpenAIEndpoints:
         batcher, info = self.gate.ready(body.model)
         self.gate.check_ids("prompt", sum(len(p) for p in prompts if isinstance(p, list)))
         n, logprobs = body.n, body.logprobs is not None
-        # echo with logprobs (or alone, with max_tokens 0) reads the prompt's own logprobs
-        prompt_logprobs = (body.logprobs or 0) if body.echo and (logprobs or max_tokens == 0) else None
+        if body.prompt_logprobs is not None and not 0 <= body.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidArgument("prompt_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {body.prompt_logprobs}")
+        # echo with logprobs (or alone, with max_tokens 0), or vLLM's prompt_logprobs, read the prompt's logprobs
+        asked = [k for k in ((body.logprobs or 0) if body.echo and (logprobs or max_tokens == 0) else None,
+                             body.prompt_logprobs) if k is not None]
+        prompt_logprobs = max(asked) if asked else None
         requests = [GenerateRequest(prompt=p if isinstance(p, str) else None,
                                     prompt_token_ids=p if isinstance(p, list) else None,
                                     top_logprobs=body.logprobs or 0, prompt_logprobs=prompt_logprobs,
@@ -233,9 +261,12 @@ class OpenAIEndpoints:
                    prompt_lps: list[TokenLogprob] | None) -> dict[str, Any]:
             """Choice k's entry; its `first` (the whole answer, or a stream's first chunk) carries the echo."""
             echo = body.echo and first
-            return {"index": k, "text": echoes[k // n] + text if echo else text,
-                    "logprobs": completion_logprobs(lps, prompt_lps if echo else None) if logprobs else None,
-                    "finish_reason": FINISH.get(finish or "")}
+            out = {"index": k, "text": echoes[k // n] + text if echo else text,
+                   "logprobs": completion_logprobs(lps, prompt_lps if echo else None, body.logprobs or 0)
+                   if logprobs else None, "finish_reason": FINISH.get(finish or "")}
+            if body.prompt_logprobs is not None and first:
+                out["prompt_logprobs"] = vllm_prompt_logprobs(prompt_lps or [], body.prompt_logprobs)
+            return out
 
         def chunk(choices: list[dict[str, Any]], usage: Usage | None = None, generated: int = 0) -> dict[str, Any]:
             out = {"id": rid, "object": "text_completion", "created": created, "model": info.name, "choices": choices}

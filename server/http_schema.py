@@ -84,6 +84,7 @@ class CompletionBody(SamplingBody):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None  # top alternatives per token (OpenAI allows up to 5; pyscore up to 20)
     echo: bool = False
+    prompt_logprobs: int | None = None  # vLLM's extension: choices[].prompt_logprobs with this many alternatives
     best_of: int | None = None
     suffix: str | None = None
 

@@ -190,6 +190,27 @@ def test_cli_prints_prompt_logprobs(served: ServerThread, capsys: pytest.Capture
     assert len(json.loads(capsys.readouterr().out)["prompt_logprobs"]) > 1
 
 
+def test_vllm_prompt_logprobs_extension(client: ScorerClient, oa: openai.OpenAI, name: str) -> None:
+    """vLLM's `prompt_logprobs` (extra_body) gives each choice vLLM's prompt_logprobs: null, then per token its id ->
+    {logprob, rank, decoded_token} and its alternatives', the same values as gRPC's."""
+    want = client.generate(PROMPT, max_tokens=2, prompt_logprobs=2)
+    c = oa.completions.create(model=name, prompt=PROMPT, max_tokens=2, temperature=0,
+                              extra_body={"prompt_logprobs": 2})
+    got = c.choices[0].model_extra["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(want.prompt_logprobs)
+    for position, lp in zip(got[1:], want.prompt_logprobs[1:], strict=True):
+        assert position[str(lp.token_id)]["logprob"] == lp.logprob
+        assert position[str(lp.token_id)]["decoded_token"] == lp.token
+        ranks = {str(t.token_id): r + 1 for r, t in enumerate(lp.top)}
+        assert position[str(lp.token_id)]["rank"] == ranks.get(str(lp.token_id))
+        assert all(position[i]["rank"] == r for i, r in ranks.items())
+    plain = oa.completions.create(model=name, prompt=PROMPT, max_tokens=1)
+    assert "prompt_logprobs" not in plain.choices[0].model_extra
+    with pytest.raises(openai.BadRequestError) as bad:
+        oa.completions.create(model=name, prompt=PROMPT, max_tokens=1, extra_body={"prompt_logprobs": 21})
+    assert bad.value.body["param"] == "prompt_logprobs"  # type: ignore[index]
+
+
 def test_sglang_generate_equals_grpc(base: str, client: ScorerClient) -> None:
     """SGLang's native /generate: a prompt's greedy text and ids as gRPC's; a batch of token-id prompts with
     return_logprob from a prompt position (SGLang's scoring request) carries gRPC's prompt and output logprobs;
@@ -411,6 +432,8 @@ def test_bad_generate_over_http(base: str, fields: dict[str, Any], code: grpc.St
     r = post(base, "/v1/completions", http_completion_body(fields) | {"stream": stream})
     assert r.status_code == HTTP_STATUS[code], r.text
     error = r.json()["error"]
-    assert error["code"] == code.name and field_of(error["param"]) == COMPLETION_FIELDS.get(field, field), error
+    # (the proto's prompt_logprobs is asked over HTTP as echo with logprobs: its bad values are refused as logprobs)
+    fields = COMPLETION_FIELDS | {"prompt_logprobs": "logprobs"}
+    assert error["code"] == code.name and field_of(error["param"]) == fields.get(field, field), error
     good = post(base, "/v1/completions", http_completion_body({})).json()
     assert good["usage"]["completion_tokens"] == 3
