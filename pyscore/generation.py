@@ -101,6 +101,10 @@ class Generation:
         self.abandon()
         self._finish("error")
 
+    def end_at_prompt(self) -> None:
+        """max_tokens 0: the prefill read the prompt's logprobs and no token is chosen; the sequence ends there."""
+        self._finish("length")
+
     def abandon(self) -> None:
         """Nobody wants this sequence any more: a prompt being prefilled in chunks gives its cache blocks back
         unpublished. The caller stops stepping it."""
@@ -302,7 +306,7 @@ class GenerationRunner:
                              [kv[i] for i in going], commit)
             for g in gens:
                 if g.request.max_tokens == 0:
-                    g._finish("length")  # the prompt's logprobs alone: no token to choose
+                    g.end_at_prompt()
         finally:
             for g, c in zip(gens, kv, strict=True):
                 if g.cache is not c:

@@ -90,10 +90,15 @@ def refuse_unsupported(body: SamplingBody, prompts: int = 1) -> None:
         raise InvalidArgument("logit_bias", "is not supported")
 
 
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    """A peer's `stop` (one string, a list, or none) as GenerateRequest's list."""
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
 def sampling(body: SamplingBody, max_tokens: int, sample: int = 0) -> dict[str, Any]:
     """GenerateRequest fields from OpenAI's sampling fields (OpenAI's defaults; floats as float32) for sample
     `sample` of n (a seeded request's sample j draws with seed + j)."""
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    stop = stop_strings(body.stop)
     return dict(max_tokens=max_tokens, temperature=fp32([1.0 if body.temperature is None else body.temperature])[0],
                 top_p=fp32([1.0 if body.top_p is None else body.top_p])[0],
                 top_k=0 if body.top_k in (None, -1) else body.top_k,

@@ -28,7 +28,7 @@ from pyscore.types import GenerateRequest, GenerateResult, TokenLogprob
 
 from .batcher import GenerationDelta
 from .http_call import JSON, Call, Gate, fp32
-from .http_openai import MAX_CHOICES, final_results, merged_usage, stream
+from .http_openai import MAX_CHOICES, final_results, merged_usage, stop_strings, stream
 from .http_schema import SGLangGenerateBody, SGLangSamplingParams
 
 SGLANG_FIELDS = {"prompt": "text", "prompt_token_ids": "input_ids", "max_tokens": "sampling_params.max_new_tokens",
@@ -78,13 +78,10 @@ def generate_request(prompt: str | list[int], p: SGLangSamplingParams, body: SGL
         prompt_logprobs, start = body.top_logprobs_num, body.logprob_start_len
     elif max_tokens == 0:
         prompt_logprobs = 0  # nothing to generate: the engine still needs a read-out
-    if body.logprob_start_len < -1:
-        raise InvalidArgument("logprob_start_len", f"must be -1 or a prompt position, got {body.logprob_start_len}")
-    stop = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
     return GenerateRequest(prompt=prompt if isinstance(prompt, str) else None,
                            prompt_token_ids=prompt if isinstance(prompt, list) else None, max_tokens=max_tokens,
                            temperature=fp32([p.temperature])[0], top_p=fp32([p.top_p])[0],
-                           top_k=0 if p.top_k in (-1, 0) else p.top_k, seed=p.sampling_seed, stop=stop,
+                           top_k=0 if p.top_k in (-1, 0) else p.top_k, seed=p.sampling_seed, stop=stop_strings(p.stop),
                            top_logprobs=body.top_logprobs_num if body.return_logprob else 0,
                            prompt_logprobs=prompt_logprobs, prompt_logprobs_start=start,
                            bypass_prefix_cache=body.bypass_prefix_cache, prefix_cache_salt=body.salt())
@@ -136,6 +133,8 @@ class SGLangEndpoints:
             raise InvalidArgument("stream", "streams one prompt a request; send a batch unstreamed")
         if body.top_logprobs_num < 0:
             raise InvalidArgument("top_logprobs_num", f"must be >= 0, got {body.top_logprobs_num}")
+        if body.logprob_start_len < -1:
+            raise InvalidArgument("logprob_start_len", f"must be -1 or a prompt position, got {body.logprob_start_len}")
         batcher, _ = self.gate.ready(None)
         self.gate.check_ids("input_ids", sum(len(p) for p in prompts if isinstance(p, list)))
         requests = [generate_request(prompt, p, body) for prompt, p in zip(prompts, params, strict=True)]

@@ -252,6 +252,8 @@ def test_sglang_generate_equals_grpc(base: str, client: ScorerClient) -> None:
                         ({"text": [PROMPT, PROMPT], "stream": True}, "stream"),
                         ({"text": PROMPT, "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
                         ({"input_ids": ids[0], "return_logprob": True, "logprob_start_len": 10**6},
+                         "logprob_start_len"),
+                        ({"input_ids": ids[0], "return_logprob": True, "logprob_start_len": -2},
                          "logprob_start_len")):
         bad = post(base, "/generate", body)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
