@@ -465,7 +465,8 @@ def prompt_logprobs_vs_stock(args: argparse.Namespace) -> list[str]:
         best = {name: min(ms) for name, ms in alternate(runs, args.rounds).items()}
         lines.append(f"{len(ids):>13}{best['ours']:>10.1f}{best['stock']:>10.1f}{best['stock'] / best['ours']:>11.2f}x"
                      f"{diff:>12.2e}")
-    return [*lines, f"command: python -m bench.engine --prompt-logprobs {k} --rounds {args.rounds}"]
+    tier = f" --tier {args.tier}" if args.tier else ""
+    return [*lines, f"command: python -m bench.engine{tier} --prompt-logprobs {k} --rounds {args.rounds}"]
 
 
 def profile(args: argparse.Namespace) -> list[str]:
