@@ -284,7 +284,7 @@ async def serve(config: ServerConfig) -> int:
     if app.http is not None:
         scheme = "https" if config.tls_cert else "http"
         print(f"pyscore: HTTP on {scheme}://{config.host}:{app.http_port} (/v1/score, /generative_scoring, "
-              "/v1/completions, /v1/chat/completions)", flush=True)
+              "/rerank, /score, /classify, /v1/completions, /v1/chat/completions)", flush=True)
     loading = asyncio.ensure_future(_load_and_serve(app, config))
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)

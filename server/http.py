@@ -6,6 +6,10 @@ TLS certificates and Prometheus metrics. gRPC stays the primary contract; this i
 Routes, each shaped like its peer's so that the peer's clients work unchanged:
   POST /v1/score              SGLang's ScoringRequest / ScoringResponse (+ pyscore's labels, mode, setwise marker,
                               prefix-cache salt / bypass)                                     server/http_score.py
+                              or, when the body is vLLM's (text_1/text_2, queries, data_1/data_2), vLLM's score
+  POST /score                 vLLM's score (pairs 1:1, 1:N, N:N)                            server/http_rerank.py
+  POST /rerank, /v1/rerank, /v2/rerank   vLLM's (Jina's, Cohere's) rerank                   server/http_rerank.py
+  POST /classify              vLLM's classify (classifier models)                           server/http_rerank.py
   POST /generative_scoring    vLLM's generative scoring                                       server/http_score.py
   POST /v1/completions        OpenAI completions (SSE streaming)                              server/http_openai.py
   POST /v1/chat/completions   OpenAI chat completions over the model's chat template         server/http_openai.py
@@ -42,13 +46,17 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .http_call import JSON, Call, Gate, endpoint, error_response
 from .http_openai import CHAT_FIELDS, COMPLETION_FIELDS, OpenAIEndpoints
+from .http_rerank import VLLM_SCORE_FIELDS, RerankEndpoints
 from .http_schema import (
     ChatCompletionBody,
+    ClassifyBody,
     CompletionBody,
     GenerativeScoringBody,
+    RerankBody,
     ScoringBody,
     SGLangGenerateBody,
     TokenizeBody,
+    VLLMScoreBody,
 )
 from .http_score import SCORE_FIELDS, ScoreEndpoints
 from .http_sglang import SGLANG_FIELDS, SGLangEndpoints
@@ -82,6 +90,17 @@ def build_app(servicer: ScorerServicer, metrics: Metrics, serving: Callable[[], 
               token: str | None = None) -> ASGIApp:
     gate = Gate(servicer)
     scoring, openai, sglang = ScoreEndpoints(gate), OpenAIEndpoints(gate), SGLangEndpoints(gate)
+    rerank = RerankEndpoints(gate)
+
+    def either_score(data: Any) -> type[ScoringBody] | type[VLLMScoreBody]:
+        """/v1/score is SGLang's (query + items) unless the body spells vLLM's sides."""
+        vllm = isinstance(data, dict) and "query" not in data and not VLLM_SCORE_FIELDS.isdisjoint(data)
+        return VLLMScoreBody if vllm else ScoringBody
+
+    async def any_score(call: Call, body: ScoringBody | VLLMScoreBody) -> Response:
+        if isinstance(body, VLLMScoreBody):
+            return await rerank.score(call, body)
+        return await scoring.score(call, body)
 
     def post(path: str, method: str, schema: Any, handle: Any, renames: dict[str, str] | None = None) -> Route:
         return Route(path, endpoint(method, schema, handle, limit=max_body_bytes, metrics=metrics,
@@ -112,7 +131,10 @@ def build_app(servicer: ScorerServicer, metrics: Metrics, serving: Callable[[], 
         return error_response(name, f"{request.method} {request.url.path}: {what}", None, status)
 
     routes = [
-        post("/v1/score", "Score", ScoringBody, scoring.score, SCORE_FIELDS),
+        post("/v1/score", "Score", either_score, any_score, SCORE_FIELDS),
+        post("/score", "Score", VLLMScoreBody, rerank.score),
+        *(post(path, "Score", RerankBody, rerank.rerank) for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
+        post("/classify", "Score", ClassifyBody, rerank.classify),
         post("/generative_scoring", "Score", GenerativeScoringBody, scoring.generative_scoring, SCORE_FIELDS),
         post("/v1/completions", "Generate", CompletionBody, openai.completions, COMPLETION_FIELDS),
         post("/v1/chat/completions", "Generate", ChatCompletionBody, openai.chat, CHAT_FIELDS),

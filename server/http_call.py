@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
@@ -39,7 +39,6 @@ HTTP_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "NOT_FOUND":
                "UNAUTHENTICATED": 401, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504, "INTERNAL": 500}
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405:
               "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
-M = TypeVar("M", bound=BaseModel)
 
 
 class BodyTooLarge(errors.ResourceExhausted):
@@ -132,13 +131,18 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def parse(schema: type[M], body: bytes) -> M:
-    """The body as `schema`; not JSON, or not of the schema's shape and types, is INVALID_ARGUMENT."""
+Schema = type[BaseModel] | Callable[[Any], type[BaseModel]]  # a model, or one picked by the parsed JSON
+
+
+def parse(schema: Schema, body: bytes) -> Any:
+    """The body as `schema` (or as the schema it picks from the JSON: a route two peers shape differently); not
+    JSON, or not of the schema's shape and types, is INVALID_ARGUMENT."""
     try:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise errors.InvalidArgument("", f"the body is not valid JSON: {e}") from None
-    return schema.model_validate(data)
+    model = schema if isinstance(schema, type) else schema(data)
+    return model.model_validate(data)
 
 
 async def unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
@@ -198,7 +202,7 @@ class Call:
 Handler = Callable[[Call, Any], Awaitable[Response]]
 
 
-def endpoint(method: str, schema: type[BaseModel] | None, handle: Handler, *, limit: int,
+def endpoint(method: str, schema: Schema | None, handle: Handler, *, limit: int,
              metrics: Metrics | None, renames: Mapping[str, str] = {}) -> Callable[[Request], Awaitable[Response]]:
     """A Starlette endpoint: body -> schema -> handle(call, body), racing the client's disconnect; errors become
     OpenAI error objects. A handler that streams takes over `call.finish` (it finishes when the stream ends)."""

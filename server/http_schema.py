@@ -1,9 +1,9 @@
 """The HTTP front door's request bodies, shaped exactly like the peers' so that their clients work unchanged:
-SGLang's `ScoringRequest` (/v1/score), vLLM's `GenerativeScoringRequest` (/generative_scoring), OpenAI's
-completion and chat-completion requests, and vLLM's /tokenize. pydantic, strict (a string is not a number, 1 is
-not `true`), unknown fields ignored as the peers ignore them. pyscore's own extras are optional fields the
-peers' clients never send. Fields a peer accepts but pyscore cannot honour are refused by the handlers, naming
-the field, never silently ignored."""
+SGLang's `ScoringRequest` (/v1/score), vLLM's `GenerativeScoringRequest` (/generative_scoring), its rerank, score
+and classify requests, OpenAI's completion and chat-completion requests, and vLLM's /tokenize. pydantic, strict (a
+string is not a number, 1 is not `true`), unknown fields ignored as the peers ignore them. pyscore's own extras are
+optional fields the peers' clients never send. Fields a peer accepts but pyscore cannot honour are refused by the
+handlers, naming the field, never silently ignored."""
 
 from __future__ import annotations
 
@@ -55,6 +55,73 @@ class GenerativeScoringBody(CacheOptions):
     model: str | None = None
     priority: int = 0  # accepted, as vLLM does without a priority scheduler; pyscore serves in arrival order
     request_id: str | None = None
+
+
+class PoolingOptions(CacheOptions):
+    """What vLLM's rerank, score and classify requests share; fields pyscore cannot honour are refused by the
+    handler when set (`refuse_unserved`)."""
+
+    model: str | None = None
+    user: str | None = None
+    request_id: str | None = None
+    priority: int = 0  # accepted, as vLLM does without a priority scheduler; pyscore serves in arrival order
+    use_activation: bool | None = None  # None: vLLM's default, on
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str | None = None
+    # pyscore's extras (causal LMs: the labels whose label softmax gives the relevance, positive first;
+    # classifiers with several classes: the class whose score is the relevance)
+    labels: list[str] | None = None
+    label_token_ids: list[int] | None = None
+
+    def unserved(self) -> dict[str, Any]:
+        """Fields set that pyscore does not serve (each refused by name)."""
+        return {"truncate_prompt_tokens": self.truncate_prompt_tokens, "truncation_side": self.truncation_side}
+
+
+class ScoringPairOptions(PoolingOptions):
+    """vLLM's ScoringRequestMixin: per-side truncation and the score template's instruction are not served."""
+
+    max_tokens_per_query: int = 0
+    max_tokens_per_doc: int = 0
+    instruction: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def unserved(self) -> dict[str, Any]:
+        return super().unserved() | {"max_tokens_per_query": self.max_tokens_per_query or None,
+                                     "max_tokens_per_doc": self.max_tokens_per_doc or None,
+                                     "instruction": self.instruction, "chat_template_kwargs": self.chat_template_kwargs}
+
+
+class RerankBody(ScoringPairOptions):
+    """vLLM's RerankRequest (its /rerank, /v1/rerank, /v2/rerank: Jina's and Cohere's shape)."""
+
+    query: str
+    documents: str | list[str]
+    top_n: int = Field(default=0, ge=0)  # 0: every document
+
+
+PairSide = str | list[str]
+
+
+class VLLMScoreBody(ScoringPairOptions):
+    """vLLM's ScoreRequest: one of its four spellings of the two sides (queries + documents, queries + items,
+    data_1 + data_2, text_1 + text_2), each side one text or a list (1:1, 1:N or N:N)."""
+
+    queries: PairSide | None = None
+    documents: PairSide | None = None
+    items: PairSide | None = None
+    data_1: PairSide | None = None
+    data_2: PairSide | None = None
+    text_1: PairSide | None = None
+    text_2: PairSide | None = None
+
+
+class ClassifyBody(PoolingOptions):
+    """vLLM's ClassificationCompletionRequest (`messages`, its chat form, is refused by name)."""
+
+    input: str | list[str] | list[int] | list[list[int]]
+    add_special_tokens: bool = True
+    messages: Any = None
 
 
 class StreamOptions(Body):

@@ -88,9 +88,10 @@ def tiny_config(arch: str, vocab_size: int, classifier: bool = False, **override
     if arch == "qwen3_5" and classifier:
         name = "Qwen3_5Text"
     cfg.architectures = [f"{name}For{'SequenceClassification' if classifier else 'CausalLM'}"]
-    if classifier:
-        cfg.num_labels = 3
-        cfg.id2label = {0: "bad", 1: "neutral", 2: "good"}
+    if classifier:  # three named classes, or one (a cross-encoder's relevance head) with num_labels=1
+        cfg.id2label = {0: "bad", 1: "neutral", 2: "good"} if overrides.get("num_labels", 3) == 3 else {
+            i: f"class_{i}" for i in range(overrides["num_labels"])}
+        cfg.num_labels = len(cfg.id2label)
         cfg.label2id = {v: k for k, v in cfg.id2label.items()}
     return cfg
 

@@ -1,0 +1,255 @@
+"""vLLM's APIs for rerankers and classifiers: `POST /rerank` (also `/v1/rerank` and `/v2/rerank`, Jina's and
+Cohere's shape), `POST /score` (also `/v1/score` when the body is vLLM's rather than SGLang's) and
+`POST /classify`, each answered by pyscore's Score through the same batcher as gRPC.
+
+A document's relevance to a query (a pair's score), by the served model:
+- a causal LM (an LLM reranker such as Qwen3-Reranker, which vLLM serves converted into a classifier from the
+  tokens "no" and "yes"): the first label's share of the softmax over the labels, default RERANK_LABELS
+  (["yes", "no"]) or pyscore's extras `labels` / `label_token_ids`, positive first. With two labels that is
+  vLLM's sigmoid of the two tokens' logit difference. `use_activation: false` is refused: the label softmax
+  does not give the logits back;
+- a classifier with one class (a cross-encoder head): the sigmoid of its logit (vLLM's activation for one class),
+  or the logit with `use_activation: false`;
+- a classifier with several classes: the class named by `labels` / `label_token_ids` (refused without one): its
+  softmax probability over every class, or its logit.
+
+Sequences are the query, then each document, joined at the token level as Score joins query and items (the query
+with the tokenizer's special tokens, each document without). All documents of one query are one MIS request,
+the query computed once (vLLM computes every pair in full); vLLM's N:N score pairs are grouped by query. vLLM
+tokenizes a pair as `tokenizer(text_1, text_2)`: the same tokens where the tokenizer adds none between the two
+(Qwen's), one separator or BOS more where it does. A template (an LLM reranker's prefix, instruction and
+suffix) is the client's text, as with vLLM's LLM-reranker examples.
+
+/classify: every input its own sequence, tokenized as vLLM does (special tokens on by default), read out at its
+last token; `probs` is the softmax over every class (the logits with `use_activation: false`), `label` the
+most likely class's name."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from starlette.responses import Response
+
+from pyscore import errors
+from pyscore.types import ModelInfo, ScoreRequest, ScoreResult, Usage
+
+from .http_call import JSON, Call, Gate
+from .http_schema import ClassifyBody, PoolingOptions, RerankBody, VLLMScoreBody
+from .http_score import usage_json
+
+RERANK_LABELS = ["yes", "no"]  # Qwen3-Reranker's tokens, vLLM's documented classifier_from_token (no, yes)
+SIDES = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
+VLLM_SCORE_FIELDS = frozenset(name for pair in SIDES for name in pair)
+
+
+def refuse_unserved(body: PoolingOptions) -> None:
+    for name, value in body.unserved().items():
+        if value is not None:
+            raise errors.InvalidArgument(name, "is not served by pyscore (give the texts as they are to score)")
+
+
+def merged_usage(usages: Sequence[Usage]) -> Usage:
+    return Usage(prompt_tokens=sum(u.prompt_tokens for u in usages),
+                 computed_tokens=sum(u.computed_tokens for u in usages),
+                 cached_tokens=sum(u.cached_tokens for u in usages),
+                 queue_s=max((u.queue_s for u in usages), default=0.0),
+                 compute_s=max((u.compute_s for u in usages), default=0.0))
+
+
+def renamed(exc: errors.RequestError, query_field: str, item_field: str, item_index: Sequence[int]
+            ) -> errors.RequestError:
+    """An engine error of one grouped request, its field in the client's terms (`documents[4]`, not
+    `items[1]`)."""
+    head, _, rest = exc.field.partition("[")
+    if head in ("items", "item_token_ids"):
+        field = f"{item_field}[{item_index[int(rest.rstrip(']'))]}]" if rest else item_field
+    elif head in ("query", "query_token_ids"):
+        field = query_field
+    else:
+        field = exc.field
+    message = str(exc).removeprefix(f"{exc.field}: ") if exc.field else str(exc)
+    return type(exc)(field, message)
+
+
+class Relevance:
+    """How one request turns a Score row into a pair's score (the module docstring's rules)."""
+
+    def __init__(self, info: ModelInfo, body: PoolingOptions, id2label: dict[int, str]) -> None:
+        activate = body.use_activation is not False
+        labels, ids = body.labels or None, body.label_token_ids or None
+        self.sigmoid, self.column, self.default_labels = False, 0, False
+        if info.kind != "classifier":
+            if not activate:
+                raise errors.InvalidArgument("use_activation", "false is served for classifiers only: a causal "
+                                             "LM's relevance is the softmax over its labels")
+            self.request: dict[str, Any] = {"labels": labels or (None if ids else RERANK_LABELS),
+                                            "label_token_ids": ids, "apply_softmax": True}
+            self.default_labels = not labels and not ids
+            return
+        # A classifier: every class is scored (a softmax needs them all) and one column is read.
+        self.request = {"labels": None, "label_token_ids": None, "apply_softmax": activate and info.num_labels > 1}
+        field = "labels" if labels else "label_token_ids"
+        named: list[Any] = labels or ids or []
+        if info.num_labels == 1 and not named:
+            self.sigmoid = activate
+            return
+        if len(named) != 1:
+            raise errors.InvalidArgument(field, f"the served classifier has {info.num_labels} classes: name the "
+                                         "one whose score ranks (one of labels or label_token_ids)")
+        by_name = {name: idx for idx, name in id2label.items()}
+        column = by_name.get(named[0], -1) if labels else named[0]
+        if not 0 <= column < info.num_labels:
+            raise errors.InvalidArgument(field, f"{errors.quoted(named[0])} is not a class of the served "
+                                         f"classifier ({info.num_labels} classes)")
+        self.column, self.sigmoid = column, activate and info.num_labels == 1
+
+    def score_request(self, query: str, items: list[str], body: PoolingOptions) -> ScoreRequest:
+        return ScoreRequest(query=query, items=items, bypass_prefix_cache=body.bypass_prefix_cache,
+                            prefix_cache_salt=body.salt(), **self.request)
+
+    def scores(self, result: ScoreResult) -> list[float]:
+        values = np.asarray([rows[0][self.column] for rows in result.scores], dtype=np.float32)
+        if self.sigmoid:
+            values = np.float32(1) / (np.float32(1) + np.exp(-values))
+        return values.tolist()
+
+
+class RerankEndpoints:
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+
+    def _id2label(self, model: str | None) -> dict[int, str]:
+        batcher, _ = self.gate.ready(model)
+        traits = getattr(batcher.engine, "traits", None)
+        return dict(getattr(traits, "id2label", None) or {})
+
+    async def _pairs(self, call: Call, body: PoolingOptions, queries: list[str], documents: list[str],
+                     names: tuple[str, str]) -> tuple[list[float], Usage, str]:
+        """Every (queries[i], documents[i]) pair's score, one MIS request per distinct query, concurrently."""
+        refuse_unserved(body)
+        _, info = self.gate.ready(body.model)
+        self.gate.check_items(len(documents))
+        relevance = Relevance(info, body, self._id2label(body.model))
+        groups: dict[str, list[int]] = {}
+        for i, q in enumerate(queries):
+            groups.setdefault(q, []).append(i)
+        call.summary = f"items={len(documents)} queries={len(groups)} "
+
+        async def one(query: str, index: list[int]) -> tuple[list[int], ScoreResult]:
+            batcher, _ = self.gate.ready(body.model)
+            request = relevance.score_request(query, [documents[i] for i in index], body)
+            try:
+                return index, await batcher.score(request)
+            except errors.RequestError as e:
+                if relevance.default_labels and e.field.startswith("labels"):
+                    raise type(e)(e.field, f"{str(e).removeprefix(e.field + ': ')} (the default labels "
+                                  f"{RERANK_LABELS}: give pyscore's `labels` or `label_token_ids`, the positive "
+                                  "first)") from None
+                raise renamed(e, names[0], names[1], index) from None
+
+        results = await asyncio.gather(*(one(q, index) for q, index in groups.items()))
+        scores = [0.0] * len(documents)
+        for index, result in results:
+            for i, value in zip(index, relevance.scores(result), strict=True):
+                scores[i] = value
+        usage = merged_usage([result.usage for _, result in results])
+        call.usage = usage
+        return scores, usage, info.name
+
+    async def rerank(self, call: Call, body: RerankBody) -> Response:
+        """vLLM's /rerank: results sorted by relevance (highest first; ties in document order), the top_n."""
+        documents = [body.documents] if isinstance(body.documents, str) else list(body.documents)
+        if not documents:
+            raise errors.InvalidArgument("documents", "is empty: give at least one document")
+        scores, usage, name = await self._pairs(call, body, [body.query] * len(documents), documents,
+                                                ("query", "documents"))
+        order = sorted(range(len(documents)), key=lambda i: -scores[i])
+        top = order[: body.top_n] if body.top_n else order
+        results = [{"index": i, "document": {"text": documents[i]}, "relevance_score": scores[i]} for i in top]
+        return JSON({"id": f"rerank-{body.request_id or uuid.uuid4().hex}", "model": name,
+                     "usage": usage_json(usage), "results": results})
+
+    async def score(self, call: Call, body: VLLMScoreBody) -> Response:
+        """vLLM's /score: one score per pair, 1:1, 1:N (the one query shared) or N:N."""
+        names, first, second = self._sides(body)
+        if isinstance(first, str):
+            first = [first]
+        second = [second] if isinstance(second, str) else list(second)
+        if not second:
+            raise errors.InvalidArgument(names[1], "is empty: give at least one text")
+        if len(first) == 1:
+            first = first * len(second)
+        elif len(first) != len(second):
+            raise errors.InvalidArgument(names[1], f"has {len(second)} texts for {len(first)} in {names[0]}: the "
+                                         "sides pair 1:1, 1:N or N:N")
+        scores, usage, name = await self._pairs(call, body, first, second, names)
+        data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
+        return JSON({"id": f"score-{body.request_id or uuid.uuid4().hex}", "object": "list",
+                     "created": int(time.time()), "model": name, "data": data, "usage": usage_json(usage)})
+
+    @staticmethod
+    def _sides(body: VLLMScoreBody) -> tuple[tuple[str, str], Any, Any]:
+        given = [name for name in VLLM_SCORE_FIELDS if getattr(body, name) is not None]
+        for names in SIDES:
+            if all(getattr(body, n) is not None for n in names) and set(given) == set(names):
+                return names, getattr(body, names[0]), getattr(body, names[1])
+        spelled = ", ".join(f"{a} + {b}" for a, b in SIDES)
+        field = sorted(given)[0] if given else "text_1"
+        raise errors.InvalidArgument(field, f"give the two sides as one of {spelled}"
+                                     + (f" (got {', '.join(sorted(given))})" if given else ""))
+
+    async def classify(self, call: Call, body: ClassifyBody) -> Response:
+        """vLLM's /classify: every input's class probabilities (or logits) and its most likely class."""
+        refuse_unserved(body)
+        if body.messages is not None:
+            raise errors.InvalidArgument("messages", "the chat form of /classify is not served; give `input`")
+        if body.labels or body.label_token_ids:
+            raise errors.InvalidArgument("labels" if body.labels else "label_token_ids",
+                                         "/classify answers every class")
+        batcher, info = self.gate.ready(body.model)
+        if info.kind != "classifier":
+            raise errors.FailedPrecondition("model", f"{info.name} is a causal LM: /classify needs a "
+                                            "sequence-classification head (score labels with /v1/score or /rerank)")
+        raw = body.input
+        inputs: list[Any] = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
+        if not inputs:
+            raise errors.InvalidArgument("input", "is empty: give at least one input")
+        self.gate.check_items(len(inputs))
+        self.gate.check_ids("input", sum(len(x) for x in inputs if not isinstance(x, str)))
+        call.summary = f"items={len(inputs)} "
+        engine, special = batcher.engine, body.add_special_tokens
+
+        def tokenize() -> list[list[int]]:
+            return [engine.tokenize(x, special)[0] if isinstance(x, str) else list(x) for x in inputs]
+
+        sequences = await batcher.call(tokenize)
+        for i, ids in enumerate(sequences):
+            if len(ids) < 2:
+                raise errors.InvalidArgument(f"input[{i}]", f"is {len(ids)} tokens; pyscore classifies sequences "
+                                             "of at least 2")
+        activate = body.use_activation is not False
+
+        async def one(i: int, ids: list[int]) -> ScoreResult:
+            request = ScoreRequest(query=ids[:-1], items=[ids[-1:]], apply_softmax=activate,
+                                   bypass_prefix_cache=body.bypass_prefix_cache, prefix_cache_salt=body.salt())
+            try:
+                return await batcher.score(request)
+            except errors.RequestError as e:
+                raise renamed(e, f"input[{i}]", f"input[{i}]", [i]) from None
+
+        results = await asyncio.gather(*(one(i, ids) for i, ids in enumerate(sequences)))
+        id2label = self._id2label(body.model)
+        data = []
+        for i, result in enumerate(results):
+            probs = np.asarray(result.scores[0][0], dtype=np.float32).tolist()
+            best = result.label_token_ids[int(np.argmax(probs))]
+            data.append({"index": i, "label": id2label.get(best, str(best)), "probs": probs,
+                         "num_classes": len(probs)})
+        call.usage = usage = merged_usage([r.usage for r in results])
+        return JSON({"id": f"classify-{body.request_id or uuid.uuid4().hex}", "object": "list",
+                     "created": int(time.time()), "model": info.name, "data": data, "usage": usage_json(usage)})
