@@ -35,11 +35,11 @@ from bench.targets import Target, make_target
 # What each side runs: report label -> target path.
 SIDES: dict[str, dict[str, str]] = {
     "pyscore": {"mis": "mis", "sis": "sis", "setwise": "setwise", "generate": "generate", "loglik": "loglik"},
-    "vllm": {"generative_scoring": "mis", "completions": "generate", "echo_logprobs": "loglik"},
+    "vllm": {"generative_scoring": "mis", "completions": "generate", "echo_logprobs": "loglik", "rerank": "rerank"},
 }
 # Our label -> the peer labels it is compared with (the best of them); unnamed labels: the scoring paths.
 PEERS_OF = {"generate": ("completions",), "loglik": ("echo_logprobs",)}
-SCORING_PEERS = ("generative_scoring", "completions")
+SCORING_PEERS = ("generative_scoring", "completions", "rerank")  # rerank: a vLLM started as the LLM reranker
 VLLM_PORT = 8013  # fixed by start_vllm.sh
 # Cached-token counts in /v1/completions' usage; no access-log line per request (ours logs at WARNING too).
 VLLM_ARGS = ("--enable-prompt-tokens-details", "--disable-uvicorn-access-log")
@@ -409,7 +409,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--num-questions", type=int, default=8, help="per phase at c=1 (%(default)s)")
     p.add_argument("--warmup", type=int, default=4, help="per path and concurrency at each block's start")
     p.add_argument("--ours", nargs="+", default=list(SIDES["pyscore"]), choices=list(SIDES["pyscore"]))
-    p.add_argument("--peer-paths", nargs="+", default=list(SIDES["vllm"]), choices=list(SIDES["vllm"]))
+    p.add_argument("--peer-paths", nargs="+", default=[p for p in SIDES["vllm"] if p != "rerank"],
+                   choices=list(SIDES["vllm"]), help="rerank needs vLLM started as the LLM reranker (bench/peers.md)")
     p.add_argument("--threads", type=int, default=None, help="our server's threads (default: all cores)")
     p.add_argument("--vllm-arg", action="append", default=list(VLLM_ARGS),
                    help=f"one more flag for start_vllm.sh, added to {' '.join(VLLM_ARGS)}")

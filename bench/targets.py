@@ -490,7 +490,7 @@ class VLLMHTTPTarget(OpenAIHTTPTarget):
     request (query, items, Yes/No label ids, apply_softmax — how vLLM runs it, one sequence per item sharing
     the query's cached blocks, is its own choice), `generate` one one-token /v1/completions per candidate."""
 
-    paths = ("generate", "sis", "mis", "fused", "loglik")
+    paths = ("generate", "sis", "mis", "fused", "loglik", "rerank")
     scheme = "vllm-http"
     labels = True
     notes = (("cache_salt", "fresh per question dispatch"),)
@@ -501,6 +501,19 @@ class VLLMHTTPTarget(OpenAIHTTPTarget):
         if path in ("sis", "mis"):
             return await self._generative_scoring(q, extra)
         return await getattr(self, f"_{path}")(q, extra)
+
+    async def _rerank(self, q: Question, extra: dict[str, Any]) -> Decision:
+        """/rerank on a vLLM started as the LLM reranker (bench/peers.md: the model converted into a classifier
+        from the tokens No and Yes): relevance P(Yes) over Yes/No, the value pyscore's MIS Score gives. Its
+        request has no cache salt (vLLM's pooling requests take none)."""
+        p = prompts.pointwise(q)
+        answer = await self.post("/rerank", {"model": self.model, "query": p.query, "documents": p.items})
+        try:
+            relevance = {int(r["index"]): float(r["relevance_score"]) for r in answer["results"]}
+            scores = [relevance[i] for i in range(len(p.items))]
+        except (KeyError, TypeError, ValueError) as e:
+            raise TargetError(f"/rerank: no relevance per document in {str(answer)[:300]}") from e
+        return http_usage_decision(prompts.argmax(scores), [Usage.of(answer)])
 
     async def _generative_scoring(self, q: Question, extra: dict[str, Any]) -> Decision:
         p = prompts.pointwise(q)

@@ -119,6 +119,12 @@ class Stub(BaseHTTPRequestHandler):
             data = [{"index": i, "object": "score", "score": 0.9 if i == 1 else 0.2} for i in range(len(body["items"]))]
             self.reply({"object": "list", "model": body["model"], "data": data[::-1],
                         "usage": usage(body, details=False)})
+        elif self.path == "/rerank":
+            assert set(body) == {"model", "query", "documents"}
+            results = [{"index": i, "document": {"text": d}, "relevance_score": 0.9 if i == 1 else 0.2}
+                       for i, d in enumerate(body["documents"])]
+            self.reply({"id": "rerank-1", "model": body["model"], "results": sorted(results, key=lambda r: -r[
+                "relevance_score"]), "usage": {"prompt_tokens": PROMPT_TOKENS, "total_tokens": PROMPT_TOKENS}})
         elif self.path == "/v1/score":
             self.reply({"scores": [[0.2, 0.8], [0.9, 0.1], [0.3, 0.7]][: len(body["items"])], "model": body["model"]})
         else:
@@ -238,6 +244,18 @@ def test_vllm_scoring_paths_send_generative_scoring(stub, path):
     assert body["items"][1].startswith("Proposed answer: Refund it.")
     # results arrive out of order; the rows follow `index`
     # its usage says no cached tokens: computed stays unknown (0); the /metrics counters say it per run
+    assert (first.choice, first.calls, first.prompt_tokens, first.computed_tokens) == (1, 1, PROMPT_TOKENS, 0)
+    assert second.choice == 1
+
+
+def test_vllm_rerank_path_reads_relevance_by_index(stub):
+    target = make_target(f"vllm-http://{stub}", model="m")
+    first, second = asyncio.run(decide_twice(target, "rerank"))
+    bodies = [b for route, b in Stub.requests if route == "/rerank"]
+    assert len(bodies) == 2 and len(bodies[0]["documents"]) == 3
+    assert bodies[0]["query"].startswith("Context:\n{}")
+    assert bodies[0]["documents"][1].startswith("Proposed answer: Refund it.")
+    # sorted by relevance, read back by index; usage without cached tokens: computed unknown (0)
     assert (first.choice, first.calls, first.prompt_tokens, first.computed_tokens) == (1, 1, PROMPT_TOKENS, 0)
     assert second.choice == 1
 

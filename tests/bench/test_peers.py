@@ -46,7 +46,7 @@ def test_blocks_alternate_one_server_at_a_time_and_report_both_sides(stub, tmp_p
     assert events == [(0, "pyscore"), (1, "vllm"), (2, "pyscore")]
     data = json.loads((tmp_path / "peers.json").read_text())
     phases = data["phases"]
-    assert len(phases) == 2 * (2 * 2 * 5) + 2 * 2 * 3  # two pyscore blocks of 5 paths, one vLLM block of 3
+    assert len(phases) == 2 * (2 * 2 * 5) + 2 * 2 * 4  # two pyscore blocks of 5 paths, one vLLM block of 4
     assert all(p["num_errors"] == 0 for p in phases), [p["errors"] for p in phases if p["num_errors"]]
     assert {p["num_questions"] for p in phases if p["concurrency"] == 1} == {2}
     assert {p["num_questions"] for p in phases if p["concurrency"] == 2} == {4}  # max(2, 2c)
