@@ -79,9 +79,12 @@ def parse_command(argv: list[str] | None = None, prog: str | None = None) -> tup
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on http://HOST:PORT/metrics (0 = any free port; default off)")
     p.add_argument("--http-port", type=int, default=None,
-                   help="also serve the HTTP/JSON front door (SGLang /v1/score, vLLM /generative_scoring, OpenAI "
-                        "/v1/completions and /v1/chat/completions, /health, /metrics) on http(s)://HOST:PORT, with "
-                        "the same token, TLS and limits (0 = any free port; default off)")
+                   help="also serve the HTTP/JSON front door (SGLang /v1/score, vLLM /generative_scoring, /rerank, "
+                        "/score, /classify, OpenAI /v1/completions and /v1/chat/completions, /health, /metrics) on "
+                        "http(s)://HOST:PORT, with the same token, TLS and limits (0 = any free port; default off)")
+    p.add_argument("--rerank-labels", nargs="+", default=list(d.rerank_labels), metavar="LABEL",
+                   help="HTTP /rerank and /score on a causal LM: the single-token labels whose softmax gives a "
+                        "document's relevance, positive first (vLLM's classifier_from_token; default: yes no)")
     p.add_argument("--grace-s", type=float, default=d.grace_s,
                    help="seconds in-flight requests get to finish on shutdown (default %(default)s)")
     p.add_argument("--drain-delay-s", type=float, default=d.drain_delay_s,
@@ -117,7 +120,7 @@ def parse_command(argv: list[str] | None = None, prog: str | None = None) -> tup
                         prefill_chunk_tokens=a.prefill_chunk_tokens or None,
                         tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
                         auth_token_file=a.auth_token_file, metrics_port=a.metrics_port, http_port=a.http_port,
-                        grace_s=a.grace_s,
+                        rerank_labels=tuple(a.rerank_labels), grace_s=a.grace_s,
                         drain_delay_s=a.drain_delay_s, max_connection_age_s=a.max_connection_age_s,
                         max_connection_age_grace_s=a.max_connection_age_grace_s, engine=a.engine), \
         a.log_level.upper(), a.plan_memory

@@ -90,6 +90,9 @@ class ServerConfig:
     auth_token_file: str | None = None  # calls must carry `authorization: Bearer <the token in this file>`
     metrics_port: int | None = None  # Prometheus /metrics on host:port (0 = any free port); None = off
     http_port: int | None = None  # the HTTP/JSON front door (server/http.py) on host:port (0 = any free); None = off
+    # /rerank and vLLM's /score on a causal LM: the labels whose softmax gives a document's relevance, positive first
+    # (vLLM's classifier_from_token, set per server as vLLM sets it; a request's `labels` overrides)
+    rerank_labels: tuple[str, ...] = ("yes", "no")
     engine: str = "pyscore.engine:Engine"  # "module:Class" with from_pretrained; tests swap in a fake
 
 
@@ -204,7 +207,8 @@ class ScorerApp:
         c = self.config
         app = build_http_app(self.servicer, self.metrics, self.health.serving,
                              max_body_bytes=c.max_message_mb * 1024 * 1024,
-                             token=read_token(c.auth_token_file) if c.auth_token_file else None)
+                             token=read_token(c.auth_token_file) if c.auth_token_file else None,
+                             rerank_labels=list(c.rerank_labels))
         self.http = HttpFrontDoor(app)
         return await self.http.start(c.host, c.http_port or 0, tls_cert=c.tls_cert, tls_key=c.tls_key,
                                      tls_client_ca=c.tls_client_ca)

@@ -46,7 +46,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .http_call import JSON, Call, Gate, endpoint, error_response
 from .http_openai import CHAT_FIELDS, COMPLETION_FIELDS, OpenAIEndpoints
-from .http_rerank import VLLM_SCORE_FIELDS, RerankEndpoints
+from .http_rerank import RERANK_LABELS, VLLM_SCORE_FIELDS, RerankEndpoints
 from .http_schema import (
     ChatCompletionBody,
     ClassifyBody,
@@ -87,10 +87,10 @@ class BearerAuth:
 
 
 def build_app(servicer: ScorerServicer, metrics: Metrics, serving: Callable[[], bool], *, max_body_bytes: int,
-              token: str | None = None) -> ASGIApp:
+              token: str | None = None, rerank_labels: list[str] | None = None) -> ASGIApp:
     gate = Gate(servicer)
     scoring, openai, sglang = ScoreEndpoints(gate), OpenAIEndpoints(gate), SGLangEndpoints(gate)
-    rerank = RerankEndpoints(gate)
+    rerank = RerankEndpoints(gate, rerank_labels or RERANK_LABELS)
 
     def either_score(data: Any) -> type[ScoringBody] | type[VLLMScoreBody]:
         """/v1/score is SGLang's (query + items) unless the body spells vLLM's sides."""

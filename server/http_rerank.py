@@ -4,10 +4,11 @@ Cohere's shape), `POST /score` (also `/v1/score` when the body is vLLM's rather 
 
 A document's relevance to a query (a pair's score), by the served model:
 - a causal LM (an LLM reranker such as Qwen3-Reranker, which vLLM serves converted into a classifier from the
-  tokens "no" and "yes"): the first label's share of the softmax over the labels, default RERANK_LABELS
-  (["yes", "no"]) or pyscore's extras `labels` / `label_token_ids`, positive first. With two labels that is
-  vLLM's sigmoid of the two tokens' logit difference. `use_activation: false` is refused: the label softmax
-  does not give the logits back;
+  tokens "no" and "yes"): the first label's share of the softmax over the labels: the server's --rerank-labels
+  (default ["yes", "no"]; vLLM's classifier_from_token is set per server too) or a request's pyscore extras
+  `labels` / `label_token_ids`, positive first. With two labels that is vLLM's sigmoid of the two tokens' logit
+  difference; one label alone gives its probability over the vocabulary. `use_activation: false` is refused:
+  the label softmax does not give the logits back;
 - a classifier with one class (a cross-encoder head): the sigmoid of its logit (vLLM's activation for one class),
   or the logit with `use_activation: false`;
 - a classifier with several classes: the class named by `labels` / `label_token_ids` (refused without one): its
@@ -42,7 +43,8 @@ from .http_call import JSON, Call, Gate
 from .http_schema import ClassifyBody, PoolingOptions, RerankBody, VLLMScoreBody
 from .http_score import usage_json
 
-RERANK_LABELS = ["yes", "no"]  # Qwen3-Reranker's tokens, vLLM's documented classifier_from_token (no, yes)
+RERANK_LABELS = ["yes", "no"]  # the default of --rerank-labels: Qwen3-Reranker's tokens, vLLM's documented
+# classifier_from_token (no, yes)
 SIDES = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
 VLLM_SCORE_FIELDS = frozenset(name for pair in SIDES for name in pair)
 
@@ -79,7 +81,8 @@ def renamed(exc: errors.RequestError, query_field: str, item_field: str, item_in
 class Relevance:
     """How one request turns a Score row into a pair's score (the module docstring's rules)."""
 
-    def __init__(self, info: ModelInfo, body: PoolingOptions, id2label: dict[int, str]) -> None:
+    def __init__(self, info: ModelInfo, body: PoolingOptions, id2label: dict[int, str], default_labels: list[str]
+                 ) -> None:
         activate = body.use_activation is not False
         labels, ids = body.labels or None, body.label_token_ids or None
         self.sigmoid, self.column, self.default_labels = False, 0, False
@@ -87,8 +90,9 @@ class Relevance:
             if not activate:
                 raise errors.InvalidArgument("use_activation", "false is served for classifiers only: a causal "
                                              "LM's relevance is the softmax over its labels")
-            self.request: dict[str, Any] = {"labels": labels or (None if ids else RERANK_LABELS),
-                                            "label_token_ids": ids, "apply_softmax": True}
+            chosen = labels or (None if ids else default_labels)
+            self.request: dict[str, Any] = {"labels": chosen, "label_token_ids": ids,
+                                            "apply_softmax": len(chosen or ids or []) > 1}
             self.default_labels = not labels and not ids
             return
         # A classifier: every class is scored (a softmax needs them all) and one column is read.
@@ -120,8 +124,8 @@ class Relevance:
 
 
 class RerankEndpoints:
-    def __init__(self, gate: Gate) -> None:
-        self.gate = gate
+    def __init__(self, gate: Gate, labels: list[str]) -> None:
+        self.gate, self.labels = gate, labels
 
     def _id2label(self, model: str | None) -> dict[int, str]:
         batcher, _ = self.gate.ready(model)
@@ -134,7 +138,7 @@ class RerankEndpoints:
         refuse_unserved(body)
         _, info = self.gate.ready(body.model)
         self.gate.check_items(len(documents))
-        relevance = Relevance(info, body, self._id2label(body.model))
+        relevance = Relevance(info, body, self._id2label(body.model), self.labels)
         groups: dict[str, list[int]] = {}
         for i, q in enumerate(queries):
             groups.setdefault(q, []).append(i)
@@ -147,9 +151,9 @@ class RerankEndpoints:
                 return index, await batcher.score(request)
             except errors.RequestError as e:
                 if relevance.default_labels and e.field.startswith("labels"):
-                    raise type(e)(e.field, f"{str(e).removeprefix(e.field + ': ')} (the default labels "
-                                  f"{RERANK_LABELS}: give pyscore's `labels` or `label_token_ids`, the positive "
-                                  "first)") from None
+                    raise type(e)(e.field, f"{str(e).removeprefix(e.field + ': ')} (the server's --rerank-labels "
+                                  f"{errors.quoted(self.labels)}: give pyscore's `labels` or `label_token_ids`, "
+                                  "the positive first)") from None
                 raise renamed(e, names[0], names[1], index) from None
 
         results = await asyncio.gather(*(one(q, index) for q, index in groups.items()))
@@ -170,7 +174,8 @@ class RerankEndpoints:
                                                 ("query", "documents"))
         order = sorted(range(len(documents)), key=lambda i: -scores[i])
         top = order[: body.top_n] if body.top_n else order
-        results = [{"index": i, "document": {"text": documents[i]}, "relevance_score": scores[i]} for i in top]
+        results = [{"index": i, "document": {"text": documents[i], "multi_modal": None}, "relevance_score": scores[i]}
+                   for i in top]
         return JSON({"id": f"rerank-{body.request_id or uuid.uuid4().hex}", "model": name,
                      "usage": usage_json(usage), "results": results})
 

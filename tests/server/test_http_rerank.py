@@ -188,3 +188,21 @@ def test_classifier_refusals(classifier: tuple[str, Path, Any]) -> None:
         answer = post(base, path, body)
         assert answer.status_code == 400, (body, answer.text)
         assert answer.json()["error"]["param"] == param, (body, answer.text)
+
+
+@pytest.mark.parametrize("server_labels", [("Yes", "No"), ("Yes",)], ids=["two", "one"])
+def test_the_servers_rerank_labels(tiny_model_dir: Path, server_labels: tuple[str, ...]) -> None:
+    """--rerank-labels: what a vLLM client that sends no labels gets (two: the label softmax; one: the label's
+    probability over the vocabulary)."""
+    server = ServerThread(make_tiny_engine(tiny_model_dir), max_batch_tokens=256, http_port=0,
+                          rerank_labels=server_labels)
+    try:
+        with ScorerClient(server.target, timeout=30) as client:
+            want = [rows[0][0] for rows in client.score(QUERY, DOCS, labels=list(server_labels),
+                                                        apply_softmax=len(server_labels) > 1).scores]
+        base = f"http://127.0.0.1:{server.app.http_port}"
+        body = post(base, "/rerank", {"query": QUERY, "documents": DOCS}).json()
+        assert {r["index"]: r["relevance_score"] for r in body["results"]} == dict(enumerate(want))
+        assert body["results"][0]["document"] == {"text": DOCS[body["results"][0]["index"]], "multi_modal": None}
+    finally:
+        server.stop()
