@@ -14,11 +14,12 @@ Routes, each shaped like its peer's so that the peer's clients work unchanged:
   POST /v1/completions        OpenAI completions (SSE streaming)                              server/http_openai.py
   POST /v1/chat/completions   OpenAI chat completions over the model's chat template         server/http_openai.py
   POST /generate              SGLang's native generate (batch, logprobs from a prompt position) server/http_sglang.py
-  POST /tokenize              vLLM's tokenize (`prompt` -> `tokens`)
+  POST /tokenize              vLLM's tokenize (`prompt` -> `tokens`); POST /detokenize (`tokens` -> `prompt`)
+  GET  /version               {"version": pyscore's}; GET|POST /ping: as /health (vLLM's, SageMaker's probe)
   GET  /v1/models             the one model served
   GET  /health                200 while SERVING, 503 otherwise (loading, draining); open without the token
   GET  /metrics               the server's Prometheus metrics (the same registry as --metrics-port)
-With --auth-token-file every route but /health needs `Authorization: Bearer <token>` (401 otherwise, before
+With --auth-token-file every route but /health and /ping needs `Authorization: Bearer <token>` (401 otherwise, before
 any handler runs). Bodies over --max-message-mb are refused (413) while being read; how calls are parsed, mapped
 to statuses, logged, counted and cancelled on disconnect is server/http_call.py.
 """
@@ -44,6 +45,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pyscore import __version__, errors
+
 from .http_call import JSON, Call, Gate, endpoint, error_response
 from .http_openai import CHAT_FIELDS, COMPLETION_FIELDS, OpenAIEndpoints
 from .http_rerank import RERANK_LABELS, VLLM_SCORE_FIELDS, RerankEndpoints
@@ -51,6 +54,7 @@ from .http_schema import (
     ChatCompletionBody,
     ClassifyBody,
     CompletionBody,
+    DetokenizeBody,
     GenerativeScoringBody,
     RerankBody,
     ScoringBody,
@@ -64,7 +68,7 @@ from .metrics import Metrics
 from .security import DENIED, bearer_credentials
 from .servicer import ScorerServicer
 
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/health", "/ping")
 
 
 class BearerAuth:
@@ -118,6 +122,19 @@ def build_app(servicer: ScorerServicer, metrics: Metrics, serving: Callable[[], 
         return JSON({"count": len(ids), "max_model_len": info.max_context, "tokens": ids}
                     | ({"token_strs": tokens} if body.return_token_strs else {}))
 
+    async def detokenize(call: Call, body: DetokenizeBody) -> Response:
+        batcher, info = gate.ready(body.model)
+        gate.check_ids("tokens", len(body.tokens))
+        bad = [i for i, t in enumerate(body.tokens) if not 0 <= t < info.vocab_size]
+        if bad:
+            raise errors.InvalidArgument(f"tokens[{bad[0]}]", f"token id {body.tokens[bad[0]]} is outside the "
+                                         f"vocabulary [0, {info.vocab_size})")
+        text = await batcher.call(batcher.engine.tokenizer.decode, body.tokens)
+        return JSON({"prompt": text})
+
+    async def version(request: Request) -> Response:
+        return JSON({"version": __version__})
+
     async def health(request: Request) -> Response:
         up = serving()
         return JSON({"status": "SERVING" if up else "NOT_SERVING"}, status_code=200 if up else 503)
@@ -140,6 +157,9 @@ def build_app(servicer: ScorerServicer, metrics: Metrics, serving: Callable[[], 
         post("/v1/chat/completions", "Generate", ChatCompletionBody, openai.chat, CHAT_FIELDS),
         post("/generate", "Generate", SGLangGenerateBody, sglang.generate, SGLANG_FIELDS),
         post("/tokenize", "Tokenize", TokenizeBody, tokenize),
+        post("/detokenize", "Tokenize", DetokenizeBody, detokenize),
+        Route("/version", version, methods=["GET"]),
+        Route("/ping", health, methods=["GET", "POST"]),
         Route("/v1/models", endpoint("GetModelInfo", None, models, limit=max_body_bytes, metrics=metrics),
               methods=["GET"]),
         Route("/health", health, methods=["GET"]),

@@ -220,3 +220,10 @@ class TokenizeBody(Body):
     add_special_tokens: bool = True
     return_token_strs: bool = False
     model: str | None = None
+
+
+class DetokenizeBody(Body):
+    """vLLM's /detokenize."""
+
+    tokens: list[int]
+    model: str | None = None

@@ -328,6 +328,11 @@ def test_token_and_tls(start_server: Any, pki: Pki, tmp_path: Path) -> None:
         assert r.status_code == 401 and error_of(r)["code"] == "UNAUTHENTICATED"
         assert r.headers["www-authenticate"] == "Bearer"
     assert requests.get(url(server, "/metrics", "https"), verify=ca, timeout=10).status_code == 401
+    assert requests.get(url(server, "/ping", "https"), verify=ca, timeout=10).status_code == 200  # open, as /health
+    for locked in ("/version", "/rerank", "/classify", "/detokenize"):
+        r = requests.request("GET" if locked == "/version" else "POST", url(server, locked, "https"), json={},
+                             verify=ca, timeout=10)
+        assert r.status_code == 401, locked
     r = requests.post(https, json=SCORE, headers={"Authorization": f"bearer {TOKEN}"}, verify=ca, timeout=10)
     assert r.status_code == 200, r.text
     with pytest.raises(requests.exceptions.ConnectionError):  # no plaintext on the TLS port

@@ -439,3 +439,18 @@ def test_bad_generate_over_http(base: str, fields: dict[str, Any], code: grpc.St
     assert error["code"] == code.name and field_of(error["param"]) == fields.get(field, field), error
     good = post(base, "/v1/completions", http_completion_body({})).json()
     assert good["usage"]["completion_tokens"] == 3
+
+
+def test_detokenize_version_and_ping(base: str) -> None:
+    """vLLM's /detokenize (the inverse of /tokenize), /version and /ping (its health probe, GET or POST)."""
+    text = "The quick brown fox"
+    ids = requests.post(f"{base}/tokenize", json={"prompt": text}, timeout=30).json()["tokens"]
+    back = requests.post(f"{base}/detokenize", json={"tokens": ids}, timeout=30)
+    assert back.status_code == 200 and back.json() == {"prompt": text}
+    bad = requests.post(f"{base}/detokenize", json={"tokens": [ids[0], 10**9]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens[1]"
+    import pyscore
+
+    assert requests.get(f"{base}/version", timeout=30).json() == {"version": pyscore.__version__}
+    assert requests.get(f"{base}/ping", timeout=30).status_code == 200
+    assert requests.post(f"{base}/ping", timeout=30).status_code == 200
