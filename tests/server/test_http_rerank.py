@@ -1,7 +1,8 @@
 """vLLM's reranker and classifier APIs on the real engine (tiny random models, fp32): /rerank (and /v1, /v2),
 /score and vLLM's spelling of /v1/score, /classify. A causal LM's relevance equals gRPC Score's label softmax bit
 for bit; a classifier's equals stock transformers' sigmoid / softmax of its head on the same tokens; N:N pairs,
-1:N pairs and rerank's order agree with each other; what is not served is refused naming the field."""
+1:N pairs and rerank's order agree with each other; what is not served is refused naming the field; fuzzed bodies
+get documented statuses and leave the server answering."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import numpy as np
 import pytest
 import requests
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pyscore.client import ScorerClient
 from tests.helpers import load_reference, make_model_dir
@@ -206,3 +209,47 @@ def test_the_servers_rerank_labels(tiny_model_dir: Path, server_labels: tuple[st
         assert body["results"][0]["document"] == {"text": DOCS[body["results"][0]["index"]], "multi_modal": None}
     finally:
         server.stop()
+
+
+FIELDS = ["query", "documents", "top_n", "labels", "label_token_ids", "use_activation", "text_1", "text_2", "queries",
+          "items", "data_1", "data_2", "input", "messages", "model", "instruction", "truncate_prompt_tokens"]
+JSON_VALUES = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-3, 10**10), st.floats(allow_nan=False),
+              st.sampled_from(["", "Yes", "No", "yes", " A", QUERY, DOCS[0], "héllo 🙂", "\x00"])),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.sampled_from(["content", "text"]), inner,
+                                                                         max_size=2)),
+    max_leaves=8)
+
+
+GOOD = {"/rerank": {"query": QUERY, "documents": DOCS, "labels": ["Yes", "No"]},
+        "/v2/rerank": {"query": QUERY, "documents": DOCS[:2], "labels": ["Yes"], "top_n": 1},
+        "/score": {"text_1": QUERY, "text_2": DOCS, "labels": ["Yes", "No"]},
+        "/v1/score": {"queries": [QUERY, "Q"], "documents": DOCS[:2], "labels": ["No", "Yes"]},
+        "/classify": {"input": "hello there"}}  # the causal LM: refused by /classify whatever the body
+
+
+@settings(derandomize=True, database=None, deadline=None, max_examples=150,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(path=st.sampled_from(sorted(GOOD)), changes=st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES, max_size=2),
+       drop=st.lists(st.sampled_from(FIELDS), max_size=1))
+def test_fuzzed_bodies_get_documented_statuses(causal: tuple[str, ScorerClient], path: str,
+                                               changes: dict[str, Any], drop: list[str]) -> None:
+    """A good body with up to two fields replaced by random JSON and one removed: a documented status, an answer
+    of the route's shape when it succeeds."""
+    base, _ = causal
+    body = {k: v for k, v in (GOOD[path] | changes).items() if k not in drop}
+    answer = post(base, path, body)
+    assert answer.status_code in (200, 400, 404, 429), (body, answer.text)
+    if answer.status_code == 200:
+        got = answer.json()
+        assert "results" in got if "rerank" in path else "data" in got or "scores" in got, got
+    else:
+        assert answer.json()["error"]["code"] in ("INVALID_ARGUMENT", "FAILED_PRECONDITION", "NOT_FOUND",
+                                                  "RESOURCE_EXHAUSTED"), answer.text
+
+
+def test_the_server_survived_the_fuzz(causal: tuple[str, ScorerClient], labels: list[int]) -> None:
+    base, client = causal
+    body = post(base, "/rerank", {"query": QUERY, "documents": DOCS, "label_token_ids": labels}).json()
+    assert len(body["results"]) == len(DOCS)
+    assert client.score(QUERY, DOCS, label_token_ids=labels).scores
