@@ -13,12 +13,15 @@ special tokens, items without."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from starlette.responses import Response
 
+from pyscore import errors
 from pyscore.types import ScoreRequest, ScoreResult, Usage
 
 from .http_call import JSON, Call, Gate, fp32
@@ -56,20 +59,60 @@ class ScoreEndpoints:
         return result, info.name
 
     async def score(self, call: Call, body: ScoringBody) -> Response:
-        """SGLang's /v1/score."""
+        """SGLang's /v1/score. An empty item scores the query's next token, as in SGLang (query + "" is the query):
+        those items are asked as the query's last token after the rest of the query, beside the others."""
         items = [body.items] if isinstance(body.items, str) else list(body.items or [])
         request = ScoreRequest(query=body.query if body.query is not None else "", items=items,
                                label_token_ids=body.label_token_ids or None, labels=body.labels or None,
                                apply_softmax=body.apply_softmax, item_first=body.item_first,
                                score_extraction_token=body.score_extraction_token or None, mode=body.mode,
                                bypass_prefix_cache=body.bypass_prefix_cache, prefix_cache_salt=body.salt())
-        result, name = await self._score(call, body.model, request)
+        empty = [i for i, item in enumerate(items) if len(item) == 0]
+        same_kind = all(isinstance(item, str) == isinstance(request.query, str) for item in items)
+        if empty and request.query and same_kind and not request.score_extraction_token:
+            result, name = await self._with_empty_items(call, body.model, request, empty)
+        else:
+            result, name = await self._score(call, body.model, request)
         if body.score_extraction_token:
             scores: list[Any] = [[fp32(row) for row in rows] for rows in result.scores]
         else:
             scores = [fp32(rows[0]) for rows in result.scores]
         return JSON({"scores": scores, "model": name, "usage": usage_json(result.usage), "object": "scoring",
                      "mode": result.mode, "label_token_ids": result.label_token_ids})
+
+    async def _with_empty_items(self, call: Call, model: str | None, request: ScoreRequest, empty: list[int]
+                                ) -> tuple[ScoreResult, str]:
+        """The request's empty items answered as its query's next token (the query's last token as the item, the
+        rest as the query: the same sequence, read out at its end), the others as asked; rows in item order."""
+        batcher, _ = self.gate.ready(model)
+        query = request.query
+        if isinstance(query, str):
+            engine = batcher.engine
+            query = (await batcher.call(engine.tokenize, query, True))[0]
+        if len(query) < 2:
+            raise errors.InvalidArgument(f"items[{empty[0]}]", "is empty and the query is one token: an empty "
+                                         "item scores the token after the query, which needs a query of two or more")
+        rest = [i for i in range(len(request.items)) if i not in set(empty)]
+        tail = replace(request, query=list(query[:-1]), items=[[query[-1]]], item_first=False)
+        parts = [self._score(call, model, tail)]
+        if rest:
+            parts.append(self._score(call, model, replace(request, items=[request.items[i] for i in rest])))
+        answers = await asyncio.gather(*parts)
+        rows: list[Any] = [None] * len(request.items)
+        for i in empty:
+            rows[i] = answers[0][0].scores[0]
+        if rest:
+            for i, item_rows in zip(rest, answers[1][0].scores, strict=True):
+                rows[i] = item_rows
+        results = [r for r, _ in answers]
+        usage = Usage(prompt_tokens=len(empty) * len(query) + (results[1].usage.prompt_tokens if rest else 0),
+                      computed_tokens=sum(r.usage.computed_tokens for r in results),
+                      cached_tokens=sum(r.usage.cached_tokens for r in results),
+                      queue_s=max(r.usage.queue_s for r in results), compute_s=max(r.usage.compute_s for r in results))
+        call.usage = usage
+        merged = ScoreResult(scores=rows, label_token_ids=results[0].label_token_ids, mode=results[-1].mode,
+                             usage=usage)
+        return merged, answers[0][1]
 
     async def generative_scoring(self, call: Call, body: GenerativeScoringBody) -> Response:
         """vLLM's /generative_scoring."""

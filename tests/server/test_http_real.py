@@ -454,3 +454,23 @@ def test_detokenize_version_and_ping(base: str) -> None:
     assert requests.get(f"{base}/version", timeout=30).json() == {"version": pyscore.__version__}
     assert requests.get(f"{base}/ping", timeout=30).status_code == 200
     assert requests.post(f"{base}/ping", timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("item_first", [False, True])
+def test_sglang_empty_item_scores_the_querys_next_token(base: str, client: ScorerClient, labels: list[int],
+                                                       item_first: bool) -> None:
+    """SGLang's `"items": [""]`: query + "" is the query, read out at its end: the same bits as gRPC's Score of
+    the query's last token after the rest; the other items as asked, in item order."""
+    ids = requests.post(f"{base}/tokenize", json={"prompt": QUERY}, timeout=30).json()["tokens"]
+    tail = client.score(ids[:-1], [[ids[-1]]], label_token_ids=labels, apply_softmax=True)
+    rest = client.score(QUERY, ITEMS[:2], label_token_ids=labels, apply_softmax=True, item_first=item_first)
+    body = post(base, "/v1/score", {"query": QUERY, "items": [ITEMS[0], "", ITEMS[1], ""], "label_token_ids": labels,
+                                    "apply_softmax": True, "item_first": item_first}).json()
+    want = [rest.scores[0][0], tail.scores[0][0], rest.scores[1][0], tail.scores[0][0]]
+    assert body["scores"] == want
+    assert body["usage"]["prompt_tokens"] == rest.usage.prompt_tokens + 2 * len(ids)
+    by_ids = post(base, "/v1/score", {"query": ids, "items": [[]], "label_token_ids": labels,
+                                      "apply_softmax": True}).json()
+    assert by_ids["scores"] == [tail.scores[0][0]]
+    one_token = post(base, "/v1/score", {"query": ids[:1], "items": [[]], "label_token_ids": labels})
+    assert one_token.status_code == 400 and one_token.json()["error"]["param"] == "items[0]"
