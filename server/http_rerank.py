@@ -41,7 +41,7 @@ from pyscore.types import ModelInfo, ScoreRequest, ScoreResult, Usage
 
 from .http_call import JSON, Call, Gate
 from .http_schema import ClassifyBody, PoolingOptions, RerankBody, VLLMScoreBody
-from .http_score import usage_json
+from .http_score import summed_usage, usage_json
 
 RERANK_LABELS = ["yes", "no"]  # the default of --rerank-labels: Qwen3-Reranker's tokens, vLLM's documented
 # classifier_from_token (no, yes)
@@ -53,14 +53,6 @@ def refuse_unserved(body: PoolingOptions) -> None:
     for name, value in body.unserved().items():
         if value is not None:
             raise errors.InvalidArgument(name, "is not served by pyscore (give the texts as they are to score)")
-
-
-def merged_usage(usages: Sequence[Usage]) -> Usage:
-    return Usage(prompt_tokens=sum(u.prompt_tokens for u in usages),
-                 computed_tokens=sum(u.computed_tokens for u in usages),
-                 cached_tokens=sum(u.cached_tokens for u in usages),
-                 queue_s=max((u.queue_s for u in usages), default=0.0),
-                 compute_s=max((u.compute_s for u in usages), default=0.0))
 
 
 def renamed(exc: errors.RequestError, query_field: str, item_field: str, item_index: Sequence[int]
@@ -161,7 +153,7 @@ class RerankEndpoints:
         for index, result in results:
             for i, value in zip(index, relevance.scores(result), strict=True):
                 scores[i] = value
-        usage = merged_usage([result.usage for _, result in results])
+        usage = summed_usage([result.usage for _, result in results])
         call.usage = usage
         return scores, usage, info.name
 
@@ -255,6 +247,6 @@ class RerankEndpoints:
             best = result.label_token_ids[int(np.argmax(probs))]
             data.append({"index": i, "label": id2label.get(best, str(best)), "probs": probs,
                          "num_classes": len(probs)})
-        call.usage = usage = merged_usage([r.usage for r in results])
+        call.usage = usage = summed_usage([r.usage for r in results])
         return JSON({"id": f"classify-{body.request_id or uuid.uuid4().hex}", "object": "list",
                      "created": int(time.time()), "model": info.name, "data": data, "usage": usage_json(usage)})

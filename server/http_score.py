@@ -40,6 +40,15 @@ def usage_json(usage: Usage, completion_tokens: int = 0) -> dict[str, Any]:
             "computed_tokens": usage.computed_tokens, "queue_s": usage.queue_s, "compute_s": usage.compute_s}
 
 
+def summed_usage(usages: list[Usage]) -> Usage:
+    """Several Score requests answering one call: their tokens summed, the longest queue wait and compute time."""
+    return Usage(prompt_tokens=sum(u.prompt_tokens for u in usages),
+                 computed_tokens=sum(u.computed_tokens for u in usages),
+                 cached_tokens=sum(u.cached_tokens for u in usages),
+                 queue_s=max((u.queue_s for u in usages), default=0.0),
+                 compute_s=max((u.compute_s for u in usages), default=0.0))
+
+
 def token_ids_in(query: str | list[int], items: list[str] | list[list[int]]) -> int:
     """Token ids given as ids (what the servicer counts against --max-request-tokens before any model work)."""
     return (0 if isinstance(query, str) else len(query)) + sum(len(i) for i in items if not isinstance(i, str))
@@ -105,10 +114,8 @@ class ScoreEndpoints:
             for i, item_rows in zip(rest, answers[1][0].scores, strict=True):
                 rows[i] = item_rows
         results = [r for r, _ in answers]
-        usage = Usage(prompt_tokens=len(empty) * len(query) + (results[1].usage.prompt_tokens if rest else 0),
-                      computed_tokens=sum(r.usage.computed_tokens for r in results),
-                      cached_tokens=sum(r.usage.cached_tokens for r in results),
-                      queue_s=max(r.usage.queue_s for r in results), compute_s=max(r.usage.compute_s for r in results))
+        usage = summed_usage([r.usage for r in results])
+        usage.prompt_tokens += (len(empty) - 1) * len(query)  # every empty item's sequence is the whole query
         call.usage = usage
         merged = ScoreResult(scores=rows, label_token_ids=results[0].label_token_ids, mode=results[-1].mode,
                              usage=usage)
