@@ -29,6 +29,11 @@ class DecodePlan:
     lengths: list[int]
     block_table: torch.Tensor  # int32 [B, max pages], on the pool's device
     lengths_t: torch.Tensor  # int32 [B]
+    # The kernel's arguments that are the same for every layer of the step, gathered once (~15 us a call less):
+    # before the layer index (the pools and their page / layer strides), and after it (token / head strides, the
+    # block table, the lengths).
+    pool_args: tuple = ()
+    table_args: tuple = ()
 
     @property
     def num_layers(self) -> int:
@@ -77,9 +82,13 @@ def plan_decode(k_pool: torch.Tensor, v_pool: torch.Tensor, tables: list[list[in
     width = max(len(t) for t in tables)
     rows = [list(t) + [0] * (width - len(t)) for t in tables]
     device = k_pool.device
-    return DecodePlan(k_pool, v_pool, [list(t) for t in tables], list(lengths),
-                      torch.tensor(rows, dtype=torch.int32).to(device),
-                      torch.tensor(lengths, dtype=torch.int32).to(device))
+    block_table = torch.tensor(rows, dtype=torch.int32).to(device)
+    lengths_t = torch.tensor(lengths, dtype=torch.int32).to(device)
+    pool_args = (k_pool.data_ptr(), v_pool.data_ptr(), (k_pool.stride(0), k_pool.stride(1)))
+    table_args = ((k_pool.stride(2), k_pool.stride(3)), block_table.data_ptr(), block_table.shape[1], block,
+                  lengths_t.data_ptr(), max(lengths))
+    return DecodePlan(k_pool, v_pool, [list(t) for t in tables], list(lengths), block_table, lengths_t, pool_args,
+                      table_args)
 
 
 def _check(q: torch.Tensor, plan: DecodePlan, layer: int, k_new: torch.Tensor | None,
@@ -126,10 +135,8 @@ def decode_attention(
     new = (0, 0, (0, 0)) if k_new is None else (k_new.data_ptr(), v_new.data_ptr(), (k_new.stride(0), k_new.stride(1)))
     args = [
         q.data_ptr(), (q.stride(0), q.stride(1)), out.data_ptr(), (out.stride(0), out.stride(1)), *new,
-        plan.k_pool.data_ptr(), plan.v_pool.data_ptr(), (plan.k_pool.stride(0), plan.k_pool.stride(1)), layer,
-        (plan.k_pool.stride(2), plan.k_pool.stride(3)), plan.block_table.data_ptr(), plan.block_table.shape[1],
-        plan.block_tokens, plan.lengths_t.data_ptr(), max(plan.lengths), q.shape[0], q.shape[1], plan.num_kv_heads,
-        plan.head_dim, scale, _ext.torch_dtype_name(q.dtype),
+        *plan.pool_args, layer, *plan.table_args, q.shape[0], q.shape[1], plan.num_kv_heads, plan.head_dim, scale,
+        _ext.torch_dtype_name(q.dtype),
     ]
     if q.is_cuda:
         args.append(_ext.cuda_stream(q.device))
