@@ -85,6 +85,20 @@ def test_rerank_of_a_causal_lm_is_the_label_softmax_of_score(causal: tuple[str, 
     assert by_name["results"] == body["results"]
 
 
+def test_rerank_of_a_causal_lm_equals_transformers(causal: tuple[str, ScorerClient], tiny_model_dir: Path,
+                                                   labels: list[int]) -> None:
+    """The LLM-reranker recipe on stock transformers (Qwen3-Reranker's: the last position's logits of the two
+    tokens, softmax, the first), on the same tokens: the relevance /rerank answers."""
+    base, _ = causal
+    model = load_reference(tiny_model_dir)
+    query_ids = tokens(base, QUERY, True)
+    want = [float(torch.softmax(hf_logits(model, query_ids + tokens(base, d, False))[-1, labels], -1)[0])
+            for d in DOCS]
+    body = post(base, "/rerank", {"query": QUERY, "documents": DOCS, "label_token_ids": labels}).json()
+    got = {r["index"]: r["relevance_score"] for r in body["results"]}
+    assert [got[i] for i in range(len(DOCS))] == pytest.approx(want, abs=1e-5)
+
+
 def test_vllm_score_pairs_one_to_many_and_many_to_many(causal: tuple[str, ScorerClient], labels: list[int]) -> None:
     base, client = causal
     want = [rows[0][0] for rows in client.score(QUERY, DOCS, label_token_ids=labels, apply_softmax=True).scores]
