@@ -16,9 +16,11 @@ A document's relevance to a query (a pair's score), by the served model:
 
 Sequences are the query, then each document, joined at the token level as Score joins query and items (the query
 with the tokenizer's special tokens, each document without). All documents of one query are one MIS request,
-the query computed once (vLLM computes every pair in full); vLLM's N:N score pairs are grouped by query. vLLM
-tokenizes a pair as `tokenizer(text_1, text_2)`: the same tokens where the tokenizer adds none between the two
-(Qwen's), one separator or BOS more where it does. A template (an LLM reranker's prefix, instruction and
+the query computed once (vLLM computes every pair in full); vLLM's N:N score pairs are grouped by query. vLLM's LLM
+reranker joins the two texts and tokenizes the whole: the same tokens wherever the join is a boundary of the
+tokenizer's pre-tokenizer (typically a document that starts with a space or a newline, or a query that ends with a
+newline, as in Qwen3-Reranker's template; not a query that ends with a space before a word), others where a merge
+spans it; a cross-encoder's separator tokens are not added. A template (an LLM reranker's prefix, instruction and
 suffix) is the client's text, as with vLLM's LLM-reranker examples.
 
 /classify: every input its own sequence, tokenized as vLLM does (special tokens on by default), read out at its
