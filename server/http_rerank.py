@@ -14,14 +14,11 @@ A document's relevance to a query (a pair's score), by the served model:
 - a classifier with several classes: the class named by `labels` / `label_token_ids` (refused without one): its
   softmax probability over every class, or its logit.
 
-Sequences are the query, then each document, joined at the token level as Score joins query and items (the query
-with the tokenizer's special tokens, each document without). All documents of one query are one MIS request,
-the query computed once (vLLM computes every pair in full); vLLM's N:N score pairs are grouped by query. vLLM's LLM
-reranker joins the two texts and tokenizes the whole: the same tokens wherever the join is a boundary of the
-tokenizer's pre-tokenizer (typically a document that starts with a space or a newline, or a query that ends with a
-newline, as in Qwen3-Reranker's template; not a query that ends with a space before a word), others where a merge
-spans it; a cross-encoder's separator tokens are not added. A template (an LLM reranker's prefix, instruction and
-suffix) is the client's text, as with vLLM's LLM-reranker examples.
+Sequences are tokenized as vLLM's LLM reranker tokenizes them: each pair's query + document as one text, with the
+tokenizer's special tokens (so the tokens, and the scores, are vLLM's whatever the texts; a cross-encoder's
+separator tokens are not added). The pairs of one query are one MIS request whose shared query is their longest
+common token prefix (vLLM computes every pair in full); vLLM's N:N score pairs are grouped by query. A template (an
+LLM reranker's prefix, instruction and suffix) is the client's text, as with vLLM's LLM-reranker examples.
 
 /classify: every input its own sequence, tokenized as vLLM does (special tokens on by default), read out at its
 last token; `probs` is the softmax over every class (the logits with `use_activation: false`), `label` the
@@ -72,6 +69,33 @@ def renamed(exc: errors.RequestError, query_field: str, item_field: str, item_in
     return type(exc)(field, message)
 
 
+def shared_prefix_requests(engine: Any, queries: list[str], documents: list[str], field: str
+                           ) -> list[tuple[list[int], list[int], list[list[int]]]]:
+    """(pair indices, query ids, item ids) per Score request (on the engine thread: the work grows with the
+    input). Each pair is tokenized as vLLM's LLM reranker does, query + document as one text with the tokenizer's
+    special tokens; the pairs of one query share its longest common token prefix as the query, each keeping at
+    least its last token as its item. Pairs that share no token are asked one by one."""
+    groups: dict[str, list[int]] = {}
+    for i, q in enumerate(queries):
+        groups.setdefault(q, []).append(i)
+    plans = []
+    for index in groups.values():
+        seqs = [engine.tokenize(queries[i] + documents[i], True)[0] for i in index]
+        for i, seq in zip(index, seqs, strict=True):
+            if len(seq) < 2:
+                raise errors.InvalidArgument(f"{field}[{i}]", f"query + document is {len(seq)} token(s); a pair is "
+                                             "read out at its last token after at least one other")
+        shared = min(len(seq) for seq in seqs) - 1
+        first = seqs[0]
+        for seq in seqs[1:]:
+            shared = next((j for j in range(shared) if seq[j] != first[j]), shared)
+        if shared:
+            plans.append((index, first[:shared], [seq[shared:] for seq in seqs]))
+        else:
+            plans += [([i], seq[:-1], [seq[-1:]]) for i, seq in zip(index, seqs, strict=True)]
+    return plans
+
+
 class Relevance:
     """How one request turns a Score row into a pair's score (the module docstring's rules)."""
 
@@ -106,7 +130,7 @@ class Relevance:
                                          f"classifier ({info.num_labels} classes)")
         self.column, self.sigmoid = column, activate and info.num_labels == 1
 
-    def score_request(self, query: str, items: list[str], body: PoolingOptions) -> ScoreRequest:
+    def score_request(self, query: list[int], items: list[list[int]], body: PoolingOptions) -> ScoreRequest:
         return ScoreRequest(query=query, items=items, bypass_prefix_cache=body.bypass_prefix_cache,
                             prefix_cache_salt=body.salt(), **self.request)
 
@@ -128,21 +152,19 @@ class RerankEndpoints:
 
     async def _pairs(self, call: Call, body: PoolingOptions, queries: list[str], documents: list[str],
                      names: tuple[str, str]) -> tuple[list[float], Usage, str]:
-        """Every (queries[i], documents[i]) pair's score, one MIS request per distinct query, concurrently."""
+        """Every (queries[i], documents[i]) pair's score: each pair's text joined and tokenized as vLLM does, the
+        pairs of one query one MIS request whose shared query is their common token prefix, concurrently."""
         refuse_unserved(body)
-        _, info = self.gate.ready(body.model)
+        batcher, info = self.gate.ready(body.model)
         self.gate.check_items(len(documents))
         relevance = Relevance(info, body, self._id2label(body.model), self.labels)
-        groups: dict[str, list[int]] = {}
-        for i, q in enumerate(queries):
-            groups.setdefault(q, []).append(i)
-        call.summary = f"items={len(documents)} queries={len(groups)} "
+        engine = batcher.engine
+        plans = await batcher.call(lambda: shared_prefix_requests(engine, queries, documents, names[1]))
+        call.summary = f"items={len(documents)} requests={len(plans)} "
 
-        async def one(query: str, index: list[int]) -> tuple[list[int], ScoreResult]:
-            batcher, _ = self.gate.ready(body.model)
-            request = relevance.score_request(query, [documents[i] for i in index], body)
+        async def one(index: list[int], query: list[int], items: list[list[int]]) -> tuple[list[int], ScoreResult]:
             try:
-                return index, await batcher.score(request)
+                return index, await batcher.score(relevance.score_request(query, items, body))
             except errors.RequestError as e:
                 if relevance.default_labels and e.field.startswith("labels"):
                     raise type(e)(e.field, f"{str(e).removeprefix(e.field + ': ')} (the server's --rerank-labels "
@@ -150,7 +172,7 @@ class RerankEndpoints:
                                   "the positive first)") from None
                 raise renamed(e, names[0], names[1], index) from None
 
-        results = await asyncio.gather(*(one(q, index) for q, index in groups.items()))
+        results = await asyncio.gather(*(one(*plan) for plan in plans))
         scores = [0.0] * len(documents)
         for index, result in results:
             for i, value in zip(index, relevance.scores(result), strict=True):

@@ -91,12 +91,26 @@ def test_rerank_of_a_causal_lm_equals_transformers(causal: tuple[str, ScorerClie
     tokens, softmax, the first), on the same tokens: the relevance /rerank answers."""
     base, _ = causal
     model = load_reference(tiny_model_dir)
-    query_ids = tokens(base, QUERY, True)
-    want = [float(torch.softmax(hf_logits(model, query_ids + tokens(base, d, False))[-1, labels], -1)[0])
-            for d in DOCS]
+    want = [float(torch.softmax(hf_logits(model, tokens(base, QUERY + d, True))[-1, labels], -1)[0]) for d in DOCS]
     body = post(base, "/rerank", {"query": QUERY, "documents": DOCS, "label_token_ids": labels}).json()
     got = {r["index"]: r["relevance_score"] for r in body["results"]}
     assert [got[i] for i in range(len(DOCS))] == pytest.approx(want, abs=1e-5)
+
+
+def test_pairs_are_tokenized_as_one_text_as_vllm_does(causal: tuple[str, ScorerClient], tiny_model_dir: Path,
+                                                      labels: list[int]) -> None:
+    """vLLM's LLM reranker tokenizes query + document as one text: so does /rerank, also where that differs from
+    tokenizing the two apart (a query ending in a space before a word; an empty document: the query alone)."""
+    base, _ = causal
+    query, docs = "Is the order late? The answer is ", ["order", "Yes", "the answer", ""]
+    joint = [tokens(base, query + d, True) for d in docs]
+    assert joint[0] != tokens(base, query, True) + tokens(base, docs[0], False)  # the case this test is about
+    model = load_reference(tiny_model_dir)
+    want = [float(torch.softmax(hf_logits(model, ids)[-1, labels], -1)[0]) for ids in joint]
+    body = post(base, "/rerank", {"query": query, "documents": docs, "label_token_ids": labels}).json()
+    got = {r["index"]: r["relevance_score"] for r in body["results"]}
+    assert [got[i] for i in range(len(docs))] == pytest.approx(want, abs=1e-5)
+    assert body["usage"]["prompt_tokens"] == sum(len(ids) for ids in joint)
 
 
 def test_vllm_score_pairs_one_to_many_and_many_to_many(causal: tuple[str, ScorerClient], labels: list[int]) -> None:
@@ -112,11 +126,13 @@ def test_vllm_score_pairs_one_to_many_and_many_to_many(causal: tuple[str, Scorer
         assert [d["score"] for d in one_to_many["data"]] == want, (path, first)
         assert [d["index"] for d in one_to_many["data"]] == list(range(len(DOCS)))
         assert one_to_many["object"] == "list" and one_to_many["data"][0]["object"] == "score"
-    # N:N, the queries interleaved: grouped per query, each group one MIS request, answered in pair order
+    # N:N, the queries interleaved: grouped per query, each group one MIS request, answered in pair order (a
+    # group's shared prefix also takes the leading tokens its documents have in common: equal up to rounding)
     pairs = post(base, "/score", {"text_1": [QUERY, other, QUERY, other], "text_2": [DOCS[0], DOCS[0], DOCS[2],
                                                                                     DOCS[1]],
                                   "label_token_ids": labels}).json()
-    assert [d["score"] for d in pairs["data"]] == [want[0], want_other[0], want[2], want_other[1]]
+    assert [d["score"] for d in pairs["data"]] == pytest.approx([want[0], want_other[0], want[2], want_other[1]],
+                                                                abs=1e-6)
     one = post(base, "/score", {"text_1": [QUERY], "text_2": DOCS[3], "label_token_ids": labels}).json()
     assert [d["score"] for d in one["data"]] == [want[3]]
 
@@ -144,9 +160,10 @@ def test_sglang_score_keeps_v1_score(causal: tuple[str, ScorerClient], labels: l
     ("/rerank", {"query": QUERY, "documents": DOCS, "model": "other"}, 404, "model"),
     ("/score", {"text_1": [QUERY, QUERY], "text_2": DOCS, "labels": ["Yes"]}, 400, "text_2"),
     ("/score", {"text_1": QUERY, "documents": DOCS, "labels": ["Yes"]}, 400, "documents"),
-    ("/score", {"text_1": QUERY, "text_2": [DOCS[0], "", DOCS[1]], "labels": ["Yes"]}, 400, "text_2[1]"),
-    ("/score", {"text_1": [QUERY, "Q2", QUERY], "text_2": [DOCS[0], DOCS[1], ""], "labels": ["Yes"]}, 400,
+    ("/score", {"text_1": QUERY, "text_2": [DOCS[0], "word " * 600, DOCS[1]], "labels": ["Yes"]}, 400, "text_2[1]"),
+    ("/score", {"text_1": [QUERY, "Q2", QUERY], "text_2": [DOCS[0], DOCS[1], "word " * 600], "labels": ["Yes"]}, 400,
      "text_2[2]"),
+    ("/score", {"text_1": ["Q2", ""], "text_2": [DOCS[0], "A"], "labels": ["Yes"]}, 400, "text_2[1]"),
     ("/classify", {"input": "hello there"}, 400, "model"),
 ])
 def test_refusals_name_the_field(causal: tuple[str, ScorerClient], path: str, body: dict[str, Any], status: int,
@@ -165,8 +182,7 @@ def hf_logits(model: Any, ids: list[int]) -> torch.Tensor:
 def test_classifier_rerank_and_classify_equal_transformers(classifier: tuple[str, Path, Any]) -> None:
     base, _, model = classifier
     n = model.config.num_labels
-    query_ids = tokens(base, QUERY, True)
-    sequences = [query_ids + tokens(base, d, False) for d in DOCS]
+    sequences = [tokens(base, QUERY + d, True) for d in DOCS]  # each pair as one text, as vLLM tokenizes it
     logits = [hf_logits(model, ids) for ids in sequences]
     named = {"labels": ["good"]} if n == 3 else {}
     column = 2 if n == 3 else 0
