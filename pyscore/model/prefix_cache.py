@@ -135,12 +135,20 @@ class PrefixCache:
         if not writes:
             return None
         b = self.block_tokens
-        rows = torch.cat([torch.arange(start, start + b) for start, _ in writes]).to(self.pool.device)
-        slots = torch.tensor([slot for _, slot in writes], device=self.pool.device)
+        # Runs of blocks consecutive both in the stream and in the pool (a query's blocks usually are, the pool's
+        # free pages mostly): each run one slice copy a layer, where a gather then an index_copy_ per layer cost
+        # ~5 ms a 16-candidate SmolLM2 MIS (bench/results/tiers/prefix_cache_sink_ab.txt).
+        runs: list[list[int]] = []  # [first stream row, first slot, blocks]
+        for start, slot in writes:
+            if runs and start == runs[-1][0] + runs[-1][2] * b and slot == runs[-1][1] + runs[-1][2]:
+                runs[-1][2] += 1
+            else:
+                runs.append([start, slot, 1])
 
         def sink(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:  # k, v: [T, Hkv, D]
             for pool, x in zip(self.layer(layer), (k, v), strict=True):
-                pool.index_copy_(0, slots, x[rows].view(len(writes), b, *x.shape[1:]))
+                for start, slot, n in runs:
+                    pool[slot : slot + n].copy_(x[start : start + n * b].view(n, b, *x.shape[1:]))
 
         return sink
 
