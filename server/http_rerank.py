@@ -78,9 +78,13 @@ def shared_prefix_requests(engine: Any, queries: list[str], documents: list[str]
     groups: dict[str, list[int]] = {}
     for i, q in enumerate(queries):
         groups.setdefault(q, []).append(i)
+    # one batch call: 16 joined 330-token texts ~5-7 ms, where one engine.tokenize each (it also decodes every token
+    # to its text) took ~19
+    joined = [list(ids) for ids in engine.tokenizer([q + d for q, d in zip(queries, documents, strict=True)],
+                                                    add_special_tokens=True)["input_ids"]]
     plans = []
     for index in groups.values():
-        seqs = [engine.tokenize(queries[i] + documents[i], True)[0] for i in index]
+        seqs = [joined[i] for i in index]
         for i, seq in zip(index, seqs, strict=True):
             if len(seq) < 2:
                 raise errors.InvalidArgument(f"{field}[{i}]", f"query + document is {len(seq)} token(s); a pair is "
@@ -246,7 +250,9 @@ class RerankEndpoints:
         engine, special = batcher.engine, body.add_special_tokens
 
         def tokenize() -> list[list[int]]:
-            return [engine.tokenize(x, special)[0] if isinstance(x, str) else list(x) for x in inputs]
+            texts = [x for x in inputs if isinstance(x, str)]
+            ids = iter(engine.tokenizer(texts, add_special_tokens=special)["input_ids"] if texts else [])
+            return [list(next(ids)) if isinstance(x, str) else list(x) for x in inputs]
 
         sequences = await batcher.call(tokenize)
         for i, ids in enumerate(sequences):

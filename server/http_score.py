@@ -97,7 +97,8 @@ class ScoreEndpoints:
         query = request.query
         if isinstance(query, str):
             engine = batcher.engine
-            query = (await batcher.call(engine.tokenize, query, True))[0]
+            text = query
+            query = await batcher.call(lambda: list(engine.tokenizer(text, add_special_tokens=True)["input_ids"]))
         if len(query) < 2:
             raise errors.InvalidArgument(f"items[{empty[0]}]", "is empty and the query is one token: an empty "
                                          "item scores the token after the query, which needs a query of two or more")
