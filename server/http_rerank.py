@@ -16,9 +16,10 @@ A document's relevance to a query (a pair's score), by the served model:
 
 Sequences are tokenized as vLLM's LLM reranker tokenizes them: each pair's query + document as one text, with the
 tokenizer's special tokens (so the tokens, and the scores, are vLLM's whatever the texts; a cross-encoder's
-separator tokens are not added). The pairs of one query are one MIS request whose shared query is their longest
-common token prefix (vLLM computes every pair in full); vLLM's N:N score pairs are grouped by query. A template (an
-LLM reranker's prefix, instruction and suffix) is the client's text, as with vLLM's LLM-reranker examples.
+separator tokens are not added). A pair is split into query and item where its tokens stop being the query's own
+(`shared_prefix_requests`), so that its score depends on its own texts alone, and the pairs of one query are one
+MIS request (vLLM computes every pair in full); vLLM's N:N score pairs are grouped by query. A template (an LLM
+reranker's prefix, instruction and suffix) is the client's text, as with vLLM's LLM-reranker examples.
 
 /classify: every input its own sequence, tokenized as vLLM does (special tokens on by default), read out at its
 last token; `probs` is the softmax over every class (the logits with `use_activation: false`), `label` the
@@ -73,31 +74,28 @@ def shared_prefix_requests(engine: Any, queries: list[str], documents: list[str]
                            ) -> list[tuple[list[int], list[int], list[list[int]]]]:
     """(pair indices, query ids, item ids) per Score request (on the engine thread: the work grows with the
     input). Each pair is tokenized as vLLM's LLM reranker does, query + document as one text with the tokenizer's
-    special tokens; the pairs of one query share its longest common token prefix as the query, each keeping at
-    least its last token as its item. Pairs that share no token are asked one by one."""
-    groups: dict[str, list[int]] = {}
-    for i, q in enumerate(queries):
-        groups.setdefault(q, []).append(i)
-    # one batch call: 16 joined 330-token texts ~5-7 ms, where one engine.tokenize each (it also decodes every token
-    # to its text) took ~19
-    joined = [list(ids) for ids in engine.tokenizer([q + d for q, d in zip(queries, documents, strict=True)],
-                                                    add_special_tokens=True)["input_ids"]]
-    plans = []
-    for index in groups.values():
-        seqs = [joined[i] for i in index]
-        for i, seq in zip(index, seqs, strict=True):
-            if len(seq) < 2:
-                raise errors.InvalidArgument(f"{field}[{i}]", f"query + document is {len(seq)} token(s); a pair is "
-                                             "read out at its last token after at least one other")
-        shared = min(len(seq) for seq in seqs) - 1
-        first = seqs[0]
-        for seq in seqs[1:]:
-            shared = next((j for j in range(shared) if seq[j] != first[j]), shared)
-        if shared:
-            plans.append((index, first[:shared], [seq[shared:] for seq in seqs]))
-        else:
-            plans += [([i], seq[:-1], [seq[-1:]]) for i, seq in zip(index, seqs, strict=True)]
-    return plans
+    special tokens, and split where its tokens stop being the query's own (at the latest before its last token):
+    a pair's split depends on its own two texts alone, never on the other documents, so its score does not
+    either, and where the join is a token boundary it is Score's split (the same bits as gRPC's Score). The
+    pairs of one query with one split are one MIS request."""
+    texts = [q + d for q, d in zip(queries, documents, strict=True)]
+    distinct = list(dict.fromkeys(queries))
+    # one batch call: 16 joined 330-token texts ~5-7 ms, where one engine.tokenize each (it also decodes every
+    # token to its text) took ~19
+    encoded = engine.tokenizer([*texts, *distinct], add_special_tokens=True)["input_ids"]
+    own = {q: list(ids) for q, ids in zip(distinct, encoded[len(texts):], strict=True)}
+    plans: dict[tuple[str, int], tuple[list[int], list[int], list[list[int]]]] = {}
+    for i, (query, ids) in enumerate(zip(queries, encoded[: len(texts)], strict=True)):
+        seq, prefix = list(ids), own[query]
+        if len(seq) < 2:
+            raise errors.InvalidArgument(f"{field}[{i}]", f"query + document is {len(seq)} token(s); a pair is "
+                                         "read out at its last token after at least one other")
+        limit = min(len(prefix), len(seq) - 1)
+        split = next((j for j in range(limit) if seq[j] != prefix[j]), limit) or len(seq) - 1
+        index, _, items = plans.setdefault((query, split), ([], seq[:split], []))
+        index.append(i)
+        items.append(seq[split:])
+    return list(plans.values())
 
 
 class Relevance:

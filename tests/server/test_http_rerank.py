@@ -113,6 +113,20 @@ def test_pairs_are_tokenized_as_one_text_as_vllm_does(causal: tuple[str, ScorerC
     assert body["usage"]["prompt_tokens"] == sum(len(ids) for ids in joint)
 
 
+def test_a_documents_relevance_does_not_depend_on_the_others(causal: tuple[str, ScorerClient],
+                                                             labels: list[int]) -> None:
+    """Documents sharing their first words: each one's relevance is the same bits alone, with the others, and as
+    gRPC's Score of the query and it (the split is the query's own tokens, never the documents' common prefix)."""
+    base, client = causal
+    docs = [" Proposed answer: ship it today.", " Proposed answer: cancel it.", " Proposed answer: wait."]
+    together = post(base, "/rerank", {"query": QUERY, "documents": docs, "label_token_ids": labels}).json()
+    got = {r["index"]: r["relevance_score"] for r in together["results"]}
+    for i, doc in enumerate(docs):
+        alone = post(base, "/rerank", {"query": QUERY, "documents": [doc], "label_token_ids": labels}).json()
+        assert alone["results"][0]["relevance_score"] == got[i]
+        assert client.score(QUERY, [doc], label_token_ids=labels, apply_softmax=True).scores[0][0][0] == got[i]
+
+
 def test_vllm_score_pairs_one_to_many_and_many_to_many(causal: tuple[str, ScorerClient], labels: list[int]) -> None:
     base, client = causal
     want = [rows[0][0] for rows in client.score(QUERY, DOCS, label_token_ids=labels, apply_softmax=True).scores]
