@@ -28,10 +28,11 @@ most likely class's name."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 from starlette.responses import Response
@@ -43,10 +44,33 @@ from .http_call import JSON, Call, Gate
 from .http_schema import ClassifyBody, PoolingOptions, RerankBody, VLLMScoreBody
 from .http_score import summed_usage, usage_json
 
+T = TypeVar("T")
 RERANK_LABELS = ["yes", "no"]  # the default of --rerank-labels: Qwen3-Reranker's tokens, vLLM's documented
 # classifier_from_token (no, yes)
 SIDES = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
 VLLM_SCORE_FIELDS = frozenset(name for pair in SIDES for name in pair)
+
+
+IN_FLIGHT = 16  # a call's Score requests in the server's queue at once: many distinct queries (N:N pairs, classify
+# inputs; up to --max-items) must not fill --max-queue, which other callers share
+
+
+async def bounded(calls: Sequence[Callable[[], Awaitable[T]]], limit: int = IN_FLIGHT) -> list[T]:
+    """Every call's result in order, at most `limit` running at once; the first failure cancels the rest."""
+    gate = asyncio.Semaphore(limit)
+
+    async def run(call: Callable[[], Awaitable[T]]) -> T:
+        async with gate:
+            return await call()
+
+    tasks = [asyncio.ensure_future(run(call)) for call in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:  # the first failure is the call's answer: the others are dropped, not left running
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def refuse_unserved(body: PoolingOptions) -> None:
@@ -174,7 +198,7 @@ class RerankEndpoints:
                                   "the positive first)") from None
                 raise renamed(e, names[0], names[1], index) from None
 
-        results = await asyncio.gather(*(one(*plan) for plan in plans))
+        results = await bounded([functools.partial(one, *plan) for plan in plans])
         scores = [0.0] * len(documents)
         for index, result in results:
             for i, value in zip(index, relevance.scores(result), strict=True):
@@ -267,7 +291,7 @@ class RerankEndpoints:
             except errors.RequestError as e:
                 raise renamed(e, f"input[{i}]", f"input[{i}]", [i]) from None
 
-        results = await asyncio.gather(*(one(i, ids) for i, ids in enumerate(sequences)))
+        results = await bounded([functools.partial(one, i, ids) for i, ids in enumerate(sequences)])
         id2label = self._id2label(body.model)
         data = []
         for i, result in enumerate(results):

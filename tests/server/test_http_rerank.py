@@ -297,3 +297,17 @@ def test_the_server_survived_the_fuzz(causal: tuple[str, ScorerClient], labels: 
     body = post(base, "/rerank", {"query": QUERY, "documents": DOCS, "label_token_ids": labels}).json()
     assert len(body["results"]) == len(DOCS)
     assert client.score(QUERY, DOCS, label_token_ids=labels).scores
+
+
+def test_many_distinct_queries_stay_within_the_queue(classifier: tuple[str, Path, Any]) -> None:
+    """N:N pairs with 300 distinct queries and 300 classify inputs (each its own Score request) answer in full:
+    a call keeps a bounded number of its requests in the server's queue (--max-queue 256 here)."""
+    base, _, model = classifier
+    named = {"labels": ["good"]} if model.config.num_labels == 3 else {}
+    queries = [f"Query {i}: is this relevant?" for i in range(300)]
+    answer = post(base, "/score", {"text_1": queries, "text_2": [" Document."] * 300, **named})
+    assert answer.status_code == 200, answer.text[:300]
+    assert len(answer.json()["data"]) == 300
+    classified = post(base, "/classify", {"input": queries})
+    assert classified.status_code == 200, classified.text[:300]
+    assert len(classified.json()["data"]) == 300
