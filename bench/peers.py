@@ -34,11 +34,12 @@ from bench.targets import Target, make_target
 
 # What each side runs: report label -> target path.
 SIDES: dict[str, dict[str, str]] = {
-    "pyscore": {"mis": "mis", "sis": "sis", "setwise": "setwise", "generate": "generate", "loglik": "loglik"},
+    "pyscore": {"mis": "mis", "sis": "sis", "setwise": "setwise", "generate": "generate", "loglik": "loglik",
+                "rerank": "rerank"},  # rerank: over HTTP only (--ours-http)
     "vllm": {"generative_scoring": "mis", "completions": "generate", "echo_logprobs": "loglik", "rerank": "rerank"},
 }
 # Our label -> the peer labels it is compared with (the best of them); unnamed labels: the scoring paths.
-PEERS_OF = {"generate": ("completions",), "loglik": ("echo_logprobs",)}
+PEERS_OF = {"generate": ("completions",), "loglik": ("echo_logprobs",), "rerank": ("rerank",)}
 SCORING_PEERS = ("generative_scoring", "completions", "rerank")  # rerank: a vLLM started as the LLM reranker
 VLLM_PORT = 8013  # fixed by start_vllm.sh
 # Cached-token counts in /v1/completions' usage; no access-log line per request (ours logs at WARNING too).
@@ -57,7 +58,8 @@ class Plan:
     warmup: int = 4  # questions per path at each concurrency before a block's first phase (not recorded)
     idle_max_s: float = 120.0
     smoke: bool = False
-    labels: dict[str, tuple[str, ...]] = field(default_factory=lambda: {s: tuple(p) for s, p in SIDES.items()})
+    labels: dict[str, tuple[str, ...]] = field(default_factory=lambda: {  # ours over gRPC: no rerank path
+        s: tuple(p for p in paths if (s, p) != ("pyscore", "rerank")) for s, paths in SIDES.items()})
 
     def blocks(self) -> list[str]:
         return ["pyscore", "vllm"] * self.rounds + ["pyscore"]
@@ -114,10 +116,13 @@ def pid_alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def pyscore_server(log: Path, threads: int | None) -> Iterator[dict[str, Any]]:
+def pyscore_server(log: Path, threads: int | None, http: bool = False) -> Iterator[dict[str, Any]]:
+    """Our server; with `http`, driven through its HTTP front door (the peer's shapes: /v1/score, /rerank)."""
     t0 = time.monotonic()
-    with spawned_server(log, ["--threads", str(threads)] if threads else []) as server:
-        yield {"spec": server.target, "ready_s": round(time.monotonic() - t0, 1)}
+    flags = (["--threads", str(threads)] if threads else []) + (["--http-port", "0"] if http else [])
+    with spawned_server(log, flags) as server:
+        spec = f"pyscore-http://127.0.0.1:{server.http_port}" if http else server.target
+        yield {"spec": spec, "ready_s": round(time.monotonic() - t0, 1)}
 
 
 @contextlib.contextmanager
@@ -408,7 +413,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--candidates", type=int, nargs="+", default=[16, 9, 5, 2])
     p.add_argument("--num-questions", type=int, default=8, help="per phase at c=1 (%(default)s)")
     p.add_argument("--warmup", type=int, default=4, help="per path and concurrency at each block's start")
-    p.add_argument("--ours", nargs="+", default=list(SIDES["pyscore"]), choices=list(SIDES["pyscore"]))
+    p.add_argument("--ours", nargs="+", default=[p for p in SIDES["pyscore"] if p != "rerank"],
+                   choices=list(SIDES["pyscore"]), help="rerank needs --ours-http")
+    p.add_argument("--ours-http", action="store_true",
+                   help="drive our server through its HTTP front door (vLLM's and SGLang's shapes), not gRPC")
     p.add_argument("--peer-paths", nargs="+", default=[p for p in SIDES["vllm"] if p != "rerank"],
                    choices=list(SIDES["vllm"]), help="rerank needs vLLM started as the LLM reranker (bench/peers.md)")
     p.add_argument("--threads", type=int, default=None, help="our server's threads (default: all cores)")
@@ -426,7 +434,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     def servers(block: int, side: str) -> contextlib.AbstractContextManager[dict[str, Any]]:
         log = out / "logs" / f"block{block}-{side}.log"
-        return pyscore_server(log, a.threads) if side == "pyscore" else vllm_server(peers, log, a.vllm_arg)
+        return pyscore_server(log, a.threads, a.ours_http) if side == "pyscore" else vllm_server(peers, log,
+                                                                                               a.vllm_arg)
 
     command = " ".join(["python -m bench.peers", *(sys.argv[1:] if argv is None else argv)])
     report = run(plan, servers, out, idle=lambda: wait_idle(plan.idle_max_s), command=command)

@@ -566,7 +566,7 @@ class PyscoreHTTPTarget(OurPaths, HTTPTarget):
     """pyscore's HTTP front door, asked exactly what GrpcTarget asks (same label ids, marker rule, cache
     options); its answers carry the server's queue wait and compute time in `usage`, as gRPC's do."""
 
-    paths = PATHS
+    paths = (*PATHS, "rerank")
     timed = True
     scheme = "pyscore-http"
     labels = True
@@ -602,6 +602,17 @@ class PyscoreHTTPTarget(OurPaths, HTTPTarget):
         start, ids = await loglik_prompts(q, self.tokens)
         logprobs, answer = await echo_logprobs(self, ids, cache_options(self.prefix_cache))
         choice = loglik_choice(echoed_continuations(logprobs, start, ids))
+        return usage_decision(choice, [self.usage(answer)], self.timed)
+
+    async def _rerank(self, q: Question) -> Decision:
+        """vLLM's /rerank, as its clients send it (the Yes/No label ids added): each document's relevance, the Yes
+        share over Yes/No, what the vLLM target's rerank path reads from vLLM's LLM reranker."""
+        p = prompts.pointwise(q)
+        answer = await self.post("/rerank", {"model": self.model, "query": p.query, "documents": p.items,
+                                             "label_token_ids": self.info.label_token_ids,
+                                             **cache_options(self.prefix_cache)})
+        relevance = {int(r["index"]): float(r["relevance_score"]) for r in answer["results"]}
+        choice = prompts.argmax([relevance[i] for i in range(len(p.items))])
         return usage_decision(choice, [self.usage(answer)], self.timed)
 
     async def _score_call(self, query: str, items: list[str], **fields: Any) -> Any:

@@ -63,3 +63,23 @@ def test_a_serving_run_over_http(server, tmp_path):
                                         settings, tmp_path, timeout=10))
     assert [s["num_errors"] for s in summaries] == [0] * len(PATHS)
     assert all(s["target"] == spec and s["server_compute_ms"]["p50"] > 0 for s in summaries)
+
+
+def test_http_target_rerank_decides_as_mis(server):
+    """The `rerank` path (vLLM's /rerank on our front door, what bench.peers --ours-http compares with vLLM's LLM
+    reranker) picks what MIS over gRPC picks, from the same tokens."""
+    async def both():
+        grpc_target = GrpcTarget(server.target)
+        http_target = make_target(f"pyscore-http://127.0.0.1:{server.app.http_port}")
+        await grpc_target.open()
+        await http_target.open()
+        try:
+            for q in Dataset.synthetic(4, seed=5).questions:
+                over_http, over_grpc = await http_target.decide("rerank", q), await grpc_target.decide("mis", q)
+                assert (over_http.choice, over_http.prompt_tokens) == (over_grpc.choice, over_grpc.prompt_tokens)
+                assert over_http.server_compute_ms is not None and over_http.server_compute_ms > 0
+        finally:
+            await grpc_target.close()
+            await http_target.close()
+
+    asyncio.run(both())
