@@ -44,6 +44,7 @@ from .batcher import Batcher, EngineLike
 from .health import HealthServicer
 from .http import HttpFrontDoor
 from .http import build_app as build_http_app
+from .http_rerank import RERANK_LABELS
 from .interceptors import LoggingErrorInterceptor
 from .memory import MemoryProbe
 from .metrics import Metrics
@@ -92,7 +93,7 @@ class ServerConfig:
     http_port: int | None = None  # the HTTP/JSON front door (server/http.py) on host:port (0 = any free); None = off
     # /rerank and vLLM's /score on a causal LM: the labels whose softmax gives a document's relevance, positive first
     # (vLLM's classifier_from_token, set per server as vLLM sets it; a request's `labels` overrides)
-    rerank_labels: tuple[str, ...] = ("yes", "no")
+    rerank_labels: tuple[str, ...] = tuple(RERANK_LABELS)
     engine: str = "pyscore.engine:Engine"  # "module:Class" with from_pretrained; tests swap in a fake
 
 

@@ -116,7 +116,9 @@ def shared_prefix_requests(engine: Any, queries: list[str], documents: list[str]
                                          "read out at its last token after at least one other")
         limit = min(len(prefix), len(seq) - 1)
         split = next((j for j in range(limit) if seq[j] != prefix[j]), limit) or len(seq) - 1
-        index, _, items = plans.setdefault((query, split), ([], seq[:split], []))
+        if (query, split) not in plans:
+            plans[query, split] = ([], seq[:split], [])
+        index, _, items = plans[query, split]
         index.append(i)
         items.append(seq[split:])
     return list(plans.values())

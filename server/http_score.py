@@ -102,7 +102,8 @@ class ScoreEndpoints:
         if len(query) < 2:
             raise errors.InvalidArgument(f"items[{empty[0]}]", "is empty and the query is one token: an empty "
                                          "item scores the token after the query, which needs a query of two or more")
-        rest = [i for i in range(len(request.items)) if i not in set(empty)]
+        skip = set(empty)
+        rest = [i for i in range(len(request.items)) if i not in skip]
         tail = replace(request, query=list(query[:-1]), items=[[query[-1]]], item_first=False)
         parts = [self._score(call, model, tail)]
         if rest:
