@@ -38,6 +38,7 @@ SIDES: dict[str, dict[str, str]] = {
                 "rerank": "rerank"},  # rerank: over HTTP only (--ours-http)
     "vllm": {"generative_scoring": "mis", "completions": "generate", "echo_logprobs": "loglik", "rerank": "rerank"},
 }
+OURS_OVER_GRPC = tuple(label for label in SIDES["pyscore"] if label != "rerank")  # rerank: --ours-http only
 # Our label -> the peer labels it is compared with (the best of them); unnamed labels: the scoring paths.
 PEERS_OF = {"generate": ("completions",), "loglik": ("echo_logprobs",), "rerank": ("rerank",)}
 SCORING_PEERS = ("generative_scoring", "completions", "rerank")  # rerank: a vLLM started as the LLM reranker
@@ -58,8 +59,8 @@ class Plan:
     warmup: int = 4  # questions per path at each concurrency before a block's first phase (not recorded)
     idle_max_s: float = 120.0
     smoke: bool = False
-    labels: dict[str, tuple[str, ...]] = field(default_factory=lambda: {  # ours over gRPC: no rerank path
-        s: tuple(p for p in paths if (s, p) != ("pyscore", "rerank")) for s, paths in SIDES.items()})
+    labels: dict[str, tuple[str, ...]] = field(default_factory=lambda: {"pyscore": OURS_OVER_GRPC,
+                                                                         "vllm": tuple(SIDES["vllm"])})
 
     def blocks(self) -> list[str]:
         return ["pyscore", "vllm"] * self.rounds + ["pyscore"]
@@ -413,7 +414,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--candidates", type=int, nargs="+", default=[16, 9, 5, 2])
     p.add_argument("--num-questions", type=int, default=8, help="per phase at c=1 (%(default)s)")
     p.add_argument("--warmup", type=int, default=4, help="per path and concurrency at each block's start")
-    p.add_argument("--ours", nargs="+", default=[p for p in SIDES["pyscore"] if p != "rerank"],
+    p.add_argument("--ours", nargs="+", default=list(OURS_OVER_GRPC),
                    choices=list(SIDES["pyscore"]), help="rerank needs --ours-http")
     p.add_argument("--ours-http", action="store_true",
                    help="drive our server through its HTTP front door (vLLM's and SGLang's shapes), not gRPC")

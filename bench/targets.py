@@ -508,12 +508,7 @@ class VLLMHTTPTarget(OpenAIHTTPTarget):
         request has no cache salt (vLLM's pooling requests take none)."""
         p = prompts.pointwise(q)
         answer = await self.post("/rerank", {"model": self.model, "query": p.query, "documents": p.items})
-        try:
-            relevance = {int(r["index"]): float(r["relevance_score"]) for r in answer["results"]}
-            scores = [relevance[i] for i in range(len(p.items))]
-        except (KeyError, TypeError, ValueError) as e:
-            raise TargetError(f"/rerank: no relevance per document in {str(answer)[:300]}") from e
-        return http_usage_decision(prompts.argmax(scores), [Usage.of(answer)])
+        return http_usage_decision(prompts.argmax(rerank_scores(answer, len(p.items))), [Usage.of(answer)])
 
     async def _generative_scoring(self, q: Question, extra: dict[str, Any]) -> Decision:
         p = prompts.pointwise(q)
@@ -529,6 +524,15 @@ class VLLMHTTPTarget(OpenAIHTTPTarget):
             if response.status != 200:
                 raise TargetError(f"/metrics: HTTP {response.status}")
             return prometheus_counters(await response.text(), VLLM_COUNTERS)
+
+
+def rerank_scores(answer: Any, num_documents: int) -> list[float]:
+    """Each document's relevance, in document order, from a /rerank answer (its results sorted by relevance)."""
+    try:
+        relevance = {int(r["index"]): float(r["relevance_score"]) for r in answer["results"]}
+        return [relevance[i] for i in range(num_documents)]
+    except (KeyError, TypeError, ValueError) as e:
+        raise TargetError(f"/rerank: no relevance per document in {str(answer)[:300]}") from e
 
 
 def generative_scoring_scores(answer: Any, num_items: int) -> list[float]:
@@ -611,8 +615,7 @@ class PyscoreHTTPTarget(OurPaths, HTTPTarget):
         answer = await self.post("/rerank", {"model": self.model, "query": p.query, "documents": p.items,
                                              "label_token_ids": self.info.label_token_ids,
                                              **cache_options(self.prefix_cache)})
-        relevance = {int(r["index"]): float(r["relevance_score"]) for r in answer["results"]}
-        choice = prompts.argmax([relevance[i] for i in range(len(p.items))])
+        choice = prompts.argmax(rerank_scores(answer, len(p.items)))
         return usage_decision(choice, [self.usage(answer)], self.timed)
 
     async def _score_call(self, query: str, items: list[str], **fields: Any) -> Any:
