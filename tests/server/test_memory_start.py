@@ -21,8 +21,10 @@ def model_dir(tmp_path_factory) -> Path:
     return make_model_dir(tmp_path_factory.mktemp("qwen3"), "qwen3")
 
 
-def run_server(*flags: str) -> subprocess.CompletedProcess[str]:
+def run_server(*flags: str, tier: str | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if tier is not None:
+        env["PYSCORE_CPU_TIER"] = tier
     return subprocess.run([sys.executable, "-m", "server", "--port", "0", "--threads", "1", "--device", "cpu",
                            *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
@@ -44,3 +46,16 @@ def test_plan_memory_prints_the_plan_and_the_request(model_dir: Path) -> None:
     assert plan.startswith(f"pyscore: {model_dir.name} in {dtype} on cpu takes ") and "weights" in plan
     assert "prefix cache" not in plan and request == "memory request: 1Gi"  # a tiny model: mostly the runtime
     assert "listening" not in done.stdout
+
+
+@pytest.mark.parametrize("tier", ["generic", "avx2"])
+def test_plan_memory_at_a_tier_without_bf16_arithmetic_plans_float32(model_dir: Path, tier: str) -> None:
+    """What a CPU without bf16 arithmetic (an AVX2-only AMD Zen 3, an old x86) serves by default, checked on any
+    CPU that can run the tier: the plan, and so the memory request, is for float32 weights."""
+    if tier not in _ext.runnable_cpu_tiers():
+        pytest.skip(f"this CPU cannot run tier {tier}")
+    done = run_server("--model", str(model_dir), "--max-kv-tokens", "1024", "--prefix-cache-mb", "0",
+                      "--plan-memory", tier=tier)
+    assert done.returncode == 0, done.stderr[-2000:]
+    plan = done.stdout.strip().splitlines()[-2]
+    assert plan.startswith(f"pyscore: {model_dir.name} in float32 on cpu takes "), plan
