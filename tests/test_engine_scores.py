@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import pyscore.engine as engine_module
 from pyscore.engine import Engine
 from pyscore.types import ScoreRequest
 from tests.helpers import REFERENCE_TOL, load_reference, make_model_dir
@@ -51,6 +52,38 @@ def test_pointwise_matches_reference(model_dir, reference, backend, mode, apply_
     assert result.mode == mode and result.label_token_ids == labels
     assert [len(rows) for rows in result.scores] == [1] * len(ITEMS)
     assert max_abs_diff(result.scores, expected) <= FP32_TOL
+
+
+@pytest.mark.parametrize("backend", ["kernel", "reference"])
+def test_label_softmax_reads_only_the_label_rows_of_the_lm_head(model_dir, backend, monkeypatch):
+    """apply_softmax true needs the labels' logits alone: no call walks the vocabulary for such rows (one call per
+    label set, over those labels' LM-head rows), and the scores are the full walk's label softmax. Rows that ask for
+    probabilities still get the full walk, in the same batch."""
+    e = engine(model_dir, backend)
+    vocab = e.decoder.w.lm_head.shape[0]
+    walked: list[int] = []
+    real = engine_module.label_logprobs
+
+    def spy(hidden, weight, labels, backend="auto"):
+        walked.append(weight.shape[0])
+        return real(hidden, weight, labels, backend=backend)
+
+    monkeypatch.setattr(engine_module, "label_logprobs", spy)
+    soft = ScoreRequest(QUERY, ITEMS, labels=["Yes", "No"], apply_softmax=True)
+    other = ScoreRequest(QUERY, ITEMS[:2], labels=["No"], apply_softmax=True)
+    (alone,) = e.score_batch([soft])
+    assert walked == [2]
+    walked.clear()
+    probs = ScoreRequest(QUERY, ITEMS, labels=["Yes", "No"])
+    together = e.score_batch([probs, soft, other])
+    assert sorted(walked) == [1, 2, vocab]  # the probability rows' walk, then one call per label set
+    if backend == "kernel":  # a row's label set alone decides its call (the reference path's GEMMs are not
+        assert together[1].scores == alone.scores  # batch-invariant: test_scores_alone_and_packed_with_strangers)
+    # The same values as the full walk's label softmax (the vocabulary-wide log-sum-exp cancels).
+    ids = torch.tensor([e.tokenizer(t, add_special_tokens=False)["input_ids"][0] for t in ("Yes", "No")])
+    expected = [[[p / sum(row) for p in row] for row in item] for item in together[0].scores]
+    assert together[0].label_token_ids == ids.tolist()
+    assert max_abs_diff(alone.scores, expected) <= FP32_TOL
 
 
 def test_mis_equals_sis_and_computes_less(model_dir):
