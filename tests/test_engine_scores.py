@@ -80,9 +80,8 @@ def test_label_softmax_reads_only_the_label_rows_of_the_lm_head(model_dir, backe
     if backend == "kernel":  # a row's label set alone decides its call (the reference path's GEMMs are not
         assert together[1].scores == alone.scores  # batch-invariant: test_scores_alone_and_packed_with_strangers)
     # The same values as the full walk's label softmax (the vocabulary-wide log-sum-exp cancels).
-    ids = torch.tensor([e.tokenizer(t, add_special_tokens=False)["input_ids"][0] for t in ("Yes", "No")])
     expected = [[[p / sum(row) for p in row] for row in item] for item in together[0].scores]
-    assert together[0].label_token_ids == ids.tolist()
+    assert together[0].label_token_ids == label_ids(e, ("Yes", "No"))
     assert max_abs_diff(alone.scores, expected) <= FP32_TOL
 
 

@@ -29,6 +29,12 @@ def run_server(*flags: str, tier: str | None = None) -> subprocess.CompletedProc
                            *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
+def plan_memory(model_dir: Path, tier: str | None = None) -> subprocess.CompletedProcess[str]:
+    """`--plan-memory` for the tiny model with a small KV budget and no prefix cache (optionally at a forced tier)."""
+    return run_server("--model", str(model_dir), "--max-kv-tokens", "1024", "--prefix-cache-mb", "0",
+                      "--plan-memory", tier=tier)
+
+
 def test_a_kv_budget_beyond_the_machine_exits_before_loading(model_dir: Path) -> None:
     done = run_server("--model", str(model_dir), "--max-kv-tokens", str(10**12))
     assert done.returncode == 1, done.stderr[-2000:]
@@ -38,8 +44,7 @@ def test_a_kv_budget_beyond_the_machine_exits_before_loading(model_dir: Path) ->
 
 
 def test_plan_memory_prints_the_plan_and_the_request(model_dir: Path) -> None:
-    done = run_server("--model", str(model_dir), "--max-kv-tokens", "1024", "--prefix-cache-mb", "0",
-                      "--plan-memory")
+    done = plan_memory(model_dir)
     assert done.returncode == 0, done.stderr[-2000:]
     plan, request = done.stdout.strip().splitlines()[-2:]
     dtype = str(_ext.default_cpu_dtype()[0]).removeprefix("torch.")  # bf16, or fp32 on a CPU without bf16 arithmetic
@@ -54,8 +59,7 @@ def test_plan_memory_at_a_tier_without_bf16_arithmetic_plans_float32(model_dir: 
     CPU that can run the tier: the plan, and so the memory request, is for float32 weights."""
     if tier not in _ext.runnable_cpu_tiers():
         pytest.skip(f"this CPU cannot run tier {tier}")
-    done = run_server("--model", str(model_dir), "--max-kv-tokens", "1024", "--prefix-cache-mb", "0",
-                      "--plan-memory", tier=tier)
+    done = plan_memory(model_dir, tier)
     assert done.returncode == 0, done.stderr[-2000:]
     plan = done.stdout.strip().splitlines()[-2]
     assert plan.startswith(f"pyscore: {model_dir.name} in float32 on cpu takes "), plan
