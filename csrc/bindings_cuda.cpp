@@ -82,10 +82,10 @@ PYBIND11_MODULE(_C_cuda, m) {
            uintptr_t b, int64_t b_stride, uintptr_t a_log, uintptr_t dt_bias, uintptr_t o, Strides os,
            uintptr_t segments, int32_t num_segments, int32_t num_tokens, uintptr_t state_slot, int32_t num_slots,
            int32_t num_k_heads, int32_t num_v_heads, int32_t k_dim, int32_t v_dim, float scale, uintptr_t state_in,
-           uintptr_t state_out, const std::string& dtype, uintptr_t stream) {
+           uintptr_t state_out, uintptr_t state_snap, uintptr_t snap_at, const std::string& dtype, uintptr_t stream) {
           auto p = make_rule_params(q, qs, k, ks, v, vs, a, a_stride, b, b_stride, a_log, dt_bias, o, os, segments,
                                     num_segments, num_tokens, state_slot, num_slots, num_k_heads, num_v_heads, k_dim,
-                                    v_dim, scale, state_in, state_out, dtype);
+                                    v_dim, scale, state_in, state_out, state_snap, snap_at, dtype);
           throw_on_error(gated_delta_rule_cuda(p, reinterpret_cast<void*>(stream)), "gated_delta_rule");
         });
   m.def("decode_attention",

@@ -181,7 +181,7 @@ inline GatedDeltaRuleParams make_rule_params(
     uintptr_t b, int64_t b_token_stride, uintptr_t a_log, uintptr_t dt_bias, uintptr_t o, Strides os,
     uintptr_t segments, int32_t num_segments, int32_t num_tokens, uintptr_t state_slot, int32_t num_slots,
     int32_t num_k_heads, int32_t num_v_heads, int32_t k_dim, int32_t v_dim, float scale, uintptr_t state_in,
-    uintptr_t state_out, const std::string& dtype) {
+    uintptr_t state_out, uintptr_t state_snap, uintptr_t snap_at, const std::string& dtype) {
   GatedDeltaRuleParams p{};
   p.q = reinterpret_cast<const void*>(q);
   p.q_token_stride = qs.first; p.q_head_stride = qs.second;
@@ -209,6 +209,8 @@ inline GatedDeltaRuleParams make_rule_params(
   p.scale = scale;
   p.state_in = reinterpret_cast<const uint64_t*>(state_in);
   p.state_out = reinterpret_cast<const uint64_t*>(state_out);
+  p.state_snap = reinterpret_cast<const uint64_t*>(state_snap);
+  p.snap_at = reinterpret_cast<const int32_t*>(snap_at);
   p.dtype = dtype_or_throw(dtype);
   return p;
 }

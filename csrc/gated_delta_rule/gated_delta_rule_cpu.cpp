@@ -142,8 +142,8 @@ Status check_conv(const CausalConv1dParams& p) {
   return kOk;
 }
 
-// The K - 1 input rows before segment `seg`'s first token, oldest first: prefix rows, the caller's tail, or nullptr
-// (zeros).
+// The K - 1 input rows before segment `seg`'s first token, oldest first: prefix rows (an item's), then before them
+// the caller's tail (of the segment, or of an item's prefix), or nullptr (zeros).
 void history_rows(const CausalConv1dParams& p, int32_t s, const Segment& seg, const void** rows) {
   const int32_t history = p.kernel_size - 1;
   const size_t elem = elem_size(p.dtype);
@@ -151,13 +151,11 @@ void history_rows(const CausalConv1dParams& p, int32_t s, const Segment& seg, co
   for (int32_t i = 0; i < history; ++i) {
     const int32_t back = history - i;  // rows before the first token
     rows[i] = nullptr;
-    if (seg.prefix_length > 0) {
-      if (back <= seg.prefix_length) {
-        rows[i] = static_cast<const char*>(p.x) +
-                  (int64_t(seg.prefix_start) + seg.prefix_length - back) * p.x_token_stride * elem;
-      }
+    if (back <= seg.prefix_length) {
+      rows[i] = static_cast<const char*>(p.x) +
+                (int64_t(seg.prefix_start) + seg.prefix_length - back) * p.x_token_stride * elem;
     } else if (tail_in) {
-      rows[i] = tail_in + int64_t(i) * p.channels * elem;
+      rows[i] = tail_in + int64_t(i + seg.prefix_length) * p.channels * elem;
     }
   }
 }
@@ -200,11 +198,18 @@ struct Group {
   std::vector<int32_t> items;
 };
 
-// Groups from the plan; false when a slot is out of range or an item's slot has no lead segment.
+bool snapshot_of(const GatedDeltaRuleParams& p, int32_t s) { return p.state_snap && p.state_snap[s]; }
+
+// Groups from the plan; false when a slot is out of range, an item's slot has no lead segment or a snapshot is not
+// inside a segment without a prefix.
 bool plan_groups(const GatedDeltaRuleParams& p, std::vector<Group>* groups) {
   std::vector<int32_t> group_of_slot(p.num_slots, -1);
   for (int32_t s = 0; s < p.num_segments; ++s) {
-    if (segment_at(p.segments, s).prefix_length > 0) continue;
+    const Segment seg = segment_at(p.segments, s);
+    if (snapshot_of(p, s) && (!p.snap_at || seg.prefix_length > 0 || p.snap_at[s] < 1 || p.snap_at[s] > seg.length)) {
+      return false;
+    }
+    if (seg.prefix_length > 0) continue;
     const int32_t slot = p.state_slot[s];
     if (slot >= p.num_slots || (slot >= 0 && group_of_slot[slot] >= 0)) return false;
     if (slot >= 0) group_of_slot[slot] = int32_t(groups->size());
@@ -232,11 +237,17 @@ void store_block(const float* block, const GatedDeltaRuleParams& p, int32_t head
   for (int32_t i = 0; i < p.k_dim; ++i) std::memcpy(dst + int64_t(i) * p.v_dim, block + i * kStateCols, cols * 4);
 }
 
-// Runs segment s for (head, columns) from `state` (updated to its end state) and writes state_out if asked.
+// Runs segment s for (head, columns) from `state` (updated to its end state) and writes state_snap (in two runs
+// split there: the same token-sequential steps) and state_out if asked.
 void run_segment(const GatedDeltaRuleParams& p, StateColumnsRun run, int32_t s, int32_t head, int32_t col0,
                  int32_t cols, float* state) {
   const Segment seg = segment_at(p.segments, s);
-  run(p, head, col0, cols, seg.start, seg.length, state);
+  const int32_t at = snapshot_of(p, s) ? p.snap_at[s] : 0;
+  if (at > 0) {
+    run(p, head, col0, cols, seg.start, at, state);
+    store_block(state, p, head, col0, cols, reinterpret_cast<float*>(p.state_snap[s]));
+  }
+  if (seg.length > at) run(p, head, col0, cols, seg.start + at, seg.length - at, state);
   if (p.state_out && p.state_out[s]) store_block(state, p, head, col0, cols, reinterpret_cast<float*>(p.state_out[s]));
 }
 

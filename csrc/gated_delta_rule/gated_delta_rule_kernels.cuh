@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(kConvThreads) causal_conv1d_kernel(CausalConv1
   const int history = p.kernel_size - 1;
   const T* x = static_cast<const T*>(p.x);
   const T* weight = static_cast<const T*>(p.weight) + static_cast<int64_t>(c) * p.kernel_size;
-  const T* tail_in = (p.tail_in && seg.w == 0) ? reinterpret_cast<const T*>(p.tail_in[s]) : nullptr;
+  const T* tail_in = p.tail_in ? reinterpret_cast<const T*>(p.tail_in[s]) : nullptr;
   float w[kHist], hist[kHist];
 #pragma unroll
   for (int i = 0; i < kHist; ++i) {
@@ -47,10 +47,10 @@ __global__ void __launch_bounds__(kConvThreads) causal_conv1d_kernel(CausalConv1
     hist[i] = 0.f;
     if (i >= history) continue;
     const int back = history - i;  // inputs before the segment's first token
-    if (seg.w > 0) {
-      if (back <= seg.w) hist[i] = to_float(x[(static_cast<int64_t>(seg.z) + seg.w - back) * p.x_token_stride + c]);
+    if (back <= seg.w) {  // a prefix row (an item's), else what came before the prefix (or the segment)
+      hist[i] = to_float(x[(static_cast<int64_t>(seg.z) + seg.w - back) * p.x_token_stride + c]);
     } else if (tail_in) {
-      hist[i] = to_float(tail_in[static_cast<int64_t>(i) * p.channels + c]);
+      hist[i] = to_float(tail_in[static_cast<int64_t>(i + seg.w) * p.channels + c]);
     }
   }
   const float w_cur = to_float(weight[history]);
@@ -167,6 +167,10 @@ __global__ void __launch_bounds__(kRuleThreads) gated_delta_rule_kernel(GatedDel
 
   const T* v = static_cast<const T*>(p.v) + head * p.v_head_stride + col;
   T* o = static_cast<T*>(p.o) + head * p.o_head_stride + col;
+  // A snapshot: the state after the segment's first snap_at tokens (a lead segment's; checked by the host).
+  float* snap = (phase == 0 && p.state_snap && p.state_snap[s])
+                    ? reinterpret_cast<float*>(p.state_snap[s]) + head * state_elems : nullptr;
+  const int64_t snap_end = snap ? static_cast<int64_t>(seg.x) + p.snap_at[s] : -1;
   for (int t0 = seg.x; t0 < seg.x + seg.y; t0 += kTokenChunk) {
     const int n = min(kTokenChunk, seg.x + seg.y - t0);
     __syncthreads();  // the previous chunk is consumed
@@ -203,6 +207,13 @@ __global__ void __launch_bounds__(kRuleThreads) gated_delta_rule_kernel(GatedDel
       }
       out = slice_sum(out);
       if (has_col && slice == 0) o[t * p.o_token_stride] = from_float<T>(out);
+      if (t + 1 == snap_end && has_col) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          const int row = slice + kRowSlices * r;
+          if (row < dk) snap[static_cast<int64_t>(row) * p.v_dim + col] = st[r];
+        }
+      }
     }
   }
 

@@ -14,7 +14,8 @@
 // segment with prefix_length > 0 (an MIS item) continues the sequence of its prefix, which must be another row of
 // the table (start == prefix_start, length == prefix_length, prefix_length == 0): it starts from the prefix's end
 // state S_p, its conv window reaches back into the prefix's last K-1 inputs (zeros before the prefix's first token,
-// exactly as the item's SIS sequence would see), and it never changes anything the prefix or another item sees.
+// exactly as the item's SIS sequence would see, or the prefix's tail_in, given as the item's), and it never changes
+// anything the prefix or another item sees.
 //
 // causal_conv1d, for channel c and a token at position p of its segment's sequence (prefix tokens first):
 //   y[t, c] = silu(round(sum_{j < K} w[c, j] * x_seq[p - (K - 1) + j, c]))
@@ -46,10 +47,11 @@ struct CausalConv1dParams {
   int32_t num_tokens;
   int32_t channels;     // C
   int32_t kernel_size;  // K, 1..kMaxConvKernel
-  // Generation (optional, nullptr = none), per segment the address of a contiguous [K - 1, C] tail of pre-conv
-  // inputs in the dtype, oldest first, or 0. tail_in: the (prefix_length == 0) segment continues after these inputs
-  // instead of zeros. tail_out: receives the last K - 1 inputs of the segment's sequence (zero-padded on the left
-  // when the sequence is shorter); it may alias the same segment's tail_in.
+  // Generation and cached prefixes (optional, nullptr = none), per segment the address of a contiguous [K - 1, C]
+  // tail of pre-conv inputs in the dtype, oldest first, or 0. tail_in: the segment's sequence (for an item, its
+  // prefix's: the prefix's own tail_in) continues after these inputs instead of zeros. tail_out: receives the last
+  // K - 1 inputs of the segment's sequence (zero-padded on the left when the sequence is shorter); it may alias the
+  // same segment's tail_in.
   const uint64_t* tail_in;
   const uint64_t* tail_out;
   DType dtype;
@@ -90,6 +92,12 @@ struct GatedDeltaRuleParams {
   // end state; it may alias the same segment's state_in.
   const uint64_t* state_in;
   const uint64_t* state_out;
+  // Snapshots (optional, nullptr = none): per segment the address of a contiguous fp32 [Hv, Dk, Dv] state, or 0, and
+  // snap_at[s], a token count in [1, length]: that (prefix_length == 0) segment's state after its first snap_at[s]
+  // tokens goes there (the prefix cache keeps it at a cached block's end: a later pass resumes from it bitwise, the
+  // recurrence being token-sequential).
+  const uint64_t* state_snap;
+  const int32_t* snap_at;
   DType dtype;  // of q, k, v, a, b and o
 };
 

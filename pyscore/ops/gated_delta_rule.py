@@ -95,6 +95,22 @@ def _pointers(name: str, tensors: Sequence[torch.Tensor | None] | None, plan: Li
     return torch.tensor(addresses, dtype=torch.int64).to(device)
 
 
+def _snapshots(snaps: Sequence[tuple[int, torch.Tensor] | None] | None, plan: LinearAttentionPlan,
+               shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """state_snap -> (int64 [S] addresses, int32 [S] token counts) on `device`, each checked (None, None: none)."""
+    if snaps is None:
+        return None, None
+    rows = plan.table.host.tolist()
+    tensors = [None if x is None else x[1] for x in snaps]
+    addresses = _pointers("state_snap", tensors, plan, shape, torch.float32, device, reading=True)
+    counts = []
+    for s, x in enumerate(snaps):
+        if x is not None and not 1 <= x[0] <= rows[s][1]:
+            raise ValueError(f"state_snap[{s}]: {x[0]} tokens is not within segment {s}'s {rows[s][1]}")
+        counts.append(0 if x is None else int(x[0]))
+    return addresses, torch.tensor(counts, dtype=torch.int32).to(device)
+
+
 def _from_reference(result: torch.Tensor, ends: list[torch.Tensor], ends_out: Sequence[torch.Tensor | None] | None,
                     out: torch.Tensor | None) -> torch.Tensor:
     """A reference result as the kernels deliver it: the end states copied into the caller's tensors, the result
@@ -121,7 +137,8 @@ def causal_conv1d(
     """x [T, C] (row stride free, last dim contiguous), weight [C, K] contiguous in x's dtype, segments (an int32
     [S, 4] table or a SegmentTable; ignored when the batch's plan is given) -> silu(causal depthwise conv) [T, C]
     in x's dtype. tail_in / tail_out: per segment a contiguous [K - 1, C]
-    tensor in x's dtype (or None): the inputs a segment continues after, and where its last K - 1 inputs go.
+    tensor in x's dtype (or None): the inputs a segment continues after (an item's: those before its prefix, its
+    prefix's tail_in), and where its last K - 1 inputs go.
     backend: "auto" | "kernel" | "reference"."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [T, C] contiguous in its last dim, got shape {tuple(x.shape)} "
@@ -138,7 +155,7 @@ def causal_conv1d(
     _check_out(out, x, "[T, C]")
     plan = _plan_for(segments, plan, num_tokens, x.device)
     tail_shape = (taps - 1, channels)
-    tails_in = _pointers("tail_in", tail_in, plan, tail_shape, x.dtype, x.device, reading=True)
+    tails_in = _pointers("tail_in", tail_in, plan, tail_shape, x.dtype, x.device, reading=False)
     tails_out = _pointers("tail_out", tail_out, plan, tail_shape, x.dtype, x.device, reading=False)
     module = _ext.kernel_for("causal_conv1d", x.device, x.dtype, backend)
     if module is None:
@@ -186,12 +203,15 @@ def gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
     dt_bias: torch.Tensor, segments: torch.Tensor | SegmentTable, plan: LinearAttentionPlan | None = None, *,
     state_in: Sequence[torch.Tensor | None] | None = None, state_out: Sequence[torch.Tensor | None] | None = None,
+    state_snap: Sequence[tuple[int, torch.Tensor] | None] | None = None,
     scale: float | None = None, out: torch.Tensor | None = None, backend: str = "auto",
 ) -> torch.Tensor:
     """q/k [T, Hk, Dk], v [T, Hv, Dv] (token and head strides free), a/b [T, Hv] (the decay and update-rate
     projections), a_log/dt_bias float32 [Hv], segments (as for causal_conv1d) -> o [T, Hv, Dv] in q's dtype. L2
     norms of q and k, the gates and the fp32 recurrence are inside (see params.h). state_in / state_out: per segment
-    a contiguous float32 [Hv, Dk, Dv] tensor or None. backend: "auto" | "kernel" | "reference"."""
+    a contiguous float32 [Hv, Dk, Dv] tensor or None. state_snap: per segment None or (n, such a tensor), which
+    receives the state after the segment's first n tokens (1 <= n <= its length; a segment without a prefix).
+    backend: "auto" | "kernel" | "reference"."""
     _check_rule_inputs(q, k, v, a, b, a_log, dt_bias)
     num_tokens, num_k_heads, key_dim = q.shape
     num_v_heads, value_dim = v.shape[1], v.shape[2]
@@ -201,10 +221,13 @@ def gated_delta_rule(
     state_shape = (num_v_heads, key_dim, value_dim)
     states_in = _pointers("state_in", state_in, plan, state_shape, torch.float32, q.device, reading=True)
     states_out = _pointers("state_out", state_out, plan, state_shape, torch.float32, q.device, reading=False)
+    snaps, snap_at = _snapshots(state_snap, plan, state_shape, q.device)
     module = _ext.kernel_for("gated_delta_rule", q.device, q.dtype, backend)
     if module is None:
-        return _from_reference(*gated_delta_rule_ref(q, k, v, a, b, a_log, dt_bias, plan.table.host, state_in, scale),
-                               state_out, out)
+        at = None if state_snap is None else [0 if x is None else x[0] for x in state_snap]
+        o, ends, mids = gated_delta_rule_ref(q, k, v, a, b, a_log, dt_bias, plan.table.host, state_in, scale, at)
+        _from_reference(o, mids, [None if x is None else x[1] for x in state_snap or []], None)
+        return _from_reference(o, ends, state_out, out)
     if out is None:
         out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
     table, slots = plan.table.device, plan.state_slot
@@ -213,6 +236,7 @@ def gated_delta_rule(
             dt_bias.data_ptr(), out.data_ptr(), (out.stride(0), out.stride(1)), table.data_ptr(), table.shape[0],
             num_tokens, slots.data_ptr(), plan.num_slots, num_k_heads, num_v_heads, key_dim, value_dim, scale,
             0 if states_in is None else states_in.data_ptr(), 0 if states_out is None else states_out.data_ptr(),
+            0 if snaps is None else snaps.data_ptr(), 0 if snap_at is None else snap_at.data_ptr(),
             _ext.torch_dtype_name(q.dtype)]
     if q.is_cuda:
         args.append(_ext.cuda_stream(q.device))

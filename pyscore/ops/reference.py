@@ -187,8 +187,8 @@ def causal_conv1d_ref(
     tails = []
     for s, (start, length, prefix_start, prefix_length) in enumerate(_sequence_rows(segments)):
         before = x[prefix_start : prefix_start + prefix_length]
-        if not prefix_length and tail_in is not None and tail_in[s] is not None:
-            before = tail_in[s]
+        if tail_in is not None and tail_in[s] is not None:  # before the segment, or an item's prefix
+            before = torch.cat([tail_in[s], before])
         seq = torch.cat([x.new_zeros(taps - 1, channels), before, x[start : start + length]])  # [K-1 + P + L, C]
         conv = F.conv1d(seq.float().T[None], weight.float()[:, None, :], groups=channels)[0].T  # [P + L, C]
         y[start : start + length] = F.silu(conv[conv.shape[0] - length :].to(x.dtype))
@@ -204,12 +204,13 @@ def l2_normalize_ref(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def gated_delta_rule_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
     dt_bias: torch.Tensor, segments: torch.Tensor, state_in: list[torch.Tensor | None] | None = None,
-    scale: float | None = None,
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    scale: float | None = None, snap_at: list[int] | None = None,
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor | None]]:
     """q/k [T, Hk, Dk], v [T, Hv, Dv], a/b [T, Hv], a_log/dt_bias [Hv], segment table [S, 4] -> (o [T, Hv, Dv] in
-    q's dtype, per segment its end state [Hv, Dk, Dv] fp32). The token-by-token recurrence of Gated DeltaNet in fp32
+    q's dtype, per segment its end state [Hv, Dk, Dv] fp32, per segment its state after its first snap_at[s] tokens
+    (None where 0 or not asked)). The token-by-token recurrence of Gated DeltaNet in fp32
     (csrc/gated_delta_rule/params.h): every segment runs its whole sequence from a zero state (or state_in[s]); an
-    item re-runs its prefix first. Slow and obviously right."""
+    item re-runs its prefix first, from its prefix's state_in. Slow and obviously right."""
     num_v_heads, key_dim = v.shape[1], q.shape[2]
     group = num_v_heads // q.shape[1]
     scale = key_dim**-0.5 if scale is None else scale
@@ -229,13 +230,20 @@ def gated_delta_rule_ref(
         return (torch.stack(outs) if outs else vf.new_zeros(0, *vf.shape[1:])), state
 
     o = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    ends = []
-    for s, (start, length, prefix_start, prefix_length) in enumerate(_sequence_rows(segments)):
+    ends: list[torch.Tensor] = []
+    mids: list[torch.Tensor | None] = []
+    rows = _sequence_rows(segments)
+    lead_of = {(r[0], r[1]): s for s, r in enumerate(rows) if not r[3]}
+    for s, (start, length, prefix_start, prefix_length) in enumerate(rows):
         state = vf.new_zeros(num_v_heads, key_dim, v.shape[2])
-        if state_in is not None and state_in[s] is not None:
-            state = state_in[s].float().clone()
+        first = lead_of[(prefix_start, prefix_length)] if prefix_length else s  # an item starts where its prefix did
+        if state_in is not None and state_in[first] is not None:
+            state = state_in[first].float().clone()
         if prefix_length:
             _, state = run(prefix_start, prefix_length, state)
-        o[start : start + length], state = run(start, length, state)
+        at = snap_at[s] if snap_at else 0
+        o[start : start + at], state = run(start, at, state)
+        mids.append(state if at else None)
+        o[start + at : start + length], state = run(start + at, length - at, state)
         ends.append(state)
-    return o.to(q.dtype), ends
+    return o.to(q.dtype), ends, mids

@@ -358,7 +358,9 @@ void check_labels(const std::string& name, int rows, int hidden_size, int vocab,
 
 // One linear-attention case: the conv kernel, then the recurrence (prepare, phase 0, phase 1) on its output's q/k/v
 // split, against float64 references that run every segment's whole sequence (an item re-runs its prefix). Segments
-// listed in `carried` get a caller state and conv tail in (random) and out (aliased in place, as decode does).
+// listed in `carried` get a caller state and conv tail in (random) and out (aliased in place, as decode does); a
+// carried item gets its prefix's tail as its tail_in (a prefix resumed from the prefix cache), and no state. Every
+// other segment without a prefix keeps a snapshot of its state halfway (state_snap), checked against the reference.
 template <typename T>
 void check_linear(const std::string& name, const std::vector<Segment>& segs, int hk, int hv, int dk, int dv, int taps,
                   const std::vector<int>& carried, uint32_t seed) {
@@ -393,13 +395,36 @@ void check_linear(const std::string& name, const std::vector<Segment>& segs, int
   std::vector<std::vector<T>> tails(num_segments);
   std::vector<std::vector<float>> states(num_segments);
   std::vector<uint64_t> tail_ptr(num_segments, 0), state_ptr(num_segments, 0);
+  std::vector<int> lead_of(num_segments);
+  for (int s = 0; s < num_segments; ++s) {
+    lead_of[s] = s;
+    for (int l = 0; l < num_segments && segs[s].prefix_length > 0; ++l) {
+      if (segs[l].prefix_length == 0 && segs[l].start == segs[s].prefix_start && segs[l].length == segs[s].prefix_length)
+        lead_of[s] = l;
+    }
+  }
   for (int s : carried) {
+    if (segs[s].prefix_length > 0) continue;
     tails[s].resize(size_t(hist) * channels);
     for (auto& e : tails[s]) e = to_t<T>(normal(rng));
     states[s].resize(size_t(hv) * dk * dv);
     for (auto& e : states[s]) e = normal(rng) * 0.3f;
     tail_ptr[s] = reinterpret_cast<uint64_t>(tails[s].data());
     state_ptr[s] = reinterpret_cast<uint64_t>(states[s].data());
+  }
+  for (int s : carried) {  // an item: its prefix's tail (the prefix must be carried), read as the item's own
+    if (segs[s].prefix_length == 0) continue;
+    tails[s] = tails[lead_of[s]];
+    tail_ptr[s] = reinterpret_cast<uint64_t>(tails[s].data());
+  }
+  std::vector<int32_t> snap_at(num_segments, 0);
+  std::vector<std::vector<float>> snaps(num_segments);
+  std::vector<uint64_t> snap_ptr(num_segments, 0);
+  for (int s = 0; s < num_segments; ++s) {
+    if (segs[s].prefix_length > 0 || segs[s].length == 0 || s % 2 == 0) continue;
+    snap_at[s] = (segs[s].length + 1) / 2;
+    snaps[s].assign(size_t(hv) * dk * dv, NAN);
+    snap_ptr[s] = reinterpret_cast<uint64_t>(snaps[s].data());
   }
   const auto tails0 = tails;
   const auto states0 = states;
@@ -427,6 +452,7 @@ void check_linear(const std::string& name, const std::vector<Segment>& segs, int
   rp.state_slot = slot.data(), rp.num_slots = num_slots;
   rp.num_k_heads = hk, rp.num_v_heads = hv, rp.k_dim = dk, rp.v_dim = dv, rp.scale = 1.f / std::sqrt(float(dk));
   rp.state_in = state_ptr.data(), rp.state_out = state_ptr.data();
+  rp.state_snap = snap_ptr.data(), rp.snap_at = snap_at.data();
   std::vector<float> scratch_mem(size_t(num_tokens) * (2 * hk * dk + 2 * hv), NAN);
   const RuleScratch scratch{scratch_mem.data(), scratch_mem.data() + size_t(num_tokens) * hk * dk,
                             scratch_mem.data() + size_t(num_tokens) * 2 * hk * dk,
@@ -449,12 +475,8 @@ void check_linear(const std::string& name, const std::vector<Segment>& segs, int
     // x_seq: history inputs, then (prefix), then own tokens; one row per position.
     std::vector<const T*> rows;
     std::vector<std::vector<T>> zeros(1, std::vector<T>(channels, to_t<T>(0.f)));
-    for (int i = 0; i < hist; ++i) rows.push_back(zeros[0].data());
-    if (g.prefix_length > 0) {
-      for (int t = 0; t < g.prefix_length; ++t) rows.push_back(x.data() + (g.prefix_start + t) * x_ts);
-    } else if (!tails0[s].empty()) {
-      for (int i = 0; i < hist; ++i) rows[i] = tails0[s].data() + i * channels;
-    }
+    for (int i = 0; i < hist; ++i) rows.push_back(tails0[s].empty() ? zeros[0].data() : tails0[s].data() + i * channels);
+    for (int t = 0; t < g.prefix_length; ++t) rows.push_back(x.data() + (g.prefix_start + t) * x_ts);
     const int own0 = int(rows.size());
     for (int t = 0; t < g.length; ++t) rows.push_back(x.data() + (g.start + t) * x_ts);
     for (int t = 0; t < g.length; ++t) {
@@ -482,7 +504,7 @@ void check_linear(const std::string& name, const std::vector<Segment>& segs, int
       if (to_d(y[t * x_ts + e]) != to_d(sentinel)) conv_err = INFINITY;
     }
   }
-  auto run = [&](int start, int length, int head, std::vector<double>& st, std::vector<double>* out) {
+  auto run = [&](int start, int length, int head, std::vector<double>& st, std::vector<double>* out, int base) {
     const int kh = head / (hv / hk);
     for (int t = start; t < start + length; ++t) {
       const double* row = yref.data() + size_t(t) * channels;
@@ -502,7 +524,7 @@ void check_linear(const std::string& name, const std::vector<Segment>& segs, int
         const double delta = (row[2 * hk * dk + head * dv + j] - kv) * beta;
         double acc = 0;
         for (int i = 0; i < dk; ++i) acc += (st[i * dv + j] += k[i] * delta) * q[i];
-        if (out) (*out)[size_t(t - start) * dv + j] = acc;
+        if (out) (*out)[size_t(t - base) * dv + j] = acc;
       }
     }
   };
@@ -510,9 +532,17 @@ void check_linear(const std::string& name, const std::vector<Segment>& segs, int
     const Segment& g = segs[s];
     for (int h = 0; h < hv; ++h) {
       std::vector<double> st(size_t(dk) * dv, 0.0), out(size_t(g.length) * dv);
-      if (!states0[s].empty()) for (int e = 0; e < dk * dv; ++e) st[e] = states0[s][size_t(h) * dk * dv + e];
-      if (g.prefix_length > 0) run(g.prefix_start, g.prefix_length, h, st, nullptr);
-      run(g.start, g.length, h, st, &out);
+      const int first = lead_of[s];  // an item starts where its prefix did
+      if (!states0[first].empty()) for (int e = 0; e < dk * dv; ++e) st[e] = states0[first][size_t(h) * dk * dv + e];
+      if (g.prefix_length > 0) run(g.prefix_start, g.prefix_length, h, st, nullptr, 0);
+      run(g.start, snap_at[s], h, st, &out, g.start);
+      if (snap_at[s] > 0) {
+        for (int e = 0; e < dk * dv; ++e) {
+          const double err = std::fabs(snaps[s][size_t(h) * dk * dv + e] - st[e]);
+          state_err = std::max(state_err, std::isnan(err) ? INFINITY : err);
+        }
+      }
+      run(g.start + snap_at[s], g.length - snap_at[s], h, st, &out, g.start);
       for (int t = 0; t < g.length; ++t) {
         for (int j = 0; j < dv; ++j) {
           const double want = out[size_t(t) * dv + j], got = to_d(o[(g.start + t) * o_ts + h * dv + j]);
@@ -707,7 +737,7 @@ int main(int argc, char** argv) {
     std::vector<Segment> with_empty = mixed;
     with_empty.push_back({mixed[6].start, 0, 0, 0});
     check_linear<float>("linear fp32 Hk 2 Hv 4 Dk 16 Dv 24 K 4", with_empty, 2, 4, 16, 24, 4, {7, 8}, 21);
-    check_linear<__nv_bfloat16>("linear bf16 Hk 1 Hv 2 Dk 32 Dv 16 K 4", mixed, 1, 2, 32, 16, 4, {6}, 22);
+    check_linear<__nv_bfloat16>("linear bf16 Hk 1 Hv 2 Dk 32 Dv 16 K 4", mixed, 1, 2, 32, 16, 4, {6, 9, 10, 11}, 22);
     check_linear<float>("linear fp32 Hk 2 Hv 2 Dk 13 Dv 20 K 3", pack({{0, {1, 9}}, {4, {2, 6}}}).segs, 2, 2, 13, 20,
                         3, {0, 1}, 23);
   }

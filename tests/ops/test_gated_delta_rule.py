@@ -2,7 +2,8 @@
 awkward streams (MIS groups with 1-4 token items, a prefix shorter than the conv window, SIS, items of 63/64/65
 tokens, several groups mixed), GQA ratios, head dims and both dtypes; the references against transformers' own
 Qwen3.5 torch fallbacks; MIS items equal their SIS sequences bitwise; a sequence split over calls through the state
-arguments (prefill, then decode steps in place) equals it run whole; and the plan refuses tables the linear layers
+arguments (prefill, then decode steps in place) equals it run whole, so does one resumed from a snapshot taken
+mid-segment, and items after a short resumed prefix see its tail; and the plan refuses tables the linear layers
 cannot walk. Tolerances: fp32 ~1e-5, bf16 within 2x the error of rounding the fp32 reference to bf16."""
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ def test_gated_delta_rule_matches_reference(monkeypatch, device, dtype, stream, 
     segments, num_tokens = make_segments(STREAMS[stream], "cpu")
     q, k, v, a, b, a_log, dt_bias = rule_inputs(num_tokens, hk, hv, dk, dv, dtype, device)
     out = gated_delta_rule(q, k, v, a, b, a_log, dt_bias, segments, backend="kernel")
-    ref32, _ = gated_delta_rule_ref(*(t.float() for t in (q, k, v, a, b)), a_log, dt_bias, segments)
-    ref, _ = gated_delta_rule_ref(q, k, v, a, b, a_log, dt_bias, segments)
+    ref32, _, _ = gated_delta_rule_ref(*(t.float() for t in (q, k, v, a, b)), a_log, dt_bias, segments)
+    ref, _, _ = gated_delta_rule_ref(q, k, v, a, b, a_log, dt_bias, segments)
     assert out.dtype == dtype and out.shape == v.shape
     assert_within(out, ref32, tolerance(ref32, ref), f"rule {stream} {heads} {dtype}")
 
@@ -168,10 +169,96 @@ def test_states_continue_a_sequence_across_calls(device, dtype, backend):
                                                                                        else 1)
         assert_within(rule_steps, rule_whole[rows], 1e-5 if dtype == torch.float32 else 8e-3, "reference rule")
     _, ref_tails = causal_conv1d_ref(x, weight, whole)
-    _, ref_states = gated_delta_rule_ref(q, k, v, a, b, a_log, dt_bias, whole)
+    _, ref_states, _ = gated_delta_rule_ref(q, k, v, a, b, a_log, dt_bias, whole)
     for i in range(len(lengths)):
         assert torch.equal(tails[i], ref_tails[i]), f"tail {i}"  # zero-padded on the left for the short one
         assert_within(states[i], ref_states[i], 2e-5 if dtype == torch.float32 else 1e-4, f"state {i}")
+
+
+@pytest.mark.parametrize("device", [*DEVICES, *CPU_PATHS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["kernel", "reference"])
+def test_items_after_a_short_resumed_prefix_see_its_tail_in(monkeypatch, device, dtype, backend):
+    """A prefix that resumes a sequence (tail_in, state_in) and is shorter than the conv window: its items' windows
+    reach back past it into the tail, given as the items' tail_in, and their states start where the prefix did:
+    each item equals the whole sequence (tail, prefix, item) run as one segment from the same tail and state."""
+    device = on_device(monkeypatch, device)
+    hk, hv, dk, dv, taps = 1, 2, 16, 24, 4
+    channels = 2 * hk * dk + hv * dv
+    segments, num_tokens = make_segments([(1, [3, 1, 5])], "cpu")  # a 1-token prefix, K - 1 = 3
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(num_tokens, channels, generator=gen).to(device=device, dtype=dtype)
+    weight = torch.randn(channels, taps, generator=gen).to(device=device, dtype=dtype)
+    tail = torch.randn(taps - 1, channels, generator=gen).to(device=device, dtype=dtype)
+    state = torch.randn(hv, dk, dv, generator=gen).to(device)
+    conv = causal_conv1d(x, weight, segments, tail_in=[tail] * 4, backend=backend)
+    q, k, v, a, b, a_log, dt_bias = rule_inputs(num_tokens, hk, hv, dk, dv, dtype, device, seed=5)
+    rule = gated_delta_rule(q, k, v, a, b, a_log, dt_bias, segments, state_in=[state, None, None, None],
+                            backend=backend)
+    for start, length in ((1, 3), (4, 1), (5, 5)):
+        rows = torch.cat([torch.tensor([0]), torch.arange(start, start + length)]).to(device)
+        one = torch.tensor([[0, 1 + length, 0, 0]], dtype=torch.int32)
+        alone = causal_conv1d(x[rows].contiguous(), weight, one, tail_in=[tail], backend=backend)
+        alone_rule = gated_delta_rule(*(t[rows] for t in (q, k, v, a, b)), a_log, dt_bias, one, state_in=[state],
+                                      backend=backend)
+        if backend == "kernel":
+            assert torch.equal(conv[start : start + length], alone[1:]), (start, length)
+            assert torch.equal(rule[start : start + length], alone_rule[1:]), (start, length)
+        else:
+            assert_within(conv[start : start + length], alone[1:], 1e-5 if dtype == torch.float32 else 1e-2, "conv")
+            assert_within(rule[start : start + length], alone_rule[1:], 1e-5 if dtype == torch.float32 else 1e-2,
+                          "rule")
+
+
+@pytest.mark.parametrize("device", [*DEVICES, *CPU_PATHS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["kernel", "reference"])
+def test_a_snapshot_is_the_state_a_segment_passes_through(monkeypatch, device, dtype, backend):
+    """state_snap keeps a lead segment's state after its first n tokens (a cached block's end) without changing
+    anything else: it equals the state a call over those n tokens alone leaves (bitwise for the kernels), and a
+    call resumed from it over the rest equals the whole segment's outputs; an item or an n outside the segment is
+    refused."""
+    device = on_device(monkeypatch, device)
+    hk, hv, dk, dv = 2, 4, 16, 24
+    segments, num_tokens = make_segments([(37, [5, 1, 30]), (0, [19]), (23, [])], "cpu")
+    q, k, v, a, b, a_log, dt_bias = rule_inputs(num_tokens, hk, hv, dk, dv, dtype, device, seed=11)
+    rule = (q, k, v, a, b, a_log, dt_bias)
+    plain = gated_delta_rule(*rule, segments, backend=backend)
+    start_in = torch.randn(hv, dk, dv, generator=torch.Generator().manual_seed(2)).to(device)
+    lead, sis, last = 0, 4, 5  # the MIS group's prefix, the SIS sequence, the item-less prefix
+    snaps = [torch.full((hv, dk, dv), 7.0, device=device) for _ in range(3)]
+    asked = [None] * 6
+    asked[lead], asked[sis], asked[last] = (16, snaps[0]), (19, snaps[1]), (1, snaps[2])
+    state_in = [None] * 6
+    state_in[sis] = start_in
+    ours = gated_delta_rule(*rule, segments, state_snap=asked, state_in=state_in, backend=backend)
+    resumed = gated_delta_rule(*rule, segments, state_in=state_in, backend=backend)
+    assert torch.equal(ours, resumed)  # asking for snapshots changes no output
+    assert torch.equal(ours[: 37 + 36], plain[: 37 + 36])
+    rows = segments.tolist()
+    for (s, n), snap in zip(((lead, 16), (sis, 19), (last, 1)), snaps, strict=True):
+        start = rows[s][0]
+        alone_out = torch.empty(hv, dk, dv, device=device)
+        table = torch.tensor([[0, n, 0, 0]], dtype=torch.int32)
+        gated_delta_rule(*(t[start : start + n] for t in rule[:5]), a_log, dt_bias, table,
+                         state_in=[state_in[s]], state_out=[alone_out], backend=backend)
+        if backend == "kernel":
+            assert torch.equal(snap, alone_out), f"segment {s}"
+        else:
+            assert_within(snap, alone_out, 1e-5 if dtype == torch.float32 else 1e-4, f"segment {s}")
+    # Resumed from the lead's snapshot, the rest of the lead and its items are what the whole call computed.
+    rest = torch.tensor([[0, 21, 0, 0], [21, 5, 0, 21], [26, 1, 0, 21], [27, 30, 0, 21]], dtype=torch.int32)
+    after = gated_delta_rule(*(t[16:73] for t in rule[:5]), a_log, dt_bias, rest, state_in=[snaps[0], None, None, None],
+                             backend=backend)
+    if backend == "kernel":
+        assert torch.equal(after, ours[16:73])
+    else:
+        assert_within(after, ours[16:73], 1e-5 if dtype == torch.float32 else 8e-3, "resumed")
+    with pytest.raises(ValueError, match="continues its prefix"):
+        gated_delta_rule(*rule, segments, state_snap=[None, (1, snaps[0]), None, None, None, None], backend=backend)
+    for n in (0, 20):
+        with pytest.raises(ValueError, match="not within segment 4"):
+            gated_delta_rule(*rule, segments, state_snap=[None] * 4 + [(n, snaps[1]), None], backend=backend)
 
 
 def test_reference_matches_transformers_torch_fallbacks():
@@ -187,14 +274,14 @@ def test_reference_matches_transformers_torch_fallbacks():
     theirs = hf.causal_conv1d_fn(x.T[None], weight, None, activation="silu")[0].T
     assert_within(ours, theirs, 1e-6, "conv vs transformers")
     q, k, v, a, b, a_log, dt_bias = rule_inputs(num_tokens, hk, hv, dk, dv, torch.float32, "cpu")
-    ours, ends = gated_delta_rule_ref(q, k, v, a, b, a_log, dt_bias, segments)
+    ours, ends, _ = gated_delta_rule_ref(q, k, v, a, b, a_log, dt_bias, segments)
     g = -a_log.exp() * torch.nn.functional.softplus(a + dt_bias)
     theirs, end = hf.torch_chunk_gated_delta_rule(q[None], k[None], v[None], g[None], b.sigmoid()[None],
                                                   output_final_state=True, use_qk_l2norm_in_kernel=True)
     assert_within(ours, theirs[0], 2e-5, "rule vs transformers chunked")
     assert_within(ends[0], end[0], 2e-5, "end state vs transformers chunked")
     state = torch.randn(1, hv, dk, dv)
-    ours, _ = gated_delta_rule_ref(q[:3], k[:3], v[:3], a[:3], b[:3], a_log, dt_bias,
+    ours, _, _ = gated_delta_rule_ref(q[:3], k[:3], v[:3], a[:3], b[:3], a_log, dt_bias,
                                    torch.tensor([[0, 3, 0, 0]], dtype=torch.int32), state_in=[state[0]])
     theirs, _ = hf.torch_recurrent_gated_delta_rule(q[None, :3], k[None, :3], v[None, :3], g[None, :3],
                                                     b[:3].sigmoid()[None], initial_state=state,
