@@ -98,8 +98,9 @@ def whole_blocks(tokens: int, block_tokens: int) -> int:
 def plan(cache: PrefixCache | None, tokens: list[int], limit: int, chunk_tokens: int, salt: str = "",
          bypass: bool = False) -> ChunkedPrefill | None:
     """Reserves the cache's blocks for tokens[:limit]'s whole blocks and returns the chunking plan, or None when
-    the request runs as one pass (no cache, fewer than one whole block, or no room for the prefix)."""
-    if cache is None:
+    the request runs as one pass (no cache, fewer than one whole block, or no room for the prefix; a hybrid model,
+    whose chunks would each have to resume the linear layers' states)."""
+    if cache is None or cache.state_pages:
         return None
     b = cache.block_tokens
     end = limit // b * b

@@ -116,12 +116,13 @@ def make_prefix_cache(loaded: LoadedModel, decoder: Decoder, budget_mb: float | 
         return None
     identity = f"{loaded.name}|{loaded.path}|{cfg}"
     budget = None if budget_mb is None else int(budget_mb * 2**20)
+    states = decoder.linear_state_bytes  # a hybrid model's: kept at each cached sequence's end
     try:
         if store is not None:
-            return PrefixCache(budget, identity=identity, store=store)
+            return PrefixCache(budget, identity=identity, store=store, state_bytes=states)
         return PrefixCache(budget, identity=identity, num_layers=decoder.num_attention_layers,
                            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=decoder.dtype,
-                           device=decoder.device)
+                           device=decoder.device, state_bytes=states)
     except ValueError as e:
         log.warning("prefix cache off: %s", e)
         return None

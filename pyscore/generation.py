@@ -348,7 +348,8 @@ class GenerationRunner:
                     if to_pool is not None:
                         to_pool(layer, k, v)
 
-                hidden = self.decoder.hidden_at(batch, kv_sink=sink, linear_states=kv, blocks=self.store)
+                hidden = self.decoder.hidden_at(batch, kv_sink=sink, linear_states=kv,
+                                                blocks=self.store if cache is None else cache)
             except BaseException:
                 for c in kv:  # before the lease drops the blocks it wrote
                     c.release()
@@ -363,16 +364,20 @@ class GenerationRunner:
             return g.chunks.read_all(), list(g.chunks.blocks)
         if lease is None or g.request.bypass_prefix_cache:
             return None, []
-        salt = g.request.prefix_cache_salt
-        chain = lease.match(g.prompt, self._readouts(g)[0], salt)  # every position read out is computed
+        salt, limit = g.request.prefix_cache_salt, self._readouts(g)[0]
+        chain = lease.match(g.prompt, limit, salt)  # every position read out is computed
         written = lease.store(chain, g.prompt, n, salt)
         blocks = list(chain)
         for j, block in written:  # another pass's published block breaks the run: the rest is the sequence's
             if j != len(blocks):
                 break
             blocks.append(block)
+        state, snapshot = (), None
+        if lease.cache.state_pages:  # a hybrid model: resume at the chain's states, keep the pass's in a block
+            state = chain[-1].state if chain else ()
+            snapshot = lease.snapshot(blocks, len(chain), limit)
         use = CacheUse(self.store.block_tokens, read=tuple(block.slot for block in chain),
-                       write=tuple((j, block.slot) for j, block in written))
+                       write=tuple((j, block.slot) for j, block in written), state=state, snapshot=snapshot)
         return use, blocks
 
     def _decode(self, gens: list[Generation]) -> None:

@@ -226,10 +226,10 @@ def test_reference_path_chunked_within_the_warm_cold_bound(model_dir):
 
 
 def test_hybrid_qwen3_5_is_not_chunked_and_scores_as_one_pass(tmp_path):
-    """The prefix cache does not serve Qwen3.5 (its linear-attention state is not in a KV block), so neither does
-    chunked prefill: a long request runs as one pass, as before."""
+    """Qwen3.5's chunks would each have to resume the linear layers' states, which the cache keeps only at a
+    sequence's last cached block: a long request runs as one pass, as before (the cache still serves it)."""
     path = make_model_dir(tmp_path / "q35", "qwen3_5")
     small, big = engine(path, max_batch_tokens=BUDGET), engine(path)
-    assert small.prefix_cache is None
+    assert small.prefix_cache is not None and small.prefix_cache.state_pages > 0
     assert small.plan_chunks(small.prepare_score(ScoreRequest(query=LONG, items=ITEMS, labels=LABELS))) is None
     assert small.score(LONG, ITEMS, labels=LABELS).scores == big.score(LONG, ITEMS, labels=LABELS).scores

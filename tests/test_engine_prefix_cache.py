@@ -7,7 +7,6 @@ logprobs do not change, and Usage says what was cached."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import pytest
 
@@ -230,16 +229,100 @@ def test_cache_off_and_below_one_block(model_dir):
     assert make_prefix_cache(on.model, on.decoder, 1e-6) is None  # below one block: off, not an error
 
 
-def test_hybrid_models_run_without_the_cache_and_say_why(tmp_path, caplog):
-    """Qwen3.5's linear-attention layers carry a recurrent and a conv state that a block of keys and values does not
-    hold: reading only the attention layers' keys from the cache would give wrong scores, so the cache is off."""
-    path = make_model_dir(tmp_path / "qwen3_5", "qwen3_5")
-    with caplog.at_level(logging.WARNING, logger="pyscore.engine"):
-        e = engine(path, "kernel")
-    assert e.prefix_cache is None and "prefix cache off" in caplog.text and "recurrent state" in caplog.text
-    assert e.info().prefix_cache_block_tokens == 0
-    first, second = (e.score(QUERY, ITEMS, labels=["Yes", "No"]) for _ in range(2))
-    assert second.usage.cached_tokens == 0 and first.scores == second.scores
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5")
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_hybrid_warm_requests_resume_the_linear_states_bitwise(hybrid_dir, dtype, in_place, monkeypatch):
+    """Qwen3.5: the cache keeps the linear layers' conv tails and recurrent states at the last block it stores of a
+    query, and a later request resumes there: MIS, SIS and setwise scores are bitwise the cold ones (the delta rule
+    is token-sequential: the state a cold pass passes through at a block's end is the one kept). A query that
+    shares only blocks without states is computed (and then kept at its own end); a longer one resumes at the
+    shorter one's states. States in consecutive pages are read and written in place, others copied: both kept."""
+    e = engine(hybrid_dir, "kernel", dtype)
+    assert e.prefix_cache is not None and e.prefix_cache.state_pages > 0
+    if not in_place:
+        monkeypatch.setattr(e.prefix_cache, "state_view", lambda pages: None)
+    n = len(e.tokenize(QUERY)[0])
+    full = n // B * B
+    cold, first, warm = cold_first_warm(e, query=QUERY, items=ITEMS, labels=["Yes", "No"], mode="mis")
+    assert cold.scores == first.scores == warm.scores
+    assert (first.usage.cached_tokens, warm.usage.cached_tokens) == (0, full)
+    assert warm.usage.computed_tokens == cold.usage.computed_tokens - full
+    cold, first, _ = cold_first_warm(e, query=QUERY, items=ITEMS, labels=["Yes", "No"], mode="sis")
+    assert cold.scores == first.scores and first.usage.cached_tokens == full * len(ITEMS)
+    labels = [ids(e, "Yes")[0], ids(e, "No")[0]]
+    cold, _, warm = cold_first_warm(e, query=QUERY, items=SETWISE_ITEMS, label_token_ids=labels,
+                                    score_extraction_token="<|marker|>")
+    assert cold.scores == warm.scores and warm.usage.cached_tokens == full
+    short = QUERY[:150]
+    cold, first, warm = cold_first_warm(e, query=short, items=ITEMS, labels=["Yes"])
+    assert cold.scores == first.scores == warm.scores
+    assert (first.usage.cached_tokens, warm.usage.cached_tokens) == (0, len(e.tokenize(short)[0]) // B * B)
+    longer = QUERY + " The carrier called again."
+    cold, first, _ = cold_first_warm(e, query=longer, items=ITEMS, labels=["Yes"])
+    assert cold.scores == first.scores and first.usage.cached_tokens == full
+    # 1-2 tokens of the query after its cached blocks, fewer than the conv window: the items' windows reach back
+    # into the cached tail.
+    query = e.tokenize(QUERY)[0]
+    for rest in (1, 2):
+        cut = query[: 2 * B + rest]
+        cold, first, warm = cold_first_warm(e, query=cut, items=[ids(e, i) for i in ITEMS], labels=["Yes", "No"])
+        assert cold.scores == first.scores == warm.scores and warm.usage.cached_tokens == 2 * B
+
+
+@pytest.mark.parametrize("backend", ["kernel", "reference"])
+def test_hybrid_warm_scores_equal_transformers(hybrid_dir, backend):
+    e = engine(hybrid_dir, backend)
+    ref = load_reference(hybrid_dir)
+    labels = [ids(e, "Yes")[0], ids(e, "No")[0]]
+    query = e.tokenize(QUERY)[0]
+    expected = reference_scores(ref, query, [ids(e, i) for i in ITEMS], labels)
+    for mode in ("mis", "mis", "sis"):
+        result = e.score(QUERY, ITEMS, label_token_ids=labels, mode=mode)
+        assert max_abs_diff(result.scores, expected) <= FP32_TOL, (mode, backend)
+    assert result.usage.cached_tokens == len(query) // B * B * len(ITEMS)
+
+
+def test_hybrid_generate_resumes_the_prompt_states(hybrid_dir):
+    e = engine(hybrid_dir, "kernel")
+    n = len(e.tokenize(QUERY)[0])
+    assert n % B  # the prompt's last full block ends before its last token: a hit point for the warm prompt
+    request = dict(prompt=QUERY, max_tokens=6, top_logprobs=3)
+    cold = e.generate(GenerateRequest(**request, bypass_prefix_cache=True))
+    first = e.generate(GenerateRequest(**request))
+    warm = e.generate(GenerateRequest(**request))
+    assert cold.token_ids == first.token_ids == warm.token_ids and cold.logprobs == warm.logprobs
+    assert (first.usage.cached_tokens, warm.usage.cached_tokens) == (0, n // B * B)
+    # A Score request's query with the prompt's tokens resumes the states the generation kept.
+    assert e.score(QUERY, ITEMS, labels=["Yes"]).usage.cached_tokens == n // B * B
+
+
+def test_hybrid_failed_pass_keeps_no_states_and_a_small_cache_still_serves(hybrid_dir, monkeypatch):
+    e = engine(hybrid_dir, "kernel")
+    real = e.decoder.hidden_at
+
+    def fail_after_writing(batch, **kw):
+        real(batch, **kw)  # keys, values and states are written into the pool...
+        raise RuntimeError("boom")  # ...but the pass fails
+
+    monkeypatch.setattr(e.decoder, "hidden_at", fail_after_writing)
+    with pytest.raises(RuntimeError, match="boom"):
+        e.score(QUERY, ITEMS, labels=["Yes"])
+    assert e.prefix_cache_stats().blocks == 0 and e.kv_store.stats.held_pages == 0
+    monkeypatch.setattr(e.decoder, "hidden_at", real)
+    # A cache with room for one query's blocks and states at a time: requests evict each other, scores hold.
+    cache = e.prefix_cache
+    budget = (len(e.tokenize(QUERY)[0]) // B + cache.state_pages + 2) * cache.block_bytes
+    small = engine(hybrid_dir, "kernel", prefix_cache_mb=budget / 2**20)
+    for q in (QUERY, "Preamble. " + QUERY, QUERY):
+        result = small.score(q, ITEMS, labels=["Yes", "No"])
+        assert result.scores == small.score(q, ITEMS, labels=["Yes", "No"], bypass_prefix_cache=True).scores
+    assert small.prefix_cache_stats().evicted_blocks > 0
+    assert small.prefix_cache_stats().blocks <= small.prefix_cache.capacity
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

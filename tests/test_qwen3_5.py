@@ -185,15 +185,18 @@ def test_mis_items_continue_from_the_prefix_state_like_transformers(text_dir, te
 
 @pytest.mark.parametrize("mode", ["sis", "mis"])
 def test_scores_match_the_one_sequence_reference(text_dir, text_ref, mode):
+    """Cold, and warm: the second request resumes the query's linear states from the prefix cache."""
     e = engine(text_dir)
     labels = [e.tokenizer(t, add_special_tokens=False)["input_ids"][0] for t in ("Yes", "No", " A")]
-    result = e.score(QUERY, ITEMS, label_token_ids=labels, mode=mode)
     query = e.tokenize(QUERY)[0]
     items = [e.tokenizer(i, add_special_tokens=False)["input_ids"] for i in ITEMS]
     with recurrent_rule():
         expected = reference_scores(text_ref, query, items, labels)
-    assert result.mode == mode
-    assert max_abs_diff(result.scores, expected) <= FP32_TOL
+    for cached in (0, len(query) // e.prefix_cache.block_tokens * e.prefix_cache.block_tokens):
+        result = e.score(QUERY, ITEMS, label_token_ids=labels, mode=mode)
+        assert result.mode == mode
+        assert result.usage.cached_tokens == (cached if mode == "mis" else cached * len(ITEMS)) and len(query) >= 16
+        assert max_abs_diff(result.scores, expected) <= FP32_TOL
 
 
 def test_mis_equals_sis_in_bf16_within_torch_error(text_dir, text_ref):

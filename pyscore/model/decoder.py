@@ -63,6 +63,14 @@ class BlockPool(Protocol):
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+class StatePool(BlockPool, Protocol):
+    """A block pool that also keeps a hybrid model's linear states as bytes in pages (the prefix cache)."""
+
+    def read_state(self, pages: tuple[int, ...]) -> torch.Tensor: ...
+    def write_state(self, pages: tuple[int, ...], blob: torch.Tensor) -> None: ...
+    def state_view(self, pages: tuple[int, ...]) -> torch.Tensor | None: ...
+
+
 @dataclass
 class KVCache:
     """One sequence's cache: its pages of the KV store for the attention layers (`table`: shared cached pages, then
@@ -178,7 +186,9 @@ class Decoder:
         attention (and linear attention) planned once here, for every layer. linear_states (prefill of a hybrid
         model): per segment, the cache whose conv tails and recurrent states receive that sequence's end states. A
         batch that reads cached blocks needs the pool they are in (`blocks`); the kv sink runs before each layer's
-        attention, so blocks this pass writes into the pool are readable by its later groups."""
+        attention, so blocks this pass writes into the pool are readable by its later groups. A hybrid model's
+        batch that resumes cached blocks or keeps states at a block's end (`batch.state_reads` / `state_writes`)
+        reads and writes those states in the same pool (a `StatePool`): the writes once every layer has run."""
         cfg, device = self.cfg, self.device
         tokens, positions = batch.tokens.to(device), batch.positions.to(device)
         table = SegmentTable.of(batch.segments, batch.num_tokens, device)
@@ -202,23 +212,82 @@ class Decoder:
             return plan.run(q, k, v, cache_k=cache_k, cache_v=cache_v)
 
         mix_linear = None
+        kept: list[tuple[tuple[int, ...], hybrid.LinearStates]] = []
         if self.num_linear:
             linear_plan = plan_linear_attention(table)
             leave = linear_states is not None
+            starts, kept, snaps = self._cached_states(batch, blocks, table.num_segments)
+            leads = [not prefix_length for prefix_length in table.host[:, 3].tolist()] if starts else []
 
             def mix_linear(i: int, h: torch.Tensor) -> torch.Tensor:
                 j, w = self.slot[i], self.w.layers[i].linear
                 return hybrid.linear_attention(
                     h, w, self.cfg, linear_plan, self.op_backend, PREFILL_ROWS,
+                    tails_in=[None if x is None else x.conv[j] for x in starts] if starts else None,
+                    states_in=[None if x is None or not lead else x.state[j]  # an item continues its prefix's state
+                               for x, lead in zip(starts, leads, strict=True)] if starts else None,
                     tails_out=[c.conv[j] for c in linear_states] if leave else None,
-                    states_out=[c.state[j] for c in linear_states] if leave else None)
+                    states_out=[c.state[j] for c in linear_states] if leave else None,
+                    snapshots=[(s, n, x.conv[j], x.state[j]) for s, n, x in snaps])
 
         x = self.w.embed.index_select(0, tokens)  # [T, H] (embed[tokens]: ~80-200 us a forward, this ~15)
         readout, last = batch.readout.to(device), len(self.w.layers) - 1
         for i in range(len(self.w.layers)):
             self._layer_boundary()
             x = self._layer(i, x, positions, attend, mix_linear, PREFILL_ROWS, rows=readout if i == last else None)
+        for pages, states in kept:
+            blocks.write_state(pages, states.to_bytes())  # type: ignore[union-attr]
         return self._norm(x, self.w.final_norm)  # [R, H]
+
+    def _cached_states(self, batch: PackedBatch, blocks: BlockPool | None, num_segments: int
+                       ) -> tuple[list[hybrid.LinearStates | None], list[tuple[tuple[int, ...], hybrid.LinearStates]],
+                                  list[tuple[int, int, hybrid.LinearStates]]]:
+        """A hybrid batch's prefix-cache states: per segment the states it starts from (empty list: none), the
+        (pages, buffers) to store after the pass and the snapshots (segment, tokens, buffers) that fill them."""
+        if not batch.state_reads and not batch.state_writes:
+            return [], [], []
+        if not hasattr(blocks, "read_state"):
+            raise ValueError("the batch resumes or keeps linear states: pass the prefix cache that holds them")
+        pool: StatePool = blocks  # type: ignore[assignment]
+        starts: list[hybrid.LinearStates | None] = [None] * num_segments
+        loaded: dict[tuple[int, ...], hybrid.LinearStates] = {}  # a group's segments share its states
+        for s, pages in batch.state_reads:
+            if pages not in loaded:
+                loaded[pages] = self._states_at(pool, pages) or self.new_linear_states().load_bytes(
+                    pool.read_state(pages))
+            starts[s] = loaded[pages]
+        kept, snaps = [], []
+        for s, n, pages in batch.state_writes:
+            states = self._states_at(pool, pages)  # written in place by the kernels...
+            if states is None:
+                states = self.new_linear_states()
+                kept.append((pages, states))  # ...or copied in after the last layer
+            snaps.append((s, n, states))
+        return (starts if batch.state_reads else []), kept, snaps
+
+    def _states_at(self, pool: StatePool, pages: tuple[int, ...]) -> hybrid.LinearStates | None:
+        """The states kept in `pages` as views of the pool (consecutive pages), else None."""
+        blob = pool.state_view(pages)
+        if blob is None:
+            return None
+        return hybrid.LinearStates.view_of(blob, self._states_like())
+
+    def _states_like(self) -> hybrid.LinearStates:
+        """Zero-size stand-ins with the states' shapes and dtypes (for view_of)."""
+        lin = self.cfg.linear
+        return hybrid.LinearStates(
+            torch.empty((self.num_linear, lin.conv_kernel - 1, lin.conv_channels), dtype=self.dtype, device="meta"),
+            torch.empty((self.num_linear, lin.num_v_heads, lin.k_dim, lin.v_dim), device="meta"))
+
+    def new_linear_states(self) -> hybrid.LinearStates:
+        """Uninitialised buffers for every linear layer's states at one token."""
+        return hybrid.LinearStates.empty(self.cfg, self.num_linear, self.dtype, self.device)
+
+    @property
+    def linear_state_bytes(self) -> int:
+        """What every linear layer's states at one token weigh (0 without linear layers): the prefix cache keeps
+        one such set at the end of each cached sequence of a hybrid model."""
+        return hybrid.LinearStates.nbytes(self.cfg, self.num_linear, self.dtype) if self.num_linear else 0
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:

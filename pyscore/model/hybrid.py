@@ -6,11 +6,15 @@
   (pyscore.ops.gated_delta_rule: MIS items continue from their prefix's state, read-only), then the gated RMSNorm.
 
 Its zero-centred RMSNorm (`x_hat * (1 + w)`) is add_rms_norm with the fp32 weight 1 + w (one rounding). Everything
-is computed in the activation dtype where transformers computes in it, so bf16 rounds where it rounds."""
+is computed in the activation dtype where transformers computes in it, so bf16 rounds where it rounds.
+
+`LinearStates` are every linear layer's conv tail and recurrent state at one token of a sequence: what the prefix
+cache keeps beside a cached block (as bytes) so that a later pass resumes the sequence there bitwise."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +24,45 @@ from pyscore.model.weights import LayerWeights, LinearAttentionWeights
 from pyscore.ops import add_rms_norm, causal_conv1d, gated_delta_rule, linear
 from pyscore.ops.gated_delta_rule import LinearAttentionPlan
 from pyscore.ops.reference import rotate_half_ref
+
+
+@dataclass
+class LinearStates:
+    """Every linear layer's state at one token: conv tails [L_lin, K - 1, C] in the dtype (the last K - 1
+    pre-conv inputs) and recurrent states [L_lin, Hv, Dk, Dv] in fp32."""
+
+    conv: torch.Tensor
+    state: torch.Tensor
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, num_linear: int, dtype: torch.dtype, device: torch.device) -> LinearStates:
+        lin = cfg.linear
+        return cls(torch.empty((num_linear, lin.conv_kernel - 1, lin.conv_channels), dtype=dtype, device=device),
+                   torch.empty((num_linear, lin.num_v_heads, lin.k_dim, lin.v_dim), device=device))
+
+    @staticmethod
+    def nbytes(cfg: ModelConfig, num_linear: int, dtype: torch.dtype) -> int:
+        lin = cfg.linear
+        conv = num_linear * (lin.conv_kernel - 1) * lin.conv_channels * torch.empty((), dtype=dtype).element_size()
+        return conv + num_linear * lin.num_v_heads * lin.k_dim * lin.v_dim * 4
+
+    def to_bytes(self) -> torch.Tensor:
+        """uint8 [nbytes]: the fp32 states, then the conv tails (so each part starts aligned to its dtype)."""
+        return torch.cat([self.state.reshape(-1).view(torch.uint8), self.conv.reshape(-1).view(torch.uint8)])
+
+    @classmethod
+    def view_of(cls, blob: torch.Tensor, like: LinearStates) -> LinearStates:
+        """States whose tensors are views of `blob` (uint8, `to_bytes`' layout) with `like`'s shapes and dtypes."""
+        n = like.state.numel() * 4
+        return cls(blob[n:].view(like.conv.dtype).view(like.conv.shape),
+                   blob[:n].view(torch.float32).view(like.state.shape))
+
+    def load_bytes(self, blob: torch.Tensor) -> LinearStates:
+        """Fills this object's tensors from `to_bytes`' layout; returns it."""
+        n = self.state.numel() * 4
+        self.state.view(-1).view(torch.uint8).copy_(blob[:n])
+        self.conv.view(-1).view(torch.uint8).copy_(blob[n:])
+        return self
 
 
 def gated_attention_inputs(h: torch.Tensor, layer: LayerWeights, cfg: ModelConfig, positions: torch.Tensor,
@@ -56,9 +99,12 @@ def linear_attention(
     rows_per_call: int, *,
     tails_in: Sequence[torch.Tensor | None] | None = None, tails_out: Sequence[torch.Tensor | None] | None = None,
     states_in: Sequence[torch.Tensor | None] | None = None, states_out: Sequence[torch.Tensor | None] | None = None,
+    snapshots: Sequence[tuple[int, int, torch.Tensor, torch.Tensor]] = (),
 ) -> torch.Tensor:
     """The Gated DeltaNet mixer on h [T, H] over the plan's segments -> [T, Hv Dv], before out_proj. The optional
-    per-segment conv tails [K - 1, C] and fp32 states [Hv, Dk, Dv] carry generation's sequences across passes."""
+    per-segment conv tails [K - 1, C] and fp32 states [Hv, Dk, Dv] carry sequences across passes (generation's, and
+    a prefix cached with its states). snapshots: (segment without a prefix, n, conv tail out, state out): that
+    segment's states after its first n tokens, mid-segment (a cached block's end)."""
     shape = cfg.linear
     num_tokens, channels = h.shape[0], shape.conv_channels
     hk, hv, dk, dv = shape.num_k_heads, shape.num_v_heads, shape.k_dim, shape.v_dim
@@ -71,6 +117,28 @@ def linear_attention(
     z = proj[:, channels : channels + hv * dv].view(num_tokens, hv, dv)
     b = proj[:, channels + hv * dv : channels + hv * dv + hv]
     a = proj[:, channels + hv * dv + hv :]
+    snaps: list[tuple[int, torch.Tensor] | None] | None = None
+    if snapshots:
+        snaps = [None] * plan.table.num_segments
+        for s, n, tail, state in snapshots:
+            _conv_tail(proj[:, :channels], plan, s, n, tails_in, tail)
+            snaps[s] = (n, state)
     o = gated_delta_rule(q, k, v, a, b, w.a_log, w.dt_bias, plan.table, plan, state_in=states_in,
-                         state_out=states_out, backend=backend)  # [T, Hv, Dv]
+                         state_out=states_out, state_snap=snaps, backend=backend)  # [T, Hv, Dv]
     return gated_rms_norm(o, z, w.norm, cfg.rms_norm_eps, backend).view(num_tokens, hv * dv)
+
+
+
+def _conv_tail(pre_conv: torch.Tensor, plan: LinearAttentionPlan, s: int, n: int,
+               tails_in: Sequence[torch.Tensor | None] | None, tail: torch.Tensor) -> None:
+    """Segment s's conv tail after its first n tokens into `tail` [K - 1, C]: those tokens' last K - 1 pre-conv
+    inputs, after the segment's tail_in (else zeros) where there are fewer than K - 1."""
+    history = tail.shape[0]
+    start, length, _, prefix_length = plan.table.host[s].tolist()
+    if prefix_length or not 0 < n <= length:
+        raise ValueError(f"a snapshot is taken inside a segment without a prefix: segment {s}, {n} tokens")
+    take = min(n, history)
+    if take < history:
+        before = tails_in[s] if tails_in is not None else None
+        tail[: history - take] = 0 if before is None else before[take:]
+    tail[history - take :] = pre_conv[start + n - take : start + n]

@@ -93,6 +93,18 @@ class KVStore:
         self.stats.held_pages += 1
         return self._free.pop()
 
+    def take_run(self, n: int) -> list[int] | None:
+        """n free pages that are consecutive in the pool (one contiguous stretch of memory), or None; reclaims
+        nothing. It looks only at the next n free pages, O(n): those of a fresh pool are consecutive, and so are
+        the pages of a run given back last (searching the whole free list cost ms a call; a caller without a run
+        copies instead)."""
+        top = self._free[-n:] if 0 < n <= len(self._free) else []
+        if not top or max(top) - min(top) != n - 1:
+            return None
+        del self._free[-n:]
+        self.stats.held_pages += n
+        return sorted(top)
+
     def give_back(self, page: int) -> None:
         self._free.append(page)
         self.stats.held_pages -= 1

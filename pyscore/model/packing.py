@@ -9,7 +9,12 @@ so a request's scores do not depend on its batch-mates.
 With a prefix cache a group may begin with cached tokens (`CacheUse`): the first blocks of its prefix (MIS) or of
 its single item (SIS, a Generate prompt) are read from the cache's block pool and get no row in the stream; the
 batch lists them per segment (`cached`, `cached_blocks`: pyscore.ops.CachedKeys) and the tokens after them keep
-their positions. Full blocks the pass computes and the cache should keep are listed in `block_writes`."""
+their positions. Full blocks the pass computes and the cache should keep are listed in `block_writes`.
+
+A hybrid model's linear-attention layers also need their recurrent states where the cached tokens end: a segment
+that starts right after them starts from those states (`state_reads`; an MIS item after a computed rest of the
+query lists them too: its conv window may reach back past that rest), and a segment that computes the block the
+cache keeps them at (`CacheLease.snapshot` chooses it) leaves the states at that block's end (`state_writes`)."""
 
 from __future__ import annotations
 
@@ -29,6 +34,8 @@ class CacheUse:
     block_tokens: int
     read: tuple[int, ...] = ()
     write: tuple[tuple[int, int], ...] = ()
+    state: tuple[int, ...] = ()  # hybrid models: pages of the recurrent states at the end of the read blocks
+    snapshot: tuple[int, tuple[int, ...]] | None = None  # (block j, pages): states at block j's end go there
 
     @property
     def cached_tokens(self) -> int:
@@ -58,6 +65,9 @@ class PackedBatch:
     cached: torch.Tensor | None = None  # [S, 3] int32 (first, count, kind) when a group reads cached blocks
     cached_blocks: torch.Tensor | None = None  # [NB] int32 pool blocks listed by `cached`
     block_writes: list[tuple[int, int]] = field(default_factory=list)  # (stream index of a block's start, pool block)
+    # hybrid models: (segment, state pages) a segment starts from; (segment, tokens into it, pages) states to keep
+    state_reads: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
+    state_writes: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -79,6 +89,8 @@ class _Packer:
         self.cached: list[tuple[int, int, int]] = []
         self.cached_blocks: list[int] = []
         self.block_writes: list[tuple[int, int]] = []
+        self.state_reads: list[tuple[int, tuple[int, ...]]] = []
+        self.state_writes: list[tuple[int, int, tuple[int, ...]]] = []
         self.readout: list[int] = []
         self.rows: list[list[list[int]]] = []
 
@@ -103,25 +115,39 @@ class _Packer:
 
     def _writes(self, use: CacheUse, first_token_at: int) -> None:
         """The blocks to write, as stream indices: block j starts at token j * B, which sits at first_token_at +
-        j * B - (cached tokens)."""
+        j * B - (cached tokens); and the states to keep, from the segment that starts at first_token_at (the
+        last one added)."""
         b, skip = use.block_tokens, use.cached_tokens
         for j, slot in use.write:
             assert j >= len(use.read), "a cached block is read, not written"
             self.block_writes.append((first_token_at + j * b - skip, slot))
+        if use.snapshot is not None:
+            j, pages = use.snapshot
+            assert j >= len(use.read), "states are kept after the blocks a group computes"
+            self.state_writes.append((len(self.segments) - 1, (j + 1) * b - skip, pages))
+
+    def _reads_state(self, use: CacheUse) -> None:
+        """The segment added last starts from the states at the end of the cached blocks."""
+        if use.state:
+            self.state_reads.append((len(self.segments) - 1, use.state))
 
     def _add_mis(self, group: Group, use: CacheUse, skip: int, first: int) -> None:
         prefix_start, computed = len(self.tokens), len(group.prefix) - skip
         n = len(use.read)
         if computed:
             self._segment(prefix_start, computed, prefix_start, 0, (first, n, CACHED_BEFORE_OWN))
+            self._reads_state(use)
             self.tokens += group.prefix[skip:]
             self.positions += range(skip, len(group.prefix))
-        self._writes(use, prefix_start)
+            self._writes(use, prefix_start)
+        else:
+            assert not use.write and use.snapshot is None, "a wholly cached prefix writes nothing"
         group_rows = []
         for item, offsets in zip(group.items, group.readouts, strict=True):
             start = len(self.tokens)
             self._segment(start, len(item), prefix_start if computed else start, computed,
                           (first, n, CACHED_BEFORE_PREFIX))
+            self._reads_state(use)  # after a wholly cached prefix, or (conv tail) before the computed one
             self.tokens += item
             self.positions += range(len(group.prefix), len(group.prefix) + len(item))
             group_rows.append(self._readouts(start, offsets))
@@ -133,6 +159,7 @@ class _Packer:
         for item, offsets in zip(group.items, group.readouts, strict=True):
             start = len(self.tokens)
             self._segment(start, len(item) - skip, start, 0, (first, len(use.read), CACHED_BEFORE_OWN))
+            self._reads_state(use)
             self._writes(use, start)
             self.tokens += item[skip:]
             self.positions += range(skip, len(item))
@@ -158,4 +185,6 @@ class _Packer:
             cached=torch.tensor(self.cached, dtype=torch.int32).reshape(-1, 3) if any_cached else None,
             cached_blocks=torch.tensor(self.cached_blocks, dtype=torch.int32) if any_cached else None,
             block_writes=self.block_writes,
+            state_reads=self.state_reads,
+            state_writes=self.state_writes,
         )

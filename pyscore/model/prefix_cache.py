@@ -16,6 +16,13 @@ prompts) in blocks of `block_tokens` tokens, reused by later requests whose toke
   the cache is at its capacity or the store has no free page (the store asks: `KVStore.reclaim`). A block held by
   a running sequence or a pass is pinned, never evicted. When nothing can be evicted, a new block is simply not
   stored: the cache never fails a request.
+- Recurrent states (hybrid models, `state_bytes` > 0): a linear-attention layer carries a conv tail and a
+  recurrent state along the sequence that no block of keys and values holds, so for such a model a cached prefix is
+  usable only where the cache also holds those states at its end. A pass attaches them (`attach_state`) to the
+  last block it caches of a sequence, in pages of the same store (the bytes of the states, split over
+  `state_pages` pages: one budget), visible with the block's commit and freed with the block; `match` then ends a
+  chain at its last block with states. Only the blocks with states are hit points: a state is ~100x a block's
+  keys and values for Qwen3.5's shapes, so one per cached sequence end, as SGLang's hybrid radix cache keeps them.
 
 Not thread-safe: one engine worker owns it (a metrics scrape only reads `stats`)."""
 
@@ -43,8 +50,8 @@ class PrefixCacheStats:
 
     block_tokens: int
     capacity_bytes: int
-    bytes: int = 0  # held now: published and pending blocks
-    blocks: int = 0
+    bytes: int = 0  # held now: published and pending blocks (and their recurrent states)
+    blocks: int = 0  # pages held now: blocks and, for a hybrid model, their states' pages
     hit_tokens: int = 0  # cacheable tokens read from the cache instead of computed
     miss_tokens: int = 0  # cacheable tokens (whole blocks) looked up and not found, so computed
     evicted_blocks: int = 0
@@ -60,26 +67,29 @@ class Block:
     children: list[Block] = field(default_factory=list)
     refs: int = 0  # pins by running passes and running sequences
     writer: CacheLease | None = None  # the lease that is writing it; None once published
+    state: tuple[int, ...] = ()  # pages of the recurrent states after its last token (hybrid models), if any
+    state_writer: CacheLease | None = None  # the lease writing `state`; None once published
 
 
 def unsupported_reason(cfg: object) -> str | None:
-    """Why the cache cannot serve this model, or None. Linear-attention layers (hybrid models such as Qwen3.5)
-    carry a recurrent and a conv state along the sequence that a block of keys and values does not hold; caching
-    only the attention layers would give wrong scores, so such models run without the cache."""
+    """Why the cache cannot serve this model, or None. Linear-attention layers (hybrid models such as Qwen3.5) are
+    served with their recurrent states stored beside the blocks (`state_bytes`); a layer of another kind keeps a
+    state the cache does not know how to store."""
     kinds = set(getattr(cfg, "layer_types", ()) or ())
-    if kinds - {"full_attention"}:
-        return (f"layers of kind {sorted(kinds - {'full_attention'})} keep a recurrent state the prefix cache "
-                "does not store")
+    if kinds - {"full_attention", "linear_attention"}:
+        return (f"layers of kind {sorted(kinds - {'full_attention', 'linear_attention'})} keep a state the prefix "
+                "cache does not store")
     return None
 
 
 class PrefixCache:
     def __init__(self, budget_bytes: int | None, *, identity: str, store: KVStore | None = None,
-                 **dims: object) -> None:
+                 state_bytes: int = 0, **dims: object) -> None:
         """The cache's blocks live in `store` (else in a store of its own of `budget_bytes`, built from `dims`:
         num_layers, num_kv_heads, head_dim, dtype, device, block_tokens); it holds at most budget_bytes of them
-        (None: the whole store). identity: what makes keys and values differ besides the tokens (the model's path
-        and config); the hash root covers it with the dtype, device and block shape."""
+        (None: the whole store), states included. identity: what makes keys and values differ besides the tokens
+        (the model's path and config); the hash root covers it with the dtype, device and block shape. state_bytes:
+        a hybrid model's recurrent states at one token (0: none; then every block is a hit point)."""
         if store is None:
             if budget_bytes is None:
                 raise ValueError("a prefix cache without a store needs a budget")
@@ -90,6 +100,11 @@ class PrefixCache:
                                                                         budget_bytes // self.block_bytes)
         if self.capacity < 1:
             raise ValueError(f"a prefix cache of {budget_bytes} bytes holds no block of {self.block_bytes} bytes")
+        self.state_bytes = state_bytes
+        self.state_pages = -(-state_bytes // self.block_bytes)
+        if self.state_pages and self.state_pages + 1 > self.capacity:
+            raise ValueError(f"a prefix cache of {self.capacity} pages holds no block with its recurrent states "
+                             f"({self.state_pages} pages of {self.block_bytes} bytes)")
         pool = store.pool
         root = f"{identity}|{pool.dtype}|{pool.device}|{store.shape}"
         self._root = hashlib.blake2b(root.encode(), digest_size=16).digest()
@@ -152,6 +167,30 @@ class PrefixCache:
 
         return sink
 
+    def state_view(self, pages: Sequence[int]) -> torch.Tensor | None:
+        """The uint8 [state_bytes] of a block's states as a view of the pool when its pages are consecutive (read
+        and written in place: no copy), else None (`read_state` / `write_state` copy)."""
+        if not pages or pages[-1] - pages[0] != len(pages) - 1 or list(pages) != list(range(pages[0], pages[-1] + 1)):
+            return None
+        return self._page_bytes()[pages[0] : pages[-1] + 1].view(-1)[: self.state_bytes]
+
+    def write_state(self, pages: Sequence[int], blob: torch.Tensor) -> None:
+        """Stores `blob` (uint8 [state_bytes], on the pool's device) in `pages` (a block's state), bitwise."""
+        assert blob.dtype == torch.uint8 and blob.numel() == self.state_bytes and len(pages) == self.state_pages
+        padded = blob.new_zeros(self.state_pages * self.block_bytes)
+        padded[: self.state_bytes] = blob
+        index = torch.tensor(pages, dtype=torch.long, device=self.pool.device)
+        self._page_bytes().index_copy_(0, index, padded.view(self.state_pages, self.block_bytes))
+
+    def read_state(self, pages: Sequence[int]) -> torch.Tensor:
+        """The uint8 [state_bytes] that `write_state` stored in `pages`."""
+        index = torch.tensor(pages, dtype=torch.long, device=self.pool.device)
+        return self._page_bytes().index_select(0, index).view(-1)[: self.state_bytes]
+
+    def _page_bytes(self) -> torch.Tensor:
+        """The pool as [pages, block_bytes] uint8 (a page is contiguous)."""
+        return self.pool.view(self.pool.shape[0], -1).view(torch.uint8)
+
     # --- the block table (CacheLease calls these) ----------------------------------------------------------------
     def _salted_root(self, salt: str) -> bytes:
         if not salt:
@@ -162,6 +201,13 @@ class PrefixCache:
         h = hashlib.blake2b(parent.key if parent else root, digest_size=16)
         h.update(array("q", tokens).tobytes())
         return h.digest()
+
+    @staticmethod
+    def _state_of(block: Block) -> tuple[int, ...]:
+        """The block's state pages once published. Unlike keys and values, which a pass writes layer by layer
+        before any group reads them, states are written after the pass's last layer: a later group of the same
+        pass cannot start from them."""
+        return block.state if block.state_writer is None else ()
 
     def _find(self, root: bytes, parent: Block | None, tokens: tuple[int, ...], lease: CacheLease) -> Block | None:
         block = self._blocks.get(self._key(root, parent, tokens))
@@ -186,17 +232,56 @@ class PrefixCache:
         key = self._key(root, parent, tokens)
         if key in self._blocks:
             return None  # a collision with another chain, or another pass writes it
-        if self.stats.blocks >= self.capacity and not self._evict_one():
+        pages = self._take_pages(1)
+        if pages is None:
             return None
-        slot = self.store.take()  # may evict through store.reclaim
-        if slot is None:
-            return None
-        block = Block(slot=slot, key=key, root=root, tokens=tokens, parent=parent, writer=lease)
+        block = Block(slot=pages[0], key=key, root=root, tokens=tokens, parent=parent, writer=lease)
         self._blocks[key] = block
         if parent is not None:
             parent.children.append(block)
-        self._count_held(+1)
         return block
+
+    def _attach_state(self, block: Block, lease: CacheLease) -> tuple[int, ...] | None:
+        """Pages for the (pinned) block's recurrent states, pending under `lease`; None when it has states already
+        or no pages can be freed."""
+        if block.state:
+            return None
+        pages = self._take_pages(self.state_pages)
+        if pages is None:
+            return None
+        block.state, block.state_writer = pages, lease
+        return pages
+
+    def _take_pages(self, n: int) -> tuple[int, ...] | None:
+        """n pages under the cache's capacity (evicting least recently used blocks as needed), or None (nothing
+        taken) when they cannot all be had. Several pages (a block's states) come as one consecutive run where the
+        store's free pages hold one: then the states are read and written in place (`state_view`)."""
+        while self.stats.blocks + n > self.capacity:
+            if not self._evict_one():
+                return None
+        run = self.store.take_run(n) if n > 1 else None
+        if run is not None:
+            self._count_held(n)
+            return tuple(run)
+        pages: list[int] = []
+        for _ in range(n):
+            page = self.store.take()  # may evict through store.reclaim
+            if page is None:
+                for taken in pages:
+                    self.store.give_back(taken)
+                return None
+            pages.append(page)
+        self._count_held(n)
+        return tuple(pages)
+
+    def _give_back(self, pages: Sequence[int]) -> None:
+        for page in pages:
+            self.store.give_back(page)
+        self._count_held(-len(pages))
+
+    def _drop_state(self, block: Block) -> None:
+        self._give_back(block.state)
+        block.state, block.state_writer = (), None
 
     def _evict_one(self) -> bool:
         """Frees the least recently used unpinned block and its descendants (all unpinned: a pinned or pending
@@ -218,11 +303,11 @@ class PrefixCache:
 
     def _drop(self, block: Block) -> None:
         del self._blocks[block.key]
-        self.store.give_back(block.slot)
-        self._count_held(-1)
+        self._give_back((block.slot,))
+        self._drop_state(block)  # last, so the next states taken find this run on top of the free pages
 
-    def _count_held(self, blocks: int) -> None:
-        self.stats.blocks += blocks
+    def _count_held(self, pages: int) -> None:
+        self.stats.blocks += pages
         self.stats.bytes = self.stats.blocks * self.block_bytes
 
 
@@ -249,6 +334,7 @@ class CacheLease:
         self.cache = cache
         self._pinned: list[Block] = []  # in pin order; released in reverse, so a chain's root stays most recent
         self._written: list[Block] = []
+        self._stated: list[Block] = []  # blocks whose states this lease attached
         self._hits = self._misses = 0
         self._open = True
 
@@ -265,6 +351,9 @@ class CacheLease:
                 break
             chain.append(block)
             parent = block
+        if cache.state_pages:  # a hybrid model resumes only where the recurrent states were kept
+            while chain and not cache._state_of(chain[-1]):
+                chain.pop()
         for block in chain:
             self._pin(block)
         self._hits += len(chain) * b
@@ -276,9 +365,15 @@ class CacheLease:
         which this pass computes. Returns the ones it allocated, pending, as (block index in `tokens`, block): the
         caller writes their keys and values. Blocks already there are pinned and kept; it stops at the first block
         that cannot be stored."""
+        return self._store(chain, tokens, end, salt)[0]
+
+    def _store(self, chain: list[Block], tokens: Sequence[int], end: int, salt: str
+               ) -> tuple[list[tuple[int, Block]], list[Block]]:
+        """`store`'s allocated blocks, and every block after `chain` it pinned (found or allocated), in order."""
         cache, b = self.cache, self.cache.block_tokens
         root = cache._salted_root(salt)
         allocated: list[tuple[int, Block]] = []
+        after: list[Block] = []
         parent = chain[-1] if chain else None
         for start in range(len(chain) * b, end // b * b, b):
             piece = tuple(tokens[start : start + b])
@@ -290,22 +385,53 @@ class CacheLease:
                 self._written.append(block)
                 allocated.append((start // b, block))
             self._pin(block)
+            after.append(block)
             parent = block
-        return allocated
+        return allocated, after
+
+    def attach_state(self, block: Block) -> tuple[int, ...] | None:
+        """Pages for the recurrent states at the end of `block` (pinned by this lease), which the caller fills
+        (`PrefixCache.write_state`) before the commit publishes them; None when the block has states already or
+        the cache cannot make room."""
+        pages = self.cache._attach_state(block, self)
+        if pages is not None:
+            self._stated.append(block)
+        return pages
+
+    def snapshot(self, blocks: list[Block], first: int, limit: int) -> tuple[int, tuple[int, ...]] | None:
+        """Where a hybrid pass keeps its states among the blocks it computes, blocks[first:] (blocks: the
+        sequence's run of blocks from its start), as (block index, pages): at the end of the last block a repeat of
+        the request can read (ending at or before `limit`), else of the last one (a longer prompt that continues
+        this one reads it). None when there is no new block, it has states already or no room."""
+        b = self.cache.block_tokens
+        if first >= len(blocks):
+            return None
+        readable = [j for j in range(first, len(blocks)) if (j + 1) * b <= limit]
+        j = readable[-1] if readable else len(blocks) - 1
+        pages = self.attach_state(blocks[j])
+        return None if pages is None else (j, pages)
 
     def use(self, tokens: Sequence[int], limit: int, end: int, salt: str = "") -> CacheUse:
         """A group's use of the cache for `tokens`: the cached blocks ending at or before `limit` are read, the
-        full blocks after them up to `end` are written (`match`, then `store`)."""
+        full blocks after them up to `end` are written (`match`, then `store`). For a hybrid model the read chain
+        ends where states were kept (`state`: they are the group's starting states) and the last block stored
+        gets states of its own where it has none (`snapshot`: the block index whose end they describe, and their
+        pages)."""
+        cache = self.cache
         chain = self.match(tokens, limit, salt)
-        written = self.store(chain, tokens, end, salt)
-        return CacheUse(self.cache.block_tokens, read=tuple(b.slot for b in chain),
-                        write=tuple((j, b.slot) for j, b in written))
+        written, after = self._store(chain, tokens, end, salt)
+        state: tuple[int, ...] = cache._state_of(chain[-1]) if chain and cache.state_pages else ()
+        snapshot = self.snapshot([*chain, *after], len(chain), limit) if cache.state_pages else None
+        return CacheUse(cache.block_tokens, read=tuple(b.slot for b in chain),
+                        write=tuple((j, b.slot) for j, b in written), state=state, snapshot=snapshot)
 
     def commit(self) -> None:
         """The pass succeeded: its blocks become visible to every later pass."""
         self._close()
         for block in self._written:
             block.writer = None
+        for block in self._stated:
+            block.state_writer = None
         self._release()
         stats = self.cache.stats
         stats.hit_tokens += self._hits
@@ -315,6 +441,9 @@ class CacheLease:
         """The pass failed: what it wrote is dropped (children before parents), what it read is unpinned."""
         self._close()
         self._release()
+        for block in self._stated:
+            if block.state_writer is self:  # (a block this lease wrote goes below with its states)
+                self.cache._drop_state(block)
         for block in reversed(self._written):
             if block.parent is not None:
                 block.parent.children.remove(block)

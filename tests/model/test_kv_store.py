@@ -30,6 +30,18 @@ def test_pages_are_taken_and_given_back_within_the_budget():
     assert store.take() == pages[1] and store.stats.held_bytes == 3 * PAGE_BYTES
 
 
+def test_a_run_of_consecutive_pages_comes_from_the_top_of_the_free_pages():
+    store = store_of(8)
+    assert store.take_run(3) == [0, 1, 2] and store.stats.held_pages == 3  # a fresh pool's pages come in order
+    assert store.take() == 3 and store.take_run(9) is None
+    for page in (0, 1, 2, 3):
+        store.give_back(page)  # the free pages' top: 3, 2, 1, then 0
+    assert store.take_run(3) == [1, 2, 3] and store.stats.held_pages == 3
+    assert store.take() == 0 and store.take() == 4
+    store.give_back(0)  # the top: 0, then 5
+    assert store.take_run(2) is None and store.stats.held_pages == 4  # not consecutive: the caller copies instead
+
+
 def test_a_table_grows_by_whole_pages_and_fails_rather_than_exceed_the_store():
     store = store_of(3)
     table = PageTable(store)

@@ -190,8 +190,80 @@ def test_writer_copies_whole_blocks_into_their_slots_at_every_layer():
     assert cache.writer([]) is None
 
 
-def test_hybrid_models_are_refused_with_a_reason():
+def test_hybrid_models_are_served_and_unknown_state_kinds_refused():
     assert unsupported_reason(SimpleNamespace()) is None
     assert unsupported_reason(SimpleNamespace(layer_types=("full_attention",) * 4)) is None
-    reason = unsupported_reason(SimpleNamespace(layer_types=("linear_attention", "full_attention")))
-    assert reason and "linear_attention" in reason and "recurrent state" in reason
+    assert unsupported_reason(SimpleNamespace(layer_types=("linear_attention", "full_attention"))) is None
+    reason = unsupported_reason(SimpleNamespace(layer_types=("mamba", "full_attention")))
+    assert reason and "mamba" in reason
+
+
+def state_blob(cache: PrefixCache, seed: int) -> torch.Tensor:
+    return (torch.arange(cache.state_bytes) * (seed + 1) % 251).to(torch.uint8)
+
+
+def test_recurrent_states_are_the_only_hit_points_and_live_with_their_block():
+    """A hybrid model's cache: a chain is read only up to its last block with states, states are attached to the
+    last block a use stores (an existing block too), invisible until the commit, stored bit for bit in pages of the
+    same budget, and freed by an abort or with their block."""
+    cache = PrefixCache(12 * BLOCK_BYTES, identity="hybrid", state_bytes=3 * BLOCK_BYTES - 5, **DIMS)
+    assert cache.state_pages == 3
+    seq = tokens(200)
+    lease = cache.lease()
+    use = lease.use(seq, 200, 200)
+    assert use.read == () and use.state == () and [j for j, _ in use.write] == [0, 1, 2]
+    assert use.snapshot is not None and use.snapshot[0] == 2 and len(use.snapshot[1]) == 3
+    cache.write_state(use.snapshot[1], state_blob(cache, 1))
+    assert lease.match(seq, 200) == []  # its own pending states: not a hit point for a later group of the pass
+    other = cache.lease()
+    assert other.match(seq, 200) == []
+    other.commit()
+    lease.commit()
+    assert cache.stats.blocks == 6 and cache.stats.bytes == 6 * BLOCK_BYTES
+    warm = cache.lease()
+    again = warm.use(seq, 200, 200)
+    assert len(again.read) == 3 and again.state == use.snapshot[1] and again.snapshot is None
+    assert torch.equal(cache.read_state(again.state), state_blob(cache, 1))
+    warm.commit()
+    longer = cache.lease()  # resumes at block 2's states and keeps its own at its last block
+    grown = longer.use(seq + tokens(64, 5), 264, 264)
+    assert len(grown.read) == 3 and grown.snapshot is not None and grown.snapshot[0] == 3
+    longer.abort()  # its block and states go; block 2's stay
+    probe = cache.lease()
+    assert cache.stats.blocks == 6 and len(probe.match(seq, 200)) == 3
+    probe.commit()
+    shorter = cache.lease()  # ends inside the chain: blocks 0-1 have no states, so nothing is read...
+    short = shorter.use(seq[:150], 150, 150)
+    assert short.read == () and short.write == () and short.snapshot is not None and short.snapshot[0] == 1
+    cache.write_state(short.snapshot[1], state_blob(cache, 2))  # ...and states go to the existing block 1
+    shorter.commit()
+    assert cache.stats.blocks == 9
+    hit = cache.lease()
+    assert len(hit.match(seq[:150], 150)) == 2
+    hit.commit()
+    # A full cache evicts the least recently used chain with its states; none is needed to serve correctly.
+    evict = cache.lease()
+    fresh = evict.use(tokens(130, 9), 130, 130)
+    assert fresh.snapshot is not None and cache.stats.evicted_blocks >= 1 and cache.stats.blocks <= 12
+    evict.commit()
+
+
+def test_a_pass_keeps_its_states_where_a_repeat_of_it_can_resume():
+    """States go at the end of the last block the same request could read again (a prompt read out from token
+    100 reads at most up to it), else at the last block computed (a longer prompt continuing it reads that)."""
+    b = B
+    for limit, expected in ((100, 100 // b - 1), (b - 1, 2)):
+        cache = PrefixCache(12 * BLOCK_BYTES, identity="hybrid", state_bytes=BLOCK_BYTES, **DIMS)
+        lease = cache.lease()
+        use = lease.use(tokens(3 * b), limit, 3 * b)
+        assert [j for j, _ in use.write] == [0, 1, 2] and use.snapshot is not None and use.snapshot[0] == expected
+        cache.write_state(use.snapshot[1], state_blob(cache, 3))
+        lease.commit()
+        again = cache.lease()
+        assert len(again.match(tokens(3 * b), limit)) == (expected + 1 if limit >= b else 0)
+        again.commit()
+
+
+def test_a_cache_that_cannot_hold_one_block_with_its_states_is_refused():
+    with pytest.raises(ValueError, match="recurrent states"):
+        PrefixCache(3 * BLOCK_BYTES, identity="hybrid", state_bytes=3 * BLOCK_BYTES, **DIMS)
