@@ -113,8 +113,10 @@ PREFIX_CACHE_COUNTERS: Readings = (
     ("pyscore_prefix_cache_evicted_blocks", "blocks evicted to make room (least recently used first)",
      lambda s: s.evicted_blocks))
 PREFIX_CACHE_GAUGES: Readings = (
-    ("pyscore_prefix_cache_bytes", "bytes of keys/values the prefix cache holds", lambda s: s.bytes),
-    ("pyscore_prefix_cache_blocks", "blocks the prefix cache holds", lambda s: s.blocks),
+    ("pyscore_prefix_cache_bytes", "bytes of keys/values (and hybrid models' linear states) the prefix cache "
+     "holds", lambda s: s.bytes),
+    ("pyscore_prefix_cache_blocks", "pages the prefix cache holds (blocks, and hybrid models' linear states)",
+     lambda s: s.blocks),
     ("pyscore_prefix_cache_capacity_bytes", "the most of the KV store the prefix cache may hold",
      lambda s: s.capacity_bytes))
 KV_STORE_GAUGES: Readings = (
