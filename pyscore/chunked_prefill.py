@@ -7,8 +7,11 @@ The rules, all through the cache's public API (`CacheLease`):
 - Reservation first: `plan` pins the prefix's cached blocks and allocates every missing one at once, under one
   lease that lives as long as the request. Pinned and pending blocks are never evicted, so a chunked request never
   loses an earlier chunk. When the cache cannot hold the whole prefix (too small, or held by other chunked
-  requests), or is off (budget 0, a model it cannot serve such as Qwen3.5's hybrid), `plan` returns None and the
-  request runs as one pass, as before chunking existed.
+  requests), or is off (budget 0), `plan` returns None and the request runs as one pass, as before chunking
+  existed.
+- A hybrid model (Qwen3.5) also needs its linear layers' states where each chunk ends: `plan` reserves a set of
+  state pages at every chunk's last block too (a chunk leaves its states there, the next chunk and the last pass
+  resume from them). They are published with the blocks, so each chunk end is a hit point for later requests.
 - Chunk boundaries lie on block boundaries, and each chunk is the causal continuation of the blocks before it (the
   attention kernels' kCachedBeforeOwn), so chunked equals unchunked bitwise on the kernel path, as warm = cold.
 - Commit after success: the blocks stay pending (visible to this request's later passes only) until the whole
@@ -20,7 +23,7 @@ The rules, all through the cache's public API (`CacheLease`):
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pyscore.model.decoder import Decoder
 from pyscore.model.packing import CacheUse, Group, pack
@@ -40,6 +43,7 @@ class ChunkedPrefill:
     blocks: list[Block]  # the prefix's blocks in order: the cached ones, then the reserved (pending) ones
     cached: int  # tokens that were in the cache before this request (read, not computed)
     publish: bool  # commit at the end (False for a request that bypasses the cache)
+    states: dict[int, tuple[int, ...]] = field(default_factory=dict)  # hybrid: token position -> its states' pages
     done: int = 0
     open: bool = True
 
@@ -58,8 +62,10 @@ class ChunkedPrefill:
         b = self.lease.cache.block_tokens
         stop = min(self.done + self.chunk_tokens, self.end)
         slots = [block.slot for block in self.blocks]
+        keep = self.states.get(stop)
         use = CacheUse(b, read=tuple(slots[: self.done // b]),
-                       write=tuple((j, slots[j]) for j in range(self.done // b, stop // b)))
+                       write=tuple((j, slots[j]) for j in range(self.done // b, stop // b)),
+                       state=self.states.get(self.done, ()), snapshot=None if keep is None else (stop // b - 1, keep))
         return Group(prefix=[], items=[self.tokens[:stop]], readouts=[[stop - 1]], cache=use)
 
     def run_next(self, decoder: Decoder) -> int:
@@ -76,7 +82,8 @@ class ChunkedPrefill:
         """The whole prefix read from the cache: the request's last pass (its query's tail and items, or its
         prompt's last tokens) once every chunk ran."""
         assert self.finished, "the prefix's chunks have not all run"
-        return CacheUse(self.lease.cache.block_tokens, read=tuple(block.slot for block in self.blocks))
+        return CacheUse(self.lease.cache.block_tokens, read=tuple(block.slot for block in self.blocks),
+                        state=self.states.get(self.end, ()))
 
     def close(self, ok: bool) -> None:
         """The request is over: on success its blocks become visible to every later pass (unless it bypassed the
@@ -98,9 +105,9 @@ def whole_blocks(tokens: int, block_tokens: int) -> int:
 def plan(cache: PrefixCache | None, tokens: list[int], limit: int, chunk_tokens: int, salt: str = "",
          bypass: bool = False) -> ChunkedPrefill | None:
     """Reserves the cache's blocks for tokens[:limit]'s whole blocks and returns the chunking plan, or None when
-    the request runs as one pass (no cache, fewer than one whole block, or no room for the prefix; a hybrid model,
-    whose chunks would each have to resume the linear layers' states)."""
-    if cache is None or cache.state_pages:
+    the request runs as one pass (no cache, fewer than one whole block, or no room for the prefix and, for a
+    hybrid model, the states at each chunk's end)."""
+    if cache is None:
         return None
     b = cache.block_tokens
     end = limit // b * b
@@ -115,6 +122,27 @@ def plan(cache: PrefixCache | None, tokens: list[int], limit: int, chunk_tokens:
     if len(blocks) != end // b or [j for j, _ in written] != list(range(len(chain), end // b)):
         lease.abort()  # the cache cannot hold the whole prefix beside what is pinned: one pass, as before
         return None
-    cached = len(chain) * b
-    return ChunkedPrefill(tokens=tokens, end=end, chunk_tokens=whole_blocks(chunk_tokens, b), lease=lease,
-                          blocks=blocks, cached=cached, publish=not bypass, done=cached)
+    cached, chunk = len(chain) * b, whole_blocks(chunk_tokens, b)
+    states = _reserve_states(lease, blocks, cached, end, chunk) if cache.state_pages else {}
+    if states is None:
+        lease.abort()
+        return None
+    return ChunkedPrefill(tokens=tokens, end=end, chunk_tokens=chunk, lease=lease, blocks=blocks, cached=cached,
+                          publish=not bypass, done=cached, states=states)
+
+
+def _reserve_states(lease: CacheLease, blocks: list[Block], cached: int, end: int, chunk: int
+                    ) -> dict[int, tuple[int, ...]] | None:
+    """A hybrid plan's states: where its cached chain ends (published, read) and at each chunk's end (pending,
+    reserved now so that no chunk can lack room later); None when the cache cannot hold them all."""
+    b = lease.cache.block_tokens
+    states = {cached: blocks[cached // b - 1].state} if cached else {}
+    for stop in range(min(cached + chunk, end), end + chunk, chunk):
+        stop = min(stop, end)
+        if stop in states:
+            break
+        pages = lease.attach_state(blocks[stop // b - 1])
+        if pages is None:
+            return None
+        states[stop] = pages
+    return states

@@ -332,7 +332,7 @@ class Engine:
     def plan_chunks(self, p: PreparedScore) -> ChunkedPrefill | None:
         """For a request that computes more than max_batch_tokens and whose query is a prefix (MIS, SIS; not
         item_first), the plan that computes the query's whole blocks in chunks, its cache blocks reserved; None
-        when it runs as one pass (no prefix cache, a hybrid model, a cache too small for the query, a query of
+        when it runs as one pass (no prefix cache, a cache too small for the query (and a hybrid's states), a query of
         less than one block). The caller runs `run_chunk` until `plan.finished`, then `finish_chunked`, or closes
         the plan (`plan.close(ok=False)`) when it gives up on the request."""
         if p.computed_tokens <= self.max_batch_tokens or not p.items or p.request.item_first:

@@ -1,7 +1,8 @@
 """Chunked prefill in the engine (pyscore.chunked_prefill): a request larger than --max-batch-tokens computes its
 query / prompt in chunks of whole cache blocks and scores (and generates) bitwise as one pass does on the kernel
 path; other requests run between its chunks; a request given up between chunks publishes nothing; its blocks
-survive cache pressure; without room in the cache (or without a cache: Qwen3.5's hybrid model) it runs as one pass."""
+survive cache pressure; without room in the cache (or without a cache) it runs as one pass. Every test runs on
+Qwen3.5's hybrid model too, whose chunks resume the linear layers' states kept at the previous chunk's end."""
 
 from __future__ import annotations
 
@@ -23,13 +24,21 @@ LONG = QUERY + " The carrier adds that the parcel left the hub on time and the r
 LABELS = ["Yes", "No"]
 
 
-@pytest.fixture(scope="module", params=["qwen3", "llama"])
+@pytest.fixture(scope="module", params=["qwen3", "llama", "qwen3_5"])
 def model_dir(request, tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp(request.param), request.param)
 
 
 def engine(path, dtype="float32", backend="kernel", **kw) -> Engine:
     return Engine.from_pretrained(path, dtype=dtype, device="cpu", threads=2, op_backend=backend, **kw)
+
+
+def reserved_pages(e: Engine, tokens: int) -> int:
+    """The pages a chunked plan of `tokens` reserves up front: its whole blocks and, for a hybrid model, a set of
+    state pages at each chunk's end (chunks of BUDGET)."""
+    end = tokens // B * B
+    assert e.prefix_cache is not None
+    return end // B + -(-end // BUDGET) * e.prefix_cache.state_pages
 
 
 @pytest.fixture
@@ -131,7 +140,7 @@ def test_given_up_between_chunks_publishes_nothing(model_dir):
     plan = e.plan_chunks(big)
     e.run_chunk(plan)
     e.run_chunk(plan)
-    assert e.prefix_cache_stats().blocks == len(e.tokenize(LONG)[0]) // B  # reserved, pending
+    assert e.prefix_cache_stats().blocks == reserved_pages(e, len(e.tokenize(LONG)[0]))  # reserved, pending
     plan.close(ok=False)  # what the batcher does when the caller cancels or the deadline passes
     stats = e.prefix_cache_stats()
     assert stats.blocks == 0 and stats.hit_tokens == stats.miss_tokens == 0
@@ -211,7 +220,7 @@ def test_an_abandoned_generation_gives_its_blocks_back(model_dir):
     long = e.start_generation(GenerateRequest(prompt=LONG, max_tokens=2))
     e.step([long])
     assert long.chunks is not None and 0 < long.chunks.done < long.chunks.end
-    assert e.prefix_cache_stats().blocks == (len(long.prompt) - 1) // B
+    assert e.prefix_cache_stats().blocks == reserved_pages(e, len(long.prompt) - 1)
     long.abandon()
     assert e.prefix_cache_stats().blocks == 0
 
@@ -225,11 +234,38 @@ def test_reference_path_chunked_within_the_warm_cold_bound(model_dir):
         assert max_abs_diff(got, expected) <= FP32_TOL
 
 
-def test_hybrid_qwen3_5_is_not_chunked_and_scores_as_one_pass(tmp_path):
-    """Qwen3.5's chunks would each have to resume the linear layers' states, which the cache keeps only at a
-    sequence's last cached block: a long request runs as one pass, as before (the cache still serves it)."""
-    path = make_model_dir(tmp_path / "q35", "qwen3_5")
-    small, big = engine(path, max_batch_tokens=BUDGET), engine(path)
-    assert small.prefix_cache is not None and small.prefix_cache.state_pages > 0
-    assert small.plan_chunks(small.prepare_score(ScoreRequest(query=LONG, items=ITEMS, labels=LABELS))) is None
-    assert small.score(LONG, ITEMS, labels=LABELS).scores == big.score(LONG, ITEMS, labels=LABELS).scores
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("q35"), "qwen3_5")
+
+
+def test_hybrid_chunk_ends_are_hit_points_once_published(hybrid_dir):
+    """Each chunk of a Qwen3.5 request leaves the linear layers' states at its end: published with the blocks,
+    they let a later request that shares only the first chunks resume there, bitwise as a cold run."""
+    e = engine(hybrid_dir, max_batch_tokens=BUDGET)
+    ids = e.tokenize(LONG)[0]
+    items = [e.tokenize(i, False)[0] for i in ITEMS]
+    e.score(ids, items, labels=LABELS)
+    other = ids[: 2 * BUDGET + 5] + ids[7:40]  # the first two chunks, then its own tokens
+    warm = e.score(other, items, labels=LABELS)
+    assert warm.usage.cached_tokens == 2 * BUDGET  # the blocks after the chunk end have no states: not read
+    assert warm.scores == engine(hybrid_dir).score(other, items, labels=LABELS, bypass_prefix_cache=True).scores
+
+
+def test_hybrid_without_room_for_the_chunks_states_runs_as_one_pass(hybrid_dir, chunks):
+    probe = engine(hybrid_dir, prefix_cache_mb=0)
+    n = len(probe.tokenize(LONG)[0]) // B * B
+    pages = engine(hybrid_dir)
+    assert pages.prefix_cache is not None
+    page_mb = pages.prefix_cache.block_bytes / 2**20
+    request = ScoreRequest(query=LONG, items=ITEMS, labels=LABELS)
+    sets = -(-n // BUDGET)  # chunks, each ending with a set of state pages
+    roomy = engine(hybrid_dir, max_batch_tokens=BUDGET, prefix_cache_mb=reserved_pages(pages, n) * page_mb)
+    plan = roomy.plan_chunks(roomy.prepare_score(request))
+    assert sets > 1 and plan is not None
+    plan.close(ok=False)
+    e = engine(hybrid_dir, max_batch_tokens=BUDGET,  # room for every block and one set of states, not one a chunk
+               prefix_cache_mb=(n // B + pages.prefix_cache.state_pages) * page_mb)
+    assert e.plan_chunks(e.prepare_score(request)) is None
+    assert e.score(LONG, ITEMS, labels=LABELS).scores == probe.score(LONG, ITEMS, labels=LABELS).scores
+    assert not chunks
