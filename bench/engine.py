@@ -2,15 +2,14 @@
 shape on token-id questions of the same lengths; three measurements:
 
 - default: time to decision at concurrency 1 across candidate counts, over `--questions` distinct questions: the
-  `--modes` (mis, sis and generate: one max_tokens=1 request per candidate, all prefilled in one `engine.step`, as
-  if every candidate were in flight at once; mis_store: MIS that stores its query in the prefix cache under a fresh
-  salt, mis_warm: MIS whose query blocks are in the cache) and, unless --no-stock, stock transformers' one plain
-  causal forward over MIS's tokens (all positions' logits, and logits_to_keep=1), all timed alternately; p50/p95
-  per cell, the MIS-vs-SIS score difference, MIS(16)/MIS(2) and, with --overhead, where a MIS of the most
-  candidates spends its time (host enqueue vs device). A table, and JSON (default bench/results/engine_cpu.json).
-  A `--shape` run adds the H200 compute and weight-read floors and the verdicts against issue 6's targets and the
-  LMSYS study's SGLang numbers; bench/gpu_check.sh runs it with `--device cuda` (and `--tiny`, the shape family's
-  tiny model on the CPU);
+  `--modes` (mis, sis and generate: one max_tokens=1 request per candidate, all prefilled in one `engine.step`, as if
+  every candidate were in flight at once; mis_store / sis_store: storing the query in the prefix cache under a fresh
+  salt, mis_warm / sis_warm: with the query's blocks in the cache) and, unless --no-stock, stock transformers' one
+  plain causal forward over MIS's tokens (all positions' logits, and logits_to_keep=1), all timed alternately; p50/p95
+  per cell, the MIS-vs-SIS score difference, MIS(16)/MIS(2) and, with --overhead, where a MIS of the most candidates
+  spends its time (host enqueue vs device). A table, and JSON (default bench/results/engine_cpu.json). A `--shape` run
+  adds the H200 compute and weight-read floors and the verdicts against issue 6's targets and the LMSYS study's SGLang
+  numbers; bench/gpu_check.sh runs it with `--device cuda` (and `--tiny`, the shape family's tiny model on the CPU);
 - `--profile`: where one MIS forward spends its time: wall-clock timers around every op the decoder and the read-out
   call (our C++ kernels are invisible to the torch profiler), then the torch profiler's table; `--gemm torch` loads
   the model with no linear kernel registered, so the projections run on torch's path (bench/results/profile_mis.txt);
@@ -25,7 +24,7 @@ shape on token-id questions of the same lengths; three measurements:
 `--tier T` forces a CPU tier (PYSCORE_CPU_TIER) and, for avx2 / avx512 / generic, torch's matching ISA settings
 (bench.common.force_isa: the bench re-executes itself with them, so stock transformers runs as on that CPU);
 `--dtype auto` is the tier's (bf16 where the CPU multiplies bf16; bf16 on a GPU). The engine bypasses its prefix
-cache but for mis_store and mis_warm: every call is the question's first sight (bench.prefix_cache times warm on
+cache but for the _store and _warm modes: every call is the question's first sight (bench.prefix_cache times warm on
 text; `--profile --warm` profiles the forward whose query blocks hit the cache)."""
 
 from __future__ import annotations
@@ -57,7 +56,7 @@ from pyscore.types import GenerateRequest, ScoreRequest
 
 RESULTS = REPO / "bench" / "results"
 LABELS = ["Yes", "No"]
-MODES = ("mis", "sis", "generate", "mis_store", "mis_warm")
+MODES = ("mis", "sis", "generate", "mis_store", "mis_warm", "sis_store", "sis_warm")
 # p95 ms at 16 candidates, concurrency 1 (the LMSYS study, SGLang on one H200) and issue 6's targets
 STUDY = {"qwen3-0.6b": dict(mis=18.7, generate=39.6, sis=24.3), "qwen3-8b": dict(mis=20.6, generate=54.1, sis=53.1),
          "qwen3.5-4b": dict(mis=55.7, generate=84.8, sis=74.4)}
@@ -103,9 +102,9 @@ def generate_first_tokens(engine: Engine, query: Any, items: list[Any]) -> None:
         raise RuntimeError("a max_tokens=1 generation did not finish in one step")
 
 
-def score_fresh_salt(engine: Engine, query: Any, items: list[Any], labels: dict[str, Any]) -> Any:
-    """MIS that computes every token and leaves its query's blocks in the cache (a salt never seen before)."""
-    return engine.score(query, items, mode="mis", prefix_cache_salt=uuid.uuid4().hex, **labels)
+def score_fresh_salt(engine: Engine, query: Any, items: list[Any], mode: str, labels: dict[str, Any]) -> Any:
+    """A Score whose query is in no cache entry yet, left there (a salt never seen before)."""
+    return engine.score(query, items, mode=mode, prefix_cache_salt=uuid.uuid4().hex, **labels)
 
 
 def in_turn(calls: list[Callable[[], Any]]) -> Callable[[], Any]:
@@ -120,13 +119,14 @@ def contenders(engine: Engine, stock: Any, questions: list[Question], labels: di
     labels = {**labels, "bypass_prefix_cache": True}
     runs: dict[str, Callable[[], Any]] = {}
     for mode in modes:
-        if mode == "mis_warm":  # every question's query blocks (and a hybrid's states) stored first, untimed
-            calls = [partial(engine.score, q, items, mode="mis", prefix_cache_salt="warm", **cached)
+        scoring = mode.split("_")[0]
+        if mode.endswith("_warm"):  # every question's query blocks (and a hybrid's states) stored first, untimed
+            calls = [partial(engine.score, q, items, mode=scoring, prefix_cache_salt="warm", **cached)
                      for q, items in questions]
             for call in calls:
                 call()
-        elif mode == "mis_store":  # cold, and storing: a salt no earlier call had
-            calls = [partial(score_fresh_salt, engine, q, items, cached) for q, items in questions]
+        elif mode.endswith("_store"):  # cold, and storing: a salt no earlier call had
+            calls = [partial(score_fresh_salt, engine, q, items, scoring, cached) for q, items in questions]
         elif mode == "generate":
             calls = [partial(generate_first_tokens, engine, q, items) for q, items in questions]
         else:

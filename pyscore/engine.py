@@ -313,6 +313,9 @@ class Engine:
         cached = [0] * len(prepared)  # per request: query tokens read from the prefix cache
         errors: dict[int, Exception] = {}
         for chunk in self._passes(prepared):
+            chunk = [u for u in chunk if u[0] not in errors]  # a request that failed already wastes no more passes
+            if not chunk:
+                continue
             try:
                 self._run_pass(chunk, prepared, rows, cached)
             except PassInterrupted:
@@ -378,13 +381,24 @@ class Engine:
     def _passes(self, prepared: Sequence[PreparedScore], skip: int = 0) -> list[list[tuple[int, int, Group]]]:
         """Units (request, first item index, group) in arrival order, cut into passes of at most
         max_batch_tokens; a unit larger than the budget runs alone. skip: prefix tokens already in the cache
-        (a chunked request's), which take no room in a pass."""
-        units = []
+        (a chunked request's), which take no room in a pass. A hybrid model's later groups of a request come in
+        passes after the first groups' (`_resumes_next_pass`)."""
+        units, later = [], []
         for r, p in enumerate(prepared):
             first = 0
-            for group in p.groups():
-                units.append((r, first, group))
+            for k, group in enumerate(p.groups()):
+                (later if k and not skip and self._resumes_next_pass(p, group) else units).append((r, first, group))
                 first += len(group.items)
+        return self._cut(units, skip) + self._cut(later, skip)
+
+    def _resumes_next_pass(self, p: PreparedScore, group: Group) -> bool:
+        """Whether a request's later group (SIS candidates, MIS item groups: the same query as its first group)
+        runs in a pass after its first group's: a hybrid model's cached blocks can be resumed only from the states
+        a pass publishes when it ends, so in the same pass it would compute the whole query again."""
+        cache = self.prefix_cache
+        return bool(cache is not None and cache.state_pages and group.prefix and not p.request.bypass_prefix_cache)
+
+    def _cut(self, units: list[tuple[int, int, Group]], skip: int) -> list[list[tuple[int, int, Group]]]:
         sizes = [len(g.prefix) - min(skip, len(g.prefix)) + sum(len(i) for i in g.items) for _, _, g in units]
         passes = []
         while units:

@@ -287,6 +287,24 @@ def test_hybrid_warm_scores_equal_transformers(hybrid_dir, backend):
     assert result.usage.cached_tokens == len(query) // B * B * len(ITEMS)
 
 
+def test_hybrid_sis_candidates_of_one_cold_request_compute_the_query_once(hybrid_dir, monkeypatch):
+    """A pass publishes a hybrid query's states only when it ends, so a cold SIS request's first candidate runs in
+    a pass of its own and the others resume its query in the next one: bitwise the cold scores, the query computed
+    once instead of once per candidate."""
+    e = engine(hybrid_dir, "kernel")
+    full = len(e.tokenize(QUERY)[0]) // B * B
+    passes: list[int] = []
+    real = e._run_pass
+    monkeypatch.setattr(e, "_run_pass", lambda chunk, *a: (passes.append(len(chunk)), real(chunk, *a))[1])
+    request = dict(labels=["Yes", "No"], mode="sis")
+    cold = e.score(QUERY, ITEMS, **request, bypass_prefix_cache=True)
+    assert passes == [len(ITEMS)]  # bypassing the cache: nothing to resume, one pass
+    first = e.score(QUERY, ITEMS, **request, prefix_cache_salt="fresh")
+    assert passes[1:] == [1, len(ITEMS) - 1] and first.scores == cold.scores
+    assert first.usage.cached_tokens == full * (len(ITEMS) - 1)
+    assert first.usage.computed_tokens == cold.usage.computed_tokens - full * (len(ITEMS) - 1)
+
+
 def test_hybrid_generate_resumes_the_prompt_states(hybrid_dir):
     e = engine(hybrid_dir, "kernel")
     n = len(e.tokenize(QUERY)[0])
