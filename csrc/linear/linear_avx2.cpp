@@ -3,8 +3,13 @@
 //
 // Micro-kernel: TM <= 6 rows x one strip of 16 packed columns (2 ymm): 12 fp32 accumulators + 2 weight operands +
 // 1 broadcast of the 16 ymm registers; each K step loads the strip's 16 weights (one cache line of the block's K row)
-// and broadcasts one x per row. Every lane of a row runs acc = fma(x[k], w[k], acc) for k = 0, 1, ..., K-1 in order,
-// whatever M is and wherever the row falls: tail tiles (TM < 6) run the same per-row chain, there is no split-K.
+// and broadcasts one x per row. A tile of few rows (a decode step's) takes a wider strip instead, as many columns as
+// its accumulators allow: 1 row x 64 columns (the whole K row of a block), 2-3 rows x 32. Narrow strips walk the
+// block's K rows as four strided streams, which at 1-4 rows bound a call by memory latency (0.4-0.5x torch's bf16
+// F.linear at M = 1, 2.5x slower than the AVX-512 kernel, which reads each K row whole: bench/results/tiers/
+// linear_avx2_wide_strips_ab.txt). Every lane of a row runs acc = fma(x[k], w[k], acc) for k = 0, 1, ..., K-1 in
+// order, whatever M is, the strip width and wherever the row falls: tail tiles (TM < 6) run the same per-row chain,
+// there is no split-K.
 //
 // Cache blocking: K in blocks of kKBlock, so that a block part's weight panel over a K block (up to 64 columns x
 // kKBlock, 256 KiB in fp32) stays in L2 while every row tile of the rectangle passes over it; a tile's x rows over
@@ -24,22 +29,24 @@ namespace {
 using namespace avx2;
 
 constexpr int kTileRows = 6;
-constexpr int kStripN = 16;          // packed columns per micro-kernel call: 2 ymm
+constexpr int kStripN = 16;          // packed columns per micro-kernel call at 4-6 rows: 2 ymm
+
+// Packed columns per micro-kernel call for a tile of tm rows over a block part `width` columns wide (32 or 64): as
+// wide as tm x width / 8 accumulators allow in 16 ymm registers (weights come as memory operands).
+int strip_columns(int tm, int32_t width) { return tm == 1 ? width : tm <= 3 ? 32 : kStripN; }
 constexpr int32_t kKBlock = 1024;    // K per cache block (even: whole bf16 pairs)
 
 // Element traits: T is the stored type of x, the weight and the output. x rows reach the micro-kernel as fp32
 // (bf16 ones widened once per tile and K block into a per-thread buffer); step() adds one K row of the strip (fp32)
-// or one K pair (bf16, even element first: the natural K order) for TM rows.
+// or one K pair (bf16, even element first: the natural K order) for TM rows and NV ymm (8 columns each).
 struct F32 {
   using T = float;
   static constexpr int kPack = 1;
-  template <int TM>
-  static void step(Vec (&acc)[TM][2], const float* x, int64_t x_stride, const T* w) {
-    const Vec w0 = load(w), w1 = load(w + 8);
+  template <int TM, int NV>
+  static void step(Vec (&acc)[TM][NV], const float* x, int64_t x_stride, const T* w) {
     for (int r = 0; r < TM; ++r) {
       const Vec b = set1(x[r * x_stride]);
-      acc[r][0] = fma(b, w0, acc[r][0]);
-      acc[r][1] = fma(b, w1, acc[r][1]);
+      for (int j = 0; j < NV; ++j) acc[r][j] = fma(b, load(w + 8 * j), acc[r][j]);
     }
   }
 };
@@ -47,20 +54,28 @@ struct F32 {
 struct Bf16 {
   using T = uint16_t;
   static constexpr int kPack = 2;
-  template <int TM>
-  static void step(Vec (&acc)[TM][2], const float* x, int64_t x_stride, const T* w) {
-    const __m256i p0 = load_bits(w), p1 = load_bits(w + 16);  // 8 columns x one K pair each
-    const Vec e0 = bf16_even(p0), e1 = bf16_even(p1);
-    for (int r = 0; r < TM; ++r) {
-      const Vec b = set1(x[r * x_stride]);
-      acc[r][0] = fma(b, e0, acc[r][0]);
-      acc[r][1] = fma(b, e1, acc[r][1]);
-    }
-    const Vec o0 = bf16_odd(p0), o1 = bf16_odd(p1);
-    for (int r = 0; r < TM; ++r) {
-      const Vec b = set1(x[r * x_stride + 1]);
-      acc[r][0] = fma(b, o0, acc[r][0]);
-      acc[r][1] = fma(b, o1, acc[r][1]);
+  // The ymm widened at once: as many as fit beside the TM x NV accumulators and one broadcast (each broadcast then
+  // serves G FMAs; one at a time cost the 6-row prefill tile 1.3x).
+  template <int TM, int NV>
+  static constexpr int kGroup = TM * NV + NV + 1 <= 16 ? NV : NV / 2;
+
+  template <int TM, int NV>
+  static void step(Vec (&acc)[TM][NV], const float* x, int64_t x_stride, const T* w) {
+    constexpr int G = kGroup<TM, NV>;
+    for (int j0 = 0; j0 < NV; j0 += G) {
+      __m256i pairs[G];  // 8 columns x one K pair each
+      Vec v[G];
+      for (int g = 0; g < G; ++g) pairs[g] = load_bits(w + 16 * (j0 + g));
+      for (int g = 0; g < G; ++g) v[g] = bf16_even(pairs[g]);
+      for (int r = 0; r < TM; ++r) {
+        const Vec b = set1(x[r * x_stride]);
+        for (int g = 0; g < G; ++g) acc[r][j0 + g] = fma(b, v[g], acc[r][j0 + g]);
+      }
+      for (int g = 0; g < G; ++g) v[g] = bf16_odd(pairs[g]);
+      for (int r = 0; r < TM; ++r) {
+        const Vec b = set1(x[r * x_stride + 1]);
+        for (int g = 0; g < G; ++g) acc[r][j0 + g] = fma(b, v[g], acc[r][j0 + g]);
+      }
     }
   }
 };
@@ -71,45 +86,53 @@ struct Bf16 {
 constexpr int32_t kAhead = 32;
 
 template <class T>
-void prefetch_row(const T* row, int lines) {
+void prefetch_row(const T* row, int lines, int own) {  // own: the lines this call reads (into L1), the rest into L2
   const char* q = reinterpret_cast<const char*>(row);
-  _mm_prefetch(q, _MM_HINT_T0);
-  for (int l = 1; l < lines; ++l) _mm_prefetch(q + 64 * l, _MM_HINT_T1);
+  for (int l = 0; l < lines; ++l) _mm_prefetch(q + 64 * l, l < own ? _MM_HINT_T0 : _MM_HINT_T1);
 }
 
 // TM rows of x (fp32, x_stride apart, from the K block's start) x one strip (w: its first K row of the block) over
 // `steps` K steps, into acc (TM rows of kLinearBlockN floats): from zero when `first`, else continuing acc. With
 // pf_lines > 0, prefetches that many lines of the K row kAhead steps ahead, for the first pf_steps steps (those whose
 // row ahead is still inside the packed weight).
-template <class E, int TM>
+template <class E, int TM, int NV>
 void micro(const float* x, int64_t x_stride, const typename E::T* w, int32_t steps, bool first, float* acc_rows,
            int pf_lines, int32_t pf_steps) {
   constexpr int64_t kRow = kLinearBlockN * E::kPack;  // elements per K step (row or pair row) of a block
-  Vec acc[TM][2];
+  Vec acc[TM][NV];
   for (int r = 0; r < TM; ++r)
-    for (int h = 0; h < 2; ++h) acc[r][h] = first ? zero() : load(acc_rows + r * kLinearBlockN + 8 * h);
+    for (int h = 0; h < NV; ++h) acc[r][h] = first ? zero() : load(acc_rows + r * kLinearBlockN + 8 * h);
   int32_t s = 0;
   if (pf_lines > 0) {
     for (const int32_t end = std::min(steps, pf_steps); s < end; ++s) {
-      prefetch_row(w + (s + kAhead) * kRow, pf_lines);
-      E::template step<TM>(acc, x + s * E::kPack, x_stride, w + s * kRow);
+      prefetch_row(w + (s + kAhead) * kRow, pf_lines, NV / 2);
+      E::template step<TM, NV>(acc, x + s * E::kPack, x_stride, w + s * kRow);
     }
   }
-  for (; s < steps; ++s) E::template step<TM>(acc, x + s * E::kPack, x_stride, w + s * kRow);
+  for (; s < steps; ++s) E::template step<TM, NV>(acc, x + s * E::kPack, x_stride, w + s * kRow);
   for (int r = 0; r < TM; ++r)
-    for (int h = 0; h < 2; ++h) store(acc_rows + r * kLinearBlockN + 8 * h, acc[r][h]);
+    for (int h = 0; h < NV; ++h) store(acc_rows + r * kLinearBlockN + 8 * h, acc[r][h]);
 }
 
+// One call of `columns` packed columns (strip_columns) for tm rows.
 template <class E>
-void micro_rows(int tm, const float* x, int64_t x_stride, const typename E::T* w, int32_t steps, bool first,
-                float* acc, int pf_lines, int32_t pf_steps) {
+void micro_rows(int tm, int columns, const float* x, int64_t x_stride, const typename E::T* w, int32_t steps,
+                bool first, float* acc, int pf_lines, int32_t pf_steps) {
+  if (columns == 64) return micro<E, 1, 8>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps);
+  if (columns == 32) {
+    switch (tm) {
+      case 1: return micro<E, 1, 4>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps);
+      case 2: return micro<E, 2, 4>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps);
+      default: return micro<E, 3, 4>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps);
+    }
+  }
   switch (tm) {
-    case 1: return micro<E, 1>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps);
-    case 2: return micro<E, 2>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps);
-    case 3: return micro<E, 3>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps);
-    case 4: return micro<E, 4>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps);
-    case 5: return micro<E, 5>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps);
-    default: return micro<E, 6>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps);
+    case 1: return micro<E, 1, 2>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps);
+    case 2: return micro<E, 2, 2>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps);
+    case 3: return micro<E, 3, 2>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps);
+    case 4: return micro<E, 4, 2>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps);
+    case 5: return micro<E, 5, 2>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps);
+    default: return micro<E, 6, 2>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps);
   }
 }
 
@@ -184,9 +207,10 @@ void rect(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1)
         const int tm = std::min<int32_t>(kTileRows, m1 - m);
         const XRows x = x_rows(p, m, tm, k0, k1, static_cast<const T*>(nullptr));
         float* acc = partial.data() + int64_t(m - m0) * kLinearBlockN;
-        for (int32_t s = 0; s < width; s += kStripN) {
-          const int pf_lines = m == m0 && s == 0 ? width / kStripN : 0;
-          micro_rows<E>(tm, x.data, x.stride, wk + s * E::kPack, steps, k0 == 0, acc + s, pf_lines,
+        const int columns = strip_columns(tm, width);
+        for (int32_t s = 0; s < width; s += columns) {
+          const int pf_lines = m == m0 && s == 0 ? width / 16 : 0;  // 16 packed columns: one line a K step
+          micro_rows<E>(tm, columns, x.data, x.stride, wk + s * E::kPack, steps, k0 == 0, acc + s, pf_lines,
                         k_steps - s0 - kAhead);
         }
         if (k1 == p.k) epilogue<T>(p, m, tm, c, width, acc);

@@ -41,7 +41,9 @@ LINEAR_FP32 = Choice("kernel", "AVX-512 FMAs in K blocks, batch-invariant; 0.98-
                                "(bench/results/tiers/linear_fp32_kblock_ab.txt)")
 LINEAR_AVX2 = Choice("kernel", "AVX2 + FMA, batch-invariant; fp32 1.1-1.7x torch's batch-invariant (chunked) path "
                                "and 0.90-1.20x one unchunked MKL AVX2 F.linear, bf16 (widened to fp32) 2.8-5.1x "
-                               "torch's AVX2 bf16 F.linear (bench/results/tiers/linear_avx2.txt)")
+                               "torch's AVX2 bf16 F.linear (bench/results/tiers/linear_avx2.txt); at 1-3 rows "
+                               "(decode) 1.2-3.1x faster with wide strips: bf16 0.80-1.24x torch's AVX2 GEMV at one "
+                               "row, fp32 2.6x (linear_avx2_wide_strips_ab.txt)")
 LINEAR_FP32_AVX512 = Choice("kernel", "ours, AVX-512 FMAs in K blocks (0.95-1.04x one unchunked F.linear at prefill, "
                                       "1.00x over a forward's projections, 1.05-1.72x at decode, 1.4-1.5x torch's "
                                       "batch-invariant row calls) (bench/results/tiers/linear_avx512_fp32.txt)")
