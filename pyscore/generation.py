@@ -197,7 +197,7 @@ class GenerationRunner:
         new = [g for g in generations if g.state is SeqState.WAITING]
         running = [g for g in generations if g.state is SeqState.RUNNING]
         new = self._advance_chunked(new)
-        prefill = self._within_prefill_budget(new)
+        prefill = self._after_their_states(self._within_prefill_budget(new))
         if prefill:
             self._together_or_alone(self._prefill, prefill)
         if running:
@@ -234,6 +234,29 @@ class GenerationRunner:
             return False
         g.chunks = chunked_prefill.plan(self.prefix_cache, g.prompt, n - 1, self.chunk_tokens, r.prefix_cache_salt)
         return g.chunks is not None
+
+    def _after_their_states(self, gens: list[Generation]) -> list[Generation]:
+        """A hybrid model's linear states are shared across passes only (a pass publishes them when it ends): a new
+        prompt that starts with an earlier new prompt's whole readable prefix (its blocks before its first read-out
+        token: the same prompt again, n > 1 samples, a longer continuation) that the cache does not hold yet waits
+        one step, then resumes the states that prompt's pass left there instead of computing the prefix again."""
+        cache = self.prefix_cache
+        if cache is None or not cache.state_pages or len(gens) < 2:
+            return gens
+        b = cache.block_tokens
+        taken: list[Generation] = []
+        heads: list[tuple[str, tuple[int, ...]]] = []  # taken prompts' uncached prefixes whose states their pass keeps
+        for g in gens:
+            r, limit = g.request, self._readouts(g)[0]
+            shares = not r.bypass_prefix_cache and g.chunks is None
+            if shares and any(salt == r.prefix_cache_salt and len(p) <= limit and tuple(g.prompt[: len(p)]) == p
+                              for salt, p in heads):
+                continue
+            taken.append(g)
+            end = limit // b * b
+            if shares and end and cache.published_tokens(g.prompt, end, r.prefix_cache_salt) < end:
+                heads.append((r.prefix_cache_salt, tuple(g.prompt[:end])))
+        return taken
 
     def _within_prefill_budget(self, new: list[Generation]) -> list[Generation]:
         """The longest arrival-order prefix of `new` whose prompts fit max_prefill_tokens (at least one)."""

@@ -319,6 +319,45 @@ def test_hybrid_generate_resumes_the_prompt_states(hybrid_dir):
     assert e.score(QUERY, ITEMS, labels=["Yes"]).usage.cached_tokens == n // B * B
 
 
+def run_together(e: Engine, requests: list[GenerateRequest]) -> tuple[list, list[list[str]]]:
+    """The requests started at once and stepped together; their results and each step's states."""
+    gens = [e.start_generation(r) for r in requests]
+    states = []
+    while not all(g.finished for g in gens):
+        e.step([g for g in gens if not g.finished])
+        states.append([g.state.value for g in gens])
+    return [g.result() for g in gens], states
+
+
+def test_hybrid_prompt_that_repeats_an_uncached_one_waits_a_step_for_its_states(hybrid_dir):
+    """Two new prompts in one step whose later one starts with the earlier one's whole readable prefix (n > 1
+    samples of one prompt): the later waits one step and resumes the states the earlier one's pass kept, instead
+    of computing the prefix again; the same tokens. Prompts that only share a part of it go together, as before."""
+    e = engine(hybrid_dir, "kernel")
+    n = len(e.tokenize(QUERY)[0])
+    cold = e.generate(GenerateRequest(prompt=QUERY, max_tokens=4, bypass_prefix_cache=True))
+    (a, b), states = run_together(e, [GenerateRequest(prompt=QUERY, max_tokens=4, prefix_cache_salt="n=2")] * 2)
+    assert states[0] == ["running", "waiting"] and a.token_ids == b.token_ids == cold.token_ids
+    assert (a.usage.cached_tokens, b.usage.cached_tokens) == (0, (n - 1) // B * B)
+    longer = [GenerateRequest(prompt=QUERY, max_tokens=2, prefix_cache_salt="grow"),
+              GenerateRequest(prompt=QUERY + " Please answer briefly.", max_tokens=2, prefix_cache_salt="grow")]
+    (_, grown), states = run_together(e, longer)
+    assert states[0] == ["running", "waiting"] and grown.usage.cached_tokens == (n - 1) // B * B
+    apart = [GenerateRequest(prompt=QUERY, max_tokens=2, prefix_cache_salt="apart"),
+             GenerateRequest(prompt=QUERY[:60], max_tokens=2, prefix_cache_salt="apart")]
+    _, states = run_together(e, apart)
+    assert states[0] == ["running", "running"]  # the shorter one is not the longer's whole prefix: no wait
+    again, states = run_together(e, [GenerateRequest(prompt=QUERY, max_tokens=2, prefix_cache_salt="n=2")] * 2)
+    assert states[0] == ["running", "running"]  # its prefix is cached now: both read it in the same pass
+    assert [r.usage.cached_tokens for r in again] == [(n - 1) // B * B] * 2
+
+
+def test_other_families_never_hold_a_prompt_back(model_dir):
+    e = engine(model_dir, "kernel")
+    _, states = run_together(e, [GenerateRequest(prompt=QUERY, max_tokens=2)] * 2)
+    assert states[0] == ["running", "running"]  # later groups read the blocks an earlier one writes in the pass
+
+
 def test_hybrid_failed_pass_keeps_no_states_and_a_small_cache_still_serves(hybrid_dir, monkeypatch):
     e = engine(hybrid_dir, "kernel")
     real = e.decoder.hidden_at

@@ -134,6 +134,20 @@ class PrefixCache:
     def lease(self) -> CacheLease:
         return CacheLease(self)
 
+    def published_tokens(self, tokens: Sequence[int], limit: int, salt: str = "") -> int:
+        """How many of tokens[:limit] a pass starting now would read (whole published blocks; for a hybrid model
+        up to the last with states). Reads only: pins nothing, counts no hit."""
+        root, b = self._salted_root(salt), self.block_tokens
+        parent, length, resumable = None, 0, 0
+        for start in range(0, limit // b * b, b):
+            block = self._find(root, parent, tuple(tokens[start : start + b]), None)
+            if block is None:
+                break
+            parent, length = block, start + b
+            if not self.state_pages or self._state_of(block):
+                resumable = length
+        return resumable
+
     def hold(self, blocks: Sequence[Block]) -> None:
         """Pins blocks for a running sequence that reads them in place (until `release`)."""
         for block in blocks:
@@ -209,7 +223,8 @@ class PrefixCache:
         pass cannot start from them."""
         return block.state if block.state_writer is None else ()
 
-    def _find(self, root: bytes, parent: Block | None, tokens: tuple[int, ...], lease: CacheLease) -> Block | None:
+    def _find(self, root: bytes, parent: Block | None, tokens: tuple[int, ...], lease: CacheLease | None
+              ) -> Block | None:
         block = self._blocks.get(self._key(root, parent, tokens))
         if block is None or block.tokens != tokens or block.parent is not parent or block.root != root:
             return None  # absent, or a hash collision
