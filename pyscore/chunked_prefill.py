@@ -136,7 +136,7 @@ def _reserve_states(lease: CacheLease, blocks: list[Block], cached: int, end: in
     """A hybrid plan's states: where its cached chain ends (published, read) and at each chunk's end (pending,
     reserved now so that no chunk can lack room later); None when the cache cannot hold them all."""
     b = lease.cache.block_tokens
-    states = {cached: blocks[cached // b - 1].state} if cached else {}
+    states = {cached: lease.cache.states_after(blocks[: cached // b])} if cached else {}
     for stop in range(min(cached + chunk, end), end + chunk, chunk):
         stop = min(stop, end)
         if stop in states:

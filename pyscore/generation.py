@@ -397,7 +397,7 @@ class GenerationRunner:
             blocks.append(block)
         state, snapshot = (), None
         if lease.cache.state_pages:  # a hybrid model: resume at the chain's states, keep the pass's in a block
-            state = chain[-1].state if chain else ()
+            state = lease.cache.states_after(chain)
             snapshot = lease.snapshot(blocks, len(chain), limit)
         use = CacheUse(self.store.block_tokens, read=tuple(block.slot for block in chain),
                        write=tuple((j, block.slot) for j, block in written), state=state, snapshot=snapshot)

@@ -30,11 +30,11 @@ using namespace avx2;
 
 constexpr int kTileRows = 6;
 constexpr int kStripN = 16;          // packed columns per micro-kernel call at 4-6 rows: 2 ymm
+constexpr int32_t kKBlock = 1024;    // K per cache block (even: whole bf16 pairs)
 
 // Packed columns per micro-kernel call for a tile of tm rows over a block part `width` columns wide (32 or 64): as
 // wide as tm x width / 8 accumulators allow in 16 ymm registers (weights come as memory operands).
 int strip_columns(int tm, int32_t width) { return tm == 1 ? width : tm <= 3 ? 32 : kStripN; }
-constexpr int32_t kKBlock = 1024;    // K per cache block (even: whole bf16 pairs)
 
 // Element traits: T is the stored type of x, the weight and the output. x rows reach the micro-kernel as fp32
 // (bf16 ones widened once per tile and K block into a per-thread buffer); step() adds one K row of the strip (fp32)
@@ -54,8 +54,8 @@ struct F32 {
 struct Bf16 {
   using T = uint16_t;
   static constexpr int kPack = 2;
-  // The ymm widened at once: as many as fit beside the TM x NV accumulators and one broadcast (each broadcast then
-  // serves G FMAs; one at a time cost the 6-row prefill tile 1.3x).
+  // The ymm widened at once: as many as fit beside the TM x NV accumulators and one broadcast, so that each
+  // broadcast serves G FMAs (the 6-row tile: both of its ymm, as before wide strips).
   template <int TM, int NV>
   static constexpr int kGroup = TM * NV + NV + 1 <= 16 ? NV : NV / 2;
 

@@ -128,7 +128,6 @@ def linear_attention(
     return gated_rms_norm(o, z, w.norm, cfg.rms_norm_eps, backend).view(num_tokens, hv * dv)
 
 
-
 def _conv_tail(pre_conv: torch.Tensor, plan: LinearAttentionPlan, s: int, n: int,
                tails_in: Sequence[torch.Tensor | None] | None, tail: torch.Tensor) -> None:
     """Segment s's conv tail after its first n tokens into `tail` [K - 1, C]: those tokens' last K - 1 pre-conv

@@ -16,13 +16,14 @@ prompts) in blocks of `block_tokens` tokens, reused by later requests whose toke
   the cache is at its capacity or the store has no free page (the store asks: `KVStore.reclaim`). A block held by
   a running sequence or a pass is pinned, never evicted. When nothing can be evicted, a new block is simply not
   stored: the cache never fails a request.
-- Recurrent states (hybrid models, `state_bytes` > 0): a linear-attention layer carries a conv tail and a
-  recurrent state along the sequence that no block of keys and values holds, so for such a model a cached prefix is
-  usable only where the cache also holds those states at its end. A pass attaches them (`attach_state`) to the
-  last block it caches of a sequence, in pages of the same store (the bytes of the states, split over
-  `state_pages` pages: one budget), visible with the block's commit and freed with the block; `match` then ends a
-  chain at its last block with states. Only the blocks with states are hit points: a state is ~100x a block's
-  keys and values for Qwen3.5's shapes, so one per cached sequence end, as SGLang's hybrid radix cache keeps them.
+- Recurrent states (hybrid models, `state_bytes` > 0): a linear-attention layer carries a conv tail and a recurrent
+  state along the sequence that no block of keys and values holds, so for such a model a cached prefix is usable
+  only where the cache also holds those states at its end. A pass attaches them (`attach_state`) to one block it
+  caches of a sequence (`snapshot`: the last a repeat of the request can read, else its last), in pages of the same
+  store (the bytes of the states, split over `state_pages` pages: one budget), visible with the block's commit and
+  freed with the block; `match` then ends a chain at its last block with states. Only the blocks with states are hit
+  points: a state is ~100x a block's keys and values for Qwen3.5's shapes, so one per cached sequence end, as
+  SGLang's hybrid radix cache keeps them.
 
 Not thread-safe: one engine worker owns it (a metrics scrape only reads `stats`)."""
 
@@ -137,16 +138,12 @@ class PrefixCache:
     def published_tokens(self, tokens: Sequence[int], limit: int, salt: str = "") -> int:
         """How many of tokens[:limit] a pass starting now would read (whole published blocks; for a hybrid model
         up to the last with states). Reads only: pins nothing, counts no hit."""
-        root, b = self._salted_root(salt), self.block_tokens
-        parent, length, resumable = None, 0, 0
-        for start in range(0, limit // b * b, b):
-            block = self._find(root, parent, tuple(tokens[start : start + b]), None)
-            if block is None:
-                break
-            parent, length = block, start + b
-            if not self.state_pages or self._state_of(block):
-                resumable = length
-        return resumable
+        return len(self._chain(tokens, limit, salt, None)) * self.block_tokens
+
+    def states_after(self, chain: Sequence[Block]) -> tuple[int, ...]:
+        """The pages of the published states at the end of a chain `match` returned: where a hybrid model's pass
+        resumes (empty for other models, or an empty chain)."""
+        return self._state_of(chain[-1]) if chain and self.state_pages else ()
 
     def hold(self, blocks: Sequence[Block]) -> None:
         """Pins blocks for a running sequence that reads them in place (until `release`)."""
@@ -184,7 +181,7 @@ class PrefixCache:
     def state_view(self, pages: Sequence[int]) -> torch.Tensor | None:
         """The uint8 [state_bytes] of a block's states as a view of the pool when its pages are consecutive (read
         and written in place: no copy), else None (`read_state` / `write_state` copy)."""
-        if not pages or pages[-1] - pages[0] != len(pages) - 1 or list(pages) != list(range(pages[0], pages[-1] + 1)):
+        if not pages or list(pages) != list(range(pages[0], pages[0] + len(pages))):
             return None
         return self._page_bytes()[pages[0] : pages[-1] + 1].view(-1)[: self.state_bytes]
 
@@ -222,6 +219,22 @@ class PrefixCache:
         before any group reads them, states are written after the pass's last layer: a later group of the same
         pass cannot start from them."""
         return block.state if block.state_writer is None else ()
+
+    def _chain(self, tokens: Sequence[int], limit: int, salt: str, lease: CacheLease | None) -> list[Block]:
+        """The longest chain of blocks (under `salt`) that starts `tokens` and ends at or before token `limit`:
+        published ones, or ones `lease` is writing; a hybrid model's ends at its last block with published states
+        (it resumes only where they were kept)."""
+        root, b = self._salted_root(salt), self.block_tokens
+        chain: list[Block] = []
+        for start in range(0, limit // b * b, b):
+            block = self._find(root, chain[-1] if chain else None, tuple(tokens[start : start + b]), lease)
+            if block is None:
+                break
+            chain.append(block)
+        if self.state_pages:
+            while chain and not self._state_of(chain[-1]):
+                chain.pop()
+        return chain
 
     def _find(self, root: bytes, parent: Block | None, tokens: tuple[int, ...], lease: CacheLease | None
               ) -> Block | None:
@@ -356,19 +369,8 @@ class CacheLease:
     def match(self, tokens: Sequence[int], limit: int, salt: str = "") -> list[Block]:
         """The longest chain of cached blocks (under `salt`) that starts `tokens` and ends at or before token
         `limit`: published blocks, or blocks this lease is writing. Pins them."""
-        cache, b = self.cache, self.cache.block_tokens
-        root = cache._salted_root(salt)
-        chain: list[Block] = []
-        parent = None
-        for start in range(0, limit // b * b, b):
-            block = cache._find(root, parent, tuple(tokens[start : start + b]), self)
-            if block is None:
-                break
-            chain.append(block)
-            parent = block
-        if cache.state_pages:  # a hybrid model resumes only where the recurrent states were kept
-            while chain and not cache._state_of(chain[-1]):
-                chain.pop()
+        b = self.cache.block_tokens
+        chain = self.cache._chain(tokens, limit, salt, self)
         for block in chain:
             self._pin(block)
         self._hits += len(chain) * b
@@ -429,16 +431,16 @@ class CacheLease:
     def use(self, tokens: Sequence[int], limit: int, end: int, salt: str = "") -> CacheUse:
         """A group's use of the cache for `tokens`: the cached blocks ending at or before `limit` are read, the
         full blocks after them up to `end` are written (`match`, then `store`). For a hybrid model the read chain
-        ends where states were kept (`state`: they are the group's starting states) and the last block stored
-        gets states of its own where it has none (`snapshot`: the block index whose end they describe, and their
+        ends where states were kept (`state`: they are the group's starting states) and the pass keeps its own at
+        one block it computes (`snapshot`, which chooses it: the block index whose end they describe, and their
         pages)."""
         cache = self.cache
         chain = self.match(tokens, limit, salt)
         written, after = self._store(chain, tokens, end, salt)
-        state: tuple[int, ...] = cache._state_of(chain[-1]) if chain and cache.state_pages else ()
         snapshot = self.snapshot([*chain, *after], len(chain), limit) if cache.state_pages else None
         return CacheUse(cache.block_tokens, read=tuple(b.slot for b in chain),
-                        write=tuple((j, b.slot) for j, b in written), state=state, snapshot=snapshot)
+                        write=tuple((j, b.slot) for j, b in written), state=cache.states_after(chain),
+                        snapshot=snapshot)
 
     def commit(self) -> None:
         """The pass succeeded: its blocks become visible to every later pass."""

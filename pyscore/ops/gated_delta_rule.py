@@ -74,9 +74,9 @@ def _plan_for(segments: torch.Tensor | SegmentTable, plan: LinearAttentionPlan |
 
 
 def _pointers(name: str, tensors: Sequence[torch.Tensor | None] | None, plan: LinearAttentionPlan,
-              shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, reading: bool) -> torch.Tensor | None:
+              shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, lead_only: bool) -> torch.Tensor | None:
     """Per-segment state tensors -> an int64 [S] table of their addresses (0 = none) on `device`, after checking
-    each (a state a segment reads must belong to a segment without a prefix)."""
+    each (lead_only: the tensor may belong to a segment without a prefix only, as a state an item would read)."""
     if tensors is None:
         return None
     if len(tensors) != plan.table.num_segments:
@@ -89,7 +89,7 @@ def _pointers(name: str, tensors: Sequence[torch.Tensor | None] | None, plan: Li
         if tuple(t.shape) != shape or t.dtype != dtype or t.device != device or not t.is_contiguous():
             raise ValueError(f"{name}[{s}] must be a contiguous {dtype} {list(shape)} on {device}, "
                              f"got {t.dtype} {list(t.shape)} on {t.device}")
-        if reading and int(plan.table.host[s, 3]):
+        if lead_only and int(plan.table.host[s, 3]):
             raise ValueError(f"{name}[{s}]: segment {s} continues its prefix; only a segment without one takes a state")
         addresses.append(t.data_ptr())
     return torch.tensor(addresses, dtype=torch.int64).to(device)
@@ -102,7 +102,7 @@ def _snapshots(snaps: Sequence[tuple[int, torch.Tensor] | None] | None, plan: Li
         return None, None
     rows = plan.table.host.tolist()
     tensors = [None if x is None else x[1] for x in snaps]
-    addresses = _pointers("state_snap", tensors, plan, shape, torch.float32, device, reading=True)
+    addresses = _pointers("state_snap", tensors, plan, shape, torch.float32, device, lead_only=True)
     counts = []
     for s, x in enumerate(snaps):
         if x is not None and not 1 <= x[0] <= rows[s][1]:
@@ -155,8 +155,8 @@ def causal_conv1d(
     _check_out(out, x, "[T, C]")
     plan = _plan_for(segments, plan, num_tokens, x.device)
     tail_shape = (taps - 1, channels)
-    tails_in = _pointers("tail_in", tail_in, plan, tail_shape, x.dtype, x.device, reading=False)
-    tails_out = _pointers("tail_out", tail_out, plan, tail_shape, x.dtype, x.device, reading=False)
+    tails_in = _pointers("tail_in", tail_in, plan, tail_shape, x.dtype, x.device, lead_only=False)
+    tails_out = _pointers("tail_out", tail_out, plan, tail_shape, x.dtype, x.device, lead_only=False)
     module = _ext.kernel_for("causal_conv1d", x.device, x.dtype, backend)
     if module is None:
         return _from_reference(*causal_conv1d_ref(x, weight, plan.table.host, tail_in), tail_out, out)
@@ -219,8 +219,8 @@ def gated_delta_rule(
     _check_out(out, v, "[T, Hv, Dv]")
     plan = _plan_for(segments, plan, num_tokens, q.device)
     state_shape = (num_v_heads, key_dim, value_dim)
-    states_in = _pointers("state_in", state_in, plan, state_shape, torch.float32, q.device, reading=True)
-    states_out = _pointers("state_out", state_out, plan, state_shape, torch.float32, q.device, reading=False)
+    states_in = _pointers("state_in", state_in, plan, state_shape, torch.float32, q.device, lead_only=True)
+    states_out = _pointers("state_out", state_out, plan, state_shape, torch.float32, q.device, lead_only=False)
     snaps, snap_at = _snapshots(state_snap, plan, state_shape, q.device)
     module = _ext.kernel_for("gated_delta_rule", q.device, q.dtype, backend)
     if module is None:
