@@ -6,19 +6,19 @@
 
 #include <cstdlib>
 
-#include "add_rms_norm/cpu_ops.h"
+#include "add_rms_norm/add_rms_norm.h"
 #include "common/bind_args.h"
-#include "gated_delta_rule/launch.h"
 #include "common/cpu_features.h"
 #include "common/merge_state_cpu.h"
 #include "common/threads.h"
-#include "decode_attention/launch.h"
-#include "label_logprobs/launch.h"
-#include "linear/launch.h"
-#include "prefix_item_attention/cpu_ops.h"
+#include "decode_attention/decode_attention.h"
+#include "gated_delta_rule/gated_delta_rule.h"
+#include "label_logprobs/label_logprobs.h"
+#include "linear/linear.h"
 #include "prefix_item_attention/plan_cpu.h"
-#include "rotary/cpu_ops.h"
-#include "silu_mul/cpu_ops.h"
+#include "prefix_item_attention/prefix_item_attention.h"
+#include "rotary/rotary.h"
+#include "silu_mul/silu_mul.h"
 
 namespace py = pybind11;
 using namespace pyscore;

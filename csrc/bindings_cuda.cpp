@@ -6,10 +6,10 @@
 #include <cuda_runtime_api.h>
 
 #include "common/bind_args.h"
-#include "decode_attention/launch.h"
-#include "gated_delta_rule/launch.h"
-#include "label_logprobs/launch.h"
-#include "prefix_item_attention/launch.h"
+#include "decode_attention/decode_attention.h"
+#include "gated_delta_rule/gated_delta_rule.h"
+#include "label_logprobs/label_logprobs.h"
+#include "prefix_item_attention/prefix_item_attention.h"
 
 namespace py = pybind11;
 using namespace pyscore;

@@ -462,7 +462,7 @@ class Engine:
         alone instead of the vocabulary (SmolLM2's 49k rows took 2.8 ms of a 16-candidate MIS on the AMX host;
         Qwen3's 152k rows are 311 MB (0.6B) to 1.24 GB (8B) of bf16 a pass). One call per label set: the call's
         vocabulary is the request's own labels, and the kernel computes each row independently of the others
-        (csrc/label_logprobs/params.h), so a row's bits never depend on its batch-mates."""
+        (csrc/label_logprobs/label_logprobs.h), so a row's bits never depend on its batch-mates."""
         ids = torch.tensor(labels, dtype=torch.long, device=hidden.device)
         head = self.decoder.w.lm_head.index_select(0, ids)  # [L, H]
         local = torch.arange(len(labels), dtype=torch.int32).expand(hidden.shape[0], -1)

@@ -1,10 +1,10 @@
-// CPU add_rms_norm (contract in params.h): rows are independent, so OpenMP threads take contiguous slices of them. The
+// CPU add_rms_norm (contract in add_rms_norm.h): rows are independent, so OpenMP threads take contiguous slices of them. The
 // arithmetic is in AddRmsNormRows: AVX-512 or AVX2 by the CPU tier, else the portable loop below.
 #include <omp.h>
 
 #include <algorithm>
 
-#include "add_rms_norm/cpu_ops.h"
+#include "add_rms_norm/add_rms_norm.h"
 #include "common/bf16.h"
 #include "common/cpu_features.h"
 #include "common/rms_portable.h"

@@ -11,7 +11,7 @@
 #ifndef PYSCORE_VEC_ENTRY
 #error "a kernel text is compiled once per vector layer on its pyscore-vec-layers line (cmake/cpu_kernels.cmake)"
 #endif
-#include "add_rms_norm/cpu_ops.h"
+#include "add_rms_norm/add_rms_norm.h"
 #include "common/rms_portable.h"
 
 #include <vector>
@@ -120,7 +120,7 @@ AddRmsNormRows rows_for(DType dtype) {
 
 }  // namespace
 
-// The entry point cpu_ops.h declares, named for the layer this text is compiled on (e.g. add_rms_norm_rows_avx2).
+// The entry point add_rms_norm.h declares, named for the layer this text is compiled on (e.g. add_rms_norm_rows_avx2).
 AddRmsNormRows PYSCORE_VEC_ENTRY(add_rms_norm_rows)(DType dtype) { return rows_for(dtype); }
 
 }  // namespace pyscore

@@ -10,11 +10,11 @@
 #include <tuple>
 #include <utility>
 
-#include "decode_attention/params.h"
-#include "gated_delta_rule/params.h"
-#include "label_logprobs/params.h"
-#include "linear/params.h"
-#include "prefix_item_attention/params.h"
+#include "decode_attention/decode_attention.h"
+#include "gated_delta_rule/gated_delta_rule.h"
+#include "label_logprobs/label_logprobs.h"
+#include "linear/linear.h"
+#include "prefix_item_attention/prefix_item_attention.h"
 
 namespace pyscore {
 
@@ -22,7 +22,7 @@ using Strides = std::pair<int64_t, int64_t>;
 
 // A tensor's address as the Python wrappers pass it (tensor.data_ptr(), an int; 0 for none), typed: it converts to
 // whichever pointer a params field holds, so a binding fills its params struct directly (aggregate initialization,
-// in the order params.h declares the fields) instead of unpacking uintptr_t by hand in a make_*_params function.
+// in the order the op header (csrc/<op>/<op>.h) declares the fields) instead of unpacking uintptr_t by hand in a make_*_params function.
 // pybind11 reads it as it reads a uintptr_t (the caster below).
 struct Ptr {
   uintptr_t address = 0;
@@ -47,7 +47,7 @@ inline void throw_on_error(Status status, const char* op) {
   }
 }
 
-// The cached-key tables (params.h) are optional: cached == 0 means none.
+// The cached-key tables (prefix_item_attention.h) are optional: cached == 0 means none.
 inline AttentionPlanParams make_attention_plan_params(uintptr_t segments, int32_t num_segments, int32_t num_tokens,
                                                       int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim,
                                                       const std::string& dtype, uintptr_t cached = 0,

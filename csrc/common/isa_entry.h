@@ -1,4 +1,4 @@
-// Declares an ISA file's entry point where its op declares its other CPU parts (the op's cpu_ops.h), so a new
+// Declares an ISA file's entry point where its op declares its other CPU parts (the op's header, csrc/<op>/<op>.h), so a new
 // entry point is one line in its own folder:
 //   PYSCORE_X86_ENTRY(SiluMulRows silu_mul_rows_avx2(DType dtype));
 // cmake/cpu_kernels.cmake compiles *_avx512.cpp and *_avx2.cpp (and the kernel texts' avx2 / avx512 units) on x86-64

@@ -1,4 +1,4 @@
-// AVX2 + FMA ops of the CPU decode_attention kernel (interface in cpu_ops.h), written against the vector layer
+// AVX2 + FMA ops of the CPU decode_attention kernel (interface in decode_attention.h), written against the vector layer
 // common/vec_avx2.h.
 //
 // Decode is a matrix-vector product per (sequence, kv head): the few GQA query rows against keys read straight from
@@ -14,7 +14,7 @@
 #include <limits>
 
 #include "common/vec_avx2.h"
-#include "decode_attention/cpu_ops.h"
+#include "decode_attention/decode_attention.h"
 
 namespace pyscore {
 namespace {

@@ -1,4 +1,4 @@
-// AVX-512 ops of the CPU decode_attention kernel (interface in cpu_ops.h).
+// AVX-512 ops of the CPU decode_attention kernel (interface in decode_attention.h).
 //
 // Decode is a matrix-vector product per (sequence, kv head): the few GQA query rows against keys read straight from
 // the cache (token-major rows, no packing: every key is read once per step). A chunk's keys (at most kDecodeChunk)
@@ -12,7 +12,7 @@
 #include <limits>
 
 #include "common/vec_math_avx512.h"
-#include "decode_attention/cpu_ops.h"
+#include "decode_attention/decode_attention.h"
 
 namespace pyscore {
 namespace {

@@ -1,4 +1,4 @@
-// CPU decode_attention (contract in params.h): keys read through each sequence's block table, a unit's chunk as
+// CPU decode_attention (contract in decode_attention.h): keys read through each sequence's block table, a unit's chunk as
 // tiles of kCpuKeyTile keys, each inside one page. Work units are (sequence, kv head, chunk of kDecodeChunk keys); a
 // unit's rows are the GQA query heads of its kv head (the keys are read once for all of them). Units run on OpenMP
 // threads (a chunk's kv heads in turn on one thread where chunks are many); a sequence with several chunks gets its
@@ -19,8 +19,7 @@
 #include "common/merge_state_cpu.h"
 #include "common/threads.h"
 #include "common/vec_portable.h"
-#include "decode_attention/cpu_ops.h"
-#include "decode_attention/launch.h"
+#include "decode_attention/decode_attention.h"
 
 namespace pyscore {
 namespace {

@@ -1,9 +1,9 @@
-// CUDA decode_attention (contract in params.h, kernels and design notes in decode_attention_kernels.cuh): one launch
+// CUDA decode_attention (contract in decode_attention.h, kernels and design notes in decode_attention_kernels.cuh): one launch
 // of the partial kernel over (chunk, kv head x row slice, sequence), then, when some sequence spans several chunks,
 // the chunk merge. The grid is sized from the host-known max_length, so nothing is read back from the device.
 #include "common/cuda_host.h"
+#include "decode_attention/decode_attention.h"
 #include "decode_attention/decode_attention_kernels.cuh"
-#include "decode_attention/launch.h"
 
 namespace pyscore {
 namespace {

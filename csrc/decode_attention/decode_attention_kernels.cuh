@@ -15,7 +15,7 @@
 
 #include "common/cuda_utils.cuh"
 #include "common/merge_weights.cuh"
-#include "decode_attention/params.h"
+#include "decode_attention/decode_attention.h"
 
 namespace pyscore {
 namespace decode_cuda {
@@ -31,7 +31,7 @@ __host__ __device__ inline int row_slices(int group) { return ceil_div(group, kS
 template <typename T>
 __device__ __forceinline__ const T* cache_row(const DecodeAttentionParams& p, const void* pool, int b, int h,
                                              int token) {
-  // Through the sequence's block table into the shared page pool (params.h).
+  // Through the sequence's block table into the shared page pool (decode_attention.h).
   const int64_t page = p.block_table[b * p.block_table_stride + token / p.block_tokens];
   return static_cast<const T*>(pool) + page * p.block_stride + p.layer * p.layer_stride + h * p.head_stride +
          int64_t(token % p.block_tokens) * p.token_stride;

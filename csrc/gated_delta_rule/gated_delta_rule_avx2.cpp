@@ -1,4 +1,4 @@
-// AVX2 + FMA arithmetic of the linear-attention ops (interface in cpu_ops.h), written against the vector layer
+// AVX2 + FMA arithmetic of the linear-attention ops (interface in gated_delta_rule.h), written against the vector layer
 // common/vec_avx2.h; the same two walks as the AVX-512 build, on 8 lanes.
 //
 // Recurrence: a task's [Dk, 32] state block is four vectors per row. Per token, two walks over the rows: a read-only
@@ -13,7 +13,7 @@
 #include <cmath>
 
 #include "common/vec_avx2.h"
-#include "gated_delta_rule/cpu_ops.h"
+#include "gated_delta_rule/gated_delta_rule.h"
 
 namespace pyscore {
 namespace {

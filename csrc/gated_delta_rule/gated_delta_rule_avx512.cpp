@@ -1,4 +1,4 @@
-// AVX-512 arithmetic of the linear-attention ops (interface in cpu_ops.h).
+// AVX-512 arithmetic of the linear-attention ops (interface in gated_delta_rule.h).
 //
 // Recurrence: a task's [Dk, 32] state block is two zmm per row. Per token, two walks over the rows: a read-only one
 // accumulating S^T k^ (the decay applied to the sum: decay (S^T k^) = (decay S)^T k^), then S = decay S + k^_i delta
@@ -11,7 +11,7 @@
 #include <cmath>
 
 #include "common/elementwise_avx512.h"
-#include "gated_delta_rule/cpu_ops.h"
+#include "gated_delta_rule/gated_delta_rule.h"
 
 namespace pyscore {
 namespace {

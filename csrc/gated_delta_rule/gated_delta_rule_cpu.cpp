@@ -1,4 +1,4 @@
-// CPU launchers of the linear-attention ops (contracts in params.h) and their portable arithmetic.
+// CPU launchers of the linear-attention ops (contracts in gated_delta_rule.h) and their portable arithmetic.
 //
 // causal_conv1d: tasks are (segment, 16 tokens) over whole rows, the weight transposed to [K][C] fp32 once per call;
 // a task resolves the K - 1 input rows before its segment (prefix rows, the caller's tail, or zeros). New tails are
@@ -17,8 +17,7 @@
 #include "common/bf16.h"
 #include "common/cpu_features.h"
 #include "common/threads.h"
-#include "gated_delta_rule/cpu_ops.h"
-#include "gated_delta_rule/launch.h"
+#include "gated_delta_rule/gated_delta_rule.h"
 
 namespace pyscore {
 namespace {

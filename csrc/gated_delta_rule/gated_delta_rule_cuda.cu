@@ -1,4 +1,4 @@
-// CUDA linear-attention ops (contracts in params.h).
+// CUDA linear-attention ops (contracts in gated_delta_rule.h).
 //
 // causal_conv1d: one thread per (segment, channel) walks the segment with its K - 1 previous inputs in registers;
 // consecutive threads take consecutive channels, so every token row is read coalesced. A 300-token segment is ~300
@@ -16,8 +16,8 @@
 // items leaving S_p in its slot of a scratch [slots, Hv, Dk, Dv]; (3) phase 1, every item from its prefix's S_p,
 // in parallel (skipped when there are none). Stream order is the only synchronisation; S_p is read-only in phase 1.
 #include "common/cuda_host.h"
+#include "gated_delta_rule/gated_delta_rule.h"
 #include "gated_delta_rule/gated_delta_rule_kernels.cuh"
-#include "gated_delta_rule/launch.h"
 
 namespace pyscore {
 namespace {

@@ -4,7 +4,7 @@
 #include <cstdint>
 
 #include "common/cuda_utils.cuh"
-#include "gated_delta_rule/params.h"
+#include "gated_delta_rule/gated_delta_rule.h"
 
 namespace pyscore {
 namespace linear_cuda {
@@ -16,7 +16,6 @@ constexpr int kColsPerWarp = 4;
 constexpr int kRowSlices = 8;
 constexpr int kRuleCols = (kRuleThreads / 32) * kColsPerWarp;  // 16 state columns per CTA
 constexpr int kTokenChunk = 16;  // tokens whose q^ / k^ are staged in shared memory at once
-constexpr int kMaxKeyDim = 256;
 static_assert(kColsPerWarp * kRowSlices == 32, "a warp is 4 columns x 8 row slices");
 
 __device__ __forceinline__ int4 load_segment(const int32_t* table, int s) {

@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "common/amx_tiles.h"
-#include "label_logprobs/cpu_ops.h"
+#include "label_logprobs/label_logprobs.h"
 
 namespace pyscore {
 namespace {

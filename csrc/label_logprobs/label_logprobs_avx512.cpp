@@ -1,4 +1,4 @@
-// AVX-512 ops of the CPU label_logprobs kernel (interface in cpu_ops.h).
+// AVX-512 ops of the CPU label_logprobs kernel (interface in label_logprobs.h).
 //
 // The LM head product for R read-out rows is a skinny GEMM bound by streaming the [V, H] weight, so each tile
 // takes 4 weight rows and up to 6 hidden rows: every weight zmm loaded is used by all the tile's rows, and the
@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "common/vec_math_avx512.h"
-#include "label_logprobs/cpu_ops.h"
+#include "label_logprobs/label_logprobs.h"
 
 namespace pyscore {
 namespace {

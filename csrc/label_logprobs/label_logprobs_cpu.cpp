@@ -1,4 +1,4 @@
-// CPU label_logprobs (contract in params.h). Each OpenMP thread takes a contiguous slice of the vocabulary and
+// CPU label_logprobs (contract in label_logprobs.h). Each OpenMP thread takes a contiguous slice of the vocabulary and
 // walks it in chunks: logits of the chunk for all R rows (a small [R, chunk] fp32 buffer, never [R, V]), fold
 // them into the thread's per-row running (max, sum of exp), and pick up the label logits that fall in the chunk.
 // The per-thread states are then merged by log-sum-exp. The arithmetic lives in LabelCpuOps: AVX-512 (+BF16) or
@@ -15,8 +15,7 @@
 #include "common/cpu_features.h"
 #include "common/threads.h"
 #include "common/vec_portable.h"
-#include "label_logprobs/cpu_ops.h"
-#include "label_logprobs/launch.h"
+#include "label_logprobs/label_logprobs.h"
 
 namespace pyscore {
 namespace {

@@ -1,4 +1,4 @@
-// CUDA label_logprobs (contract in params.h). Two kernels per batch of up to 256 rows:
+// CUDA label_logprobs (contract in label_logprobs.h). Two kernels per batch of up to 256 rows:
 //  1. partials: the vocabulary is split into chunks; each CTA computes its chunk's logits for *all* rows of the
 //     batch and reduces them at once to per-row (max, sum e^{x - max}), so the [R, V] logits never exist
 //     outside registers. With an LM head the bound is streaming the weight: every CTA reads its 64 weight
@@ -9,8 +9,8 @@
 //     per label with the LM head, a gather with logits), then logprobs and the softmax over valid labels.
 // fp32, unaligned rows or hidden sizes that are not a multiple of 8 take a scalar CUDA-core partials kernel.
 #include "common/cuda_host.h"
+#include "label_logprobs/label_logprobs.h"
 #include "label_logprobs/label_logprobs_kernels.cuh"
-#include "label_logprobs/launch.h"
 
 namespace pyscore {
 namespace {
@@ -86,7 +86,7 @@ Status label_logprobs_cuda(const LabelLogprobsParams& p, void* stream) {
   if (p.num_rows < 0 || p.num_labels < 0 || p.vocab_size <= 0 || (p.weight && p.hidden_size <= 0)) {
     return kInvalidArgument;
   }
-  if (p.logits) return kInvalidArgument;  // the whole-row logits output is CPU only (params.h)
+  if (p.logits) return kInvalidArgument;  // the whole-row logits output is CPU only (label_logprobs.h)
   if (p.num_rows == 0) return kOk;
   if (!p.hidden || (p.num_labels > 0 && (!p.labels || !p.logprobs || !p.label_softmax))) return kInvalidArgument;
   if (p.num_labels == 0 && !p.logz) return kOk;  // nothing to write

@@ -1,4 +1,4 @@
-// The AVX2 and NEON ops of the CPU label_logprobs kernel (interface in cpu_ops.h), written once against a vector
+// The AVX2 and NEON ops of the CPU label_logprobs kernel (interface in label_logprobs.h), written once against a vector
 // layer `V` (common/vec_avx2.h, 8 lanes; common/vec_neon.h, 4 lanes) and compiled once per layer named below by
 // cmake/cpu_kernels.cmake, which binds `V` and names the entry point.
 //
@@ -21,7 +21,7 @@
 #include <limits>
 #include <vector>
 
-#include "label_logprobs/cpu_ops.h"
+#include "label_logprobs/label_logprobs.h"
 
 namespace pyscore {
 namespace {
@@ -231,7 +231,7 @@ const LabelCpuOps* ops_for(DType dtype) {
 
 }  // namespace
 
-// The entry point cpu_ops.h declares, named for the layer this text is compiled on (e.g. label_ops_avx2).
+// The entry point label_logprobs.h declares, named for the layer this text is compiled on (e.g. label_ops_avx2).
 const LabelCpuOps* PYSCORE_VEC_ENTRY(label_ops)(DType dtype) { return ops_for(dtype); }
 
 }  // namespace pyscore

@@ -1,4 +1,4 @@
-// AVX2 + FMA ops of the CPU linear kernel (interface in cpu_ops.h, packed layout in params.h: the one the AVX-512
+// AVX2 + FMA ops of the CPU linear kernel (interface in linear.h, packed layout in linear.h: the one the AVX-512
 // kernel reads; fp32 pack 1, bf16 pairs widened to fp32 here, no bf16 arithmetic).
 //
 // Micro-kernel: TM <= 6 rows x one strip of 16 packed columns (2 ymm): 12 fp32 accumulators + 2 weight operands +
@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "common/vec_avx2.h"
-#include "linear/cpu_ops.h"
+#include "linear/linear.h"
 
 namespace pyscore {
 namespace {

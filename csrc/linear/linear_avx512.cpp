@@ -1,4 +1,4 @@
-// AVX-512 ops of the CPU linear kernel (interface in cpu_ops.h, packed layout in params.h).
+// AVX-512 ops of the CPU linear kernel (interface in linear.h, packed layout in linear.h).
 //
 // At tier amx, bf16 runs on AMX tiles instead (rect_amx below).
 //
@@ -15,7 +15,7 @@
 
 #include "common/amx_tiles.h"
 #include "common/vec_math_avx512.h"
-#include "linear/cpu_ops.h"
+#include "linear/linear.h"
 
 namespace pyscore {
 namespace {
@@ -28,7 +28,7 @@ constexpr int kMaxZmm = kLinearBlockN / 16;
 // Element traits as in the attention kernel: T is the stored type of x, the weight and the output; B the broadcast
 // operand (x rows), one 4-byte unit (kPack elements) per step. step() adds, for TM rows, row r's unit
 // (b + r * b_stride) times the ZN weight zmm at w into acc[r][0..ZN).
-// The weight as the rect hands it to the steps: P is the packed element (params.h), W what step() reads; weights()
+// The weight as the rect hands it to the steps: P is the packed element (linear.h), W what step() reads; weights()
 // turns a K block of the packed weight (steps K steps, zn zmm from the rect's first column) into W. Here it is the
 // packed weight itself. K steps per block: a block's weight panel (kLinearBlockN columns x this many steps: 512 KiB in
 // fp32 and in bf16 pairs) stays in L2 while every row tile of the rectangle passes over it. Unblocked, Qwen3-8B's down

@@ -1,4 +1,4 @@
-// CPU linear (contract in params.h). The output is cut into rectangles (rows x units of 32 packed columns) over
+// CPU linear (contract in linear.h). The output is cut into rectangles (rows x units of 32 packed columns) over
 // OpenMP threads: with enough column units every thread takes a contiguous run of them for all rows, so each
 // weight byte is read by one thread once (decode is weight-bandwidth bound); with few columns and many rows the
 // rows are split into chunks too. A row's arithmetic never depends on the rectangle it falls in, so the split only
@@ -14,8 +14,7 @@
 #include "common/bf16.h"
 #include "common/cpu_features.h"
 #include "common/threads.h"
-#include "linear/cpu_ops.h"
-#include "linear/launch.h"
+#include "linear/linear.h"
 
 namespace pyscore {
 namespace {

@@ -1,4 +1,4 @@
-// The AVX2 and NEON ops of the CPU prefix_item_attention kernel (interface and packed layouts in cpu_ops.h), written
+// The AVX2 and NEON ops of the CPU prefix_item_attention kernel (interface and packed layouts in prefix_item_attention.h), written
 // once against a vector layer `V` (common/vec_avx2.h, 8 lanes; common/vec_neon.h, 4 lanes) and compiled once per
 // layer named below by cmake/cpu_kernels.cmake, which binds `V` and names the entry point.
 //
@@ -25,7 +25,7 @@
 #include <limits>
 #include <vector>
 
-#include "prefix_item_attention/cpu_ops.h"
+#include "prefix_item_attention/prefix_item_attention.h"
 
 namespace pyscore {
 namespace {
@@ -272,7 +272,7 @@ const AttentionCpuOps* ops_for(DType dtype, int32_t head_dim) {
 
 }  // namespace
 
-// The entry point cpu_ops.h declares, named for the layer this text is compiled on (e.g. attention_ops_avx2).
+// The entry point prefix_item_attention.h declares, named for the layer this text is compiled on (e.g. attention_ops_avx2).
 const AttentionCpuOps* PYSCORE_VEC_ENTRY(attention_ops)(DType dtype, int32_t head_dim) {
   return ops_for(dtype, head_dim);
 }

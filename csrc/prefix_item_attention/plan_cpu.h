@@ -7,7 +7,7 @@
 // runs reuse: the packed K/V of every range and one scratch per kernel thread, sized for the largest unit.
 //
 // A key range says where a block of keys sits in the packed workspace; a run packs every range from the
-// layer's k/v before any unit reads it. A range may start with cached blocks (a prefix cache's keys, params.h):
+// layer's k/v before any unit reads it. A range may start with cached blocks (a prefix cache's keys, prefix_item_attention.h):
 // they are packed from the layer's cache_k / cache_v into the range's first key tiles, the stream part after
 // them, so the packed range is exactly what one stream range of the same keys would be and the units and the
 // merge do not know the difference.
@@ -21,7 +21,7 @@
 #include <mutex>
 #include <vector>
 
-#include "prefix_item_attention/params.h"
+#include "prefix_item_attention/prefix_item_attention.h"
 
 namespace pyscore {
 
@@ -34,7 +34,7 @@ struct CachedSpan {
 struct AttentionSegment {
   int32_t start, length, prefix_start, prefix_length;
   CachedSpan cached;
-  int32_t cached_kind;  // CachedKind (params.h); meaningless when cached.count == 0
+  int32_t cached_kind;  // CachedKind (prefix_item_attention.h); meaningless when cached.count == 0
   int32_t end() const { return start + length; }
   CachedSpan cached_before_own() const { return cached_kind == kCachedBeforeOwn ? cached : CachedSpan{}; }
   CachedSpan cached_before_prefix() const { return cached_kind == kCachedBeforePrefix ? cached : CachedSpan{}; }
@@ -100,7 +100,7 @@ struct AttentionCpuPlan {
 
 // Reads and validates the segment table (and the cached-key table, when given) and fills `plan` (a fresh
 // object). Returns kInvalidArgument for a table that does not cover the stream exactly once, whose prefix
-// overlaps its own segment, or whose cached rows do not fit params.h's rules.
+// overlaps its own segment, or whose cached rows do not fit prefix_item_attention.h's rules.
 Status prefix_item_attention_plan_cpu(const AttentionPlanParams& shape, AttentionCpuPlan* plan);
 
 // One layer's attention with a plan: p's sizes and dtype must be the plan's (its segments pointer is unused).

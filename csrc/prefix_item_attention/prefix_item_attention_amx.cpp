@@ -1,5 +1,5 @@
 // AMX attend() of the CPU prefix_item_attention kernel, bf16 (tier amx). Packing and the output store are the
-// AVX-512 ops' own (cpu_ops.h layouts): a packed K block's pair rows are already AMX B-tile rows for S = Q.K^T
+// AVX-512 ops' own (prefix_item_attention.h layouts): a packed K block's pair rows are already AMX B-tile rows for S = Q.K^T
 // (16 keys x one head_dim pair, 256 bytes apart), and a packed V block's key-pair rows are B-tile rows for P.V
 // (16 dims x one key pair, 2 * head_dim * 2 bytes apart), so nothing is re-laid out for the tiles.
 //
@@ -22,7 +22,7 @@
 
 #include "common/amx_tiles.h"
 #include "common/vec_math_avx512.h"
-#include "prefix_item_attention/cpu_ops.h"
+#include "prefix_item_attention/prefix_item_attention.h"
 
 namespace pyscore {
 namespace {

@@ -1,4 +1,4 @@
-// AVX-512 ops of the CPU prefix_item_attention kernel (interface and packed layouts in cpu_ops.h).
+// AVX-512 ops of the CPU prefix_item_attention kernel (interface and packed layouts in prefix_item_attention.h).
 //
 // One register-blocked flash-attention tile serves every element type: bf16 works on pairs (Q.K^T with pairs along
 // head_dim, P.V with pairs along keys, P rounded to bf16 as flash-attention does on GPUs), fp32 on single elements
@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "common/vec_math_avx512.h"
-#include "prefix_item_attention/cpu_ops.h"
+#include "prefix_item_attention/prefix_item_attention.h"
 
 namespace pyscore {
 namespace {

@@ -1,4 +1,4 @@
-// CPU prefix_item_attention (contract in params.h): the Hydragen / FlashInfer cascade on a packed stream.
+// CPU prefix_item_attention (contract in prefix_item_attention.h): the Hydragen / FlashInfer cascade on a packed stream.
 //
 // Plan (once per batch, plan_cpu.h): consecutive segments sharing one prefix form a group; the key ranges (each
 // segment's own tokens, each group's prefix) and the work units (group, kv head, block of the group's tokens)
@@ -28,8 +28,8 @@
 #include "common/merge_state_cpu.h"
 #include "common/threads.h"
 #include "common/vec_portable.h"
-#include "prefix_item_attention/cpu_ops.h"
 #include "prefix_item_attention/plan_cpu.h"
+#include "prefix_item_attention/prefix_item_attention.h"
 
 namespace pyscore {
 
@@ -150,7 +150,7 @@ Status check_shape(const AttentionPlanParams& s) {
   return kOk;
 }
 
-// The cached-key columns of segment row i (params.h): checked against the block list and the kind's rules.
+// The cached-key columns of segment row i (prefix_item_attention.h): checked against the block list and the kind's rules.
 Status read_cached(const AttentionPlanParams& s, int32_t i, AttentionSegment* seg) {
   seg->cached = {};
   seg->cached_kind = kCachedBeforeOwn;

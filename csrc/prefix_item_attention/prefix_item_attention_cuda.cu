@@ -1,4 +1,4 @@
-// CUDA prefix_item_attention (contract in params.h).
+// CUDA prefix_item_attention (contract in prefix_item_attention.h).
 //
 // Tensor-core path (bf16 / fp16, 16-byte aligned rows), FlashAttention-2 style with mma.sync m16n8k16:
 //  * A CTA owns up to 64 query rows = (tokens of one *run*) x (stacked GQA query heads of one kv head). A run is
@@ -9,7 +9,7 @@
 //    partial attentions of DESIGN.md): the shared prefix [prefix_start, +prefix_length) with no mask, then
 //    the run's own keys [first row's segment start, last row's token] with the per-row mask
 //    segment_start(row) <= key <= token(row), i.e. causal inside the row's own segment only. Cached keys (a
-//    prefix cache's blocks, params.h) come first, whole 64-key tiles read from the block pool with no mask; a
+//    prefix cache's blocks, prefix_item_attention.h) come first, whole 64-key tiles read from the block pool with no mask; a
 //    segment whose cached keys precede its own tokens is a run by itself.
 //  * K/V tiles of 64 keys are double-buffered with cp.async into XOR-swizzled shared memory and read with
 //    ldmatrix (V transposed); S and O accumulate in fp32 registers; P is rounded to the input dtype for the
@@ -23,7 +23,7 @@
 #include <climits>
 
 #include "common/cuda_host.h"
-#include "prefix_item_attention/launch.h"
+#include "prefix_item_attention/prefix_item_attention.h"
 #include "prefix_item_attention/prefix_item_attention_kernels.cuh"
 
 namespace pyscore {

@@ -7,7 +7,7 @@
 
 #include "common/cuda_utils.cuh"
 #include "common/mma_ptx.cuh"
-#include "prefix_item_attention/params.h"
+#include "prefix_item_attention/prefix_item_attention.h"
 
 namespace pyscore {
 namespace attention_cuda {
@@ -46,7 +46,7 @@ __device__ __forceinline__ int4 load_segment(const int32_t* seg, int i) {
   return make_int4(seg[4 * i], seg[4 * i + 1], seg[4 * i + 2], seg[4 * i + 3]);
 }
 
-// Segment i's cached keys (params.h): (first, count, kind, 0); zeros without a cached table.
+// Segment i's cached keys (prefix_item_attention.h): (first, count, kind, 0); zeros without a cached table.
 __device__ __forceinline__ int4 load_cached(const int32_t* cached, int i) {
   if (cached == nullptr) return make_int4(0, 0, 0, 0);
   return make_int4(cached[3 * i], cached[3 * i + 1], cached[3 * i + 2], 0);
@@ -442,7 +442,7 @@ __global__ void __launch_bounds__(kSimpleWarps * 32)
       m = m_new;
     };
     auto visit = [&](int key) { visit_row(k + key * p.k_token_stride, v + key * p.v_token_stride); };
-    // Cached keys first (params.h: where they sit without the cache), then the prefix, then the own tokens.
+    // Cached keys first (prefix_item_attention.h: where they sit without the cache), then the prefix, then the own tokens.
     const int4 c = load_cached(p.cached, blockIdx.x);
     for (int b = 0; b < c.y; ++b) {
       const int64_t at = int64_t(p.cached_blocks[c.x + b]) * p.cache_block_stride + kv_head * p.cache_head_stride;

@@ -1,4 +1,4 @@
-// CPU rotary (contract in params.h): tokens are independent, so OpenMP threads take slices of them. The
+// CPU rotary (contract in rotary.h): tokens are independent, so OpenMP threads take slices of them. The
 // arithmetic is in RotaryTokens: AVX-512 or AVX2 by the CPU tier, else the portable loops below.
 #include <algorithm>
 
@@ -6,7 +6,7 @@
 #include "common/cpu_features.h"
 #include "common/rms_portable.h"
 #include "common/threads.h"
-#include "rotary/cpu_ops.h"
+#include "rotary/rotary.h"
 
 namespace pyscore {
 namespace {

@@ -10,7 +10,7 @@
 #error "a kernel text is compiled once per vector layer on its pyscore-vec-layers line (cmake/cpu_kernels.cmake)"
 #endif
 #include "common/rms_portable.h"
-#include "rotary/cpu_ops.h"
+#include "rotary/rotary.h"
 
 namespace pyscore {
 namespace {
@@ -75,7 +75,7 @@ RotaryTokens tokens_for(DType dtype) {
 
 }  // namespace
 
-// The entry point cpu_ops.h declares, named for the layer this text is compiled on (e.g. rotary_tokens_avx2).
+// The entry point rotary.h declares, named for the layer this text is compiled on (e.g. rotary_tokens_avx2).
 RotaryTokens PYSCORE_VEC_ENTRY(rotary_tokens)(DType dtype) { return tokens_for(dtype); }
 
 }  // namespace pyscore

@@ -7,7 +7,7 @@
 #ifndef PYSCORE_VEC_ENTRY
 #error "a kernel text is compiled once per vector layer on its pyscore-vec-layers line (cmake/cpu_kernels.cmake)"
 #endif
-#include "silu_mul/cpu_ops.h"
+#include "silu_mul/silu_mul.h"
 
 namespace pyscore {
 namespace {
@@ -44,7 +44,7 @@ SiluMulRows rows_for(DType dtype) {
 
 }  // namespace
 
-// The entry point cpu_ops.h declares, named for the layer this text is compiled on (e.g. silu_mul_rows_avx2).
+// The entry point silu_mul.h declares, named for the layer this text is compiled on (e.g. silu_mul_rows_avx2).
 SiluMulRows PYSCORE_VEC_ENTRY(silu_mul_rows)(DType dtype) { return rows_for(dtype); }
 
 }  // namespace pyscore

@@ -1,4 +1,4 @@
-// CPU silu_mul (contract in params.h): rows are independent, so OpenMP threads take slices of them. The
+// CPU silu_mul (contract in silu_mul.h): rows are independent, so OpenMP threads take slices of them. The
 // arithmetic is in SiluMulRows: AVX-512 or AVX2 by the CPU tier, else the portable loop below.
 #include <algorithm>
 #include <cmath>
@@ -6,7 +6,7 @@
 #include "common/bf16.h"
 #include "common/cpu_features.h"
 #include "common/threads.h"
-#include "silu_mul/cpu_ops.h"
+#include "silu_mul/silu_mul.h"
 
 namespace pyscore {
 namespace {

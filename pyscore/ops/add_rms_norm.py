@@ -1,4 +1,4 @@
-"""add_rms_norm: the residual add + RMSNorm between decoder sublayers in one pass (see csrc/add_rms_norm/params.h
+"""add_rms_norm: the residual add + RMSNorm between decoder sublayers in one pass (see csrc/add_rms_norm/add_rms_norm.h
 for the contract). Where no kernel fits (see the registry in pyscore/ops/_ext.py: today a C++ kernel for CPU
 fp32/bf16 tensors only) the torch reference runs, which has the same semantics."""
 

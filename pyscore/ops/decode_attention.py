@@ -1,5 +1,6 @@
 """decode_attention: one new query token per running sequence against that sequence's keys and values in the paged
-KV store, every sequence of a decode step in one call (see csrc/decode_attention/params.h). A sequence's keys are
+KV store, every sequence of a decode step in one call (see csrc/decode_attention/decode_attention.h). A sequence's
+keys are
 listed by its block table (page indices into the pool, as prefix_item_attention's cached_blocks); pages a cached
 prefix shares are read in place. `plan_decode` gathers the block tables once per step; `decode_attention(q, plan,
 layer)` then serves every layer with the kernel the registry (pyscore/ops/_ext.py) names for the device and dtype,

@@ -1,5 +1,6 @@
 """The linear-attention layer of Qwen3.5 (Gated DeltaNet) over a packed segment table, as two ops (contracts in
-csrc/gated_delta_rule/params.h): `causal_conv1d` (depthwise causal conv + SiLU over the fused q|k|v projection) and
+csrc/gated_delta_rule/gated_delta_rule.h): `causal_conv1d` (depthwise causal conv + SiLU over the fused q|k|v
+projection) and
 `gated_delta_rule` (the recurrence, fp32 state per value head). Both walk prefix_item_attention's validated
 SegmentTable: a segment without a prefix runs from a zero state and leaves its end state and conv tail; an MIS item
 continues from its prefix's, read-only, and never sees another item. `plan_linear_attention` does the table work
@@ -208,7 +209,8 @@ def gated_delta_rule(
 ) -> torch.Tensor:
     """q/k [T, Hk, Dk], v [T, Hv, Dv] (token and head strides free), a/b [T, Hv] (the decay and update-rate
     projections), a_log/dt_bias float32 [Hv], segments (as for causal_conv1d) -> o [T, Hv, Dv] in q's dtype. L2
-    norms of q and k, the gates and the fp32 recurrence are inside (see params.h). state_in / state_out: per segment
+    norms of q and k, the gates and the fp32 recurrence are inside (see the op header,
+    csrc/gated_delta_rule/gated_delta_rule.h). state_in / state_out: per segment
     a contiguous float32 [Hv, Dk, Dv] tensor or None. state_snap: per segment None or (n, such a tensor), which
     receives the state after the segment's first n tokens (1 <= n <= its length; a segment without a prefix).
     backend: "auto" | "kernel" | "reference"."""

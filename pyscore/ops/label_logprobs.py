@@ -1,5 +1,5 @@
 """label_logprobs: the label scores at read-out rows without a vocabulary-wide softmax (see
-csrc/label_logprobs/params.h). Returns fp32 (logprobs [R, K] under the full-vocabulary softmax, softmax over
+csrc/label_logprobs/label_logprobs.h). Returns fp32 (logprobs [R, K] under the full-vocabulary softmax, softmax over
 each row's valid labels [R, K]); label ids < 0 are padding. The CPU or CUDA kernel runs where the registry in
 pyscore/ops/_ext.py has one for the tensors' device and dtype, else the fp32 reference. `lm_head_logits` is the same
 CPU vocabulary walk for Generate: every logit of a row, with the row's log-sum-exp."""

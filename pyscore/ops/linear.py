@@ -1,7 +1,7 @@
 """linear: x @ W.T (+ bias) with a fused epilogue (SiLU-mul for a SwiGLU gate_up projection, a residual add for o /
 down), whichever path runs it; the decoder calls it the same way on every path (one residual convention). A weight
 is held once, in the form its path reads: a `PackedLinear` (prepacked once at load into the layout the CPU kernel
-reads, see csrc/linear/params.h) where the registry (pyscore/ops/_ext.py, pyscore/ops/tiers.py) runs our kernel, a
+reads, see csrc/linear/linear.h) where the registry (pyscore/ops/_ext.py, pyscore/ops/tiers.py) runs our kernel, a
 `PlainLinear` where it runs torch's GEMM; `prepare_linear` makes the right one, and the other paths unpack on demand.
 
 Paths: our C++ kernel; torch's F.linear in the weight's dtype over fixed-size row chunks, the last one zero-padded

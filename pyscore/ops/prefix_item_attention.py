@@ -1,5 +1,5 @@
 """prefix_item_attention: attention over a packed token stream of segments (see csrc/prefix_item_attention/
-params.h for the contract), split FlashInfer's way into a plan made once per batch and a run per layer.
+prefix_item_attention.h for the contract), split FlashInfer's way into a plan made once per batch and a run per layer.
 
 `AttentionPlan` holds what depends only on the batch's segment table and the model's head layout: on the CPU a
 C++ plan (groups, work units, key ranges) with its packed-K/V and scratch workspaces; on CUDA the tile work list,

@@ -209,7 +209,8 @@ def gated_delta_rule_ref(
     """q/k [T, Hk, Dk], v [T, Hv, Dv], a/b [T, Hv], a_log/dt_bias [Hv], segment table [S, 4] -> (o [T, Hv, Dv] in
     q's dtype, per segment its end state [Hv, Dk, Dv] fp32, per segment its state after its first snap_at[s] tokens
     (None where 0 or not asked)). The token-by-token recurrence of Gated DeltaNet in fp32
-    (csrc/gated_delta_rule/params.h): every segment runs its whole sequence from a zero state (or state_in[s]); an
+    (csrc/gated_delta_rule/gated_delta_rule.h): every segment runs its whole sequence from a zero state (or
+    state_in[s]); an
     item re-runs its prefix first, from its prefix's state_in. Slow and obviously right."""
     num_v_heads, key_dim = v.shape[1], q.shape[2]
     group = num_v_heads // q.shape[1]

@@ -1,5 +1,5 @@
 """rotary_: rotary position embeddings applied in place to q and k, usually strided views into the fused qkv
-projection output, with the Qwen3 per-head q/k RMSNorm optionally fused in (see csrc/rotary/params.h for the
+projection output, with the Qwen3 per-head q/k RMSNorm optionally fused in (see csrc/rotary/rotary.h for the
 contract). Where no kernel fits (see the registry in pyscore/ops/_ext.py: today a C++ kernel for CPU fp32/bf16
 tensors only) the torch reference runs, which has the same semantics."""
 

@@ -1,5 +1,6 @@
 """The segment table of a packed batch, validated once per batch: one int32 row (start, length, prefix_start,
-prefix_length) per item or prefix (see pyscore/model/packing.py and csrc/prefix_item_attention/params.h). Every
+prefix_length) per item or prefix (see pyscore/model/packing.py and
+csrc/prefix_item_attention/prefix_item_attention.h). Every
 op that mixes tokens along the stream (prefix_item_attention today, linear attention next) plans from the same
 validated table, so no layer checks it again and no device ever copies it back to the host.
 
@@ -65,7 +66,7 @@ def key_tile(device: torch.device | str) -> int:
 
 @dataclass(frozen=True, eq=False)
 class CachedKeys:
-    """Cached keys of a batch's segments (csrc/prefix_item_attention/params.h): segment s is preceded by
+    """Cached keys of a batch's segments (csrc/prefix_item_attention/prefix_item_attention.h): segment s is preceded by
     rows[s, 1] blocks of `block_tokens` keys, listed at blocks[rows[s, 0] : rows[s, 0] + rows[s, 1]] as block
     indices into a pool of `pool_blocks` blocks, placed before its own tokens or before its prefix (rows[s, 2]:
     CACHED_BEFORE_OWN / CACHED_BEFORE_PREFIX) where a run without the cache has those keys."""

@@ -1,5 +1,5 @@
 """silu_mul: the SwiGLU activation silu(gate) * up on the fused gate_up projection output (see
-csrc/silu_mul/params.h for the contract). Where no kernel fits (see the registry in pyscore/ops/_ext.py: today a
+csrc/silu_mul/silu_mul.h for the contract). Where no kernel fits (see the registry in pyscore/ops/_ext.py: today a
 C++ kernel for CPU fp32/bf16 tensors only) the torch reference runs, which has the same semantics."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-// The CPU kernels' correctness checks, in C++ alone: every op through its launcher (each op's launch.h / plan_cpu.h:
+// The CPU kernels' correctness checks, in C++ alone: every op through its launcher (each op's header / plan_cpu.h:
 // plain structs of pointers and sizes, no torch, no pybind11) against a naive double-precision reference, on awkward
 // sizes (odd lengths, 1-token items, empty prefixes, GQA ratios, ragged caches; fp32 and bf16). Built by
 // tests/cpu/CMakeLists.txt with the module's own sources and flags, natively and cross-compiled for aarch64, where
@@ -15,8 +15,8 @@
 
 #include "check_util.h"
 #include "common/cpu_features.h"
-#include "decode_attention/launch.h"
-#include "label_logprobs/launch.h"
+#include "decode_attention/decode_attention.h"
+#include "label_logprobs/label_logprobs.h"
 #include "prefix_item_attention/plan_cpu.h"
 
 using namespace check;

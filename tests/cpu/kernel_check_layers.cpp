@@ -7,12 +7,12 @@
 #include <string>
 #include <vector>
 
-#include "add_rms_norm/cpu_ops.h"
+#include "add_rms_norm/add_rms_norm.h"
 #include "check_util.h"
-#include "gated_delta_rule/launch.h"
-#include "linear/launch.h"
-#include "rotary/cpu_ops.h"
-#include "silu_mul/cpu_ops.h"
+#include "gated_delta_rule/gated_delta_rule.h"
+#include "linear/linear.h"
+#include "rotary/rotary.h"
+#include "silu_mul/silu_mul.h"
 
 using namespace check;
 
@@ -20,7 +20,7 @@ namespace {
 
 // ---- linear ------------------------------------------------------------------------------------------------------
 
-// The packed weight of linear/params.h: packed column c of row-major `w` [rows, k] is weight row row_of(c) (or
+// The packed weight of linear/linear.h: packed column c of row-major `w` [rows, k] is weight row row_of(c) (or
 // zeros when row_of(c) < 0), in blocks of 64 columns laid out [K_pad / pack][64][pack].
 template <class RowOf>
 Buf pack_weight(const Buf& w, int32_t k, int32_t n_packed, RowOf row_of) {

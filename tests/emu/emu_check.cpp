@@ -51,7 +51,7 @@ double to_d(T x) {
 
 struct Segment {
   int start, length, prefix_start, prefix_length;
-  int cached_first = 0, cached_count = 0, cached_kind = kCachedBeforeOwn;  // params.h
+  int cached_first = 0, cached_count = 0, cached_kind = kCachedBeforeOwn;  // prefix_item_attention.h
 };
 
 // A packed stream: each group is a prefix (0 = plain causal sequences) followed by item lengths, optionally

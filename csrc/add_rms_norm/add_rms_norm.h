@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "common/dtype.h"
+#include "common/isa_entry.h"
 
 namespace pyscore {
 
@@ -29,5 +30,20 @@ struct AddRmsNormParams {
   bool weight_fp32;
   DType dtype;  // of x, delta, out and (unless weight_fp32) weight
 };
+
+// ---- The CPU launcher's parts ------------------------------------------------------------------------------------
+// The CPU add_rms_norm kernel: its launcher, which bindings_cpu.cpp calls, and the parts the
+// launcher (add_rms_norm_cpu.cpp, baseline ISA) dispatches to. It splits the rows over threads and calls `rows` on
+// each slice; `rows` comes in AVX-512 and AVX2 builds (one body, rows_simd.h, compiled per vector layer
+// by cmake/cpu_kernels.cmake) and a portable one.
+
+// Returns a Status, never throws. CPU only: on CUDA the Python wrapper runs the torch reference.
+Status add_rms_norm_cpu(const AddRmsNormParams& params);
+
+using AddRmsNormRows = void (*)(const AddRmsNormParams& p, int32_t begin, int32_t end);
+
+// nullptr when the dtype is not covered (the caller checks the CPU).
+PYSCORE_X86_ENTRY(AddRmsNormRows add_rms_norm_rows_avx512(DType dtype));
+PYSCORE_X86_ENTRY(AddRmsNormRows add_rms_norm_rows_avx2(DType dtype));
 
 }  // namespace pyscore

@@ -1,0 +1,71 @@
+// label_logprobs: for each read-out row r, logits = hidden[r] . weight^T over the whole vocabulary (or given
+// logits when weight is null), logZ = logsumexp(logits) computed in one pass with a running max, and for each
+// requested label k: logprobs[r, k] = logits[label] - logZ and label_softmax[r, k] = softmax over the row's
+// valid labels only. The vocabulary-wide softmax is never written out.
+//
+// labels is [R, K] int32; an entry < 0 is padding (rows of one batch may ask for different label sets):
+// its outputs are written as -inf (logprobs) and 0 (label_softmax). Outputs are fp32. Strides in elements.
+//
+// With `logits` (CPU only: the CUDA launcher rejects it) every logit is also written out, [R, V] fp32: Generate
+// samples from the whole row, and with logz its log-softmax is logits - logZ, so no second pass over the row is
+// needed. A row's logits are the ones the label outputs are computed from; they do not depend on the other rows.
+// With K = 0 no label output is read or written (labels, logprobs and label_softmax may be null).
+#pragma once
+#include <cstdint>
+
+#include "common/cpu_features.h"
+#include "common/dtype.h"
+#include "common/isa_entry.h"
+
+namespace pyscore {
+
+struct LabelLogprobsParams {
+  const void* hidden;  // [R, H] hidden states, or [R, V] logits when weight == nullptr
+  int64_t hidden_row_stride;
+  const void* weight;  // [V, H] LM head (same dtype as hidden), or nullptr
+  int64_t weight_row_stride;
+  const int32_t* labels;  // [R, K], row-major, contiguous
+  float* logprobs;        // [R, K] out
+  float* label_softmax;   // [R, K] out
+  float* logz;            // [R] out, may be nullptr
+  int32_t num_rows;
+  int32_t hidden_size;  // ignored when weight == nullptr
+  int32_t vocab_size;
+  int32_t num_labels;
+  DType dtype;
+  float* logits = nullptr;  // [R, V] out (rows logits_row_stride apart), may be nullptr; CPU only
+  int64_t logits_row_stride = 0;
+};
+
+// ---- Launchers ---------------------------------------------------------------------------------------------------
+// Launchers for label_logprobs. They return a Status, never throw.
+
+Status label_logprobs_cpu(const LabelLogprobsParams& params);
+Status label_logprobs_cuda(const LabelLogprobsParams& params, void* stream);
+
+// ---- The CPU launcher's parts ------------------------------------------------------------------------------------
+// Internal interface of the CPU label_logprobs kernel: the launcher (label_logprobs_cpu.cpp, baseline ISA)
+// splits the vocabulary over threads and calls these ops on chunks of it; they come in an AVX-512 build
+// (label_logprobs_avx512.cpp; the LM head product on AMX tiles at tier amx, label_logprobs_amx.cpp), AVX2 and
+// NEON ones (one text, logits_simd.h, compiled per vector layer by cmake/cpu_kernels.cmake) and a
+// portable one.
+
+struct LabelCpuOps {
+  // out[r * n + j] = logit of vocabulary entry v0 + j for row r (hidden[r] . weight[v0 + j] with fp32
+  // accumulation, or the given logits when weight is null), for all rows r < num_rows and j < n.
+  void (*logits_chunk)(const LabelLogprobsParams& p, int32_t v0, int32_t n, float* out);
+  // Folds x[0, n) into a running log-sum-exp state: *max and *sum = sum of exp(x - *max) so far.
+  void (*lse_update)(const float* x, int32_t n, float* max, float* sum);
+  // Optional (null: nothing to do): run by each thread once per call, before its logits_chunk calls, with the
+  // call's params (the AMX ops lay the read-out rows out as tiles here, once instead of per chunk).
+  void (*prepare)(const LabelLogprobsParams& p) = nullptr;
+};
+
+// nullptr when the dtype is not covered (the caller checks the CPU); bf16_dot picks how bf16 pairs are multiplied.
+PYSCORE_X86_ENTRY(const LabelCpuOps* label_ops_avx512(DType dtype, Bf16Dot bf16_dot));
+// AMX tiles for the bf16 LM head product (tier amx; the caller checks it): nullptr for other dtypes.
+PYSCORE_X86_ENTRY(const LabelCpuOps* label_ops_amx(DType dtype));
+PYSCORE_X86_ENTRY(const LabelCpuOps* label_ops_avx2(DType dtype));
+PYSCORE_ARM_ENTRY(const LabelCpuOps* label_ops_neon(DType dtype));
+
+}  // namespace pyscore
