@@ -4,7 +4,9 @@ shape on token-id questions of the same lengths; three measurements:
 - default: time to decision at concurrency 1 across candidate counts, over `--questions` distinct questions: the
   `--modes` (mis, sis and generate: one max_tokens=1 request per candidate, all prefilled in one `engine.step`, as if
   every candidate were in flight at once; mis_store / sis_store: storing the query in the prefix cache under a fresh
-  salt, mis_warm / sis_warm: with the query's blocks in the cache) and, unless --no-stock, stock transformers' one
+  salt, mis_warm / sis_warm: with the query's blocks in the cache; mis_system / sis_system: each call a question
+  never asked before after one shared --system-tokens system prompt, which an earlier question left in the cache)
+  and, unless --no-stock, stock transformers' one
   plain causal forward over MIS's tokens (all positions' logits, and logits_to_keep=1), all timed alternately; p50/p95
   per cell, the MIS-vs-SIS score difference, MIS(16)/MIS(2) and, with --overhead, where a MIS of the most candidates
   spends its time (host enqueue vs device). A table, and JSON (default bench/results/engine_cpu.json). A `--shape` run
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import random
 import statistics
 import time
 import uuid
@@ -44,7 +47,18 @@ import torch.nn.functional as F
 
 import pyscore.engine as engine_module
 import pyscore.model.decoder as decoder_module
-from bench.common import REPO, alternate, device_info, device_ms, elapsed_ms, force_isa, machine, question, synchronize
+from bench.common import (
+    REPO,
+    alternate,
+    device_info,
+    device_ms,
+    elapsed_ms,
+    force_isa,
+    machine,
+    question,
+    sentence,
+    synchronize,
+)
 from bench.models import SHAPES, Shape, build_random_engine, id_questions, labels_for
 from bench.summary import percentile, timings, write_json, write_report
 from bench.targets import max_diff
@@ -56,7 +70,7 @@ from pyscore.types import GenerateRequest, ScoreRequest
 
 RESULTS = REPO / "bench" / "results"
 LABELS = ["Yes", "No"]
-MODES = ("mis", "sis", "generate", "mis_store", "mis_warm", "sis_store", "sis_warm")
+MODES = ("mis", "sis", "generate", "mis_store", "mis_warm", "sis_store", "sis_warm", "mis_system", "sis_system")
 # p95 ms at 16 candidates, concurrency 1 (the LMSYS study, SGLang on one H200) and issue 6's targets
 STUDY = {"qwen3-0.6b": dict(mis=18.7, generate=39.6, sis=24.3), "qwen3-8b": dict(mis=20.6, generate=54.1, sis=53.1),
          "qwen3.5-4b": dict(mis=55.7, generate=84.8, sis=74.4)}
@@ -113,8 +127,22 @@ def in_turn(calls: list[Callable[[], Any]]) -> Callable[[], Any]:
     return lambda: next(turn)()
 
 
+def score_after_system(engine: Engine, system: Any, query: Any, items: list[Any], mode: str,
+                       labels: dict[str, Any]) -> Any:
+    """A Score whose query is the shared system prompt, then a mark no earlier call had, then `query`: the system
+    prompt is the only part another question may have left in the cache."""
+    mark = next(_marks)
+    low = engine.cfg.vocab_size // 2  # two ids of the upper half, not the special tokens
+    span = engine.cfg.vocab_size - low
+    own = f" [{mark}]" if isinstance(query, str) else [low + mark % span, low + mark // span % span]
+    return engine.score(system + own + query, items, mode=mode, prefix_cache_salt="system", **labels)
+
+
+_marks = itertools.count()
+
+
 def contenders(engine: Engine, stock: Any, questions: list[Question], labels: dict[str, Any],
-               modes: tuple[str, ...] = ("mis", "sis")) -> dict[str, Callable[[], Any]]:
+               modes: tuple[str, ...] = ("mis", "sis"), system: Any = None) -> dict[str, Callable[[], Any]]:
     cached = labels
     labels = {**labels, "bypass_prefix_cache": True}
     runs: dict[str, Callable[[], Any]] = {}
@@ -127,6 +155,9 @@ def contenders(engine: Engine, stock: Any, questions: list[Question], labels: di
                 call()
         elif mode.endswith("_store"):  # cold, and storing: a salt no earlier call had
             calls = [partial(score_fresh_salt, engine, q, items, scoring, cached) for q, items in questions]
+        elif mode.endswith("_system"):
+            calls = [partial(score_after_system, engine, system, q, items, scoring, cached) for q, items in questions]
+            calls[0]()  # an earlier question leaves the system prompt in the cache (untimed)
         elif mode == "generate":
             calls = [partial(generate_first_tokens, engine, q, items) for q, items in questions]
         else:
@@ -196,6 +227,15 @@ def overhead_probe(engine: Engine, q: Question, labels: dict[str, Any], reps: in
     return out
 
 
+def system_prompt(engine: Engine, tokens: int, text: bool) -> Any:
+    """A fixed system prompt of about `tokens` tokens: text, or seeded token ids (a --shape model's questions)."""
+    if not text:
+        seeded = torch.Generator().manual_seed(7)
+        return torch.randint(1000, engine.cfg.vocab_size, (tokens,), generator=seeded).tolist()
+    rng = random.Random(7)
+    return " ".join(sentence(rng, 12) for _ in range(tokens // 12))
+
+
 def decision_cell(engine: Engine, stock: Any, questions: list[Question], labels: dict[str, Any],
                   args: argparse.Namespace) -> dict[str, Any]:
     """One candidate count: the token counts, every contender's timings (alternating, after --warmup calls each),
@@ -207,7 +247,8 @@ def decision_cell(engine: Engine, stock: Any, questions: list[Question], labels:
         item_tokens=statistics.mean(sum(map(len, p.items)) / n for p in prepared),
         mis_tokens=statistics.mean(len(p.query) + sum(map(len, p.items)) for p in prepared),
         sis_tokens=statistics.mean(sum(len(p.query) + len(i) for i in p.items) for p in prepared))
-    runs = contenders(engine, stock, questions, labels, tuple(args.modes))
+    system = system_prompt(engine, args.system_tokens, isinstance(questions[0][0], str))
+    runs = contenders(engine, stock, questions, labels, tuple(args.modes), system)
     for fn in list(runs.values()) * args.warmup:
         fn()
     timer = partial(elapsed_ms, device=engine.decoder.device)
@@ -541,6 +582,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     ap.add_argument("--questions", type=int, default=1, help="distinct questions per count, taken in turn")
     ap.add_argument("--modes", nargs="+", default=["mis", "sis"], choices=MODES, help="our contenders (big --shape "
                     "models: MIS alone)")
+    ap.add_argument("--system-tokens", type=int, default=1000, help="the *_system modes' shared system prompt")
     ap.add_argument("--no-stock", action="store_true", help="skip stock transformers")
     ap.add_argument("--overhead", action="store_true", help="probe where a MIS of the most candidates spends its time")
     ap.add_argument("--budget-s", type=float, default=1e9, help="soft time budget; later candidate counts are skipped")

@@ -16,7 +16,8 @@ from dataclasses import replace
 
 import torch
 
-from pyscore import chunked_prefill
+from pyscore import branch_points, chunked_prefill
+from pyscore.branch_points import Head
 from pyscore.budget import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RUNNING_GENERATIONS, count_within_budget
 from pyscore.chunked_prefill import ChunkedPrefill
 from pyscore.errors import PassInterrupted, RequestError
@@ -310,7 +311,8 @@ class Engine:
 
     def _run_in_passes(self, prepared: Sequence[PreparedScore]) -> list[ScoreResult | Exception]:
         rows: list[list[list[list[float]]]] = [[[] for _ in p.items] for p in prepared]
-        cached = [0] * len(prepared)  # per request: query tokens read from the prefix cache
+        # per request: query tokens read from the prefix cache (less those the branch pass computed for it)
+        cached = [-n for n in self._branch_pass(prepared)]
         errors: dict[int, Exception] = {}
         for chunk in self._passes(prepared):
             chunk = [u for u in chunk if u[0] not in errors]  # a request that failed already wastes no more passes
@@ -377,6 +379,22 @@ class Engine:
                 raise
             return e
         return self.finish_chunked(p, plan)
+
+    def _branch_pass(self, prepared: Sequence[PreparedScore]) -> list[int]:
+        """A hybrid model's queries that share a part the cache holds without states, or that batch-mates share,
+        get it computed once, in a pass before theirs (pyscore.branch_points). Returns per request the query tokens
+        that pass computed for it."""
+        cache = self.prefix_cache
+        if cache is None or not cache.state_pages:
+            return [0] * len(prepared)
+        cached = [r for r, p in enumerate(prepared) if p.items and p.query and not p.request.item_first
+                  and not p.request.bypass_prefix_cache]  # the requests whose query a pass caches (_with_cache)
+        heads = [Head(prepared[r].query, len(prepared[r].query), prepared[r].request.prefix_cache_salt)
+                 for r in cached]
+        computed = [0] * len(prepared)
+        for r, n in zip(cached, branch_points.run(self.decoder, cache, heads), strict=True):
+            computed[r] = n
+        return computed
 
     def _passes(self, prepared: Sequence[PreparedScore], skip: int = 0) -> list[list[tuple[int, int, Group]]]:
         """Units (request, first item index, group) in arrival order, cut into passes of at most

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from pyscore import chunked_prefill
+from pyscore import branch_points, chunked_prefill
+from pyscore.branch_points import Head
 from pyscore.chunked_prefill import ChunkedPrefill
 from pyscore.errors import FailedPrecondition, PassInterrupted
 from pyscore.gen_sampling import Choice, NonFiniteLogits, choose_tokens, prompt_token_logprobs
@@ -197,7 +198,7 @@ class GenerationRunner:
         new = [g for g in generations if g.state is SeqState.WAITING]
         running = [g for g in generations if g.state is SeqState.RUNNING]
         new = self._advance_chunked(new)
-        prefill = self._after_their_states(self._within_prefill_budget(new))
+        prefill = self._within_prefill_budget(new)
         if prefill:
             self._together_or_alone(self._prefill, prefill)
         if running:
@@ -234,29 +235,6 @@ class GenerationRunner:
             return False
         g.chunks = chunked_prefill.plan(self.prefix_cache, g.prompt, n - 1, self.chunk_tokens, r.prefix_cache_salt)
         return g.chunks is not None
-
-    def _after_their_states(self, gens: list[Generation]) -> list[Generation]:
-        """A hybrid model's linear states are shared across passes only (a pass publishes them when it ends): a new
-        prompt that starts with an earlier new prompt's whole readable prefix (its blocks before its first read-out
-        token: the same prompt again, n > 1 samples, a longer continuation) that the cache does not hold yet waits
-        one step, then resumes the states that prompt's pass left there instead of computing the prefix again."""
-        cache = self.prefix_cache
-        if cache is None or not cache.state_pages or len(gens) < 2:
-            return gens
-        b = cache.block_tokens
-        taken: list[Generation] = []
-        heads: list[tuple[str, tuple[int, ...]]] = []  # taken prompts' uncached prefixes whose states their pass keeps
-        for g in gens:
-            r, limit = g.request, self._readouts(g)[0]
-            shares = not r.bypass_prefix_cache and g.chunks is None
-            if shares and any(salt == r.prefix_cache_salt and len(p) <= limit and tuple(g.prompt[: len(p)]) == p
-                              for salt, p in heads):
-                continue
-            taken.append(g)
-            end = limit // b * b
-            if shares and end and cache.published_tokens(g.prompt, end, r.prefix_cache_salt) < end:
-                heads.append((r.prefix_cache_salt, tuple(g.prompt[:end])))
-        return taken
 
     def _within_prefill_budget(self, new: list[Generation]) -> list[Generation]:
         """The longest arrival-order prefix of `new` whose prompts fit max_prefill_tokens (at least one)."""
@@ -307,7 +285,9 @@ class GenerationRunner:
     def _prefill(self, gens: list[Generation]) -> None:
         """One packed pass over the new sequences' prompts (`_prefill_pass`), the prompt logprobs of those that ask
         for them, then each sequence's first token (none for max_tokens 0: it ends there). A cache no sequence took
-        (its token failed, or this raised) gives its pages back."""
+        (its token failed, or this raised) gives its pages back. A hybrid model's prompts first get the parts they
+        share with the cache's blocks or with each other computed once (pyscore.branch_points)."""
+        branched = self._branch_pass(gens)
         hidden, kv, skips, rows = self._prefill_pass(gens)
 
         def commit(c: KVCache, g: Generation) -> None:
@@ -318,10 +298,10 @@ class GenerationRunner:
                 hidden[r], g.prompt, g.request.prompt_logprobs_start, g.request.prompt_logprobs,
                 self.decoder.w.lm_head, self.decoder.op_backend, self.tokenizer)
                 for g, r in zip(gens, rows, strict=True)]
-            for g, skip, lps in zip(gens, skips, logprobs, strict=True):
+            for g, skip, lps, own in zip(gens, skips, logprobs, branched, strict=True):
                 # reported only if the sequence gets its first token (else it failed); a chunked prompt's blocks
-                # were computed by this sequence, not cached
-                g.cached_tokens = skip - (g.chunks.computed if g.chunks else 0)
+                # and a branch computed for it were computed by this sequence, not cached
+                g.cached_tokens = skip - (g.chunks.computed if g.chunks else 0) - own
                 g.prompt_logprobs = lps
             going = [i for i, g in enumerate(gens) if g.request.max_tokens > 0]
             if going:
@@ -337,6 +317,19 @@ class GenerationRunner:
         for g in gens:  # (a _commit that raised leaves them open: the pass is retried one sequence at a time)
             if g.chunks is not None:
                 g.chunks.close(ok=g.error is None)  # published once its first token is chosen; its table holds them
+
+    def _branch_pass(self, gens: list[Generation]) -> list[int]:
+        """The branch pass of the prompts that cache their blocks (not chunked, not bypassing the cache); per
+        prompt the tokens it computed for it."""
+        cache = self.prefix_cache
+        if cache is None or not cache.state_pages:
+            return [0] * len(gens)
+        caching = [k for k, g in enumerate(gens) if g.chunks is None and not g.request.bypass_prefix_cache]
+        heads = [Head(gens[k].prompt, self._readouts(gens[k])[0], gens[k].request.prefix_cache_salt) for k in caching]
+        computed = [0] * len(gens)
+        for k, n in zip(caching, branch_points.run(self.decoder, cache, heads), strict=True):
+            computed[k] = n
+        return computed
 
     def _prefill_pass(self, gens: list[Generation]) -> tuple[torch.Tensor, list[KVCache], list[int], list[list[int]]]:
         """With the prefix cache a prompt's leading full blocks (leaving at least its last token, whose output

@@ -329,27 +329,78 @@ def run_together(e: Engine, requests: list[GenerateRequest]) -> tuple[list, list
     return [g.result() for g in gens], states
 
 
-def test_hybrid_prompt_that_repeats_an_uncached_one_waits_a_step_for_its_states(hybrid_dir):
-    """Two new prompts in one step whose later one starts with the earlier one's whole readable prefix (n > 1
-    samples of one prompt): the later waits one step and resumes the states the earlier one's pass kept, instead
-    of computing the prefix again; the same tokens. Prompts that only share a part of it go together, as before."""
+def test_hybrid_prompts_sharing_an_uncached_prefix_compute_it_once_in_their_step(hybrid_dir, monkeypatch):
+    """New prompts of one step that share whole blocks the cache does not hold (n > 1 samples of one prompt, a
+    longer continuation, one system prompt): a branch pass computes the shared blocks once and keeps the states at
+    their end, then every prompt resumes there in the same step's prefill; the same tokens as alone. The prompt
+    the branch was computed for reports it computed, the others that they read it."""
     e = engine(hybrid_dir, "kernel")
     n = len(e.tokenize(QUERY)[0])
+    readable = (n - 1) // B * B
     cold = e.generate(GenerateRequest(prompt=QUERY, max_tokens=4, bypass_prefix_cache=True))
+    passes = count_passes(e, monkeypatch)
     (a, b), states = run_together(e, [GenerateRequest(prompt=QUERY, max_tokens=4, prefix_cache_salt="n=2")] * 2)
-    assert states[0] == ["running", "waiting"] and a.token_ids == b.token_ids == cold.token_ids
-    assert (a.usage.cached_tokens, b.usage.cached_tokens) == (0, (n - 1) // B * B)
+    assert states[0] == ["running", "running"] and a.token_ids == b.token_ids == cold.token_ids
+    assert (a.usage.cached_tokens, b.usage.cached_tokens) == (0, readable)
+    assert passes[:2] == [readable, 2 * (n - readable)]  # the branch, then both prompts' rests
     longer = [GenerateRequest(prompt=QUERY, max_tokens=2, prefix_cache_salt="grow"),
               GenerateRequest(prompt=QUERY + " Please answer briefly.", max_tokens=2, prefix_cache_salt="grow")]
     (_, grown), states = run_together(e, longer)
-    assert states[0] == ["running", "waiting"] and grown.usage.cached_tokens == (n - 1) // B * B
-    apart = [GenerateRequest(prompt=QUERY, max_tokens=2, prefix_cache_salt="apart"),
-             GenerateRequest(prompt=QUERY[:60], max_tokens=2, prefix_cache_salt="apart")]
-    _, states = run_together(e, apart)
-    assert states[0] == ["running", "running"]  # the shorter one is not the longer's whole prefix: no wait
+    assert states[0] == ["running", "running"] and grown.usage.cached_tokens == readable
+    system = e.tokenize(QUERY)[0][: 5 * B + 3]
+    asks = [system + ids(e, f" Question {k}: is the order late? Answer Yes or No.") for k in range(3)]
+    cold = [e.generate(GenerateRequest(prompt_token_ids=p, max_tokens=3, bypass_prefix_cache=True)) for p in asks]
+    together, _ = run_together(e, [GenerateRequest(prompt_token_ids=p, max_tokens=3, prefix_cache_salt="sys")
+                                   for p in asks])
+    assert [r.token_ids for r in together] == [r.token_ids for r in cold]
+    assert [r.usage.cached_tokens for r in together] == [0, 5 * B, 5 * B]
     again, states = run_together(e, [GenerateRequest(prompt=QUERY, max_tokens=2, prefix_cache_salt="n=2")] * 2)
-    assert states[0] == ["running", "running"]  # its prefix is cached now: both read it in the same pass
-    assert [r.usage.cached_tokens for r in again] == [(n - 1) // B * B] * 2
+    assert [r.usage.cached_tokens for r in again] == [readable] * 2  # cached now: no branch pass
+
+
+def count_passes(e: Engine, monkeypatch) -> list[int]:
+    """The tokens each forward pass of `e` computes, in order (the list fills as they run)."""
+    passes: list[int] = []
+    real = e.decoder.hidden_at
+
+    def counted(batch, **kw):
+        passes.append(int(batch.tokens.numel()))
+        return real(batch, **kw)
+
+    monkeypatch.setattr(e.decoder, "hidden_at", counted)
+    return passes
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_hybrid_queries_that_share_a_system_prompt_resume_at_its_end(hybrid_dir, dtype, monkeypatch):
+    """A Qwen3.5 pass keeps its states at one block of its query, so a later question that shares only a system
+    prompt with it finds keys and values but no states there. Its branch pass computes the shared blocks and keeps
+    their states; every later question with that system prompt then resumes there. Batch-mates that share one a
+    cold cache does not hold compute it once. Bitwise the scores of each request alone without the cache."""
+    e = engine(hybrid_dir, "kernel", dtype)
+    system = e.tokenize(QUERY)[0][: 6 * B + 5]
+    questions = [system + ids(e, f" Question {k}: should the agent call the carrier? Answer Yes or No.")
+                 for k in range(6)]
+    items = [ids(e, i) for i in ITEMS]
+
+    def request(k: int, **kw) -> ScoreRequest:
+        return ScoreRequest(questions[k], items, label_token_ids=[ids(e, "Yes")[0], ids(e, "No")[0]], **kw)
+
+    alone = [e.score_batch([request(k, bypass_prefix_cache=True)])[0] for k in range(6)]
+    passes = count_passes(e, monkeypatch)
+    first = e.score_batch([request(0)])[0]  # cold: states kept at its own last block only
+    assert first.usage.cached_tokens == 0 and len(passes) == 1
+    second = e.score_batch([request(1)])[0]  # the system prompt's blocks are there, their states are not
+    assert second.usage.cached_tokens == 0 and passes[1] == 6 * B and len(passes) == 3
+    third = e.score_batch([request(2, mode="sis")])[0]
+    assert third.usage.cached_tokens == 6 * B + (len(questions[2]) // B * B) * (len(items) - 1)
+    assert [first.scores, second.scores, third.scores] == [a.scores for a in alone[:3]]
+    fresh = [request(k, prefix_cache_salt="batch") for k in (3, 4, 5)]
+    before = len(passes)
+    together = e.score_batch(fresh)
+    assert passes[before] == 6 * B and len(passes) == before + 2  # the shared blocks once, then the three rests
+    assert [r.usage.cached_tokens for r in together] == [0, 6 * B, 6 * B]
+    assert [r.scores for r in together] == [a.scores for a in alone[3:]]
 
 
 def test_other_families_never_hold_a_prompt_back(model_dir):

@@ -135,10 +135,11 @@ class PrefixCache:
     def lease(self) -> CacheLease:
         return CacheLease(self)
 
-    def published_tokens(self, tokens: Sequence[int], limit: int, salt: str = "") -> int:
+    def published_tokens(self, tokens: Sequence[int], limit: int, salt: str = "", resumable: bool = True) -> int:
         """How many of tokens[:limit] a pass starting now would read (whole published blocks; for a hybrid model
-        up to the last with states). Reads only: pins nothing, counts no hit."""
-        return len(self._chain(tokens, limit, salt, None)) * self.block_tokens
+        up to the last with states, or with resumable=False the blocks of keys and values whether or not states
+        follow them). Reads only: pins nothing, counts no hit."""
+        return len(self._chain(tokens, limit, salt, None, resumable)) * self.block_tokens
 
     def states_after(self, chain: Sequence[Block]) -> tuple[int, ...]:
         """The pages of the published states at the end of a chain `match` returned: where a hybrid model's pass
@@ -220,10 +221,11 @@ class PrefixCache:
         pass cannot start from them."""
         return block.state if block.state_writer is None else ()
 
-    def _chain(self, tokens: Sequence[int], limit: int, salt: str, lease: CacheLease | None) -> list[Block]:
+    def _chain(self, tokens: Sequence[int], limit: int, salt: str, lease: CacheLease | None,
+               resumable: bool = True) -> list[Block]:
         """The longest chain of blocks (under `salt`) that starts `tokens` and ends at or before token `limit`:
         published ones, or ones `lease` is writing; a hybrid model's ends at its last block with published states
-        (it resumes only where they were kept)."""
+        (it resumes only where they were kept) unless resumable is False."""
         root, b = self._salted_root(salt), self.block_tokens
         chain: list[Block] = []
         for start in range(0, limit // b * b, b):
@@ -231,7 +233,7 @@ class PrefixCache:
             if block is None:
                 break
             chain.append(block)
-        if self.state_pages:
+        if self.state_pages and resumable:
             while chain and not self._state_of(chain[-1]):
                 chain.pop()
         return chain
@@ -427,6 +429,27 @@ class CacheLease:
         j = readable[-1] if readable else len(blocks) - 1
         pages = self.attach_state(blocks[j])
         return None if pages is None else (j, pages)
+
+    def branch(self, tokens: Sequence[int], end: int, salt: str = "") -> CacheUse | None:
+        """A hybrid model's branch pass over tokens[:end] (whole blocks; pyscore.branch_points): it reads the
+        cached chain with states, computes the rest, stores its blocks (those not there yet) and keeps the states
+        at the end of the last one it could store. None when there is nothing to compute or keep: the states are
+        there already or being kept by another group, or the cache has no room."""
+        cache, b = self.cache, self.cache.block_tokens
+        chain = cache._chain(tokens, end, salt, self)
+        if len(chain) * b >= end:
+            return None
+        for block in chain:
+            self._pin(block)
+        written, after = self._store(chain, tokens, end, salt)
+        pages = self.attach_state(after[-1]) if after else None
+        if pages is None and not written:
+            return None  # (blocks it stored must be computed: without states they still hold keys and values)
+        self._misses += len(after) * b  # computed here; the pass that resumes them counts them as read
+        snapshot = None if pages is None else (len(chain) + len(after) - 1, pages)
+        return CacheUse(b, read=tuple(block.slot for block in chain),
+                        write=tuple((j, block.slot) for j, block in written), state=cache.states_after(chain),
+                        snapshot=snapshot)
 
     def use(self, tokens: Sequence[int], limit: int, end: int, salt: str = "") -> CacheUse:
         """A group's use of the cache for `tokens`: the cached blocks ending at or before `limit` are read, the
