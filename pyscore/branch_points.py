@@ -44,12 +44,13 @@ def branch_ends(cache: PrefixCache, heads: Sequence[Head]) -> list[int]:
     are not cached yet. Blocks stored up to the head's own last readable block need no branch pass: the head's own
     pass keeps its states there. One head per shared prefix: the others resume from it."""
     b = cache.block_tokens
-    shared = _shared_blocks(heads, b)
     ends, seen = [], set()
-    for head, common in zip(heads, shared, strict=True):
+    for head, (common, twin) in zip(heads, _shared_blocks(heads, b), strict=True):
         own = head.limit // b * b
         stored = cache.published_tokens(head.tokens, own, head.salt, resumable=False)
-        end = max(common, stored if stored < own else 0)
+        # (shared up to its own end: the head's pass keeps the states there, useful to another head only if it
+        # reads the same blocks, e.g. n > 1 samples of one prompt; else that head branches there itself)
+        end = max(common if common < own or twin else 0, stored if stored < own else 0)
         key = (head.salt, tuple(head.tokens[:end]))
         if end <= cache.published_tokens(head.tokens, end, head.salt) or key in seen:
             ends.append(0)
@@ -59,12 +60,13 @@ def branch_ends(cache: PrefixCache, heads: Sequence[Head]) -> list[int]:
     return ends
 
 
-def _shared_blocks(heads: Sequence[Head], b: int) -> list[int]:
+def _shared_blocks(heads: Sequence[Head], b: int) -> list[tuple[int, bool]]:
     """Per head, how many of its readable whole-block tokens it shares with another head of the same salt (the
-    longest common prefix with its neighbours in sorted order, which is the longest with any head)."""
+    longest common prefix with its neighbours in sorted order, which is the longest with any head), and whether
+    another head reads exactly the same blocks."""
     readable = [(head.salt, tuple(head.tokens[: head.limit // b * b])) for head in heads]
     order = sorted(range(len(heads)), key=lambda k: readable[k])
-    shared = [0] * len(heads)
+    shared, twin = [0] * len(heads), [False] * len(heads)
     for x, y in itertools.pairwise(order):
         (salt_x, a), (salt_y, c) = readable[x], readable[y]
         if salt_x != salt_y:
@@ -74,7 +76,9 @@ def _shared_blocks(heads: Sequence[Head], b: int) -> list[int]:
             n += 1
         common = n // b * b
         shared[x], shared[y] = max(shared[x], common), max(shared[y], common)
-    return shared
+        if a == c:
+            twin[x] = twin[y] = True
+    return list(zip(shared, twin, strict=True))
 
 
 def run(decoder: Decoder, cache: PrefixCache | None, heads: Sequence[Head]) -> list[int]:

@@ -23,7 +23,7 @@ prompts) in blocks of `block_tokens` tokens, reused by later requests whose toke
   store (the bytes of the states, split over `state_pages` pages: one budget), visible with the block's commit and
   freed with the block; `match` then ends a chain at its last block with states. Only the blocks with states are hit
   points: a state is ~100x a block's keys and values for Qwen3.5's shapes, so one per cached sequence end, as
-  SGLang's hybrid radix cache keeps them.
+  SGLang's hybrid radix cache keeps them, and one where sequences branch (`branch`, pyscore.branch_points).
 
 Not thread-safe: one engine worker owns it (a metrics scrape only reads `stats`)."""
 

@@ -267,3 +267,35 @@ def test_a_pass_keeps_its_states_where_a_repeat_of_it_can_resume():
 def test_a_cache_that_cannot_hold_one_block_with_its_states_is_refused():
     with pytest.raises(ValueError, match="recurrent states"):
         PrefixCache(3 * BLOCK_BYTES, identity="hybrid", state_bytes=3 * BLOCK_BYTES, **DIMS)
+
+
+def test_branch_points_are_where_cached_or_batch_mates_prefixes_end_without_states():
+    """pyscore.branch_points on the cache alone: a head that stores-without-states part of it gets a branch at the
+    end of those blocks (none when they reach its own last readable block, which its own pass keeps); heads of one
+    salt that share blocks get one branch at the end of what they share, heads of other salts none; a branch whose
+    states are kept already is none. `CacheLease.branch` reads the chain with states, stores the rest up to the
+    branch and keeps the states at its end; nothing when they are there or another group keeps them."""
+    from pyscore.branch_points import Head, branch_ends
+
+    cache = PrefixCache(40 * BLOCK_BYTES, identity="hybrid", state_bytes=BLOCK_BYTES, **DIMS)
+    system, a, c = tokens(3 * B + 10, 1), tokens(2 * B, 2), tokens(2 * B, 3)
+    lease = cache.lease()
+    first = lease.use(system + a, len(system + a), len(system + a))  # cached; states at its own last block (4)
+    assert first.snapshot is not None and first.snapshot[0] == 4
+    lease.commit()
+    heads = [Head(system + c, len(system + c), ""), Head(system[: 2 * B + 5], 2 * B + 5, ""),
+             Head(system + a, len(system + a), "")]
+    # the first branches where it leaves the cached chain (3 blocks); the second's cached blocks end at its own
+    # last readable one; the third is a repeat: its states are there
+    assert branch_ends(cache, heads) == [3 * B, 0, 0]
+    mates = [Head(tokens(5 * B, 7) + a, 7 * B, "x"), Head(tokens(5 * B, 7) + c, 7 * B, "x"),
+             Head(tokens(5 * B, 7) + c, 7 * B, "y")]
+    assert branch_ends(cache, mates) == [5 * B, 0, 0]  # one branch for the shared blocks; other salt: none
+    lease = cache.lease()
+    use = lease.branch(system + c, 3 * B)
+    assert use is not None and use.read == () and use.write == () and use.snapshot is not None
+    assert use.snapshot[0] == 2 and lease.branch(system + c, 3 * B) is None  # kept by this group already
+    new = lease.branch(tokens(5 * B, 7), 5 * B, "x")
+    assert new is not None and [j for j, _ in new.write] == [0, 1, 2, 3, 4] and new.snapshot[0] == 4
+    lease.commit()
+    assert branch_ends(cache, heads[:1]) == [0] and len(cache.lease().match(system + c, len(system + c))) == 3
