@@ -81,20 +81,21 @@ def _shared_blocks(heads: Sequence[Head], b: int) -> list[tuple[int, bool]]:
     return list(zip(shared, twin, strict=True))
 
 
-def run(decoder: Decoder, cache: PrefixCache | None, heads: Sequence[Head]) -> list[int]:
-    """Runs the branch pass of `heads` (one forward pass; none for a model without linear states or where no head
-    branches) and returns per head the tokens it computed for it. A pass that fails is logged and leaves the cache
-    as it was (an interrupted one raises PassInterrupted)."""
+def run(decoder: Decoder, cache: PrefixCache | None, heads: Sequence[Head | None]) -> list[int]:
+    """Runs the branch pass of `heads` (None: a request that caches nothing; one forward pass, none for a model
+    without linear states or where no head branches) and returns per head the tokens it computed for it. A pass
+    that fails is logged and leaves the cache as it was (an interrupted one raises PassInterrupted)."""
     computed = [0] * len(heads)
-    if cache is None or not cache.state_pages or len(heads) == 0:
+    caching = [(k, head) for k, head in enumerate(heads) if head is not None]
+    if cache is None or not cache.state_pages or not caching:
         return computed
-    ends = branch_ends(cache, heads)
+    ends = branch_ends(cache, [head for _, head in caching])
     if not any(ends):
         return computed
     try:
         with pass_lease(cache) as lease:
             groups, owners = [], []
-            for k, (head, end) in enumerate(zip(heads, ends, strict=True)):
+            for (k, head), end in zip(caching, ends, strict=True):
                 use = lease.branch(head.tokens, end, head.salt) if end else None
                 if use is None:
                     continue

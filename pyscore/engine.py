@@ -384,17 +384,10 @@ class Engine:
         """A hybrid model's queries that share a part the cache holds without states, or that batch-mates share,
         get it computed once, in a pass before theirs (pyscore.branch_points). Returns per request the query tokens
         that pass computed for it."""
-        cache = self.prefix_cache
-        if cache is None or not cache.state_pages:
-            return [0] * len(prepared)
-        cached = [r for r, p in enumerate(prepared) if p.items and p.query and not p.request.item_first
-                  and not p.request.bypass_prefix_cache]  # the requests whose query a pass caches (_with_cache)
-        heads = [Head(prepared[r].query, len(prepared[r].query), prepared[r].request.prefix_cache_salt)
-                 for r in cached]
-        computed = [0] * len(prepared)
-        for r, n in zip(cached, branch_points.run(self.decoder, cache, heads), strict=True):
-            computed[r] = n
-        return computed
+        return branch_points.run(self.decoder, self.prefix_cache, [
+            Head(p.query, len(p.query), p.request.prefix_cache_salt)
+            if p.items and p.query and not p.request.item_first and not p.request.bypass_prefix_cache else None
+            for p in prepared])  # (the requests whose query a pass caches: _with_cache)
 
     def _passes(self, prepared: Sequence[PreparedScore], skip: int = 0) -> list[list[tuple[int, int, Group]]]:
         """Units (request, first item index, group) in arrival order, cut into passes of at most

@@ -321,15 +321,9 @@ class GenerationRunner:
     def _branch_pass(self, gens: list[Generation]) -> list[int]:
         """The branch pass of the prompts that cache their blocks (not chunked, not bypassing the cache); per
         prompt the tokens it computed for it."""
-        cache = self.prefix_cache
-        if cache is None or not cache.state_pages:
-            return [0] * len(gens)
-        caching = [k for k, g in enumerate(gens) if g.chunks is None and not g.request.bypass_prefix_cache]
-        heads = [Head(gens[k].prompt, self._readouts(gens[k])[0], gens[k].request.prefix_cache_salt) for k in caching]
-        computed = [0] * len(gens)
-        for k, n in zip(caching, branch_points.run(self.decoder, cache, heads), strict=True):
-            computed[k] = n
-        return computed
+        return branch_points.run(self.decoder, self.prefix_cache, [
+            Head(g.prompt, self._readouts(g)[0], g.request.prefix_cache_salt)
+            if g.chunks is None and not g.request.bypass_prefix_cache else None for g in gens])
 
     def _prefill_pass(self, gens: list[Generation]) -> tuple[torch.Tensor, list[KVCache], list[int], list[list[int]]]:
         """With the prefix cache a prompt's leading full blocks (leaving at least its last token, whose output

@@ -403,6 +403,37 @@ def test_hybrid_queries_that_share_a_system_prompt_resume_at_its_end(hybrid_dir,
     assert [r.scores for r in together] == [a.scores for a in alone[3:]]
 
 
+def test_hybrid_failed_branch_pass_changes_nothing_but_the_work(hybrid_dir, monkeypatch, caplog):
+    """A branch pass that fails is logged and dropped with everything it wrote: the request's own pass computes the
+    shared part, the scores are the same, and a later request branches there."""
+    e = engine(hybrid_dir, "kernel")
+    system = e.tokenize(QUERY)[0][: 4 * B]
+    questions = [system + ids(e, f" Question {k}: is it late? Answer Yes or No.") for k in range(3)]
+    request = dict(labels=["Yes", "No"], mode="mis")
+    alone = [e.score(q, ITEMS, **request, bypass_prefix_cache=True) for q in questions]
+    e.score(questions[0], ITEMS, **request)
+    real = e.decoder.hidden_at
+    calls: list[int] = []
+
+    def first_fails(batch, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("branch boom")
+        return real(batch, **kw)
+
+    monkeypatch.setattr(e.decoder, "hidden_at", first_fails)
+    held = e.prefix_cache_stats().blocks
+    second = e.score(questions[1], ITEMS, **request)
+    assert "branch pass failed" in caplog.text and len(calls) == 2  # the branch pass, then the request's own
+    assert second.scores == alone[1].scores and second.usage.cached_tokens == 0
+    assert e.prefix_cache_stats().blocks > held  # its own pass stored its blocks and states as without a branch
+    monkeypatch.setattr(e.decoder, "hidden_at", real)
+    third = e.score(questions[2], ITEMS, **request)
+    assert third.scores == alone[2].scores and third.usage.cached_tokens == 0  # the branch ran for it...
+    fourth = system + ids(e, " Question 9: is it late? Answer Yes or No.")
+    assert e.score(fourth, ITEMS, **request).usage.cached_tokens == 4 * B  # ...and its states stay
+
+
 def test_other_families_never_hold_a_prompt_back(model_dir):
     e = engine(model_dir, "kernel")
     _, states = run_together(e, [GenerateRequest(prompt=QUERY, max_tokens=2)] * 2)
