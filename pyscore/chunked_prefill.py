@@ -11,7 +11,10 @@ The rules, all through the cache's public API (`CacheLease`):
   existed.
 - A hybrid model (Qwen3.5) also needs its linear layers' states where each chunk ends: `plan` reserves a set of
   state pages at every chunk's last block too (a chunk leaves its states there, the next chunk and the last pass
-  resume from them). They are published with the blocks, so each chunk end is a hit point for later requests.
+  resume from them). They are published with the blocks, so each chunk end is a hit point for later requests. Its
+  published blocks without states (shared with an earlier request past that one's states) are recomputed, not
+  written again, and a chunk ends where they end: a branch point (pyscore.branch_points) where later requests that
+  share them resume.
 - Chunk boundaries lie on block boundaries, and each chunk is the causal continuation of the blocks before it (the
   attention kernels' kCachedBeforeOwn), so chunked equals unchunked bitwise on the kernel path, as warm = cold.
 - Commit after success: the blocks stay pending (visible to this request's later passes only) until the whole
@@ -43,6 +46,8 @@ class ChunkedPrefill:
     blocks: list[Block]  # the prefix's blocks in order: the cached ones, then the reserved (pending) ones
     cached: int  # tokens that were in the cache before this request (read, not computed)
     publish: bool  # commit at the end (False for a request that bypasses the cache)
+    stops: list[int]  # where each chunk ends, ascending, the last one `end`
+    first_new: int = 0  # the first block this plan allocated (a hybrid model's blocks before it are published)
     states: dict[int, tuple[int, ...]] = field(default_factory=dict)  # hybrid: token position -> its states' pages
     done: int = 0
     open: bool = True
@@ -60,11 +65,11 @@ class ChunkedPrefill:
         """The next chunk as one causal sequence that reads the blocks before it and writes its own (its last
         token is read out only because a pass reads out at least one row; nothing uses it)."""
         b = self.lease.cache.block_tokens
-        stop = min(self.done + self.chunk_tokens, self.end)
+        stop = next(s for s in self.stops if s > self.done)
         slots = [block.slot for block in self.blocks]
         keep = self.states.get(stop)
         use = CacheUse(b, read=tuple(slots[: self.done // b]),
-                       write=tuple((j, slots[j]) for j in range(self.done // b, stop // b)),
+                       write=tuple((j, slots[j]) for j in range(max(self.done // b, self.first_new), stop // b)),
                        state=self.states.get(self.done, ()), snapshot=None if keep is None else (stop // b - 1, keep))
         return Group(prefix=[], items=[self.tokens[:stop]], readouts=[[stop - 1]], cache=use)
 
@@ -117,30 +122,30 @@ def plan(cache: PrefixCache | None, tokens: list[int], limit: int, chunk_tokens:
         salt = f"\x00chunked-private-{next(_private)}"  # a chain no other request can match
     lease = cache.lease()
     chain = [] if bypass else lease.match(tokens, end, salt)
-    written = lease.store(chain, tokens, end, salt)
-    blocks = chain + [block for _, block in written]
-    if len(blocks) != end // b or [j for j, _ in written] != list(range(len(chain), end // b)):
+    after, first_new = lease.reserve(chain, tokens, end, salt)
+    blocks = chain + after
+    if len(blocks) != end // b:
         lease.abort()  # the cache cannot hold the whole prefix beside what is pinned: one pass, as before
         return None
     cached, chunk = len(chain) * b, whole_blocks(chunk_tokens, b)
-    states = _reserve_states(lease, blocks, cached, end, chunk) if cache.state_pages else {}
+    stops = sorted({*range(cached + chunk, end, chunk), end})
+    if cached < first_new * b < end:  # a hybrid model's published blocks without states end there: a branch point
+        stops = sorted({*stops, first_new * b})  # (pyscore.branch_points) where a later request can resume
+    states = _reserve_states(lease, blocks, cached, stops) if cache.state_pages else {}
     if states is None:
         lease.abort()
         return None
     return ChunkedPrefill(tokens=tokens, end=end, chunk_tokens=chunk, lease=lease, blocks=blocks, cached=cached,
-                          publish=not bypass, done=cached, states=states)
+                          publish=not bypass, stops=stops, first_new=first_new, done=cached, states=states)
 
 
-def _reserve_states(lease: CacheLease, blocks: list[Block], cached: int, end: int, chunk: int
+def _reserve_states(lease: CacheLease, blocks: list[Block], cached: int, stops: list[int]
                     ) -> dict[int, tuple[int, ...]] | None:
     """A hybrid plan's states: where its cached chain ends (published, read) and at each chunk's end (pending,
     reserved now so that no chunk can lack room later); None when the cache cannot hold them all."""
     b = lease.cache.block_tokens
     states = {cached: lease.cache.states_after(blocks[: cached // b])} if cached else {}
-    for stop in range(min(cached + chunk, end), end + chunk, chunk):
-        stop = min(stop, end)
-        if stop in states:
-            break
+    for stop in stops:
         pages = lease.attach_state(blocks[stop // b - 1])
         if pages is None:
             return None

@@ -252,6 +252,27 @@ def test_hybrid_chunk_ends_are_hit_points_once_published(hybrid_dir):
     assert warm.scores == engine(hybrid_dir).score(other, items, labels=LABELS, bypass_prefix_cache=True).scores
 
 
+def test_hybrid_chunks_stop_where_published_blocks_without_states_end(hybrid_dir, chunks):
+    """A long Qwen3.5 query that shares blocks with a cached one beyond that one's last states (its chunk ends)
+    recomputes them in its chunks without writing them again, with a chunk ending where they end: a branch point
+    (pyscore.branch_points), where a third query sharing them resumes. Bitwise the cold scores throughout."""
+    e = engine(hybrid_dir, max_batch_tokens=BUDGET)
+    cold = engine(hybrid_dir)
+    ids = e.tokenize(LONG)[0]
+    items = [e.tokenize(i, False)[0] for i in ITEMS]
+    shared = ids[: 2 * BUDGET + B + 3]  # past the first query's states at 2 * BUDGET, into a chunk
+    queries = [shared + ids[k : k + 4 * B] for k in (40, 80, 120)]
+    results = []
+    for k, q in enumerate(queries):
+        before = len(chunks)
+        results.append(e.score(q, items, labels=LABELS))
+        if k == 1:  # resumes at 2 * BUDGET; its first chunk ends at the shared blocks' end
+            assert chunks[before] == B and results[-1].usage.cached_tokens == 2 * BUDGET
+    assert results[2].usage.cached_tokens == 2 * BUDGET + B
+    assert [r.scores for r in results] == [cold.score(q, items, labels=LABELS, bypass_prefix_cache=True).scores
+                                          for q in queries]
+
+
 def test_hybrid_without_room_for_the_chunks_states_runs_as_one_pass(hybrid_dir, chunks):
     probe = engine(hybrid_dir, prefix_cache_mb=0)
     n = len(probe.tokenize(LONG)[0]) // B * B

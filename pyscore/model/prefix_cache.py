@@ -386,6 +386,13 @@ class CacheLease:
         that cannot be stored."""
         return self._store(chain, tokens, end, salt)[0]
 
+    def reserve(self, chain: list[Block], tokens: Sequence[int], end: int, salt: str = "") -> tuple[list[Block], int]:
+        """`store` for a pass that computes every block after `chain` (a chunked prefix): all of them up to `end`,
+        found (a hybrid model's blocks without states) or allocated, pinned, stopping at the first that cannot be
+        stored; and the index of the first one allocated (the ones before it are published: not written again)."""
+        allocated, after = self._store(chain, tokens, end, salt)
+        return after, allocated[0][0] if allocated else len(chain) + len(after)
+
     def _store(self, chain: list[Block], tokens: Sequence[int], end: int, salt: str
                ) -> tuple[list[tuple[int, Block]], list[Block]]:
         """`store`'s allocated blocks, and every block after `chain` it pinned (found or allocated), in order."""
