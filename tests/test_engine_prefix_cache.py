@@ -410,8 +410,9 @@ def test_hybrid_failed_branch_pass_changes_nothing_but_the_work(hybrid_dir, monk
     system = e.tokenize(QUERY)[0][: 4 * B]
     questions = [system + ids(e, f" Question {k}: is it late? Answer Yes or No.") for k in range(3)]
     request = dict(labels=["Yes", "No"], mode="mis")
-    alone = [e.score(q, ITEMS, **request, bypass_prefix_cache=True) for q in questions]
-    e.score(questions[0], ITEMS, **request)
+    items = [ids(e, i) for i in ITEMS]
+    alone = [e.score(q, items, **request, bypass_prefix_cache=True) for q in questions]
+    e.score(questions[0], items, **request)
     real = e.decoder.hidden_at
     calls: list[int] = []
 
@@ -423,15 +424,15 @@ def test_hybrid_failed_branch_pass_changes_nothing_but_the_work(hybrid_dir, monk
 
     monkeypatch.setattr(e.decoder, "hidden_at", first_fails)
     held = e.prefix_cache_stats().blocks
-    second = e.score(questions[1], ITEMS, **request)
+    second = e.score(questions[1], items, **request)
     assert "branch pass failed" in caplog.text and len(calls) == 2  # the branch pass, then the request's own
     assert second.scores == alone[1].scores and second.usage.cached_tokens == 0
     assert e.prefix_cache_stats().blocks > held  # its own pass stored its blocks and states as without a branch
     monkeypatch.setattr(e.decoder, "hidden_at", real)
-    third = e.score(questions[2], ITEMS, **request)
+    third = e.score(questions[2], items, **request)
     assert third.scores == alone[2].scores and third.usage.cached_tokens == 0  # the branch ran for it...
     fourth = system + ids(e, " Question 9: is it late? Answer Yes or No.")
-    assert e.score(fourth, ITEMS, **request).usage.cached_tokens == 4 * B  # ...and its states stay
+    assert e.score(fourth, items, **request).usage.cached_tokens == 4 * B  # ...and its states stay
 
 
 def test_other_families_never_hold_a_prompt_back(model_dir):
