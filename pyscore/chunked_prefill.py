@@ -37,16 +37,15 @@ _private = itertools.count()
 
 @dataclass(eq=False)
 class ChunkedPrefill:
-    """tokens[:end] (whole blocks) computed in chunks of at most chunk_tokens under `lease`; `done` tokens so far."""
+    """tokens[:end] (whole blocks) computed in chunks that end at `stops` under `lease`; `done` tokens so far."""
 
     tokens: list[int]
     end: int
-    chunk_tokens: int
     lease: CacheLease
     blocks: list[Block]  # the prefix's blocks in order: the cached ones, then the reserved (pending) ones
     cached: int  # tokens that were in the cache before this request (read, not computed)
     publish: bool  # commit at the end (False for a request that bypasses the cache)
-    stops: list[int]  # where each chunk ends, ascending, the last one `end`
+    stops: list[int]  # where each chunk ends, ascending, the last one `end` (chunks of at most chunk_tokens)
     first_new: int = 0  # the first block this plan allocated (a hybrid model's blocks before it are published)
     states: dict[int, tuple[int, ...]] = field(default_factory=dict)  # hybrid: token position -> its states' pages
     done: int = 0
@@ -135,8 +134,8 @@ def plan(cache: PrefixCache | None, tokens: list[int], limit: int, chunk_tokens:
     if states is None:
         lease.abort()
         return None
-    return ChunkedPrefill(tokens=tokens, end=end, chunk_tokens=chunk, lease=lease, blocks=blocks, cached=cached,
-                          publish=not bypass, stops=stops, first_new=first_new, done=cached, states=states)
+    return ChunkedPrefill(tokens=tokens, end=end, lease=lease, blocks=blocks, cached=cached, publish=not bypass,
+                          stops=stops, first_new=first_new, done=cached, states=states)
 
 
 def _reserve_states(lease: CacheLease, blocks: list[Block], cached: int, stops: list[int]
