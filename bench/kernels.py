@@ -1,12 +1,13 @@
-"""CPU kernel micro-benchmark: each of our ops against torch's way of doing the same, timed alternately in one run
-(the figure is the median of the per-round medians, so a noisy minute hits both sides). Sections (`--only`):
-attention (prefix_item_attention, one layer's run of a plan, on the MIS shape of a SmolLM2 question and its SIS
-twin, vs SDPA with a dense mask), labels (label_logprobs vs log_softmax(h @ W.T).gather), gemm (prepacked linear vs
-F.linear at SmolLM2 / Qwen3-0.6B projections; decode rows cycle ~96 MB of weight copies, as a decode step streams
-its weights from DRAM), decode (decode_attention vs one SDPA per sequence), elementwise (the fused ops vs their
-pyscore.ops.reference recipes), interleave (our OpenMP kernel between torch matmuls), linear (Qwen3.5's
-conv + gated delta rule vs transformers' torch fallbacks; own file) and tiers (linear at every CPU tier this CPU
-runs vs F.linear, best of --rounds: what pyscore/ops/tiers.py cites; own file).
+"""CPU kernel micro-benchmark: each of our ops against torch's way of doing the same, timed alternately in one run (the
+figure is the median of the per-round medians, so a noisy minute hits both sides). Sections (`--only`): attention
+(prefix_item_attention, one layer's run of a plan, on the MIS shape of a SmolLM2 question and its SIS twin, vs SDPA
+with a dense mask), labels (label_logprobs vs log_softmax(h @ W.T).gather, on SmolLM2's LM head and on Qwen3.5's
+248k-entry one at a decode step's 1-16 rows), gemm (prepacked linear vs F.linear at SmolLM2 / Qwen3-0.6B
+projections; decode rows cycle ~96 MB of weight copies, as a decode step streams its weights from DRAM), decode
+(decode_attention vs one SDPA per sequence), elementwise (the fused ops vs their pyscore.ops.reference recipes),
+interleave (our OpenMP kernel between torch matmuls), linear (Qwen3.5's conv + gated delta rule vs transformers'
+torch fallbacks; own file) and tiers (linear at every CPU tier this
+CPU runs vs F.linear, best of --rounds: what pyscore/ops/tiers.py cites; own file).
 
 `--tier T` forces our kernels' tier (PYSCORE_CPU_TIER) and torch's matching ISA; `--torch-isa T` torch's alone.
 Torch reads its ISA settings only when it starts, so the bench re-executes itself with them set. The header names
@@ -73,6 +74,7 @@ OUT = {"linear": RESULTS / "kernels_linear_cpu.txt", "tiers": RESULTS / "tiers" 
 LIN_SHAPE = (16, 16, 128, 4)  # Qwen3.5-0.8B Gated DeltaNet: Hk, Hv, head dim, conv kernel
 HQ, HKV, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
 VOCAB, HIDDEN = 49152, 576
+QWEN35_VOCAB = 248320
 # (name, K, N, gated): the decoder's projections (gate_up is [2I, K] with the SiLU-mul epilogue fused).
 LINEAR_SHAPES = [
     ("SmolLM2 qkv", 576, 960, False), ("SmolLM2 o", 576, 576, False), ("SmolLM2 gate_up", 576, 3072, True),
@@ -199,17 +201,18 @@ def sis_batched_rows(dtype: torch.dtype, reps: int, default: str) -> list[str]:
             f"{times['torch']:>11.3f}{'':>11}{times['torch'] / times['ours']:>11.1f}x"]
 
 
-def label_rows(rows: int, dtype: torch.dtype, reps: int, rounds: int, default: str) -> list[str]:
-    h = torch.randn(rows, HIDDEN).to(dtype)
-    w = (torch.randn(VOCAB, HIDDEN) * HIDDEN**-0.5).to(dtype)
-    labels = torch.randint(0, VOCAB, (rows, 2), dtype=torch.int32)
+def label_rows(rows: int, dtype: torch.dtype, reps: int, rounds: int, default: str, vocab: int = VOCAB,
+               hidden: int = HIDDEN, name: str = "label_logprobs") -> list[str]:
+    h = torch.randn(rows, hidden).to(dtype)
+    w = (torch.randn(vocab, hidden) * hidden**-0.5).to(dtype)
+    labels = torch.randint(0, vocab, (rows, 2), dtype=torch.int32)
     paths = bf16_paths(dtype, default)
     fns: dict[str, Callable[[], object]] = {p: (lambda: label_logprobs(h, w, labels, backend="kernel")) for p in paths}
     fns["torch"] = lambda: torch.log_softmax((h @ w.T).float(), -1).gather(1, labels.long())
     times = alternate(fns, reps, rounds, path_setup(paths))
     os.environ["PYSCORE_BF16_DOT"] = default
     ref = median_ms(lambda: label_logprobs_ref(h, w, labels), 3, warmup=1)
-    return paths_row(f"label_logprobs R={rows}", dtype, paths, times, times["torch"], ref)
+    return paths_row(f"{name} R={rows}", dtype, paths, times, times["torch"], ref)
 
 
 def attention_section(reps: int, rounds: int, default: str, dtypes: list[torch.dtype]) -> list[str]:
@@ -224,8 +227,10 @@ def attention_section(reps: int, rounds: int, default: str, dtypes: list[torch.d
 
 
 def label_section(reps: int, rounds: int, default: str, dtypes: list[torch.dtype]) -> list[str]:
+    big = dict(vocab=QWEN35_VOCAB, hidden=1024, name="labels V=248k")  # Qwen3.5's LM head, from DRAM
     return section([], dtypes, lambda dtype: label_rows(16, dtype, reps, rounds, default)
-                   + label_rows(1, dtype, reps, rounds, default))
+                   + label_rows(1, dtype, reps, rounds, default)
+                   + [row for r in (1, 8, 16) for row in label_rows(r, dtype, reps, rounds, default, **big)])
 
 
 # ---- gemm (the linear op) -----------------------------------------------------------------------------------

@@ -41,8 +41,9 @@ static inline Mask first_lanes(int n) {
 // yes where the mask's lane is set, else no.
 static inline Vec select(Mask m, Vec yes, Vec no) { return _mm256_blendv_ps(no, yes, _mm256_castsi256_ps(m)); }
 
-// Pulls the cache line at p into all cache levels; a hint, never a fault.
-static inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+// Pulls the cache line at p into L2 (not L1, which the read-out's rows ahead would fill: see
+// label_logprobs_avx512.cpp's kPrefetchHint); a hint, never a fault.
+static inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
 // 8 bf16 (in an xmm) -> 8 fp32, exact.
 static inline Vec widen_bf16(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }

@@ -23,7 +23,11 @@ using namespace avx512;
 constexpr int kWeightRows = 4;  // per tile
 constexpr int kMaxTileRows = 6; // hidden rows per tile: 6 x 4 accumulators + 4 + 6 operands <= 32 zmm
 // Weight rows ahead to prefetch while a tile computes: covers DRAM latency even at R = 1, where a tile is short.
+// They go to L2, not L1: 16 rows ahead are 32 KB at H = 1024, a whole L1 of Zen 4, and pulled into L1 they
+// evicted the hidden rows and the weight tile being read. To L2 the LM head read 1.2-2x faster on a Zen 4
+// (bench/results/tiers/label_prefetch_l2_ab.txt).
 constexpr int kPrefetchRows = 16;
+constexpr _mm_hint kPrefetchHint = _MM_HINT_T1;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -75,7 +79,7 @@ void dot_tile(const typename E::T* w, int64_t w_stride, const typename E::T* h, 
     for (int v = 0; v < VT; ++v) wv[v] = E::load(w + v * w_stride + i);
     if (prefetch)
       for (int v = 0; v < VT; ++v)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (kPrefetchRows + v) * w_stride + i), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w + (kPrefetchRows + v) * w_stride + i), kPrefetchHint);
     for (int r = 0; r < RT; ++r) {
       const __m512 hv = E::load(h + r * h_stride + i);
       for (int v = 0; v < VT; ++v) acc[r][v] = E::dot(acc[r][v], hv, wv[v]);
@@ -141,7 +145,7 @@ void dot_tile_widened(const uint16_t* w, int64_t w_stride, WidenedRows h, int hi
     }
     if (prefetch)
       for (int v = 0; v < VT; ++v)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (kPrefetchRows + v) * w_stride + i), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w + (kPrefetchRows + v) * w_stride + i), kPrefetchHint);
     for (int r = 0; r < RT; ++r) {
       const float* hr = h.data + r * h.stride + i;
       const __m512 he = _mm512_loadu_ps(hr), ho = _mm512_loadu_ps(hr + 16);
