@@ -6,7 +6,7 @@ with a dense mask), labels (label_logprobs vs log_softmax(h @ W.T).gather, on Sm
 projections; decode rows cycle ~96 MB of weight copies, as a decode step streams its weights from DRAM), decode
 (decode_attention vs one SDPA per sequence), elementwise (the fused ops vs their pyscore.ops.reference recipes),
 interleave (our OpenMP kernel between torch matmuls), linear (Qwen3.5's conv + gated delta rule vs transformers'
-torch fallbacks; own file) and tiers (linear at every CPU tier this
+torch fallbacks, and a decode step's rule vs their recurrent one; own file) and tiers (linear at every CPU tier this
 CPU runs vs F.linear, best of --rounds: what pyscore/ops/tiers.py cites; own file).
 
 `--tier T` forces our kernels' tier (PYSCORE_CPU_TIER) and torch's matching ISA; `--torch-isa T` torch's alone.
@@ -25,6 +25,7 @@ Qwen3.5-4B's conv + gated delta rule vs transformers' fallbacks on the same stre
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -443,18 +444,50 @@ def linear_attention_rows(name: str, prefix: int, items: int, item_len: int, dty
             f"{ref / mine:>10.0f}x{diff:>11.1e}"]
 
 
+def rule_decode_row(batch: int, dtype: torch.dtype, reps: int, layers: int = 18) -> list[str]:
+    """One decode step's gated delta rule for `batch` sequences (a token each; fp32 states read from one buffer and
+    written to another, the decoder's double buffering), the states of `layers` layers cycled so that they come
+    from memory as a step's do; vs transformers' recurrent fallback (its decode path) on the same."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
+
+    _, hv, d, _ = LIN_SHAPE
+    _, _, (q, k, v, a, b, a_log, dt_bias) = linear_inputs(batch, dtype)
+    table = SegmentTable.of(segment_rows(0, [1] * batch), batch, "cpu")
+    plan = plan_linear_attention(table)
+    states = torch.randn(layers, 2, batch, hv, d, d) * 0.1
+    turn = itertools.count()
+
+    def ours():
+        i = next(turn) % layers
+        return gated_delta_rule(q, k, v, a, b, a_log, dt_bias, table, plan, state_in=list(states[i, 0]),
+                                state_out=list(states[i, 1]), backend="kernel")
+
+    g = (-a_log.exp() * F.softplus(a.float() + dt_bias))[:, None]  # [B, 1, Hv]
+    parts = [t[:, None] for t in (q, k, v)]
+
+    def theirs():
+        i = next(turn) % layers
+        return torch_recurrent_gated_delta_rule(*parts, g, b.sigmoid()[:, None], initial_state=states[i, 0],
+                                                output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+    mine, slow = median_ms(ours, reps), median_ms(theirs, reps)
+    return [f"{f'rule decode {batch} seqs':<26}{dt(dtype):<10}{mine:>9.3f}{slow:>13.3f}{'':>11}{slow / mine:>11.1f}x"]
+
+
 def linear_attention_section(reps: int, dtypes: list[torch.dtype]) -> list[str]:
     header = [
         "Qwen3.5-0.8B linear-attention layer: Hk {}, Hv {}, Dk = Dv = {}, conv kernel {}; ".format(*LIN_SHAPE) +
         "ours = causal_conv1d + gated_delta_rule (segment table)",
         "'transformers' = causal_conv1d_fn + torch_chunk_gated_delta_rule (their torch fallbacks; MIS: the prefix, "
         "then the items batched from its final state and conv tail); times: median ms; max diff: the items' rule "
-        "outputs, ours vs transformers' in fp32 on the same inputs", "",
+        "outputs, ours vs transformers' in fp32 on the same inputs; 'rule decode': one token per sequence from and "
+        "to fp32 states (18 layers' cycled), transformers' = torch_recurrent_gated_delta_rule", "",
         f"{'op / shape':<26}{'dtype':<10}{'ours':>9}{'transformers':>13}{'reference':>11}{'tf/ours':>12}"
         f"{'ref/ours':>11}{'max diff':>11}",
     ]
     return section(header, dtypes, lambda dtype: linear_attention_rows("MIS 270+16x30", 270, 16, 30, dtype, reps)
-                   + linear_attention_rows("SIS 16x300", 0, 16, 300, dtype, reps))
+                   + linear_attention_rows("SIS 16x300", 0, 16, 300, dtype, reps)
+                   + [row for batch in (1, 8) for row in rule_decode_row(batch, dtype, reps)])
 
 
 # ---- decode attention, elementwise ops, thread pools ---------------------------------------------------------------

@@ -126,11 +126,23 @@ constexpr int32_t kStateCols = 32;
 // reused by the K tokens that need it while it is still in L1 / L2.
 constexpr int32_t kConvTokens = 16;
 
+// The rows of a task's state columns: row i (kStateCols floats, which a kernel may all read and write whatever
+// `cols` is) at
+// in + i * stride before the first token and at out + i * stride after each (in may equal out; later tokens read
+// out). The launcher's L1 block ([Dk, kStateCols], stride kStateCols), or, for a decode step's sequence (one
+// segment, its own state_in and state_out, a whole block of columns), those states' columns where they lie (stride
+// Dv): a 1-token run then skips copying the block in and out.
+struct StateRows {
+  const float* in;
+  float* out;
+  int64_t stride;
+};
+
 // Runs tokens [start, start + length) of value head `head` through the recurrence for state columns
-// [col0, col0 + cols), cols <= kStateCols: `state` is that [Dk, kStateCols] block (row stride kStateCols), holding
-// the state the tokens start from and left holding their end state; writes o for those columns.
+// [col0, col0 + cols), cols <= kStateCols, from the state in `rows` to the end state there; writes o for those
+// columns.
 using StateColumnsRun = void (*)(const GatedDeltaRuleParams& p, int32_t head, int32_t col0, int32_t cols,
-                                 int32_t start, int32_t length, float* state);
+                                 int32_t start, int32_t length, StateRows rows);
 
 // Tokens [j0, j1) of the segment starting at stream token `start`, all channels. `history[i]` is the address of the
 // input row at sequence position i - (K - 1) relative to the segment's first token (a prefix row, a tail row, or

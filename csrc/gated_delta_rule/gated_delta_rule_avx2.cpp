@@ -45,7 +45,9 @@ inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x));
 
 template <class T>
 void state_columns(const GatedDeltaRuleParams& p, int32_t head, int32_t col0, int32_t cols, int32_t start,
-                   int32_t length, float* state) {
+                   int32_t length, StateRows rows) {
+  const float* state = rows.in;  // the state this token starts from; after the first token, rows.out
+  const int64_t rs = rows.stride;
   const int32_t dk = p.k_dim, k_head = head / (p.num_v_heads / p.num_k_heads);
   const float a_exp = std::exp(p.a_log[head]), dt_bias = p.dt_bias[head];
   int n[kColVecs];
@@ -64,15 +66,15 @@ void state_columns(const GatedDeltaRuleParams& p, int32_t head, int32_t col0, in
     for (int z = 0; z < kColVecs; ++z) kv[0][z] = kv[1][z] = V::zero();
     int32_t i = 0;
     for (; i + 1 < dk; i += 2) {
-      const float* r0 = state + i * kStateCols;
+      const float* r0 = state + i * rs;
       const Vec k0 = V::set1(kn[i]), k1 = V::set1(kn[i + 1]);
       for (int z = 0; z < kColVecs; ++z) {
         kv[0][z] = V::fma(k0, V::load(r0 + z * V::kLanes), kv[0][z]);
-        kv[1][z] = V::fma(k1, V::load(r0 + kStateCols + z * V::kLanes), kv[1][z]);
+        kv[1][z] = V::fma(k1, V::load(r0 + rs + z * V::kLanes), kv[1][z]);
       }
     }
     if (i < dk) {
-      const float* r0 = state + i * kStateCols;
+      const float* r0 = state + i * rs;
       const Vec k0 = V::set1(kn[i]);
       for (int z = 0; z < kColVecs; ++z) kv[0][z] = V::fma(k0, V::load(r0 + z * V::kLanes), kv[0][z]);
     }
@@ -85,17 +87,19 @@ void state_columns(const GatedDeltaRuleParams& p, int32_t head, int32_t col0, in
     Vec o[kColVecs];
     for (int z = 0; z < kColVecs; ++z) o[z] = V::zero();
     for (i = 0; i < dk; ++i) {
-      float* r = state + i * kStateCols;
+      const float* r = state + i * rs;
+      float* w = rows.out + i * rs;
       const Vec k = V::set1(kn[i]), q = V::set1(qn[i]);
       for (int z = 0; z < kColVecs; ++z) {
         const Vec s = V::fma(V::load(r + z * V::kLanes), decay, V::mul(k, d[z]));
-        V::store(r + z * V::kLanes, s);
+        V::store(w + z * V::kLanes, s);
         o[z] = V::fma(q, s, o[z]);
       }
     }
     T* out = static_cast<T*>(p.o) + t * p.o_token_stride + head * p.o_head_stride + col0;
     for (int z = 0; z < kColVecs; ++z)
       if (n[z] > 0) V::store_n(out + z * V::kLanes, o[z], n[z]);
+    state = rows.out;
   }
 }
 

@@ -40,8 +40,10 @@ inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x));
 
 template <class E>
 void state_columns(const GatedDeltaRuleParams& p, int32_t head, int32_t col0, int32_t cols, int32_t start,
-                   int32_t length, float* state) {
+                   int32_t length, StateRows rows) {
   using T = typename E::T;
+  const float* state = rows.in;  // the state this token starts from; after the first token, rows.out
+  const int64_t rs = rows.stride;
   const int32_t dk = p.k_dim, k_head = head / (p.num_v_heads / p.num_k_heads);
   const float a_exp = std::exp(p.a_log[head]), dt_bias = p.dt_bias[head];
   const __mmask16 m0 = lanes(0, cols), m1 = upper_lanes(cols);
@@ -60,14 +62,14 @@ void state_columns(const GatedDeltaRuleParams& p, int32_t head, int32_t col0, in
            kv3 = _mm512_setzero_ps();
     int32_t i = 0;
     for (; i + 1 < dk; i += 2) {
-      const float* r0 = state + i * kStateCols;
+      const float* r0 = state + i * rs;
       const __m512 k0 = _mm512_set1_ps(kn[i]), k1 = _mm512_set1_ps(kn[i + 1]);
       kv0 = _mm512_fmadd_ps(k0, _mm512_loadu_ps(r0), kv0), kv1 = _mm512_fmadd_ps(k0, _mm512_loadu_ps(r0 + 16), kv1);
-      kv2 = _mm512_fmadd_ps(k1, _mm512_loadu_ps(r0 + kStateCols), kv2);
-      kv3 = _mm512_fmadd_ps(k1, _mm512_loadu_ps(r0 + kStateCols + 16), kv3);
+      kv2 = _mm512_fmadd_ps(k1, _mm512_loadu_ps(r0 + rs), kv2);
+      kv3 = _mm512_fmadd_ps(k1, _mm512_loadu_ps(r0 + rs + 16), kv3);
     }
     if (i < dk) {
-      const float* r0 = state + i * kStateCols;
+      const float* r0 = state + i * rs;
       const __m512 k0 = _mm512_set1_ps(kn[i]);
       kv0 = _mm512_fmadd_ps(k0, _mm512_loadu_ps(r0), kv0), kv1 = _mm512_fmadd_ps(k0, _mm512_loadu_ps(r0 + 16), kv1);
     }
@@ -78,30 +80,34 @@ void state_columns(const GatedDeltaRuleParams& p, int32_t head, int32_t col0, in
     // Walk 2: S = decay S + k^ delta^T (one store per row), o = S^T q^.
     __m512 o0 = _mm512_setzero_ps(), o1 = _mm512_setzero_ps(), o2 = _mm512_setzero_ps(), o3 = _mm512_setzero_ps();
     for (i = 0; i + 1 < dk; i += 2) {
-      float* r0 = state + i * kStateCols;
-      float* r1 = r0 + kStateCols;
+      const float* r0 = state + i * rs;
+      const float* r1 = r0 + rs;
+      float* w0 = rows.out + i * rs;
+      float* w1 = w0 + rs;
       const __m512 k0 = _mm512_set1_ps(kn[i]), k1 = _mm512_set1_ps(kn[i + 1]);
       const __m512 a0 = _mm512_fmadd_ps(_mm512_loadu_ps(r0), decay, _mm512_mul_ps(k0, d0));
       const __m512 a1 = _mm512_fmadd_ps(_mm512_loadu_ps(r0 + 16), decay, _mm512_mul_ps(k0, d1));
       const __m512 b0 = _mm512_fmadd_ps(_mm512_loadu_ps(r1), decay, _mm512_mul_ps(k1, d0));
       const __m512 b1 = _mm512_fmadd_ps(_mm512_loadu_ps(r1 + 16), decay, _mm512_mul_ps(k1, d1));
-      _mm512_storeu_ps(r0, a0), _mm512_storeu_ps(r0 + 16, a1), _mm512_storeu_ps(r1, b0), _mm512_storeu_ps(r1 + 16, b1);
+      _mm512_storeu_ps(w0, a0), _mm512_storeu_ps(w0 + 16, a1), _mm512_storeu_ps(w1, b0), _mm512_storeu_ps(w1 + 16, b1);
       const __m512 q0 = _mm512_set1_ps(qn[i]), q1 = _mm512_set1_ps(qn[i + 1]);
       o0 = _mm512_fmadd_ps(q0, a0, o0), o1 = _mm512_fmadd_ps(q0, a1, o1);
       o2 = _mm512_fmadd_ps(q1, b0, o2), o3 = _mm512_fmadd_ps(q1, b1, o3);
     }
     if (i < dk) {
-      float* r0 = state + i * kStateCols;
+      const float* r0 = state + i * rs;
+      float* w0 = rows.out + i * rs;
       const __m512 k0 = _mm512_set1_ps(kn[i]);
       const __m512 a0 = _mm512_fmadd_ps(_mm512_loadu_ps(r0), decay, _mm512_mul_ps(k0, d0));
       const __m512 a1 = _mm512_fmadd_ps(_mm512_loadu_ps(r0 + 16), decay, _mm512_mul_ps(k0, d1));
-      _mm512_storeu_ps(r0, a0), _mm512_storeu_ps(r0 + 16, a1);
+      _mm512_storeu_ps(w0, a0), _mm512_storeu_ps(w0 + 16, a1);
       const __m512 q0 = _mm512_set1_ps(qn[i]);
       o0 = _mm512_fmadd_ps(q0, a0, o0), o1 = _mm512_fmadd_ps(q0, a1, o1);
     }
     T* o = static_cast<T*>(p.o) + t * p.o_token_stride + head * p.o_head_stride + col0;
     E::store(o, m0, _mm512_add_ps(o0, o2));
     E::store(o + 16, m1, _mm512_add_ps(o1, o3));
+    state = rows.out;
   }
 }
 

@@ -72,7 +72,8 @@ void l2_normalized(const T* x, int32_t n, float extra, float* out) {
 
 template <class T>
 void state_columns_portable(const GatedDeltaRuleParams& p, int32_t head, int32_t col0, int32_t cols, int32_t start,
-                            int32_t length, float* state) {
+                            int32_t length, StateRows rows) {
+  const float* state = rows.in;  // the state this token starts from; after the first token, rows.out
   const int32_t dk = p.k_dim, k_head = head / (p.num_v_heads / p.num_k_heads);
   const float a_exp = std::exp(p.a_log[head]), dt_bias = p.dt_bias[head];
   float qn[kMaxKeyDim], kn[kMaxKeyDim], delta[kStateCols], out[kStateCols];
@@ -86,10 +87,11 @@ void state_columns_portable(const GatedDeltaRuleParams& p, int32_t head, int32_t
     const T* v = static_cast<const T*>(p.v) + t * p.v_token_stride + head * p.v_head_stride + col0;
     for (int32_t c = 0; c < cols; ++c) delta[c] = 0.0f;  // holds S^T k^ first
     for (int32_t i = 0; i < dk; ++i) {
-      float* row = state + i * kStateCols;
+      const float* row = state + i * rows.stride;
+      float* decayed = rows.out + i * rows.stride;
       for (int32_t c = 0; c < cols; ++c) {
-        row[c] *= decay;
-        delta[c] += kn[i] * row[c];
+        decayed[c] = row[c] * decay;
+        delta[c] += kn[i] * decayed[c];
       }
     }
     for (int32_t c = 0; c < cols; ++c) {
@@ -97,7 +99,7 @@ void state_columns_portable(const GatedDeltaRuleParams& p, int32_t head, int32_t
       out[c] = 0.0f;
     }
     for (int32_t i = 0; i < dk; ++i) {
-      float* row = state + i * kStateCols;
+      float* row = rows.out + i * rows.stride;
       for (int32_t c = 0; c < cols; ++c) {
         row[c] += kn[i] * delta[c];
         out[c] += qn[i] * row[c];
@@ -105,6 +107,7 @@ void state_columns_portable(const GatedDeltaRuleParams& p, int32_t head, int32_t
     }
     T* o = static_cast<T*>(p.o) + t * p.o_token_stride + head * p.o_head_stride + col0;
     for (int32_t c = 0; c < cols; ++c) store_f32(o + c, out[c]);
+    state = rows.out;
   }
 }
 
@@ -242,16 +245,33 @@ void run_segment(const GatedDeltaRuleParams& p, StateColumnsRun run, int32_t s, 
                  int32_t cols, float* state) {
   const Segment seg = segment_at(p.segments, s);
   const int32_t at = snapshot_of(p, s) ? p.snap_at[s] : 0;
+  const StateRows block{state, state, kStateCols};
   if (at > 0) {
-    run(p, head, col0, cols, seg.start, at, state);
+    run(p, head, col0, cols, seg.start, at, block);
     store_block(state, p, head, col0, cols, reinterpret_cast<float*>(p.state_snap[s]));
   }
-  if (seg.length > at) run(p, head, col0, cols, seg.start + at, seg.length - at, state);
+  if (seg.length > at) run(p, head, col0, cols, seg.start + at, seg.length - at, block);
   if (p.state_out && p.state_out[s]) store_block(state, p, head, col0, cols, reinterpret_cast<float*>(p.state_out[s]));
+}
+
+// A decode step's sequence runs on its states' columns where they lie (StateRows with stride Dv): one segment
+// without items or a snapshot, its own state_in and state_out (which may alias), and a whole block of columns (the
+// kernels touch all kStateCols of a row). The arithmetic is the block's, so the bits are too.
+bool runs_in_place(const GatedDeltaRuleParams& p, const Group& g, int32_t cols) {
+  return g.items.empty() && cols == kStateCols && !snapshot_of(p, g.lead) && p.state_in && p.state_in[g.lead] &&
+         p.state_out && p.state_out[g.lead];
 }
 
 void rule_task(const GatedDeltaRuleParams& p, StateColumnsRun run, const Group& g, int32_t head, int32_t col0,
                int32_t cols, float* state, float* prefix_state) {
+  if (runs_in_place(p, g, cols)) {
+    const Segment seg = segment_at(p.segments, g.lead);
+    const int64_t at = int64_t(head) * p.k_dim * p.v_dim + col0;
+    run(p, head, col0, cols, seg.start, seg.length,
+        {reinterpret_cast<const float*>(p.state_in[g.lead]) + at, reinterpret_cast<float*>(p.state_out[g.lead]) + at,
+         p.v_dim});
+    return;
+  }
   const size_t block = size_t(p.k_dim) * kStateCols;
   std::fill(prefix_state, prefix_state + block, 0.0f);  // also the unused columns of a narrow last block
   if (p.state_in && p.state_in[g.lead]) {

@@ -3,8 +3,9 @@ awkward streams (MIS groups with 1-4 token items, a prefix shorter than the conv
 tokens, several groups mixed), GQA ratios, head dims and both dtypes; the references against transformers' own
 Qwen3.5 torch fallbacks; MIS items equal their SIS sequences bitwise; a sequence split over calls through the state
 arguments (prefill, then decode steps in place) equals it run whole, so does one resumed from a snapshot taken
-mid-segment, and items after a short resumed prefix see its tail; and the plan refuses tables the linear layers
-cannot walk. Tolerances: fp32 ~1e-5, bf16 within 2x the error of rounding the fp32 reference to bf16."""
+mid-segment, and one whose steps run on their states in place; items after a short resumed prefix see its tail;
+and the plan refuses tables the linear layers cannot walk. Tolerances: fp32 ~1e-5, bf16 within 2x the error of
+rounding the fp32 reference to bf16."""
 
 from __future__ import annotations
 
@@ -173,6 +174,35 @@ def test_states_continue_a_sequence_across_calls(device, dtype, backend):
     for i in range(len(lengths)):
         assert torch.equal(tails[i], ref_tails[i]), f"tail {i}"  # zero-padded on the left for the short one
         assert_within(states[i], ref_states[i], 2e-5 if dtype == torch.float32 else 1e-4, f"state {i}")
+
+
+@pytest.mark.parametrize("device", ["cpu", *CPU_PATHS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_steps_on_their_states_in_place_equal_the_whole_sequence_bitwise(monkeypatch, device, dtype):
+    """A segment that resumes from its own state_in into its own state_out runs on those states' columns where they
+    lie (whole 32-column blocks; Dv = 80 leaves a 16-column block on the copied path): a 1-token step into another
+    buffer (the decoder's double buffering: state_in is left as it was) and a 3-token run in place equal one call
+    over the whole sequence, outputs and end state bitwise."""
+    device = on_device(monkeypatch, device)
+    hk, hv, dk, dv, n = 1, 2, 16, 80, 7
+    whole, _ = sequences([n])
+    q, k, v, a, b, a_log, dt_bias = rule_inputs(n, hk, hv, dk, dv, dtype, device, seed=9)
+    end = torch.zeros(hv, dk, dv)
+    rule_whole = gated_delta_rule(q, k, v, a, b, a_log, dt_bias, whole, state_out=[end], backend="kernel")
+    first, second = torch.full((hv, dk, dv), 7.0), torch.full((hv, dk, dv), 7.0)
+
+    def run(rows: slice, **states) -> torch.Tensor:
+        table, _ = sequences([rows.stop - rows.start])
+        return gated_delta_rule(*(t[rows] for t in (q, k, v, a, b)), a_log, dt_bias, table, backend="kernel",
+                                **states)
+
+    parts = [run(slice(0, 3), state_out=[first])]
+    kept = first.clone()
+    parts.append(run(slice(3, 4), state_in=[first], state_out=[second]))
+    assert torch.equal(first, kept)  # a step retried after a failure starts from the same state
+    parts.append(run(slice(4, 7), state_in=[second], state_out=[second]))
+    assert torch.equal(torch.cat(parts), rule_whole)
+    assert torch.equal(second, end)
 
 
 @pytest.mark.parametrize("device", [*DEVICES, *CPU_PATHS])
