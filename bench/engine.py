@@ -18,7 +18,8 @@ shape on token-id questions of the same lengths; three measurements:
 - `--decode B`: one decode step of B running generations, our projections against torch's, alternating
   (bench/results/decode_step.txt).
 - `--generate B`: B greedy generations of --new-tokens tokens against stock transformers' generate() on the same
-  weights (bench/results/generate_vs_stock.txt).
+  weights (with `--shape`, stock's own random weights of the shape), ours' prefill and decode steps also apart
+  (bench/results/generate_vs_stock.txt).
 - `--prompt-logprobs K`: a prompt's logprobs with K alternatives a position (Generate, max_tokens 0) against stock
   transformers' one forward with its log-softmax, gather and top-K over every position
   (bench/results/prompt_logprobs.txt).
@@ -438,16 +439,21 @@ def decode(args: argparse.Namespace) -> list[str]:
             f"(F.linear / linear = {theirs / ours:.2f}x)"]
 
 
-def greedy_generations(engine: Engine, stock: Any, ids: list[list[int]], n: int
+def greedy_generations(engine: Engine, stock: Any, ids: list[list[int]], n: int, prefill_ms: list[float] | None = None
                        ) -> dict[str, Callable[[], list[list[int]]]]:
     """{"ours", "stock"}: each runs one greedy generation of n new tokens per prompt in `ids` (all of one length) and
     returns the new tokens: the engine's Generate path (a prefill, then decode steps of all sequences together)
-    and stock transformers' generate() (its KV cache on). Neither stops at eos (the engine's eos set is emptied)."""
+    and stock transformers' generate() (its KV cache on). Neither stops at eos (the engine's eos set is emptied).
+    `prefill_ms`, when given, receives the time of each of ours' first steps (the prefill and the first token)."""
     engine.generation.eos_ids = frozenset()
 
     def ours() -> list[list[int]]:
         gens = [engine.start_generation(GenerateRequest(prompt_token_ids=i, max_tokens=n, bypass_prefix_cache=True))
                 for i in ids]
+        t0 = time.perf_counter()
+        engine.step(gens)
+        if prefill_ms is not None:
+            prefill_ms.append((time.perf_counter() - t0) * 1e3)
         while not all(g.finished for g in gens):
             engine.step(gens)
         return [g.token_ids for g in gens]
@@ -464,16 +470,19 @@ def greedy_generations(engine: Engine, stock: Any, ids: list[list[int]], n: int
 
 def generate_vs_stock(args: argparse.Namespace) -> list[str]:
     """--generate B: B greedy generations of --new-tokens tokens from prompts of one length, ours against stock
-    transformers' generate() on the same weights in the same dtype, alternating --rounds times."""
-    engine = Engine.from_pretrained(None, dtype=args.dtype, threads=args.threads)
-    query, items = question(args.generate, seed=5)
-    ids = [engine.tokenize(query + item)[0] for item in items]
+    transformers' generate() on the same weights in the same dtype (a --shape model: stock's own random weights of
+    the same config, so the tokens differ and the times compare), alternating --rounds times."""
+    engine, ask, _ = load(args)
+    query, items = question(args.generate, seed=5) if args.shape is None else ask(args.generate)[0]
+    ids = [engine.tokenize(query + item)[0] if args.shape is None else query + item for item in items]
     length, n = min(map(len, ids)), args.new_tokens
-    runs = greedy_generations(engine, stock_model(engine), [i[:length] for i in ids], n)
+    prefill: list[float] = []
+    runs = greedy_generations(engine, stock_model(engine), [i[:length] for i in ids], n, prefill)
     same = [next((j for j, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), n)
             for x, y in zip(runs["ours"](), runs["stock"](), strict=True)]
     times = alternate(runs, args.rounds)
     best = {name: min(ms) for name, ms in times.items()}
+    first = prefill[-args.rounds:][times["ours"].index(best["ours"])]  # the best round's own prefill
     return [f"machine: {machine()}",
             f"{engine.model_name} {str(engine.decoder.dtype).removeprefix('torch.')}, CPU tier {_ext.cpu_tier()} "
             f"(torch's ISA {torch.backends.cpu.get_cpu_capability()}), threads {args.threads}: {args.generate} greedy "
@@ -481,11 +490,14 @@ def generate_vs_stock(args: argparse.Namespace) -> list[str]:
             f"best of {args.rounds} alternating rounds (ms: "
             f"{'; '.join(k + ' ' + ' '.join(f'{t:.0f}' for t in v) for k, v in times.items())})",
             f"ours (Engine, start_generation + step): {best['ours']:.0f} ms, {best['ours'] / n:.1f} ms per token "
-            "(its prefill included)",
+            f"(its prefill included; the prefill and first token {first:.0f} ms, then "
+            f"{(best['ours'] - first) / max(n - 1, 1):.1f} ms a decode step)",
             f"stock transformers generate():          {best['stock']:.0f} ms, {best['stock'] / n:.1f} ms per token "
             f"(stock / ours = {best['stock'] / best['ours']:.2f}x)",
             f"greedy tokens equal to stock's, per sequence: the first {same} of {n} (in bf16 a near-tie may go either "
-            "way)"]
+            "way)" if args.shape is None else "tokens not compared: stock runs its own random weights of the shape",
+            f"command: python -m bench.engine{f' --shape {args.shape}' if args.shape else ''} --generate "
+            f"{args.generate} --new-tokens {n} --rounds {args.rounds}"]
 
 
 def prompt_logprob_runs(engine: Engine, stock: Any, ids: list[int], k: int) -> dict[str, Callable[[], list[float]]]:
