@@ -127,11 +127,10 @@ constexpr int32_t kStateCols = 32;
 constexpr int32_t kConvTokens = 16;
 
 // The rows of a task's state columns: row i (kStateCols floats, which a kernel may all read and write whatever
-// `cols` is) at
-// in + i * stride before the first token and at out + i * stride after each (in may equal out; later tokens read
-// out). The launcher's L1 block ([Dk, kStateCols], stride kStateCols), or, for a decode step's sequence (one
-// segment, its own state_in and state_out, a whole block of columns), those states' columns where they lie (stride
-// Dv): a 1-token run then skips copying the block in and out.
+// `cols` is) lies at in + i * stride before the first token and at out + i * stride after each (in may equal out;
+// later tokens read out). They are the launcher's L1 block ([Dk, kStateCols], stride kStateCols), or, for a
+// decode step's sequence (one segment, its own state_in and state_out, a whole block of columns), those states'
+// columns where they lie (stride Dv): a 1-token run then skips copying the block in and out.
 struct StateRows {
   const float* in;
   float* out;
