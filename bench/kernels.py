@@ -444,10 +444,12 @@ def linear_attention_rows(name: str, prefix: int, items: int, item_len: int, dty
             f"{ref / mine:>10.0f}x{diff:>11.1e}"]
 
 
-def rule_decode_row(batch: int, dtype: torch.dtype, reps: int, layers: int = 18) -> list[str]:
-    """One decode step's gated delta rule for `batch` sequences (a token each; fp32 states read from one buffer and
-    written to another, the decoder's double buffering), the states of `layers` layers cycled so that they come
-    from memory as a step's do; vs transformers' recurrent fallback (its decode path) on the same."""
+def rule_decode_pair(batch: int, dtype: torch.dtype, layers: int = 18
+                     ) -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]:
+    """(ours, transformers'): one decode step's gated delta rule for `batch` sequences (a token each; fp32 states read
+    from one buffer and written to another, the decoder's double buffering), each call on the next of `layers`
+    layers' states, so that they come from memory as a step's do; transformers' = its recurrent fallback (its decode
+    path) on the same. Each returns the rule's output [B, Hv, Dv]."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
 
     _, hv, d, _ = LIN_SHAPE
@@ -468,8 +470,13 @@ def rule_decode_row(batch: int, dtype: torch.dtype, reps: int, layers: int = 18)
     def theirs():
         i = next(turn) % layers
         return torch_recurrent_gated_delta_rule(*parts, g, b.sigmoid()[:, None], initial_state=states[i, 0],
-                                                output_final_state=True, use_qk_l2norm_in_kernel=True)
+                                                output_final_state=True, use_qk_l2norm_in_kernel=True)[0][:, 0]
 
+    return ours, theirs
+
+
+def rule_decode_row(batch: int, dtype: torch.dtype, reps: int) -> list[str]:
+    ours, theirs = rule_decode_pair(batch, dtype)
     mine, slow = median_ms(ours, reps), median_ms(theirs, reps)
     return [f"{f'rule decode {batch} seqs':<26}{dt(dtype):<10}{mine:>9.3f}{slow:>13.3f}{'':>11}{slow / mine:>11.1f}x"]
 

@@ -3,6 +3,8 @@ logits give MIS's scores; with many, one causal sequence of the same length."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -76,3 +78,15 @@ def test_prompt_logprob_runs_give_the_same_values(engine):
     ours, theirs = runs["ours"](), runs["stock"]()
     assert len(ours) == len(theirs) == len(ids) - 1
     assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) <= 1e-4
+
+
+def test_generate_runs_a_shape_and_reports_its_decode_step(tmp_path):
+    """`--generate B --shape S`: a random-weight model against stock's init of the same config, ours' prefill and
+    decode step reported apart."""
+    out = tmp_path / "generate.txt"
+    bench_engine.main(["--shape", "qwen3.5-0.8b", "--tiny", "--generate", "2", "--new-tokens", "3", "--rounds", "1",
+                       "--threads", "1", "--out", str(out)])
+    text = out.read_text()
+    assert "random-tiny-qwen3.5" in text and "2 greedy generation(s) of 3 tokens" in text
+    assert re.search(r"the prefill and first token \d+ ms, then [\d.]+ ms a decode step", text)
+    assert "tokens not compared" in text

@@ -1,0 +1,20 @@
+"""bench.kernels' contenders do the same work: the decode-step rule row's two sides (ours from and to the fp32
+states, transformers' recurrent fallback from the same state) give the same output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import kernels as bench_kernels
+from pyscore.ops import _ext
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_rule_decode_pair_computes_the_same_step(batch):
+    if _ext.cpu_module() is None:
+        pytest.skip("needs pyscore._C")
+    ours, theirs = bench_kernels.rule_decode_pair(batch, torch.float32, layers=1)  # both read layer 0's states
+    mine, want = ours(), theirs()
+    assert mine.shape == want.shape == (batch, 16, 128)
+    torch.testing.assert_close(mine, want, atol=2e-5, rtol=1e-4)
