@@ -46,6 +46,14 @@ def text_ref(text_dir):
     return load_reference(text_dir)
 
 
+@pytest.fixture(scope="module", params=[16, 32], ids=["dv16-copied", "dv32-in-place"])
+def gen_dir(request, tmp_path_factory):
+    """The text model with value heads of 16 or 32: 32 fills a whole block of the CPU rule's state columns, so decode
+    steps run on their states where they lie (as the real models' 128 do); 16 takes the copied block."""
+    return make_model_dir(tmp_path_factory.mktemp(f"qwen3_5_dv{request.param}"), "qwen3_5",
+                          linear_value_head_dim=request.param)
+
+
 @contextmanager
 def recurrent_rule() -> Iterator[None]:
     """transformers' Qwen3.5 layers run the token-recurrent delta rule where they would run the chunked one."""
@@ -235,8 +243,9 @@ def test_item_order_and_batch_mates_change_no_scores(text_dir, dtype):
         assert max_abs_diff(alone.scores, together.scores) <= tol
 
 
-def test_greedy_generation_matches_transformers(text_dir, text_ref):
-    e = engine(text_dir)
+def test_greedy_generation_matches_transformers(gen_dir):
+    text_ref = load_reference(gen_dir)
+    e = engine(gen_dir)
     e.generation.eos_ids = frozenset()
     prompt = "Context: the order 1234 was shipped on Monday. Question:"
     result = e.generate(GenerateRequest(prompt=prompt, max_tokens=10, top_logprobs=5))
@@ -253,8 +262,8 @@ def test_greedy_generation_matches_transformers(text_dir, text_ref):
         assert max(abs(t.logprob - float(v)) for t, v in zip(lp.top, values, strict=True)) <= 1e-4
 
 
-def test_generations_stepped_together_equal_alone_and_a_failed_step_retries_cleanly(text_dir):
-    e = engine(text_dir)
+def test_generations_stepped_together_equal_alone_and_a_failed_step_retries_cleanly(gen_dir):
+    e = engine(gen_dir)
     reqs = [GenerateRequest(prompt="Context: the order", max_tokens=6),
             GenerateRequest(prompt_token_ids=[5, 6], max_tokens=4),  # shorter than the conv kernel
             GenerateRequest(prompt="héllo wörld ünïcode", max_tokens=5)]
