@@ -473,8 +473,12 @@ def generate_vs_stock(args: argparse.Namespace) -> list[str]:
     transformers' generate() on the same weights in the same dtype (a --shape model: stock's own random weights of
     the same config, so the tokens differ and the times compare), alternating --rounds times."""
     engine, ask, _ = load(args)
-    query, items = question(args.generate, seed=5) if args.shape is None else ask(args.generate)[0]
-    ids = [engine.tokenize(query + item)[0] if args.shape is None else query + item for item in items]
+    if args.shape is None:  # text: the prompts recorded runs used
+        query, items = question(args.generate, seed=5)
+        ids = [engine.tokenize(query + item)[0] for item in items]
+    else:  # token ids
+        query, items = ask(args.generate)[0]
+        ids = [query + item for item in items]
     length, n = min(map(len, ids)), args.new_tokens
     prefill: list[float] = []
     runs = greedy_generations(engine, stock_model(engine), [i[:length] for i in ids], n, prefill)

@@ -475,9 +475,10 @@ def rule_decode_pair(batch: int, dtype: torch.dtype, layers: int = 18
     return ours, theirs
 
 
-def rule_decode_row(batch: int, dtype: torch.dtype, reps: int) -> list[str]:
+def rule_decode_row(batch: int, dtype: torch.dtype, reps: int, rounds: int = 3) -> list[str]:
     ours, theirs = rule_decode_pair(batch, dtype)
-    mine, slow = median_ms(ours, reps), median_ms(theirs, reps)
+    times = alternate({"ours": ours, "transformers": theirs}, reps, rounds)
+    mine, slow = times["ours"], times["transformers"]
     return [f"{f'rule decode {batch} seqs':<26}{dt(dtype):<10}{mine:>9.3f}{slow:>13.3f}{'':>11}{slow / mine:>11.1f}x"]
 
 
@@ -488,7 +489,7 @@ def linear_attention_section(reps: int, dtypes: list[torch.dtype]) -> list[str]:
         "'transformers' = causal_conv1d_fn + torch_chunk_gated_delta_rule (their torch fallbacks; MIS: the prefix, "
         "then the items batched from its final state and conv tail); times: median ms; max diff: the items' rule "
         "outputs, ours vs transformers' in fp32 on the same inputs; 'rule decode': one token per sequence from and "
-        "to fp32 states (18 layers' cycled), transformers' = torch_recurrent_gated_delta_rule", "",
+        "to fp32 states (18 layers' cycled), transformers' = torch_recurrent_gated_delta_rule, alternated", "",
         f"{'op / shape':<26}{'dtype':<10}{'ours':>9}{'transformers':>13}{'reference':>11}{'tf/ours':>12}"
         f"{'ref/ours':>11}{'max diff':>11}",
     ]

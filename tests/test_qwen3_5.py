@@ -244,14 +244,14 @@ def test_item_order_and_batch_mates_change_no_scores(text_dir, dtype):
 
 
 def test_greedy_generation_matches_transformers(gen_dir):
-    text_ref = load_reference(gen_dir)
+    reference = load_reference(gen_dir)
     e = engine(gen_dir)
     e.generation.eos_ids = frozenset()
     prompt = "Context: the order 1234 was shipped on Monday. Question:"
     result = e.generate(GenerateRequest(prompt=prompt, max_tokens=10, top_logprobs=5))
     prompt_ids = e.tokenize(prompt)[0]
     with torch.no_grad(), recurrent_rule():
-        out = text_ref.generate(torch.tensor([prompt_ids]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+        out = reference.generate(torch.tensor([prompt_ids]), max_new_tokens=10, do_sample=False, eos_token_id=None,
                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     assert result.token_ids == out.sequences[0, len(prompt_ids):].tolist()
     for lp, logits in zip(result.logprobs, out.logits, strict=True):
