@@ -25,8 +25,8 @@ class ServerThread:
     def __init__(self, engine: Any, **config: Any) -> None:
         self.engine = engine
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="test-server-loop", daemon=True)
-        self._thread.start()
+        self.loop_thread = threading.Thread(target=self.loop.run_forever, name="test-server-loop", daemon=True)
+        self.loop_thread.start()
         self.app: ScorerApp = self.run(self._start(ServerConfig(host="127.0.0.1", port=0, **config)))
         self.target = f"127.0.0.1:{self.app.port}"
 
@@ -50,7 +50,7 @@ class ServerThread:
             self.engine.resume()
         self.run(self.app.stop(0.5))
         self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
+        self.loop_thread.join(10)
         self.loop.close()
 
 

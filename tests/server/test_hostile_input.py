@@ -1,11 +1,17 @@
 """Hostile input against the real engine on a tiny model, through default-settings Python clients: bytes that make
 protobuf give up, and requests whose error messages would otherwise quote megabytes of input. Each is answered
 with its intended status (not the client's own RESOURCE_EXHAUSTED "received metadata size exceeds hard limit"),
-a short message that starts with the field, and the event loop stays free: Health answers within a second
-throughout (issue 23: 1 MB of 0xFF used to hold the loop for ~30 s)."""
+a short message that starts with the field, and the event loop stays free throughout (issue 23: 1 MB of 0xFF used
+to hold the loop for ~30 s): no step of the server's loop takes half a second of its thread's CPU, and every Health
+check is answered.
+
+The loop's steps are timed in thread CPU time, not wall time: on a loaded 2-core machine the OS may not run a
+thread for a second whatever it does, so a wall-clock bound fails by chance there (a Health answer took 1.2 s in a
+full CI run while the worst step took ~0.2 s), while CPU time measures what the server does with its loop."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,6 +29,7 @@ INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
 NOT_UTF8 = b"\xc3\x28\xff"
 MAX_DETAILS = 1000  # UTF-8 bytes of a status message (server/interceptors.MAX_STATUS_BYTES)
 SOFT_LIMIT = 8192  # metadata bytes above which a default client may refuse a response (it must at 16 KiB)
+MAX_LOOP_STEP_CPU = 0.5  # seconds; the heaviest step, parsing a 16 MB request, takes ~0.2 s of CPU here
 
 
 def score(**fields: Any) -> bytes:
@@ -89,6 +96,34 @@ class HealthProbe:
         self._channel.close()
 
 
+class LoopSteps:
+    """The thread CPU time of every step (callback, task step) that one thread's asyncio loop runs while entered.
+    asyncio runs each step through Handle._run, which is patched for the duration; other threads are not timed."""
+
+    def __init__(self, loop_thread: threading.Thread) -> None:
+        self.cpu_seconds: list[float] = []
+        self._ident = loop_thread.ident
+        self._run = asyncio.Handle._run
+
+    def __enter__(self) -> LoopSteps:
+        run, ident, steps = self._run, self._ident, self.cpu_seconds
+
+        def timed(handle: asyncio.Handle) -> None:
+            if threading.get_ident() != ident:
+                return run(handle)
+            start = time.thread_time()
+            try:
+                return run(handle)
+            finally:
+                steps.append(time.thread_time() - start)
+
+        asyncio.Handle._run = timed  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.Handle._run = self._run  # type: ignore[method-assign]
+
+
 @pytest.fixture(scope="module")
 def channel(tiny_server: ServerThread) -> Iterator[grpc.Channel]:
     with grpc.insecure_channel(tiny_server.target) as ch:  # default settings: 16 KiB of metadata at most
@@ -123,7 +158,7 @@ def test_the_intended_status_reaches_a_default_client(channel: grpc.Channel, met
 
 def test_health_stays_responsive_while_the_worst_inputs_arrive(tiny_server: ServerThread,
                                                                channel: grpc.Channel) -> None:
-    with HealthProbe(tiny_server.target) as probe:
+    with HealthProbe(tiny_server.target) as probe, LoopSteps(tiny_server.loop_thread) as steps:
         for _ in range(2):
             for _, method, payload, code, _ in CASES:
                 with pytest.raises(grpc.RpcError) as err:
@@ -131,4 +166,6 @@ def test_health_stays_responsive_while_the_worst_inputs_arrive(tiny_server: Serv
                 assert err.value.code() == code, err.value.details()
         time.sleep(0.05)
     assert len(probe.latencies) > 10
-    assert max(probe.latencies) < 1.0, sorted(probe.latencies)[-5:]
+    assert max(probe.latencies) < float("inf"), "a Health check failed"  # each had 5 s
+    assert len(steps.cpu_seconds) > 100  # the server's loop was timed: every call and Health check takes steps
+    assert max(steps.cpu_seconds) < MAX_LOOP_STEP_CPU, sorted(steps.cpu_seconds)[-5:]
