@@ -436,10 +436,12 @@ def linear_attention_pair(prefix: int, items: int, item_len: int, dtype: torch.d
 
 
 def linear_attention_rows(name: str, prefix: int, items: int, item_len: int, dtype: torch.dtype,
-                          reps: int) -> list[str]:
+                          reps: int, rounds: int = 3) -> list[str]:
     ours, theirs, reference, diff, _ = linear_attention_pair(prefix, items, item_len, dtype)
-    mine, slow = median_ms(ours, reps), median_ms(theirs, max(3, reps // 5), warmup=1)
-    ref = median_ms(reference, 1, warmup=0)
+    calls = {ours: (reps, 3), theirs: (max(3, reps // 5), 1)}  # (timed, untimed) calls a round: theirs are slow
+    times = alternate_rounds({"ours": ours, "transformers": theirs}, rounds, lambda fn: median_ms(fn, *calls[fn]))
+    mine, slow = (statistics.median(times[side]) for side in ("ours", "transformers"))
+    ref = median_ms(reference, 1, warmup=0)  # the oracle, a Python loop: once, to show the kernel's distance
     return [f"{'conv+rule ' + name:<26}{dt(dtype):<10}{mine:>9.3f}{slow:>13.3f}{ref:>11.1f}{slow / mine:>11.1f}x"
             f"{ref / mine:>10.0f}x{diff:>11.1e}"]
 
@@ -482,20 +484,22 @@ def rule_decode_row(batch: int, dtype: torch.dtype, reps: int, rounds: int = 3) 
     return [f"{f'rule decode {batch} seqs':<26}{dt(dtype):<10}{mine:>9.3f}{slow:>13.3f}{'':>11}{slow / mine:>11.1f}x"]
 
 
-def linear_attention_section(reps: int, dtypes: list[torch.dtype]) -> list[str]:
+def linear_attention_section(reps: int, rounds: int, dtypes: list[torch.dtype]) -> list[str]:
     header = [
         "Qwen3.5-0.8B linear-attention layer: Hk {}, Hv {}, Dk = Dv = {}, conv kernel {}; ".format(*LIN_SHAPE) +
         "ours = causal_conv1d + gated_delta_rule (segment table)",
         "'transformers' = causal_conv1d_fn + torch_chunk_gated_delta_rule (their torch fallbacks; MIS: the prefix, "
-        "then the items batched from its final state and conv tail); times: median ms; max diff: the items' rule "
-        "outputs, ours vs transformers' in fp32 on the same inputs; 'rule decode': one token per sequence from and "
-        "to fp32 states (18 layers' cycled), transformers' = torch_recurrent_gated_delta_rule, alternated", "",
+        "then the items batched from its final state and conv tail), alternated with ours; times: median ms; max "
+        "diff: the items' rule outputs, ours vs transformers' in fp32 on the same inputs; 'rule decode': one token "
+        "per sequence from and to fp32 states (18 layers' cycled), transformers' = torch_recurrent_gated_delta_rule, "
+        "alternated", "",
         f"{'op / shape':<26}{'dtype':<10}{'ours':>9}{'transformers':>13}{'reference':>11}{'tf/ours':>12}"
         f"{'ref/ours':>11}{'max diff':>11}",
     ]
-    return section(header, dtypes, lambda dtype: linear_attention_rows("MIS 270+16x30", 270, 16, 30, dtype, reps)
-                   + linear_attention_rows("SIS 16x300", 0, 16, 300, dtype, reps)
-                   + [row for batch in (1, 8) for row in rule_decode_row(batch, dtype, reps)])
+    return section(header, dtypes, lambda dtype: [
+        *linear_attention_rows("MIS 270+16x30", 270, 16, 30, dtype, reps, rounds),
+        *linear_attention_rows("SIS 16x300", 0, 16, 300, dtype, reps, rounds),
+        *(row for batch in (1, 8) for row in rule_decode_row(batch, dtype, reps, rounds))])
 
 
 # ---- decode attention, elementwise ops, thread pools ---------------------------------------------------------------
@@ -772,7 +776,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                                         f"{'torch':>11}{'torch/ours':>12}"], dtypes,
                                        lambda dtype: elementwise_rows(dtype, args.reps, args.rounds)),
         "interleave": lambda: interleave_rows(args.reps),
-        "linear": lambda: linear_attention_section(args.reps, dtypes),
+        "linear": lambda: linear_attention_section(args.reps, args.rounds, dtypes),
         "tiers": lambda: tiers_section(args, dtypes),
     }
     out = args.out or OUT.get(args.only[0] if len(args.only) == 1 else "", RESULTS / "kernels_cpu.txt")
