@@ -131,10 +131,16 @@ constexpr int32_t kConvTokens = 16;
 // later tokens read out). They are the launcher's L1 block ([Dk, kStateCols], stride kStateCols), or, for a
 // decode step's sequence (one segment, its own state_in and state_out, a whole block of columns), those states'
 // columns where they lie (stride Dv): a 1-token run then skips copying the block in and out.
+//
+// `stream`: out is another buffer than in, the run is one token, and out's rows are 64-byte aligned: a decode step's
+// next state, read again only at the next step, by when the step's weights have streamed through the caches. A kernel
+// may then store its rows past the caches (non-temporal stores, then a fence), which saves reading each line of out
+// before writing it; the values are the same. A kernel may ignore it.
 struct StateRows {
   const float* in;
   float* out;
   int64_t stride;
+  bool stream = false;
 };
 
 // Runs tokens [start, start + length) of value head `head` through the recurrence for state columns

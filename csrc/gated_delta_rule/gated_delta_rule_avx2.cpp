@@ -92,7 +92,8 @@ void state_columns(const GatedDeltaRuleParams& p, int32_t head, int32_t col0, in
       const Vec k = V::set1(kn[i]), q = V::set1(qn[i]);
       for (int z = 0; z < kColVecs; ++z) {
         const Vec s = V::fma(V::load(r + z * V::kLanes), decay, V::mul(k, d[z]));
-        V::store(w + z * V::kLanes, s);
+        if (rows.stream) _mm256_stream_ps(w + z * V::kLanes, s);  // see gated_delta_rule_avx512.cpp
+        else V::store(w + z * V::kLanes, s);
         o[z] = V::fma(q, s, o[z]);
       }
     }
@@ -101,6 +102,7 @@ void state_columns(const GatedDeltaRuleParams& p, int32_t head, int32_t col0, in
       if (n[z] > 0) V::store_n(out + z * V::kLanes, o[z], n[z]);
     state = rows.out;
   }
+  if (rows.stream) _mm_sfence();
 }
 
 template <class T>

@@ -11,6 +11,7 @@
 // items of that head run; S_p is read-only once the lead segment is done.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -267,9 +268,10 @@ void rule_task(const GatedDeltaRuleParams& p, StateColumnsRun run, const Group& 
   if (runs_in_place(p, g, cols)) {
     const Segment seg = segment_at(p.segments, g.lead);
     const int64_t at = int64_t(head) * p.k_dim * p.v_dim + col0;
-    run(p, head, col0, cols, seg.start, seg.length,
-        {reinterpret_cast<const float*>(p.state_in[g.lead]) + at, reinterpret_cast<float*>(p.state_out[g.lead]) + at,
-         p.v_dim});
+    const float* in = reinterpret_cast<const float*>(p.state_in[g.lead]) + at;
+    float* out = reinterpret_cast<float*>(p.state_out[g.lead]) + at;
+    const bool aligned = reinterpret_cast<uintptr_t>(out) % 64 == 0 && p.v_dim % 16 == 0;
+    run(p, head, col0, cols, seg.start, seg.length, {in, out, p.v_dim, seg.length == 1 && in != out && aligned});
     return;
   }
   const size_t block = size_t(p.k_dim) * kStateCols;

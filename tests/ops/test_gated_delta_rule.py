@@ -178,10 +178,12 @@ def test_states_continue_a_sequence_across_calls(device, dtype, backend):
 
 @pytest.mark.parametrize("device", ["cpu", *CPU_PATHS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_steps_on_their_states_in_place_equal_the_whole_sequence_bitwise(monkeypatch, device, dtype):
+@pytest.mark.parametrize("offset", [0, 4])
+def test_steps_on_their_states_in_place_equal_the_whole_sequence_bitwise(monkeypatch, device, dtype, offset):
     """A segment that resumes from its own state_in into its own state_out runs on those states' columns where they
     lie (whole 32-column blocks; Dv = 80 leaves a 16-column block on the copied path): a 1-token step into another
-    buffer (the decoder's double buffering: state_in is left as it was) and a 3-token run in place equal one call
+    buffer (the decoder's double buffering: state_in is left as it was; the x86 kernels store it past the caches when
+    it is 64-byte aligned, and must not when it is `offset` floats off) and a 3-token run in place equal one call
     over the whole sequence, outputs and end state bitwise."""
     device = on_device(monkeypatch, device)
     hk, hv, dk, dv, n = 1, 2, 16, 80, 7
@@ -189,7 +191,9 @@ def test_steps_on_their_states_in_place_equal_the_whole_sequence_bitwise(monkeyp
     q, k, v, a, b, a_log, dt_bias = rule_inputs(n, hk, hv, dk, dv, dtype, device, seed=9)
     end = torch.zeros(hv, dk, dv)
     rule_whole = gated_delta_rule(q, k, v, a, b, a_log, dt_bias, whole, state_out=[end], backend="kernel")
-    first, second = torch.full((hv, dk, dv), 7.0), torch.full((hv, dk, dv), 7.0)
+    first = torch.full((hv, dk, dv), 7.0)
+    second = torch.full((offset + hv * dk * dv,), 7.0)[offset:].view(hv, dk, dv)
+    assert (second.data_ptr() % 64 == 0) == (offset == 0)
 
     def run(rows: slice, **states) -> torch.Tensor:
         table, _ = sequences([rows.stop - rows.start])
