@@ -37,7 +37,7 @@ from pyscore.budget import (
     DEFAULT_MAX_KV_TOKENS,
     DEFAULT_MAX_RUNNING_GENERATIONS,
 )
-from pyscore.memory import InsufficientMemoryError
+from pyscore.memory import InsufficientMemoryError, freeze_heap
 from pyscore.types import GenerateRequest, ModelInfo, ScoreRequest, ServerLimits
 
 from .batcher import Batcher, EngineLike
@@ -313,6 +313,7 @@ async def serve(config: ServerConfig) -> int:
 
 async def _load_and_serve(app: ScorerApp, config: ServerConfig) -> ModelInfo:
     engine = await in_daemon_thread(lambda: load_engine(config))
+    log.info(freeze_heap())  # on the loop, before SERVING: a collection holds the GIL wherever it runs
     await app.serve_engine(engine)
     return engine.info()
 

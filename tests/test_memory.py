@@ -284,3 +284,25 @@ def test_auto_dtype_serves_bf16_where_only_bf16_fits(model_dirs, monkeypatch, ca
         served("auto")
     room[0] = fp32.expected_total_bytes
     assert served("auto") == torch.float32
+
+
+def test_freeze_heap_collects_then_freezes_what_is_left() -> None:
+    """Garbage (a reference cycle) is collected first, not frozen for good; what is alive is frozen."""
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    cycle = Node()
+    cycle.me = cycle  # type: ignore[attr-defined]
+    dead = weakref.ref(cycle)
+    del cycle
+    alive = Node()
+    try:
+        said = memory.freeze_heap()
+        assert dead() is None
+        assert gc.get_freeze_count() > 0 and said.startswith(f"gc: {gc.get_freeze_count()} objects"), said
+        assert not any(o is alive for o in gc.get_objects())  # the collector's generations no longer hold it
+    finally:
+        gc.unfreeze()

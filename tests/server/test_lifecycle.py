@@ -253,7 +253,9 @@ def test_sigterm_drains_in_flight_work_and_exits_0(server_process: tuple[subproc
         assert proc.wait(10) == 0
     out = proc.stdout.read()  # type: ignore[union-attr]
     assert "shutting down" in out
-    assert "Score items=1 tokens=" in proc.stderr.read()  # type: ignore[union-attr]  # the request log line
+    logged = proc.stderr.read()  # type: ignore[union-attr]
+    assert "Score items=1 tokens=" in logged  # the request log line
+    assert "gc: " in logged and "objects alive after loading frozen" in logged  # pyscore.memory.freeze_heap ran
 
 
 def test_sigterm_under_load_then_restart() -> None:
