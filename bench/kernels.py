@@ -9,6 +9,10 @@ interleave (our OpenMP kernel between torch matmuls), linear (Qwen3.5's conv + g
 torch fallbacks, and a decode step's rule vs their recurrent one; own file) and tiers (linear at every CPU tier this
 CPU runs vs F.linear, best of --rounds: what pyscore/ops/tiers.py cites; own file).
 
+Both sides run on the heap the engine serves from (pyscore.memory.keep_activation_pages, named in the header): with
+glibc's defaults every output over 32 MiB is a fresh mapping whose page faults the call pays (a conv over 16 x 300
+tokens read 39-61 ms that way, 12-14 ms on the engine's heap).
+
 `--tier T` forces our kernels' tier (PYSCORE_CPU_TIER) and torch's matching ISA; `--torch-isa T` torch's alone.
 Torch reads its ISA settings only when it starts, so the bench re-executes itself with them set. The header names
 the CPU (bench.common.machine) and both tiers.
@@ -40,6 +44,7 @@ from bench.common import TORCH_ISA_ENV, device_info, device_ms, force_isa, machi
 from bench.common import alternate as alternate_rounds
 from bench.summary import percentile, write_json, write_report
 from pyscore.engine import set_threads
+from pyscore.memory import keep_activation_pages
 from pyscore.model.rope import Rotary
 from pyscore.ops import (
     AttentionPlan,
@@ -741,6 +746,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     force_isa("bench.kernels", args.tier, args.torch_isa)
     torch.manual_seed(0)
     set_threads(args.threads)
+    heap = keep_activation_pages()
     if args.json:
         args.device = args.device or ("cpu" if args.tiny else "cuda")
         args.reps = args.reps or (3 if args.tiny else 50)
@@ -763,7 +769,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
              f"tier: ours {features['tier']}{' (forced)' if args.tier else ''} (hardware {features['hardware_tier']}),"
              f" torch {torch.backends.cpu.get_cpu_capability()}{f' ({torch_env})' if torch_env else ''}",
              f"torch {torch.__version__}, threads {args.threads}, kernel path {features['path']}, bf16 product "
-             f"{default} by default; dtypes {', '.join(dt(d) for d in dtypes)}; cpu features {features}", ""]
+             f"{default} by default; dtypes {', '.join(dt(d) for d in dtypes)}; cpu features {features}", heap, ""]
     print("\n".join(lines), flush=True)
     sections = {
         "attention": lambda: attention_section(args.reps, args.rounds, default, dtypes),
