@@ -252,7 +252,7 @@ def test_greedy_generation_matches_transformers(gen_dir):
     prompt_ids = e.tokenize(prompt)[0]
     with torch.no_grad(), recurrent_rule():
         out = reference.generate(torch.tensor([prompt_ids]), max_new_tokens=10, do_sample=False, eos_token_id=None,
-                                pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     assert result.token_ids == out.sequences[0, len(prompt_ids):].tolist()
     for lp, logits in zip(result.logprobs, out.logits, strict=True):
         ref = logits[0].log_softmax(-1)

@@ -10,7 +10,7 @@ thread for a second whatever it does, so a wall-clock bound fails by chance ther
 full CI run while the worst step took ~0.2 s), while CPU time measures what the server does with its loop. The
 heap is frozen first, as `python -m server` freezes its own once the model is loaded (pyscore.memory.freeze_heap):
 otherwise a full collection on the loop's thread scans every object the suite's earlier tests left (a step took
-1.07 s in a full CI run, and 0.6-1.0 s beside 6M such objects)."""
+1.07 s in a full CI run; bench/results/hardening/gc_freeze_zen4.txt)."""
 
 from __future__ import annotations
 
