@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -25,6 +25,7 @@ from pyscore.errors import PassInterrupted
 from pyscore.memory import release_freed_memory
 from pyscore.model import hybrid
 from pyscore.model.config import LINEAR_ATTENTION, ModelConfig
+from pyscore.model.decode_program import DecodeProgram
 from pyscore.model.kv_store import PageTable
 from pyscore.model.packing import PackedBatch
 from pyscore.model.rope import Rotary
@@ -42,6 +43,8 @@ from pyscore.ops import (
 )
 from pyscore.ops.gated_delta_rule import plan_linear_attention
 from pyscore.ops.linear import DECODE_ROWS, PREFILL_ROWS
+
+PROGRAMS_KEPT = 4  # decode programs kept, by batch size (Decoder.programs)
 
 # kv_sink(slot, k [T, Hkv, D], v [T, Hkv, D]) receives each attention layer's rotated keys and values (prefill);
 # slot is the layer's index among the attention layers (= the layer index in all-attention models).
@@ -120,6 +123,9 @@ class Decoder:
         # Asked at every layer boundary of a pass: True stops the pass there (PassInterrupted). The engine's owner
         # sets it (server/batcher: every caller of the pass gone, or shutting down).
         self.interrupt: Callable[[], bool] | None = None
+        # Decode steps as bound kernel calls (pyscore.model.decode_program), by batch size, the most recent last.
+        # Bounded: each holds a few [B, width] buffers, and a server's batch sizes come and go.
+        self.programs: dict[int, DecodeProgram] = {}
         for layer in weights.layers:
             self._prepare(layer)
             release_freed_memory()  # the layer's replaced plain projections, before the next layer's packs
@@ -297,9 +303,13 @@ class Decoder:
         cache.commit() once the whole step has succeeded, so a failed step retried rewrites the same slot. A
         sequence's result never depends on its batch-mates."""
         device = self.device
-        positions = torch.tensor([c.length for c in caches], dtype=torch.long, device=device)
         pool = caches[0].table.store.pool  # [pages, 2, L, B, Hkv, D]: every sequence's pages are in one store
         plan = plan_decode(pool[:, 0], pool[:, 1], [c.table.pages for c in caches], [c.length + 1 for c in caches])
+        module = DecodeProgram.of(self)
+        if module is not None:
+            return self._program(module, len(caches)).run(tokens, [c.length for c in caches], plan,
+                                                           self._layer_boundary)
+        positions = torch.tensor([c.length for c in caches], dtype=torch.long, device=device)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             # every sequence at once; writes k, v at position length first
@@ -322,6 +332,16 @@ class Decoder:
             self._layer_boundary()
             x = self._layer(i, x, positions, attend, mix_linear, DECODE_ROWS)
         return self._norm(x, self.w.final_norm)
+
+    def _program(self, module: Any, batch: int) -> DecodeProgram:
+        """The decode program for `batch` sequences, made on first use; at most PROGRAMS_KEPT are kept."""
+        program = self.programs.pop(batch, None)
+        if program is None or program.module is not module:
+            program = DecodeProgram(self, module, batch)
+            while len(self.programs) >= PROGRAMS_KEPT:
+                del self.programs[next(iter(self.programs))]  # the least recently used
+        self.programs[batch] = program
+        return program
 
     def _layer_boundary(self) -> None:
         """A safe point: the pass has written only its own buffers (and pending cache blocks), so it can stop."""

@@ -1,0 +1,102 @@
+"""A decode step run as a program of bound kernel calls (pyscore.model.decode_program) is the general path's step
+bit for bit: every family it takes (Qwen3 with qk-norm, Qwen2 with qkv biases, Llama with llama3 RoPE), fp32 and
+bf16, at every CPU tier this machine runs, sequences of several lengths stepped together across a page boundary;
+the program is made once per batch size, kept within its bound, and set aside where an op leaves our kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pyscore.engine import Engine
+from pyscore.model import decode_program, decoder
+from pyscore.model.decode_program import DecodeProgram
+from pyscore.ops import _ext
+from pyscore.types import GenerateRequest
+from tests.helpers import make_model_dir
+
+STEPS = 8
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen2", "llama"])
+def model_dir(request, tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def generate(e: Engine) -> list[torch.Tensor]:
+    """Three sequences stepped together (one crosses from its first 64-token page into its second) for STEPS
+    tokens; every decode step's hidden states, in order."""
+    hidden = []
+    decode = e.decoder.decode
+
+    def recording(tokens, caches):
+        out = decode(tokens, caches)
+        hidden.append(out.clone())
+        return out
+
+    e.decoder.decode = recording
+    requests = [GenerateRequest(prompt_token_ids=[5 + (11 * j + i) % 300 for j in range(n)], max_tokens=STEPS)
+                for i, n in enumerate((3, 60, 17))]
+    gens = [e.start_generation(r) for r in requests]
+    while not all(g.finished for g in gens):
+        e.step(gens)
+    assert all(g.error is None for g in gens)
+    del e.decoder.decode
+    return hidden
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tier", _ext.runnable_cpu_tiers() if _ext.cpu_module() else [])
+def test_program_steps_are_the_general_paths_bit_for_bit(model_dir, dtype, tier, monkeypatch):
+    monkeypatch.setenv("PYSCORE_CPU_TIER", tier)
+    e = Engine.from_pretrained(model_dir, dtype=dtype, device="cpu", threads=2)
+    e.generation.eos_ids = frozenset()
+    if DecodeProgram.of(e.decoder) is None:
+        assert tier == "generic" or any(_ext.resolve_path(op, e.decoder.device, e.decoder.dtype)[1] != "kernel"
+                                        for op in decode_program.OPS), f"tier {tier}: the program should run"
+        pytest.skip(f"tier {tier}, {dtype}: an op of the step is not our kernel, the general path runs")
+    runs = []
+    run = DecodeProgram.run
+    monkeypatch.setattr(DecodeProgram, "run", lambda self, *a: runs.append(self) or run(self, *a))
+    programmed = generate(e)
+    assert len(runs) == len(programmed) == STEPS - 1  # the first token comes from the prefill
+    monkeypatch.setattr(DecodeProgram, "of", staticmethod(lambda d: None))
+    general = generate(e)
+    assert len(runs) == STEPS - 1
+    assert len(general) == len(programmed)
+    for step, (a, b) in enumerate(zip(programmed, general, strict=True)):
+        assert torch.equal(a, b), f"step {step}: max diff {(a.float() - b.float()).abs().max().item()}"
+
+
+def test_programs_are_made_once_per_batch_size_and_bounded(model_dir, monkeypatch):
+    e = Engine.from_pretrained(model_dir, dtype="float32", device="cpu", threads=2)
+    if DecodeProgram.of(e.decoder) is None:
+        pytest.skip("the step does not run as a program on this CPU")
+    e.generation.eos_ids = frozenset()
+    made = []
+    init = DecodeProgram.__init__
+    monkeypatch.setattr(DecodeProgram, "__init__", lambda self, *a: made.append(a[-1]) or init(self, *a))
+    for batch in (1, 2, 1, 3, 4, 5, 2):
+        gens = [e.start_generation(GenerateRequest(prompt_token_ids=[5, 6, 7 + i], max_tokens=3))
+                for i in range(batch)]
+        while not all(g.finished for g in gens):
+            e.step(gens)
+    # two decode steps each; at most 4 kept, the least recently used dropped: 5 pushes out 2 (1 ran after it), so
+    # 2 is made again and pushes out 1
+    assert made == [1, 2, 3, 4, 5, 2]
+    assert list(e.decoder.programs) == [3, 4, 5, 2] and decoder.PROGRAMS_KEPT == 4
+
+
+def test_an_op_off_our_kernel_sets_the_program_aside(model_dir, monkeypatch):
+    """With the step's GEMM on torch's path (as at a tier whose table says so), the general path runs it."""
+    e = Engine.from_pretrained(model_dir, dtype="float32", device="cpu", threads=2)
+    if DecodeProgram.of(e.decoder) is None:
+        pytest.skip("the step does not run as a program on this CPU")
+    resolve = _ext.resolve_path
+
+    def linear_on_torch(op, *args, **kwargs):
+        module, path, why = resolve(op, *args, **kwargs)
+        return (None, "torch", "test") if op == "linear" else (module, path, why)
+
+    monkeypatch.setattr(_ext, "resolve_path", linear_on_torch)
+    assert DecodeProgram.of(e.decoder) is None
