@@ -1,138 +1,251 @@
-"""A decode step of an all-attention model on the CPU as a fixed list of kernel calls, bound once per batch size.
+"""A decode step on the CPU as a fixed list of kernel calls, bound once per batch size.
 
-Why: a decode step's kernels read every weight once and are near this CPU's DRAM rate; what is left is Python. The op
+Why: a decode step's kernels read every weight once and run near this CPU's DRAM rate; what is left is Python. The op
 wrappers check their tensors, resolve their path and allocate their output on every call, ~8 calls a layer: on
-SmolLM2 (30 layers) that was 25-29% of a step (bench/results/tiers/decode_step_overhead_zen4.txt). This module is
-to a CPU step what a captured CUDA graph is to a GPU one: the checks, the paths and the buffers are fixed once, and
-a step only replays the kernel calls.
+SmolLM2 (30 layers) that was 25-29% of a step, on a Qwen3.5-0.8B shape 17%
+(bench/results/tiers/decode_step_overhead_zen4.txt). This module is to a CPU step what a captured CUDA graph is to
+a GPU one: the checks, the paths and the buffers are fixed once, and a step replays the calls.
 
 Contract:
-- `DecodeProgram.of(decoder)` says whether the step can run this way: a CPU model whose every layer is attention
-  (Llama, Qwen2, Qwen3; not Qwen3.5's gated or linear layers), every weight packed for our kernel, and every op of
-  the step (linear, add_rms_norm, rotary, decode_attention) on our kernel's path in the registry as it stands now
-  (tier, dtype, backend and the environment switches). Otherwise the decoder runs its general path.
-- A program for B sequences owns the step's buffers ([B, H] residual stream and norm output, the qkv projection, the
-  attention output, the MLP activation, the positions) and every call's arguments except the step's block tables,
-  which `run` binds per step. It calls the same kernels with the same arguments, in the same order, as the op
-  wrappers do on the general path: a step's bits are the general path's (tests/model/test_decode_program.py).
+- `DecodeProgram.of(decoder)` says whether the step can run this way: a CPU model whose every weight is packed for our
+  kernel and every op of whose step (the projections, the norms, the attention and, per family, the rotary or
+  Qwen3.5's conv and rule) is on our kernel's path in the registry as it stands now (tier, dtype, backend and the
+  environment switches). Otherwise the decoder runs its general path.
+- A program for B sequences owns the step's buffers and every call's arguments, except what changes per step: the
+  block tables of the KV store (the DecodePlan) and, for a hybrid model, the addresses of each sequence's conv tails
+  and recurrent states (current and next: they swap at every commit), which `run` binds. The layers of every family
+  take the general path's kernels with the same arguments in the same order, and Qwen3.5's few torch ops (its
+  partial rotary, the attention gate, the linear layers' output gate) are the general path's own functions or the
+  same exact IEEE products into a kept buffer: a step's bits are the general path's
+  (tests/model/test_decode_program.py).
 - `run` returns the final-normed hidden states [B, H] in a fresh tensor (the buffers are the next step's).
-- Nothing is checked per call: the program made the buffers and read the shapes itself, once; the inputs it takes
-  per step (token ids, positions, the DecodePlan) come from the decoder, which validated them (plan_decode)."""
+- Nothing is checked per call: the program made its buffers and read the shapes once; what it takes per step (token
+  ids, positions, the DecodePlan, the caches Decoder.new_cache made) the decoder has validated (plan_decode)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 
+from pyscore.model import hybrid
 from pyscore.ops import _ext
 from pyscore.ops.decode_attention import DecodePlan
 from pyscore.ops.linear import PackedLinear
+from pyscore.ops.segments import SegmentTable
 
 if TYPE_CHECKING:
-    from pyscore.model.decoder import Decoder
+    from pyscore.model.decoder import Decoder, KVCache
+    from pyscore.model.weights import LayerWeights, LinearAttentionWeights
 
-OPS = ("linear", "add_rms_norm", "rotary", "decode_attention")
-Call = tuple[Callable[..., Any], tuple[Any, ...]]
+Call = Callable[[], Any]
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int]:
+    return t.stride(0), t.stride(1)
 
 
 class DecodeProgram:
     """The bound calls of a decode step of `batch` sequences; `run` replays them."""
 
-    def __init__(self, decoder: Decoder, module: Any, batch: int) -> None:
-        cfg, dtype = decoder.cfg, decoder.dtype
-        self.decoder, self.batch, self.module = decoder, batch, module
-        self.dtype_name = _ext.torch_dtype_name(dtype)
-        hidden, hq, hkv, d = cfg.hidden_size, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv_width = (hq + 2 * hkv) * d
-        self.tokens = torch.empty(batch, dtype=torch.long)
-        self.positions = torch.empty(batch, dtype=torch.long)
-        self.x = torch.empty(batch, hidden, dtype=dtype)  # the residual stream
-        self.h = torch.empty(batch, hidden, dtype=dtype)  # a norm's output, the next projection's input
-        self.qkv = torch.empty(batch, qkv_width, dtype=dtype)
-        self.attn = torch.empty(batch, hq, d, dtype=dtype)
-        # The MLP activation [B, I], one per width (every layer's, in practice). Held here: the calls hold only
-        # addresses.
-        self.acts: dict[int, torch.Tensor] = {}
-        q, k, v = self.qkv.view(batch, -1, d).split([hq, hkv, hkv], dim=1)
-        self.before: list[list[Call]] = []  # per layer: the calls up to its attention
-        self.after: list[list[Call]] = []  # and from its o projection on
-        self.attention: list[tuple[tuple[Any, ...], tuple[Any, ...]]] = []  # its args around the step's tables
-        rot, self.slots = decoder.rotary, decoder.slot
-        for layer in decoder.w.layers:
-            width = layer.gate_up.out_features
-            if width not in self.acts:
-                self.acts[width] = torch.empty(batch, width, dtype=dtype)
-            act = self.acts[width]
-            self.before.append([
-                self._norm(layer.input_norm, self.x, self.h),
-                self._linear(self.h, layer.qkv, self.qkv),
-                (module.rotary, (
-                    q.data_ptr(), (q.stride(0), q.stride(1)), k.data_ptr(), (k.stride(0), k.stride(1)),
-                    self.positions.data_ptr(), rot.cos.data_ptr(), rot.sin.data_ptr(), rot.cos.shape[0],
-                    _ptr(layer.q_norm), _ptr(layer.k_norm), float(cfg.rms_norm_eps), batch, hq, hkv, d,
-                    self.dtype_name)),
-            ])
-            a = self.attn
-            self.attention.append((
-                (q.data_ptr(), (q.stride(0), q.stride(1)), a.data_ptr(), (a.stride(0), a.stride(1)), k.data_ptr(),
-                 v.data_ptr(), (k.stride(0), k.stride(1))),
-                (batch, hq, hkv, d, d**-0.5, self.dtype_name)))
-            self.after.append([
-                self._linear(self.attn.view(batch, -1), layer.o, self.x, residual=True),
-                self._norm(layer.post_norm, self.x, self.h),
-                self._linear(self.h, layer.gate_up, act),
-                self._linear(act, layer.down, self.x, residual=True),
-            ])
+    @staticmethod
+    def ops(decoder: Decoder) -> tuple[str, ...]:
+        """The ops a step of this decoder calls."""
+        kinds = {"linear" if layer.linear is not None else "gated" if decoder.cfg.attn_output_gate else "attention"
+                 for layer in decoder.w.layers}
+        return ("linear", "add_rms_norm", "decode_attention", *(("rotary",) if "attention" in kinds else ()),
+                *(("causal_conv1d", "gated_delta_rule") if "linear" in kinds else ()))
 
     @staticmethod
     def of(decoder: Decoder) -> Any:
         """The CPU module whose kernels can run `decoder`'s decode steps as a program now, else None (see above)."""
-        cfg, device, dtype = decoder.cfg, decoder.device, decoder.dtype
-        if device.type != "cpu" or decoder.num_linear or cfg.attn_output_gate or cfg.rotary_dim:
+        device, dtype = decoder.device, decoder.dtype
+        if device.type != "cpu":
             return None
         module = None
-        for op in OPS:
+        for op in DecodeProgram.ops(decoder):
             module, path, _ = _ext.resolve_path(op, device, dtype, decoder.op_backend)
             if path != "kernel":
                 return None
-        weights = [w for layer in decoder.w.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        return module if all(isinstance(w, PackedLinear) for w in weights) else None
+        return module if decoder.packed_weights else None
 
+    def __init__(self, decoder: Decoder, module: Any, batch: int) -> None:
+        self.decoder, self.batch, self.module = decoder, batch, module
+        self.dtype, self.dtype_name = decoder.dtype, _ext.torch_dtype_name(decoder.dtype)
+        self.eps = float(decoder.cfg.rms_norm_eps)
+        self.buffers: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}  # the calls hold addresses
+        self.tokens = self._buffer("tokens", batch, dtype=torch.long)
+        self.positions = self._buffer("positions", batch, dtype=torch.long)
+        self.x = self._buffer("x", batch, decoder.cfg.hidden_size)  # the residual stream
+        self.h = self._buffer("h", batch, decoder.cfg.hidden_size)  # a norm's output, the next projection's input
+        # Per step: the KV store's pool and block tables; a hybrid model's state addresses ([4, L_lin, B] int64:
+        # conv tails in, out, states in, out).
+        self.pool: tuple[Any, ...] = ()
+        self.table: tuple[Any, ...] = ()
+        self.states = torch.zeros(4, decoder.num_linear, batch, dtype=torch.long)
+        steps = torch.tensor([[b, 1, b, 0] for b in range(batch)], dtype=torch.int32).reshape(-1, 4)
+        self.segments = SegmentTable.of(steps, batch, decoder.device)  # one token per sequence (linear layers)
+        self.no_slots = torch.full((batch,), -1, dtype=torch.int32)
+        self.layers = [self._layer(i, layer) for i, layer in enumerate(decoder.w.layers)]
+
+    def _buffer(self, name: str, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A buffer of the program, one per (name, shape, dtype): layers of one shape share it."""
+        key = (name, shape, dtype or self.dtype)
+        if key not in self.buffers:
+            self.buffers[key] = torch.empty(shape, dtype=key[2])
+        return self.buffers[key]
+
+    # ---- bound kernel calls, each as its op wrapper passes it -------------------------------------------------
     def _norm(self, weight: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> Call:
-        """add_rms_norm(x) into out, as pyscore.ops.add_rms_norm passes it (no delta)."""
-        return (self.module.add_rms_norm, (
-            x.data_ptr(), x.stride(0), 0, 0, weight.data_ptr(), weight.dtype != x.dtype, out.data_ptr(),
-            out.stride(0), x.shape[0], x.shape[1], float(self.decoder.cfg.rms_norm_eps), self.dtype_name))
+        """add_rms_norm(x) into out (no delta)."""
+        return partial(self.module.add_rms_norm, x.data_ptr(), x.stride(0), 0, 0, weight.data_ptr(),
+                       weight.dtype != x.dtype, out.data_ptr(), out.stride(0), x.shape[0], x.shape[1], self.eps,
+                       self.dtype_name)
 
     def _linear(self, x: torch.Tensor, w: PackedLinear, out: torch.Tensor, residual: bool = False) -> Call:
-        """linear(x, w) into out (residual: out += x @ W.T, out being the residual), as pyscore.ops.linear passes it."""
+        """linear(x, w) into out (residual: out += x @ W.T, out being the residual)."""
         packed, bias, k, columns, n_out, gated = w._kernel_args
         res = (out.data_ptr(), out.stride(0)) if residual else (0, 0)
-        return (self.module.linear, (x.data_ptr(), x.stride(0), packed, bias, *res, out.data_ptr(), out.stride(0),
-                                     x.shape[0], k, columns, n_out, gated, self.dtype_name))
+        return partial(self.module.linear, x.data_ptr(), x.stride(0), packed, bias, *res, out.data_ptr(),
+                       out.stride(0), x.shape[0], k, columns, n_out, gated, self.dtype_name)
 
-    def run(self, tokens: torch.Tensor, positions: list[int], plan: DecodePlan,
+    def _attend(self, slot: int, q: torch.Tensor, out: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Call:
+        """decode_attention of layer `slot`: q [B, Hq, D] into out, writing k / v (one pair of strides) first; the
+        pool and the block tables are the step's."""
+        cfg = self.decoder.cfg
+        head = (q.data_ptr(), _strides(q), out.data_ptr(), _strides(out), k.data_ptr(), v.data_ptr(), _strides(k))
+        tail = (self.batch, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5, self.dtype_name)
+        attend = self.module.decode_attention
+        return lambda: attend(*head, *self.pool, slot, *self.table, *tail)
+
+    # ---- layers ---------------------------------------------------------------------------------------------
+    def _layer(self, i: int, layer: LayerWeights) -> list[Call]:
+        """Layer i's calls: norm, mixer, o / out_proj (+ the residual), norm, gate_up, down (+ the residual)."""
+        slot = self.decoder.slot[i]
+        if layer.linear is not None:
+            (mixer, mixed), out = self._linear_mixer(slot, layer.linear), layer.linear.out
+        elif self.decoder.cfg.attn_output_gate:
+            (mixer, mixed), out = self._gated_attention(slot, layer), layer.o
+        else:
+            (mixer, mixed), out = self._attention(slot, layer), layer.o
+        act = self._buffer("act", self.batch, layer.gate_up.out_features)
+        return [self._norm(layer.input_norm, self.x, self.h), *mixer,
+                self._linear(mixed, out, self.x, residual=True),
+                self._norm(layer.post_norm, self.x, self.h),
+                self._linear(self.h, layer.gate_up, act),
+                self._linear(act, layer.down, self.x, residual=True)]
+
+    def _attention(self, slot: int, layer: LayerWeights) -> tuple[list[Call], torch.Tensor]:
+        """qkv -> rotary (with Qwen3's qk-norm) -> decode_attention: (the calls, their output [B, Hq D])."""
+        cfg, b, rot = self.decoder.cfg, self.batch, self.decoder.rotary
+        hq, hkv, d = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = self._buffer("qkv", b, (hq + 2 * hkv) * d)
+        q, k, v = qkv.view(b, -1, d).split([hq, hkv, hkv], dim=1)
+        attn = self._buffer("attn", b, hq * d).view(b, hq, d)
+        rotary = partial(self.module.rotary, q.data_ptr(), _strides(q), k.data_ptr(), _strides(k),
+                         self.positions.data_ptr(), rot.cos.data_ptr(), rot.sin.data_ptr(), rot.cos.shape[0],
+                         _ptr(layer.q_norm), _ptr(layer.k_norm), self.eps, b, hq, hkv, d, self.dtype_name)
+        return [self._linear(self.h, layer.qkv, qkv), rotary, self._attend(slot, q, attn, k, v)], attn.view(b, -1)
+
+    def _gated_attention(self, slot: int, layer: LayerWeights) -> tuple[list[Call], torch.Tensor]:
+        """Qwen3.5's full attention (hybrid.gated_attention_inputs, then the gate) -> (the calls, their output): q and k
+        copied out of the projection and normed per head, the leading dims rotated, v copied beside k (the kernel
+        takes one pair of strides for both, as decode_attention's wrapper makes them)."""
+        cfg, b = self.decoder.cfg, self.batch
+        hq, hkv, d = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim
+        proj = self._buffer("gated_qkv", b, (2 * hq + 2 * hkv) * d)
+        query_gate = proj[:, : 2 * hq * d].view(b, hq, 2 * d)
+        k_in, v_in = proj[:, 2 * hq * d : (2 * hq + hkv) * d], proj[:, (2 * hq + hkv) * d :]
+        q_raw, k_raw = self._buffer("q_raw", b * hq, d), self._buffer("k_raw", b * hkv, d)
+        q, k, v = self._buffer("q", b, hq, d), self._buffer("k", b, hkv, d), self._buffer("v", b, hkv, d)
+        attn, gated = self._buffer("attn", b, hq * d), self._buffer("gated", b, hq * d)
+        rot, rotary_dims = self.decoder.rotary, cfg.rotary_dims
+
+        def inputs() -> None:
+            q_raw.view(b, hq, d).copy_(query_gate[..., :d])
+            k_raw.view(b, hkv * d).copy_(k_in)
+            v.copy_(v_in.view(b, hkv, d))
+
+        def rotate() -> None:
+            hybrid.rotate_leading(q, k, self.positions, rot.cos, rot.sin, rotary_dims)
+
+        def gate() -> None:
+            torch.mul(attn, torch.sigmoid(query_gate[..., d:].reshape(b, hq * d)), out=gated)
+
+        return [self._linear(self.h, layer.qkv, proj), inputs,
+                self._norm(layer.q_norm, q_raw, q.view(-1, d)), self._norm(layer.k_norm, k_raw, k.view(-1, d)),
+                rotate, self._attend(slot, q, attn.view(b, hq, d), k, v), gate], gated
+
+    def _linear_mixer(self, slot: int, w: LinearAttentionWeights) -> tuple[list[Call], torch.Tensor]:
+        """Qwen3.5's Gated DeltaNet (hybrid.linear_attention at one token per sequence) -> (the calls, their output
+        [B, Hv Dv])."""
+        lin, b = self.decoder.cfg.linear, self.batch
+        channels, hk, hv, dk, dv = lin.conv_channels, lin.num_k_heads, lin.num_v_heads, lin.k_dim, lin.v_dim
+        proj = self._buffer("in_proj", b, channels + hv * dv + 2 * hv)
+        mixed = self._buffer("mixed", b, channels)
+        o = self._buffer("o", b, hv, dv)
+        normed = self._buffer("normed", b * hv, dv)
+        wide = self._buffer("gated_wide", b, hv, dv, dtype=torch.float32)
+        gated_out = self._buffer("gated_out", b, hv * dv)
+        x, z = proj[:, :channels], proj[:, channels : channels + hv * dv].view(b, hv, dv)
+        beta, alpha = proj[:, channels + hv * dv : channels + hv * dv + hv], proj[:, channels + hv * dv + hv :]
+        q = mixed[:, : hk * dk].view(b, hk, dk)
+        k = mixed[:, hk * dk : 2 * hk * dk].view(b, hk, dk)
+        v = mixed[:, 2 * hk * dk :].view(b, hv, dv)
+        table, rows = self.segments.device, self.segments.device.shape[0]
+        conv, rule = self.module.causal_conv1d, self.module.gated_delta_rule
+        states = self.states.data_ptr()
+        layer_stride, which_stride = b * 8, self.states.shape[1] * b * 8  # bytes: [4, L_lin, B] int64
+        address = [states + which * which_stride + slot * layer_stride for which in range(4)]
+        conv_args = (x.data_ptr(), x.stride(0), w.conv.data_ptr(), mixed.data_ptr(), mixed.stride(0),
+                     table.data_ptr(), rows, b, channels, w.conv.shape[1], address[0], address[1], self.dtype_name)
+        rule_args = (q.data_ptr(), _strides(q), k.data_ptr(), _strides(k), v.data_ptr(), _strides(v),
+                     alpha.data_ptr(), alpha.stride(0), beta.data_ptr(), beta.stride(0), w.a_log.data_ptr(),
+                     w.dt_bias.data_ptr(), o.data_ptr(), _strides(o), table.data_ptr(), rows, b,
+                     self.no_slots.data_ptr(), 0, hk, hv, dk, dv, dk**-0.5, address[2], address[3], 0, 0,
+                     self.dtype_name)
+
+        def output_gate() -> None:  # hybrid.gated_rms_norm's product, rounded once into the kept buffer
+            torch.mul(normed.view(b, hv, dv), F.silu(z.float()), out=wide)
+            gated_out.view(b, hv, dv).copy_(wide)
+
+        return [self._linear(self.h, w.in_proj, proj), partial(conv, *conv_args), partial(rule, *rule_args),
+                self._norm(w.norm, o.view(-1, dv), normed), output_gate], gated_out
+
+    # ---- a step -----------------------------------------------------------------------------------------------
+    def run(self, tokens: torch.Tensor, positions: list[int], plan: DecodePlan, caches: list[KVCache],
             boundary: Callable[[], None]) -> torch.Tensor:
-        """One step: tokens [B] at `positions`, keys and values through `plan`; `boundary()` before each layer (the
-        decoder's interrupt point). Returns the final-normed hidden states [B, H]."""
+        """One step: tokens [B] at `positions`, keys and values through `plan`, a hybrid model's states in `caches`
+        (read from conv / state, written to next_conv / next_state); `boundary()` before each layer (the decoder's
+        interrupt point). Returns the final-normed hidden states [B, H]."""
         self.tokens.copy_(tokens)
         self.positions.copy_(torch.tensor(positions, dtype=torch.long))
+        self.pool, self.table = plan.pool_args, plan.table_args
+        if self.decoder.num_linear:
+            self._bind_states(caches)
         torch.index_select(self.decoder.w.embed, 0, self.tokens, out=self.x)
-        pool, table, attend = plan.pool_args, plan.table_args, self.module.decode_attention
-        for i, (before, (head, tail), after) in enumerate(zip(self.before, self.attention, self.after, strict=True)):
+        for calls in self.layers:
             boundary()
-            for fn, args in before:
-                fn(*args)
-            attend(*head, *pool, self.slots[i], *table, *tail)
-            for fn, args in after:
-                fn(*args)
+            for call in calls:
+                call()
         out = torch.empty_like(self.x)
-        fn, args = self._norm(self.decoder.w.final_norm, self.x, out)
-        fn(*args)
+        self._norm(self.decoder.w.final_norm, self.x, out)()
         return out
 
-
-def _ptr(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.data_ptr()
+    def _bind_states(self, caches: list[KVCache]) -> None:
+        """Every linear layer's state addresses for this step: per sequence, its buffer's base plus the layer's
+        offset (each a contiguous [L_lin, ...] tensor from Decoder.new_cache)."""
+        first = caches[0]
+        strides = [t.stride(0) * t.element_size() for t in (first.conv, first.next_conv, first.state,
+                                                              first.next_state)]
+        bases = torch.tensor([[c.conv.data_ptr(), c.next_conv.data_ptr(), c.state.data_ptr(), c.next_state.data_ptr()]
+                              for c in caches], dtype=torch.long)  # [B, 4]
+        layers = torch.arange(self.decoder.num_linear, dtype=torch.long)
+        torch.add(bases.T[:, None, :], layers[None, :, None] * torch.tensor(strides)[:, None, None], out=self.states)

@@ -33,6 +33,7 @@ from pyscore.model.weights import DecoderWeights, LayerWeights
 from pyscore.ops import (
     AttentionPlan,
     CachedKeys,
+    PackedLinear,
     SegmentTable,
     add_rms_norm,
     decode_attention,
@@ -129,6 +130,9 @@ class Decoder:
         for layer in weights.layers:
             self._prepare(layer)
             release_freed_memory()  # the layer's replaced plain projections, before the next layer's packs
+        projections = [w for layer in weights.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down, *(
+            (layer.linear.in_proj, layer.linear.out) if layer.linear is not None else ())) if w is not None]
+        self.packed_weights = all(isinstance(w, PackedLinear) for w in projections)  # every one for our kernel
 
     def _prepare(self, layer: LayerWeights) -> None:
         """Each projection in the form its linear path reads, one at a time, each replacing its source so that
@@ -307,7 +311,7 @@ class Decoder:
         plan = plan_decode(pool[:, 0], pool[:, 1], [c.table.pages for c in caches], [c.length + 1 for c in caches])
         module = DecodeProgram.of(self)
         if module is not None:
-            return self._program(module, len(caches)).run(tokens, [c.length for c in caches], plan,
+            return self._program(module, len(caches)).run(tokens, [c.length for c in caches], plan, caches,
                                                            self._layer_boundary)
         positions = torch.tensor([c.length for c in caches], dtype=torch.long, device=device)
 

@@ -79,11 +79,18 @@ def gated_attention_inputs(h: torch.Tensor, layer: LayerWeights, cfg: ModelConfi
                      backend=backend)
     q, k = q.view(num_tokens, hq, d), k.view(num_tokens, hkv, d)
     v = proj[:, (2 * hq + hkv) * d :].view(num_tokens, hkv, d)
-    rd = cfg.rotary_dims
-    c, s = cos[positions].to(h.dtype)[:, None, :], sin[positions].to(h.dtype)[:, None, :]  # [T, 1, rd]
+    rotate_leading(q, k, positions, cos, sin, cfg.rotary_dims)
+    return q, k, v, query_gate[..., d:].reshape(num_tokens, hq * d)
+
+
+def rotate_leading(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   rotary_dims: int) -> None:
+    """In place: the leading rotary_dims dims of each head of q [T, Hq, D] and k [T, Hkv, D] rotated at positions
+    (transformers' partial rotary, in the activation dtype)."""
+    rd = rotary_dims
+    c, s = cos[positions].to(q.dtype)[:, None, :], sin[positions].to(q.dtype)[:, None, :]  # [T, 1, rd]
     for x in (q, k):
         x[..., :rd] = rotate_half_ref(x[..., :rd], c, s)
-    return q, k, v, query_gate[..., d:].reshape(num_tokens, hq * d)
 
 
 def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
