@@ -33,8 +33,13 @@ import torch.nn.functional as F
 
 from pyscore.model import hybrid
 from pyscore.ops import _ext
-from pyscore.ops.decode_attention import DecodePlan
+from pyscore.ops.add_rms_norm import kernel_args as norm_args
+from pyscore.ops.decode_attention import DecodePlan, step_args
+from pyscore.ops.decode_attention import kernel_args as attention_args
+from pyscore.ops.gated_delta_rule import conv_args, rule_args
 from pyscore.ops.linear import PackedLinear
+from pyscore.ops.linear import kernel_args as linear_args
+from pyscore.ops.rotary import kernel_args as rotary_args
 from pyscore.ops.segments import SegmentTable
 
 if TYPE_CHECKING:
@@ -42,14 +47,6 @@ if TYPE_CHECKING:
     from pyscore.model.weights import LayerWeights, LinearAttentionWeights
 
 Call = Callable[[], Any]
-
-
-def _ptr(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.data_ptr()
-
-
-def _strides(t: torch.Tensor) -> tuple[int, int]:
-    return t.stride(0), t.stride(1)
 
 
 class DecodeProgram:
@@ -78,17 +75,16 @@ class DecodeProgram:
 
     def __init__(self, decoder: Decoder, module: Any, batch: int) -> None:
         self.decoder, self.batch, self.module = decoder, batch, module
-        self.dtype, self.dtype_name = decoder.dtype, _ext.torch_dtype_name(decoder.dtype)
+        self.dtype = decoder.dtype
         self.eps = float(decoder.cfg.rms_norm_eps)
         self.buffers: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}  # the calls hold addresses
         self.tokens = self._buffer("tokens", batch, dtype=torch.long)
         self.positions = self._buffer("positions", batch, dtype=torch.long)
         self.x = self._buffer("x", batch, decoder.cfg.hidden_size)  # the residual stream
         self.h = self._buffer("h", batch, decoder.cfg.hidden_size)  # a norm's output, the next projection's input
-        # Per step: the KV store's pool and block tables; a hybrid model's state addresses ([4, L_lin, B] int64:
-        # conv tails in, out, states in, out).
-        self.pool: tuple[Any, ...] = ()
-        self.table: tuple[Any, ...] = ()
+        # Per step: the KV store's pool and block tables (the plan); a hybrid model's state addresses ([4, L_lin, B]
+        # int64: conv tails in, out, states in, out).
+        self.plan: DecodePlan | None = None
         self.states = torch.zeros(4, decoder.num_linear, batch, dtype=torch.long)
         steps = torch.tensor([[b, 1, b, 0] for b in range(batch)], dtype=torch.int32).reshape(-1, 4)
         self.segments = SegmentTable.of(steps, batch, decoder.device)  # one token per sequence (linear layers)
@@ -102,28 +98,22 @@ class DecodeProgram:
             self.buffers[key] = torch.empty(shape, dtype=key[2])
         return self.buffers[key]
 
-    # ---- bound kernel calls, each as its op wrapper passes it -------------------------------------------------
+    # ---- bound kernel calls, with their op wrappers' arguments ------------------------------------------------
     def _norm(self, weight: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> Call:
         """add_rms_norm(x) into out (no delta)."""
-        return partial(self.module.add_rms_norm, x.data_ptr(), x.stride(0), 0, 0, weight.data_ptr(),
-                       weight.dtype != x.dtype, out.data_ptr(), out.stride(0), x.shape[0], x.shape[1], self.eps,
-                       self.dtype_name)
+        return partial(self.module.add_rms_norm, *norm_args(x, weight, self.eps, None, out))
 
     def _linear(self, x: torch.Tensor, w: PackedLinear, out: torch.Tensor, residual: bool = False) -> Call:
         """linear(x, w) into out (residual: out += x @ W.T, out being the residual)."""
-        packed, bias, k, columns, n_out, gated = w._kernel_args
-        res = (out.data_ptr(), out.stride(0)) if residual else (0, 0)
-        return partial(self.module.linear, x.data_ptr(), x.stride(0), packed, bias, *res, out.data_ptr(),
-                       out.stride(0), x.shape[0], k, columns, n_out, gated, self.dtype_name)
+        return partial(self.module.linear, *linear_args(x, w, out if residual else None, out))
 
     def _attend(self, slot: int, q: torch.Tensor, out: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Call:
         """decode_attention of layer `slot`: q [B, Hq, D] into out, writing k / v (one pair of strides) first; the
-        pool and the block tables are the step's."""
+        pool and the block tables are the step's plan's."""
         cfg = self.decoder.cfg
-        head = (q.data_ptr(), _strides(q), out.data_ptr(), _strides(out), k.data_ptr(), v.data_ptr(), _strides(k))
-        tail = (self.batch, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5, self.dtype_name)
+        bound = step_args(q, out, k, v, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
         attend = self.module.decode_attention
-        return lambda: attend(*head, *self.pool, slot, *self.table, *tail)
+        return lambda: attend(*attention_args(bound, self.plan, slot))
 
     # ---- layers ---------------------------------------------------------------------------------------------
     def _layer(self, i: int, layer: LayerWeights) -> list[Call]:
@@ -149,10 +139,9 @@ class DecodeProgram:
         qkv = self._buffer("qkv", b, (hq + 2 * hkv) * d)
         q, k, v = qkv.view(b, -1, d).split([hq, hkv, hkv], dim=1)
         attn = self._buffer("attn", b, hq * d).view(b, hq, d)
-        rotary = partial(self.module.rotary, q.data_ptr(), _strides(q), k.data_ptr(), _strides(k),
-                         self.positions.data_ptr(), rot.cos.data_ptr(), rot.sin.data_ptr(), rot.cos.shape[0],
-                         _ptr(layer.q_norm), _ptr(layer.k_norm), self.eps, b, hq, hkv, d, self.dtype_name)
-        return [self._linear(self.h, layer.qkv, qkv), rotary, self._attend(slot, q, attn, k, v)], attn.view(b, -1)
+        rotate = partial(self.module.rotary,
+                         *rotary_args(q, k, self.positions, rot.cos, rot.sin, layer.q_norm, layer.k_norm, self.eps))
+        return [self._linear(self.h, layer.qkv, qkv), rotate, self._attend(slot, q, attn, k, v)], attn.view(b, -1)
 
     def _gated_attention(self, slot: int, layer: LayerWeights) -> tuple[list[Call], torch.Tensor]:
         """Qwen3.5's full attention (hybrid.gated_attention_inputs, then the gate) -> (the calls, their output): q and k
@@ -199,24 +188,20 @@ class DecodeProgram:
         q = mixed[:, : hk * dk].view(b, hk, dk)
         k = mixed[:, hk * dk : 2 * hk * dk].view(b, hk, dk)
         v = mixed[:, 2 * hk * dk :].view(b, hv, dv)
-        table, rows = self.segments.device, self.segments.device.shape[0]
-        conv, rule = self.module.causal_conv1d, self.module.gated_delta_rule
+        table = self.segments.device
         states = self.states.data_ptr()
         layer_stride, which_stride = b * 8, self.states.shape[1] * b * 8  # bytes: [4, L_lin, B] int64
         address = [states + which * which_stride + slot * layer_stride for which in range(4)]
-        conv_args = (x.data_ptr(), x.stride(0), w.conv.data_ptr(), mixed.data_ptr(), mixed.stride(0),
-                     table.data_ptr(), rows, b, channels, w.conv.shape[1], address[0], address[1], self.dtype_name)
-        rule_args = (q.data_ptr(), _strides(q), k.data_ptr(), _strides(k), v.data_ptr(), _strides(v),
-                     alpha.data_ptr(), alpha.stride(0), beta.data_ptr(), beta.stride(0), w.a_log.data_ptr(),
-                     w.dt_bias.data_ptr(), o.data_ptr(), _strides(o), table.data_ptr(), rows, b,
-                     self.no_slots.data_ptr(), 0, hk, hv, dk, dv, dk**-0.5, address[2], address[3], 0, 0,
-                     self.dtype_name)
+        conv = conv_args(x, w.conv, mixed, table, address[0], address[1])
+        rule = rule_args(q, k, v, alpha, beta, w.a_log, w.dt_bias, o, table, self.no_slots, 0,
+                                          dk**-0.5, (address[2], address[3], 0, 0))
 
         def output_gate() -> None:  # hybrid.gated_rms_norm's product, rounded once into the kept buffer
             torch.mul(normed.view(b, hv, dv), F.silu(z.float()), out=wide)
             gated_out.view(b, hv, dv).copy_(wide)
 
-        return [self._linear(self.h, w.in_proj, proj), partial(conv, *conv_args), partial(rule, *rule_args),
+        return [self._linear(self.h, w.in_proj, proj), partial(self.module.causal_conv1d, *conv),
+                partial(self.module.gated_delta_rule, *rule),
                 self._norm(w.norm, o.view(-1, dv), normed), output_gate], gated_out
 
     # ---- a step -----------------------------------------------------------------------------------------------
@@ -227,14 +212,17 @@ class DecodeProgram:
         interrupt point). Returns the final-normed hidden states [B, H]."""
         self.tokens.copy_(tokens)
         self.positions.copy_(torch.tensor(positions, dtype=torch.long))
-        self.pool, self.table = plan.pool_args, plan.table_args
+        self.plan = plan
         if self.decoder.num_linear:
             self._bind_states(caches)
         torch.index_select(self.decoder.w.embed, 0, self.tokens, out=self.x)
-        for calls in self.layers:
-            boundary()
-            for call in calls:
-                call()
+        try:
+            for calls in self.layers:
+                boundary()
+                for call in calls:
+                    call()
+        finally:
+            self.plan = None  # the step's: never read by a later one
         out = torch.empty_like(self.x)
         self._norm(self.decoder.w.final_norm, self.x, out)()
         return out

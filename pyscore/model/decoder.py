@@ -3,7 +3,8 @@ embed -> N x (norm -> mixer -> o -> norm -> SwiGLU) -> final norm, returned only
 attention (qkv -> [qk-norm] -> rope(positions) -> prefix_item_attention) or, in Qwen3.5's linear-attention layers,
 Gated DeltaNet over the same segment table (pyscore.model.hybrid). A second entry point decodes one token per running
 sequence against its cache: its pages of the paged KV store for the attention layers (all sequences in one
-decode_attention call per layer, through their block tables) and the conv + recurrent state of the linear ones. A
+decode_attention call per layer, through their block tables) and the conv + recurrent state of the linear ones; on
+the CPU its calls are bound once per batch size and replayed (pyscore.model.decode_program), the same bits. A
 batch whose groups start with prefix-cache blocks reads their keys and values from a block pool (`BlockPool`: the
 KV store, pyscore.model.kv_store) in every attention layer; only the batch's own tokens run through projections,
 norms and MLPs.

@@ -45,9 +45,13 @@ def add_rms_norm(
         return normed if out is None else out.copy_(normed)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype)
-    module.add_rms_norm(
-        x.data_ptr(), x.stride(0), 0 if delta is None else delta.data_ptr(), 0 if delta is None else delta.stride(0),
-        weight.data_ptr(), weight.dtype != x.dtype, out.data_ptr(), out.stride(0), x.shape[0], x.shape[1],
-        float(eps), _ext.torch_dtype_name(x.dtype),
-    )
+    module.add_rms_norm(*kernel_args(x, weight, eps, delta, out))
     return out
+
+
+def kernel_args(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None,
+                out: torch.Tensor) -> tuple:
+    """The kernel's arguments for checked tensors (add_rms_norm's, and a decode program's bound once)."""
+    return (x.data_ptr(), x.stride(0), 0 if delta is None else delta.data_ptr(),
+            0 if delta is None else delta.stride(0), weight.data_ptr(), weight.dtype != x.dtype, out.data_ptr(),
+            out.stride(0), x.shape[0], x.shape[1], float(eps), _ext.torch_dtype_name(x.dtype))

@@ -134,13 +134,20 @@ def decode_attention(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if k_new is not None and k_new.stride() != v_new.stride():  # the kernel takes one pair of strides for both
         k_new, v_new = k_new.contiguous(), v_new.contiguous()
-    new = (0, 0, (0, 0)) if k_new is None else (k_new.data_ptr(), v_new.data_ptr(), (k_new.stride(0), k_new.stride(1)))
-    args = [
-        q.data_ptr(), (q.stride(0), q.stride(1)), out.data_ptr(), (out.stride(0), out.stride(1)), *new,
-        *plan.pool_args, layer, *plan.table_args, q.shape[0], q.shape[1], plan.num_kv_heads, plan.head_dim, scale,
-        _ext.torch_dtype_name(q.dtype),
-    ]
-    if q.is_cuda:
-        args.append(_ext.cuda_stream(q.device))
-    module.decode_attention(*args)
+    args = kernel_args(step_args(q, out, k_new, v_new, plan.num_kv_heads, plan.head_dim, scale), plan, layer)
+    module.decode_attention(*args, *((_ext.cuda_stream(q.device),) if q.is_cuda else ()))
     return out
+
+
+def step_args(q: torch.Tensor, out: torch.Tensor, k_new: torch.Tensor | None, v_new: torch.Tensor | None,
+              num_kv_heads: int, head_dim: int, scale: float) -> tuple[tuple, tuple]:
+    """The kernel's arguments that are not the plan's, for checked tensors (k_new and v_new of one stride), as the
+    two runs around the plan's (`kernel_args`): a decode program binds them once and the step's plan per step."""
+    new = (0, 0, (0, 0)) if k_new is None else (k_new.data_ptr(), v_new.data_ptr(), (k_new.stride(0), k_new.stride(1)))
+    return ((q.data_ptr(), (q.stride(0), q.stride(1)), out.data_ptr(), (out.stride(0), out.stride(1)), *new),
+            (q.shape[0], q.shape[1], num_kv_heads, head_dim, scale, _ext.torch_dtype_name(q.dtype)))
+
+
+def kernel_args(bound: tuple[tuple, tuple], plan: DecodePlan, layer: int) -> tuple:
+    """The kernel's arguments: `step_args`' two runs around the plan's pool, the layer and the plan's tables."""
+    return (*bound[0], *plan.pool_args, layer, *plan.table_args, *bound[1])

@@ -163,14 +163,22 @@ def causal_conv1d(
         return _from_reference(*causal_conv1d_ref(x, weight, plan.table.host, tail_in), tail_out, out)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    table = plan.table.device
-    args = [x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0), table.data_ptr(),
-            table.shape[0], num_tokens, channels, taps, 0 if tails_in is None else tails_in.data_ptr(),
-            0 if tails_out is None else tails_out.data_ptr(), _ext.torch_dtype_name(x.dtype)]
-    if x.is_cuda:
-        args.append(_ext.cuda_stream(x.device))
-    module.causal_conv1d(*args)
+    args = conv_args(x, weight, out, plan.table.device, _address(tails_in), _address(tails_out))
+    module.causal_conv1d(*args, *((_ext.cuda_stream(x.device),) if x.is_cuda else ()))
     return out
+
+
+def _address(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def conv_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, table: torch.Tensor, tails_in: int,
+              tails_out: int) -> tuple:
+    """The conv kernel's arguments for checked tensors: the segment table's rows, the addresses of the per-segment
+    tail address tables (0: none)."""
+    return (x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0), table.data_ptr(),
+            table.shape[0], x.shape[0], x.shape[1], weight.shape[1], tails_in, tails_out,
+            _ext.torch_dtype_name(x.dtype))
 
 
 def _check_rule_inputs(q, k, v, a, b, a_log, dt_bias) -> None:
@@ -215,7 +223,7 @@ def gated_delta_rule(
     receives the state after the segment's first n tokens (1 <= n <= its length; a segment without a prefix).
     backend: "auto" | "kernel" | "reference"."""
     _check_rule_inputs(q, k, v, a, b, a_log, dt_bias)
-    num_tokens, num_k_heads, key_dim = q.shape
+    num_tokens, _, key_dim = q.shape
     num_v_heads, value_dim = v.shape[1], v.shape[2]
     scale = key_dim**-0.5 if scale is None else float(scale)
     _check_out(out, v, "[T, Hv, Dv]")
@@ -232,15 +240,19 @@ def gated_delta_rule(
         return _from_reference(o, ends, state_out, out)
     if out is None:
         out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
-    table, slots = plan.table.device, plan.state_slot
-    args = [q.data_ptr(), (q.stride(0), q.stride(1)), k.data_ptr(), (k.stride(0), k.stride(1)), v.data_ptr(),
+    args = rule_args(q, k, v, a, b, a_log, dt_bias, out, plan.table.device, plan.state_slot, plan.num_slots, scale,
+                     (_address(states_in), _address(states_out), _address(snaps), _address(snap_at)))
+    module.gated_delta_rule(*args, *((_ext.cuda_stream(q.device),) if q.is_cuda else ()))
+    return out
+
+
+def rule_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+              a_log: torch.Tensor, dt_bias: torch.Tensor, out: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
+              num_slots: int, scale: float, states: tuple[int, int, int, int]) -> tuple:
+    """The rule kernel's arguments for checked tensors; `states`: the addresses of the per-segment address tables
+    of states in, out and snapshots, and of the snapshots' token counts (0: none)."""
+    return (q.data_ptr(), (q.stride(0), q.stride(1)), k.data_ptr(), (k.stride(0), k.stride(1)), v.data_ptr(),
             (v.stride(0), v.stride(1)), a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), a_log.data_ptr(),
             dt_bias.data_ptr(), out.data_ptr(), (out.stride(0), out.stride(1)), table.data_ptr(), table.shape[0],
-            num_tokens, slots.data_ptr(), plan.num_slots, num_k_heads, num_v_heads, key_dim, value_dim, scale,
-            0 if states_in is None else states_in.data_ptr(), 0 if states_out is None else states_out.data_ptr(),
-            0 if snaps is None else snaps.data_ptr(), 0 if snap_at is None else snap_at.data_ptr(),
-            _ext.torch_dtype_name(q.dtype)]
-    if q.is_cuda:
-        args.append(_ext.cuda_stream(q.device))
-    module.gated_delta_rule(*args)
-    return out
+            q.shape[0], slots.data_ptr(), num_slots, q.shape[1], v.shape[1], q.shape[2], v.shape[2], scale, *states,
+            _ext.torch_dtype_name(q.dtype))

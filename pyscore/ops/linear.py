@@ -199,11 +199,16 @@ def linear(x: torch.Tensor, w: LinearWeight, residual: torch.Tensor | None = Non
         raise ValueError("linear's kernel backend reads a PackedLinear: prepare the weight with prepare_linear")
     if out is None:
         out = torch.empty(x.shape[0], w.out_features, dtype=x.dtype)
-    packed, bias, k, columns, n_out, gated = w._kernel_args
-    module.linear(x.data_ptr(), x.stride(0), packed, bias, 0 if residual is None else residual.data_ptr(),
-                  0 if residual is None else residual.stride(0), out.data_ptr(), out.stride(0), x.shape[0], k, columns,
-                  n_out, gated, _DTYPE_NAMES[x.dtype])
+    module.linear(*kernel_args(x, w, residual, out))
     return out
+
+
+def kernel_args(x: torch.Tensor, w: PackedLinear, residual: torch.Tensor | None, out: torch.Tensor) -> tuple:
+    """The kernel's arguments for checked tensors (linear's, and a decode program's bound once)."""
+    packed, bias, k, columns, n_out, gated = w._kernel_args
+    return (x.data_ptr(), x.stride(0), packed, bias, 0 if residual is None else residual.data_ptr(),
+            0 if residual is None else residual.stride(0), out.data_ptr(), out.stride(0), x.shape[0], k, columns,
+            n_out, gated, _DTYPE_NAMES[x.dtype])
 
 
 def _native(w: PackedLinear) -> tuple[torch.Tensor, torch.Tensor | None]:

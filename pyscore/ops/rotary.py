@@ -55,10 +55,14 @@ def rotary_(
     module = _ext.kernel_for("rotary", q.device, q.dtype, backend)
     if module is None:
         return rotary_ref(q, k, positions, cos, sin, q_norm, k_norm, eps)
+    module.rotary(*kernel_args(q, k, positions, cos, sin, q_norm, k_norm, eps))
+
+
+def kernel_args(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float) -> tuple:
+    """The kernel's arguments for checked tensors (rotary_'s, and a decode program's bound once)."""
     num_tokens, num_q_heads, head_dim = q.shape
-    module.rotary(
-        q.data_ptr(), (q.stride(0), q.stride(1)), k.data_ptr(), (k.stride(0), k.stride(1)),
-        positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
-        0 if q_norm is None else q_norm.data_ptr(), 0 if k_norm is None else k_norm.data_ptr(), float(eps),
-        num_tokens, num_q_heads, k.shape[1], head_dim, _ext.torch_dtype_name(q.dtype),
-    )
+    return (q.data_ptr(), (q.stride(0), q.stride(1)), k.data_ptr(), (k.stride(0), k.stride(1)),
+            positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
+            0 if q_norm is None else q_norm.data_ptr(), 0 if k_norm is None else k_norm.data_ptr(), float(eps),
+            num_tokens, num_q_heads, k.shape[1], head_dim, _ext.torch_dtype_name(q.dtype))
