@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -74,7 +75,12 @@ class DecodeProgram:
         return module if decoder.packed_weights else None
 
     def __init__(self, decoder: Decoder, module: Any, batch: int) -> None:
-        self.decoder, self.batch, self.module = decoder, batch, module
+        # What the calls read of the decoder, not the decoder itself: it holds its programs, and a cycle would keep
+        # an engine's memory until a full collection.
+        self.cfg, self.rotary, self.slot = decoder.cfg, decoder.rotary, decoder.slot
+        self.num_linear = decoder.num_linear
+        self.embed, self.final_norm = decoder.w.embed, decoder.w.final_norm
+        self.batch, self.module = batch, module
         self.dtype = decoder.dtype
         self.eps = float(decoder.cfg.rms_norm_eps)
         self.buffers: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}  # the calls hold addresses
@@ -82,9 +88,10 @@ class DecodeProgram:
         self.positions = self._buffer("positions", batch, dtype=torch.long)
         self.x = self._buffer("x", batch, decoder.cfg.hidden_size)  # the residual stream
         self.h = self._buffer("h", batch, decoder.cfg.hidden_size)  # a norm's output, the next projection's input
-        # Per step: the KV store's pool and block tables (the plan); a hybrid model's state addresses ([4, L_lin, B]
-        # int64: conv tails in, out, states in, out).
-        self.plan: DecodePlan | None = None
+        # Per step: the KV store's pool and block tables (the plan, in a holder the calls read: a closure over the
+        # program itself would make it a cycle); a hybrid model's state addresses ([4, L_lin, B] int64: conv tails
+        # in, out, states in, out).
+        self.step = SimpleNamespace(plan=None)
         self.states = torch.zeros(4, decoder.num_linear, batch, dtype=torch.long)
         steps = torch.tensor([[b, 1, b, 0] for b in range(batch)], dtype=torch.int32).reshape(-1, 4)
         self.segments = SegmentTable.of(steps, batch, decoder.device)  # one token per sequence (linear layers)
@@ -110,18 +117,18 @@ class DecodeProgram:
     def _attend(self, slot: int, q: torch.Tensor, out: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Call:
         """decode_attention of layer `slot`: q [B, Hq, D] into out, writing k / v (one pair of strides) first; the
         pool and the block tables are the step's plan's."""
-        cfg = self.decoder.cfg
+        cfg = self.cfg
         bound = step_args(q, out, k, v, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
-        attend = self.module.decode_attention
-        return lambda: attend(*attention_args(bound, self.plan, slot))
+        attend, step = self.module.decode_attention, self.step
+        return lambda: attend(*attention_args(bound, step.plan, slot))
 
     # ---- layers ---------------------------------------------------------------------------------------------
     def _layer(self, i: int, layer: LayerWeights) -> list[Call]:
         """Layer i's calls: norm, mixer, o / out_proj (+ the residual), norm, gate_up, down (+ the residual)."""
-        slot = self.decoder.slot[i]
+        slot = self.slot[i]
         if layer.linear is not None:
             (mixer, mixed), out = self._linear_mixer(slot, layer.linear), layer.linear.out
-        elif self.decoder.cfg.attn_output_gate:
+        elif self.cfg.attn_output_gate:
             (mixer, mixed), out = self._gated_attention(slot, layer), layer.o
         else:
             (mixer, mixed), out = self._attention(slot, layer), layer.o
@@ -134,7 +141,7 @@ class DecodeProgram:
 
     def _attention(self, slot: int, layer: LayerWeights) -> tuple[list[Call], torch.Tensor]:
         """qkv -> rotary (with Qwen3's qk-norm) -> decode_attention: (the calls, their output [B, Hq D])."""
-        cfg, b, rot = self.decoder.cfg, self.batch, self.decoder.rotary
+        cfg, b, rot = self.cfg, self.batch, self.rotary
         hq, hkv, d = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = self._buffer("qkv", b, (hq + 2 * hkv) * d)
         q, k, v = qkv.view(b, -1, d).split([hq, hkv, hkv], dim=1)
@@ -147,7 +154,7 @@ class DecodeProgram:
         """Qwen3.5's full attention (hybrid.gated_attention_inputs, then the gate) -> (the calls, their output): q and k
         copied out of the projection and normed per head, the leading dims rotated, v copied beside k (the kernel
         takes one pair of strides for both, as decode_attention's wrapper makes them)."""
-        cfg, b = self.decoder.cfg, self.batch
+        cfg, b = self.cfg, self.batch
         hq, hkv, d = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim
         proj = self._buffer("gated_qkv", b, (2 * hq + 2 * hkv) * d)
         query_gate = proj[:, : 2 * hq * d].view(b, hq, 2 * d)
@@ -155,7 +162,7 @@ class DecodeProgram:
         q_raw, k_raw = self._buffer("q_raw", b * hq, d), self._buffer("k_raw", b * hkv, d)
         q, k, v = self._buffer("q", b, hq, d), self._buffer("k", b, hkv, d), self._buffer("v", b, hkv, d)
         attn, gated = self._buffer("attn", b, hq * d), self._buffer("gated", b, hq * d)
-        rot, rotary_dims = self.decoder.rotary, cfg.rotary_dims
+        rot, rotary_dims, positions = self.rotary, cfg.rotary_dims, self.positions
 
         def inputs() -> None:
             q_raw.view(b, hq, d).copy_(query_gate[..., :d])
@@ -163,7 +170,7 @@ class DecodeProgram:
             v.copy_(v_in.view(b, hkv, d))
 
         def rotate() -> None:
-            hybrid.rotate_leading(q, k, self.positions, rot.cos, rot.sin, rotary_dims)
+            hybrid.rotate_leading(q, k, positions, rot.cos, rot.sin, rotary_dims)
 
         def gate() -> None:
             torch.mul(attn, torch.sigmoid(query_gate[..., d:].reshape(b, hq * d)), out=gated)
@@ -175,7 +182,7 @@ class DecodeProgram:
     def _linear_mixer(self, slot: int, w: LinearAttentionWeights) -> tuple[list[Call], torch.Tensor]:
         """Qwen3.5's Gated DeltaNet (hybrid.linear_attention at one token per sequence) -> (the calls, their output
         [B, Hv Dv])."""
-        lin, b = self.decoder.cfg.linear, self.batch
+        lin, b = self.cfg.linear, self.batch
         channels, hk, hv, dk, dv = lin.conv_channels, lin.num_k_heads, lin.num_v_heads, lin.k_dim, lin.v_dim
         proj = self._buffer("in_proj", b, channels + hv * dv + 2 * hv)
         mixed = self._buffer("mixed", b, channels)
@@ -212,19 +219,19 @@ class DecodeProgram:
         interrupt point). Returns the final-normed hidden states [B, H]."""
         self.tokens.copy_(tokens)
         self.positions.copy_(torch.tensor(positions, dtype=torch.long))
-        self.plan = plan
-        if self.decoder.num_linear:
+        self.step.plan = plan
+        if self.num_linear:
             self._bind_states(caches)
-        torch.index_select(self.decoder.w.embed, 0, self.tokens, out=self.x)
+        torch.index_select(self.embed, 0, self.tokens, out=self.x)
         try:
             for calls in self.layers:
                 boundary()
                 for call in calls:
                     call()
         finally:
-            self.plan = None  # the step's: never read by a later one
+            self.step.plan = None  # the step's: never read by a later one
         out = torch.empty_like(self.x)
-        self._norm(self.decoder.w.final_norm, self.x, out)()
+        self._norm(self.final_norm, self.x, out)()
         return out
 
     def _bind_states(self, caches: list[KVCache]) -> None:
@@ -235,5 +242,5 @@ class DecodeProgram:
                                                               first.next_state)]
         bases = torch.tensor([[c.conv.data_ptr(), c.next_conv.data_ptr(), c.state.data_ptr(), c.next_state.data_ptr()]
                               for c in caches], dtype=torch.long)  # [B, 4]
-        layers = torch.arange(self.decoder.num_linear, dtype=torch.long)
+        layers = torch.arange(self.num_linear, dtype=torch.long)
         torch.add(bases.T[:, None, :], layers[None, :, None] * torch.tensor(strides)[:, None, None], out=self.states)

@@ -6,6 +6,9 @@ where an op leaves our kernel."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -107,3 +110,21 @@ def test_an_op_off_our_kernel_sets_the_program_aside(model_dir, monkeypatch):
 
     monkeypatch.setattr(_ext, "resolve_path", linear_on_torch)
     assert DecodeProgram.of(e.decoder) is None
+
+
+def test_a_dropped_program_is_freed_at_once(model_dir):
+    """No reference cycle through a program (its calls reach the step's plan through a holder, the decoder's parts
+    directly): one pushed out of the bound, or the engine's, frees its buffers at once, not at a full collection."""
+    e = Engine.from_pretrained(model_dir, dtype="float32", device="cpu", threads=2)
+    if DecodeProgram.of(e.decoder) is None:
+        pytest.skip("the step does not run as a program on this CPU")
+    gens = [e.start_generation(GenerateRequest(prompt_token_ids=[5, 6, 7 + i], max_tokens=3)) for i in range(2)]
+    while not all(g.finished for g in gens):
+        e.step(gens)
+    program = weakref.ref(e.decoder.programs[2])
+    gc.disable()
+    try:
+        e.decoder.programs.clear()
+        assert program() is None
+    finally:
+        gc.enable()
