@@ -200,8 +200,8 @@ class DecodeProgram:
         layer_stride, which_stride = b * 8, self.states.shape[1] * b * 8  # bytes: [4, L_lin, B] int64
         address = [states + which * which_stride + slot * layer_stride for which in range(4)]
         conv = conv_args(x, w.conv, mixed, table, address[0], address[1])
-        rule = rule_args(q, k, v, alpha, beta, w.a_log, w.dt_bias, o, table, self.no_slots, 0,
-                                          dk**-0.5, (address[2], address[3], 0, 0))
+        rule = rule_args(q, k, v, alpha, beta, w.a_log, w.dt_bias, o, table, self.no_slots, 0, dk**-0.5,
+                         (address[2], address[3], 0, 0))
 
         def output_gate() -> None:  # hybrid.gated_rms_norm's product, rounded once into the kept buffer
             torch.mul(normed.view(b, hv, dv), F.silu(z.float()), out=wide)
