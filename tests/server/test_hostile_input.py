@@ -119,12 +119,6 @@ class Step:
     collector's CPU time on the loop's thread inside it (and the generations it collected), the thread's page faults
     and involuntary context switches, and what it ran. A failed bound prints the worst steps whole."""
 
-    @property
-    def own_cpu(self) -> float:
-        """What the server itself did with the loop: the step's CPU less gRPC's parse."""
-        return self.cpu - self.parse_cpu
-
-
     cpu: float
     parse_cpu: float
     wall: float
@@ -133,6 +127,11 @@ class Step:
     minor_faults: int
     preempted: int
     handle: str
+
+    @property
+    def own_cpu(self) -> float:
+        """What the server itself did with the loop: the step's CPU less gRPC's parse."""
+        return self.cpu - self.parse_cpu
 
 
 class LoopSteps:
