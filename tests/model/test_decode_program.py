@@ -34,8 +34,8 @@ def model_dir(request, tmp_path_factory):
 
 
 def generate(e: Engine) -> list[torch.Tensor]:
-    """Three sequences stepped together (one crosses from its first 64-token page into its second) for STEPS
-    tokens; every decode step's hidden states, in order."""
+    """Three sequences stepped together for STEPS tokens (the 60-token one writes past its 64th token: a new page
+    whatever the device's page size); every decode step's hidden states, in order."""
     hidden = []
     decode = e.decoder.decode
 
