@@ -30,7 +30,6 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from pyscore.model import hybrid
 from pyscore.ops import _ext
@@ -56,10 +55,9 @@ class DecodeProgram:
     @staticmethod
     def ops(decoder: Decoder) -> tuple[str, ...]:
         """The ops a step of this decoder calls."""
-        kinds = {"linear" if layer.linear is not None else "gated" if decoder.cfg.attn_output_gate else "attention"
-                 for layer in decoder.w.layers}
-        return ("linear", "add_rms_norm", "decode_attention", *(("rotary",) if "attention" in kinds else ()),
-                *(("causal_conv1d", "gated_delta_rule") if "linear" in kinds else ()))
+        plain_attention = decoder.num_attention_layers and not decoder.cfg.attn_output_gate  # gated: torch's rotary
+        return ("linear", "add_rms_norm", "decode_attention", *(("rotary",) if plain_attention else ()),
+                *(("causal_conv1d", "gated_delta_rule") if decoder.num_linear else ()))
 
     @staticmethod
     def of(decoder: Decoder) -> Any:
@@ -173,7 +171,7 @@ class DecodeProgram:
             hybrid.rotate_leading(q, k, positions, rot.cos, rot.sin, rotary_dims)
 
         def gate() -> None:
-            torch.mul(attn, torch.sigmoid(query_gate[..., d:].reshape(b, hq * d)), out=gated)
+            hybrid.sigmoid_gate(attn, query_gate[..., d:].reshape(b, hq * d), out=gated)
 
         return [self._linear(self.h, layer.qkv, proj), inputs,
                 self._norm(layer.q_norm, q_raw, q.view(-1, d)), self._norm(layer.k_norm, k_raw, k.view(-1, d)),
@@ -203,9 +201,8 @@ class DecodeProgram:
         rule = rule_args(q, k, v, alpha, beta, w.a_log, w.dt_bias, o, table, self.no_slots, 0, dk**-0.5,
                          (address[2], address[3], 0, 0))
 
-        def output_gate() -> None:  # hybrid.gated_rms_norm's product, rounded once into the kept buffer
-            torch.mul(normed.view(b, hv, dv), F.silu(z.float()), out=wide)
-            gated_out.view(b, hv, dv).copy_(wide)
+        def output_gate() -> None:  # hybrid.gated_rms_norm's tail, into the kept buffers
+            hybrid.silu_gate(normed.view(b, hv, dv), z, out=gated_out.view(b, hv, dv), wide=wide)
 
         return [self._linear(self.h, w.in_proj, proj), partial(self.module.causal_conv1d, *conv),
                 partial(self.module.gated_delta_rule, *rule),

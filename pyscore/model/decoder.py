@@ -165,7 +165,7 @@ class Decoder:
         if cfg.attn_output_gate:
             q, k, v, gate = hybrid.gated_attention_inputs(h, layer, cfg, positions, self.rotary.cos, self.rotary.sin,
                                                           self.op_backend, rows)
-            return attend(i, q, k, v).view(h.shape[0], -1) * torch.sigmoid(gate)
+            return hybrid.sigmoid_gate(attend(i, q, k, v).view(h.shape[0], -1), gate)
         qkv = linear(h, layer.qkv, backend=self.op_backend, rows_per_call=rows)
         qkv = qkv.view(h.shape[0], -1, cfg.head_dim)  # [T, Hq + 2 Hkv, D]
         q, k, v = qkv.split([cfg.num_q_heads, cfg.num_kv_heads, cfg.num_kv_heads], dim=1)

@@ -98,7 +98,20 @@ def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     """o, gate [T, Hv, Dv] -> transformers' Qwen3_5RMSNormGated: (weight * to_dtype(RMSNorm(o))) * silu(gate) in fp32,
     rounded to o's dtype; the first factor is Llama's RMSNorm (add_rms_norm, weight in the dtype) per head."""
     normed = add_rms_norm(o.view(-1, o.shape[-1]), weight, eps, backend=backend).view(o.shape)
-    return (normed * F.silu(gate.float())).to(o.dtype)
+    return silu_gate(normed, gate)
+
+
+def silu_gate(normed: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None = None,
+              wide: torch.Tensor | None = None) -> torch.Tensor:
+    """normed * silu(gate) in fp32, rounded once to normed's dtype (gated_rms_norm's tail); into `out`, through the
+    fp32 buffer `wide`, when given (a decode program's kept buffers: the same products, the same rounding)."""
+    product = torch.mul(normed, F.silu(gate.float()), out=wide)
+    return product.to(normed.dtype) if out is None else out.copy_(product)
+
+
+def sigmoid_gate(attn: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The gated attention's output [T, Hq D]: attn * sigmoid(gate), in the dtype (into `out` when given)."""
+    return torch.mul(attn, torch.sigmoid(gate), out=out)
 
 
 def linear_attention(
