@@ -148,7 +148,8 @@ def vllm_server(peers: Path, log: Path, extra_args: Sequence[str], ready_timeout
             time.sleep(1.0)
         version = json.loads(http_get(base + "/version") or b"{}").get("version")
         yield {"spec": f"vllm-http://127.0.0.1:{VLLM_PORT}", "ready_s": round(time.monotonic() - t0, 1),
-               "version": version, "args": list(extra_args), "threads_bind": env["VLLM_CPU_OMP_THREADS_BIND"]}
+               "version": version, "args": list(extra_args), "threads_bind": env["VLLM_CPU_OMP_THREADS_BIND"],
+               "dtype": env.get("DTYPE", "bfloat16")}  # start_vllm.sh's --dtype: $DTYPE, else bfloat16
     finally:
         subprocess.run([str(peers / "stop_all.sh")], env=env, stdout=subprocess.DEVNULL, check=False)
         deadline = time.monotonic() + 60
@@ -313,7 +314,8 @@ def render(meta: dict[str, Any], phases: Sequence[dict[str, Any]], plan: Plan) -
                 "measurements to quote.", ""]
     out += [f"- CPU: {meta['machine']}",
             f"- pyscore {meta['git_commit']}; vLLM {meta.get('vllm_version')} "
-            f"({meta.get('vllm_threads_bind')}, args {' '.join(meta.get('vllm_args') or []) or 'none'})",
+            f"({meta.get('vllm_dtype', 'bfloat16')}, {meta.get('vllm_threads_bind')}, "
+            f"args {' '.join(meta.get('vllm_args') or []) or 'none'})",
             f"- blocks, in order: {' → '.join(b['side'] for b in meta['blocks'])} (one server at a time; each "
             f"started, warmed ({plan.warmup} questions per path and concurrency), timed, stopped; idle wait before "
             f"every phase)",
@@ -392,7 +394,7 @@ def run(plan: Plan, servers: ServerFactory, out: Path, idle: Callable[[], float]
                 meta["blocks"].append({"block": block, "side": side, "ready_s": server["ready_s"]})
                 if side == "vllm":
                     meta.update(vllm_version=server.get("version"), vllm_args=server.get("args"),
-                                vllm_threads_bind=server.get("threads_bind"))
+                                vllm_threads_bind=server.get("threads_bind"), vllm_dtype=server.get("dtype"))
                 got, records = asyncio.run(run_block(block, side, server["spec"], plan, questions, log, idle))
             phases += got
             rec.writelines(json.dumps(r) + "\n" for r in records)

@@ -8,11 +8,14 @@
 //              output lines written per 4 TDPBF16PS, rows 1920 bytes apart, cycling over 15 MB (each line misses
 //              L1 and L2, as a call's output does);
 //   fma        AVX-512 fp32 FMA, 16 independent zmm chains (the avx512 tier's fp32 GEMM ceiling);
-//   dpbf16     AVX512-BF16 VDPBF16PS, 16 independent chains (the avx512bf16 tier's bf16 ceiling).
+//   dpbf16     AVX512-BF16 VDPBF16PS, 16 independent chains (the avx512bf16 tier's bf16 ceiling);
+//   fma256     AVX2 fp32 FMA, 12 independent ymm chains (the avx2 tier's GEMM ceiling: its micro-kernel holds 12
+//              accumulators; AMD Zen 1 splits each ymm FMA into two 128-bit halves, Zen 2 and later do not).
 // Best of ROUNDS rounds per loop (default 15; the loops alternate within a round), on 1 thread and on every thread
 // (OpenMP), in GFLOP/s (a MAC = 2 FLOP).
-// Build and run (x86-64 with AVX-512; the AMX and BF16 loops are skipped where the CPU lacks them):
-//   g++ -O2 -fopenmp -mavx512f -mavx512bf16 -mamx-tile -mamx-bf16 bench/peak/peak.cpp -o /tmp/peak && /tmp/peak [ROUNDS]
+// Build and run (x86-64; each loop is skipped where the CPU lacks its instructions, so an AVX2-only CPU runs fma256
+// alone; the AVX-512 and AMX loops are compiled for their ISA by target attributes, not run there):
+//   g++ -O2 -fopenmp bench/peak/peak.cpp -o /tmp/peak && /tmp/peak [ROUNDS]
 // tests/bench/test_peak.py builds it and runs one round.
 #include <immintrin.h>
 #include <omp.h>
@@ -43,7 +46,7 @@ constexpr int64_t kOutStride = 1920, kOutLines = 8000;  // 15 MB of output rows,
 
 // FLOP per second of `iters` iterations of 4 TDPBF16PS (with the 2 x 2 loads when `loads`, and two output lines
 // written per iteration when `stores`).
-double amx(long iters, bool loads, bool stores = false) {
+__attribute__((target("avx512f,amx-tile,amx-bf16"))) double amx(long iters, bool loads, bool stores = false) {
   thread_local char* const out = static_cast<char*>(std::aligned_alloc(64, kOutStride * kOutLines));
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
@@ -82,9 +85,28 @@ double amx(long iters, bool loads, bool stores = false) {
   return sink[0] == 1.0f ? 0 : iters * 4.0 * 16 * 16 * 32 * 2 / s;
 }
 
+// FLOP per second of 12 independent ymm chains of FMA (AVX2: 8 fp32 lanes).
+__attribute__((target("avx2,fma"))) double vector256(long iters) {
+  __m256 acc[12];
+  for (int j = 0; j < 12; ++j) acc[j] = _mm256_set1_ps(1.0f + j * 1e-3f);
+  const __m256 a = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(1e-3f);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (long i = 0; i < iters; ++i)
+#pragma GCC unroll 12
+    for (int j = 0; j < 12; ++j) acc[j] = _mm256_fmadd_ps(acc[j], a, b);
+  const double s = seconds_since(t0);
+  alignas(32) float lanes[8];
+  float sum = 0;
+  for (int j = 0; j < 12; ++j) {
+    _mm256_store_ps(lanes, acc[j]);
+    for (float v : lanes) sum += v;
+  }
+  return sum == 1.0f ? 0 : iters * 12.0 * 16 / s;
+}
+
 // FLOP per second of 16 independent zmm chains of FMA (bf16: VDPBF16PS, 32 MACs per instruction).
 template <bool kBf16>
-double vector(long iters) {
+__attribute__((target("avx512f,avx512bf16"))) double vector(long iters) {
   __m512 acc[16];
   for (int j = 0; j < 16; ++j) acc[j] = _mm512_set1_ps(1.0f + j * 1e-3f);
   const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-3f);
@@ -116,32 +138,37 @@ bool amx_granted() {
 
 }  // namespace
 
+enum class Needs { kAvx2, kAvx512, kBf16, kAmx };
+
 struct Loop {
   const char* name;
   double (*run)();
-  bool needs_amx, needs_bf16;
+  Needs needs;
 };
 
 int main(int argc, char** argv) {
   for (auto& v : g_tiles) v = 0x3f80;  // bf16 1.0
-  const bool has_amx = amx_granted(), has_bf16 = __builtin_cpu_supports("avx512bf16");
+  const bool has[] = {__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
+                      __builtin_cpu_supports("avx512f") != 0, __builtin_cpu_supports("avx512bf16") != 0,
+                      amx_granted()};
   const Loop loops[] = {
-      {"amx", [] { return amx(400000, false); }, true, false},
-      {"amx+loads", [] { return amx(400000, true); }, true, false},
-      {"amx+stores", [] { return amx(400000, true, true); }, true, false},
-      {"fma", [] { return vector<false>(2000000); }, false, false},
-      {"dpbf16", [] { return vector<true>(2000000); }, false, true},
+      {"amx", [] { return amx(400000, false); }, Needs::kAmx},
+      {"amx+loads", [] { return amx(400000, true); }, Needs::kAmx},
+      {"amx+stores", [] { return amx(400000, true, true); }, Needs::kAmx},
+      {"fma", [] { return vector<false>(2000000); }, Needs::kAvx512},
+      {"dpbf16", [] { return vector<true>(2000000); }, Needs::kBf16},
+      {"fma256", [] { return vector256(2000000); }, Needs::kAvx2},
   };
+  constexpr int kLoops = sizeof(loops) / sizeof(loops[0]);
   // Best of `reps` rounds; in each round every loop runs once in turn, so a slow phase of the machine hits all.
   const int threads[] = {1, omp_get_max_threads()}, reps = argc > 1 ? std::max(1, std::atoi(argv[1])) : 15;
-  double top[2][5] = {};
+  double top[2][kLoops] = {};
   for (int r = 0; r < reps; ++r)
     for (int t = 0; t < 2; ++t)
-      for (int l = 0; l < 5; ++l)
-        if ((!loops[l].needs_amx || has_amx) && (!loops[l].needs_bf16 || has_bf16))
-          top[t][l] = std::max(top[t][l], together(threads[t], loops[l].run));
+      for (int l = 0; l < kLoops; ++l)
+        if (has[int(loops[l].needs)]) top[t][l] = std::max(top[t][l], together(threads[t], loops[l].run));
   std::printf("loop        threads  GFLOP/s\n");
   for (int t = 0; t < 2; ++t)
-    for (int l = 0; l < 5; ++l)
+    for (int l = 0; l < kLoops; ++l)
       if (top[t][l] > 0) std::printf("%-10s  %7d  %7.0f\n", loops[l].name, threads[t], top[t][l] / 1e9);
 }
