@@ -3,11 +3,11 @@
 //
 // Micro-kernel: TM <= 6 rows x one strip of 16 packed columns (2 ymm): 12 fp32 accumulators + 2 weight operands +
 // 1 broadcast of the 16 ymm registers; each K step loads the strip's 16 weights (one cache line of the block's K row)
-// and broadcasts one x per row. A tile of few rows (a decode step's) takes a wider strip instead, as many columns as
-// its accumulators allow: 1 row x 64 columns (the whole K row of a block), 2-3 rows x 32. Narrow strips walk the
-// block's K rows as four strided streams, which at 1-4 rows bound a call by memory latency (0.4-0.5x torch's bf16
-// F.linear at M = 1, 2.5x slower than the AVX-512 kernel, which reads each K row whole: bench/results/tiers/
-// linear_avx2_wide_strips_ab.txt). Every lane of a row runs acc = fma(x[k], w[k], acc) for k = 0, 1, ..., K-1 in
+// and broadcasts one x per row. A decode step's few rows (at most kNarrowRows) take tiles of 1-3 rows and a wider
+// strip instead, as many columns as the accumulators allow: 1 row x 64 columns (the whole K row of a block), 2-3
+// rows x 32. Narrow strips walk the block's K rows as four strided streams, which at 1-4 rows bound a call by
+// memory latency (0.4-0.5x torch's bf16 F.linear at M = 1, 2.5x slower than the AVX-512 kernel, which reads each K
+// row whole: bench/results/tiers/linear_avx2_wide_strips_ab.txt; at 4-16 rows see kNarrowRows). Every lane of a row runs acc = fma(x[k], w[k], acc) for k = 0, 1, ..., K-1 in
 // order, whatever M is, the strip width and wherever the row falls: tail tiles (TM < 6) run the same per-row chain,
 // there is no split-K.
 //
@@ -31,6 +31,21 @@ using namespace avx2;
 constexpr int kTileRows = 6;
 constexpr int kStripN = 16;          // packed columns per micro-kernel call at 4-6 rows: 2 ymm
 constexpr int32_t kKBlock = 1024;    // K per cache block (even: whole bf16 pairs)
+
+// A rectangle of at most this many rows (a decode step's) runs in tiles of 2-3 rows and 32-column strips, not 6
+// rows and 16 columns: the first tile over a block part reads its weight panel from memory, and 16-column strips
+// walk the panel's K rows as four strided streams, which left 4-16 rows bound by memory latency (on an AMD Zen 1
+// at 6 rows 2x slower than the larger of its memory and FMA times). Two streams, 12 accumulators per 3 rows, the
+// same FMAs per K step: bench/results/tiers/linear_avx2_decode_tiles_ab.txt. Rows are split evenly (8: 3 + 3 + 2).
+constexpr int32_t kNarrowRows = 16;
+
+// Rows of the tile at row m of a rectangle ending at m1 with `rows` rows in all.
+int tile_rows(int32_t rows, int32_t m, int32_t m1) {
+  const int32_t left = m1 - m;
+  if (rows > kNarrowRows) return std::min<int32_t>(kTileRows, left);
+  const int32_t tiles = (left + 2) / 3;  // tiles of at most 3 rows over what is left, as even as they come
+  return (left + tiles - 1) / tiles;
+}
 
 // Packed columns per micro-kernel call for a tile of tm rows over a block part `width` columns wide (32 or 64): as
 // wide as tm x width / 8 accumulators allow in 16 ymm registers (weights come as memory operands).
@@ -203,8 +218,8 @@ void rect(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1)
     for (int32_t k0 = 0; k0 < p.k; k0 += kKBlock) {
       const int32_t k1 = std::min(p.k, k0 + kKBlock), s0 = k0 / E::kPack, steps = (k1 - k0) / E::kPack;
       const T* wk = w + int64_t(s0) * kLinearBlockN * E::kPack;
-      for (int32_t m = m0; m < m1; m += kTileRows) {
-        const int tm = std::min<int32_t>(kTileRows, m1 - m);
+      for (int32_t m = m0, tm; m < m1; m += tm) {
+        tm = tile_rows(m1 - m0, m, m1);
         const XRows x = x_rows(p, m, tm, k0, k1, static_cast<const T*>(nullptr));
         float* acc = partial.data() + int64_t(m - m0) * kLinearBlockN;
         const int columns = strip_columns(tm, width);
