@@ -106,40 +106,21 @@ void prefetch_row(const T* row, int lines, int own) {  // own: the lines this ca
   for (int l = 0; l < lines; ++l) _mm_prefetch(q + 64 * l, l < own ? _MM_HINT_T0 : _MM_HINT_T1);
 }
 
-// The weight rows a narrow rectangle reads next (the next K block of this block part, else the next block part),
-// prefetched into L2 by the row tiles after the first, each a share of the rows spread over its first strip's walk:
-// so memory streams while those tiles compute from L2, and the next first tile finds its panel there. Without it
-// the first tile over a panel waited on memory and the others on the FMAs, one after the other (8-16 rows
-// 1.08-1.18x, a decode step of 8 generations 1.09x on a Zen 1: bench/results/tiers/linear_avx2_next_rows_ab.txt).
-struct NextRows {
-  const char* base = nullptr;  // the next chunk's first K row; nullptr: nothing to prefetch
-  int lines = 0;               // cache lines a K row of it spans (its columns / 16)
-  int32_t row = 0, end = 0;    // this call's share: K rows [row, end)
-  int32_t every = 1;           // one row every `every` steps
-};
-
-constexpr int64_t kRowBytes = kLinearBlockN * 4;  // a packed K step of a block: 64 fp32 or 64 bf16 pairs
-
 // TM rows of x (fp32, x_stride apart, from the K block's start) x one strip (w: its first K row of the block) over
 // `steps` K steps, into acc (TM rows of kLinearBlockN floats): from zero when `first`, else continuing acc. With
 // pf_lines > 0, prefetches that many lines of the K row kAhead steps ahead, for the first pf_steps steps (those whose
-// row ahead is still inside the packed weight); with next.base, its share of the next rows (NextRows).
+// row ahead is still inside the packed weight).
 template <class E, int TM, int NV>
 void micro(const float* x, int64_t x_stride, const typename E::T* w, int32_t steps, bool first, float* acc_rows,
-           int pf_lines, int32_t pf_steps, NextRows next) {
+           int pf_lines, int32_t pf_steps) {
   constexpr int64_t kRow = kLinearBlockN * E::kPack;  // elements per K step (row or pair row) of a block
   Vec acc[TM][NV];
   for (int r = 0; r < TM; ++r)
     for (int h = 0; h < NV; ++h) acc[r][h] = first ? zero() : load(acc_rows + r * kLinearBlockN + 8 * h);
   int32_t s = 0;
-  if (pf_lines > 0 || next.base) {
-    const int32_t own_end = pf_lines > 0 ? std::min(steps, pf_steps) : 0;
-    for (int32_t at = 0; s < steps; ++s) {
-      if (s < own_end) prefetch_row(w + (s + kAhead) * kRow, pf_lines, NV / 2);
-      if (s == at && next.row < next.end) {
-        prefetch_row(next.base + next.row++ * kRowBytes, next.lines, 0);
-        at += next.every;
-      }
+  if (pf_lines > 0) {
+    for (const int32_t end = std::min(steps, pf_steps); s < end; ++s) {
+      prefetch_row(w + (s + kAhead) * kRow, pf_lines, NV / 2);
       E::template step<TM, NV>(acc, x + s * E::kPack, x_stride, w + s * kRow);
     }
   }
@@ -151,22 +132,22 @@ void micro(const float* x, int64_t x_stride, const typename E::T* w, int32_t ste
 // One call of `columns` packed columns (strip_columns) for tm rows.
 template <class E>
 void micro_rows(int tm, int columns, const float* x, int64_t x_stride, const typename E::T* w, int32_t steps,
-                bool first, float* acc, int pf_lines, int32_t pf_steps, NextRows next) {
-  if (columns == 64) return micro<E, 1, 8>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps, next);
+                bool first, float* acc, int pf_lines, int32_t pf_steps) {
+  if (columns == 64) return micro<E, 1, 8>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps);
   if (columns == 32) {
     switch (tm) {
-      case 1: return micro<E, 1, 4>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps, next);
-      case 2: return micro<E, 2, 4>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps, next);
-      default: return micro<E, 3, 4>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps, next);
+      case 1: return micro<E, 1, 4>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps);
+      case 2: return micro<E, 2, 4>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps);
+      default: return micro<E, 3, 4>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps);
     }
   }
   switch (tm) {
-    case 1: return micro<E, 1, 2>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps, next);
-    case 2: return micro<E, 2, 2>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps, next);
-    case 3: return micro<E, 3, 2>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps, next);
-    case 4: return micro<E, 4, 2>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps, next);
-    case 5: return micro<E, 5, 2>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps, next);
-    default: return micro<E, 6, 2>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps, next);
+    case 1: return micro<E, 1, 2>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps);
+    case 2: return micro<E, 2, 2>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps);
+    case 3: return micro<E, 3, 2>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps);
+    case 4: return micro<E, 4, 2>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps);
+    case 5: return micro<E, 5, 2>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps);
+    default: return micro<E, 6, 2>(x, x_stride, w, steps, first, acc, pf_lines, pf_steps);
   }
 }
 
@@ -223,39 +204,6 @@ void epilogue(const LinearParams& p, int32_t m, int tm, int32_t c, int32_t width
   }
 }
 
-// The rows a narrow rectangle of `tiles` row tiles reads after block part [c, c + width)'s K block ending at k1:
-// the part's next K block, else the next part's first; none after the last, or with fewer than two tiles.
-template <class T>
-NextRows next_rows(const LinearParams& p, int32_t k_steps, int32_t c, int32_t c1, int32_t width, int32_t k1,
-                   int32_t tiles) {
-  constexpr int kPack = sizeof(T) == 2 ? 2 : 1;
-  if (tiles < 2) return {};
-  const T* packed = static_cast<const T*>(p.w_packed);
-  int32_t block = c / kLinearBlockN, part0 = c % kLinearBlockN, row0 = k1 / kPack, lines = width / 16;
-  if (k1 == p.k) {  // this part's last K block: the next part, from its first K row
-    const int32_t c2 = c + width;
-    if (c2 >= c1) return {};
-    block = c2 / kLinearBlockN, part0 = c2 % kLinearBlockN, row0 = 0;
-    lines = std::min(kLinearBlockN - part0, c1 - c2) / 16;
-  }
-  const T* base = packed + (int64_t(block) * k_steps * kLinearBlockN + part0) * kPack;
-  NextRows next;
-  next.base = reinterpret_cast<const char*>(base) + int64_t(row0) * kRowBytes;
-  next.lines = lines;
-  next.end = std::min(kKBlock, p.k - row0 * kPack) / kPack;
-  return next;
-}
-
-// Tile `tile`'s share of `next` (tiles 1 .. tiles - 1 split its rows), spread over a walk of `steps` steps.
-NextRows share(NextRows next, int32_t tile, int32_t tiles, int32_t steps) {
-  if (!next.base || tile == 0) return {};
-  const int32_t rows = next.end;
-  next.row = int32_t(int64_t(rows) * (tile - 1) / (tiles - 1));
-  next.end = int32_t(int64_t(rows) * tile / (tiles - 1));
-  next.every = std::max<int32_t>(1, steps / std::max<int32_t>(1, next.end - next.row));
-  return next;
-}
-
 template <class E>
 void rect(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1) {
   using T = typename E::T;
@@ -263,7 +211,6 @@ void rect(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1)
   const T* packed = static_cast<const T*>(p.w_packed);
   thread_local std::vector<float> partial;  // [m1 - m0][64]: the rectangle's accumulators for one block part
   partial.assign(size_t(m1 - m0) * kLinearBlockN, 0.0f);
-  const int32_t tiles = m1 - m0 <= kNarrowRows ? (m1 - m0 + 2) / 3 : 0;  // 0: no NextRows (not a narrow rectangle)
   for (int32_t c = c0; c < c1;) {
     const int32_t block = c / kLinearBlockN, part0 = c % kLinearBlockN;
     const int32_t width = std::min(kLinearBlockN - part0, c1 - c);  // 32 or 64 columns of this block
@@ -271,8 +218,7 @@ void rect(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1)
     for (int32_t k0 = 0; k0 < p.k; k0 += kKBlock) {
       const int32_t k1 = std::min(p.k, k0 + kKBlock), s0 = k0 / E::kPack, steps = (k1 - k0) / E::kPack;
       const T* wk = w + int64_t(s0) * kLinearBlockN * E::kPack;
-      const NextRows next = next_rows<T>(p, k_steps, c, c1, width, k1, tiles);
-      for (int32_t m = m0, tm, tile = 0; m < m1; m += tm, ++tile) {
+      for (int32_t m = m0, tm; m < m1; m += tm) {
         tm = tile_rows(m1 - m0, m, m1);
         const XRows x = x_rows(p, m, tm, k0, k1, static_cast<const T*>(nullptr));
         float* acc = partial.data() + int64_t(m - m0) * kLinearBlockN;
@@ -280,7 +226,7 @@ void rect(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1)
         for (int32_t s = 0; s < width; s += columns) {
           const int pf_lines = m == m0 && s == 0 ? width / 16 : 0;  // 16 packed columns: one line a K step
           micro_rows<E>(tm, columns, x.data, x.stride, wk + s * E::kPack, steps, k0 == 0, acc + s, pf_lines,
-                        k_steps - s0 - kAhead, s == 0 ? share(next, tile, tiles, steps) : NextRows{});
+                        k_steps - s0 - kAhead);
         }
         if (k1 == p.k) epilogue<T>(p, m, tm, c, width, acc);
       }
