@@ -305,7 +305,10 @@ def test_freeze_heap_collects_then_freezes_what_is_left() -> None:
     try:
         said = memory.freeze_heap()
         assert dead() is None
-        assert gc.get_freeze_count() > 0 and said.startswith(f"gc: {gc.get_freeze_count()} objects"), said
+        # The line reports the count at the freeze; a frozen object that dies since (another thread of the suite
+        # letting go of one) lowers the count, never raises it: a full run once read 622,966 after a line of 622,967.
+        assert said.startswith("gc: ") and said.endswith("frozen (full collections no longer scan them)"), said
+        assert 0 < gc.get_freeze_count() <= int(said.split()[1]), said
         assert not any(o is alive for o in gc.get_objects())  # the collector's generations no longer hold it
     finally:
         gc.unfreeze()
