@@ -148,6 +148,7 @@ struct Loop {
 
 int main(int argc, char** argv) {
   for (auto& v : g_tiles) v = 0x3f80;  // bf16 1.0
+  // Indexed by Needs, in its order.
   const bool has[] = {__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
                       __builtin_cpu_supports("avx512f") != 0, __builtin_cpu_supports("avx512bf16") != 0,
                       amx_granted()};

@@ -7,9 +7,9 @@
 // strip instead, as many columns as the accumulators allow: 1 row x 64 columns (the whole K row of a block), 2-3
 // rows x 32. Narrow strips walk the block's K rows as four strided streams, which at 1-4 rows bound a call by
 // memory latency (0.4-0.5x torch's bf16 F.linear at M = 1, 2.5x slower than the AVX-512 kernel, which reads each K
-// row whole: bench/results/tiers/linear_avx2_wide_strips_ab.txt; at 4-16 rows see kNarrowRows). Every lane of a row runs acc = fma(x[k], w[k], acc) for k = 0, 1, ..., K-1 in
-// order, whatever M is, the strip width and wherever the row falls: tail tiles (TM < 6) run the same per-row chain,
-// there is no split-K.
+// row whole: bench/results/tiers/linear_avx2_wide_strips_ab.txt; at 4-16 rows see kNarrowRows). Every lane of a row
+// runs acc = fma(x[k], w[k], acc) for k = 0, 1, ..., K-1 in order, whatever M is, the strip width, the tile height
+// and wherever the row falls: tail tiles run the same per-row chain, there is no split-K.
 //
 // Cache blocking: K in blocks of kKBlock, so that a block part's weight panel over a K block (up to 64 columns x
 // kKBlock, 256 KiB in fp32) stays in L2 while every row tile of the rectangle passes over it; a tile's x rows over
