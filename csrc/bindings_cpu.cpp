@@ -130,9 +130,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("linear",
         [](uintptr_t x, int64_t x_row_stride, uintptr_t w_packed, uintptr_t bias, uintptr_t residual,
            int64_t residual_row_stride, uintptr_t out, int64_t out_row_stride, int32_t m, int32_t k, int32_t n_packed,
-           int32_t n_out, bool gated, const std::string& dtype) {
+           int32_t n_out, bool gated, const std::string& dtype, bool bf16_weight) {
           auto p = make_linear_params(x, x_row_stride, w_packed, bias, residual, residual_row_stride, out,
-                                      out_row_stride, m, k, n_packed, n_out, gated, dtype);
+                                      out_row_stride, m, k, n_packed, n_out, gated, dtype, bf16_weight);
           run_without_gil("linear", [&] { return linear_cpu(p); });
         });
   m.def("add_rms_norm",

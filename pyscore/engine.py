@@ -194,6 +194,8 @@ class Engine:
                                            self.prefix_cache, self.kv_store, self.prefill_chunk_tokens)
         # Which path every op takes on this model's device and dtype, decided once by the op registry.
         self.op_paths = _ext.op_paths(self.decoder.device, self.decoder.dtype, op_backend)
+        if self.decoder.bf16_projections:
+            self.op_paths["linear"] += "; the checkpoint's bf16 projections held in bf16, widened exactly"
         self.cpu_tier = _ext.cpu_tier() if self.decoder.device.type == "cpu" else ""
         log.info("%s; model on %s in %s%s", _ext.cuda_status()[1], self.decoder.device,
                  str(self.decoder.dtype).removeprefix("torch."), f", CPU tier {self.cpu_tier}" * bool(self.cpu_tier))
@@ -231,7 +233,7 @@ class Engine:
         dev = resolve_device(device)
         pools = Pools(max_batch_tokens, max_kv_tokens, max_running_generations, prefix_cache_mb, kv_cache_mb)
         resolved = resolve_dtype(dtype, dev)
-        loaded = load_model(model, resolved, dev, pools, smaller_dtype(dtype, resolved))
+        loaded = load_model(model, resolved, dev, pools, smaller_dtype(dtype, resolved), op_backend)
         return cls(loaded, max_batch_tokens, op_backend, prefix_cache_mb, max_kv_tokens, max_running_generations,
                    kv_cache_mb, prefill_chunk_tokens)
 

@@ -96,8 +96,10 @@ def tiny_config(arch: str, vocab_size: int, classifier: bool = False, **override
     return cfg
 
 
-def make_model_dir(path: Path, arch: str, classifier: bool = False, seed: int = 0, **overrides) -> Path:
-    """A saved random tiny model with a trained tokenizer; returns the directory."""
+def make_model_dir(path: Path, arch: str, classifier: bool = False, seed: int = 0,
+                   save_dtype: torch.dtype = torch.float32, **overrides) -> Path:
+    """A saved random tiny model with a trained tokenizer, its tensors stored in `save_dtype`; returns the
+    directory."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification
 
     path.mkdir(parents=True, exist_ok=True)
@@ -116,7 +118,7 @@ def make_model_dir(path: Path, arch: str, classifier: bool = False, seed: int = 
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             if arch.startswith("qwen3_5") and name.endswith("norm.weight") and "linear_attn" not in name:
                 p.normal_(0, 0.1)  # zero-centred: the norm scales by (1 + w), ~1 like the others' w
-    model.save_pretrained(path)
+    model.to(save_dtype).save_pretrained(path)
     return path
 
 

@@ -218,7 +218,7 @@ inline GatedDeltaRuleParams make_rule_params(
 inline LinearParams make_linear_params(uintptr_t x, int64_t x_row_stride, uintptr_t w_packed, uintptr_t bias,
                                        uintptr_t residual, int64_t residual_row_stride, uintptr_t out,
                                        int64_t out_row_stride, int32_t m, int32_t k, int32_t n_packed, int32_t n_out,
-                                       bool gated, const std::string& dtype) {
+                                       bool gated, const std::string& dtype, bool bf16_weight = false) {
   LinearParams p{};
   p.x = reinterpret_cast<const void*>(x);
   p.x_row_stride = x_row_stride;
@@ -234,6 +234,7 @@ inline LinearParams make_linear_params(uintptr_t x, int64_t x_row_stride, uintpt
   p.n_out = n_out;
   p.gated = gated;
   p.dtype = dtype_or_throw(dtype);
+  p.bf16_weight = bf16_weight;
   return p;
 }
 

@@ -15,6 +15,9 @@
 //   residual (non-null, may alias out): out = residual + that
 // Every output row is computed by the same instructions in the same order over K whatever M is and wherever the
 // row falls in the tiling (no split-K, tail rows run the same per-row arithmetic): results are batch-invariant.
+// bf16_weight: fp32 x, residual and out with a bf16 packed weight (pack 2), each pair widened to fp32 exactly, so
+// the result is bitwise that of the fp32 weight holding the same values (a bf16 checkpoint served in fp32 with its
+// projections held in half the memory; decode reads half the bytes).
 // Strides in elements.
 #pragma once
 #include <cstdint>
@@ -29,7 +32,7 @@ constexpr int32_t kLinearBlockN = 64;
 struct LinearParams {
   const void* x;  // [M, K]
   int64_t x_row_stride;
-  const void* w_packed;  // [N_pad / 64][K_pad / pack][64][pack], x's dtype
+  const void* w_packed;  // [N_pad / 64][K_pad / pack][64][pack], x's dtype (bf16 when bf16_weight)
   const float* bias;     // [N_pad] in packed column order, or nullptr
   const void* residual;  // [M, n_out] in x's dtype, or nullptr
   int64_t residual_row_stride;
@@ -40,7 +43,8 @@ struct LinearParams {
   int32_t n_packed;   // packed columns, a multiple of 64
   int32_t n_out;      // output columns: N, or I when gated
   bool gated;
-  DType dtype;
+  DType dtype;       // x's, the residual's and out's
+  bool bf16_weight;  // a bf16 weight under fp32 x (dtype float32); false: the weight is in dtype
 };
 
 // ---- Launchers ---------------------------------------------------------------------------------------------------
@@ -64,8 +68,8 @@ struct LinearCpuOps {
 
 // nullptr when the dtype is not covered (the caller checks the CPU); bf16_dot picks how bf16 pairs are multiplied.
 const LinearCpuOps* linear_ops_avx512(DType dtype, Bf16Dot bf16_dot);
-// AVX2 + FMA (fp32, and bf16 widened to fp32); nullptr for other dtypes.
-const LinearCpuOps* linear_ops_avx2(DType dtype);
+// AVX2 + FMA (fp32, bf16 widened to fp32, and fp32 x with bf16_weight); nullptr for other dtypes.
+const LinearCpuOps* linear_ops_avx2(DType dtype, bool bf16_weight);
 // The AMX tile GEMM (bf16 only; nullptr for other dtypes or when the OS does not grant the tile state).
 const LinearCpuOps* linear_ops_amx(DType dtype);
 

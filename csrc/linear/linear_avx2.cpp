@@ -17,7 +17,12 @@
 // wait in a per-thread fp32 buffer (a store and a reload are exact), so the chain over K, hence every bit, is the
 // unblocked one. The epilogue (bias, SiLU-mul of a gated unit's gate and up strips, residual, one rounding) runs
 // from that buffer after the last K block.
+//
+// bf16 weights under fp32 x (LinearParams::bf16_weight) run Bf16's steps on x's rows as they are; a rectangle of
+// more rows than a decode step's first widens each block part's K-block panel into an fp32 panel (exact) and runs
+// F32's steps on it, so prefill does no widening per row tile. Either way a lane's chain over K is F32's.
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "common/vec_avx2.h"
@@ -51,11 +56,12 @@ int tile_rows(int32_t rows, int32_t m, int32_t m1) {
 // wide as tm x width / 8 accumulators allow in 16 ymm registers (weights come as memory operands).
 int strip_columns(int tm, int32_t width) { return tm == 1 ? width : tm <= 3 ? 32 : kStripN; }
 
-// Element traits: T is the stored type of x, the weight and the output. x rows reach the micro-kernel as fp32
-// (bf16 ones widened once per tile and K block into a per-thread buffer); step() adds one K row of the strip (fp32)
-// or one K pair (bf16, even element first: the natural K order) for TM rows and NV ymm (8 columns each).
+// Element traits: T is the stored type of the weight, X that of x and the output. x rows reach the micro-kernel as
+// fp32 (bf16 ones widened once per tile and K block into a per-thread buffer); step() adds one K row of the strip
+// (fp32) or one K pair (bf16, even element first: the natural K order) for TM rows and NV ymm (8 columns each).
 struct F32 {
   using T = float;
+  using X = float;
   static constexpr int kPack = 1;
   template <int TM, int NV>
   static void step(Vec (&acc)[TM][NV], const float* x, int64_t x_stride, const T* w) {
@@ -68,6 +74,7 @@ struct F32 {
 
 struct Bf16 {
   using T = uint16_t;
+  using X = uint16_t;
   static constexpr int kPack = 2;
   // The ymm widened at once: as many as fit beside the TM x NV accumulators and one broadcast, so that each
   // broadcast serves G FMAs (the 6-row tile: both of its ymm, as before wide strips).
@@ -93,6 +100,11 @@ struct Bf16 {
       }
     }
   }
+};
+
+// bf16 weight pairs under fp32 x: Bf16's steps, x's fp32 rows read in place.
+struct Bf16Weight : Bf16 {
+  using X = float;
 };
 
 // The first row tile over a block part's K block reads the weight panel from memory (decode reads nothing else):
@@ -204,9 +216,31 @@ void epilogue(const LinearParams& p, int32_t m, int tm, int32_t c, int32_t width
   }
 }
 
+// A block part's weight over a K block (`steps` bf16 pair rows from wk, `width` columns) widened into a per-thread
+// fp32 panel in F32's layout (K rows of kLinearBlockN floats, the part's first column at 0): the values as they are.
+const float* widen_panel(const uint16_t* wk, int32_t steps, int32_t width) {
+  thread_local std::vector<float> panel;
+  if (int64_t(panel.size()) < int64_t(2) * steps * kLinearBlockN) panel.resize(size_t(2) * steps * kLinearBlockN);
+  for (int32_t s = 0; s < steps; ++s) {
+    const uint16_t* row = wk + int64_t(s) * 2 * kLinearBlockN;
+    float* even = panel.data() + int64_t(2) * s * kLinearBlockN;
+    for (int32_t j = 0; j < width; j += kLanes) {
+      const Bits pairs = load_bits(row + 2 * j);
+      store(even + j, bf16_even(pairs));
+      store(even + kLinearBlockN + j, bf16_odd(pairs));
+    }
+  }
+  return panel.data();
+}
+
+// Whether a rectangle runs F32's steps on a widened panel: bf16 weights under fp32 x, more rows than a decode step's.
+template <class E>
+bool widens_panel(int32_t rows) { return std::is_same_v<E, Bf16Weight> && rows > kNarrowRows; }
+
 template <class E>
 void rect(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1) {
   using T = typename E::T;
+  using X = typename E::X;
   const int32_t k_steps = p.k / E::kPack;  // K is even for bf16 (the launcher pads)
   const T* packed = static_cast<const T*>(p.w_packed);
   thread_local std::vector<float> partial;  // [m1 - m0][64]: the rectangle's accumulators for one block part
@@ -218,22 +252,30 @@ void rect(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1)
     for (int32_t k0 = 0; k0 < p.k; k0 += kKBlock) {
       const int32_t k1 = std::min(p.k, k0 + kKBlock), s0 = k0 / E::kPack, steps = (k1 - k0) / E::kPack;
       const T* wk = w + int64_t(s0) * kLinearBlockN * E::kPack;
+      const float* panel = nullptr;
+      if constexpr (std::is_same_v<E, Bf16Weight>) {
+        if (widens_panel<E>(m1 - m0)) panel = widen_panel(wk, steps, width);
+      }
       for (int32_t m = m0, tm; m < m1; m += tm) {
         tm = tile_rows(m1 - m0, m, m1);
-        const XRows x = x_rows(p, m, tm, k0, k1, static_cast<const T*>(nullptr));
+        const XRows x = x_rows(p, m, tm, k0, k1, static_cast<const X*>(nullptr));
         float* acc = partial.data() + int64_t(m - m0) * kLinearBlockN;
         const int columns = strip_columns(tm, width);
         for (int32_t s = 0; s < width; s += columns) {
+          if (panel) {  // F32's steps over the widened panel, which is in L2 already: nothing to prefetch
+            micro_rows<F32>(tm, columns, x.data, x.stride, panel + s, k1 - k0, k0 == 0, acc + s, 0, 0);
+            continue;
+          }
           const int pf_lines = m == m0 && s == 0 ? width / 16 : 0;  // 16 packed columns: one line a K step
           micro_rows<E>(tm, columns, x.data, x.stride, wk + s * E::kPack, steps, k0 == 0, acc + s, pf_lines,
                         k_steps - s0 - kAhead);
         }
-        if (k1 == p.k) epilogue<T>(p, m, tm, c, width, acc);
+        if (k1 == p.k) epilogue<X>(p, m, tm, c, width, acc);
       }
     }
     if (p.k == 0) {  // no K block ran: the product is zero (partial still holds the zeros it was filled with)
       for (int32_t m = m0; m < m1; m += kTileRows)
-        epilogue<T>(p, m, std::min<int32_t>(kTileRows, m1 - m), c, width,
+        epilogue<X>(p, m, std::min<int32_t>(kTileRows, m1 - m), c, width,
                     partial.data() + int64_t(m - m0) * kLinearBlockN);
     }
     c += width;
@@ -242,10 +284,12 @@ void rect(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1)
 
 const LinearCpuOps kF32Ops{rect<F32>, kTileRows};
 const LinearCpuOps kBf16Ops{rect<Bf16>, kTileRows};
+const LinearCpuOps kBf16WeightOps{rect<Bf16Weight>, kTileRows};
 
 }  // namespace
 
-const LinearCpuOps* linear_ops_avx2(DType dtype) {
+const LinearCpuOps* linear_ops_avx2(DType dtype, bool bf16_weight) {
+  if (bf16_weight) return dtype == DType::kFloat32 ? &kBf16WeightOps : nullptr;
   if (dtype == DType::kFloat32) return &kF32Ops;
   if (dtype == DType::kBFloat16) return &kBf16Ops;
   return nullptr;

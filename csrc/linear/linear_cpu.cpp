@@ -27,16 +27,17 @@ constexpr int32_t kRowTile = 6;
 template <class T>
 constexpr int pack_of() { return sizeof(T) == 2 ? 2 : 1; }
 
-template <class T>
+template <class W>
 float packed_weight(const LinearParams& p, int32_t col, int32_t k) {
-  constexpr int P = pack_of<T>();
+  constexpr int P = pack_of<W>();
   const int64_t k_pad = (int64_t(p.k) + P - 1) / P * P;
   const int64_t offset = int64_t(col / kLinearBlockN) * k_pad * kLinearBlockN +
                          (int64_t(k / P) * kLinearBlockN + col % kLinearBlockN) * P + k % P;
-  return to_f32(static_cast<const T*>(p.w_packed)[offset]);
+  return to_f32(static_cast<const W*>(p.w_packed)[offset]);
 }
 
-template <class T>
+// T: x's, the residual's and out's type; W: the packed weight's.
+template <class T, class W = T>
 void rect_portable(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1) {
   const T* x = static_cast<const T*>(p.x);
   std::vector<float> v(c1 - c0);
@@ -44,7 +45,7 @@ void rect_portable(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, in
     const T* row = x + m * p.x_row_stride;
     for (int32_t c = c0; c < c1; ++c) {
       float acc = 0.0f;
-      for (int32_t k = 0; k < p.k; ++k) acc += to_f32(row[k]) * packed_weight<T>(p, c, k);
+      for (int32_t k = 0; k < p.k; ++k) acc += to_f32(row[k]) * packed_weight<W>(p, c, k);
       v[c - c0] = acc + (p.bias ? p.bias[c] : 0.0f);
     }
     for (int32_t c = c0; c < c1; ++c) {
@@ -68,14 +69,21 @@ void rect_portable(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, in
 
 const LinearCpuOps kPortableBf16{rect_portable<uint16_t>, kRowTile};
 const LinearCpuOps kPortableF32{rect_portable<float>, kRowTile};
+const LinearCpuOps kPortableBf16Weight{rect_portable<float, uint16_t>, kRowTile};
 
 // At tier avx512 (AVX-512F without BF16) the AVX-512 FMA kernel runs fp32 and bf16 (pairs widened: cpu_bf16_dot()
 // answers kWiden there): K-blocked, it beats our AVX2 kernel and torch's batch-invariant row calls at every bench
 // shape (bench/results/tiers/linear_avx512_fp32.txt, linear_avx512_bf16_ab.txt).
-const LinearCpuOps& choose_ops(DType dtype) {
+// bf16 weights under fp32 x run the AVX2 kernel at every x86 tier from avx2 (the AVX-512 kernel has no such path;
+// the registry holds weights so only at tier avx2, pyscore/ops/tiers.py), else the portable loop.
+const LinearCpuOps& choose_ops(DType dtype, bool bf16_weight) {
+  if (bf16_weight) {
+    const LinearCpuOps* fast = cpu_tier_at_least(CpuTier::kAvx2) ? linear_ops_avx2(dtype, true) : nullptr;
+    return fast ? *fast : kPortableBf16Weight;
+  }
   const LinearCpuOps* fast = cpu_tier() == CpuTier::kAmx ? linear_ops_amx(dtype) : nullptr;
   if (!fast && cpu_use_avx512()) fast = linear_ops_avx512(dtype, cpu_bf16_dot());
-  else if (!fast && cpu_use_avx2()) fast = linear_ops_avx2(dtype);
+  else if (!fast && cpu_use_avx2()) fast = linear_ops_avx2(dtype, false);
   if (fast) return *fast;
   return dtype == DType::kBFloat16 ? kPortableBf16 : kPortableF32;
 }
@@ -120,10 +128,23 @@ void run_share(const LinearParams& p, const LinearCpuOps& ops, const Split& s, i
 
 Status check_params(const LinearParams& p) {
   if (p.dtype != DType::kFloat32 && p.dtype != DType::kBFloat16) return kUnsupportedDType;
+  if (p.bf16_weight && p.dtype != DType::kFloat32) return kUnsupportedDType;
   if (p.m < 0 || p.k < 0 || p.n_out < 0 || p.n_packed < 0 || p.n_packed % kLinearBlockN) return kInvalidArgument;
   if (needed_columns(p) > p.n_packed) return kInvalidArgument;
   if (p.m > 0 && p.n_out > 0 && (!p.out || (p.k > 0 && (!p.x || !p.w_packed)))) return kInvalidArgument;
   return kOk;
+}
+
+// Points p at a copy of x (of T) with a zero column appended, K odd -> even.
+template <class T>
+void pad_k(LinearParams& p, std::vector<T>& padded) {
+  const int64_t k2 = p.k + 1;
+  padded.assign(size_t(p.m) * k2, T(0));
+  for (int32_t m = 0; m < p.m; ++m)
+    std::memcpy(padded.data() + m * k2, static_cast<const T*>(p.x) + m * p.x_row_stride, p.k * sizeof(T));
+  p.x = padded.data();
+  p.x_row_stride = k2;
+  p.k = int32_t(k2);
 }
 
 }  // namespace
@@ -132,19 +153,13 @@ Status linear_cpu(const LinearParams& params) {
   Status status = check_params(params);
   if (status != kOk || params.m == 0 || params.n_out == 0) return status;
   LinearParams p = params;
-  // bf16 works on whole pairs: an odd K runs on a copy of x with a zero column (the packed weight has a zero row
-  // there), so every path sees the same even K.
-  std::vector<uint16_t> padded;
-  if (p.dtype == DType::kBFloat16 && p.k % 2) {
-    const int64_t k2 = p.k + 1;
-    padded.assign(size_t(p.m) * k2, 0);
-    for (int32_t m = 0; m < p.m; ++m)
-      std::memcpy(padded.data() + m * k2, static_cast<const uint16_t*>(p.x) + m * p.x_row_stride, p.k * 2);
-    p.x = padded.data();
-    p.x_row_stride = k2;
-    p.k = int32_t(k2);
-  }
-  const LinearCpuOps& ops = choose_ops(p.dtype);
+  // bf16 weights work on whole pairs: an odd K runs on a copy of x with a zero column (the packed weight has a zero
+  // row there), so every path sees the same even K.
+  std::vector<uint16_t> padded_bf16;
+  std::vector<float> padded_f32;
+  if (p.dtype == DType::kBFloat16 && p.k % 2) pad_k(p, padded_bf16);
+  if (p.bf16_weight && p.k % 2) pad_k(p, padded_f32);
+  const LinearCpuOps& ops = choose_ops(p.dtype, p.bf16_weight);
   const int threads = kernel_threads();
   const Split split = make_split(p, threads, ops.row_tile);
 #pragma omp parallel num_threads(threads)

@@ -134,6 +134,8 @@ class Decoder:
         projections = [w for layer in weights.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down, *(
             (layer.linear.in_proj, layer.linear.out) if layer.linear is not None else ())) if w is not None]
         self.packed_weights = all(isinstance(w, PackedLinear) for w in projections)  # every one for our kernel
+        # fp32 serving with a bf16 checkpoint's projections held in bf16 (pyscore.ops.linear.holds_bf16_weights)
+        self.bf16_projections = self.dtype == torch.float32 and any(w.dtype == torch.bfloat16 for w in projections)
 
     def _prepare(self, layer: LayerWeights) -> None:
         """Each projection in the form its linear path reads, one at a time, each replacing its source so that

@@ -36,6 +36,7 @@ from pyscore.model.gguf import convert_gguf
 from pyscore.model.rope import Rotary, inverse_frequencies
 from pyscore.model.weights import DecoderWeights, build_weights
 from pyscore.ops._ext import torch_dtype_name
+from pyscore.ops.linear import holds_bf16_weights
 from pyscore.types import MemoryPlan
 
 log = logging.getLogger(__name__)
@@ -97,23 +98,26 @@ def resolve_model_dir(model: str | os.PathLike | None) -> tuple[Path, str]:
     return out, name
 
 
-def plan_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, pools: Pools) -> tuple[Checkpoint, MemoryPlan]:
+def plan_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, pools: Pools,
+               bf16_projections: bool = False) -> tuple[Checkpoint, MemoryPlan]:
     """The checkpoint (headers read, no values) and the memory plan of serving it under `pools` (the KV store is
-    planned whole whether or not the prefix cache can serve the model: its generations use the rest)."""
+    planned whole whether or not the prefix cache can serve the model: its generations use the rest), its bf16
+    projections held in bf16 with `bf16_projections` (pyscore.model.weights)."""
     checkpoint = Checkpoint(path)
-    return checkpoint, plan_memory(cfg, weight_bytes(cfg, checkpoint.shapes(), dtype), dtype, pools)
+    held = weight_bytes(cfg, checkpoint.shapes(), dtype, bf16_projections)
+    return checkpoint, plan_memory(cfg, held, dtype, pools)
 
 
 def choose_dtype(path: Path, cfg: ModelConfig, name: str, dtype: torch.dtype, smaller: torch.dtype | None,
-                 pools: Pools, device: torch.device, available: tuple[int, str],
+                 pools: Pools, device: torch.device, available: tuple[int, str], op_backend: str = "auto",
                  ) -> tuple[torch.dtype, Checkpoint, MemoryPlan]:
     """(dtype, checkpoint, plan) to serve in: `dtype`, or `smaller` where the model fits in `available` only in it
     (dtype "auto" on a CPU without bf16 arithmetic: fp32 runs faster there, bf16 holds the weights in half the
     memory, and a model served slower beats one refused). Neither fitting, `dtype`'s plan, for check_fits to refuse."""
-    checkpoint, plan = plan_model(path, cfg, dtype, pools)
+    checkpoint, plan = plan_model(path, cfg, dtype, pools, holds_bf16_weights(dtype, device, op_backend))
     if smaller is None or smaller == dtype or still_needed(plan, device) <= available[0]:
         return dtype, checkpoint, plan
-    small = plan_memory(cfg, weight_bytes(cfg, checkpoint.shapes(), smaller), smaller, pools)
+    small = plan_model(path, cfg, smaller, pools)[1]
     if still_needed(small, device) > available[0]:
         return dtype, checkpoint, plan
     log.warning("dtype auto -> %s instead of %s: %s needs %.2f GiB in %s and %.2f GiB in %s, and %.2f GiB is "
@@ -126,7 +130,8 @@ def choose_dtype(path: Path, cfg: ModelConfig, name: str, dtype: torch.dtype, sm
 def memory_plan(model: str | os.PathLike | None, dtype: torch.dtype, pools: Pools) -> tuple[str, MemoryPlan]:
     """(name, plan) of serving `model` under `pools`, from its config and its checkpoint's headers alone. In `dtype`
     as given: a plan sizes a machine (a pod's memory request), so it does not depend on the one it is made on, and
-    a machine given what the plan asks serves in that dtype."""
+    a machine given what the plan asks serves in that dtype (the weights counted in it: an upper bound where the
+    machine holds bf16 projections in bf16)."""
     from transformers import AutoConfig
 
     path, name = resolve_model_dir(model)
@@ -135,10 +140,12 @@ def memory_plan(model: str | os.PathLike | None, dtype: torch.dtype, pools: Pool
 
 
 def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torch.device,
-               pools: Pools | None = None, smaller: torch.dtype | None = None) -> LoadedModel:
+               pools: Pools | None = None, smaller: torch.dtype | None = None,
+               op_backend: str = "auto") -> LoadedModel:
     """Loads a model to serve under `pools` (default: the server's defaults) in `dtype`, or in `smaller` where it
     fits only in that (see choose_dtype); raises pyscore.memory.InsufficientMemoryError before reading any tensor
-    when it cannot fit."""
+    when it cannot fit. A bf16 checkpoint's projections stay bf16 where linear widens them exactly
+    (pyscore.ops.linear.holds_bf16_weights for `op_backend`)."""
     from transformers import AutoConfig, AutoTokenizer
 
     pools = pools or Pools()
@@ -148,10 +155,10 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torc
     cfg = ModelConfig.from_hf(hf_config)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     available = available_memory(device)
-    dtype, checkpoint, plan = choose_dtype(path, cfg, name, dtype, smaller, pools, device, available)
+    dtype, checkpoint, plan = choose_dtype(path, cfg, name, dtype, smaller, pools, device, available, op_backend)
     check_fits(plan, name, device, pools, available)
     plan = replace(plan, available_bytes=available[0])
-    weights = build_weights(cfg, checkpoint.get, dtype, device)
+    weights = build_weights(cfg, checkpoint.get, dtype, device, holds_bf16_weights(dtype, device, op_backend))
     release_freed_memory()  # the holes the fused projections' sources left, before packing allocates again
     inv_freq, scaling = inverse_frequencies(hf_config.get_text_config(), cfg.rotary_dims)
     rotary = Rotary(inv_freq, scaling, cfg.max_position_embeddings, device)

@@ -4,7 +4,10 @@ projections fused into one). Every projection is a `LinearWeight` with its bias:
 fused one concatenated from its sources as it is read (the sources are dropped at once), and turned by the decoder
 into the form its `linear` path reads, which replaces it (a weight is held once). Read from a Hugging Face state
 dict (safetensors); a Qwen3.5 image-text-to-text checkpoint's language model sits under `model.language_model.`,
-and its vision tower and `mtp.*` are never read."""
+and its vision tower and `mtp.*` are never read.
+
+With `bf16_projections` (pyscore.ops.linear.holds_bf16_weights: fp32 serving at a CPU tier whose linear kernel
+widens bf16 weights exactly), a projection read from bf16 tensors stays bf16; everything else is in the dtype."""
 
 from __future__ import annotations
 
@@ -15,6 +18,15 @@ import torch
 
 from pyscore.model.config import LINEAR_ATTENTION, ModelConfig
 from pyscore.ops.linear import LinearWeight, PlainLinear
+
+# The checkpoint tensors that become projections (LinearWeight), by name suffix inside a layer.
+PROJECTION_SUFFIXES = tuple(f"{n}.weight" for n in (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj_qkv", "in_proj_z",
+    "in_proj_b", "in_proj_a", "out_proj"))
+
+
+def is_projection(name: str) -> bool:
+    return ".layers." in name and name.endswith(PROJECTION_SUFFIXES)
 
 
 @dataclass
@@ -64,22 +76,22 @@ def _cat_optional(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
     return torch.cat(present)
 
 
-def _linear_attention(cfg: ModelConfig, p: str, need, cast) -> LinearAttentionWeights:
+def _linear_attention(cfg: ModelConfig, p: str, need, cast, proj) -> LinearAttentionWeights:
     """Layer prefix p + "linear_attn." of a Qwen3.5 checkpoint."""
     p += "linear_attn."
     conv = need(p + "conv1d.weight")  # [C, 1, K]
     return LinearAttentionWeights(
-        in_proj=PlainLinear(cast(torch.cat([need(p + f"in_proj_{n}.weight") for n in ("qkv", "z", "b", "a")])), None),
+        in_proj=PlainLinear(proj(torch.cat([need(p + f"in_proj_{n}.weight") for n in ("qkv", "z", "b", "a")])), None),
         conv=cast(conv.reshape(conv.shape[0], conv.shape[-1])),
         a_log=cast(need(p + "A_log"), torch.float32),
         dt_bias=cast(need(p + "dt_bias"), torch.float32),
         norm=cast(need(p + "norm.weight")),
-        out=PlainLinear(cast(need(p + "out_proj.weight")), None),
+        out=PlainLinear(proj(need(p + "out_proj.weight")), None),
     )
 
 
 def build_weights(cfg: ModelConfig, get: Callable[[str], torch.Tensor | None], dtype: torch.dtype,
-                  device: torch.device) -> DecoderWeights:
+                  device: torch.device, bf16_projections: bool = False) -> DecoderWeights:
     """`get(name)` returns a tensor of the HF state dict, or None when absent."""
 
     def need(name: str) -> torch.Tensor:
@@ -90,6 +102,9 @@ def build_weights(cfg: ModelConfig, get: Callable[[str], torch.Tensor | None], d
 
     def cast(t: torch.Tensor | None, to: torch.dtype = dtype) -> torch.Tensor | None:
         return None if t is None else t.to(device=device, dtype=to).contiguous()
+
+    def proj(t: torch.Tensor) -> torch.Tensor:  # a projection's weight (its sources concatenated)
+        return cast(t, torch.bfloat16 if bf16_projections and t.dtype == torch.bfloat16 else dtype)
 
     def norm(name: str) -> torch.Tensor:
         if cfg.zero_centred_norm:  # (1 + w) in fp32: transformers' `x_hat * (1.0 + w.float())`
@@ -105,17 +120,17 @@ def build_weights(cfg: ModelConfig, get: Callable[[str], torch.Tensor | None], d
         layers.append(LayerWeights(
             input_norm=norm(p + "input_layernorm.weight"),
             qkv=None if linear else PlainLinear(
-                cast(torch.cat([need(attn + f"{n}_proj.weight") for n in "qkv"])),
+                proj(torch.cat([need(attn + f"{n}_proj.weight") for n in "qkv"])),
                 cast(_cat_optional([get(attn + f"{n}_proj.bias") for n in "qkv"]))),
             q_norm=norm(attn + "q_norm.weight") if cfg.qk_norm and not linear else None,
             k_norm=norm(attn + "k_norm.weight") if cfg.qk_norm and not linear else None,
-            o=None if linear else PlainLinear(cast(need(attn + "o_proj.weight")), cast(get(attn + "o_proj.bias"))),
+            o=None if linear else PlainLinear(proj(need(attn + "o_proj.weight")), cast(get(attn + "o_proj.bias"))),
             post_norm=norm(p + "post_attention_layernorm.weight"),
-            gate_up=PlainLinear(cast(torch.cat([need(p + "mlp.gate_proj.weight"), need(p + "mlp.up_proj.weight")])),
+            gate_up=PlainLinear(proj(torch.cat([need(p + "mlp.gate_proj.weight"), need(p + "mlp.up_proj.weight")])),
                                 cast(_cat_optional([get(p + "mlp.gate_proj.bias"), get(p + "mlp.up_proj.bias")])),
                                 gated=True),
-            down=PlainLinear(cast(need(p + "mlp.down_proj.weight")), cast(get(p + "mlp.down_proj.bias"))),
-            linear=_linear_attention(cfg, p, need, cast) if linear else None,
+            down=PlainLinear(proj(need(p + "mlp.down_proj.weight")), cast(get(p + "mlp.down_proj.bias"))),
+            linear=_linear_attention(cfg, p, need, cast, proj) if linear else None,
         ))
     embed = cast(need(model + "embed_tokens.weight"))
     lm_head = score_head = score_bias = None

@@ -8,16 +8,22 @@ Paths: our C++ kernel; torch's F.linear in the weight's dtype over fixed-size ro
 (oneDNN picks its blocking by the call's shape, so a row's bits would change with the number of rows; with every
 call the same shape a row's bits depend only on that row: measured position-invariant, tested in
 tests/ops/test_linear.py); or the fp32 reference (`pyscore.ops.reference.linear_ref`). On every path a row's
-result is bitwise the same whatever the other rows of the call (batch invariance)."""
+result is bitwise the same whatever the other rows of the call (batch invariance).
+
+Weights held in bf16 under fp32 activations (`holds_bf16_weights`): where the model is served in fp32 on a CPU
+tier whose kernel reads bf16 weights under fp32 x (pyscore/ops/tiers.py BF16_WEIGHT_TIERS), a projection that the
+checkpoint stores in bf16 is held (packed) in bf16 and widened to fp32 in registers: exact, so every result is
+bitwise the fp32 weight's, in half the memory and, for a decode step, half the bytes read."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from pyscore.ops import _ext
+from pyscore.ops import _ext, tiers
 from pyscore.ops.reference import linear_ref
 from pyscore.ops.silu_mul import silu_mul
 
@@ -101,6 +107,16 @@ class PlainLinear:
 LinearWeight = PackedLinear | PlainLinear
 
 
+def holds_bf16_weights(dtype: torch.dtype, device: torch.device, backend: str = "auto") -> bool:
+    """Whether a bf16 checkpoint's projections are held in bf16 under `dtype` activations (see the module
+    docstring): fp32 on the CPU, linear on our kernel, a tier in tiers.BF16_WEIGHT_TIERS. PYSCORE_FP32_WEIGHTS=1
+    holds them in fp32 (the same bits; for A/B runs)."""
+    if dtype != torch.float32 or device.type != "cpu" or os.environ.get("PYSCORE_FP32_WEIGHTS") == "1":
+        return False
+    _, path = _ext.path_for("linear", device, dtype, backend)
+    return path == "kernel" and _ext.cpu_tier() in tiers.BF16_WEIGHT_TIERS
+
+
 def prepare_linear(w: LinearWeight, backend: str = "auto") -> LinearWeight:
     """The form of `w` that linear's path for its device and dtype reads: packed for our kernel, plain for torch's
     GEMM or the reference. A converted weight replaces the caller's (hold the result, drop `w`): weights live once."""
@@ -165,7 +181,8 @@ def _check(x: torch.Tensor, w: LinearWeight, residual: torch.Tensor | None, out:
     if x.dim() != 2 or x.shape[1] != w.in_features or x.stride(1) != 1:
         raise ValueError(f"x must be [M, K={w.in_features}] contiguous in its last dim, got shape {tuple(x.shape)} "
                          f"strides {x.stride()}")
-    if x.dtype != w.dtype or x.device != device:
+    bf16_weight = x.dtype == torch.float32 and w.dtype == torch.bfloat16  # widened exactly (holds_bf16_weights)
+    if (x.dtype != w.dtype and not bf16_weight) or x.device != device:
         raise ValueError(f"x must match the weight's dtype and device ({w.dtype}, {device}), got {x.dtype}, "
                          f"{x.device}")
     for name, t in (("residual", residual), ("out", out)):
@@ -191,6 +208,7 @@ def linear(x: torch.Tensor, w: LinearWeight, residual: torch.Tensor | None = Non
         path = "torch"  # prepared for torch's GEMM (under another tier table): run it there, no repacking per call
     if path == "torch":
         weight, bias = w.unpacked() if isinstance(w, PlainLinear) else _native(w)
+        weight, bias = weight.to(x.dtype), None if bias is None else bias.to(x.dtype)  # a bf16 weight: exact
         return _torch_linear(x, weight, bias, w.gated, residual, out, rows_per_call)
     if module is None:
         result = linear_ref(x, *w.unpacked(), gated=w.gated, residual=residual).to(x.dtype)
@@ -208,7 +226,7 @@ def kernel_args(x: torch.Tensor, w: PackedLinear, residual: torch.Tensor | None,
     packed, bias, k, columns, n_out, gated = w._kernel_args
     return (x.data_ptr(), x.stride(0), packed, bias, 0 if residual is None else residual.data_ptr(),
             0 if residual is None else residual.stride(0), out.data_ptr(), out.stride(0), x.shape[0], k, columns,
-            n_out, gated, _DTYPE_NAMES[x.dtype])
+            n_out, gated, _DTYPE_NAMES[x.dtype], w.dtype != x.dtype)
 
 
 def _native(w: PackedLinear) -> tuple[torch.Tensor, torch.Tensor | None]:

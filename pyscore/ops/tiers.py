@@ -92,6 +92,12 @@ NEON = Choice("kernel", "the AVX2 kernel's text on the NEON layer: no dense [T, 
 ALGORITHM = Choice("kernel", "no dense [T, T] mask / no vocabulary-wide logits; unmeasured on this tier")
 TORCH_UNTUNED = Choice("torch", "no vectorized kernel at this tier: the scalar portable loop loses to torch")
 
+# Tiers at which fp32 serving holds a bf16 checkpoint's projections in bf16 (pyscore.ops.linear.holds_bf16_weights):
+# the AVX2 kernel widens them exactly (the same bits as fp32 weights) and reads half the bytes. Prefill widens each
+# K block's panel once; decode steps read the pairs. The AVX-512 kernel has no such path (its tiers keep fp32).
+BF16_WEIGHT_TIERS = {"avx2": "decode steps read half the weight bytes at the same bits "
+                             "(bench/results/tiers/linear_avx2_bf16_weights_ab.txt)"}
+
 # op -> tier -> dtype name -> Choice ("*" = every dtype).
 CPU_TIERS: dict[str, dict[str, dict[str, Choice]]] = {
     "linear": {"generic": {"*": LINEAR_TORCH}, "avx2": {"*": LINEAR_AVX2},

@@ -3,7 +3,7 @@ and Qwen3-0.6B plus awkward sizes (odd K, N and I off the block sizes), bias, ga
 place), strided rows; both bf16 product paths bitwise (and the AMX tiles at tier amx, within the same tolerance);
 the AVX2 + FMA kernel forced on this CPU (tier avx2), K past its cache block included; and batch invariance: a row's
 output is bitwise the same whatever the batch around it. Tolerances follow the other ops: bf16 within 2x torch's own
-bf16 error."""
+bf16 error. A bf16 weight under fp32 x is bitwise the fp32 weight of the same values."""
 
 from __future__ import annotations
 
@@ -328,6 +328,28 @@ def test_linear_portable_cpu_path(monkeypatch, dtype):
     assert torch.equal(linear(x, packed, backend="kernel"), rows_alone(x, packed))
 
 
+@pytest.mark.parametrize("isa", ["avx2", "portable", "hardware"])
+def test_bf16_weight_under_fp32_x_is_bitwise_the_fp32_weight(monkeypatch, isa):
+    """A bf16 weight under fp32 x (what fp32 serving holds a bf16 checkpoint's projections in) gives bitwise the
+    fp32 weight of the same values: decode rows (pairs read as they are), prefill rows (the widened panel), odd K (x
+    padded), K over several cache blocks, bias, gated, residual in place; and the rows stay batch-invariant."""
+    if isa != "hardware":
+        force_cpu_isa(monkeypatch, isa)
+    shapes = [DECODER_SHAPES["smollm-gate_up"], DECODER_SHAPES["smollm-down"], AWKWARD_SHAPES["odd-k"],
+              K_BLOCKED_SHAPES["k-blocked-gated"], AWKWARD_SHAPES["n-one"]]
+    for k, n, gated in shapes:
+        for m in (1, 3, 8, 16, 17, 40):
+            x, w, b, r = make_inputs(m, k, n, gated, torch.float32, bias=True, residual=True, strided=m > 8, seed=m)
+            w = w.bfloat16()
+            wide, narrow = pack_linear(w.float(), b, gated=gated), pack_linear(w, b, gated=gated)
+            assert narrow.dtype == torch.bfloat16
+            want = linear(x, wide, residual=r, backend="kernel")
+            out = r.clone()
+            got = linear(x, narrow, residual=out, out=out, backend="kernel")
+            assert torch.equal(got, want), f"K={k} N={n} gated={gated} M={m}"
+        assert torch.equal(linear(x, narrow, backend="kernel"), rows_alone(x, narrow))
+
+
 def test_reference_backend_and_empty_batch():
     x, w, b, r = make_inputs(4, 64, 2 * 24, True, torch.bfloat16, bias=True, residual=True)
     packed = pack_linear(w, b, gated=True)
@@ -342,7 +364,7 @@ def test_arguments_are_checked_by_name():
     with pytest.raises(ValueError, match="x must be"):
         linear(x[:, :63], packed)
     with pytest.raises(ValueError, match="x must match"):
-        linear(x.float(), packed)
+        linear(x, pack_linear(w.float()))  # bf16 x, fp32 weight (only fp32 x reads a bf16 weight)
     with pytest.raises(ValueError, match="residual must be"):
         linear(x, packed, residual=torch.zeros(3, 31, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="gated weight"):
