@@ -32,11 +32,6 @@ def engine(path, dtype: str = "float32") -> Engine:
     return Engine.from_pretrained(path, dtype=dtype, device="cpu", threads=2)
 
 
-def projections(e: Engine) -> list:
-    return [w for layer in e.decoder.w.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down, *(
-        (layer.linear.in_proj, layer.linear.out) if layer.linear is not None else ())) if w is not None]
-
-
 def answers(e: Engine) -> tuple:
     labels = [e.tokenizer(t, add_special_tokens=False)["input_ids"][0] for t in ("Yes", "No")]
     mis = e.score(QUERY, ITEMS, label_token_ids=labels, mode="mis")
@@ -50,11 +45,11 @@ def test_bf16_projections_are_bitwise_fp32_weights(bf16_dir, monkeypatch):
     assert "avx2" in tiers.BF16_WEIGHT_TIERS
     held = engine(bf16_dir)
     assert held.decoder.bf16_projections and held.decoder.dtype == torch.float32
-    assert all(w.dtype == torch.bfloat16 for w in projections(held))
+    assert all(w.dtype == torch.bfloat16 for w in held.decoder.w.projections())
     assert "held in bf16" in held.info().ops["linear"]
     monkeypatch.setenv("PYSCORE_FP32_WEIGHTS", "1")
     wide = engine(bf16_dir)
-    assert not wide.decoder.bf16_projections and all(w.dtype == torch.float32 for w in projections(wide))
+    assert not wide.decoder.bf16_projections and all(w.dtype == torch.float32 for w in wide.decoder.w.projections())
     got, want = answers(held), answers(wide)
     assert got == want  # every score, token and logprob, bit for bit
 

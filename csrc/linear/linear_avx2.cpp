@@ -233,10 +233,6 @@ const float* widen_panel(const uint16_t* wk, int32_t steps, int32_t width) {
   return panel.data();
 }
 
-// Whether a rectangle runs F32's steps on a widened panel: bf16 weights under fp32 x, more rows than a decode step's.
-template <class E>
-bool widens_panel(int32_t rows) { return std::is_same_v<E, Bf16Weight> && rows > kNarrowRows; }
-
 template <class E>
 void rect(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1) {
   using T = typename E::T;
@@ -253,8 +249,8 @@ void rect(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1)
       const int32_t k1 = std::min(p.k, k0 + kKBlock), s0 = k0 / E::kPack, steps = (k1 - k0) / E::kPack;
       const T* wk = w + int64_t(s0) * kLinearBlockN * E::kPack;
       const float* panel = nullptr;
-      if constexpr (std::is_same_v<E, Bf16Weight>) {
-        if (widens_panel<E>(m1 - m0)) panel = widen_panel(wk, steps, width);
+      if constexpr (std::is_same_v<E, Bf16Weight>) {  // more rows than a decode step's: F32's steps on a panel
+        if (m1 - m0 > kNarrowRows) panel = widen_panel(wk, steps, width);
       }
       for (int32_t m = m0, tm; m < m1; m += tm) {
         tm = tile_rows(m1 - m0, m, m1);

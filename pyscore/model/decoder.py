@@ -131,8 +131,7 @@ class Decoder:
         for layer in weights.layers:
             self._prepare(layer)
             release_freed_memory()  # the layer's replaced plain projections, before the next layer's packs
-        projections = [w for layer in weights.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down, *(
-            (layer.linear.in_proj, layer.linear.out) if layer.linear is not None else ())) if w is not None]
+        projections = weights.projections()
         self.packed_weights = all(isinstance(w, PackedLinear) for w in projections)  # every one for our kernel
         # fp32 serving with a bf16 checkpoint's projections held in bf16 (pyscore.ops.linear.holds_bf16_weights)
         self.bf16_projections = self.dtype == torch.float32 and any(w.dtype == torch.bfloat16 for w in projections)

@@ -66,6 +66,11 @@ class DecoderWeights:
     score_head: torch.Tensor | None  # [C, H] (classifier)
     score_bias: torch.Tensor | None
 
+    def projections(self) -> list[LinearWeight]:
+        """Every layer's projections, in the form they are held now."""
+        return [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down, *(
+            (layer.linear.in_proj, layer.linear.out) if layer.linear is not None else ())) if w is not None]
+
 
 def _cat_optional(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
     present = [p for p in parts if p is not None]
