@@ -117,16 +117,16 @@ PYBIND11_MODULE(_C, m) {
         [](uintptr_t hidden, int64_t hidden_row_stride, uintptr_t weight, int64_t weight_row_stride,
            uintptr_t labels, uintptr_t logprobs, uintptr_t label_softmax, uintptr_t logz, int32_t num_rows,
            int32_t hidden_size, int32_t vocab_size, int32_t num_labels, const std::string& dtype, uintptr_t logits,
-           int64_t logits_row_stride) {
+           int64_t logits_row_stride, bool bf16_weight) {
           auto p = make_label_params(hidden, hidden_row_stride, weight, weight_row_stride, labels, logprobs,
                                      label_softmax, logz, num_rows, hidden_size, vocab_size, num_labels, dtype, logits,
-                                     logits_row_stride);
+                                     logits_row_stride, bf16_weight);
           run_without_gil("label_logprobs", [&] { return label_logprobs_cpu(p); });
         },
         py::arg("hidden"), py::arg("hidden_row_stride"), py::arg("weight"), py::arg("weight_row_stride"),
         py::arg("labels"), py::arg("logprobs"), py::arg("label_softmax"), py::arg("logz"), py::arg("num_rows"),
         py::arg("hidden_size"), py::arg("vocab_size"), py::arg("num_labels"), py::arg("dtype"), py::arg("logits") = 0,
-        py::arg("logits_row_stride") = 0);
+        py::arg("logits_row_stride") = 0, py::arg("bf16_weight") = false);
   m.def("linear",
         [](uintptr_t x, int64_t x_row_stride, uintptr_t w_packed, uintptr_t bias, uintptr_t residual,
            int64_t residual_row_stride, uintptr_t out, int64_t out_row_stride, int32_t m, int32_t k, int32_t n_packed,

@@ -194,8 +194,9 @@ class Engine:
                                            self.prefix_cache, self.kv_store, self.prefill_chunk_tokens)
         # Which path every op takes on this model's device and dtype, decided once by the op registry.
         self.op_paths = _ext.op_paths(self.decoder.device, self.decoder.dtype, op_backend)
-        if self.decoder.bf16_projections:
+        if self.decoder.bf16_weights:  # (the registry knows the dtype, not the checkpoint)
             self.op_paths["linear"] += "; the checkpoint's bf16 projections held in bf16, widened exactly"
+            self.op_paths["label_logprobs"] += "; the checkpoint's bf16 LM head held in bf16, widened exactly"
         self.cpu_tier = _ext.cpu_tier() if self.decoder.device.type == "cpu" else ""
         log.info("%s; model on %s in %s%s", _ext.cuda_status()[1], self.decoder.device,
                  str(self.decoder.dtype).removeprefix("torch."), f", CPU tier {self.cpu_tier}" * bool(self.cpu_tier))

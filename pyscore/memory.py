@@ -110,18 +110,18 @@ def _is_served(name: str, cfg: ModelConfig) -> bool:
 
 
 def weight_bytes(cfg: ModelConfig, specs: dict[str, TensorSpec], dtype: torch.dtype,
-                 bf16_projections: bool = False) -> int:
+                 bf16_weights: bool = False) -> int:
     """The weights as the loader holds them: each served tensor in the serving dtype, except the fp32 ones of
     zero-centred families (the (1 + w) RMSNorm weights, A_log, dt_bias; the gated norm stays in the dtype) and,
-    with bf16_projections, the projections the checkpoint holds in bf16 (pyscore.model.weights)."""
-    from pyscore.model.weights import is_projection  # the model package imports this module
+    with bf16_weights, the matrices the checkpoint holds in bf16 that pyscore.model.weights.held_in_bf16 keeps so."""
+    from pyscore.model.weights import held_in_bf16  # the model package imports this module
 
     total = 0
     for name, spec in specs.items():
         if not _is_served(name, cfg):
             continue
         fp32 = cfg.zero_centred_norm and len(spec.shape) == 1 and not name.endswith("linear_attn.norm.weight")
-        held = 2 if bf16_projections and spec.dtype == torch.bfloat16 and is_projection(name) else dtype.itemsize
+        held = 2 if bf16_weights and spec.dtype == torch.bfloat16 and held_in_bf16(name) else dtype.itemsize
         total += spec.nbytes // spec.dtype.itemsize * (4 if fp32 else held)
     return total
 

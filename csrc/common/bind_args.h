@@ -135,7 +135,7 @@ inline LabelLogprobsParams make_label_params(
     uintptr_t hidden, int64_t hidden_row_stride, uintptr_t weight, int64_t weight_row_stride, uintptr_t labels,
     uintptr_t logprobs, uintptr_t label_softmax, uintptr_t logz, int32_t num_rows, int32_t hidden_size,
     int32_t vocab_size, int32_t num_labels, const std::string& dtype, uintptr_t logits = 0,
-    int64_t logits_row_stride = 0) {
+    int64_t logits_row_stride = 0, bool bf16_weight = false) {
   LabelLogprobsParams p{};
   p.hidden = reinterpret_cast<const void*>(hidden);
   p.hidden_row_stride = hidden_row_stride;
@@ -152,6 +152,7 @@ inline LabelLogprobsParams make_label_params(
   p.dtype = dtype_or_throw(dtype);
   p.logits = reinterpret_cast<float*>(logits);
   p.logits_row_stride = logits_row_stride;
+  p.bf16_weight = bf16_weight;
   return p;
 }
 

@@ -63,9 +63,9 @@ static inline float fold_lanes(float* part) {
   return part[0];
 }
 
-// sum of a[i] * b[i] in fp32 (T: float, or uint16_t holding bf16).
-template <class T>
-static inline float dot_portable(const T* a, const T* b, int32_t n) {
+// sum of a[i] * b[i] in fp32 (A, B: float, or uint16_t holding bf16, widened exactly).
+template <class A, class B>
+static inline float dot_portable(const A* a, const B* b, int32_t n) {
   float part[kPortableLanes] = {};
   int32_t i = 0;
   for (; i + kPortableLanes <= n; i += kPortableLanes)

@@ -10,6 +10,10 @@
 // samples from the whole row, and with logz its log-softmax is logits - logZ, so no second pass over the row is
 // needed. A row's logits are the ones the label outputs are computed from; they do not depend on the other rows.
 // With K = 0 no label output is read or written (labels, logprobs and label_softmax may be null).
+//
+// With `bf16_weight` (CPU only, dtype fp32): the LM head is bf16 under fp32 hidden rows, what fp32 serving holds a
+// bf16 checkpoint's head in. Its values are widened exactly as they are read and every logit is bitwise the one of
+// the same weight held in fp32, on the x86 tiers' AVX2 ops (run at every x86 tier from avx2) and the portable loops.
 #pragma once
 #include <cstdint>
 
@@ -22,7 +26,7 @@ namespace pyscore {
 struct LabelLogprobsParams {
   const void* hidden;  // [R, H] hidden states, or [R, V] logits when weight == nullptr
   int64_t hidden_row_stride;
-  const void* weight;  // [V, H] LM head (same dtype as hidden), or nullptr
+  const void* weight;  // [V, H] LM head (hidden's dtype, or bf16 with bf16_weight), or nullptr
   int64_t weight_row_stride;
   const int32_t* labels;  // [R, K], row-major, contiguous
   float* logprobs;        // [R, K] out
@@ -35,6 +39,7 @@ struct LabelLogprobsParams {
   DType dtype;
   float* logits = nullptr;  // [R, V] out (rows logits_row_stride apart), may be nullptr; CPU only
   int64_t logits_row_stride = 0;
+  bool bf16_weight = false;  // fp32 hidden rows, a bf16 weight (CPU only)
 };
 
 // ---- Launchers ---------------------------------------------------------------------------------------------------
@@ -62,10 +67,11 @@ struct LabelCpuOps {
 };
 
 // nullptr when the dtype is not covered (the caller checks the CPU); bf16_dot picks how bf16 pairs are multiplied.
+// Only the AVX2 / NEON text reads a bf16 weight under fp32 rows (`bf16_weight`).
 PYSCORE_X86_ENTRY(const LabelCpuOps* label_ops_avx512(DType dtype, Bf16Dot bf16_dot));
 // AMX tiles for the bf16 LM head product (tier amx; the caller checks it): nullptr for other dtypes.
 PYSCORE_X86_ENTRY(const LabelCpuOps* label_ops_amx(DType dtype));
-PYSCORE_X86_ENTRY(const LabelCpuOps* label_ops_avx2(DType dtype));
-PYSCORE_ARM_ENTRY(const LabelCpuOps* label_ops_neon(DType dtype));
+PYSCORE_X86_ENTRY(const LabelCpuOps* label_ops_avx2(DType dtype, bool bf16_weight));
+PYSCORE_ARM_ENTRY(const LabelCpuOps* label_ops_neon(DType dtype, bool bf16_weight));
 
 }  // namespace pyscore

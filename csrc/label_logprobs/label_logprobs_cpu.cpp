@@ -28,12 +28,13 @@ constexpr int32_t kChunk = 256;
 // Loops the compiler vectorizes (common/vec_portable.h): the `generic` tier's code and the `neon` tier's.
 
 // Weight row outer, rows inner: each weight row is read from memory once per chunk and from L1 by every row.
-template <class T>
+// W is the weight's element (bf16 under fp32 rows with bf16_weight: widened as read, the fp32 weight's bits).
+template <class T, class W = T>
 void logits_chunk_portable(const LabelLogprobsParams& p, int32_t v0, int32_t n, float* out) {
   const T* h = static_cast<const T*>(p.hidden);
-  const T* w = static_cast<const T*>(p.weight);
+  const W* w = static_cast<const W*>(p.weight);
   for (int32_t j = 0; j < n; ++j) {
-    const T* wr = w ? w + int64_t(v0 + j) * p.weight_row_stride : nullptr;
+    const W* wr = w ? w + int64_t(v0 + j) * p.weight_row_stride : nullptr;
     for (int32_t r = 0; r < p.num_rows; ++r) {
       const T* hr = h + r * p.hidden_row_stride;
       out[int64_t(r) * n + j] = wr ? dot_portable(hr, wr, p.hidden_size) : to_f32(hr[v0 + j]);
@@ -51,17 +52,26 @@ void lse_update_portable(const float* x, int32_t n, float* max, float* sum) {
 
 const LabelCpuOps kPortableBf16{logits_chunk_portable<uint16_t>, lse_update_portable};
 const LabelCpuOps kPortableF32{logits_chunk_portable<float>, lse_update_portable};
+const LabelCpuOps kPortableBf16Weight{logits_chunk_portable<float, uint16_t>, lse_update_portable};
 
 // At tier avx512 (AVX-512F without BF16) the AVX-512 read-out runs fp32 and bf16 (pairs widened: cpu_bf16_dot()
 // answers kWiden there): it beats the AVX2 text and MKL's AVX-512 GEMM there
 // (bench/results/tiers/kernels_labels_avx512.txt, kernels_avx512_bf16_ab.txt).
-const LabelCpuOps& choose_ops(DType dtype) {
+// A bf16 weight under fp32 rows runs the AVX2 text at every x86 tier from avx2 (the AVX-512 and AMX ops have no
+// such mode; fp32 serving holds the head in bf16 only at tier avx2: pyscore/ops/tiers.py), else the portable loops.
+const LabelCpuOps& choose_ops(DType dtype, bool bf16_weight) {
+  if (bf16_weight) {
+    const LabelCpuOps* fast = nullptr;
+    if (cpu_tier_at_least(CpuTier::kAvx2)) fast = label_ops_avx2(dtype, true);
+    else if (cpu_tier() == CpuTier::kNeon) fast = label_ops_neon(dtype, true);
+    return fast ? *fast : kPortableBf16Weight;
+  }
   const LabelCpuOps* fast = nullptr;
   if (cpu_tier() == CpuTier::kAmx) fast = label_ops_amx(dtype);
   if (fast) return *fast;
   if (cpu_use_avx512()) fast = label_ops_avx512(dtype, cpu_bf16_dot());
-  else if (cpu_use_avx2()) fast = label_ops_avx2(dtype);
-  else if (cpu_tier() == CpuTier::kNeon) fast = label_ops_neon(dtype);
+  else if (cpu_use_avx2()) fast = label_ops_avx2(dtype, false);
+  else if (cpu_tier() == CpuTier::kNeon) fast = label_ops_neon(dtype, false);
   if (fast) return *fast;
   return dtype == DType::kBFloat16 ? kPortableBf16 : kPortableF32;
 }
@@ -138,6 +148,7 @@ void write_row(const LabelLogprobsParams& p, int32_t r, float logz, const float*
 
 Status check_params(const LabelLogprobsParams& p) {
   if (p.dtype != DType::kFloat32 && p.dtype != DType::kBFloat16) return kUnsupportedDType;
+  if (p.bf16_weight && (p.dtype != DType::kFloat32 || !p.weight)) return kInvalidArgument;
   if (p.num_rows < 0 || p.num_labels < 0 || p.vocab_size <= 0 || (p.weight && p.hidden_size <= 0))
     return kInvalidArgument;
   if (p.num_rows > 0 && (!p.hidden || (p.num_labels > 0 && (!p.labels || !p.logprobs || !p.label_softmax))))
@@ -153,7 +164,7 @@ Status check_params(const LabelLogprobsParams& p) {
 Status label_logprobs_cpu(const LabelLogprobsParams& p) {
   Status status = check_params(p);
   if (status != kOk || p.num_rows == 0) return status;
-  const LabelCpuOps& ops = choose_ops(p.dtype);
+  const LabelCpuOps& ops = choose_ops(p.dtype, p.bf16_weight);
   const int max_threads = kernel_threads();
   LseStates states(max_threads, p.num_rows);
   std::vector<float> label_logits(size_t(p.num_rows) * p.num_labels, kNegInf);

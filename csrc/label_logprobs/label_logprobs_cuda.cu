@@ -86,7 +86,8 @@ Status label_logprobs_cuda(const LabelLogprobsParams& p, void* stream) {
   if (p.num_rows < 0 || p.num_labels < 0 || p.vocab_size <= 0 || (p.weight && p.hidden_size <= 0)) {
     return kInvalidArgument;
   }
-  if (p.logits) return kInvalidArgument;  // the whole-row logits output is CPU only (label_logprobs.h)
+  // the whole-row logits output and a bf16 weight under fp32 rows are CPU only (label_logprobs.h)
+  if (p.logits || p.bf16_weight) return kInvalidArgument;
   if (p.num_rows == 0) return kOk;
   if (!p.hidden || (p.num_labels > 0 && (!p.labels || !p.logprobs || !p.label_softmax))) return kInvalidArgument;
   if (p.num_labels == 0 && !p.logz) return kOk;  // nothing to write

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "label_logprobs/label_logprobs.h"
@@ -33,21 +34,29 @@ constexpr int kPrefetchRows = 16;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// Hidden rows as the steps read them: fp32, rows `stride` apart.
+struct FloatRows {
+  const float* data;
+  int64_t stride;
+  const float* row(int r) const { return data + r * stride; }
+};
+
 // Element traits. kStep elements of H per step; a weight step is kParts vectors (fp32: kLanes values; bf16: the
 // even and odd elements of kLanes pairs); Hidden is the hidden rows in the form the steps read (fp32 as given; bf16
 // widened).
-struct F32 {
+// W is the weight's element: fp32, or bf16 (uint16_t) under fp32 hidden rows (fp32 serving of a bf16 checkpoint's
+// LM head: label_logprobs.h's bf16_weight). V::load of bf16 widens kLanes consecutive elements in their order (a
+// shift, exact), so every lane's chain over H is the fp32 weight's: the same bits at half the bytes read.
+template <class W>
+struct F32Of {
   using T = float;
+  using Weight = W;
   static constexpr int kStep = V::kLanes, kParts = 1;
   static constexpr int kWeightRows = 4, kTileRows = 2;  // 8 accumulators + 4 weight vectors + 1 hidden
-  struct Hidden {
-    const float* data;
-    int64_t stride;
-    const float* row(int r) const { return data + r * stride; }
-  };
+  using Hidden = FloatRows;
   static Hidden hidden_rows(const T* h, int64_t stride, int, int) { return {h, stride}; }
-  static void weights_full(const T* w, int i, Vec (&out)[kParts]) { out[0] = V::load(w + i); }
-  static void weights(const T* w, int i, int hidden, Vec (&out)[kParts]) {
+  static void weights_full(const W* w, int i, Vec (&out)[kParts]) { out[0] = V::load(w + i); }
+  static void weights(const W* w, int i, int hidden, Vec (&out)[kParts]) {
     out[0] = V::load_first(w + i, hidden - i);
   }
   static void hiddens_full(const float* h, int i, Vec (&out)[kParts]) { out[0] = V::load(h + i); }
@@ -56,16 +65,15 @@ struct F32 {
   }
   static Vec dot(Vec acc, const Vec (&h)[kParts], const Vec (&w)[kParts]) { return V::fma(h[0], w[0], acc); }
 };
+using F32 = F32Of<float>;
+using F32Bf16Weight = F32Of<uint16_t>;
 
 struct Bf16 {
   using T = uint16_t;
+  using Weight = T;
   static constexpr int kStep = 2 * V::kLanes, kParts = 2;
   static constexpr int kWeightRows = 2, kTileRows = 3;  // 6 accumulators + 4 widened weight vectors + 2 hidden
-  struct Hidden {
-    const float* data;
-    int64_t stride;
-    const float* row(int r) const { return data + r * stride; }
-  };
+  using Hidden = FloatRows;
   // Per kStep-element block of a row: its kLanes even elements then its kLanes odd ones as fp32, the ragged end
   // zero-filled.
   static Hidden hidden_rows(const T* h, int64_t h_stride, int rows, int hidden) {
@@ -112,8 +120,8 @@ struct Bf16 {
 // memory, a store per FMA (the same bits in registers: R=16 on one thread 40-42 -> 27-36 ms at tier avx2,
 // bench/results/tiers/labels_avx2_ab.txt).
 template <class E, int VT, int RT, bool kFull>
-inline __attribute__((always_inline)) void dot_step(Vec (&acc)[RT][VT], const typename E::T* w, int64_t w_stride,
-                                                    typename E::Hidden h, int i, int hidden) {
+inline __attribute__((always_inline)) void dot_step(Vec (&acc)[RT][VT], const typename E::Weight* w,
+                                                    int64_t w_stride, typename E::Hidden h, int i, int hidden) {
   Vec wv[VT][E::kParts];
   for (int v = 0; v < VT; ++v) {
     if constexpr (kFull) E::weights_full(w + v * w_stride, i, wv[v]);
@@ -130,14 +138,14 @@ inline __attribute__((always_inline)) void dot_step(Vec (&acc)[RT][VT], const ty
 // out[r * out_stride + v] = h[r] . w[v] for RT hidden rows x VT weight rows. With `prefetch`, also pulls the same
 // span of the weight rows kPrefetchRows ahead into cache.
 template <class E, int VT, int RT>
-void dot_tile(const typename E::T* w, int64_t w_stride, typename E::Hidden h, int hidden, float* out,
+void dot_tile(const typename E::Weight* w, int64_t w_stride, typename E::Hidden h, int hidden, float* out,
               int64_t out_stride, bool prefetch) {
   Vec acc[RT][VT];
   for (int r = 0; r < RT; ++r)
     for (int v = 0; v < VT; ++v) acc[r][v] = V::zero();
   int i = 0;
   for (; i + E::kStep <= hidden; i += E::kStep) {
-    if (prefetch && (i * sizeof(typename E::T)) % 64 == 0)  // one prefetch per cache line of each row
+    if (prefetch && (i * sizeof(typename E::Weight)) % 64 == 0)  // one prefetch per cache line of each row
       for (int v = 0; v < VT; ++v) V::prefetch(w + (kPrefetchRows + v) * w_stride + i);
     dot_step<E, VT, RT, true>(acc, w, w_stride, h, i, hidden);
   }
@@ -148,7 +156,7 @@ void dot_tile(const typename E::T* w, int64_t w_stride, typename E::Hidden h, in
 
 // The last `rows` (< kTileRows) hidden rows: one tile of exactly that many.
 template <class E, int VT, int N>
-void dot_tail(int rows, const typename E::T* w, int64_t w_stride, typename E::Hidden h, int hidden, float* out,
+void dot_tail(int rows, const typename E::Weight* w, int64_t w_stride, typename E::Hidden h, int hidden, float* out,
               int64_t out_stride, bool prefetch) {
   if constexpr (N > 0) {
     if (rows == N) return dot_tile<E, VT, N>(w, w_stride, h, hidden, out, out_stride, prefetch);
@@ -158,7 +166,7 @@ void dot_tail(int rows, const typename E::T* w, int64_t w_stride, typename E::Hi
 
 // VT weight rows against all hidden rows, kTileRows at a time (later row tiles find the weight tile in L1).
 template <class E, int VT>
-void dot_column(const typename E::T* w, int64_t w_stride, typename E::Hidden h, int rows, int hidden, float* out,
+void dot_column(const typename E::Weight* w, int64_t w_stride, typename E::Hidden h, int rows, int hidden, float* out,
                 int64_t out_stride, bool prefetch) {
   constexpr int RT = E::kTileRows;
   int r = 0;
@@ -180,16 +188,52 @@ void copy_logits(const LabelLogprobsParams& p, int32_t v0, int32_t n, float* out
   }
 }
 
+// A bf16 weight under up to kInRegisterRows fp32 rows is widened in registers as each row tile reads it (decode:
+// the weight streams from memory and the widening hides under it). More rows widen each column of VT weight rows
+// once into a per-thread fp32 copy (VT x H, L1/L2-sized) that the fp32 tiles read: the row tiles would otherwise
+// widen the same vectors again, and the read-out there is bound by arithmetic. At tier avx2 on Zen 1, against the
+// same head held in fp32: in registers 1.6-1.7x at 1 row, 1.0-1.2x at 3-4, 0.87-0.96x at 8 (the widened copy
+// 0.84-0.92x there), the widened copy 0.90-0.95x at 12-16 (in registers 0.78-0.88x)
+// (bench/results/tiers/labels_avx2_bf16_head_ab.txt).
+constexpr int kInRegisterRows = 8;
+
+template <int VT>
+void dot_column_widened(const uint16_t* w, int64_t w_stride, FloatRows h, int rows, int hidden, float* out,
+                        int64_t out_stride, bool prefetch) {
+  thread_local std::vector<float> wide;
+  if (int64_t(wide.size()) < int64_t(VT) * hidden) wide.resize(size_t(VT) * hidden);
+  for (int v = 0; v < VT; ++v) {
+    const uint16_t* src = w + v * w_stride;
+    float* dst = wide.data() + int64_t(v) * hidden;
+    for (int i = 0; i < hidden; i += V::kLanes) {
+      if (prefetch && i % 32 == 0) V::prefetch(src + kPrefetchRows * w_stride + i);  // a cache line of bf16
+      V::store_n(dst + i, V::load_n(src + i, hidden - i), hidden - i);
+    }
+  }
+  dot_column<F32, VT>(wide.data(), hidden, h, rows, hidden, out, out_stride, false);
+}
+
 template <class E>
 void logits_chunk(const LabelLogprobsParams& p, int32_t v0, int32_t n, float* out) {
   if (!p.weight) return copy_logits<E>(p, v0, n, out);
   constexpr int VT = E::kWeightRows;
-  const auto* w = static_cast<const typename E::T*>(p.weight) + v0 * p.weight_row_stride;
+  const auto* w = static_cast<const typename E::Weight*>(p.weight) + v0 * p.weight_row_stride;
   const typename E::Hidden h =
       E::hidden_rows(static_cast<const typename E::T*>(p.hidden), p.hidden_row_stride, p.num_rows, p.hidden_size);
   // Prefetch only where the rows ahead are still this chunk's or the next one's: never past the vocabulary.
   const int32_t safe_end = p.vocab_size - v0 - kPrefetchRows - VT;
   int32_t j = 0;
+  if constexpr (std::is_same_v<E, F32Bf16Weight>) {
+    if (p.num_rows > kInRegisterRows) {
+      for (; j + VT <= n; j += VT)
+        dot_column_widened<VT>(w + j * p.weight_row_stride, p.weight_row_stride, h, p.num_rows, p.hidden_size,
+                               out + j, n, j <= safe_end);
+      for (; j < n; ++j)
+        dot_column_widened<1>(w + j * p.weight_row_stride, p.weight_row_stride, h, p.num_rows, p.hidden_size,
+                              out + j, n, false);
+      return;
+    }
+  }
   for (; j + VT <= n; j += VT)
     dot_column<E, VT>(w + j * p.weight_row_stride, p.weight_row_stride, h, p.num_rows, p.hidden_size, out + j, n,
                       j <= safe_end);
@@ -221,17 +265,18 @@ void lse_update(const float* x, int32_t n, float* max, float* sum) {
 
 const LabelCpuOps kBf16Ops{logits_chunk<Bf16>, lse_update};
 const LabelCpuOps kF32Ops{logits_chunk<F32>, lse_update};
+const LabelCpuOps kF32Bf16WeightOps{logits_chunk<F32Bf16Weight>, lse_update};
 
 // nullptr where the dtype is not covered (the caller checks the CPU).
-const LabelCpuOps* ops_for(DType dtype) {
-  if (dtype == DType::kBFloat16) return &kBf16Ops;
-  if (dtype == DType::kFloat32) return &kF32Ops;
+const LabelCpuOps* ops_for(DType dtype, bool bf16_weight) {
+  if (dtype == DType::kFloat32) return bf16_weight ? &kF32Bf16WeightOps : &kF32Ops;
+  if (dtype == DType::kBFloat16 && !bf16_weight) return &kBf16Ops;
   return nullptr;
 }
 
 }  // namespace
 
 // The entry point label_logprobs.h declares, named for the layer this text is compiled on (e.g. label_ops_avx2).
-const LabelCpuOps* PYSCORE_VEC_ENTRY(label_ops)(DType dtype) { return ops_for(dtype); }
+const LabelCpuOps* PYSCORE_VEC_ENTRY(label_ops)(DType dtype, bool bf16_weight) { return ops_for(dtype, bf16_weight); }
 
 }  // namespace pyscore

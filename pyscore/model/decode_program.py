@@ -85,6 +85,9 @@ class DecodeProgram:
         self.tokens = self._buffer("tokens", batch, dtype=torch.long)
         self.positions = self._buffer("positions", batch, dtype=torch.long)
         self.x = self._buffer("x", batch, decoder.cfg.hidden_size)  # the residual stream
+        # The embedding's rows as held (bf16 under fp32 with bf16 weights: gathered here, then widened into x).
+        self.rows = self.x if self.embed.dtype == self.dtype else self._buffer(
+            "rows", batch, decoder.cfg.hidden_size, dtype=self.embed.dtype)
         self.h = self._buffer("h", batch, decoder.cfg.hidden_size)  # a norm's output, the next projection's input
         # Per step: the KV store's pool and block tables (the plan, in a holder the calls read: a closure over the
         # program itself would make it a cycle); a hybrid model's state addresses ([4, L_lin, B] int64: conv tails
@@ -219,7 +222,9 @@ class DecodeProgram:
         self.step.plan = plan
         if self.num_linear:
             self._bind_states(caches)
-        torch.index_select(self.embed, 0, self.tokens, out=self.x)
+        torch.index_select(self.embed, 0, self.tokens, out=self.rows)
+        if self.rows is not self.x:
+            self.x.copy_(self.rows)
         try:
             for calls in self.layers:
                 boundary()

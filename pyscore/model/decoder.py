@@ -133,8 +133,9 @@ class Decoder:
             release_freed_memory()  # the layer's replaced plain projections, before the next layer's packs
         projections = weights.projections()
         self.packed_weights = all(isinstance(w, PackedLinear) for w in projections)  # every one for our kernel
-        # fp32 serving with a bf16 checkpoint's projections held in bf16 (pyscore.ops.linear.holds_bf16_weights)
-        self.bf16_projections = self.dtype == torch.float32 and any(w.dtype == torch.bfloat16 for w in projections)
+        # fp32 serving with a bf16 checkpoint's matrices held in bf16 (pyscore.ops.linear.holds_bf16_weights)
+        self.bf16_weights = self.dtype == torch.float32 and any(
+            w.dtype == torch.bfloat16 for w in (*projections, weights.embed))
 
     def _prepare(self, layer: LayerWeights) -> None:
         """Each projection in the form its linear path reads, one at a time, each replacing its source so that
@@ -150,11 +151,16 @@ class Decoder:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.w.embed.dtype
+        return self.w.dtype
 
     @property
     def device(self) -> torch.device:
         return self.w.embed.device
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The tokens' embedding rows [T, H] in the dtype (a bf16 embedding under fp32: widened, exact)."""
+        x = self.w.embed.index_select(0, tokens)  # (embed[tokens]: ~80-200 us a forward, this ~15)
+        return x if x.dtype == self.dtype else x.to(self.dtype)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm(x) [T, H]. Zero-centred families hold fp32 weights 1 + w."""
@@ -242,7 +248,7 @@ class Decoder:
                     states_out=[c.state[j] for c in linear_states] if leave else None,
                     snapshots=[(s, n, x.conv[j], x.state[j]) for s, n, x in snaps])
 
-        x = self.w.embed.index_select(0, tokens)  # [T, H] (embed[tokens]: ~80-200 us a forward, this ~15)
+        x = self._embed(tokens)
         readout, last = batch.readout.to(device), len(self.w.layers) - 1
         for i in range(len(self.w.layers)):
             self._layer_boundary()
@@ -333,7 +339,7 @@ class Decoder:
                     tails_out=[c.next_conv[j] for c in caches], states_in=[c.state[j] for c in caches],
                     states_out=[c.next_state[j] for c in caches])
 
-        x = self.w.embed.index_select(0, tokens.to(device))  # [B, H]
+        x = self._embed(tokens.to(device))  # [B, H]
         for i in range(len(self.w.layers)):
             self._layer_boundary()
             x = self._layer(i, x, positions, attend, mix_linear, DECODE_ROWS)

@@ -99,12 +99,12 @@ def resolve_model_dir(model: str | os.PathLike | None) -> tuple[Path, str]:
 
 
 def plan_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, pools: Pools,
-               bf16_projections: bool = False) -> tuple[Checkpoint, MemoryPlan]:
+               bf16_weights: bool = False) -> tuple[Checkpoint, MemoryPlan]:
     """The checkpoint (headers read, no values) and the memory plan of serving it under `pools` (the KV store is
     planned whole whether or not the prefix cache can serve the model: its generations use the rest), its bf16
-    projections held in bf16 with `bf16_projections` (pyscore.model.weights)."""
+    matrices held in bf16 with `bf16_weights` (pyscore.model.weights)."""
     checkpoint = Checkpoint(path)
-    held = weight_bytes(cfg, checkpoint.shapes(), dtype, bf16_projections)
+    held = weight_bytes(cfg, checkpoint.shapes(), dtype, bf16_weights)
     return checkpoint, plan_memory(cfg, held, dtype, pools)
 
 
@@ -131,7 +131,7 @@ def memory_plan(model: str | os.PathLike | None, dtype: torch.dtype, pools: Pool
     """(name, plan) of serving `model` under `pools`, from its config and its checkpoint's headers alone. In `dtype`
     as given: a plan sizes a machine (a pod's memory request), so it does not depend on the one it is made on, and
     a machine given what the plan asks serves in that dtype (the weights counted in it: an upper bound where the
-    machine holds bf16 projections in bf16)."""
+    machine holds bf16 matrices in bf16)."""
     from transformers import AutoConfig
 
     path, name = resolve_model_dir(model)
@@ -144,8 +144,8 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torc
                op_backend: str = "auto") -> LoadedModel:
     """Loads a model to serve under `pools` (default: the server's defaults) in `dtype`, or in `smaller` where it
     fits only in that (see choose_dtype); raises pyscore.memory.InsufficientMemoryError before reading any tensor
-    when it cannot fit. A bf16 checkpoint's projections stay bf16 where linear widens them exactly
-    (pyscore.ops.linear.holds_bf16_weights for `op_backend`)."""
+    when it cannot fit. A bf16 checkpoint's projections, embedding and LM head stay bf16 where the kernels widen
+    them exactly (pyscore.ops.linear.holds_bf16_weights for `op_backend`)."""
     from transformers import AutoConfig, AutoTokenizer
 
     pools = pools or Pools()

@@ -6,8 +6,9 @@ into the form its `linear` path reads, which replaces it (a weight is held once)
 dict (safetensors); a Qwen3.5 image-text-to-text checkpoint's language model sits under `model.language_model.`,
 and its vision tower and `mtp.*` are never read.
 
-With `bf16_projections` (pyscore.ops.linear.holds_bf16_weights: fp32 serving at a CPU tier whose linear kernel
-widens bf16 weights exactly), a projection read from bf16 tensors stays bf16; everything else is in the dtype."""
+With `bf16_weights` (pyscore.ops.linear.holds_bf16_weights: fp32 serving at a CPU tier whose linear and label
+read-out kernels widen bf16 weights exactly), a projection, the embedding or the LM head read from bf16 tensors stays
+bf16 (`held_in_bf16`); everything else is in the dtype."""
 
 from __future__ import annotations
 
@@ -25,8 +26,11 @@ PROJECTION_SUFFIXES = tuple(f"{n}.weight" for n in (
     "in_proj_b", "in_proj_a", "out_proj"))
 
 
-def is_projection(name: str) -> bool:
-    return ".layers." in name and name.endswith(PROJECTION_SUFFIXES)
+def held_in_bf16(name: str) -> bool:
+    """Whether `bf16_weights` holds this checkpoint tensor in bf16 when the checkpoint does: a projection, the
+    embedding (gathered rows are widened) or the LM head (the read-out widens it)."""
+    return ((".layers." in name and name.endswith(PROJECTION_SUFFIXES)) or name.endswith("embed_tokens.weight")
+            or name == "lm_head.weight")
 
 
 @dataclass
@@ -59,7 +63,8 @@ class LayerWeights:
 
 @dataclass
 class DecoderWeights:
-    embed: torch.Tensor  # [V, H]
+    dtype: torch.dtype  # the activations' (the serving dtype)
+    embed: torch.Tensor  # [V, H] (bf16 under fp32 with bf16_weights)
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [H]
     lm_head: torch.Tensor | None  # [V, H] (causal LM; the embedding itself when tied)
@@ -96,7 +101,7 @@ def _linear_attention(cfg: ModelConfig, p: str, need, cast, proj) -> LinearAtten
 
 
 def build_weights(cfg: ModelConfig, get: Callable[[str], torch.Tensor | None], dtype: torch.dtype,
-                  device: torch.device, bf16_projections: bool = False) -> DecoderWeights:
+                  device: torch.device, bf16_weights: bool = False) -> DecoderWeights:
     """`get(name)` returns a tensor of the HF state dict, or None when absent."""
 
     def need(name: str) -> torch.Tensor:
@@ -108,8 +113,8 @@ def build_weights(cfg: ModelConfig, get: Callable[[str], torch.Tensor | None], d
     def cast(t: torch.Tensor | None, to: torch.dtype = dtype) -> torch.Tensor | None:
         return None if t is None else t.to(device=device, dtype=to).contiguous()
 
-    def proj(t: torch.Tensor) -> torch.Tensor:  # a projection's weight (its sources concatenated)
-        return cast(t, torch.bfloat16 if bf16_projections and t.dtype == torch.bfloat16 else dtype)
+    def proj(t: torch.Tensor) -> torch.Tensor:  # a held_in_bf16 matrix (a projection's: its sources concatenated)
+        return cast(t, torch.bfloat16 if bf16_weights and t.dtype == torch.bfloat16 else dtype)
 
     def norm(name: str) -> torch.Tensor:
         if cfg.zero_centred_norm:  # (1 + w) in fp32: transformers' `x_hat * (1.0 + w.float())`
@@ -137,11 +142,11 @@ def build_weights(cfg: ModelConfig, get: Callable[[str], torch.Tensor | None], d
             down=PlainLinear(proj(need(p + "mlp.down_proj.weight")), cast(get(p + "mlp.down_proj.bias"))),
             linear=_linear_attention(cfg, p, need, cast, proj) if linear else None,
         ))
-    embed = cast(need(model + "embed_tokens.weight"))
+    embed = proj(need(model + "embed_tokens.weight"))
     lm_head = score_head = score_bias = None
     if cfg.is_classifier:
         score_head, score_bias = cast(need("score.weight")), cast(get("score.bias"))
     else:
-        lm_head = embed if cfg.tie_word_embeddings else cast(need("lm_head.weight"))
-    return DecoderWeights(embed=embed, layers=layers, final_norm=norm(model + "norm.weight"),
+        lm_head = embed if cfg.tie_word_embeddings else proj(need("lm_head.weight"))
+    return DecoderWeights(dtype=dtype, embed=embed, layers=layers, final_norm=norm(model + "norm.weight"),
                           lm_head=lm_head, score_head=score_head, score_bias=score_bias)

@@ -2,7 +2,11 @@
 csrc/label_logprobs/label_logprobs.h). Returns fp32 (logprobs [R, K] under the full-vocabulary softmax, softmax over
 each row's valid labels [R, K]); label ids < 0 are padding. The CPU or CUDA kernel runs where the registry in
 pyscore/ops/_ext.py has one for the tensors' device and dtype, else the fp32 reference. `lm_head_logits` is the same
-CPU vocabulary walk for Generate: every logit of a row, with the row's log-sum-exp."""
+CPU vocabulary walk for Generate: every logit of a row, with the row's log-sum-exp.
+
+On the CPU, fp32 hidden rows may read a bf16 LM head (what fp32 serving holds a bf16 checkpoint's head in:
+pyscore.ops.linear.holds_bf16_weights): the kernel widens it exactly as it reads it, and every logit is bitwise the
+one of the same values held in fp32; torch's paths widen a copy per call."""
 
 from __future__ import annotations
 
@@ -19,14 +23,18 @@ def _check(hidden: torch.Tensor, weight: torch.Tensor | None, labels: torch.Tens
         if weight.dim() != 2 or weight.shape[1] != hidden.shape[1] or weight.stride(1) != 1:
             raise ValueError(f"weight must be [V, H={hidden.shape[1]}] contiguous in its last dim, "
                              f"got {tuple(weight.shape)}")
-        if weight.dtype != hidden.dtype or weight.device != hidden.device:
-            raise ValueError("weight must match hidden's dtype and device")
+        if weight.device != hidden.device or not (weight.dtype == hidden.dtype or _bf16_weight(hidden, weight)):
+            raise ValueError("weight must match hidden's dtype and device (or be bf16 under fp32 hidden on the CPU)")
     vocab = hidden.shape[1] if weight is None else weight.shape[0]
     if labels.dim() != 2 or labels.shape[0] != hidden.shape[0]:
         raise ValueError(f"labels must be [R={hidden.shape[0]}, K], got {tuple(labels.shape)}")
     if labels.numel() and int(labels.max()) >= vocab:
         raise ValueError(f"labels must be < vocab size {vocab}")
     return vocab
+
+
+def _bf16_weight(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    return hidden.device.type == "cpu" and hidden.dtype == torch.float32 and weight.dtype == torch.bfloat16
 
 
 def label_logprobs(
@@ -48,8 +56,9 @@ def label_logprobs(
         rows, hidden.shape[1], vocab, num_labels, _ext.torch_dtype_name(hidden.dtype),
     ]
     if hidden.is_cuda:
-        args.append(_ext.cuda_stream(hidden.device))
-    module.label_logprobs(*args)
+        module.label_logprobs(*args, _ext.cuda_stream(hidden.device))
+    else:
+        module.label_logprobs(*args, bf16_weight=weight is not None and weight.dtype != hidden.dtype)
     return logprobs, label_softmax
 
 
@@ -63,13 +72,13 @@ def lm_head_logits(
     _check(hidden, weight, torch.empty(hidden.shape[0], 0, dtype=torch.int32))
     module = _ext.kernel_for("label_logprobs", hidden.device, hidden.dtype, backend)
     if module is None or hidden.is_cuda or hidden.shape[0] == 0:
-        return (hidden @ weight.T).float(), None
+        return (hidden @ weight.to(hidden.dtype).T).float(), None  # a bf16 head under fp32: widened, exact
     rows, vocab = hidden.shape[0], weight.shape[0]
     logits = torch.empty(rows, vocab, dtype=torch.float32)
     logz = torch.empty(rows, dtype=torch.float32)
     module.label_logprobs(
         hidden.data_ptr(), hidden.stride(0), weight.data_ptr(), weight.stride(0), 0, 0, 0, logz.data_ptr(), rows,
         hidden.shape[1], vocab, 0, _ext.torch_dtype_name(hidden.dtype), logits=logits.data_ptr(),
-        logits_row_stride=vocab,
+        logits_row_stride=vocab, bf16_weight=weight.dtype != hidden.dtype,
     )
     return logits, logz

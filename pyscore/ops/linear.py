@@ -13,7 +13,9 @@ result is bitwise the same whatever the other rows of the call (batch invariance
 Weights held in bf16 under fp32 activations (`holds_bf16_weights`): where the model is served in fp32 on a CPU
 tier whose kernel reads bf16 weights under fp32 x (pyscore/ops/tiers.py BF16_WEIGHT_TIERS), a projection that the
 checkpoint stores in bf16 is held (packed) in bf16 and widened to fp32 in registers: exact, so every result is
-bitwise the fp32 weight's, in half the memory and, for a decode step, half the bytes read."""
+bitwise the fp32 weight's, in half the memory and, for a decode step, half the bytes read. The same policy holds
+the embedding and the LM head in bf16 (the label read-out widens a bf16 head the same way: pyscore.ops.label_logprobs),
+so it asks that both kernels run."""
 
 from __future__ import annotations
 
@@ -108,13 +110,13 @@ LinearWeight = PackedLinear | PlainLinear
 
 
 def holds_bf16_weights(dtype: torch.dtype, device: torch.device, backend: str = "auto") -> bool:
-    """Whether a bf16 checkpoint's projections are held in bf16 under `dtype` activations (see the module
-    docstring): fp32 on the CPU, linear on our kernel, a tier in tiers.BF16_WEIGHT_TIERS. PYSCORE_FP32_WEIGHTS=1
-    holds them in fp32 (the same bits; for A/B runs)."""
+    """Whether a bf16 checkpoint's projections, embedding and LM head are held in bf16 under `dtype` activations
+    (see the module docstring): fp32 on the CPU, linear and label_logprobs on our kernels, a tier in
+    tiers.BF16_WEIGHT_TIERS. PYSCORE_FP32_WEIGHTS=1 holds them in fp32 (the same bits; for A/B runs)."""
     if dtype != torch.float32 or device.type != "cpu" or os.environ.get("PYSCORE_FP32_WEIGHTS") == "1":
         return False
-    _, path = _ext.path_for("linear", device, dtype, backend)
-    return path == "kernel" and _ext.cpu_tier() in tiers.BF16_WEIGHT_TIERS
+    paths = {_ext.path_for(op, device, dtype, backend)[1] for op in ("linear", "label_logprobs")}
+    return paths == {"kernel"} and _ext.cpu_tier() in tiers.BF16_WEIGHT_TIERS
 
 
 def prepare_linear(w: LinearWeight, backend: str = "auto") -> LinearWeight:

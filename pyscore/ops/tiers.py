@@ -92,11 +92,13 @@ NEON = Choice("kernel", "the AVX2 kernel's text on the NEON layer: no dense [T, 
 ALGORITHM = Choice("kernel", "no dense [T, T] mask / no vocabulary-wide logits; unmeasured on this tier")
 TORCH_UNTUNED = Choice("torch", "no vectorized kernel at this tier: the scalar portable loop loses to torch")
 
-# Tiers at which fp32 serving holds a bf16 checkpoint's projections in bf16 (pyscore.ops.linear.holds_bf16_weights):
-# the AVX2 kernel widens them exactly (the same bits as fp32 weights) and reads half the bytes. Prefill widens each
-# K block's panel once; decode steps read the pairs. The AVX-512 kernel has no such path (its tiers keep fp32).
+# Tiers at which fp32 serving holds a bf16 checkpoint's projections, embedding and LM head in bf16
+# (pyscore.ops.linear.holds_bf16_weights): the AVX2 kernels widen them exactly (the same bits as fp32 weights) and
+# read half the bytes. Prefill widens each K block's panel (the read-out: each column of weight rows) once; decode
+# steps read the pairs. The AVX-512 kernels have no such path (their tiers keep fp32).
 BF16_WEIGHT_TIERS = {"avx2": "decode steps read half the weight bytes at the same bits "
-                             "(bench/results/tiers/linear_avx2_bf16_weights_ab.txt)"}
+                             "(bench/results/tiers/linear_avx2_bf16_weights_ab.txt, "
+                             "labels_avx2_bf16_head_ab.txt)"}
 
 # op -> tier -> dtype name -> Choice ("*" = every dtype).
 CPU_TIERS: dict[str, dict[str, dict[str, Choice]]] = {

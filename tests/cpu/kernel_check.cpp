@@ -258,9 +258,12 @@ void check_decode() {
 
 // ---- label_logprobs ----------------------------------------------------------------------------------------------
 
-void check_label_case(DType dtype, int32_t rows, int32_t hidden, int32_t vocab, bool with_weight) {
+// weight_dtype bf16 under fp32 rows: the bf16_weight mode (fp32 serving of a bf16 checkpoint's LM head).
+void check_label_case(DType dtype, int32_t rows, int32_t hidden, int32_t vocab, bool with_weight,
+                      DType weight_dtype) {
   const int32_t k = 4;
-  Buf h(dtype, size_t(rows) * (with_weight ? hidden : vocab)), w(dtype, with_weight ? size_t(vocab) * hidden : 0);
+  Buf h(dtype, size_t(rows) * (with_weight ? hidden : vocab));
+  Buf w(weight_dtype, with_weight ? size_t(vocab) * hidden : 0);
   fill_uniform(h, -1.0f, 1.0f);
   fill_uniform(w, -0.5f, 0.5f);
   if (!with_weight)  // given logits: a wide range, and one row's maximum far above the rest
@@ -285,7 +288,9 @@ void check_label_case(DType dtype, int32_t rows, int32_t hidden, int32_t vocab, 
   p.vocab_size = vocab;
   p.num_labels = k;
   p.dtype = dtype;
-  const std::string name = std::string("label_logprobs ") + dtype_name(dtype) + " R=" + std::to_string(rows) +
+  p.bf16_weight = weight_dtype != dtype;
+  const std::string name = std::string("label_logprobs ") + dtype_name(dtype) +
+                           (p.bf16_weight ? " bf16 weight" : "") + " R=" + std::to_string(rows) +
                            (with_weight ? " H=" + std::to_string(hidden) : std::string(" logits")) +
                            " V=" + std::to_string(vocab);
   if (!expect(name + " runs", pyscore::label_logprobs_cpu(p) == pyscore::kOk)) return;
@@ -326,10 +331,13 @@ void check_label_case(DType dtype, int32_t rows, int32_t hidden, int32_t vocab, 
 
 void check_labels() {
   for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
-    check_label_case(dtype, 3, 67, 1037, true);  // odd hidden size, a vocabulary no tile divides
-    check_label_case(dtype, 1, 64, 49, true);    // one row, a vocabulary smaller than one chunk
-    check_label_case(dtype, 2, 0, 517, false);   // logits given
+    check_label_case(dtype, 3, 67, 1037, true, dtype);  // odd hidden size, a vocabulary no tile divides
+    check_label_case(dtype, 1, 64, 49, true, dtype);    // one row, a vocabulary smaller than one chunk
+    check_label_case(dtype, 2, 0, 517, false, dtype);   // logits given
   }
+  // A bf16 head under fp32 rows: 5 rows (widened in registers), 11 (each column of weight rows widened once).
+  check_label_case(DType::kFloat32, 5, 67, 1037, true, DType::kBFloat16);
+  check_label_case(DType::kFloat32, 11, 67, 1037, true, DType::kBFloat16);
 }
 
 }  // namespace

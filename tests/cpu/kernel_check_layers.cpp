@@ -36,10 +36,11 @@ Buf pack_weight(const Buf& w, int32_t k, int32_t n_packed, RowOf row_of) {
   return out;
 }
 
-void check_linear_case(DType dtype, bool gated) {
-  const int32_t m = 7, k = 37, n = gated ? 20 : 70;  // gated: I = 20 (a half-empty second unit)
+// weight_dtype bf16 under fp32 x: the bf16_weight mode (fp32 serving of a bf16 checkpoint's projections).
+void check_linear_case(DType dtype, bool gated, DType weight_dtype, int32_t m = 7) {
+  const int32_t k = 37, n = gated ? 20 : 70;  // gated: I = 20 (a half-empty second unit)
   const int32_t rows = gated ? 2 * n : n, x_stride = k + 3, res_stride = n + 1;
-  Buf x(dtype, size_t(m) * x_stride), w(dtype, size_t(rows) * k), residual(dtype, size_t(m) * res_stride),
+  Buf x(dtype, size_t(m) * x_stride), w(weight_dtype, size_t(rows) * k), residual(dtype, size_t(m) * res_stride),
       out(dtype, size_t(m) * n);
   fill_uniform(x);
   fill_uniform(w, -0.3f, 0.3f);
@@ -69,8 +70,10 @@ void check_linear_case(DType dtype, bool gated) {
   p.n_out = n;
   p.gated = gated;
   p.dtype = dtype;
-  const std::string name = std::string("linear ") + dtype_name(dtype) + (gated ? " gated" : "") +
-                           " M=7 K=37 N=" + std::to_string(n) + " bias residual";
+  p.bf16_weight = weight_dtype != dtype;
+  const std::string name = std::string("linear ") + dtype_name(dtype) + (p.bf16_weight ? " bf16 weight" : "") +
+                           (gated ? " gated" : "") + " M=" + std::to_string(m) + " K=37 N=" + std::to_string(n) +
+                           " bias residual";
   if (!expect(name + " runs", pyscore::linear_cpu(p) == pyscore::kOk)) return;
   std::vector<double> bias_of_row(rows);
   for (int32_t c = 0; c < n_packed; ++c)
@@ -347,8 +350,8 @@ void check_gated_delta_rule_case(DType dtype) {
 
 void check_layer_ops() {
   for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
-    check_linear_case(dtype, false);
-    check_linear_case(dtype, true);
+    check_linear_case(dtype, false, dtype);
+    check_linear_case(dtype, true, dtype);
     for (bool delta : {false, true}) check_add_rms_norm_case(dtype, delta, false);
     check_add_rms_norm_case(dtype, true, true);
     check_rotary_case(dtype, false);
@@ -357,4 +360,7 @@ void check_layer_ops() {
     check_conv_case(dtype);
     check_gated_delta_rule_case(dtype);
   }
+  // A bf16 weight under fp32 x: decode-sized rows (pairs widened as read), prefill-sized (a widened panel), odd K.
+  for (bool gated : {false, true})
+    for (int32_t m : {7, 20}) check_linear_case(DType::kFloat32, gated, DType::kBFloat16, m);
 }
