@@ -7,10 +7,11 @@
 // tile stays in L1 while the following row tiles reuse it. Dot products run along H in lane-partial accumulators
 // reduced at the end. bf16 has no arithmetic here: the hidden rows are widened once per chunk into a de-interleaved
 // fp32 copy (per kStep = 2 kLanes elements, the kLanes even then the kLanes odd), each weight vector of kLanes bf16
-// pairs is widened in registers (a shift and a mask), and two FMAs per pair accumulate in fp32. A logit's bits
-// depend only on its row and its weight row, never on the tile shape or the number of rows. The register tiles are
-// sized for AVX2's 16 registers (at most 13 in use); NEON keeps them (its speed on ARM has not been measured, only
-// its results, under qemu-aarch64 by tests/cpu/kernel_check.cpp).
+// pairs is widened in registers (a shift and a mask), and two FMAs per pair accumulate in fp32. A bf16 head under
+// fp32 rows (label_logprobs.h's bf16_weight) runs the fp32 steps, each weight vector widened as it is loaded. A
+// logit's bits depend only on its row and its weight row, never on the tile shape or the number of rows. The
+// register tiles are sized for AVX2's 16 registers (at most 13 in use); NEON keeps them (its speed on ARM has not
+// been measured, only its results, under qemu-aarch64 by tests/cpu/kernel_check.cpp).
 // pyscore-vec-layers: avx2 neon
 #pragma once
 #ifndef PYSCORE_VEC_ENTRY
@@ -52,7 +53,10 @@ struct F32Of {
   using T = float;
   using Weight = W;
   static constexpr int kStep = V::kLanes, kParts = 1;
-  static constexpr int kWeightRows = 4, kTileRows = 2;  // 8 accumulators + 4 weight vectors + 1 hidden
+  // 9 accumulators + 3 weight vectors + 1 hidden. 3 x 3 rather than 4 x 2: fewer loads per FMA and a bf16 weight
+  // widened once per 3 rows: the fp32 read-out 1.07-1.17x at 3-16 rows, 0.96-1.03x at 1-2, on a Zen 1
+  // (bench/results/tiers/labels_avx2_bf16_head_ab.txt).
+  static constexpr int kWeightRows = 3, kTileRows = 3;
   using Hidden = FloatRows;
   static Hidden hidden_rows(const T* h, int64_t stride, int, int) { return {h, stride}; }
   static void weights_full(const W* w, int i, Vec (&out)[kParts]) { out[0] = V::load(w + i); }
@@ -188,14 +192,13 @@ void copy_logits(const LabelLogprobsParams& p, int32_t v0, int32_t n, float* out
   }
 }
 
-// A bf16 weight under up to kInRegisterRows fp32 rows is widened in registers as each row tile reads it (decode:
-// the weight streams from memory and the widening hides under it). More rows widen each column of VT weight rows
-// once into a per-thread fp32 copy (VT x H, L1/L2-sized) that the fp32 tiles read: the row tiles would otherwise
-// widen the same vectors again, and the read-out there is bound by arithmetic. At tier avx2 on Zen 1, against the
-// same head held in fp32: in registers 1.6-1.7x at 1 row, 1.0-1.2x at 3-4, 0.87-0.96x at 8 (the widened copy
-// 0.84-0.92x there), the widened copy 0.90-0.95x at 12-16 (in registers 0.78-0.88x)
-// (bench/results/tiers/labels_avx2_bf16_head_ab.txt).
-constexpr int kInRegisterRows = 8;
+// A bf16 head under up to kInRegisterRows fp32 rows is widened in registers by each row tile that reads it (decode:
+// the head streams from memory and the widening hides under it). More rows widen each column of VT weight rows
+// once into a per-thread fp32 copy (VT x H, in L1) that the fp32 tiles read: there the read-out is bound by
+// arithmetic and every row tile would widen the same vectors again. Against the fp32 head on a Zen 1: in registers
+// 1.5-1.8x at 1-2 rows, 1.3x at 3, 0.9-1.0x at 6-10 (the copy 0.8-0.9x); the copy 0.89-0.95x at 12-24 rows (in
+// registers 0.77-0.91x) (bench/results/tiers/labels_avx2_bf16_head_ab.txt).
+constexpr int kInRegisterRows = 9;
 
 template <int VT>
 void dot_column_widened(const uint16_t* w, int64_t w_stride, FloatRows h, int rows, int hidden, float* out,

@@ -335,7 +335,7 @@ void check_labels() {
     check_label_case(dtype, 1, 64, 49, true, dtype);    // one row, a vocabulary smaller than one chunk
     check_label_case(dtype, 2, 0, 517, false, dtype);   // logits given
   }
-  // A bf16 head under fp32 rows: 5 rows (widened in registers), 11 (each column of weight rows widened once).
+  // A bf16 head under fp32 rows, an odd hidden size: 5 rows (widened in registers), 11 (by column).
   check_label_case(DType::kFloat32, 5, 67, 1037, true, DType::kBFloat16);
   check_label_case(DType::kFloat32, 11, 67, 1037, true, DType::kBFloat16);
 }

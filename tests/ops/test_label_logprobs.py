@@ -216,7 +216,7 @@ def test_lm_head_logits_without_a_kernel_is_torchs_product():
 @pytest.mark.parametrize("isa", ["avx2", "portable", "hardware"])
 def test_bf16_head_under_fp32_rows_is_bitwise_the_fp32_head(monkeypatch, isa):
     """A bf16 LM head under fp32 hidden rows (what fp32 serving holds a bf16 checkpoint's head in) gives bitwise the
-    logits, logZ and label outputs of the same values held in fp32 on the same path: 1 to 3 rows (widened in
+    logits, logZ and label outputs of the same values held in fp32 on the same path: 1, 2 and 3 rows (widened in
     registers), 16 and 70 (each column of weight rows widened once), odd hidden sizes, strided rows, a 151936
     vocabulary. At an AVX-512 tier the mode runs the AVX2 ops, so the fp32 head it equals is read there at avx2."""
     fp32_isa = "avx2" if isa == "hardware" and _ext.cpu_tier() not in ("avx2", "generic", "neon") else isa
