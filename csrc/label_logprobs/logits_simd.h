@@ -196,8 +196,8 @@ void copy_logits(const LabelLogprobsParams& p, int32_t v0, int32_t n, float* out
 // the head streams from memory and the widening hides under it). More rows widen each column of VT weight rows
 // once into a per-thread fp32 copy (VT x H: L1 or L2) that the fp32 tiles read: there the read-out is bound by
 // arithmetic and every row tile would widen the same vectors again. Against the fp32 head on a Zen 1: in registers
-// 1.5-1.8x at 1-2 rows, 1.3x at 3, 0.9-1.0x at 6-10 (the copy 0.8-0.9x); the copy 0.89-0.95x at 12-24 rows (in
-// registers 0.77-0.91x) (bench/results/tiers/labels_avx2_bf16_head_ab.txt).
+// 1.5-1.9x at 1-2 rows, 1.3-1.5x at 3, 0.86-1.09x at 6-10 (the copy 0.83-0.91x); the copy 0.89-0.95x at 12-24
+// rows (in registers 0.77-0.91x) (bench/results/tiers/labels_avx2_bf16_head_ab.txt).
 constexpr int kInRegisterRows = 9;
 
 template <int VT>
