@@ -19,8 +19,9 @@
 // from that buffer after the last K block.
 //
 // bf16 weights under fp32 x (LinearParams::bf16_weight) run Bf16's steps on x's rows as they are; a rectangle of
-// more rows than a decode step's first widens each block part's K-block panel into an fp32 panel (exact) and runs
-// F32's steps on it, so prefill does no widening per row tile. Either way a lane's chain over K is F32's.
+// more than kPanelRows rows first widens each block part's K-block panel into an fp32 panel (exact) and runs F32's
+// 6-row tiles on it, so neither prefill nor a large decode step widens per row tile. Either way a lane's chain over
+// K is F32's.
 #include <algorithm>
 #include <type_traits>
 #include <vector>
@@ -44,10 +45,16 @@ constexpr int32_t kKBlock = 1024;    // K per cache block (even: whole bf16 pair
 // same FMAs per K step: bench/results/tiers/linear_avx2_decode_tiles_ab.txt. Rows are split evenly (8: 3 + 3 + 2).
 constexpr int32_t kNarrowRows = 16;
 
-// Rows of the tile at row m of a rectangle ending at m1 with `rows` rows in all.
-int tile_rows(int32_t rows, int32_t m, int32_t m1) {
+// bf16 weights under fp32 x: a rectangle of more than this many rows widens the panel once (widen_panel) and runs
+// 6-row tiles over it from L2, where the narrow tiles widen every weight vector once per 2-3 rows. SmolLM2's and
+// Qwen3-0.6B's projections, weights from DRAM, on an AMD Zen 1: 1.00-1.06x at 11 rows, 1.03-1.08x at 12, 1.06-1.11x
+// at 16; 0.88-0.94x at 4-8, even at 10 (bench/results/tiers/linear_avx2_bf16_panel_rows_ab.txt).
+constexpr int32_t kPanelRows = 10;
+
+// Rows of the tile at row m of a rectangle ending at m1: 6-row tiles when `wide`, else tiles of at most 3 rows.
+int tile_rows(bool wide, int32_t m, int32_t m1) {
   const int32_t left = m1 - m;
-  if (rows > kNarrowRows) return std::min<int32_t>(kTileRows, left);
+  if (wide) return std::min<int32_t>(kTileRows, left);
   const int32_t tiles = (left + 2) / 3;  // tiles of at most 3 rows over what is left, as even as they come
   return (left + tiles - 1) / tiles;
 }
@@ -249,11 +256,13 @@ void rect(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1)
       const int32_t k1 = std::min(p.k, k0 + kKBlock), s0 = k0 / E::kPack, steps = (k1 - k0) / E::kPack;
       const T* wk = w + int64_t(s0) * kLinearBlockN * E::kPack;
       const float* panel = nullptr;
-      if constexpr (std::is_same_v<E, Bf16Weight>) {  // more rows than a decode step's: F32's steps on a panel
-        if (m1 - m0 > kNarrowRows) panel = widen_panel(wk, steps, width);
+      bool wide = m1 - m0 > kNarrowRows;
+      if constexpr (std::is_same_v<E, Bf16Weight>) {  // F32's 6-row tiles on a widened panel
+        wide = m1 - m0 > kPanelRows;
+        if (wide) panel = widen_panel(wk, steps, width);
       }
       for (int32_t m = m0, tm; m < m1; m += tm) {
-        tm = tile_rows(m1 - m0, m, m1);
+        tm = tile_rows(wide, m, m1);
         const XRows x = x_rows(p, m, tm, k0, k1, static_cast<const X*>(nullptr));
         float* acc = partial.data() + int64_t(m - m0) * kLinearBlockN;
         const int columns = strip_columns(tm, width);

@@ -360,7 +360,7 @@ void check_layer_ops() {
     check_conv_case(dtype);
     check_gated_delta_rule_case(dtype);
   }
-  // A bf16 weight under fp32 x: decode-sized rows (pairs widened as read), prefill-sized (a widened panel), odd K.
+  // A bf16 weight under fp32 x: up to 10 rows (AVX2: pairs widened as read), more (AVX2: a widened panel), odd K.
   for (bool gated : {false, true})
-    for (int32_t m : {7, 20}) check_linear_case(DType::kFloat32, gated, DType::kBFloat16, m);
+    for (int32_t m : {7, 12, 20}) check_linear_case(DType::kFloat32, gated, DType::kBFloat16, m);
 }

@@ -331,14 +331,15 @@ def test_linear_portable_cpu_path(monkeypatch, dtype):
 @pytest.mark.parametrize("isa", ["avx2", "portable", "hardware"])
 def test_bf16_weight_under_fp32_x_is_bitwise_the_fp32_weight(monkeypatch, isa):
     """A bf16 weight under fp32 x (what fp32 serving holds a bf16 checkpoint's projections in) gives bitwise the
-    fp32 weight of the same values: decode rows (pairs read as they are), prefill rows (the widened panel), odd K (x
-    padded), K over several cache blocks, bias, gated, residual in place; and the rows stay batch-invariant."""
+    fp32 weight of the same values: up to 10 rows (the avx2 kernel reads the pairs as they are), 11 and more (it
+    widens the panel once and runs 6-row tiles over it), odd K (x padded), K over several cache blocks, bias, gated,
+    residual in place; and the rows stay batch-invariant."""
     if isa != "hardware":
         force_cpu_isa(monkeypatch, isa)
     shapes = [DECODER_SHAPES["smollm-gate_up"], DECODER_SHAPES["smollm-down"], AWKWARD_SHAPES["odd-k"],
               K_BLOCKED_SHAPES["k-blocked-gated"], AWKWARD_SHAPES["n-one"]]
     for k, n, gated in shapes:
-        for m in (1, 3, 8, 16, 17, 40):
+        for m in (1, 3, 8, 10, 11, 16, 17, 40):
             x, w, b, r = make_inputs(m, k, n, gated, torch.float32, bias=True, residual=True, strided=m > 8, seed=m)
             w = w.bfloat16()
             wide, narrow = pack_linear(w.float(), b, gated=gated), pack_linear(w, b, gated=gated)
