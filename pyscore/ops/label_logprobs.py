@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from pyscore.ops import _ext
+from pyscore.ops.linear import reads_bf16_weight
 from pyscore.ops.reference import label_logprobs_ref
 
 
@@ -23,7 +24,8 @@ def _check(hidden: torch.Tensor, weight: torch.Tensor | None, labels: torch.Tens
         if weight.dim() != 2 or weight.shape[1] != hidden.shape[1] or weight.stride(1) != 1:
             raise ValueError(f"weight must be [V, H={hidden.shape[1]}] contiguous in its last dim, "
                              f"got {tuple(weight.shape)}")
-        if weight.device != hidden.device or not (weight.dtype == hidden.dtype or _bf16_weight(hidden, weight)):
+        readable = weight.dtype == hidden.dtype or reads_bf16_weight(hidden, weight.dtype)
+        if weight.device != hidden.device or not readable:
             raise ValueError("weight must match hidden's dtype and device (or be bf16 under fp32 hidden on the CPU)")
     vocab = hidden.shape[1] if weight is None else weight.shape[0]
     if labels.dim() != 2 or labels.shape[0] != hidden.shape[0]:
@@ -31,10 +33,6 @@ def _check(hidden: torch.Tensor, weight: torch.Tensor | None, labels: torch.Tens
     if labels.numel() and int(labels.max()) >= vocab:
         raise ValueError(f"labels must be < vocab size {vocab}")
     return vocab
-
-
-def _bf16_weight(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    return hidden.device.type == "cpu" and hidden.dtype == torch.float32 and weight.dtype == torch.bfloat16
 
 
 def label_logprobs(

@@ -119,6 +119,12 @@ def holds_bf16_weights(dtype: torch.dtype, device: torch.device, backend: str = 
     return paths == {"kernel"} and _ext.cpu_tier() in tiers.BF16_WEIGHT_TIERS
 
 
+def reads_bf16_weight(x: torch.Tensor, weight_dtype: torch.dtype) -> bool:
+    """Whether a weight of `weight_dtype` is read as a bf16 weight under fp32 activations `x` on the CPU (what
+    holds_bf16_weights holds), which the kernels widen exactly: linear's and label_logprobs' one test of the pair."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and weight_dtype == torch.bfloat16
+
+
 def prepare_linear(w: LinearWeight, backend: str = "auto") -> LinearWeight:
     """The form of `w` that linear's path for its device and dtype reads: packed for our kernel, plain for torch's
     GEMM or the reference. A converted weight replaces the caller's (hold the result, drop `w`): weights live once."""
@@ -183,8 +189,7 @@ def _check(x: torch.Tensor, w: LinearWeight, residual: torch.Tensor | None, out:
     if x.dim() != 2 or x.shape[1] != w.in_features or x.stride(1) != 1:
         raise ValueError(f"x must be [M, K={w.in_features}] contiguous in its last dim, got shape {tuple(x.shape)} "
                          f"strides {x.stride()}")
-    bf16_weight = x.dtype == torch.float32 and w.dtype == torch.bfloat16  # widened exactly (holds_bf16_weights)
-    if (x.dtype != w.dtype and not bf16_weight) or x.device != device:
+    if (x.dtype != w.dtype and not reads_bf16_weight(x, w.dtype)) or x.device != device:
         raise ValueError(f"x must match the weight's dtype and device ({w.dtype}, {device}), got {x.dtype}, "
                          f"{x.device}")
     for name, t in (("residual", residual), ("out", out)):
