@@ -1,15 +1,15 @@
 // AVX2 + FMA ops of the CPU linear kernel (interface in linear.h, packed layout in linear.h: the one the AVX-512
 // kernel reads; fp32 pack 1, bf16 pairs widened to fp32 here, no bf16 arithmetic).
 //
-// Micro-kernel: TM <= 6 rows x one strip of 16 packed columns (2 ymm): 12 fp32 accumulators + 2 weight operands +
-// 1 broadcast of the 16 ymm registers; each K step loads the strip's 16 weights (one cache line of the block's K row)
-// and broadcasts one x per row. A decode step's few rows (at most kNarrowRows) take tiles of 1-3 rows and a wider
-// strip instead, as many columns as the accumulators allow: 1 row x 64 columns (the whole K row of a block), 2-3
-// rows x 32. Narrow strips walk the block's K rows as four strided streams, which at 1-4 rows bound a call by
-// memory latency (0.4-0.5x torch's bf16 F.linear at M = 1, 2.5x slower than the AVX-512 kernel, which reads each K
-// row whole: bench/results/tiers/linear_avx2_wide_strips_ab.txt; at 4-16 rows see kNarrowRows). Every lane of a row
-// runs acc = fma(x[k], w[k], acc) for k = 0, 1, ..., K-1 in order, whatever M is, the strip width, the tile height
-// and wherever the row falls: tail tiles run the same per-row chain, there is no split-K.
+// Micro-kernel: TM <= 6 rows x one strip of 16 packed columns (2 ymm): 12 fp32 accumulators + 2 weight operands + 1
+// broadcast of the 16 ymm registers; each K step loads the strip's 16 weights (one cache line of the block's K row) and
+// broadcasts one x per row. A decode step's few rows (at most kNarrowRows; kPanelRows for bf16 weights under fp32 x)
+// take tiles of 1-3 rows and a wider strip instead, as many columns as the accumulators allow: 1 row x 64 columns (the
+// whole K row of a block), 2-3 rows x 32. Narrow strips walk the block's K rows as four strided streams, which at 1-4
+// rows bound a call by memory latency (0.4-0.5x torch's bf16 F.linear at M = 1, 2.5x slower than the AVX-512 kernel,
+// which reads each K row whole: bench/results/tiers/linear_avx2_wide_strips_ab.txt; at 4-16 rows see kNarrowRows).
+// Every lane of a row runs acc = fma(x[k], w[k], acc) for k = 0, 1, ..., K-1 in order, whatever M is, the strip width,
+// the tile height and wherever the row falls: tail tiles run the same per-row chain, there is no split-K.
 //
 // Cache blocking: K in blocks of kKBlock, so that a block part's weight panel over a K block (up to 64 columns x
 // kKBlock, 256 KiB in fp32) stays in L2 while every row tile of the rectangle passes over it; a tile's x rows over
