@@ -248,6 +248,9 @@ void rect(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1)
   const T* packed = static_cast<const T*>(p.w_packed);
   thread_local std::vector<float> partial;  // [m1 - m0][64]: the rectangle's accumulators for one block part
   partial.assign(size_t(m1 - m0) * kLinearBlockN, 0.0f);
+  // 6-row tiles over more rows than a decode step's; bf16 weights under fp32 x run them on a widened panel.
+  constexpr bool kPanel = std::is_same_v<E, Bf16Weight>;
+  const bool wide = m1 - m0 > (kPanel ? kPanelRows : kNarrowRows);
   for (int32_t c = c0; c < c1;) {
     const int32_t block = c / kLinearBlockN, part0 = c % kLinearBlockN;
     const int32_t width = std::min(kLinearBlockN - part0, c1 - c);  // 32 or 64 columns of this block
@@ -256,9 +259,7 @@ void rect(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1)
       const int32_t k1 = std::min(p.k, k0 + kKBlock), s0 = k0 / E::kPack, steps = (k1 - k0) / E::kPack;
       const T* wk = w + int64_t(s0) * kLinearBlockN * E::kPack;
       const float* panel = nullptr;
-      bool wide = m1 - m0 > kNarrowRows;
-      if constexpr (std::is_same_v<E, Bf16Weight>) {  // F32's 6-row tiles on a widened panel
-        wide = m1 - m0 > kPanelRows;
+      if constexpr (kPanel) {  // F32's steps read it
         if (wide) panel = widen_panel(wk, steps, width);
       }
       for (int32_t m = m0, tm; m < m1; m += tm) {
