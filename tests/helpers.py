@@ -173,6 +173,15 @@ def force_cpu_isa(monkeypatch, isa: str) -> str:
     return isa
 
 
+def force_cpu_tier(monkeypatch, tier: str) -> None:
+    """Forces the CPU kernels to `tier` (PYSCORE_CPU_TIER) for the rest of the test; skips unless this CPU runs it."""
+    from pyscore.ops import _ext
+
+    if tier not in _ext.runnable_cpu_tiers():
+        pytest.skip(f"needs a CPU that runs tier {tier}")
+    monkeypatch.setenv("PYSCORE_CPU_TIER", tier)
+
+
 def outputs_at_tiers(monkeypatch, run, tiers=("avx512", "avx512bf16", "avx2")) -> dict[str, torch.Tensor]:
     """run() with the CPU kernels forced to each tier in turn (PYSCORE_CPU_TIER); skips unless this CPU runs them
     all (one with AVX512-BF16)."""

@@ -67,8 +67,8 @@ struct LabelCpuOps {
 };
 
 // nullptr when the dtype is not covered (the caller checks the CPU); bf16_dot picks how bf16 pairs are multiplied.
-// Only the AVX2 / NEON text reads a bf16 weight under fp32 rows (`bf16_weight`).
-PYSCORE_X86_ENTRY(const LabelCpuOps* label_ops_avx512(DType dtype, Bf16Dot bf16_dot));
+// bf16_weight: a bf16 weight under fp32 rows (dtype float32); the AVX-512, AVX2 and NEON ops read one, AMX's do not.
+PYSCORE_X86_ENTRY(const LabelCpuOps* label_ops_avx512(DType dtype, Bf16Dot bf16_dot, bool bf16_weight = false));
 // AMX tiles for the bf16 LM head product (tier amx; the caller checks it): nullptr for other dtypes.
 PYSCORE_X86_ENTRY(const LabelCpuOps* label_ops_amx(DType dtype));
 PYSCORE_X86_ENTRY(const LabelCpuOps* label_ops_avx2(DType dtype, bool bf16_weight));

@@ -31,8 +31,10 @@ constexpr _mm_hint kPrefetchHint = _MM_HINT_T1;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// T: the hidden rows' element, W: the weight's (load_w reads kLanes of it as step operands).
 struct Bf16 {
   using T = uint16_t;
+  using W = T;
   static constexpr int kLanes = 32;  // elements per zmm
   static __m512 load(const T* p) { return _mm512_loadu_ps(p); }
   static __m512 load_first(const T* p, int count) {
@@ -41,16 +43,29 @@ struct Bf16 {
   static __m512 dot(__m512 acc, __m512 a, __m512 b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
   static __m512 to_f32(const T* p) { return load_bf16_ps(p); }
   static __m512 to_f32_first(const T* p, int count) { return maskz_load_bf16_ps(__mmask16((1u << count) - 1), p); }
+  static __m512 load_w(const W* p) { return load(p); }
+  static __m512 load_w_first(const W* p, int count) { return load_first(p, count); }
 };
 
 struct F32 {
   using T = float;
+  using W = T;
   static constexpr int kLanes = 16;
   static __m512 load(const T* p) { return _mm512_loadu_ps(p); }
   static __m512 load_first(const T* p, int count) { return _mm512_maskz_loadu_ps(__mmask16((1u << count) - 1), p); }
   static __m512 dot(__m512 acc, __m512 a, __m512 b) { return _mm512_fmadd_ps(a, b, acc); }
   static __m512 to_f32(const T* p) { return _mm512_loadu_ps(p); }
   static __m512 to_f32_first(const T* p, int count) { return load_first(p, count); }
+  static __m512 load_w(const W* p) { return load(p); }
+  static __m512 load_w_first(const W* p, int count) { return load_first(p, count); }
+};
+
+// A bf16 LM head under fp32 hidden rows (label_logprobs.h's bf16_weight): F32's steps, each weight vector widened
+// exactly as it is loaded, so every logit is bitwise the fp32 head's.
+struct F32Bf16Weight : F32 {
+  using W = uint16_t;
+  static __m512 load_w(const W* p) { return load_bf16_ps(p); }
+  static __m512 load_w_first(const W* p, int count) { return maskz_load_bf16_ps(__mmask16((1u << count) - 1), p); }
 };
 
 // The 4 horizontal sums of a0..a3, in one xmm: fold 512 -> 128 bits across the four, then within lanes.
@@ -68,7 +83,7 @@ inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 // out[r * out_stride + v] = h[r] . w[v] for RT hidden rows x VT (4 or 1) weight rows. With `prefetch`, also
 // pulls the same span of the weight rows kPrefetchRows ahead into cache (one line per row and step).
 template <class E, int VT, int RT>
-void dot_tile(const typename E::T* w, int64_t w_stride, const typename E::T* h, int64_t h_stride, int hidden,
+void dot_tile(const typename E::W* w, int64_t w_stride, const typename E::T* h, int64_t h_stride, int hidden,
               float* out, int64_t out_stride, bool prefetch) {
   __m512 acc[RT][VT];
   for (int r = 0; r < RT; ++r)
@@ -76,7 +91,7 @@ void dot_tile(const typename E::T* w, int64_t w_stride, const typename E::T* h, 
   int i = 0;
   for (; i + E::kLanes <= hidden; i += E::kLanes) {
     __m512 wv[VT];
-    for (int v = 0; v < VT; ++v) wv[v] = E::load(w + v * w_stride + i);
+    for (int v = 0; v < VT; ++v) wv[v] = E::load_w(w + v * w_stride + i);
     if (prefetch)
       for (int v = 0; v < VT; ++v)
         _mm_prefetch(reinterpret_cast<const char*>(w + (kPrefetchRows + v) * w_stride + i), kPrefetchHint);
@@ -88,7 +103,7 @@ void dot_tile(const typename E::T* w, int64_t w_stride, const typename E::T* h, 
   if (i < hidden) {  // zero-filled tail: contributes nothing beyond `hidden`
     const int rest = hidden - i;
     __m512 wv[VT];
-    for (int v = 0; v < VT; ++v) wv[v] = E::load_first(w + v * w_stride + i, rest);
+    for (int v = 0; v < VT; ++v) wv[v] = E::load_w_first(w + v * w_stride + i, rest);
     for (int r = 0; r < RT; ++r) {
       const __m512 hv = E::load_first(h + r * h_stride + i, rest);
       for (int v = 0; v < VT; ++v) acc[r][v] = E::dot(acc[r][v], hv, wv[v]);
@@ -190,7 +205,7 @@ void dot_column_widened(const uint16_t* w, int64_t w_stride, WidenedRows h, int 
 }
 
 template <class E, int VT>
-void dot_column(const typename E::T* w, int64_t w_stride, const typename E::T* h, int64_t h_stride, int rows,
+void dot_column(const typename E::W* w, int64_t w_stride, const typename E::T* h, int64_t h_stride, int rows,
                 int hidden, float* out, int64_t out_stride, bool prefetch) {
   for (int r = 0; r < rows; r += kMaxTileRows) {
     const typename E::T* hr = h + r * h_stride;
@@ -223,7 +238,7 @@ void copy_logits(const LabelLogprobsParams& p, int32_t v0, int32_t n, float* out
 template <class E>
 void logits_chunk(const LabelLogprobsParams& p, int32_t v0, int32_t n, float* out) {
   if (!p.weight) return copy_logits<E>(p, v0, n, out);
-  const auto* w = static_cast<const typename E::T*>(p.weight) + v0 * p.weight_row_stride;
+  const auto* w = static_cast<const typename E::W*>(p.weight) + v0 * p.weight_row_stride;
   const auto* h = static_cast<const typename E::T*>(p.hidden);
   // Prefetch only where the rows ahead are still this chunk's or the next one's: never past the vocabulary.
   const int32_t safe_end = p.vocab_size - v0 - kPrefetchRows - kWeightRows;
@@ -275,10 +290,12 @@ void lse_update(const float* x, int32_t n, float* max, float* sum) {
 const LabelCpuOps kBf16Ops{logits_chunk<Bf16>, lse_update};
 const LabelCpuOps kBf16WidenOps{logits_chunk_widened, lse_update};
 const LabelCpuOps kF32Ops{logits_chunk<F32>, lse_update};
+const LabelCpuOps kF32Bf16WeightOps{logits_chunk<F32Bf16Weight>, lse_update};
 
 }  // namespace
 
-const LabelCpuOps* label_ops_avx512(DType dtype, Bf16Dot bf16_dot) {
+const LabelCpuOps* label_ops_avx512(DType dtype, Bf16Dot bf16_dot, bool bf16_weight) {
+  if (bf16_weight) return dtype == DType::kFloat32 ? &kF32Bf16WeightOps : nullptr;
   if (dtype == DType::kBFloat16) return bf16_dot == Bf16Dot::kWiden ? &kBf16WidenOps : &kBf16Ops;
   if (dtype == DType::kFloat32) return &kF32Ops;
   return nullptr;

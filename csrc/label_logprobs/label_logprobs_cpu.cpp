@@ -57,12 +57,13 @@ const LabelCpuOps kPortableBf16Weight{logits_chunk_portable<float, uint16_t>, ls
 // At tier avx512 (AVX-512F without BF16) the AVX-512 read-out runs fp32 and bf16 (pairs widened: cpu_bf16_dot()
 // answers kWiden there): it beats the AVX2 text and MKL's AVX-512 GEMM there
 // (bench/results/tiers/kernels_labels_avx512.txt, kernels_avx512_bf16_ab.txt).
-// A bf16 weight under fp32 rows runs the AVX2 text at every x86 tier from avx2 (the AVX-512 and AMX ops have no
-// such mode; fp32 serving holds the head in bf16 only at tier avx2: pyscore/ops/tiers.py), else the portable loops.
+// A bf16 weight under fp32 rows runs the AVX-512 ops from tier avx512 (amx too: its tiles are bf16 only), the AVX2
+// text at avx2, NEON's at neon, else the portable loops.
 const LabelCpuOps& choose_ops(DType dtype, bool bf16_weight) {
   if (bf16_weight) {
     const LabelCpuOps* fast = nullptr;
-    if (cpu_tier_at_least(CpuTier::kAvx2)) fast = label_ops_avx2(dtype, true);
+    if (cpu_use_avx512()) fast = label_ops_avx512(dtype, cpu_bf16_dot(), true);
+    else if (cpu_tier_at_least(CpuTier::kAvx2)) fast = label_ops_avx2(dtype, true);
     else if (cpu_tier() == CpuTier::kNeon) fast = label_ops_neon(dtype, true);
     return fast ? *fast : kPortableBf16Weight;
   }

@@ -68,6 +68,8 @@ struct LinearCpuOps {
 
 // nullptr when the dtype is not covered (the caller checks the CPU); bf16_dot picks how bf16 pairs are multiplied.
 const LinearCpuOps* linear_ops_avx512(DType dtype, Bf16Dot bf16_dot);
+// AVX-512F FMAs for a bf16 weight under fp32 x (bf16_weight); nullptr for other dtypes.
+const LinearCpuOps* linear_ops_avx512_bf16_weight(DType dtype);
 // AVX2 + FMA (fp32, bf16 widened to fp32, and fp32 x with bf16_weight); nullptr for other dtypes.
 const LinearCpuOps* linear_ops_avx2(DType dtype, bool bf16_weight);
 // The AMX tile GEMM (bf16 only; nullptr for other dtypes or when the OS does not grant the tile state).

@@ -7,8 +7,8 @@
 // broadcasts one x pair per row. Over a rectangle, the weight panel of a block (K block x 64) is reused from L2 by
 // every row tile. bf16 pairs are multiplied by vdpbf16ps or widened to fp32 with two FMAs in its order (Bf16Dot): the
 // same bits; widened, a rectangle of 64 rows or more first widens each weight panel to fp32 once (Bf16Panel), so its
-// steps are the fp32 kernel's. The epilogue (bias, SiLU-mul, residual, rounding) runs on the accumulators before the
-// one store.
+// steps are the fp32 kernel's. bf16 weights under fp32 x (Bf16Weight) widen each weight zmm in registers and run the
+// fp32 kernel's FMAs. The epilogue (bias, SiLU-mul, residual, rounding) runs on the accumulators before the one store.
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -163,6 +163,37 @@ struct Bf16Panel : Bf16Widen {  // T, P, B, kPack, Rows, load and store as Bf16W
   }
 };
 
+// bf16 weight pairs under fp32 x (LinearParams::bf16_weight): each weight zmm (16 columns x one pair) widened once
+// for all TM rows, then F32's FMAs for the pair's even element (K step 2s) and its odd one (2s + 1), x's fp32 rows
+// read in place. A lane's chain over K is F32's, so the bits are those of the fp32 weight holding the same values.
+// At every row count: on a Zen 4 (weights from DRAM) this ran 2.0-2.8x the fp32 weight at one row (half the bytes),
+// 1.05-1.34x at 8-16 rows, 0.95-1.07x from 24 rows to a 776-row prefill (a 16-candidate MIS 0.99-1.00x); an fp32
+// panel widened once per K block (as Bf16Panel) read 0.25-0.93x the pairs up to 128 rows and 0.95-1.04x at 256-776
+// (bench/results/tiers/linear_avx512_bf16_weights.txt).
+struct Bf16Weight : F32 {  // B, Rows, rows(), load and store as F32: x and out are fp32
+  using P = uint16_t;
+  using W = uint16_t;
+  static constexpr int kPack = 2;
+  static constexpr int64_t kBlockSteps = 1024;  // pair steps: F32's 2048 K steps
+  template <int TM, int ZN>
+  static void step(__m512 (&acc)[TM][ZN], const B* b, int64_t b_stride, const W* w) {
+    __m512i v[ZN];
+    for (int z = 0; z < ZN; ++z) v[z] = _mm512_loadu_si512(w + z * 16 * kPack);
+    __m512 half[ZN];
+    for (int z = 0; z < ZN; ++z) half[z] = bf16_even_ps(v[z]);
+    for (int r = 0; r < TM; ++r) {
+      const __m512 bc = _mm512_set1_ps(b[r * b_stride]);
+      for (int z = 0; z < ZN; ++z) acc[r][z] = _mm512_fmadd_ps(bc, half[z], acc[r][z]);
+    }
+    for (int z = 0; z < ZN; ++z) half[z] = bf16_odd_ps(v[z]);
+    for (int r = 0; r < TM; ++r) {
+      const __m512 bc = _mm512_set1_ps(b[r * b_stride + 1]);
+      for (int z = 0; z < ZN; ++z) acc[r][z] = _mm512_fmadd_ps(bc, half[z], acc[r][z]);
+    }
+  }
+  static const W* weights(const P* w, int64_t, int) { return w; }
+};
+
 inline __mmask16 lanes_below(int32_t count) {
   if (count >= 16) return 0xFFFF;
   return count <= 0 ? 0 : __mmask16((1u << count) - 1);
@@ -289,6 +320,7 @@ void rect_widen(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32
 const LinearCpuOps kBf16Ops{rect<Bf16>, kTileRows};
 const LinearCpuOps kBf16WidenOps{rect_widen, kTileRows};
 const LinearCpuOps kF32Ops{rect<F32>, kTileRows};
+const LinearCpuOps kBf16WeightOps{rect<Bf16Weight>, kTileRows};
 
 // ---- AMX (bf16) ------------------------------------------------------------------------------------------------
 // Tiles: fp32 accumulators C (up to 4 of 16 rows x 16 columns), A (4-5: 16 rows of x x 32 K) and B (6-7: 16 K pairs x
@@ -546,6 +578,10 @@ const LinearCpuOps kBf16AmxOps{rect_amx, kAmxTileRows};
 
 const LinearCpuOps* linear_ops_amx(DType dtype) {
   return dtype == DType::kBFloat16 && cpu_amx_permitted() ? &kBf16AmxOps : nullptr;
+}
+
+const LinearCpuOps* linear_ops_avx512_bf16_weight(DType dtype) {
+  return dtype == DType::kFloat32 ? &kBf16WeightOps : nullptr;
 }
 
 const LinearCpuOps* linear_ops_avx512(DType dtype, Bf16Dot bf16_dot) {

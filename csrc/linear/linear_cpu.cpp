@@ -74,11 +74,12 @@ const LinearCpuOps kPortableBf16Weight{rect_portable<float, uint16_t>, kRowTile}
 // At tier avx512 (AVX-512F without BF16) the AVX-512 FMA kernel runs fp32 and bf16 (pairs widened: cpu_bf16_dot()
 // answers kWiden there): K-blocked, it beats our AVX2 kernel and torch's batch-invariant row calls at every bench
 // shape (bench/results/tiers/linear_avx512_fp32.txt, linear_avx512_bf16_ab.txt).
-// bf16 weights under fp32 x run the AVX2 kernel at every x86 tier from avx2 (the AVX-512 kernel has no such path;
-// the registry holds weights so only at tier avx2, pyscore/ops/tiers.py), else the portable loop.
+// bf16 weights under fp32 x run the AVX-512 FMA kernel from tier avx512 (amx too: its tiles are bf16 only), the
+// AVX2 kernel at avx2, else the portable loop.
 const LinearCpuOps& choose_ops(DType dtype, bool bf16_weight) {
   if (bf16_weight) {
-    const LinearCpuOps* fast = cpu_tier_at_least(CpuTier::kAvx2) ? linear_ops_avx2(dtype, true) : nullptr;
+    const LinearCpuOps* fast = cpu_use_avx512() ? linear_ops_avx512_bf16_weight(dtype)
+                               : cpu_tier_at_least(CpuTier::kAvx2) ? linear_ops_avx2(dtype, true) : nullptr;
     return fast ? *fast : kPortableBf16Weight;
   }
   const LinearCpuOps* fast = cpu_tier() == CpuTier::kAmx ? linear_ops_amx(dtype) : nullptr;

@@ -9,7 +9,7 @@ import torch
 
 from pyscore.ops import _ext, label_logprobs, lm_head_logits
 from pyscore.ops.reference import label_logprobs_ref
-from tests.helpers import force_cpu_isa
+from tests.helpers import force_cpu_isa, force_cpu_tier
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
@@ -213,28 +213,26 @@ def test_lm_head_logits_without_a_kernel_is_torchs_product():
     assert logz is None and torch.equal(logits, (h @ w.T).float())
 
 
-@pytest.mark.parametrize("isa", ["avx2", "portable", "hardware"])
+@pytest.mark.parametrize("isa", ["avx2", "avx512", "portable", "hardware"])
 def test_bf16_head_under_fp32_rows_is_bitwise_the_fp32_head(monkeypatch, isa):
     """A bf16 LM head under fp32 hidden rows (what fp32 serving holds a bf16 checkpoint's head in) gives bitwise the
-    logits, logZ and label outputs of the same values held in fp32 on the same path: 1, 2 and 3 rows (widened in
-    registers), 16 and 70 (each column of weight rows widened once), odd hidden sizes, strided rows, a 151936
-    vocabulary. At an AVX-512 tier the mode runs the AVX2 ops, so the fp32 head it equals is read there at avx2."""
-    fp32_isa = "avx2" if isa == "hardware" and _ext.cpu_tier() not in ("avx2", "generic", "neon") else isa
+    logits, logZ and label outputs of the same values held in fp32 on the same tier: 1, 2 and 3 rows (the AVX2 text
+    widens in registers), 16 and 70 (it widens each column of weight rows once; the AVX-512 ops widen each weight
+    vector as loaded, at every R), odd hidden sizes, strided rows, a 151936 vocabulary; at tier avx512 forced and at
+    the hardware's (an AVX-512 one reads it with the AVX-512 ops, whose fp32 bits differ from the AVX2 text's)."""
+    if isa == "avx512":
+        force_cpu_tier(monkeypatch, "avx512")
+    elif isa != "hardware":
+        force_cpu_isa(monkeypatch, isa)
     for shape in ("one-row-odd-h", "qwen-vocab", "smollm-r16", "amx-rows"):
         rows, hidden, vocab, num_labels = SHAPES[shape]
         h, w, labels = make_inputs(rows, hidden, vocab, num_labels, torch.float32, "cpu", strided=True, seed=5)
         narrow = w.bfloat16()
         for r0, r1 in ((0, 1), (0, min(2, rows)), (0, rows)):
-            with monkeypatch.context() as m:
-                if fp32_isa != "hardware":
-                    force_cpu_isa(m, fp32_isa)
-                want = label_logprobs(h[r0:r1], narrow.float(), labels[r0:r1], backend="kernel")
-                want_logits = lm_head_logits(h[r0:r1], narrow.float(), backend="kernel")
-            with monkeypatch.context() as m:
-                if isa != "hardware":
-                    force_cpu_isa(m, isa)
-                got = label_logprobs(h[r0:r1], narrow, labels[r0:r1], backend="kernel")
-                got_logits = lm_head_logits(h[r0:r1], narrow, backend="kernel")
+            want = label_logprobs(h[r0:r1], narrow.float(), labels[r0:r1], backend="kernel")
+            want_logits = lm_head_logits(h[r0:r1], narrow.float(), backend="kernel")
+            got = label_logprobs(h[r0:r1], narrow, labels[r0:r1], backend="kernel")
+            got_logits = lm_head_logits(h[r0:r1], narrow, backend="kernel")
             what = f"{shape} rows {r0}:{r1}"
             assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), what
             assert all(torch.equal(a, b) for a, b in zip(got_logits, want_logits, strict=True)), what

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from pyscore.ops import _ext, linear, pack_linear
 from pyscore.ops.reference import linear_ref, silu_mul_ref
-from tests.helpers import force_cpu_isa
+from tests.helpers import force_cpu_isa, force_cpu_tier
 
 # name: (K, N, gated); gated N is 2I (the gate_up projection)
 DECODER_SHAPES = {
@@ -328,18 +328,21 @@ def test_linear_portable_cpu_path(monkeypatch, dtype):
     assert torch.equal(linear(x, packed, backend="kernel"), rows_alone(x, packed))
 
 
-@pytest.mark.parametrize("isa", ["avx2", "portable", "hardware"])
+@pytest.mark.parametrize("isa", ["avx2", "avx512", "portable", "hardware"])
 def test_bf16_weight_under_fp32_x_is_bitwise_the_fp32_weight(monkeypatch, isa):
     """A bf16 weight under fp32 x (what fp32 serving holds a bf16 checkpoint's projections in) gives bitwise the
     fp32 weight of the same values: up to 10 rows (the avx2 kernel reads the pairs as they are), 11 and more (it
-    widens the panel once and runs 6-row tiles over it), odd K (x padded), K over several cache blocks, bias, gated,
-    residual in place; and the rows stay batch-invariant."""
-    if isa != "hardware":
+    widens the panel once and runs 6-row tiles over it); at the AVX-512 tiers (avx512 forced, and the hardware's on an
+    AVX-512 CPU: pairs widened in registers at every row count); odd K (x padded), K over several cache blocks of
+    either kernel, bias, gated, residual in place; and the rows stay batch-invariant."""
+    if isa == "avx512":
+        force_cpu_tier(monkeypatch, "avx512")
+    elif isa != "hardware":
         force_cpu_isa(monkeypatch, isa)
     shapes = [DECODER_SHAPES["smollm-gate_up"], DECODER_SHAPES["smollm-down"], AWKWARD_SHAPES["odd-k"],
-              K_BLOCKED_SHAPES["k-blocked-gated"], AWKWARD_SHAPES["n-one"]]
+              K_BLOCKED_SHAPES["k-blocked-gated"], AWKWARD_SHAPES["n-one"], FMA_K_BLOCKED_SHAPES["fma-k-blocked"]]
     for k, n, gated in shapes:
-        for m in (1, 3, 8, 10, 11, 16, 17, 40):
+        for m in (1, 3, 8, 10, 11, 16, 17, 40, 131):
             x, w, b, r = make_inputs(m, k, n, gated, torch.float32, bias=True, residual=True, strided=m > 8, seed=m)
             w = w.bfloat16()
             wide, narrow = pack_linear(w.float(), b, gated=gated), pack_linear(w, b, gated=gated)
