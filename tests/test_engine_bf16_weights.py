@@ -1,10 +1,10 @@
 """fp32 serving of a bf16 checkpoint holds its projections, embedding and LM head in bf16 at the tiers whose linear
-and label read-out kernels widen them exactly (pyscore.ops.linear.holds_bf16_weights; tier avx2, forced here on any
-AVX2 CPU): MIS and SIS scores, greedy tokens with their logprobs (decode steps) and prompt logprobs are bitwise those
-of the same engine holding fp32 weights (PYSCORE_FP32_WEIGHTS=1), and match the transformers reference, with a tied
-head (the Qwen3 model) and an untied one (Qwen3.5); the memory plan counts those matrices at 2 bytes each and the
-linear and label paths say what is held. Elsewhere (other tiers, an fp32 checkpoint, bf16 serving) nothing is held
-in bf16 under fp32."""
+and label read-out kernels widen them exactly (pyscore.ops.linear.holds_bf16_weights; tiers avx2, avx512 and
+avx512bf16, forced here on a CPU that runs them): MIS and SIS scores, greedy tokens with their logprobs (decode
+steps) and prompt logprobs are bitwise those of the same engine holding fp32 weights (PYSCORE_FP32_WEIGHTS=1), and
+match the transformers reference, with a tied head (the Qwen3 model) and an untied one (Qwen3.5); the memory plan
+counts those matrices at 2 bytes each and the linear and label paths say what is held. Elsewhere (other tiers, an
+fp32 checkpoint, bf16 serving) nothing is held in bf16 under fp32."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pyscore.model.checkpoint import Checkpoint
 from pyscore.model.weights import held_in_bf16
 from pyscore.ops import tiers
 from pyscore.types import GenerateRequest, ScoreRequest
-from tests.helpers import force_cpu_isa, load_reference, make_model_dir
+from tests.helpers import force_cpu_isa, force_cpu_tier, load_reference, make_model_dir
 from tests.reference_scoring import max_abs_diff, reference_scores
 from tests.test_engine_scores import ITEMS, QUERY
 
@@ -49,9 +49,13 @@ def held_dtypes(e: Engine) -> set[torch.dtype]:
     return {*(p.dtype for p in w.projections()), w.embed.dtype, w.lm_head.dtype}
 
 
-def test_bf16_weights_are_bitwise_fp32_weights(bf16_dir, monkeypatch):
-    force_cpu_isa(monkeypatch, "avx2")
-    assert "avx2" in tiers.BF16_WEIGHT_TIERS
+@pytest.mark.parametrize("tier", ["avx2", "avx512", "avx512bf16"])
+def test_bf16_weights_are_bitwise_fp32_weights(bf16_dir, monkeypatch, tier):
+    if tier == "avx2":
+        force_cpu_isa(monkeypatch, "avx2")
+    else:
+        force_cpu_tier(monkeypatch, tier)
+    assert tier in tiers.BF16_WEIGHT_TIERS
     held = engine(bf16_dir)
     assert held.decoder.bf16_weights and held.decoder.dtype == torch.float32
     assert held_dtypes(held) == {torch.bfloat16}

@@ -93,12 +93,17 @@ ALGORITHM = Choice("kernel", "no dense [T, T] mask / no vocabulary-wide logits; 
 TORCH_UNTUNED = Choice("torch", "no vectorized kernel at this tier: the scalar portable loop loses to torch")
 
 # Tiers at which fp32 serving holds a bf16 checkpoint's projections, embedding and LM head in bf16
-# (pyscore.ops.linear.holds_bf16_weights): the AVX2 kernels widen them exactly (the same bits as fp32 weights) and
-# read half the bytes. Prefill widens each K block's panel (the read-out: each column of weight rows) once; decode
-# steps read the pairs. The AVX-512 kernels have no such path (their tiers keep fp32).
+# (pyscore.ops.linear.holds_bf16_weights): the kernels widen them exactly (the same bits as fp32 weights) and read
+# half the bytes. AVX2: prefill widens each K block's panel (the read-out: each column of weight rows) once, decode
+# steps read the pairs. AVX-512 (avx512, and fp32 asked for at avx512bf16 / amx, whose tiles are bf16 only): every
+# row count widens in registers, the fp32 weight's speed at prefill and up to 2.8x it at one row.
+_AVX512_BF16_WEIGHTS = ("decode steps read half the weight bytes at the same bits; prefill at the fp32 weight's speed "
+                        "(bench/results/tiers/linear_avx512_bf16_weights.txt; measured on an AMD Zen 4, the avx512 "
+                        "tier forced: unmeasured on an Intel CPU)")
 BF16_WEIGHT_TIERS = {"avx2": "decode steps read half the weight bytes at the same bits "
                              "(bench/results/tiers/linear_avx2_bf16_weights_ab.txt, "
-                             "labels_avx2_bf16_head_ab.txt)"}
+                             "labels_avx2_bf16_head_ab.txt)",
+                     "avx512": _AVX512_BF16_WEIGHTS, "avx512bf16": _AVX512_BF16_WEIGHTS, "amx": _AVX512_BF16_WEIGHTS}
 
 # op -> tier -> dtype name -> Choice ("*" = every dtype).
 CPU_TIERS: dict[str, dict[str, dict[str, Choice]]] = {
