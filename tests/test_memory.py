@@ -96,6 +96,9 @@ def test_the_refusal_answers_in_the_deprecated_flag_it_was_given(model_dirs, mon
 
 def test_the_check_can_be_turned_off(model_dirs, monkeypatch, caplog) -> None:
     monkeypatch.setattr(loading, "available_memory", lambda device: (2**20, "test"))
+    # The check subtracts what the process holds already: late in a full run this process's RSS exceeded the tiny
+    # model's plan, the plan "fit" and nothing was logged (a fresh-clone run on a Zen 4 failed so, once in three).
+    monkeypatch.setattr(memory, "resident_bytes", lambda: 0)
     monkeypatch.setenv("PYSCORE_MEMORY_CHECK", "0")
     loaded = loading.load_model(model_dirs["qwen3"], torch.float32, CPU)
     assert loaded.memory.available_bytes == 2**20
