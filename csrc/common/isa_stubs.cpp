@@ -11,7 +11,7 @@ namespace pyscore {
 
 #if !defined(__x86_64__)
 const DecodeCpuOps* decode_ops_avx512(DType, int32_t, Bf16Dot) { return nullptr; }
-const LinearCpuOps* linear_ops_avx512(DType, Bf16Dot) { return nullptr; }
+const LinearCpuOps* linear_ops_avx512(DType, Bf16Dot, bool) { return nullptr; }
 const LinearCpuOps* linear_ops_amx(DType) { return nullptr; }
 const DecodeCpuOps* decode_ops_avx2(DType, int32_t) { return nullptr; }
 const LinearCpuOps* linear_ops_avx2(DType, bool) { return nullptr; }

@@ -580,11 +580,8 @@ const LinearCpuOps* linear_ops_amx(DType dtype) {
   return dtype == DType::kBFloat16 && cpu_amx_permitted() ? &kBf16AmxOps : nullptr;
 }
 
-const LinearCpuOps* linear_ops_avx512_bf16_weight(DType dtype) {
-  return dtype == DType::kFloat32 ? &kBf16WeightOps : nullptr;
-}
-
-const LinearCpuOps* linear_ops_avx512(DType dtype, Bf16Dot bf16_dot) {
+const LinearCpuOps* linear_ops_avx512(DType dtype, Bf16Dot bf16_dot, bool bf16_weight) {
+  if (bf16_weight) return dtype == DType::kFloat32 ? &kBf16WeightOps : nullptr;
   if (dtype == DType::kBFloat16) return bf16_dot == Bf16Dot::kWiden ? &kBf16WidenOps : &kBf16Ops;
   if (dtype == DType::kFloat32) return &kF32Ops;
   return nullptr;

@@ -78,12 +78,12 @@ const LinearCpuOps kPortableBf16Weight{rect_portable<float, uint16_t>, kRowTile}
 // AVX2 kernel at avx2, else the portable loop.
 const LinearCpuOps& choose_ops(DType dtype, bool bf16_weight) {
   if (bf16_weight) {
-    const LinearCpuOps* fast = cpu_use_avx512() ? linear_ops_avx512_bf16_weight(dtype)
+    const LinearCpuOps* fast = cpu_use_avx512() ? linear_ops_avx512(dtype, cpu_bf16_dot(), true)
                                : cpu_tier_at_least(CpuTier::kAvx2) ? linear_ops_avx2(dtype, true) : nullptr;
     return fast ? *fast : kPortableBf16Weight;
   }
   const LinearCpuOps* fast = cpu_tier() == CpuTier::kAmx ? linear_ops_amx(dtype) : nullptr;
-  if (!fast && cpu_use_avx512()) fast = linear_ops_avx512(dtype, cpu_bf16_dot());
+  if (!fast && cpu_use_avx512()) fast = linear_ops_avx512(dtype, cpu_bf16_dot(), false);
   else if (!fast && cpu_use_avx2()) fast = linear_ops_avx2(dtype, false);
   if (fast) return *fast;
   return dtype == DType::kBFloat16 ? kPortableBf16 : kPortableF32;
