@@ -51,10 +51,7 @@ def held_dtypes(e: Engine) -> set[torch.dtype]:
 
 @pytest.mark.parametrize("tier", ["avx2", "avx512", "avx512bf16"])
 def test_bf16_weights_are_bitwise_fp32_weights(bf16_dir, monkeypatch, tier):
-    if tier == "avx2":
-        force_cpu_isa(monkeypatch, "avx2")
-    else:
-        force_cpu_tier(monkeypatch, tier)
+    force_cpu_tier(monkeypatch, tier)
     assert tier in tiers.BF16_WEIGHT_TIERS
     held = engine(bf16_dir)
     assert held.decoder.bf16_weights and held.decoder.dtype == torch.float32
