@@ -74,7 +74,7 @@ bench-kernels: build $(DEV_STAMP)
 
 # pyscore vs vLLM-CPU side by side (bench/peers.md: install vLLM under $$PEERS first). It starts and stops both
 # servers itself, alternating pyscore / vLLM blocks, and writes $(PEERS_OUT)/report.md. PEERS_ARGS adds flags.
-PEERS_OUT ?= bench/results/peers
+PEERS_OUT ?= bench/results/latest/peers
 bench-peers: build $(DEV_STAMP)
 	@test -n "$$PEERS" || { echo "set PEERS to the vLLM peers folder (see bench/peers.md)"; exit 2; }
 	$(PY) -m bench.peers --out $(PEERS_OUT) $(PEERS_ARGS)

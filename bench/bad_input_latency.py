@@ -2,7 +2,8 @@
 a 1 MB body of 0xFF bytes is answered INVALID_ARGUMENT in < 50 ms, and Health stays < 100 ms p99 while the whole
 bad-input matrix (tests/server/test_hostile_input.py's CASES: the inputs that used to hold the event loop or blow
 up error messages) is sent, round after round, through a default-settings client. Percentiles: bench.summary's.
-Run it alone (under the machine lock): `python -m bench.bad_input_latency`."""
+Run it alone (under the machine lock): `python -m bench.bad_input_latency --out
+bench/results/hardening/bad_input_latency.txt` (the record; without --out, bench/results/latest/)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,10 @@ from pathlib import Path
 
 import grpc
 
-from bench.common import REPO, cpu, git_commit, spawned_server
-from bench.summary import Summary, write_report
+from bench.common import cpu, git_commit, spawned_server
+from bench.summary import Summary, default_out, write_report
 from tests.server.test_hostile_input import CASES, HealthProbe, raw_call
 
-OUT = REPO / "bench" / "results" / "hardening" / "bad_input_latency.txt"
 FF_TARGET_MS, HEALTH_P99_TARGET_MS = 50.0, 100.0
 
 
@@ -73,7 +73,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ff-calls", type=int, default=50)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--out", type=Path, default=default_out("bad_input_latency.txt"))
     p.add_argument("--max-message-mb", type=int, default=8, help="the server's --max-message-mb")
     p.add_argument("--server-flags", default="", help="more flags for the server, one string")
     p.add_argument("--log", type=Path, default=Path("/tmp/pyscore-bad-input/server.log"))

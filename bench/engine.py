@@ -6,23 +6,24 @@ shape on token-id questions of the same lengths; three measurements:
   every candidate were in flight at once; mis_store / sis_store: storing the query in the prefix cache under a fresh
   salt, mis_warm / sis_warm: with the query's blocks in the cache; mis_system / sis_system: each call a question
   never asked before after one shared --system-tokens system prompt, which an earlier question left in the cache)
-  and, unless --no-stock, stock transformers' one
-  plain causal forward over MIS's tokens (all positions' logits, and logits_to_keep=1), all timed alternately; p50/p95
-  per cell, the MIS-vs-SIS score difference, MIS(16)/MIS(2) and, with --overhead, where a MIS of the most candidates
-  spends its time (host enqueue vs device). A table, and JSON (default bench/results/engine_cpu.json). A `--shape` run
-  adds the H200 compute and weight-read floors and the verdicts against issue 6's targets and the LMSYS study's SGLang
-  numbers; bench/gpu_check.sh runs it with `--device cuda` (and `--tiny`, the shape family's tiny model on the CPU);
+  and, unless --no-stock, stock transformers' one plain causal forward over MIS's tokens (all positions' logits, and
+  logits_to_keep=1), all timed alternately; p50/p95 per cell, the MIS-vs-SIS score difference, MIS(16)/MIS(2) and,
+  with --overhead, where a MIS of the most candidates spends its time (host enqueue vs device). A table, and JSON
+  (default bench/results/latest/engine_cpu.json, as every mode's file: a record is written with --out). A `--shape`
+  run adds the H200 compute and weight-read floors and the verdicts against issue 6's targets and the LMSYS study's
+  SGLang numbers; bench/gpu_check.sh runs it with `--device cuda` (and `--tiny`, the shape family's tiny model on the
+  CPU);
 - `--profile`: where one MIS forward spends its time: wall-clock timers around every op the decoder and the read-out
   call (our C++ kernels are invisible to the torch profiler), then the torch profiler's table; `--gemm torch` loads
-  the model with no linear kernel registered, so the projections run on torch's path (bench/results/profile_mis.txt);
+  the model with no linear kernel registered, so the projections run on torch's path (profile_mis.txt);
 - `--decode B`: one decode step of B running generations, our projections against torch's, alternating
-  (bench/results/decode_step.txt).
+  (decode_step.txt).
 - `--generate B`: B greedy generations of --new-tokens tokens against stock transformers' generate() on the same
   weights (with `--shape`, stock's own random weights of the shape), ours' prefill and decode steps also apart
-  (bench/results/generate_vs_stock.txt).
+  (generate_vs_stock.txt).
 - `--prompt-logprobs K`: a prompt's logprobs with K alternatives a position (Generate, max_tokens 0) against stock
   transformers' one forward with its log-softmax, gather and top-K over every position
-  (bench/results/prompt_logprobs.txt).
+  (prompt_logprobs.txt).
 
 `--tier T` forces a CPU tier (PYSCORE_CPU_TIER) and, for avx2 / avx512 / generic, torch's matching ISA settings
 (bench.common.force_isa: the bench re-executes itself with them, so stock transformers runs as on that CPU);
@@ -49,7 +50,6 @@ import torch.nn.functional as F
 import pyscore.engine as engine_module
 import pyscore.model.decoder as decoder_module
 from bench.common import (
-    REPO,
     alternate,
     device_info,
     device_ms,
@@ -61,7 +61,7 @@ from bench.common import (
     synchronize,
 )
 from bench.models import SHAPES, Shape, build_random_engine, id_questions, labels_for
-from bench.summary import percentile, timings, write_json, write_report
+from bench.summary import default_out, percentile, timings, write_json, write_report
 from bench.targets import max_diff
 from pyscore.engine import Engine, set_threads
 from pyscore.model.packing import pack
@@ -69,7 +69,6 @@ from pyscore.ops import AttentionPlan, _ext
 from pyscore.scoring import PreparedScore
 from pyscore.types import GenerateRequest, ScoreRequest
 
-RESULTS = REPO / "bench" / "results"
 LABELS = ["Yes", "No"]
 MODES = ("mis", "sis", "generate", "mis_store", "mis_warm", "sis_store", "sis_warm", "mis_system", "sis_system")
 # p95 ms at 16 candidates, concurrency 1 (the LMSYS study, SGLang on one H200) and issue 6's targets
@@ -272,7 +271,7 @@ def time_to_decision(args: argparse.Namespace) -> dict[str, Any]:
         machine=machine(), env=device_info(device), tier=engine.cpu_tier, model=engine.model_name, shape=args.shape,
         dtype=str(engine.decoder.dtype).removeprefix("torch."), threads=args.threads, reps=args.reps,
         questions=args.questions, build_s=time.perf_counter() - t0, results={}, skipped=[])
-    out = args.out or RESULTS / "engine_cpu.json"
+    out = args.out or default_out("engine_cpu.json")
     deadline = t0 + args.budget_s
     print("\n".join(table_head(report, args.modes, stock is not None)), flush=True)
     for n in args.candidates:
@@ -624,13 +623,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         args.shape = "tiny-qwen3.5" if args.shape and SHAPES[args.shape].linear else "tiny"
     force_isa("bench.engine", args.tier)
     if args.decode:
-        write_report(decode(args), args.out or RESULTS / "decode_step.txt")
+        write_report(decode(args), args.out or default_out("decode_step.txt"))
     elif args.generate:
-        write_report(generate_vs_stock(args), args.out or RESULTS / "generate_vs_stock.txt")
+        write_report(generate_vs_stock(args), args.out or default_out("generate_vs_stock.txt"))
     elif args.prompt_logprobs is not None:
-        write_report(prompt_logprobs_vs_stock(args), args.out or RESULTS / "prompt_logprobs.txt")
+        write_report(prompt_logprobs_vs_stock(args), args.out or default_out("prompt_logprobs.txt"))
     elif args.profile:
-        write_report(profile(args), args.out or RESULTS / "profile_mis.txt")
+        write_report(profile(args), args.out or default_out("profile_mis.txt"))
     else:
         return time_to_decision(args)
     return None

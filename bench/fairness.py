@@ -8,7 +8,8 @@ of short Scores one after another, then the same short Scores while a second cli
 to back (each a fresh query, so none is read from the prefix cache; the first long one is a warm-up). A short
 Score counts in the loaded phase only if a long request was in flight when it was sent. The long request is as
 long as the model's context allows (SmolLM2: 8192 tokens; issue 23 asks for 16k, which it cannot take).
-Percentiles: bench.summary's. Run it alone (under the machine lock): `python -m bench.fairness`."""
+Percentiles: bench.summary's. Run it alone (under the machine lock): `python -m bench.fairness
+--out bench/results/fairness.txt` (the record; without --out, bench/results/latest/fairness.txt)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,10 @@ import asyncio
 import time
 from pathlib import Path
 
-from bench.common import REPO, cpu, git_commit, question, spawned_server
-from bench.summary import Summary, write_report
+from bench.common import cpu, git_commit, question, spawned_server
+from bench.summary import Summary, default_out, write_report
 from pyscore.client import AsyncScorerClient
 
-OUT = REPO / "bench" / "results" / "fairness.txt"
 LABELS = ["Yes", "No"]
 LONG_WORDS = 7000  # ~7.8k tokens with its item: SmolLM2's context is 8192
 TARGET_RATIO = 3.0
@@ -108,7 +108,7 @@ def main() -> None:
     p.add_argument("--n-idle", type=int, default=60)
     p.add_argument("--n-loaded", type=int, default=60, help="short Scores under load (a third for one-pass)")
     p.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
-    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--out", type=Path, default=default_out("fairness.txt"))
     p.add_argument("--logs", type=Path, default=Path("/tmp/pyscore-fairness"), help="the servers' logs")
     a = p.parse_args()
     lines = run([(c, CONFIGS[c]) for c in a.configs], a.n_idle, a.n_loaded, a.logs)

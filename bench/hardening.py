@@ -1,7 +1,8 @@
-"""Hardening runs against `python -m server` on the embedded model, recorded in bench/results/hardening/ (not CI
-tests: they produce figures). Both replay recorded requests through bench.loadgen's open loop (Poisson arrivals;
-ReplayTarget judges every answer against the same request answered alone beforehand) at a multiple of the capacity
-measured first (closed loop, 4 callers), while the server's RSS, cores used and queue depth are sampled:
+"""Hardening runs against `python -m server` on the embedded model, recorded in bench/results/hardening/ with
+`--out bench/results/hardening` (not CI tests: they produce figures; without --out, bench/results/latest/hardening).
+Both replay recorded requests through bench.loadgen's open loop (Poisson arrivals; ReplayTarget judges every answer
+against the same request answered alone beforehand) at a multiple of the capacity measured first (closed loop, 4
+callers), while the server's RSS, cores used and queue depth are sampled:
 
 - overload: MIS at --factor (3) x capacity for --duration s, --rounds (2) times on one server: whether the queue
   stayed bounded (--max-queue), how fast the excess got RESOURCE_EXHAUSTED, the accepted requests' latency, and RSS
@@ -31,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from bench import loadgen
-from bench.common import REPO, machine, question, sampled, spawned_server
+from bench.common import machine, question, sampled, spawned_server
 from bench.loadgen import Record
-from bench.summary import Summary, write_json, write_report
+from bench.summary import Summary, default_out, write_json, write_report
 from bench.targets import TOLERANCE, Case, ReplayTarget, draws, mis_cases
 
 MARKER = " ###"  # one token in SmolLM2's vocabulary
@@ -240,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
                     help="more environment for the server, e.g. MALLOC_MMAP_THRESHOLD_=131072 (repeatable)")
     ap.add_argument("--name", help="the result files' name (default: the run's)")
-    ap.add_argument("--out", type=Path, default=REPO / "bench/results/hardening")
+    ap.add_argument("--out", type=Path, default=default_out("hardening"))
     for name, default, text in [("duration", 60.0, "overload: seconds of open-loop load per round"),
                                 ("factor", 3.0, "overload: offered load / capacity"),
                                 ("items", 5, "overload: candidates per MIS request"),

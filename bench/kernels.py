@@ -21,7 +21,8 @@ the CPU (bench.common.machine) and both tiers.
 study's shapes, median of --reps calls (CUDA events on the GPU), as JSON: prefix_item_attention vs SDPA with a dense
 mask on MIS streams (query 300 + 2/5/9/16 items of ~32 tokens) with Qwen3-0.6B and Qwen3-8B heads, each against the
 fp32 reference, and the items' MIS-vs-SIS difference; label_logprobs at R = 16, V = 151936, H = 1024 / 4096;
-Qwen3.5-4B's conv + gated delta rule vs transformers' fallbacks on the same streams. Usage:
+Qwen3.5-4B's conv + gated delta rule vs transformers' fallbacks on the same streams. Without --out the report goes
+to bench/results/latest/ (kernels_cpu.txt; kernels_linear_cpu.txt, kernels_tiers_cpu.txt for those sections). Usage:
   python -m bench.kernels [--tier avx2] [--dtypes fp32] [--threads 2] [--rounds 5] [--out FILE] [--only SECTION ...]
   python -m bench.kernels --only tiers [--tiers avx2 avx512] [--torch-isa avx2] [--shapes ...] [--rounds 7]
   python -m bench.kernels --json kernels.json [--device cuda | --tiny] [--reps 50]"""
@@ -42,7 +43,7 @@ import torch.nn.functional as F
 
 from bench.common import TORCH_ISA_ENV, device_info, device_ms, force_isa, machine, median_ms
 from bench.common import alternate as alternate_rounds
-from bench.summary import percentile, write_json, write_report
+from bench.summary import default_out, percentile, write_json, write_report
 from pyscore.engine import set_threads
 from pyscore.memory import keep_activation_pages
 from pyscore.model.rope import Rotary
@@ -75,8 +76,7 @@ from pyscore.ops.reference import (
     silu_mul_ref,
 )
 
-RESULTS = Path(__file__).resolve().parent / "results"
-OUT = {"linear": RESULTS / "kernels_linear_cpu.txt", "tiers": RESULTS / "tiers" / "linear.txt"}  # else kernels_cpu
+OUT = {"linear": "kernels_linear_cpu.txt", "tiers": "kernels_tiers_cpu.txt"}  # else kernels_cpu.txt
 LIN_SHAPE = (16, 16, 128, 4)  # Qwen3.5-0.8B Gated DeltaNet: Hk, Hv, head dim, conv kernel
 HQ, HKV, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
 VOCAB, HIDDEN = 49152, 576
@@ -729,7 +729,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                         "3 with --tiny)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per comparison")
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=DEFAULT_SECTIONS)
-    parser.add_argument("--out", type=Path, help="default: kernels_cpu.txt (linear, tiers: their own files)")
+    parser.add_argument("--out", type=Path,
+                        help="default: bench/results/latest/kernels_cpu.txt (linear, tiers: their own files)")
     parser.add_argument("--tier", choices=[*TORCH_ISA_ENV, "avx512bf16", "amx"],
                         help="force our kernels' CPU tier, and torch's ISA to match (default: the hardware's)")
     parser.add_argument("--torch-isa", choices=sorted(TORCH_ISA_ENV), help="torch on this ISA's paths alone")
@@ -785,7 +786,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         "linear": lambda: linear_attention_section(args.reps, args.rounds, dtypes),
         "tiers": lambda: tiers_section(args, dtypes),
     }
-    out = args.out or OUT.get(args.only[0] if len(args.only) == 1 else "", RESULTS / "kernels_cpu.txt")
+    out = args.out or default_out(OUT.get(args.only[0] if len(args.only) == 1 else "", "kernels_cpu.txt"))
     for name in args.only:
         lines += [*sections[name](), ""]
         print(flush=True)

@@ -1,4 +1,5 @@
-"""What serving a model costs in memory, two measurements, each recorded in bench/results/memory/:
+"""What serving a model costs in memory, two measurements, each recorded in bench/results/memory/ (`--out
+bench/results/memory`; without it, bench/results/latest/memory):
 
 - load (issue 20, memory.md): per model, a fresh child process imports torch and pyscore.engine, notes its RSS
   (the baseline), resets its peak (/proc/self/clear_refs), loads the model in bf16 and scores one 2-candidate MIS
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import REPO, git_commit, machine, machine_info, question
+from bench.summary import default_out
 from server.memory import proc_status_kib
 
 GiB = 2**30
@@ -265,7 +267,7 @@ def main() -> None:
                    help=f"comma-separated, of {', '.join(MODELS)} (default %(default)s)")
     p.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "pyscore" / "bench-memory",
                    help="where the random checkpoints are written once (default %(default)s)")
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "memory")
+    p.add_argument("--out", type=Path, default=default_out("memory"))
     p.add_argument("--kv-sharing", action="store_true", help="KV bytes held by generations sharing a prompt")
     p.add_argument("--users", type=int, default=32, help="--kv-sharing: generations")
     p.add_argument("--system", type=int, default=1000, help="--kv-sharing: system prompt tokens")

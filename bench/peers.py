@@ -29,7 +29,7 @@ from typing import Any
 from bench import loadgen, serving
 from bench.common import machine, machine_info, spawned_server
 from bench.dataset import Question, synthetic_question
-from bench.summary import fmt, write_json, write_report
+from bench.summary import default_out, fmt, write_json, write_report
 from bench.targets import Target, make_target
 
 # What each side runs: report label -> target path.
@@ -408,7 +408,7 @@ def run(plan: Plan, servers: ServerFactory, out: Path, idle: Callable[[], float]
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="bench/results/peers")
+    p.add_argument("--out", default=str(default_out("peers")))
     p.add_argument("--peers", default=os.environ.get("PEERS"),
                    help="the peers folder with start_vllm.sh, stop_all.sh and vllmvenv (default $PEERS)")
     p.add_argument("--rounds", type=int, default=2, help="vLLM blocks (pyscore runs one more) (%(default)s)")

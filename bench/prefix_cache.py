@@ -10,7 +10,7 @@
    alternated level by level; p50/p95 time to decision and achieved rate.
 (What the cache's pages hold beside running generations: `python -m bench.memory --kv-sharing`.) Run it alone.
 Usage: python -m bench.prefix_cache [--system 1000 200] [--reps 3]
-[--only closed|served]. Writes bench/results/prefix_cache_cpu[_PART].json (and prints the tables)."""
+[--only closed|served]. Writes bench/results/latest/prefix_cache_cpu[_PART].json or --out (and prints the tables)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from bench import prompts
 from bench.common import WORDS, git_commit, machine, machine_info, sentence, spawned_server
 from bench.dataset import Question
 from bench.loadgen import open_loop, poisson_schedule, summarize_records
-from bench.summary import percentile, write_json
+from bench.summary import default_out, percentile, write_json
 from bench.targets import GrpcTarget
 from pyscore.engine import Engine
 from pyscore.types import GenerateRequest, Usage
@@ -181,7 +181,7 @@ def main() -> None:
     ap.add_argument("--open-qps", type=float, nargs="+", default=[0.5, 1.0, 2.0, 4.0])
     ap.add_argument("--open-candidates", type=int, default=5)
     ap.add_argument("--arrivals", type=int, default=8, help="arrivals per open-loop level and kind")
-    ap.add_argument("--out", default=None, help="default bench/results/prefix_cache_cpu[_PART].json")
+    ap.add_argument("--out", default=None, help="default bench/results/latest/prefix_cache_cpu[_PART].json")
     args = ap.parse_args()
     engine = Engine.from_pretrained(None, dtype=args.dtype, threads=args.threads)
     print(f"# {machine()} | {engine.model_name} {args.dtype} threads={args.threads} | commit {git_commit()}")
@@ -191,7 +191,7 @@ def main() -> None:
         result["closed_loop"] = closed_loop(engine, args)
     if args.only != "closed":
         result.update(served(engine, args))  # the engine only tokenizes there; the servers do the work
-    out = Path(args.out or f"bench/results/prefix_cache_cpu{'_' + args.only if args.only else ''}.json")
+    out = Path(args.out or default_out(f"prefix_cache_cpu{'_' + args.only if args.only else ''}.json"))
     write_json(out, result, indent=2)
 
 

@@ -9,7 +9,8 @@ overload, soak and deploy commands took the nearest rank instead: the results re
 header; bench/results/hardening/overload.txt was re-recorded with this one.)
 
 `write_report` prints and records a text report, `write_json` records its data; both write atomically (a reader,
-or a timeout kill, never sees half a file) and make folders as needed."""
+or a timeout kill, never sees half a file) and make folders as needed. `default_out` is where every command writes
+without --out: bench/results/latest/, which git ignores (a cited record is written with --out)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,15 @@ from pathlib import Path
 from typing import Any
 
 NAN = math.nan
+
+# Where a bench command writes when no --out is given: a folder git ignores, so a re-run never overwrites a record
+# that the README or a closing note cites (those are written with --out and committed).
+LATEST = Path(__file__).resolve().parent / "results" / "latest"
+
+
+def default_out(name: str) -> Path:
+    """bench/results/latest/NAME: the default output of every bench command."""
+    return LATEST / name
 
 
 def percentile(values: Sequence[float], p: float) -> float:

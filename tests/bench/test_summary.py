@@ -3,14 +3,17 @@ type: every bench command's summary path, fed the same latencies, reports the sa
 
 from __future__ import annotations
 
+import ast
 import json
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from bench import deploy, hardening, loadgen, peers
 from bench.loadgen import Record
-from bench.summary import Summary, percentile, timings, write_json, write_report
+from bench.summary import LATEST, Summary, default_out, percentile, timings, write_json, write_report
 
 # 20 latencies (s) where the nearest rank (what overload/soak/deploy used to take) and linear interpolation differ
 LATENCIES_S = [0.010 * ((7 * k) % 20 + 1) ** 2 for k in range(20)]  # 10 ms ... 4 s, out of order
@@ -64,3 +67,29 @@ def test_writers_print_record_and_make_folders(tmp_path, capsys):
     write_json(tmp_path / "c" / "d.json", {"p95": 1.5, "path": tmp_path})
     assert json.loads((tmp_path / "c" / "d.json").read_text()) == {"p95": 1.5, "path": str(tmp_path)}
     assert not list(tmp_path.glob("**/*.tmp"))
+
+
+def test_no_bench_command_writes_a_cited_record_by_default():
+    """A bench command run without --out writes under bench/results/latest/ (git ignores it): no code in bench/
+    names a path into bench/results/ but bench/results/latest/ (summary.LATEST), so a re-run never overwrites a
+    record the README cites.
+    Docstrings and help texts may name records; a string that builds a path may not."""
+    repo = Path(__file__).resolve().parents[2]
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(default_out("x.txt"))], cwd=repo)
+    assert ignored.returncode == 0, f"{LATEST} is not ignored by git"
+    offenders = []
+    for path in sorted((repo / "bench").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        docs = {id(node.body[0].value) for node in ast.walk(tree)
+                if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+                and node.body and isinstance(node.body[0], ast.Expr)}
+        helps = {id(kw.value) for node in ast.walk(tree) if isinstance(node, ast.Call)
+                 for kw in node.keywords if kw.arg == "help"}
+        for node in ast.walk(tree):
+            named = (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs | helps
+                     and "bench/results" in node.value.replace("bench/results/latest", ""))
+            joined = (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div)
+                      and isinstance(node.right, ast.Constant) and node.right.value == "results")
+            if (named or joined) and path.name != "summary.py":
+                offenders.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert not offenders, offenders
