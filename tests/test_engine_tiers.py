@@ -94,3 +94,31 @@ def test_the_start_up_facts_name_the_tier(model_dir, tier):
     for op, path in info.ops.items():
         choice = tiers.cpu_choice(op, tier, expected_dtype)
         assert path.startswith("kernel" if choice.path == "kernel" else "torch"), (op, path)
+
+
+@pytest.mark.skipif(_ext.cpu_module() is None, reason="needs pyscore._C")
+@pytest.mark.parametrize(("name", "value", "known"), [("PYSCORE_CPU_TIER", "avx-2", "generic, avx2, avx512"),
+                                                      ("PYSCORE_BF16_DOT", "dpbf", "dpbf16, widen"),
+                                                      ("PYSCORE_OP_BACKEND", "referense", "auto, reference")])
+def test_a_misspelt_switch_is_refused_before_the_model_loads(monkeypatch, tmp_path, name, value, known):
+    # The kernels read an unknown value as unset: a typo would run the default under a bench or a deployment that
+    # believes it forced another. The check runs before the load (the model path does not exist).
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=rf"{name}='{value}' is not one of {known}"):
+        Engine.from_pretrained(str(tmp_path / "no-such-model"), device="cpu")
+
+
+@pytest.mark.skipif(_ext.cpu_module() is None, reason="needs pyscore._C")
+def test_a_tier_this_cpu_cannot_run_is_logged_and_the_cpu_tier_runs(monkeypatch, caplog, model_dir):
+    runnable = _ext.runnable_cpu_tiers()
+    above = next(t for t in tiers.TIERS if t not in runnable)  # amx here, or neon on x86, avx2 on aarch64
+    monkeypatch.setenv("PYSCORE_CPU_TIER", above)
+    with caplog.at_level("WARNING", logger="pyscore.ops._ext"):
+        e = Engine.from_pretrained(str(model_dir), device="cpu", dtype="float32")
+    expected = runnable[-1] if (above == "neon") == (runnable[-1] == "neon") else "generic"
+    assert e.info().cpu_tier == expected
+    assert f"PYSCORE_CPU_TIER={above}: this CPU cannot run that tier" in caplog.text, caplog.text
+    monkeypatch.setenv("PYSCORE_CPU_TIER", runnable[0])
+    caplog.clear()
+    _ext.check_switches()  # a runnable tier: nothing to say
+    assert "PYSCORE_CPU_TIER" not in caplog.text

@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import os
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
-from pyscore.ops.tiers import BELOW, CPU_TIERS, cpu_choice
+from pyscore.ops.tiers import BELOW, CPU_TIERS, TIERS, cpu_choice
+
+log = logging.getLogger(__name__)
 
 CPU_MODULE, CUDA_MODULE = "pyscore._C", "pyscore._C_cuda"
 _FP32_BF16 = frozenset({torch.float32, torch.bfloat16})
@@ -214,6 +217,28 @@ def runnable_cpu_tiers() -> list[str]:
     while chain[-1] in BELOW:
         chain.append(BELOW[chain[-1]])
     return chain[::-1]
+
+
+# The kernels' switches that take a name, and the names they know. The kernels read any other value as unset
+# (csrc/common/cpu_features.h; default_backend here), so a misspelt one would run the default while a bench or a
+# deployment believes it forced another.
+SWITCH_VALUES = {"PYSCORE_CPU_TIER": TIERS, "PYSCORE_BF16_DOT": ("dpbf16", "widen"),
+                 "PYSCORE_OP_BACKEND": ("auto", "reference")}
+
+
+def check_switches() -> None:
+    """Each switch of SWITCH_VALUES, when set, must hold a name it knows (ValueError naming the variable and the
+    names). A tier this CPU cannot run (above it, or of the other architecture) is legal, as for a setting shared by
+    a mixed fleet: the kernels run the CPU's tier (generic across architectures), and that is logged."""
+    read = os.environ.get if cpu_module() is None else cpu_module().getenv
+    for name, known in SWITCH_VALUES.items():
+        value = read(name)
+        if value and value not in known:
+            raise ValueError(f"{name}={value[:32]!r} is not one of {', '.join(known)} (or unset: the default)")
+    asked = read("PYSCORE_CPU_TIER")
+    if asked and asked not in runnable_cpu_tiers():
+        log.warning("PYSCORE_CPU_TIER=%s: this CPU cannot run that tier (it runs %s); the kernels run tier %s",
+                    asked, ", ".join(runnable_cpu_tiers()), cpu_tier())
 
 
 def cpu_isa(module: ModuleType) -> str:
