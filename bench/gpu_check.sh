@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # H200 validation of pyscore in one run (issues 6, 11): build the extension for sm_90a, run the CUDA tests (each
-# kernel against the reference, MIS = SIS on the GPU), then the kernel benchmark, the
+# kernel against the reference; tests/bench_gpu/test_cuda_engine.py: the engine's paths on the GPU, Qwen3 and the
+# Qwen3.5 hybrid, against the fp32 CPU engine: MIS, SIS, the prefix cache, chunked prefill, branch points, prompt
+# logprobs and decode steps), then the kernel benchmark, the
 # in-process engine benchmark on random-weight Qwen3-0.6B-, Qwen3-8B- and Qwen3.5-4B-shaped models, and a short gRPC
 # benchmark. Every stage runs under `timeout`, writes its JSON/log under $OUT before the next starts, and a
-# failing stage does not stop the others. Stage limits add up to 9.5 min (env 20 s, build 120 (the CUDA module
-# alone took 21 s on 2 cores here), tests 60, kernels 50, engine 0.6B 70, engine 8B 110, engine Qwen3.5-4B 100,
-# gRPC 50); expect about 5-6 min. The last thing printed is `python -m bench.gpu summary`'s table.
+# failing stage does not stop the others. Stage limits add up to 9.7 min (env 15 s, build 110 (the CUDA module
+# alone took 21 s on 2 cores here), tests 80, kernels 50, engine 0.6B 70, engine 8B 110, engine Qwen3.5-4B 100,
+# gRPC 45), under the device tool's 10 minutes a command; expect about 5-6 min. The last thing printed is
+# `python -m bench.gpu summary`'s table.
 #
 # $OUT ends with at most 10 files: build.log tests.log run.log summary.txt kernels.json engine-qwen3-0.6b.json
 # engine-qwen3-8b.json engine-qwen3.5-4b.json grpc.json grpc.server.log.
@@ -15,7 +18,8 @@
 #   bench/gpu_check.sh --only kernels,engine8b   rerun some stages (env build tests kernels engine06b engine8b
 #                                       engine35 grpc); build is skipped when pyscore/_C_cuda*.so exists for this
 #                                       python
-#   bench/gpu_check.sh --cpu-dry-run    here, on the CPU: every stage but the CUDA build/tests, at tiny sizes
+#   bench/gpu_check.sh --cpu-dry-run    here, on the CPU: every stage but the CUDA build and kernel tests, at tiny
+#                                       sizes (the engine-path tests run on the CPU, as in `make test`)
 #
 # Wheels (the device has no registry; pybind11 and pytest are on its image, grpcio-tools / health / reflection
 # are not, and grpcio + protobuf travel as a set matched to the generated code). Once, here, in the repo root:
@@ -131,9 +135,9 @@ tests() {
 
 export MODE PY ONLY
 export -f env_info build tests
-stage env 20 "$RUNLOG" -- env_info
-stage build 120 "$OUT/build.log" -- build
-stage tests 60 "$OUT/tests.log" -- tests
+stage env 15 "$RUNLOG" -- env_info
+stage build 110 "$OUT/build.log" -- build
+stage tests 80 "$OUT/tests.log" -- tests
 stage kernels 50 "$RUNLOG" -- "$PY" -m bench.kernels "${SIZE[@]}" --json "$OUT/kernels.json"
 # bench.engine as the kit runs it: Generate, SIS and MIS over 8 distinct token-id questions per count, no stock
 # transformers, the JSON rewritten after every count
@@ -145,7 +149,7 @@ stage engine8b 110 "$RUNLOG" -- "${ENGINE[@]}" --shape qwen3-8b --overhead --bud
 # Qwen3.5-4B: hybrid (Gated DeltaNet + gated attention); its 256-dim attention heads take the CUDA-core attention
 # path. No overhead probe.
 stage engine35 100 "$RUNLOG" -- "${ENGINE[@]}" --shape qwen3.5-4b --budget-s 80 --out "$OUT/engine-qwen3.5-4b.json"
-stage grpc 50 "$RUNLOG" -- "$PY" -m bench.gpu grpc "${GRPC_SIZE[@]}" --shape qwen3-0.6b --out "$OUT/grpc.json"
+stage grpc 45 "$RUNLOG" -- "$PY" -m bench.gpu grpc "${GRPC_SIZE[@]}" --shape qwen3-0.6b --out "$OUT/grpc.json"
 
 {
   echo "total $(($(date +%s) - START)) s"
