@@ -204,3 +204,16 @@ def on_device(monkeypatch, device: str) -> str:
         force_cpu_isa(monkeypatch, device.removeprefix("cpu-"))
         return "cpu"
     return device
+
+
+def count_passes(e, monkeypatch) -> list[int]:
+    """The tokens each forward pass of `e` computes, in order (the list fills as they run)."""
+    passes: list[int] = []
+    real = e.decoder.hidden_at
+
+    def counted(batch, **kw):
+        passes.append(int(batch.tokens.numel()))
+        return real(batch, **kw)
+
+    monkeypatch.setattr(e.decoder, "hidden_at", counted)
+    return passes

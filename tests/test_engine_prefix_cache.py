@@ -13,7 +13,7 @@ import pytest
 from pyscore.engine import Engine, make_prefix_cache
 from pyscore.model.kv_store import page_tokens
 from pyscore.types import GenerateRequest, ScoreRequest
-from tests.helpers import REFERENCE_TOL, load_reference, make_model_dir
+from tests.helpers import REFERENCE_TOL, count_passes, load_reference, make_model_dir
 from tests.reference_scoring import max_abs_diff, reference_scores
 
 # ~300 tokens of the tiny tokenizer: four whole cache blocks and a partial one.
@@ -356,19 +356,6 @@ def test_hybrid_prompts_sharing_an_uncached_prefix_compute_it_once_in_their_step
     assert [r.usage.cached_tokens for r in together] == [0, 5 * B, 5 * B]
     again, states = run_together(e, [GenerateRequest(prompt=QUERY, max_tokens=2, prefix_cache_salt="n=2")] * 2)
     assert [r.usage.cached_tokens for r in again] == [readable] * 2  # cached now: no branch pass
-
-
-def count_passes(e: Engine, monkeypatch) -> list[int]:
-    """The tokens each forward pass of `e` computes, in order (the list fills as they run)."""
-    passes: list[int] = []
-    real = e.decoder.hidden_at
-
-    def counted(batch, **kw):
-        passes.append(int(batch.tokens.numel()))
-        return real(batch, **kw)
-
-    monkeypatch.setattr(e.decoder, "hidden_at", counted)
-    return passes
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -30,6 +30,7 @@ from pyscore.engine import Engine
 from pyscore.model.kv_store import page_tokens
 from pyscore.types import GenerateRequest, ScoreRequest
 from tests.conftest import cuda_available
+from tests.helpers import count_passes
 
 DEVICE = torch.device(os.environ.get("PYSCORE_GPU_TESTS_DEVICE") or ("cuda" if cuda_available() else "cpu"))
 pytestmark = [pytest.mark.cuda] if DEVICE.type == "cuda" else []
@@ -141,14 +142,7 @@ def test_a_hybrid_question_resumes_at_a_shared_system_prompt(engines, monkeypatc
     e = engines["kernel"]
     system = ids(3 * B + 5, 7)
     questions = [system + ids(B + 10 + k, 10 + k) for k in range(3)]  # each ends past the system prompt's blocks
-    passes: list[int] = []
-    real = e.decoder.hidden_at
-
-    def counted(batch, **kw):
-        passes.append(int(batch.tokens.numel()))
-        return real(batch, **kw)
-
-    monkeypatch.setattr(e.decoder, "hidden_at", counted)
+    passes = count_passes(e, monkeypatch)
     results = [e.score_batch([request(q, ITEMS, prefix_cache_salt="system")])[0] for q in questions]
     # the first keeps states at its own last block only; the second finds the system prompt's blocks without
     # states, branches there (one pass of its 3 blocks) and stores them; the third resumes at the branch
