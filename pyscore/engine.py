@@ -232,8 +232,7 @@ class Engine:
         chunks of at most this size (default and at most max_batch_tokens; pyscore.chunked_prefill)."""
         set_threads(threads)
         dev = resolve_device(device)
-        if dev.type == "cpu":
-            _ext.check_switches()  # before the tier picks the dtype and the load takes its time
+        _ext.check_switches()  # before the tier picks the dtype and the load takes its time
         pools = Pools(max_batch_tokens, max_kv_tokens, max_running_generations, prefix_cache_mb, kv_cache_mb)
         resolved = resolve_dtype(dtype, dev)
         loaded = load_model(model, resolved, dev, pools, smaller_dtype(dtype, resolved), op_backend)

@@ -72,8 +72,7 @@ def test_writers_print_record_and_make_folders(tmp_path, capsys):
 def test_no_bench_command_writes_a_cited_record_by_default():
     """A bench command run without --out writes under bench/results/latest/ (git ignores it): no code in bench/
     names a path into bench/results/ but bench/results/latest/ (summary.LATEST), so a re-run never overwrites a
-    record the README cites.
-    Docstrings and help texts may name records; a string that builds a path may not."""
+    record the README cites. Docstrings and help texts may name records; a string that builds a path may not."""
     repo = Path(__file__).resolve().parents[2]
     ignored = subprocess.run(["git", "check-ignore", "-q", str(default_out("x.txt"))], cwd=repo)
     assert ignored.returncode == 0, f"{LATEST} is not ignored by git"
