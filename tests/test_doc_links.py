@@ -1,6 +1,6 @@
 """The README's, docs' and recorded reports' relative links name files that exist: a figure the README quotes is
 only as good as the recorded result it links to (a cleanup once deleted a cited result because the README linked
-a name that never existed)."""
+a name that never existed). So do the recorded results the code cites (the tier table, the kernels' comments)."""
 
 from __future__ import annotations
 
@@ -33,3 +33,21 @@ def test_relative_links_resolve(doc: Path) -> None:
 def test_the_check_sees_links() -> None:
     """The pattern finds the README's links to recorded results, so an empty match cannot pass silently."""
     assert sum(t.startswith("bench/results/") for t in relative_targets(REPO / "README.md")) >= 10
+
+
+CITED = re.compile(r"\b(?:bench/results/)?[\w./-]*?([A-Za-z0-9_-]+\.(?:txt|json|md|png))\b")
+# a file name cited without its folder that is a bench record's (not a file the code reads or writes)
+RECORD_NAME = re.compile(r"_(ab|probes?)\.txt$|^(kernels|linear|engine|labels|decode|attention)_")
+CODE = [*sorted((REPO / "pyscore").rglob("*.py")), *sorted((REPO / "server").rglob("*.py")),
+        *sorted(p for p in (REPO / "csrc").rglob("*") if p.suffix in (".h", ".cpp", ".cu", ".cuh"))]
+
+
+def test_code_cites_recorded_results_that_exist() -> None:
+    """The tier table (pyscore/ops/tiers.py) and the kernels' comments justify a choice by a recorded result, by
+    path (bench/results/...) or by file name: each names a file under bench/results/."""
+    recorded = {p.name for p in (REPO / "bench" / "results").rglob("*") if p.is_file()}
+    cited = [(path, match.group(1)) for path in CODE for match in CITED.finditer(path.read_text(errors="replace"))
+             if "bench/results/" in match.group(0) or RECORD_NAME.search(match.group(1))]
+    assert len(cited) >= 40, len(cited)  # the pattern still finds the table's citations
+    missing = [f"{path.relative_to(REPO)}: {name}" for path, name in cited if name not in recorded]
+    assert not missing, missing
