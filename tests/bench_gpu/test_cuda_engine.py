@@ -19,6 +19,7 @@ GPU, so such a session does not spend its minutes on a broken test."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 
@@ -55,6 +56,8 @@ def ids(n: int, seed: int, vocab: int = 1024) -> list[int]:
 
 
 def scores(result) -> torch.Tensor:  # [items, rows, labels]
+    if isinstance(result, Exception):  # score_batch hands a failed request's error back: raise it as it is
+        raise result
     return torch.tensor(result.scores, dtype=torch.float64)
 
 
@@ -62,7 +65,7 @@ class Bound:
     """A request's fp32 CPU scores and the bound a bf16 GPU path must meet: 2x what torch's bf16 ops miss by."""
 
     def __init__(self, engines: dict, request: ScoreRequest):
-        plain = ScoreRequest(**{**request.__dict__, "bypass_prefix_cache": True})
+        plain = dataclasses.replace(request, bypass_prefix_cache=True)
         self.ref = scores(engines["ref"].score_batch([plain])[0])
         torch_err = float((scores(engines["torch_bf16"].score_batch([plain])[0]) - self.ref).abs().max())
         self.tol = 2 * torch_err + 1e-4
