@@ -4,6 +4,8 @@ and the summary renders them."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 from bench import engine, gpu, kernels
 
@@ -46,3 +48,13 @@ def test_grpc_kit_tiny_serves_and_stops(tmp_path):
     report = json.loads(out.read_text())
     assert not report["errors"] and report["server_exit_code"] == 0
     assert report["results"]["2"]["mis"]["n"] == 2
+
+
+def test_gpu_check_stages_fit_one_device_command():
+    """bench/gpu_check.sh runs as one device command, which the device tool stops at 600 s: its stages' limits (each
+    run under `timeout`) must leave room for the wheel install and the summary."""
+    script = (Path(__file__).resolve().parents[2] / "bench" / "gpu_check.sh").read_text()
+    limits = {name: int(s) for name, s in re.findall(r"^stage (\w+) (\d+) ", script, re.M)}
+    assert {"tests", "kernels", "engine06b", "engine8b", "engine35", "grpc"} <= set(limits), limits
+    assert sum(limits.values()) <= 590, limits
+    assert "-m cuda tests/ops tests/bench_gpu" in script  # the tests stage takes the engine-path module too
