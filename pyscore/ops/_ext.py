@@ -230,12 +230,11 @@ def check_switches() -> None:
     """Each switch of SWITCH_VALUES, when set, must hold a name it knows (ValueError naming the variable and the
     names). A tier this CPU cannot run (above it, or of the other architecture) is legal, as for a setting shared by
     a mixed fleet: the kernels run the CPU's tier (generic across architectures), and that is logged."""
-    read = os.environ.get if cpu_module() is None else cpu_module().getenv
-    for name, known in SWITCH_VALUES.items():
-        value = read(name)
+    for name, known in SWITCH_VALUES.items():  # once per engine: os.environ, not _switches' per-call fast read
+        value = os.environ.get(name)
         if value and value not in known:
             raise ValueError(f"{name}={value[:32]!r} is not one of {', '.join(known)} (or unset: the default)")
-    asked = read("PYSCORE_CPU_TIER")
+    asked = os.environ.get("PYSCORE_CPU_TIER")
     if asked and asked not in runnable_cpu_tiers():
         log.warning("PYSCORE_CPU_TIER=%s: this CPU cannot run that tier (it runs %s); the kernels run tier %s",
                     asked, ", ".join(runnable_cpu_tiers()), cpu_tier())

@@ -194,9 +194,7 @@ def test_avx512_kernel_k_blocks(monkeypatch, shape):
     """The AVX-512 FMA kernel over several K blocks: within the reference's tolerance with every epilogue, rows
     bitwise alone, and the carry exact: zeros in x past K/2 leave every output bit as the first half alone gives
     (the sums carried into the later blocks only add exact zeros), and zeros before K/2 as the second half alone."""
-    if "avx512bf16" not in _ext.runnable_cpu_tiers():
-        pytest.skip("needs a CPU with AVX512-BF16")
-    monkeypatch.setenv("PYSCORE_CPU_TIER", "avx512bf16")  # both dtypes on the FMA kernel (at amx bf16 is on tiles)
+    force_cpu_tier(monkeypatch, "avx512bf16")  # both dtypes on the FMA kernel (at amx bf16 is on tiles)
     k, n, gated = FMA_K_BLOCKED_SHAPES[shape]
     dtype = torch.bfloat16 if shape.endswith("bf16") else torch.float32
     for path in ("dpbf16", "widen") if dtype == torch.bfloat16 else ("widen",):
@@ -289,9 +287,7 @@ def test_amx_blockings(shape, monkeypatch):
     """At tier amx: M from 1 through 192 (the 1 x 4 tiles, one row tile or several in column chunks, their 32-column
     leftover, a zero-padded tail), then 201 and 301 (13 and 19 row tiles in one row block: 2 x 2 tiles in pairs, a
     1 x 2 last tile, a zero-padded tail), with bias and residual; and every row bitwise the row alone."""
-    if "amx" not in _ext.runnable_cpu_tiers():
-        pytest.skip("needs a CPU with AMX")
-    monkeypatch.setenv("PYSCORE_CPU_TIER", "amx")
+    force_cpu_tier(monkeypatch, "amx")
     k, n, gated = AMX_SHAPES[shape]
     for m in (1, 8, 16, 17, 33, 47, 64, 192, 201, 301):
         check_linear(m, k, n, gated, torch.bfloat16, bias=True, residual=m % 2 == 1, strided=m == 17, seed=m)
@@ -306,9 +302,7 @@ def test_amx_blockings(shape, monkeypatch):
 def test_amx_k_blocked_rows_past_one_row_block(monkeypatch):
     """At tier amx over several K blocks, rows come in blocks of up to 1024 (fp32 partials between the K blocks):
     M = 1100 runs two row blocks, and every row is bitwise the row alone."""
-    if "amx" not in _ext.runnable_cpu_tiers():
-        pytest.skip("needs a CPU with AMX")
-    monkeypatch.setenv("PYSCORE_CPU_TIER", "amx")
+    force_cpu_tier(monkeypatch, "amx")
     check_linear(1100, 2080, 64, False, torch.bfloat16, bias=True, residual=True, seed=3)
     x, w, b, _ = make_inputs(1100, 2080, 64, False, torch.bfloat16, bias=True, residual=False, seed=4)
     packed = pack_linear(w, b)
