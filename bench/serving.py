@@ -35,7 +35,7 @@ from typing import Any
 from bench import loadgen, report
 from bench.common import REPO, git_commit, machine_info, spawned_server
 from bench.dataset import Dataset
-from bench.summary import fmt, percentile, write_json
+from bench.summary import LATEST, fmt, percentile, write_json
 from bench.targets import PATHS, Target, make_target
 
 
@@ -283,7 +283,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=120.0, help="per-request deadline, seconds")
     p.add_argument("--threads", type=int, default=None, help="inprocess: model threads (default: all cores)")
     p.add_argument("--dtype", default="auto", help="inprocess: model dtype (default %(default)s)")
-    p.add_argument("--out", default="bench/results/latest")
+    p.add_argument("--out", default=str(LATEST))
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--sweep", action="store_true", help="`make bench`: the CPU-sized sweep, then the report")
     p.add_argument("--inprocess-questions", type=int, default=8, help="--sweep: in-process questions per rep")
