@@ -7,14 +7,18 @@
 # the compiler must not fuse a mul and an add; explicit FMAs are intrinsics). They are only entered after the run-time
 # tier check (csrc/common/cpu_features.h), so one build runs on any x86-64. On aarch64 the *_neon.cpp files (on
 # common/vec_neon.h; -ffp-contract=off too) are added instead; NEON is baseline there, so they need no -m flag, and
-# the portable sources are written so that -O3 vectorizes their hot loops. The other architecture's entry points get
-# stand-ins (csrc/common/isa_entry.h, csrc/common/isa_stubs.cpp).
+# the portable sources are written so that -O3 vectorizes their hot loops.
 #
 # Kernel texts (csrc/<op>/*_simd.h), written once against the vector layer `V`, are compiled once per layer named on
 # their "// pyscore-vec-layers:" line that this architecture has (avx2 and avx512 on x86-64, neon on aarch64), each
 # through a translation unit generated here that binds `V` to the layer and names the entry point
 # (PYSCORE_VEC_ENTRY(name) -> name_<layer>), with that layer's ISA file flags: PyTorch's CPU_CAPABILITY pattern, one
 # text and one object per ISA without a shim file per ISA in the op's folder.
+#
+# The dispatch table (csrc/common/dispatch.h) is generated here too, from what this architecture builds: the kernel
+# families the op headers declare (PYSCORE_KERNELS), the entry points the kernel texts (PYSCORE_VEC_ENTRY, once per
+# layer built) and the ISA files (PYSCORE_ENTRY(family, layer)) define. Only built entry points are named, so the
+# other architecture needs no stand-ins, and an entry point of an undeclared family fails the configure step.
 #
 # Sets PYSCORE_CPU_KERNEL_SOURCES and PYSCORE_CPU_KERNEL_OPTIONS; needs PYSCORE_ROOT (the repository root).
 set(PYSCORE_AVX512_FLAGS "-mavx512f;-mavx512bw;-mavx512dq;-mavx512vl;-mavx512bf16;-mfma;-mf16c;-mamx-tile;-mamx-bf16")
@@ -23,17 +27,20 @@ set(PYSCORE_NEON_FLAGS "-ffp-contract=off")
 file(GLOB_RECURSE PYSCORE_CPU_KERNEL_SOURCES CONFIGURE_DEPENDS
   ${PYSCORE_ROOT}/csrc/*_cpu.cpp ${PYSCORE_ROOT}/csrc/common/*.cpp)
 list(FILTER PYSCORE_CPU_KERNEL_SOURCES EXCLUDE REGEX "/csrc/bindings_[^/]*$")  # the module's, not a kernel
+set(PYSCORE_ISA_SOURCES "")
 if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64)$")
   file(GLOB_RECURSE PYSCORE_AVX512_SOURCES CONFIGURE_DEPENDS ${PYSCORE_ROOT}/csrc/*_avx512.cpp ${PYSCORE_ROOT}/csrc/*_amx.cpp)
   set_source_files_properties(${PYSCORE_AVX512_SOURCES} PROPERTIES COMPILE_OPTIONS "${PYSCORE_AVX512_FLAGS}")
   file(GLOB_RECURSE PYSCORE_AVX2_SOURCES CONFIGURE_DEPENDS ${PYSCORE_ROOT}/csrc/*_avx2.cpp)
   set_source_files_properties(${PYSCORE_AVX2_SOURCES} PROPERTIES COMPILE_OPTIONS "${PYSCORE_AVX2_FLAGS}")
-  list(APPEND PYSCORE_CPU_KERNEL_SOURCES ${PYSCORE_AVX512_SOURCES} ${PYSCORE_AVX2_SOURCES})
+  set(PYSCORE_ISA_SOURCES ${PYSCORE_AVX512_SOURCES} ${PYSCORE_AVX2_SOURCES})
+  list(APPEND PYSCORE_CPU_KERNEL_SOURCES ${PYSCORE_ISA_SOURCES})
   set(PYSCORE_VEC_LAYERS avx2 avx512)
 elseif(CMAKE_SYSTEM_PROCESSOR MATCHES "^(aarch64|arm64|ARM64)$")
   file(GLOB_RECURSE PYSCORE_NEON_SOURCES CONFIGURE_DEPENDS ${PYSCORE_ROOT}/csrc/*_neon.cpp)
   set_source_files_properties(${PYSCORE_NEON_SOURCES} PROPERTIES COMPILE_OPTIONS "${PYSCORE_NEON_FLAGS}")
-  list(APPEND PYSCORE_CPU_KERNEL_SOURCES ${PYSCORE_NEON_SOURCES})
+  set(PYSCORE_ISA_SOURCES ${PYSCORE_NEON_SOURCES})
+  list(APPEND PYSCORE_CPU_KERNEL_SOURCES ${PYSCORE_ISA_SOURCES})
   set(PYSCORE_VEC_LAYERS neon)
 endif()
 
@@ -74,6 +81,10 @@ namespace V = @layer@;
     list(APPEND PYSCORE_CPU_KERNEL_SOURCES ${unit})
   endforeach()
 endforeach()
+include(${CMAKE_CURRENT_LIST_DIR}/kernel_table.cmake)
+pyscore_kernel_table("${PYSCORE_VEC_TEXTS}" "${PYSCORE_ISA_SOURCES}" "${PYSCORE_VEC_LAYERS}"
+                     ${CMAKE_CURRENT_BINARY_DIR}/pyscore_vec/kernel_table.cpp)
+list(APPEND PYSCORE_CPU_KERNEL_SOURCES ${CMAKE_CURRENT_BINARY_DIR}/pyscore_vec/kernel_table.cpp)
 message(STATUS "pyscore: CPU kernels for ${CMAKE_SYSTEM_PROCESSOR}")
 # -fno-trapping-math: nothing here reads floating-point exception flags, and without it GCC keeps any loop with a
 # float select (the clamps of csrc/common/vec_portable.h's exp) scalar. It changes no result: no reordering is allowed.

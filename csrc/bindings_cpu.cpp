@@ -9,6 +9,7 @@
 #include "add_rms_norm/add_rms_norm.h"
 #include "common/bind_args.h"
 #include "common/cpu_features.h"
+#include "common/dispatch.h"
 #include "common/merge_state_cpu.h"
 #include "common/threads.h"
 #include "decode_attention/decode_attention.h"
@@ -175,6 +176,24 @@ PYBIND11_MODULE(_C, m) {
     const char* value = std::getenv(name);
     return value ? py::object(py::str(value)) : py::object(py::none());
   });
+  // The generated kernel table (common/dispatch.h): each built (family, layer), the tier it serves from and the
+  // dtypes it covers. pyscore.ops._ext checks the tier table (pyscore/ops/tiers.py) against it.
+  m.def("kernel_table", []() {
+    py::list rows;
+    size_t n = 0;
+    const KernelTableRow* table = kernel_table(&n);
+    for (size_t i = 0; i < n; ++i) {
+      const KernelTableRow& r = table[i];
+      py::list dtypes;
+      for (DType d : {DType::kFloat32, DType::kBFloat16})
+        if (r.covers(d)) dtypes.append(d == DType::kFloat32 ? "float32" : "bfloat16");
+      py::dict row;
+      row["op"] = r.op, row["family"] = r.family, row["layer"] = r.layer, row["tier"] = tier_name(r.tier);
+      row["dtypes"] = dtypes;
+      rows.append(row);
+    }
+    return rows;
+  });
   m.def("cpu_features", []() {
     py::dict d;
     d["avx512f"] = cpu_has_avx512();
@@ -187,7 +206,10 @@ PYBIND11_MODULE(_C, m) {
     d["hardware_tier"] = tier_name(cpu_hardware_tier());
     // What the kernels run now (PYSCORE_CPU_TIER / PYSCORE_BF16_DOT read at each call, as the launchers do).
     d["tier"] = tier_name(cpu_tier());
-    d["path"] = cpu_use_avx512() ? "avx512" : cpu_use_avx2() ? "avx2" : "portable";
+    const CpuTier tier = cpu_tier();
+    d["path"] = tier == CpuTier::kNeon ? "neon"
+                : cpu_tier_at_least(CpuTier::kAvx512) ? "avx512"
+                : cpu_tier_at_least(CpuTier::kAvx2) ? "avx2" : "portable";
     d["bf16_dot"] = bf16_dot_name(cpu_bf16_dot());
     return d;
   });

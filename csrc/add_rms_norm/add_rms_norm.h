@@ -12,7 +12,7 @@
 #include <cstdint>
 
 #include "common/dtype.h"
-#include "common/isa_entry.h"
+#include "common/dispatch.h"
 
 namespace pyscore {
 
@@ -42,8 +42,7 @@ Status add_rms_norm_cpu(const AddRmsNormParams& params);
 
 using AddRmsNormRows = void (*)(const AddRmsNormParams& p, int32_t begin, int32_t end);
 
-// nullptr when the dtype is not covered (the caller checks the CPU).
-PYSCORE_X86_ENTRY(AddRmsNormRows add_rms_norm_rows_avx512(DType dtype));
-PYSCORE_X86_ENTRY(AddRmsNormRows add_rms_norm_rows_avx2(DType dtype));
+// The vector layers' rows (rows_simd.h); nullptr where the dtype is not covered.
+PYSCORE_KERNELS(add_rms_norm, add_rms_norm_rows, AddRmsNormRows);
 
 }  // namespace pyscore

@@ -39,11 +39,7 @@ void rows_portable(const AddRmsNormParams& p, int32_t begin, int32_t end) {
 }
 
 AddRmsNormRows choose_rows(DType dtype) {
-  AddRmsNormRows fast = nullptr;
-  // From tier avx512 (Skylake-SP to Ice Lake) up, both dtypes: the AVX-512 unit holds no BF16 instruction.
-  if (cpu_use_avx512()) fast = add_rms_norm_rows_avx512(dtype);
-  else if (cpu_use_avx2()) fast = add_rms_norm_rows_avx2(dtype);
-  if (fast) return fast;
+  if (AddRmsNormRows fast = select_kernel<add_rms_norm_rows_kernels>(KernelKey{dtype})) return fast;
   return dtype == DType::kBFloat16 ? rows_portable<uint16_t> : rows_portable<float>;
 }
 

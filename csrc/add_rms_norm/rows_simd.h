@@ -121,6 +121,6 @@ AddRmsNormRows rows_for(DType dtype) {
 }  // namespace
 
 // The entry point add_rms_norm.h declares, named for the layer this text is compiled on (e.g. add_rms_norm_rows_avx2).
-AddRmsNormRows PYSCORE_VEC_ENTRY(add_rms_norm_rows)(DType dtype) { return rows_for(dtype); }
+AddRmsNormRows PYSCORE_VEC_ENTRY(add_rms_norm_rows)(const KernelKey& key) { return rows_for(key.dtype); }
 
 }  // namespace pyscore

@@ -1,7 +1,7 @@
-// The CPU tier, decided at run time in this one place: the launchers dispatch on it and the Python op registry
-// (pyscore/ops/_ext.py, through _C.cpu_features()) reads the same answer. ISA-specific kernels live in files
-// compiled with that ISA's flags and are only entered when the running CPU's tier allows them, so one build runs
-// on any x86-64 (or aarch64) machine.
+// The CPU tier, decided at run time in this one place: the kernel table (common/dispatch.h) dispatches on it and the
+// Python op registry (pyscore/ops/_ext.py, through _C.cpu_features()) reads the same answer. ISA-specific kernels
+// live in files compiled with that ISA's flags and are only entered when the running CPU's tier allows them, so one
+// build runs on any x86-64 (or aarch64) machine.
 #pragma once
 #include <cstdlib>
 #include <cstring>
@@ -154,20 +154,6 @@ inline bool cpu_tier_at_least(CpuTier min) {
   return t != CpuTier::kNeon && static_cast<int>(t) >= static_cast<int>(min);
 }
 
-// The AVX-512 (+BF16) kernels: tiers avx512bf16 and amx.
-inline bool cpu_use_avx512bf16() { return cpu_tier_at_least(CpuTier::kAvx512Bf16); }
-
-// The AVX-512 kernels at tiers avx512 and up. What a tier below avx512bf16 (Skylake-SP to Ice Lake) reaches in them
-// needs AVX-512 F/BW/DQ/VL alone: the elementwise kernel texts' avx512 units and gated_delta_rule_avx512.cpp whole;
-// in the *_avx512.cpp of linear, label_logprobs, prefix_item_attention and decode_attention, the fp32 code and the
-// bf16 code that widens pairs to fp32 (Bf16Dot::kWiden, which cpu_bf16_dot() answers there). No BF16 or tile
-// instruction in any of it: tests/ops/test_avx512_tier_isa.py reads the machine code.
-inline bool cpu_use_avx512() { return cpu_tier_at_least(CpuTier::kAvx512); }
-
-// The AVX2 + FMA kernels (*_avx2.cpp): tier avx2, and tier avx512 where its AVX-512 code does not cover a shape
-// (the attention ops' other head sizes).
-inline bool cpu_use_avx2() { return cpu_tier_at_least(CpuTier::kAvx2) && !cpu_use_avx512bf16(); }
-
 // How the AVX-512 kernels multiply bf16 pairs (both give bitwise the same fp32 result on normal numbers):
 //  kDpbf16: vdpbf16ps, 32 multiply-adds per instruction. On AMD Zen 4/5 it issues at the fp32 FMA rate, so it does
 //           twice the work of the alternative.
@@ -179,7 +165,7 @@ inline bool cpu_use_avx2() { return cpu_tier_at_least(CpuTier::kAvx2) && !cpu_us
 enum class Bf16Dot { kDpbf16, kWiden };
 
 inline Bf16Dot cpu_bf16_dot() {
-  if (!cpu_use_avx512bf16()) return Bf16Dot::kWiden;  // no vdpbf16ps below tier avx512bf16, whatever is asked
+  if (!cpu_tier_at_least(CpuTier::kAvx512Bf16)) return Bf16Dot::kWiden;  // no vdpbf16ps below tier avx512bf16, whatever is asked
   const char* forced = std::getenv("PYSCORE_BF16_DOT");
   if (forced && std::strcmp(forced, "widen") == 0) return Bf16Dot::kWiden;
   if (forced && std::strcmp(forced, "dpbf16") == 0) return Bf16Dot::kDpbf16;

@@ -30,6 +30,11 @@ static inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 static inline Vec div(Vec a, Vec b) { return _mm256_div_ps(a, b); }
 static inline Vec max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
 static inline Vec fma(Vec a, Vec b, Vec acc) { return _mm256_fmadd_ps(a, b, acc); }  // a * b + acc, one rounding
+static inline Vec fnma(Vec a, Vec b, Vec c) { return _mm256_fnmadd_ps(a, b, c); }     // c - a * b, one rounding
+// A store that bypasses the caches (p aligned to the vector), for lines written and not read back soon; a kernel
+// that streams calls stream_fence() before its caller's threads join.
+static inline void stream(float* p, Vec x) { _mm256_stream_ps(p, x); }
+static inline void stream_fence() { _mm_sfence(); }
 
 // ---- loads and stores --------------------------------------------------------------------------------------------
 

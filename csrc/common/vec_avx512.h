@@ -23,6 +23,9 @@ static inline Vec mul(Vec a, Vec b) { return _mm512_mul_round_ps(a, b, kRoundNea
 static inline Vec div(Vec a, Vec b) { return _mm512_div_round_ps(a, b, kRoundNearest); }
 static inline Vec max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
 static inline Vec fma(Vec a, Vec b, Vec acc) { return _mm512_fmadd_ps(a, b, acc); }
+static inline Vec fnma(Vec a, Vec b, Vec c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b, one rounding
+static inline void stream(float* p, Vec x) { _mm512_stream_ps(p, x); }  // p 64-byte aligned (see vec_avx2.h)
+static inline void stream_fence() { _mm_sfence(); }
 
 // The first n lanes (n clamped to [0, 16]).
 static inline __mmask16 first_mask(int n) {

@@ -37,6 +37,10 @@ static inline Vec div(Vec a, Vec b) { return vdivq_f32(a, b); }
 static inline Vec max(Vec a, Vec b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }  // a > b ? a : b, as maxps
 static inline Vec min(Vec a, Vec b) { return vbslq_f32(vcltq_f32(a, b), a, b); }  // a < b ? a : b, as minps
 static inline Vec fma(Vec a, Vec b, Vec acc) { return vfmaq_f32(acc, a, b); }    // a * b + acc, one rounding
+static inline Vec fnma(Vec a, Vec b, Vec c) { return vfmsq_f32(c, a, b); }       // c - a * b, one rounding
+// No cache-bypassing store of one vector here: a plain store (vec_avx2.h's stream contract holds trivially).
+static inline void stream(float* p, Vec x) { vst1q_f32(p, x); }
+static inline void stream_fence() {}
 
 // ---- loads and stores --------------------------------------------------------------------------------------------
 

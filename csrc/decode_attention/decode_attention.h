@@ -22,7 +22,7 @@
 #pragma once
 #include <cstdint>
 
-#include "common/cpu_features.h"
+#include "common/dispatch.h"
 #include "common/dtype.h"
 
 namespace pyscore {
@@ -80,9 +80,8 @@ struct DecodeCpuOps {
   void (*store_row)(const float* src, int32_t dim, void* dst);
 };
 
-// nullptr when the dtype / head_dim is not covered (the caller checks the CPU). bf16_dot: how the AVX-512 ops
-// multiply bf16 pairs (kWiden is the one a tier without AVX512-BF16 may run).
-const DecodeCpuOps* decode_ops_avx512(DType dtype, int32_t head_dim, Bf16Dot bf16_dot);
-const DecodeCpuOps* decode_ops_avx2(DType dtype, int32_t head_dim);
+// The layers' ops (key.bf16_dot: how the AVX-512 ops multiply bf16 pairs; kWiden is the one a tier without
+// AVX512-BF16 runs); nullptr where the dtype / head_dim is not covered.
+PYSCORE_KERNELS(decode_attention, decode_ops, const DecodeCpuOps*);
 
 }  // namespace pyscore

@@ -195,11 +195,11 @@ const DecodeCpuOps kF32Ops{attend_rows<F32>, store_row<float>};
 
 }  // namespace
 
-const DecodeCpuOps* decode_ops_avx2(DType dtype, int32_t head_dim) {
+const DecodeCpuOps* PYSCORE_ENTRY(decode_ops, avx2)(const KernelKey& key) {
   // Whole bf16 pair steps (16 elements), and the scratch rows' size.
-  if (head_dim % 16 != 0 || head_dim > kMaxHeadDim) return nullptr;
-  if (dtype == DType::kBFloat16) return &kBf16Ops;
-  if (dtype == DType::kFloat32) return &kF32Ops;
+  if (key.head_dim % 16 != 0 || key.head_dim > kMaxHeadDim) return nullptr;
+  if (key.dtype == DType::kBFloat16) return &kBf16Ops;
+  if (key.dtype == DType::kFloat32) return &kF32Ops;
   return nullptr;
 }
 

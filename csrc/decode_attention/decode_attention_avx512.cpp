@@ -275,12 +275,13 @@ const DecodeCpuOps kF32D128{attend_rows<F32, 8>, store_row<F32>};
 
 }  // namespace
 
-const DecodeCpuOps* decode_ops_avx512(DType dtype, int32_t head_dim, Bf16Dot bf16_dot) {
+const DecodeCpuOps* PYSCORE_ENTRY(decode_ops, avx512)(const KernelKey& key) {
+  const int32_t head_dim = key.head_dim;
   if (head_dim != 64 && head_dim != 128) return nullptr;
-  if (dtype == DType::kBFloat16 && bf16_dot == Bf16Dot::kWiden)
+  if (key.dtype == DType::kBFloat16 && key.bf16_dot == Bf16Dot::kWiden)
     return head_dim == 64 ? &kBf16WidenD64 : &kBf16WidenD128;
-  if (dtype == DType::kBFloat16) return head_dim == 64 ? &kBf16D64 : &kBf16D128;
-  if (dtype == DType::kFloat32) return head_dim == 64 ? &kF32D64 : &kF32D128;
+  if (key.dtype == DType::kBFloat16) return head_dim == 64 ? &kBf16D64 : &kBf16D128;
+  if (key.dtype == DType::kFloat32) return head_dim == 64 ? &kF32D64 : &kF32D128;
   return nullptr;
 }
 

@@ -60,13 +60,12 @@ void store_row_portable(const float* src, int32_t dim, void* dst) {
 const DecodeCpuOps kPortableBf16{attend_portable<uint16_t>, store_row_portable<uint16_t>};
 const DecodeCpuOps kPortableF32{attend_portable<float>, store_row_portable<float>};
 
+// The running tier's layer (common/dispatch.h); the AVX-512 ops' fp32 is 1.5-1.7x the AVX2 ops at tier avx512
+// (bench/results/tiers/attention_avx512_fp32_ab.txt).
 const DecodeCpuOps& choose_ops(DType dtype, int32_t head_dim) {
-  const DecodeCpuOps* fast = nullptr;
-  // From tier avx512 up (fp32 and widened bf16 need AVX-512F/BW alone: tests/ops/test_avx512_tier_isa.py); fp32
-  // 1.5-1.7x the AVX2 ops there (bench/results/tiers/attention_avx512_fp32_ab.txt).
-  if (cpu_use_avx512()) fast = decode_ops_avx512(dtype, head_dim, cpu_bf16_dot());
-  if (!fast && cpu_use_avx2()) fast = decode_ops_avx2(dtype, head_dim);
-  if (fast) return *fast;
+  KernelKey key;
+  key.dtype = dtype, key.head_dim = head_dim;
+  if (const DecodeCpuOps* fast = select_kernel<decode_ops_kernels>(key)) return *fast;
   return dtype == DType::kBFloat16 ? kPortableBf16 : kPortableF32;
 }
 

@@ -33,7 +33,7 @@
 #include <cstdint>
 
 #include "common/dtype.h"
-#include "common/isa_entry.h"
+#include "common/dispatch.h"
 
 namespace pyscore {
 
@@ -116,8 +116,8 @@ Status gated_delta_rule_cuda(const GatedDeltaRuleParams& params, void* stream);
 
 // ---- The CPU launcher's parts ------------------------------------------------------------------------------------
 // Internal interface of the CPU linear-attention kernels: the launchers (gated_delta_rule_cpu.cpp, baseline ISA)
-// plan the work and call these, which come in an AVX-512 build (gated_delta_rule_avx512.cpp), an AVX2 one
-// (gated_delta_rule_avx2.cpp) and a portable one.
+// plan the work and call these, which come from one kernel text on each vector layer (gated_delta_rule_simd.h) and
+// the portable loops.
 
 // State columns per recurrence task: a [Dk, 32] fp32 block (16 KB at Dk = 128) stays in L1 while a sequence runs.
 // The columns of S evolve independently given q, k, decay and beta, so (head, column block) tasks never meet.
@@ -156,10 +156,8 @@ using StateColumnsRun = void (*)(const GatedDeltaRuleParams& p, int32_t head, in
 using ConvTokensRun = void (*)(const CausalConv1dParams& p, int32_t start, int32_t j0, int32_t j1,
                                const void* const* history, const float* wt);
 
-// nullptr when the dtype is not covered (the caller checks the CPU).
-PYSCORE_X86_ENTRY(StateColumnsRun state_columns_avx512(DType dtype));
-PYSCORE_X86_ENTRY(ConvTokensRun conv_tokens_avx512(DType dtype));
-PYSCORE_X86_ENTRY(StateColumnsRun state_columns_avx2(DType dtype));
-PYSCORE_X86_ENTRY(ConvTokensRun conv_tokens_avx2(DType dtype));
+// The vector layers' arithmetic; nullptr where the dtype is not covered.
+PYSCORE_KERNELS(gated_delta_rule, state_columns, StateColumnsRun);
+PYSCORE_KERNELS(causal_conv1d, conv_tokens, ConvTokensRun);
 
 }  // namespace pyscore

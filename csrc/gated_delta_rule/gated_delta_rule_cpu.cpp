@@ -115,20 +115,12 @@ void state_columns_portable(const GatedDeltaRuleParams& p, int32_t head, int32_t
 }
 
 ConvTokensRun choose_conv(DType dtype) {
-  ConvTokensRun fast = nullptr;
-  // From tier avx512 (Skylake-SP to Ice Lake) up, both dtypes: the AVX-512 file holds no BF16 instruction.
-  if (cpu_use_avx512()) fast = conv_tokens_avx512(dtype);
-  else if (cpu_use_avx2()) fast = conv_tokens_avx2(dtype);
-  if (fast) return fast;
+  if (ConvTokensRun fast = select_kernel<conv_tokens_kernels>(KernelKey{dtype})) return fast;
   return dtype == DType::kBFloat16 ? conv_tokens_portable<uint16_t> : conv_tokens_portable<float>;
 }
 
 StateColumnsRun choose_state_run(DType dtype) {
-  StateColumnsRun fast = nullptr;
-  // From tier avx512 (Skylake-SP to Ice Lake) up, both dtypes: the AVX-512 file holds no BF16 instruction.
-  if (cpu_use_avx512()) fast = state_columns_avx512(dtype);
-  else if (cpu_use_avx2()) fast = state_columns_avx2(dtype);
-  if (fast) return fast;
+  if (StateColumnsRun fast = select_kernel<state_columns_kernels>(KernelKey{dtype})) return fast;
   return dtype == DType::kBFloat16 ? state_columns_portable<uint16_t> : state_columns_portable<float>;
 }
 

@@ -17,9 +17,8 @@
 #pragma once
 #include <cstdint>
 
-#include "common/cpu_features.h"
+#include "common/dispatch.h"
 #include "common/dtype.h"
-#include "common/isa_entry.h"
 
 namespace pyscore {
 
@@ -66,12 +65,9 @@ struct LabelCpuOps {
   void (*prepare)(const LabelLogprobsParams& p) = nullptr;
 };
 
-// nullptr when the dtype is not covered (the caller checks the CPU); bf16_dot picks how bf16 pairs are multiplied.
-// bf16_weight: a bf16 weight under fp32 rows (dtype float32); the AVX-512, AVX2 and NEON ops read one, AMX's do not.
-PYSCORE_X86_ENTRY(const LabelCpuOps* label_ops_avx512(DType dtype, Bf16Dot bf16_dot, bool bf16_weight = false));
-// AMX tiles for the bf16 LM head product (tier amx; the caller checks it): nullptr for other dtypes.
-PYSCORE_X86_ENTRY(const LabelCpuOps* label_ops_amx(DType dtype));
-PYSCORE_X86_ENTRY(const LabelCpuOps* label_ops_avx2(DType dtype, bool bf16_weight));
-PYSCORE_ARM_ENTRY(const LabelCpuOps* label_ops_neon(DType dtype, bool bf16_weight));
+// The layers' ops: AMX tiles for the bf16 LM head product, AVX-512 (key.bf16_dot: how bf16 pairs are multiplied),
+// the AVX2 and NEON text (logits_simd.h). key.bf16_weight: a bf16 weight under fp32 rows (dtype float32), which the
+// AVX-512, AVX2 and NEON ops read and AMX's do not. nullptr where the key is not covered.
+PYSCORE_KERNELS(label_logprobs, label_ops, const LabelCpuOps*);
 
 }  // namespace pyscore

@@ -20,6 +20,9 @@
 #include "label_logprobs/label_logprobs.h"
 
 namespace pyscore {
+
+const LabelCpuOps* PYSCORE_ENTRY(label_ops, avx512)(const KernelKey& key);  // label_logprobs_avx512.cpp
+
 namespace {
 
 // Tiles (common/amx_tiles.h): 0-3 C (fp32 16 x 16), 4 A (weight rows), 5-7 B (read-out rows).
@@ -91,13 +94,20 @@ std::vector<uint32_t>& packed_rows() {
   return b;
 }
 
+// The AVX-512 layer's bf16 ops (pairs widened), whose log-sum-exp update and short-shape product the tile ops reuse.
+const LabelCpuOps* avx512_bf16_ops() {
+  KernelKey key;
+  key.dtype = DType::kBFloat16, key.bf16_dot = Bf16Dot::kWiden;
+  return label_ops_avx512(key);
+}
+
 void prepare(const LabelLogprobsParams& p) {
   if (p.weight && p.hidden_size % kStep == 0)
     pack_rows(static_cast<const uint16_t*>(p.hidden), p.hidden_row_stride, p.num_rows, p.hidden_size, packed_rows());
 }
 
 void logits_chunk(const LabelLogprobsParams& p, int32_t v0, int32_t n, float* out) {
-  static const LabelCpuOps* avx512 = label_ops_avx512(DType::kBFloat16, Bf16Dot::kWiden);
+  static const LabelCpuOps* avx512 = avx512_bf16_ops();
   if (!p.weight || p.hidden_size % kStep) return avx512->logits_chunk(p, v0, n, out);
   const auto* w = static_cast<const uint16_t*>(p.weight);
   const int64_t w_bytes = p.weight_row_stride * 2;
@@ -145,9 +155,9 @@ void logits_chunk(const LabelLogprobsParams& p, int32_t v0, int32_t n, float* ou
 
 }  // namespace
 
-const LabelCpuOps* label_ops_amx(DType dtype) {
-  if (dtype != DType::kBFloat16) return nullptr;
-  const LabelCpuOps* avx512 = label_ops_avx512(dtype, Bf16Dot::kWiden);
+const LabelCpuOps* PYSCORE_ENTRY(label_ops, amx)(const KernelKey& key) {
+  if (key.dtype != DType::kBFloat16) return nullptr;
+  const LabelCpuOps* avx512 = avx512_bf16_ops();
   if (!avx512) return nullptr;
   static const LabelCpuOps ops{logits_chunk, avx512->lse_update, prepare};
   return &ops;

@@ -294,10 +294,10 @@ const LabelCpuOps kF32Bf16WeightOps{logits_chunk<F32Bf16Weight>, lse_update};
 
 }  // namespace
 
-const LabelCpuOps* label_ops_avx512(DType dtype, Bf16Dot bf16_dot, bool bf16_weight) {
-  if (bf16_weight) return dtype == DType::kFloat32 ? &kF32Bf16WeightOps : nullptr;
-  if (dtype == DType::kBFloat16) return bf16_dot == Bf16Dot::kWiden ? &kBf16WidenOps : &kBf16Ops;
-  if (dtype == DType::kFloat32) return &kF32Ops;
+const LabelCpuOps* PYSCORE_ENTRY(label_ops, avx512)(const KernelKey& key) {
+  if (key.bf16_weight) return key.dtype == DType::kFloat32 ? &kF32Bf16WeightOps : nullptr;
+  if (key.dtype == DType::kBFloat16) return key.bf16_dot == Bf16Dot::kWiden ? &kBf16WidenOps : &kBf16Ops;
+  if (key.dtype == DType::kFloat32) return &kF32Ops;
   return nullptr;
 }
 

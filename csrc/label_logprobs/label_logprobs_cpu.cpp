@@ -54,26 +54,13 @@ const LabelCpuOps kPortableBf16{logits_chunk_portable<uint16_t>, lse_update_port
 const LabelCpuOps kPortableF32{logits_chunk_portable<float>, lse_update_portable};
 const LabelCpuOps kPortableBf16Weight{logits_chunk_portable<float, uint16_t>, lse_update_portable};
 
-// At tier avx512 (AVX-512F without BF16) the AVX-512 read-out runs fp32 and bf16 (pairs widened: cpu_bf16_dot()
-// answers kWiden there): it beats the AVX2 text and MKL's AVX-512 GEMM there
-// (bench/results/tiers/kernels_labels_avx512.txt, kernels_avx512_bf16_ab.txt).
-// A bf16 weight under fp32 rows runs the AVX-512 ops from tier avx512 (amx too: its tiles are bf16 only), the AVX2
-// text at avx2, NEON's at neon, else the portable loops.
+// The running tier's layer (common/dispatch.h); the AVX-512 read-out from tier avx512 up beats the AVX2 text and
+// MKL's AVX-512 GEMM there (bench/results/tiers/kernels_labels_avx512.txt, kernels_avx512_bf16_ab.txt).
 const LabelCpuOps& choose_ops(DType dtype, bool bf16_weight) {
-  if (bf16_weight) {
-    const LabelCpuOps* fast = nullptr;
-    if (cpu_use_avx512()) fast = label_ops_avx512(dtype, cpu_bf16_dot(), true);
-    else if (cpu_tier_at_least(CpuTier::kAvx2)) fast = label_ops_avx2(dtype, true);
-    else if (cpu_tier() == CpuTier::kNeon) fast = label_ops_neon(dtype, true);
-    return fast ? *fast : kPortableBf16Weight;
-  }
-  const LabelCpuOps* fast = nullptr;
-  if (cpu_tier() == CpuTier::kAmx) fast = label_ops_amx(dtype);
-  if (fast) return *fast;
-  if (cpu_use_avx512()) fast = label_ops_avx512(dtype, cpu_bf16_dot());
-  else if (cpu_use_avx2()) fast = label_ops_avx2(dtype, false);
-  else if (cpu_tier() == CpuTier::kNeon) fast = label_ops_neon(dtype, false);
-  if (fast) return *fast;
+  KernelKey key;
+  key.dtype = dtype, key.bf16_weight = bf16_weight;
+  if (const LabelCpuOps* fast = select_kernel<label_ops_kernels>(key)) return *fast;
+  if (bf16_weight) return kPortableBf16Weight;
   return dtype == DType::kBFloat16 ? kPortableBf16 : kPortableF32;
 }
 

@@ -280,6 +280,6 @@ const LabelCpuOps* ops_for(DType dtype, bool bf16_weight) {
 }  // namespace
 
 // The entry point label_logprobs.h declares, named for the layer this text is compiled on (e.g. label_ops_avx2).
-const LabelCpuOps* PYSCORE_VEC_ENTRY(label_ops)(DType dtype, bool bf16_weight) { return ops_for(dtype, bf16_weight); }
+const LabelCpuOps* PYSCORE_VEC_ENTRY(label_ops)(const KernelKey& key) { return ops_for(key.dtype, key.bf16_weight); }
 
 }  // namespace pyscore

@@ -22,7 +22,7 @@
 #pragma once
 #include <cstdint>
 
-#include "common/cpu_features.h"
+#include "common/dispatch.h"
 #include "common/dtype.h"
 
 namespace pyscore {
@@ -66,12 +66,9 @@ struct LinearCpuOps {
   int32_t row_tile;  // rows the micro-kernel takes at once: row chunks are multiples of it (no short tile left)
 };
 
-// nullptr when the dtype is not covered (the caller checks the CPU); bf16_dot picks how bf16 pairs are multiplied;
-// bf16_weight: a bf16 weight under fp32 x (dtype float32), AVX-512F FMAs.
-const LinearCpuOps* linear_ops_avx512(DType dtype, Bf16Dot bf16_dot, bool bf16_weight);
-// AVX2 + FMA (fp32, bf16 widened to fp32, and fp32 x with bf16_weight); nullptr for other dtypes.
-const LinearCpuOps* linear_ops_avx2(DType dtype, bool bf16_weight);
-// The AMX tile GEMM (bf16 only; nullptr for other dtypes or when the OS does not grant the tile state).
-const LinearCpuOps* linear_ops_amx(DType dtype);
+// The layers' ops: the AMX tile GEMM (bf16 only, where the OS grants the tile state), AVX-512 FMAs (key.bf16_dot:
+// how bf16 pairs are multiplied), AVX2 + FMA; key.bf16_weight: a bf16 weight under fp32 x (dtype float32), which the
+// AVX-512 and AVX2 ops read. nullptr where the key is not covered.
+PYSCORE_KERNELS(linear, linear_ops, const LinearCpuOps*);
 
 }  // namespace pyscore

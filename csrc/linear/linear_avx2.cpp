@@ -294,10 +294,10 @@ const LinearCpuOps kBf16WeightOps{rect<Bf16Weight>, kTileRows};
 
 }  // namespace
 
-const LinearCpuOps* linear_ops_avx2(DType dtype, bool bf16_weight) {
-  if (bf16_weight) return dtype == DType::kFloat32 ? &kBf16WeightOps : nullptr;
-  if (dtype == DType::kFloat32) return &kF32Ops;
-  if (dtype == DType::kBFloat16) return &kBf16Ops;
+const LinearCpuOps* PYSCORE_ENTRY(linear_ops, avx2)(const KernelKey& key) {
+  if (key.bf16_weight) return key.dtype == DType::kFloat32 ? &kBf16WeightOps : nullptr;
+  if (key.dtype == DType::kFloat32) return &kF32Ops;
+  if (key.dtype == DType::kBFloat16) return &kBf16Ops;
   return nullptr;
 }
 

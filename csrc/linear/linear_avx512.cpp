@@ -576,14 +576,15 @@ const LinearCpuOps kBf16AmxOps{rect_amx, kAmxTileRows};
 
 }  // namespace
 
-const LinearCpuOps* linear_ops_amx(DType dtype) {
-  return dtype == DType::kBFloat16 && cpu_amx_permitted() ? &kBf16AmxOps : nullptr;
+const LinearCpuOps* PYSCORE_ENTRY(linear_ops, amx)(const KernelKey& key) {
+  // Tier amx implies the OS granted the tile state (cpu_features.h: cpu_has_amx_bf16).
+  return key.dtype == DType::kBFloat16 ? &kBf16AmxOps : nullptr;
 }
 
-const LinearCpuOps* linear_ops_avx512(DType dtype, Bf16Dot bf16_dot, bool bf16_weight) {
-  if (bf16_weight) return dtype == DType::kFloat32 ? &kBf16WeightOps : nullptr;
-  if (dtype == DType::kBFloat16) return bf16_dot == Bf16Dot::kWiden ? &kBf16WidenOps : &kBf16Ops;
-  if (dtype == DType::kFloat32) return &kF32Ops;
+const LinearCpuOps* PYSCORE_ENTRY(linear_ops, avx512)(const KernelKey& key) {
+  if (key.bf16_weight) return key.dtype == DType::kFloat32 ? &kBf16WeightOps : nullptr;
+  if (key.dtype == DType::kBFloat16) return key.bf16_dot == Bf16Dot::kWiden ? &kBf16WidenOps : &kBf16Ops;
+  if (key.dtype == DType::kFloat32) return &kF32Ops;
   return nullptr;
 }
 

@@ -71,21 +71,14 @@ const LinearCpuOps kPortableBf16{rect_portable<uint16_t>, kRowTile};
 const LinearCpuOps kPortableF32{rect_portable<float>, kRowTile};
 const LinearCpuOps kPortableBf16Weight{rect_portable<float, uint16_t>, kRowTile};
 
-// At tier avx512 (AVX-512F without BF16) the AVX-512 FMA kernel runs fp32 and bf16 (pairs widened: cpu_bf16_dot()
-// answers kWiden there): K-blocked, it beats our AVX2 kernel and torch's batch-invariant row calls at every bench
-// shape (bench/results/tiers/linear_avx512_fp32.txt, linear_avx512_bf16_ab.txt).
-// bf16 weights under fp32 x run the AVX-512 FMA kernel from tier avx512 (amx too: its tiles are bf16 only), the
-// AVX2 kernel at avx2, else the portable loop.
+// The running tier's layer (common/dispatch.h). At tier avx512 the K-blocked AVX-512 FMA kernel beats our AVX2
+// kernel and torch's batch-invariant row calls at every bench shape (bench/results/tiers/linear_avx512_fp32.txt,
+// linear_avx512_bf16_ab.txt).
 const LinearCpuOps& choose_ops(DType dtype, bool bf16_weight) {
-  if (bf16_weight) {
-    const LinearCpuOps* fast = cpu_use_avx512() ? linear_ops_avx512(dtype, cpu_bf16_dot(), true)
-                               : cpu_tier_at_least(CpuTier::kAvx2) ? linear_ops_avx2(dtype, true) : nullptr;
-    return fast ? *fast : kPortableBf16Weight;
-  }
-  const LinearCpuOps* fast = cpu_tier() == CpuTier::kAmx ? linear_ops_amx(dtype) : nullptr;
-  if (!fast && cpu_use_avx512()) fast = linear_ops_avx512(dtype, cpu_bf16_dot(), false);
-  else if (!fast && cpu_use_avx2()) fast = linear_ops_avx2(dtype, false);
-  if (fast) return *fast;
+  KernelKey key;
+  key.dtype = dtype, key.bf16_weight = bf16_weight;
+  if (const LinearCpuOps* fast = select_kernel<linear_ops_kernels>(key)) return *fast;
+  if (bf16_weight) return kPortableBf16Weight;
   return dtype == DType::kBFloat16 ? kPortableBf16 : kPortableF32;
 }
 

@@ -273,8 +273,8 @@ const AttentionCpuOps* ops_for(DType dtype, int32_t head_dim) {
 }  // namespace
 
 // The entry point prefix_item_attention.h declares, named for the layer this text is compiled on (e.g. attention_ops_avx2).
-const AttentionCpuOps* PYSCORE_VEC_ENTRY(attention_ops)(DType dtype, int32_t head_dim) {
-  return ops_for(dtype, head_dim);
+const AttentionCpuOps* PYSCORE_VEC_ENTRY(attention_ops)(const KernelKey& key) {
+  return ops_for(key.dtype, key.head_dim);
 }
 
 }  // namespace pyscore

@@ -33,9 +33,8 @@
 #include <cstdint>
 #include <cstring>
 
-#include "common/cpu_features.h"
+#include "common/dispatch.h"
 #include "common/dtype.h"
-#include "common/isa_entry.h"
 
 namespace pyscore {
 
@@ -140,13 +139,9 @@ struct AttentionCpuOps {
   void (*store_row)(const float* src, int32_t dim, void* dst);
 };
 
-// nullptr when the dtype/head_dim is not covered by the AVX-512 ops (the caller checks the CPU); bf16_dot picks
-// how bf16 pairs are multiplied.
-PYSCORE_X86_ENTRY(const AttentionCpuOps* attention_ops_avx512(DType dtype, int32_t head_dim, Bf16Dot bf16_dot));
-// AMX tiles for bf16 (tier amx; the caller checks it), the AVX-512 ops' packing: nullptr for other dtypes / head dims.
-PYSCORE_X86_ENTRY(const AttentionCpuOps* attention_ops_amx(DType dtype, int32_t head_dim));
-PYSCORE_X86_ENTRY(const AttentionCpuOps* attention_ops_avx2(DType dtype, int32_t head_dim));
-PYSCORE_ARM_ENTRY(const AttentionCpuOps* attention_ops_neon(DType dtype, int32_t head_dim));
+// The layers' ops: AMX tiles for bf16 (with the AVX-512 ops' packing), AVX-512 (key.bf16_dot: how bf16 pairs are
+// multiplied), the AVX2 and NEON text (attention_simd.h). nullptr where the dtype / head_dim is not covered.
+PYSCORE_KERNELS(prefix_item_attention, attention_ops, const AttentionCpuOps*);
 const AttentionCpuOps* attention_ops_portable(DType dtype);
 
 }  // namespace pyscore

@@ -25,6 +25,9 @@
 #include "prefix_item_attention/prefix_item_attention.h"
 
 namespace pyscore {
+
+const AttentionCpuOps* PYSCORE_ENTRY(attention_ops, avx512)(const KernelKey& key);  // prefix_item_attention_avx512.cpp
+
 namespace {
 
 using namespace avx512;
@@ -264,9 +267,11 @@ void attend(const void* q_, int32_t rows, const int32_t* limits, const void* k_p
 
 }  // namespace
 
-const AttentionCpuOps* attention_ops_amx(DType dtype, int32_t head_dim) {
-  if (dtype != DType::kBFloat16 || head_dim % kOutDims != 0) return nullptr;
-  const AttentionCpuOps* avx512 = attention_ops_avx512(dtype, head_dim, Bf16Dot::kDpbf16);
+const AttentionCpuOps* PYSCORE_ENTRY(attention_ops, amx)(const KernelKey& key) {
+  if (key.dtype != DType::kBFloat16 || key.head_dim % kOutDims != 0) return nullptr;
+  KernelKey packing = key;  // the AVX-512 ops' packing and row store (vdpbf16ps pairs, as the tiles multiply)
+  packing.bf16_dot = Bf16Dot::kDpbf16;
+  const AttentionCpuOps* avx512 = attention_ops_avx512(packing);
   if (!avx512) return nullptr;
   static const AttentionCpuOps ops{avx512->pack_k, avx512->pack_v, attend, avx512->store_row};
   return &ops;

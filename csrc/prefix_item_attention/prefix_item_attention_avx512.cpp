@@ -302,12 +302,11 @@ const AttentionCpuOps kF32Ops{pack_k<F32>, pack_v_f32, attend<F32>, store_row<F3
 
 }  // namespace
 
-const AttentionCpuOps* attention_ops_avx512(DType dtype, int32_t head_dim, Bf16Dot bf16_dot) {
-  // The tiles cover 64 output dims per pass; other head dims use the portable ops. The caller has checked
-  // the CPU (the check lives in baseline-ISA code).
-  if (head_dim % (16 * kZmmPerTile) != 0) return nullptr;
-  if (dtype == DType::kBFloat16) return bf16_dot == Bf16Dot::kWiden ? &kBf16WidenOps : &kBf16Ops;
-  if (dtype == DType::kFloat32) return &kF32Ops;
+const AttentionCpuOps* PYSCORE_ENTRY(attention_ops, avx512)(const KernelKey& key) {
+  // The tiles cover 64 output dims per pass; other head dims fall to the layer below.
+  if (key.head_dim % (16 * kZmmPerTile) != 0) return nullptr;
+  if (key.dtype == DType::kBFloat16) return key.bf16_dot == Bf16Dot::kWiden ? &kBf16WidenOps : &kBf16Ops;
+  if (key.dtype == DType::kFloat32) return &kF32Ops;
   return nullptr;
 }
 

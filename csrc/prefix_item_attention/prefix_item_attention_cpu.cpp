@@ -417,16 +417,12 @@ Status check_run(const AttentionCpuPlan& plan, const PrefixItemAttentionParams& 
   return kOk;
 }
 
+// The running tier's layer (common/dispatch.h); the AVX-512 ops are 1.6-2.1x the AVX2 ops at tier avx512
+// (bench/results/tiers/attention_avx512_fp32_ab.txt, kernels_avx512_bf16_ab.txt).
 const AttentionCpuOps& choose_ops(DType dtype, int32_t head_dim) {
-  const AttentionCpuOps* fast = nullptr;
-  if (cpu_tier() == CpuTier::kAmx) fast = attention_ops_amx(dtype, head_dim);
-  if (fast) return *fast;
-  // From tier avx512 up (fp32 and widened bf16 need AVX-512F/BW alone: tests/ops/test_avx512_tier_isa.py), 1.6-2.1x
-  // the AVX2 ops there (bench/results/tiers/attention_avx512_fp32_ab.txt, kernels_avx512_bf16_ab.txt).
-  if (cpu_use_avx512()) fast = attention_ops_avx512(dtype, head_dim, cpu_bf16_dot());
-  if (!fast && cpu_use_avx2()) fast = attention_ops_avx2(dtype, head_dim);
-  if (!fast && cpu_tier() == CpuTier::kNeon) fast = attention_ops_neon(dtype, head_dim);
-  if (fast) return *fast;
+  KernelKey key;
+  key.dtype = dtype, key.head_dim = head_dim;
+  if (const AttentionCpuOps* fast = select_kernel<attention_ops_kernels>(key)) return *fast;
   return dtype == DType::kBFloat16 ? kPortableBf16 : kPortableF32;
 }
 

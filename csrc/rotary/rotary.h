@@ -12,7 +12,7 @@
 #include <cstdint>
 
 #include "common/dtype.h"
-#include "common/isa_entry.h"
+#include "common/dispatch.h"
 
 namespace pyscore {
 
@@ -48,8 +48,7 @@ Status rotary_cpu(const RotaryParams& params);
 
 using RotaryTokens = void (*)(const RotaryParams& p, int32_t begin, int32_t end);
 
-// nullptr when the dtype is not covered (the caller checks the CPU).
-PYSCORE_X86_ENTRY(RotaryTokens rotary_tokens_avx512(DType dtype));
-PYSCORE_X86_ENTRY(RotaryTokens rotary_tokens_avx2(DType dtype));
+// The vector layers' tokens (tokens_simd.h); nullptr where the dtype is not covered.
+PYSCORE_KERNELS(rotary, rotary_tokens, RotaryTokens);
 
 }  // namespace pyscore

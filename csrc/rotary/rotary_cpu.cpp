@@ -49,11 +49,7 @@ void tokens_portable(const RotaryParams& p, int32_t begin, int32_t end) {
 }
 
 RotaryTokens choose_tokens(DType dtype) {
-  RotaryTokens fast = nullptr;
-  // From tier avx512 (Skylake-SP to Ice Lake) up, both dtypes: the AVX-512 unit holds no BF16 instruction.
-  if (cpu_use_avx512()) fast = rotary_tokens_avx512(dtype);
-  else if (cpu_use_avx2()) fast = rotary_tokens_avx2(dtype);
-  if (fast) return fast;
+  if (RotaryTokens fast = select_kernel<rotary_tokens_kernels>(KernelKey{dtype})) return fast;
   return dtype == DType::kBFloat16 ? tokens_portable<uint16_t> : tokens_portable<float>;
 }
 

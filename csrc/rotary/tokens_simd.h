@@ -76,6 +76,6 @@ RotaryTokens tokens_for(DType dtype) {
 }  // namespace
 
 // The entry point rotary.h declares, named for the layer this text is compiled on (e.g. rotary_tokens_avx2).
-RotaryTokens PYSCORE_VEC_ENTRY(rotary_tokens)(DType dtype) { return tokens_for(dtype); }
+RotaryTokens PYSCORE_VEC_ENTRY(rotary_tokens)(const KernelKey& key) { return tokens_for(key.dtype); }
 
 }  // namespace pyscore

@@ -45,6 +45,6 @@ SiluMulRows rows_for(DType dtype) {
 }  // namespace
 
 // The entry point silu_mul.h declares, named for the layer this text is compiled on (e.g. silu_mul_rows_avx2).
-SiluMulRows PYSCORE_VEC_ENTRY(silu_mul_rows)(DType dtype) { return rows_for(dtype); }
+SiluMulRows PYSCORE_VEC_ENTRY(silu_mul_rows)(const KernelKey& key) { return rows_for(key.dtype); }
 
 }  // namespace pyscore

@@ -6,7 +6,7 @@
 #include <cstdint>
 
 #include "common/dtype.h"
-#include "common/isa_entry.h"
+#include "common/dispatch.h"
 
 namespace pyscore {
 
@@ -33,8 +33,7 @@ Status silu_mul_cpu(const SiluMulParams& params);
 
 using SiluMulRows = void (*)(const SiluMulParams& p, int32_t begin, int32_t end);
 
-// nullptr when the dtype is not covered (the caller checks the CPU).
-PYSCORE_X86_ENTRY(SiluMulRows silu_mul_rows_avx512(DType dtype));
-PYSCORE_X86_ENTRY(SiluMulRows silu_mul_rows_avx2(DType dtype));
+// The vector layers' rows (rows_simd.h); nullptr where the dtype is not covered.
+PYSCORE_KERNELS(silu_mul, silu_mul_rows, SiluMulRows);
 
 }  // namespace pyscore

@@ -20,12 +20,13 @@ import functools
 import importlib
 import logging
 import os
+import platform
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
-from pyscore.ops.tiers import BELOW, CPU_TIERS, TIERS, cpu_choice
+from pyscore.ops.tiers import BELOW, CPU_TIERS, TIERS, cpu_choice, uncovered_entries
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +60,28 @@ REGISTRY: dict[str, dict[str, Kernel]] = {
 
 @functools.cache
 def _load(name: str) -> tuple[ModuleType | None, str | None]:
-    """(module, None) or (None, why it failed to import)."""
+    """(module, None) or (None, why it failed to import). The CPU module's kernel table is checked against the tier
+    table on its first load (check_kernel_table)."""
     try:
-        return importlib.import_module(name), None
+        module = importlib.import_module(name)
     except ImportError as e:
         return None, str(e)
+    if name == CPU_MODULE:
+        check_kernel_table(module.kernel_table())
+    return module, None
+
+
+# The tiers whose kernels a build for each architecture holds (csrc/common/cpu_features.h; generic: the portable loops).
+ARCH_TIERS = {"x86_64": ("avx2", "avx512", "avx512bf16", "amx"), "aarch64": ("neon",)}
+
+
+def check_kernel_table(kernel_table: list[dict], machine: str | None = None) -> None:
+    """RuntimeError when the tier table (pyscore/ops/tiers.py) names a kernel at a tier of this architecture that the
+    CPU module's generated kernel table (pyscore._C.kernel_table()) did not build."""
+    tiers = ARCH_TIERS.get(machine or platform.machine(), ())
+    missing = uncovered_entries(kernel_table, tiers)
+    if missing:
+        raise RuntimeError(f"pyscore/ops/tiers.py names kernels that {CPU_MODULE} did not build: {'; '.join(missing)}")
 
 
 def cpu_module() -> ModuleType | None:

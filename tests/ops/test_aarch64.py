@@ -145,25 +145,8 @@ def test_module_cross_builds_for_aarch64():
     assert len(modules) == 1, modules
     assert elf_machine(modules[0]) == ELF_MACHINE_AARCH64
     assert "bindings_cpu.cpp" in compile_flags(build)
-
-
-def test_every_isa_entry_point_has_a_stand_in():
-    """Each architecture builds only its own ISA files (*_avx512 / *_avx2 on x86-64, *_neon on aarch64) and takes the
-    other's entry points from stand-ins: PYSCORE_X86_ENTRY / PYSCORE_ARM_ENTRY declarations (csrc/common/isa_entry.h,
-    the macro matching the file's ISA) or, for the ops that declare theirs plainly, csrc/common/isa_stubs.cpp. A build
-    may link without a stand-in only because -O3 proves the call dead, so the list is checked by name, not left to
-    the linker."""
-    pattern = r"\b(\w+_(?:avx512|avx2|amx|neon))\("
-    macro = re.compile(r"\bPYSCORE_(X86|ARM)_ENTRY\([^;]*?\b(\w+_(avx512|avx2|amx|neon))\(")
-    declared, by_macro = set(), set()
-    for header in (h for h in (ROOT / "csrc").glob("*/*.h") if h.stem == h.parent.name):  # the op headers
-        text = header.read_text()
-        declared |= set(re.findall(pattern, text))
-        for arch, name, isa in macro.findall(text):
-            assert arch == ("ARM" if isa == "neon" else "X86"), f"{name} in {header}: PYSCORE_{arch}_ENTRY"
-            by_macro.add(name)
-    stubs = set(re.findall(pattern, (ROOT / "csrc" / "common" / "isa_stubs.cpp").read_text()))
-    assert declared, "no ISA entry points found: have the op headers csrc/<op>/<op>.h changed shape?"
-    assert not by_macro & stubs, f"stood in twice: {sorted(by_macro & stubs)}"
-    missing = declared - by_macro - stubs
-    assert not missing, f"declare these with PYSCORE_X86_ENTRY / PYSCORE_ARM_ENTRY: {sorted(missing)}"
+    # The generated dispatch table names this architecture's entry points only: no x86 stand-ins are needed.
+    table = (build / "pyscore_vec" / "kernel_table.cpp").read_text()
+    rows = set(re.findall(r"\{CpuTier::k(\w+), (\w+)\}", table))
+    assert rows == {("Neon", f"{family}_neon") for family in ("attention_ops", "label_ops", "state_columns",
+                                                               "conv_tokens")}, rows

@@ -352,9 +352,9 @@ def test_inputs_are_checked_at_the_door():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_tier_avx512_runs_the_avx512_kernels(monkeypatch, dtype):
-    """Tier avx512 (AVX-512 without BF16) runs gated_delta_rule_avx512.cpp in both dtypes (no BF16 instruction in it:
-    tests/ops/test_avx512_tier_isa.py), so conv and rule give tier avx512bf16's bits there. The rule's bits differ
-    from the AVX2 kernel's (its sums run 16 lanes wide), so the check can fail."""
+    """Tier avx512 (AVX-512 without BF16) runs gated_delta_rule_simd.h's avx512 unit in both dtypes (no BF16
+    instruction: tests/ops/test_avx512_tier_isa.py), so conv and rule give tier avx512bf16's bits there. The rule's
+    bits differ from the AVX2 unit's (its sums run 16 lanes wide), so the check can fail."""
     segments, num_tokens = make_segments(STREAMS["mixed"], "cpu")
     q, k, v, a, b, a_log, dt_bias = rule_inputs(num_tokens, *HEADS["r2-d32x48"], dtype, "cpu")
     x = torch.cat([q.reshape(num_tokens, -1), k.reshape(num_tokens, -1)], 1)

@@ -35,14 +35,16 @@ TILED = {
     ("csrc/prefix_item_attention/attention_simd.h", "avx2"): ["void pyscore::(anonymous namespace)::attend_tile<"],
     ("csrc/prefix_item_attention/prefix_item_attention_avx512.cpp", "avx512"): [
         "void pyscore::(anonymous namespace)::attend_tile<"],
-    ("csrc/gated_delta_rule/gated_delta_rule_avx2.cpp", "avx2"): [
+    ("csrc/gated_delta_rule/gated_delta_rule_simd.h", "avx2"): [
         "void pyscore::(anonymous namespace)::state_columns<", "void pyscore::(anonymous namespace)::conv_tokens<"],
-    ("csrc/gated_delta_rule/gated_delta_rule_avx512.cpp", "avx512"): [
+    ("csrc/gated_delta_rule/gated_delta_rule_simd.h", "avx512"): [
         "void pyscore::(anonymous namespace)::state_columns<", "void pyscore::(anonymous namespace)::conv_tokens<"],
     # the NEON layer's compile of the same texts (GCC inlines the read-out's tiles into logits_chunk there)
     ("csrc/label_logprobs/logits_simd.h", "neon"): [
         "void pyscore::(anonymous namespace)::dot_tile<", "void pyscore::(anonymous namespace)::logits_chunk<"],
     ("csrc/prefix_item_attention/attention_simd.h", "neon"): ["void pyscore::(anonymous namespace)::attend_tile<"],
+    ("csrc/gated_delta_rule/gated_delta_rule_simd.h", "neon"): [
+        "void pyscore::(anonymous namespace)::state_columns<", "void pyscore::(anonymous namespace)::conv_tokens<"],
 }
 
 

@@ -5,12 +5,17 @@ backend "kernel" reaches our kernel whatever the table says, or an error carryin
 
 from __future__ import annotations
 
+import platform
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
 from pyscore.ops import _ext, add_rms_norm, silu_mul, tiers
 
 CPU = torch.device("cpu")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_op_has_a_cpu_kernel_for_fp32_and_bf16():
@@ -40,9 +45,11 @@ def test_the_tier_table_covers_every_op_and_tier():
             for dtype in (torch.float32, torch.bfloat16):
                 choice = tiers.cpu_choice(op, tier, dtype)
                 assert choice.path in ("kernel", "torch") and choice.why, (op, tier, dtype)
-    # a tier without an entry inherits the one below it
-    assert tiers.cpu_choice("decode_attention", "amx", torch.bfloat16) == tiers.KERNEL_ZEN4  # from avx512bf16
+    # a tier without an entry inherits the one below it, and says so
+    inherited = tiers.cpu_choice("decode_attention", "amx", torch.bfloat16)
+    assert inherited == tiers.Choice("kernel", f"inherited from avx512bf16: {tiers.AVX512BF16.why}")
     assert tiers.cpu_choice("linear", "amx", torch.bfloat16) == tiers.LINEAR_AMX
+    assert tiers.cpu_choice("rotary", "amx", torch.float32).why.startswith("inherited from avx512bf16: ")
     with pytest.raises(ValueError, match="unknown CPU tier"):
         tiers.cpu_choice("rotary", "sse2", torch.float32)
 
@@ -163,3 +170,51 @@ def test_linear_without_a_kernel_runs_torchs_gemm_not_the_fp32_oracle():
         None, "torch", "torch: no CUDA kernel for linear")
     assert _ext.resolve_path("linear", CPU, torch.float16)[1] == "torch"
     assert _ext.resolve_path("linear", CPU, torch.float16, "reference")[1] == "reference"
+
+
+def _defined_entry_points() -> set[tuple[str, str]]:
+    """(family, layer) of every entry point this architecture's sources define, read from the sources: the kernel
+    texts' PYSCORE_VEC_ENTRY on each of their layers built here, the ISA files' PYSCORE_ENTRY(family, layer)."""
+    x86 = platform.machine() == "x86_64"
+    layers = {"avx2", "avx512"} if x86 else {"neon"}
+    suffixes = ("_avx512.cpp", "_amx.cpp", "_avx2.cpp") if x86 else ("_neon.cpp",)
+    found = set()
+    for text in ROOT.glob("csrc/*/*_simd.h"):
+        source = text.read_text()
+        line = re.search(r"^// pyscore-vec-layers:(.*)$", source, re.M)
+        assert line, text
+        for family in re.findall(r"PYSCORE_VEC_ENTRY\((\w+)\)", source):
+            found |= {(family, layer) for layer in line.group(1).split() if layer in layers}
+    for source in (p for p in ROOT.glob("csrc/*/*.cpp") if p.name.endswith(suffixes)):
+        found |= set(re.findall(r"PYSCORE_ENTRY\((\w+), (\w+)\)", source.read_text()))
+    return found
+
+
+def test_the_kernel_table_is_every_entry_point_the_sources_define():
+    """cmake/kernel_table.cmake generates the dispatch table from the sources: each (family, layer) they define is a
+    row, once, with its layer's tier, and nothing else is."""
+    table = _ext.cpu_module().kernel_table()
+    pairs = [(r["family"], r["layer"]) for r in table]
+    assert len(pairs) == len(set(pairs))
+    assert set(pairs) == _defined_entry_points()
+    tier_of = {"amx": "amx", "avx512": "avx512", "avx2": "avx2", "neon": "neon"}
+    assert all(r["tier"] == tier_of[r["layer"]] for r in table)
+    assert {r["op"] for r in table} <= set(tiers.CPU_TIERS)
+
+
+def test_the_tier_table_is_checked_against_the_built_kernels():
+    """pyscore.ops._ext refuses a CPU module whose kernel table lacks a kernel the tier table names (here: one built
+    without the AMX GEMM, or without any AVX-512 silu_mul) and accepts the real one."""
+    if platform.machine() != "x86_64":
+        pytest.skip("the rows removed below are x86's")
+    table = _ext.cpu_module().kernel_table()
+    _ext.check_kernel_table(table)
+    without_amx = [r for r in table if (r["op"], r["layer"]) != ("linear", "amx")]
+    with pytest.raises(RuntimeError, match="linear at amx: no amx kernel built"):
+        _ext.check_kernel_table(without_amx, "x86_64")
+    without_avx512 = [r for r in table if (r["op"], r["layer"]) != ("silu_mul", "avx512")]
+    with pytest.raises(RuntimeError, match="silu_mul at avx512: no avx512 kernel built"):
+        _ext.check_kernel_table(without_avx512, "x86_64")
+    bf16_only = [dict(r, dtypes=["bfloat16"]) if r["op"] == "rotary" else r for r in table]
+    with pytest.raises(RuntimeError, match="rotary at avx2 for float32"):
+        _ext.check_kernel_table(bf16_only, "x86_64")

@@ -1,27 +1,37 @@
-// AVX2 + FMA arithmetic of the linear-attention ops (interface in gated_delta_rule.h), written against the vector layer
-// common/vec_avx2.h; the same two walks as the AVX-512 build, on 8 lanes.
+// The linear-attention ops' arithmetic (interface in gated_delta_rule.h), written once against a vector layer `V` and
+// compiled once per layer named below by cmake/cpu_kernels.cmake.
 //
-// Recurrence: a task's [Dk, 32] state block is four vectors per row. Per token, two walks over the rows: a read-only
-// one accumulating S^T k^ (two rows per step into separate partial sums, so the FMA chains are half as long; the decay
-// applied to the sum: decay (S^T k^) = (decay S)^T k^), then S = decay S + k^ delta with one store per row,
-// accumulating S^T q^. The q/k L2 norms and the scalar gates are recomputed per column block, a few percent of it.
-// A column's arithmetic depends only on its own inputs, never on how many columns share its block.
+// Recurrence: a task's [Dk, 32] state block is kColVecs vectors per row. Per token, two walks over the rows: a
+// read-only one accumulating S^T k^ (two rows per step into separate partial sums, so the FMA chains are half as long;
+// the decay applied to the sum: decay (S^T k^) = (decay S)^T k^), then S = decay S + k^ delta with one store per row,
+// accumulating S^T q^ (into two partial sums, even and odd rows, where a row is fewer than four vectors: the same
+// chain length). That is 5 Dk Dv / kLanes vector ops and Dk Dv / kLanes stores per token and head, on L1-resident
+// data; the q/k L2 norms and the scalar gates are recomputed per column block, a few percent of it. A column's
+// arithmetic depends only on its own inputs, never on how many columns share its block.
 //
-// Convolution: a token's row 8 channels per vector, K FMAs each; SiLU with the full-accuracy exp, the conv sum rounded
-// to the dtype first as torch's conv1d-then-silu does.
+// A decode step's next state in another buffer (StateRows::stream) is stored with V::stream: its lines are not read
+// before they are written, a third of the step's state traffic (a Qwen3.5-0.8B step's states, 18 MB a sequence, are
+// read from DRAM: the weights stream through L3 between steps).
+//
+// Convolution: a token's row kLanes channels per vector, K FMAs each; SiLU with the full-accuracy exp, the conv sum
+// rounded to the dtype first as torch's conv1d-then-silu does.
+// pyscore-vec-layers: avx2 avx512 neon
+#pragma once
+#ifndef PYSCORE_VEC_ENTRY
+#error "a kernel text is compiled once per vector layer on its pyscore-vec-layers line (cmake/cpu_kernels.cmake)"
+#endif
 #include <algorithm>
 #include <cmath>
 
-#include "common/vec_avx2.h"
 #include "gated_delta_rule/gated_delta_rule.h"
 
 namespace pyscore {
 namespace {
 
-namespace V = avx2;
 using V::Vec;
 
 constexpr int kColVecs = kStateCols / V::kLanes;
+constexpr int kOutSums = kColVecs >= 4 ? 1 : 2;  // walk 2's partial sums of S^T q^
 
 // Lanes of column vector z that lie below `cols`.
 inline int lanes_of(int32_t cols, int z) { return std::clamp(cols - z * V::kLanes, 0, V::kLanes); }
@@ -29,7 +39,8 @@ inline int lanes_of(int32_t cols, int z) { return std::clamp(cols - z * V::kLane
 template <class T>
 inline Vec load_cols(const T* p, int n) { return n > 0 ? V::load_n(p, n) : V::zero(); }
 
-// x * rsqrt(sum x^2 + 1e-6) * extra into out (fp32, n <= kMaxKeyDim, whole vectors: out has room for the last one).
+// (x * rsqrt(sum x^2 + 1e-6)) * extra into out (fp32, n <= kMaxKeyDim, whole vectors: out has room for the last
+// one); the reference's order: the normalized vector, then its scale.
 template <class T>
 void l2_normalized(const T* x, int32_t n, float extra, float* out) {
   Vec acc = V::zero();
@@ -37,11 +48,21 @@ void l2_normalized(const T* x, int32_t n, float extra, float* out) {
     const Vec v = V::load_n(x + i, n - i);
     acc = V::fma(v, v, acc);
   }
-  const Vec scale = V::mul(V::set1(1.0f / std::sqrt(V::reduce_add(acc) + 1e-6f)), V::set1(extra));
-  for (int32_t i = 0; i < n; i += V::kLanes) V::store(out + i, V::mul(V::load_n(x + i, n - i), scale));
+  const Vec r = V::set1(1.0f / std::sqrt(V::reduce_add(acc) + 1e-6f)), e = V::set1(extra);
+  for (int32_t i = 0; i < n; i += V::kLanes) V::store(out + i, V::mul(V::mul(V::load_n(x + i, n - i), r), e));
 }
 
 inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
+
+// Walk 2 for row i: S_i = decay S_i + k_i delta (stored), o += q_i S_i.
+inline void update_row(const float* r, float* w, bool stream, Vec decay, Vec k, Vec q, const Vec* d, Vec* o) {
+  for (int z = 0; z < kColVecs; ++z) {
+    const Vec s = V::fma(V::load(r + z * V::kLanes), decay, V::mul(k, d[z]));
+    if (stream) V::stream(w + z * V::kLanes, s);
+    else V::store(w + z * V::kLanes, s);
+    o[z] = V::fma(q, s, o[z]);
+  }
+}
 
 template <class T>
 void state_columns(const GatedDeltaRuleParams& p, int32_t head, int32_t col0, int32_t cols, int32_t start,
@@ -52,7 +73,7 @@ void state_columns(const GatedDeltaRuleParams& p, int32_t head, int32_t col0, in
   const float a_exp = std::exp(p.a_log[head]), dt_bias = p.dt_bias[head];
   int n[kColVecs];
   for (int z = 0; z < kColVecs; ++z) n[z] = lanes_of(cols, z);
-  alignas(32) float qn[kMaxKeyDim + V::kLanes], kn[kMaxKeyDim + V::kLanes];
+  alignas(64) float qn[kMaxKeyDim + V::kLanes], kn[kMaxKeyDim + V::kLanes];
   for (int32_t t = start; t < start + length; ++t) {
     l2_normalized(static_cast<const T*>(p.q) + t * p.q_token_stride + k_head * p.q_head_stride, dk, p.scale, qn);
     l2_normalized(static_cast<const T*>(p.k) + t * p.k_token_stride + k_head * p.k_head_stride, dk, 1.0f, kn);
@@ -81,28 +102,24 @@ void state_columns(const GatedDeltaRuleParams& p, int32_t head, int32_t col0, in
     const T* v = static_cast<const T*>(p.v) + t * p.v_token_stride + head * p.v_head_stride + col0;
     Vec d[kColVecs];
     for (int z = 0; z < kColVecs; ++z)
-      d[z] = V::mul(_mm256_fnmadd_ps(decay, V::add(kv[0][z], kv[1][z]), load_cols(v + z * V::kLanes, n[z])), beta);
+      d[z] = V::mul(V::fnma(decay, V::add(kv[0][z], kv[1][z]), load_cols(v + z * V::kLanes, n[z])), beta);
 
-    // Walk 2: S = decay S + k^ delta^T (one store per row), o = S^T q^.
-    Vec o[kColVecs];
-    for (int z = 0; z < kColVecs; ++z) o[z] = V::zero();
-    for (i = 0; i < dk; ++i) {
-      const float* r = state + i * rs;
-      float* w = rows.out + i * rs;
-      const Vec k = V::set1(kn[i]), q = V::set1(qn[i]);
-      for (int z = 0; z < kColVecs; ++z) {
-        const Vec s = V::fma(V::load(r + z * V::kLanes), decay, V::mul(k, d[z]));
-        if (rows.stream) _mm256_stream_ps(w + z * V::kLanes, s);  // see gated_delta_rule_avx512.cpp
-        else V::store(w + z * V::kLanes, s);
-        o[z] = V::fma(q, s, o[z]);
-      }
+    // Walk 2: S = decay S + k^ delta^T (one store per row), o = S^T q^ (even rows into o[0], odd into o[kOutSums-1]).
+    Vec o[kOutSums][kColVecs];
+    for (int h = 0; h < kOutSums; ++h)
+      for (int z = 0; z < kColVecs; ++z) o[h][z] = V::zero();
+    for (i = 0; i + 1 < dk; i += 2) {
+      update_row(state + i * rs, rows.out + i * rs, rows.stream, decay, V::set1(kn[i]), V::set1(qn[i]), d, o[0]);
+      update_row(state + (i + 1) * rs, rows.out + (i + 1) * rs, rows.stream, decay, V::set1(kn[i + 1]),
+                 V::set1(qn[i + 1]), d, o[kOutSums - 1]);
     }
+    if (i < dk) update_row(state + i * rs, rows.out + i * rs, rows.stream, decay, V::set1(kn[i]), V::set1(qn[i]), d, o[0]);
     T* out = static_cast<T*>(p.o) + t * p.o_token_stride + head * p.o_head_stride + col0;
     for (int z = 0; z < kColVecs; ++z)
-      if (n[z] > 0) V::store_n(out + z * V::kLanes, o[z], n[z]);
+      if (n[z] > 0) V::store_n(out + z * V::kLanes, kOutSums == 1 ? o[0][z] : V::add(o[0][z], o[kOutSums - 1][z]), n[z]);
     state = rows.out;
   }
-  if (rows.stream) _mm_sfence();
+  if (rows.stream) V::stream_fence();  // the streamed rows are visible before the launcher's threads join
 }
 
 template <class T>
@@ -131,15 +148,16 @@ void conv_tokens(const CausalConv1dParams& p, int32_t start, int32_t j0, int32_t
 
 }  // namespace
 
-StateColumnsRun state_columns_avx2(DType dtype) {
-  if (dtype == DType::kBFloat16) return state_columns<uint16_t>;
-  if (dtype == DType::kFloat32) return state_columns<float>;
+// The entry points gated_delta_rule.h declares, named for the layer (e.g. state_columns_avx2).
+StateColumnsRun PYSCORE_VEC_ENTRY(state_columns)(const KernelKey& key) {
+  if (key.dtype == DType::kBFloat16) return state_columns<uint16_t>;
+  if (key.dtype == DType::kFloat32) return state_columns<float>;
   return nullptr;
 }
 
-ConvTokensRun conv_tokens_avx2(DType dtype) {
-  if (dtype == DType::kBFloat16) return conv_tokens<uint16_t>;
-  if (dtype == DType::kFloat32) return conv_tokens<float>;
+ConvTokensRun PYSCORE_VEC_ENTRY(conv_tokens)(const KernelKey& key) {
+  if (key.dtype == DType::kBFloat16) return conv_tokens<uint16_t>;
+  if (key.dtype == DType::kFloat32) return conv_tokens<float>;
   return nullptr;
 }
 
