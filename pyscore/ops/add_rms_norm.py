@@ -53,5 +53,5 @@ def kernel_args(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.
                 out: torch.Tensor) -> tuple:
     """The kernel's arguments for checked tensors (add_rms_norm's, and a decode program's bound once)."""
     return (x.data_ptr(), x.stride(0), 0 if delta is None else delta.data_ptr(),
-            0 if delta is None else delta.stride(0), weight.data_ptr(), weight.dtype != x.dtype, out.data_ptr(),
-            out.stride(0), x.shape[0], x.shape[1], float(eps), _ext.torch_dtype_name(x.dtype))
+            0 if delta is None else delta.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0), x.shape[0],
+            x.shape[1], float(eps), weight.dtype != x.dtype, _ext.torch_dtype_name(x.dtype))

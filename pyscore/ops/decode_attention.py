@@ -36,10 +36,11 @@ class DecodePlan:
         # as PackedLinear's _kernel_args: before the layer index (the pools and their page / layer strides), and
         # after it (token / head strides, the block table, the lengths).
         k = self.k_pool
-        object.__setattr__(self, "pool_args", (k.data_ptr(), self.v_pool.data_ptr(), (k.stride(0), k.stride(1))))
+        object.__setattr__(self, "pool_args", (k.data_ptr(), self.v_pool.data_ptr(), (k.stride(0), k.stride(1)),
+                                               (k.stride(2), k.stride(3))))
         object.__setattr__(self, "table_args", (
-            (k.stride(2), k.stride(3)), self.block_table.data_ptr(), self.block_table.shape[1], k.shape[2],
-            self.lengths_t.data_ptr(), max(self.lengths)))
+            self.block_table.data_ptr(), self.block_table.shape[1], k.shape[2], self.lengths_t.data_ptr(),
+            max(self.lengths)))
 
     @property
     def num_layers(self) -> int:

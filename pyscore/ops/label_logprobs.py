@@ -52,11 +52,9 @@ def label_logprobs(
         0 if weight is None else weight.data_ptr(), 0 if weight is None else weight.stride(0),
         labels.data_ptr(), logprobs.data_ptr(), label_softmax.data_ptr(), 0,
         rows, hidden.shape[1], vocab, num_labels, _ext.torch_dtype_name(hidden.dtype),
+        0, 0, weight is not None and weight.dtype != hidden.dtype,  # no logits out; a bf16 head under fp32 rows
     ]
-    if hidden.is_cuda:
-        module.label_logprobs(*args, _ext.cuda_stream(hidden.device))
-    else:
-        module.label_logprobs(*args, bf16_weight=weight is not None and weight.dtype != hidden.dtype)
+    module.label_logprobs(*args, *((_ext.cuda_stream(hidden.device),) if hidden.is_cuda else ()))
     return logprobs, label_softmax
 
 
@@ -76,7 +74,7 @@ def lm_head_logits(
     logz = torch.empty(rows, dtype=torch.float32)
     module.label_logprobs(
         hidden.data_ptr(), hidden.stride(0), weight.data_ptr(), weight.stride(0), 0, 0, 0, logz.data_ptr(), rows,
-        hidden.shape[1], vocab, 0, _ext.torch_dtype_name(hidden.dtype), logits=logits.data_ptr(),
-        logits_row_stride=vocab, bf16_weight=weight.dtype != hidden.dtype,
+        hidden.shape[1], vocab, 0, _ext.torch_dtype_name(hidden.dtype), logits.data_ptr(), vocab,
+        weight.dtype != hidden.dtype,
     )
     return logits, logz
