@@ -8,9 +8,7 @@
 // call before). Neither changes an operation on a value or its order: the same bits.
 // pyscore-vec-layers: avx2 avx512
 #pragma once
-#ifndef PYSCORE_VEC_ENTRY
-#error "a kernel text is compiled once per vector layer on its pyscore-vec-layers line (cmake/cpu_kernels.cmake)"
-#endif
+#include "common/kernel_text.h"
 #include "add_rms_norm/add_rms_norm.h"
 #include "common/rms_portable.h"
 

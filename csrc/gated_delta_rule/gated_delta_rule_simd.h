@@ -17,9 +17,7 @@
 // rounded to the dtype first as torch's conv1d-then-silu does.
 // pyscore-vec-layers: avx2 avx512 neon
 #pragma once
-#ifndef PYSCORE_VEC_ENTRY
-#error "a kernel text is compiled once per vector layer on its pyscore-vec-layers line (cmake/cpu_kernels.cmake)"
-#endif
+#include "common/kernel_text.h"
 #include <algorithm>
 #include <cmath>
 

@@ -14,9 +14,7 @@
 // been measured, only its results, under qemu-aarch64 by tests/cpu/kernel_check.cpp).
 // pyscore-vec-layers: avx2 neon
 #pragma once
-#ifndef PYSCORE_VEC_ENTRY
-#error "a kernel text is compiled once per vector layer on its pyscore-vec-layers line (cmake/cpu_kernels.cmake)"
-#endif
+#include "common/kernel_text.h"
 #include <cmath>
 #include <cstring>
 #include <limits>

@@ -16,9 +16,7 @@
 // a row gives the same bits in MIS and SIS and warm and cold, as the AVX-512 and portable ops do.
 // pyscore-vec-layers: avx2 neon
 #pragma once
-#ifndef PYSCORE_VEC_ENTRY
-#error "a kernel text is compiled once per vector layer on its pyscore-vec-layers line (cmake/cpu_kernels.cmake)"
-#endif
+#include "common/kernel_text.h"
 #include <algorithm>
 #include <cmath>
 #include <cstring>

@@ -6,9 +6,7 @@
 // into an FMA (explicit-rounding intrinsics on AVX-512, -ffp-contract=off for the AVX2 files).
 // pyscore-vec-layers: avx2 avx512
 #pragma once
-#ifndef PYSCORE_VEC_ENTRY
-#error "a kernel text is compiled once per vector layer on its pyscore-vec-layers line (cmake/cpu_kernels.cmake)"
-#endif
+#include "common/kernel_text.h"
 #include "common/rms_portable.h"
 #include "rotary/rotary.h"
 

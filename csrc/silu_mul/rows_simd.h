@@ -4,9 +4,7 @@
 // result is rounded to bf16 and must land where torch's Sleef exp lands).
 // pyscore-vec-layers: avx2 avx512
 #pragma once
-#ifndef PYSCORE_VEC_ENTRY
-#error "a kernel text is compiled once per vector layer on its pyscore-vec-layers line (cmake/cpu_kernels.cmake)"
-#endif
+#include "common/kernel_text.h"
 #include "silu_mul/silu_mul.h"
 
 namespace pyscore {
