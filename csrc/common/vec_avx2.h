@@ -18,6 +18,8 @@ namespace pyscore {
 namespace avx2 {
 
 constexpr int kLanes = 8;
+constexpr int kRegisters = 16;       // vector registers: what a kernel text sizes its register tiles by
+constexpr bool kHasBf16Dot = false;  // dot_pairs is two FMAs (no bf16 arithmetic)
 using Vec = __m256;
 using Mask = __m256i;  // a lane mask: all ones or all zeros per 32-bit lane
 using Bits = __m256i;  // 8 bf16 pairs (a 32-bit lane = elements 2i, 2i+1)
@@ -47,7 +49,7 @@ static inline Mask first_lanes(int n) {
 static inline Vec select(Mask m, Vec yes, Vec no) { return _mm256_blendv_ps(no, yes, _mm256_castsi256_ps(m)); }
 
 // Pulls the cache line at p into L2 (not L1, which the read-out's rows ahead would fill: see
-// label_logprobs_avx512.cpp's kPrefetchHint); a hint, never a fault.
+// label_logprobs/logits_simd.h's kPrefetchRows); a hint, never a fault.
 static inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
 // 8 bf16 (in an xmm) -> 8 fp32, exact.
@@ -124,6 +126,10 @@ static inline Vec bf16_odd(Bits pairs) {
   return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(int(0xFFFF0000u))));
 }
 static inline Bits load_bits(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+// acc + a_odd * b_odd + a_even * b_even per lane: vdpbf16ps's order and bits on normal numbers.
+static inline Vec dot_pairs(Vec acc, Bits a, Bits b) {
+  return fma(bf16_even(a), bf16_even(b), fma(bf16_odd(a), bf16_odd(b), acc));
+}
 
 // out[2i] = a[i], out[2i + 1] = b[i] for i < 8 (two rows of 8 bf16 interleaved into 8 pairs); a null row reads as
 // zeros.
@@ -141,6 +147,12 @@ static inline float reduce_add(Vec x) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// out[i] = the sum of the lanes of a_i.
+static inline void reduce_add4(Vec a0, Vec a1, Vec a2, Vec a3, float* out) {
+  const Vec t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
 }
 
 static inline float reduce_max(Vec x) {

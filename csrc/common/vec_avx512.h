@@ -12,7 +12,11 @@ namespace pyscore {
 namespace avx512 {
 
 constexpr int kLanes = 16;
+constexpr int kRegisters = 32;     // vector registers: what a kernel text sizes its register tiles by
+constexpr bool kHasBf16Dot = true;  // dot_pairs is vdpbf16ps (AVX512-BF16; tier avx512 never reaches it)
 using Vec = __m512;
+using Mask = __mmask16;  // a lane mask
+using Bits = __m512i;    // 16 bf16 pairs (a 32-bit lane = elements 2i, 2i+1)
 constexpr int kRoundNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 
 static inline Vec zero() { return _mm512_setzero_ps(); }
@@ -31,6 +35,10 @@ static inline void stream_fence() { _mm_sfence(); }
 static inline __mmask16 first_mask(int n) {
   return n >= kLanes ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
 }
+
+static inline Mask first_lanes(int n) { return first_mask(n); }
+static inline Vec select(Mask m, Vec yes, Vec no) { return _mm512_mask_blend_ps(m, no, yes); }
+static inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }  // to L2
 
 static inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
 static inline Vec load(const uint16_t* p) { return load_bf16_ps(p); }
@@ -65,7 +73,25 @@ static inline void store2(uint16_t* p, Vec a, Vec b) {
 static inline Vec round_as(Vec x, const float*) { return x; }
 static inline Vec round_as(Vec x, const uint16_t*) { return round_bf16_exact_ps(x); }
 
+// ---- bf16 pairs (vec_avx2.h's names) -------------------------------------------------------------------------------
+static inline Vec bf16_even(Bits pairs) { return bf16_even_ps(pairs); }
+static inline Vec bf16_odd(Bits pairs) { return bf16_odd_ps(pairs); }
+static inline Bits load_bits(const void* p) { return _mm512_loadu_si512(p); }
+// acc + a_odd * b_odd + a_even * b_even per lane (vdpbf16ps; dot2_widened_ps gives its bits without it).
+static inline Vec dot_pairs(Vec acc, Bits a, Bits b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+
 static inline float reduce_add(Vec x) { return _mm512_reduce_add_ps(x); }
+// out[i] = the sum of the lanes of a_i: one fold of 512 -> 128 bits across the four, then within lanes.
+static inline void reduce_add4(Vec a0, Vec a1, Vec a2, Vec a3, float* out) {
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
+  // 128-bit lane i now holds 4 partial sums of a_i.
+  __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+  t = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(2, 3, 0, 1)));
+  t = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(1, 0, 3, 2)));
+  const __m512i first_of_lanes = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(first_of_lanes, t)));
+}
 static inline float reduce_max(Vec x) { return _mm512_reduce_max_ps(x); }
 
 }  // namespace avx512

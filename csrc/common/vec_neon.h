@@ -24,6 +24,10 @@ namespace pyscore {
 namespace neon {
 
 constexpr int kLanes = 4;
+// What a kernel text sizes its register tiles by: 16, although AArch64 has 32 vector registers, because with tiles
+// for 32 GCC keeps the label read-out's accumulators on the stack (tests/ops/test_register_tiles.py finds it).
+constexpr int kRegisters = 16;
+constexpr bool kHasBf16Dot = false;  // dot_pairs is two FMAs (BFDOT is not the baseline)
 using Vec = float32x4_t;
 using Mask = uint32x4_t;  // a lane mask: all ones or all zeros per lane
 using Bits = uint32x4_t;  // 4 bf16 pairs (a 32-bit lane = elements 2i, 2i+1)
@@ -131,6 +135,10 @@ static inline Vec round_as(Vec x, const uint16_t*) {
 static inline Vec bf16_even(Bits pairs) { return vreinterpretq_f32_u32(vshlq_n_u32(pairs, 16)); }
 static inline Vec bf16_odd(Bits pairs) { return vreinterpretq_f32_u32(vandq_u32(pairs, vdupq_n_u32(0xFFFF0000u))); }
 static inline Bits load_bits(const void* p) { return vld1q_u32(static_cast<const uint32_t*>(p)); }
+// acc + a_odd * b_odd + a_even * b_even per lane: vdpbf16ps's order and bits on normal numbers.
+static inline Vec dot_pairs(Vec acc, Bits a, Bits b) {
+  return fma(bf16_even(a), bf16_even(b), fma(bf16_odd(a), bf16_odd(b), acc));
+}
 
 // out[2i] = a[i], out[2i + 1] = b[i] for i < 8 (two rows of 8 bf16 interleaved into 8 pairs); a null row reads as
 // zeros.
@@ -146,6 +154,11 @@ static inline void store_zip8(uint16_t* out, const uint16_t* a, const uint16_t* 
 static inline float reduce_add(Vec x) {
   const float32x2_t s = vadd_f32(vget_low_f32(x), vget_high_f32(x));
   return vget_lane_f32(s, 0) + vget_lane_f32(s, 1);
+}
+
+// out[i] = the sum of the lanes of a_i.
+static inline void reduce_add4(Vec a0, Vec a1, Vec a2, Vec a3, float* out) {
+  vst1q_f32(out, vpaddq_f32(vpaddq_f32(a0, a1), vpaddq_f32(a2, a3)));
 }
 
 static inline float reduce_max(Vec x) {

@@ -49,10 +49,9 @@ Status label_logprobs_cuda(const LabelLogprobsParams& params, void* stream);
 
 // ---- The CPU launcher's parts ------------------------------------------------------------------------------------
 // Internal interface of the CPU label_logprobs kernel: the launcher (label_logprobs_cpu.cpp, baseline ISA)
-// splits the vocabulary over threads and calls these ops on chunks of it; they come in an AVX-512 build
-// (label_logprobs_avx512.cpp; the LM head product on AMX tiles at tier amx, label_logprobs_amx.cpp), AVX2 and
-// NEON ones (one text, logits_simd.h, compiled per vector layer by cmake/cpu_kernels.cmake) and a
-// portable one.
+// splits the vocabulary over threads and calls these ops on chunks of it; they come from one text (logits_simd.h,
+// compiled per vector layer by cmake/cpu_kernels.cmake: AVX2, AVX-512, NEON), the AMX tiles at tier amx
+// (label_logprobs_amx.cpp, which reuses the AVX-512 layer's lse_update) and the portable loops.
 
 struct LabelCpuOps {
   // out[r * n + j] = logit of vocabulary entry v0 + j for row r (hidden[r] . weight[v0 + j] with fp32

@@ -21,7 +21,7 @@
 
 namespace pyscore {
 
-const LabelCpuOps* PYSCORE_ENTRY(label_ops, avx512)(const KernelKey& key);  // label_logprobs_avx512.cpp
+const LabelCpuOps* PYSCORE_ENTRY(label_ops, avx512)(const KernelKey& key);  // logits_simd.h on the avx512 layer
 
 namespace {
 

@@ -1,20 +1,23 @@
-// The AVX2 and NEON ops of the CPU label_logprobs kernel (interface in label_logprobs.h), written once against a vector
-// layer `V` (common/vec_avx2.h, 8 lanes; common/vec_neon.h, 4 lanes) and compiled once per layer named below by
+// The ops of the CPU label_logprobs kernel (interface in label_logprobs.h), written once against a vector layer `V`
+// (common/vec_avx2.h, 8 lanes; vec_avx512.h, 16; vec_neon.h, 4) and compiled once per layer named below by
 // cmake/cpu_kernels.cmake, which binds `V` and names the entry point.
 //
 // The LM head product for R read-out rows is a skinny GEMM bound by streaming the [V, H] weight: each register tile
 // takes VT weight rows and RT hidden rows, so every weight vector loaded serves all the tile's rows and the weight
 // tile stays in L1 while the following row tiles reuse it. Dot products run along H in lane-partial accumulators
-// reduced at the end. bf16 has no arithmetic here: the hidden rows are widened once per chunk into a de-interleaved
-// fp32 copy (per kStep = 2 kLanes elements, the kLanes even then the kLanes odd), each weight vector of kLanes bf16
-// pairs is widened in registers (a shift and a mask), and two FMAs per pair accumulate in fp32. A bf16 head under
-// fp32 rows (label_logprobs.h's bf16_weight) runs the fp32 steps, each weight vector widened as it is loaded. A
-// logit's bits depend only on its row and its weight row, never on the tile shape or the number of rows. The
-// register tiles are sized for AVX2's 16 registers (at most 13 in use); NEON keeps them (its speed on ARM has not
-// been measured, only its results, under qemu-aarch64 by tests/cpu/kernel_check.cpp).
-// pyscore-vec-layers: avx2 neon
+// reduced at the end (four at a time where VT is 4). The tiles are sized by the layer's register count: 16 (AVX2;
+// NEON, see vec_neon.h), at most 13 in use, or AVX-512's 32. bf16 pairs are multiplied two ways, the same bits on normal numbers:
+// widened (the hidden rows once per chunk into a de-interleaved fp32 copy: per kStep = 2 kLanes elements, the kLanes
+// even then the kLanes odd; each weight vector of kLanes pairs widened in registers, a shift and a mask; two FMAs per
+// pair, the odd product first), or by the layer's pair dot where it has one (vdpbf16ps, key.bf16_dot kDpbf16: fast on
+// AMD, half the FMA rate on Intel). A bf16 head under fp32 rows (label_logprobs.h's bf16_weight) runs the fp32 steps,
+// each weight vector widened as it is loaded. A logit's bits depend only on its row, its weight row and its place in
+// the vocabulary chunk (a 4-wide column or the ragged rest), never on the number of rows. NEON's speed on ARM has not
+// been measured, only its results, under qemu-aarch64 (tests/cpu/kernel_check.cpp).
+// pyscore-vec-layers: avx2 avx512 neon
 #pragma once
 #include "common/kernel_text.h"
+#include <climits>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -29,7 +32,10 @@ namespace {
 using V::Vec;
 
 // Weight rows ahead to prefetch while a tile computes: covers DRAM latency even at R = 1, where a tile is short.
+// They go to L2 (V::prefetch), not L1: 16 rows ahead are 32 KB at H = 1024, a whole L1 of Zen 4, and pulled into L1
+// they evicted the hidden rows and the weight tile being read (bench/results/tiers/label_prefetch_l2_ab.txt).
 constexpr int kPrefetchRows = 16;
+constexpr bool kWideRegisters = V::kRegisters >= 32;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -50,11 +56,12 @@ template <class W>
 struct F32Of {
   using T = float;
   using Weight = W;
+  using Operand = Vec;
   static constexpr int kStep = V::kLanes, kParts = 1;
-  // 9 accumulators + 3 weight vectors + 1 hidden. 3 x 3 rather than 4 x 2: fewer loads per FMA and a bf16 weight
-  // widened once per 3 rows: the fp32 read-out 1.07-1.17x at 3-16 rows, 0.96-1.03x at 1-2, on a Zen 1
-  // (bench/results/tiers/labels_avx2_bf16_head_ab.txt).
-  static constexpr int kWeightRows = 3, kTileRows = 3;
+  // 16 registers: 9 accumulators + 3 weight vectors + 1 hidden; 3 x 3 rather than 4 x 2: fewer loads per FMA and a
+  // bf16 weight widened once per 3 rows: the fp32 read-out 1.07-1.17x at 3-16 rows, 0.96-1.03x at 1-2, on a Zen 1
+  // (bench/results/tiers/labels_avx2_bf16_head_ab.txt). 32: 24 accumulators + 4 + 1.
+  static constexpr int kWeightRows = kWideRegisters ? 4 : 3, kTileRows = kWideRegisters ? 6 : 3;
   using Hidden = FloatRows;
   static Hidden hidden_rows(const T* h, int64_t stride, int, int) { return {h, stride}; }
   static void weights_full(const W* w, int i, Vec (&out)[kParts]) { out[0] = V::load(w + i); }
@@ -73,8 +80,10 @@ using F32Bf16Weight = F32Of<uint16_t>;
 struct Bf16 {
   using T = uint16_t;
   using Weight = T;
+  using Operand = Vec;
   static constexpr int kStep = 2 * V::kLanes, kParts = 2;
-  static constexpr int kWeightRows = 2, kTileRows = 3;  // 6 accumulators + 4 widened weight vectors + 2 hidden
+  // 16 registers: 6 accumulators + 4 widened weight vectors + 2 hidden; 32: 16 + 8 + 2.
+  static constexpr int kWeightRows = kWideRegisters ? 4 : 2, kTileRows = kWideRegisters ? 4 : 3;
   using Hidden = FloatRows;
   // Per kStep-element block of a row: its kLanes even elements then its kLanes odd ones as fp32, the ragged end
   // zero-filled.
@@ -116,6 +125,29 @@ struct Bf16 {
   }
 };
 
+// bf16 pairs by the layer's pair dot (V::dot_pairs: vdpbf16ps where V::kHasBf16Dot), the hidden rows read as they
+// are: one instruction per step and weight row instead of two FMAs and the widening, the same bits.
+struct Bf16Pairs {
+  using T = uint16_t;
+  using Weight = T;
+  using Operand = V::Bits;
+  static constexpr int kStep = 2 * V::kLanes, kParts = 1;
+  static constexpr int kWeightRows = 4, kTileRows = 6;  // 24 accumulators + 4 weight vectors + 1 hidden
+  struct Hidden {
+    const T* data;
+    int64_t stride;
+    const T* row(int r) const { return data + r * stride; }
+  };
+  static Hidden hidden_rows(const T* h, int64_t stride, int, int) { return {h, stride}; }
+  static void weights_full(const T* w, int i, Operand (&out)[kParts]) { out[0] = V::load_bits(w + i); }
+  static void weights(const T* w, int i, int hidden, Operand (&out)[kParts]) { out[0] = Bf16::pairs(w, i, hidden); }
+  static void hiddens_full(const T* h, int i, Operand (&out)[kParts]) { out[0] = V::load_bits(h + i); }
+  static void hiddens(const T* h, int i, int hidden, Operand (&out)[kParts]) { out[0] = Bf16::pairs(h, i, hidden); }
+  static Vec dot(Vec acc, const Operand (&h)[kParts], const Operand (&w)[kParts]) {
+    return V::dot_pairs(acc, h[0], w[0]);
+  }
+};
+
 // One step of dot_tile: elements [i, i + kStep) of the tile's rows into acc. kFull: the whole step lies inside
 // `hidden` (plain loads); else the ragged last step (zero-filled past `hidden`). The two kinds are separate loops in
 // dot_tile so that the main loop has no branch: with the bounds check inside it, GCC kept the accumulators in
@@ -124,13 +156,13 @@ struct Bf16 {
 template <class E, int VT, int RT, bool kFull>
 inline __attribute__((always_inline)) void dot_step(Vec (&acc)[RT][VT], const typename E::Weight* w,
                                                     int64_t w_stride, typename E::Hidden h, int i, int hidden) {
-  Vec wv[VT][E::kParts];
+  typename E::Operand wv[VT][E::kParts];
   for (int v = 0; v < VT; ++v) {
     if constexpr (kFull) E::weights_full(w + v * w_stride, i, wv[v]);
     else E::weights(w + v * w_stride, i, hidden, wv[v]);
   }
   for (int r = 0; r < RT; ++r) {
-    Vec hv[E::kParts];
+    typename E::Operand hv[E::kParts];
     if constexpr (kFull) E::hiddens_full(h.row(r), i, hv);
     else E::hiddens(h.row(r), i, hidden, hv);
     for (int v = 0; v < VT; ++v) acc[r][v] = E::dot(acc[r][v], hv, wv[v]);
@@ -152,8 +184,11 @@ void dot_tile(const typename E::Weight* w, int64_t w_stride, typename E::Hidden 
     dot_step<E, VT, RT, true>(acc, w, w_stride, h, i, hidden);
   }
   if (i < hidden) dot_step<E, VT, RT, false>(acc, w, w_stride, h, i, hidden);
-  for (int r = 0; r < RT; ++r)
-    for (int v = 0; v < VT; ++v) out[r * out_stride + v] = V::reduce_add(acc[r][v]);
+  for (int r = 0; r < RT; ++r) {
+    if constexpr (VT == 4) V::reduce_add4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], out + r * out_stride);
+    else
+      for (int v = 0; v < VT; ++v) out[r * out_stride + v] = V::reduce_add(acc[r][v]);
+  }
 }
 
 // The last `rows` (< kTileRows) hidden rows: one tile of exactly that many.
@@ -193,10 +228,11 @@ void copy_logits(const LabelLogprobsParams& p, int32_t v0, int32_t n, float* out
 // A bf16 head under up to kInRegisterRows fp32 rows is widened in registers by each row tile that reads it (decode:
 // the head streams from memory and the widening hides under it). More rows widen each column of VT weight rows
 // once into a per-thread fp32 copy (VT x H: L1 or L2) that the fp32 tiles read: there the read-out is bound by
-// arithmetic and every row tile would widen the same vectors again. Against the fp32 head on a Zen 1: in registers
-// 1.5-1.9x at 1-2 rows, 1.3-1.5x at 3, 0.86-1.09x at 6-10 (the copy 0.83-0.91x); the copy 0.89-0.95x at 12-24
-// rows (in registers 0.77-0.91x) (bench/results/tiers/labels_avx2_bf16_head_ab.txt).
-constexpr int kInRegisterRows = 9;
+// arithmetic and every row tile would widen the same vectors again. Against the fp32 head on a Zen 1 (16
+// registers): in registers 1.5-1.9x at 1-2 rows, 1.3-1.5x at 3, 0.86-1.09x at 6-10 (the copy 0.83-0.91x); the copy
+// 0.89-0.95x at 12-24 rows (in registers 0.77-0.91x) (bench/results/tiers/labels_avx2_bf16_head_ab.txt). With 32
+// registers (6-row tiles) the widening is shared by more rows: in registers always.
+constexpr int kInRegisterRows = kWideRegisters ? INT_MAX : 9;
 
 template <int VT>
 void dot_column_widened(const uint16_t* w, int64_t w_stride, FloatRows h, int rows, int hidden, float* out,
@@ -268,16 +304,20 @@ const LabelCpuOps kBf16Ops{logits_chunk<Bf16>, lse_update};
 const LabelCpuOps kF32Ops{logits_chunk<F32>, lse_update};
 const LabelCpuOps kF32Bf16WeightOps{logits_chunk<F32Bf16Weight>, lse_update};
 
-// nullptr where the dtype is not covered (the caller checks the CPU).
-const LabelCpuOps* ops_for(DType dtype, bool bf16_weight) {
-  if (dtype == DType::kFloat32) return bf16_weight ? &kF32Bf16WeightOps : &kF32Ops;
-  if (dtype == DType::kBFloat16 && !bf16_weight) return &kBf16Ops;
-  return nullptr;
+// nullptr where the key is not covered. bf16 takes the pair dot where the layer has one and the tier asks for it.
+const LabelCpuOps* ops_for(const KernelKey& key) {
+  if (key.dtype == DType::kFloat32) return key.bf16_weight ? &kF32Bf16WeightOps : &kF32Ops;
+  if (key.dtype != DType::kBFloat16 || key.bf16_weight) return nullptr;
+  if constexpr (V::kHasBf16Dot) {
+    static const LabelCpuOps pairs{logits_chunk<Bf16Pairs>, lse_update};
+    if (key.bf16_dot == Bf16Dot::kDpbf16) return &pairs;
+  }
+  return &kBf16Ops;
 }
 
 }  // namespace
 
 // The entry point label_logprobs.h declares, named for the layer this text is compiled on (e.g. label_ops_avx2).
-const LabelCpuOps* PYSCORE_VEC_ENTRY(label_ops)(const KernelKey& key) { return ops_for(key.dtype, key.bf16_weight); }
+const LabelCpuOps* PYSCORE_VEC_ENTRY(label_ops)(const KernelKey& key) { return ops_for(key); }
 
 }  // namespace pyscore

@@ -20,8 +20,9 @@ NS = "pyscore::(anonymous namespace)::"
 # file -> the entry points its launcher takes at tier avx512, fp32 and widened bf16 (as objdump -C names them)
 TIER_AVX512_ENTRIES = {
     "csrc/linear/linear_avx512.cpp": [f"void {NS}rect<{NS}F32>(", f"void {NS}rect<{NS}Bf16Widen>("],
-    "csrc/label_logprobs/label_logprobs_avx512.cpp": [
-        f"void {NS}logits_chunk<{NS}F32>(", f"{NS}logits_chunk_widened(", f"{NS}lse_update("],
+    "csrc/label_logprobs/logits_simd.h": [  # on the avx512 layer; its Bf16Pairs ops (vdpbf16ps) are not reached
+        f"void {NS}logits_chunk<{NS}F32Of<float> >(", f"void {NS}logits_chunk<{NS}F32Of<unsigned short> >(",
+        f"void {NS}logits_chunk<{NS}Bf16>(", f"{NS}lse_update("],
     "csrc/prefix_item_attention/prefix_item_attention_avx512.cpp": [
         "pyscore::attention_ops_avx512(", f"void {NS}pack_k<{NS}F32>(", "pyscore::pack_v_f32(",
         f"void {NS}attend<{NS}F32>(", f"void {NS}store_row<{NS}F32>(",

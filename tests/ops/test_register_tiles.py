@@ -25,8 +25,7 @@ from tests.ops.machine_code import Instruction, functions, needs_aarch64_gcc, ne
 # (source, vector layer) -> the register-tiled kernels in it (function names as objdump -C gives them, by prefix)
 TILED = {
     ("csrc/label_logprobs/logits_simd.h", "avx2"): ["void pyscore::(anonymous namespace)::dot_tile<"],
-    ("csrc/label_logprobs/label_logprobs_avx512.cpp", "avx512"): [
-        "void pyscore::(anonymous namespace)::dot_tile<", "void pyscore::(anonymous namespace)::dot_tile_widened<"],
+    ("csrc/label_logprobs/logits_simd.h", "avx512"): ["void pyscore::(anonymous namespace)::dot_tile<"],
     ("csrc/linear/linear_avx2.cpp", "avx2"): ["void pyscore::(anonymous namespace)::micro<"],
     ("csrc/linear/linear_avx512.cpp", "avx512"): [
         "void pyscore::(anonymous namespace)::rect<", "void pyscore::(anonymous namespace)::row_tiles<"],
