@@ -13,6 +13,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -21,6 +22,7 @@ from pyscore.branch_points import Head
 from pyscore.budget import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RUNNING_GENERATIONS, count_within_budget
 from pyscore.chunked_prefill import ChunkedPrefill
 from pyscore.errors import PassInterrupted, RequestError
+from pyscore.gen_validate import render_chat
 from pyscore.generation import Generation, GenerationRunner, eos_token_ids
 from pyscore.memory import (
     Pools,
@@ -271,6 +273,17 @@ class Engine:
         convention as generation's logprobs and what a label string must be."""
         ids = list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
         return ids, [self.tokenizer.decode([i]) for i in ids]
+
+    def encode(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Each text's token ids, in one tokenizer call (no per-token text: cheaper than `tokenize` each)."""
+        return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def render_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[int]:
+        """The prompt token ids of a chat under the model's chat template (pyscore.gen_validate.render_chat)."""
+        return render_chat(self.tokenizer, messages, template_kwargs)
 
     # --- scoring -------------------------------------------------------------------------------------
     def prepare_score(self, request: ScoreRequest) -> PreparedScore:

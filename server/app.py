@@ -40,7 +40,9 @@ from pyscore.budget import (
 from pyscore.memory import InsufficientMemoryError, freeze_heap
 from pyscore.types import GenerateRequest, ModelInfo, ScoreRequest, ServerLimits
 
-from .batcher import Batcher, EngineLike
+from .batcher import Batcher
+from .engine_like import EngineLike
+from .gate import Gate
 from .health import HealthServicer
 from .http import HttpFrontDoor
 from .http import build_app as build_http_app
@@ -165,7 +167,8 @@ class ScorerApp:
             health_only = reflection_handlers([health.SERVICE_NAME], DocumentedPool(only=["grpc.health.v1"]))
             interceptors.append(AuthInterceptor(read_token(config.auth_token_file), open_handlers=health_only))
         self.server = grpc.aio.server(interceptors=interceptors, options=server_options(config))
-        self.servicer = ScorerServicer(max_items=config.max_items, max_request_tokens=config.max_request_tokens)
+        self.gate = Gate(max_items=config.max_items, max_request_tokens=config.max_request_tokens)
+        self.servicer = ScorerServicer(self.gate)
         self.health = HealthServicer()
         scorer_pb2_grpc.add_ScorerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -204,9 +207,9 @@ class ScorerApp:
         return self.port
 
     async def _start_http(self) -> int:
-        """The HTTP front door in this loop, over this server's servicer, batcher, token, TLS and metrics."""
+        """The HTTP front door in this loop, over this server's gate, batcher, token, TLS and metrics."""
         c = self.config
-        app = build_http_app(self.servicer, self.metrics, self.health.serving,
+        app = build_http_app(self.gate, self.metrics, self.health.serving,
                              max_body_bytes=c.max_message_mb * 1024 * 1024,
                              token=read_token(c.auth_token_file) if c.auth_token_file else None,
                              rerank_labels=list(c.rerank_labels))
@@ -232,8 +235,8 @@ class ScorerApp:
                                trim_under_load=os.environ.get("PYSCORE_TRIM_UNDER_LOAD", "") not in ("", "0"))
         self.batcher.start()
         self.metrics.track_prefix_cache(engine.prefix_cache_stats)
-        self.metrics.track_kv_store(getattr(engine, "kv_store_stats", lambda: None))  # a test fake has no store
-        self.servicer.attach(self.batcher, self.model_info(engine))
+        self.metrics.track_kv_store(engine.kv_store_stats)
+        self.gate.open(self.batcher, engine, self.model_info(engine))
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
 
     def model_info(self, engine: EngineLike) -> ModelInfo:

@@ -50,65 +50,18 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from pyscore.budget import count_within_budget
 from pyscore.errors import PassInterrupted, ResourceExhausted
 from pyscore.memory import release_freed_memory as trim_heap  # the free heap back to the OS (glibc only)
-from pyscore.types import GenerateRequest, GenerateResult, ModelInfo, ScoreRequest, ScoreResult, TokenLogprob, Usage
+from pyscore.types import GenerateRequest, GenerateResult, ScoreRequest, ScoreResult, TokenLogprob, Usage
+
+from .engine_like import ChunkPlanLike, EngineLike
 
 log = logging.getLogger(__name__)
 
 TRIM_EVERY_S = 10.0
-
-
-class PreparedLike(Protocol):
-    """What the batcher reads of a prepared Score request (pyscore.scoring.PreparedScore)."""
-
-    computed_tokens: int
-    num_items: int
-
-
-class GenerationLike(Protocol):
-    """What the batcher reads of a running generation (pyscore.generation.Generation)."""
-
-    finished: bool
-    prompt: list[int]
-    request: GenerateRequest
-    error: Exception | None
-
-    def take_delta(self) -> tuple[list[int], list[TokenLogprob], str]: ...
-    def take_prompt_logprobs(self) -> list[TokenLogprob] | None: ...
-    def result(self) -> GenerateResult: ...
-    def abandon(self) -> None: ...  # the server gives up on it: free what it holds (a chunked prompt's blocks)
-
-
-class ChunkPlanLike(Protocol):
-    """What the batcher reads of a chunking plan (pyscore.chunked_prefill.ChunkedPrefill)."""
-
-    finished: bool
-
-    def close(self, ok: bool) -> None: ...
-
-
-class EngineLike(Protocol):
-    """The part of pyscore.engine.Engine the server uses."""
-
-    model_name: str
-
-    def info(self) -> ModelInfo: ...
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[str]]: ...
-    def prepare_score(self, request: ScoreRequest) -> PreparedLike: ...
-    def run_prepared(self, prepared: list[Any]) -> list[ScoreResult | Exception]: ...
-    def start_generation(self, request: GenerateRequest) -> GenerationLike: ...
-    def step(self, generations: list[Any]) -> None: ...
-    def prefix_cache_stats(self) -> Any: ...  # pyscore.model.prefix_cache.PrefixCacheStats, or None when off
-    def kv_budget(self) -> tuple[int, int] | None: ...  # the KV store's (tokens, page tokens); None: no store
-    def set_interrupt(self, interrupt: Callable[[], bool] | None) -> None: ...  # asked at every layer boundary
-    # Chunked prefill (see the module docstring): a plan (pyscore.chunked_prefill.ChunkedPrefill) or None.
-    def plan_chunks(self, prepared: Any) -> ChunkPlanLike | None: ...
-    def run_chunk(self, plan: Any) -> int: ...
-    def finish_chunked(self, prepared: Any, plan: Any) -> ScoreResult | Exception: ...
 
 
 class Unavailable(Exception):

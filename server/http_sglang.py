@@ -27,7 +27,8 @@ from pyscore.errors import InvalidArgument
 from pyscore.types import GenerateRequest, GenerateResult, TokenLogprob
 
 from .batcher import GenerationDelta
-from .http_call import JSON, Call, Gate, fp32
+from .gate import Gate
+from .http_call import JSON, Call, fp32
 from .http_openai import MAX_CHOICES, final_results, merged_usage, stop_strings, stream
 from .http_schema import SGLangGenerateBody, SGLangSamplingParams
 

@@ -29,6 +29,7 @@ import zlib
 from typing import Any
 
 from pyscore.errors import PassInterrupted
+from pyscore.gen_validate import render_chat
 from pyscore.generation import Generation, validate_generate
 from pyscore.scoring import ModelTraits, PreparedScore, prepare_score
 from pyscore.types import (
@@ -155,6 +156,9 @@ class FakeEngine:
     def prefix_cache_stats(self) -> None:
         return None  # no prefix cache
 
+    def kv_store_stats(self) -> None:
+        return None  # no KV store
+
     def kv_budget(self) -> None:
         return None  # no KV store: the server admits generations against --max-kv-tokens alone
 
@@ -167,6 +171,15 @@ class FakeEngine:
     def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[str]]:
         ids = self.tokenizer(text, add_special_tokens)["input_ids"]
         return ids, self.tokenizer.convert_ids_to_tokens(ids)
+
+    def encode(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return self.tokenizer(texts, add_special_tokens)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def render_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[int]:
+        return render_chat(self.tokenizer, messages, template_kwargs)
 
     def prepare_score(self, request: ScoreRequest) -> PreparedScore:
         return prepare_score(request, self.traits)
