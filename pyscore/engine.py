@@ -105,27 +105,19 @@ def make_kv_store(decoder: Decoder, budget_bytes: int) -> KVStore:
         raise ValueError(f"--kv-cache-mb: {e}") from None
 
 
-def make_prefix_cache(loaded: LoadedModel, decoder: Decoder, budget_mb: float | None,
-                      store: KVStore | None = None) -> PrefixCache | None:
-    """The engine's prefix cache over `store` (else over a store of its own of budget_mb), holding at most
-    budget_mb MiB of it (None: the whole store), or None when off (budget 0, or a model it cannot serve: logged
+def make_prefix_cache(loaded: LoadedModel, decoder: Decoder, store: KVStore) -> PrefixCache | None:
+    """The engine's prefix cache over the pages of `store` (all of them may hold cached blocks: the least recently
+    used that no sequence holds are evicted when one needs a page), or None for a model it cannot serve (logged
     with why)."""
-    if budget_mb is not None and budget_mb <= 0:
-        return None
     cfg = loaded.cfg
     reason = unsupported_reason(cfg)
     if reason is not None:
         log.warning("prefix cache off for %s: %s", loaded.name, reason)
         return None
     identity = f"{loaded.name}|{loaded.path}|{cfg}"
-    budget = None if budget_mb is None else int(budget_mb * 2**20)
     states = decoder.linear_state_bytes  # a hybrid model's: kept at each cached sequence's end
     try:
-        if store is not None:
-            return PrefixCache(budget, identity=identity, store=store, state_bytes=states)
-        return PrefixCache(budget, identity=identity, num_layers=decoder.num_attention_layers,
-                           num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=decoder.dtype,
-                           device=decoder.device, state_bytes=states)
+        return PrefixCache(None, identity=identity, store=store, state_bytes=states)
     except ValueError as e:
         log.warning("prefix cache off: %s", e)
         return None
@@ -168,12 +160,11 @@ def _label_table(owners: Sequence[PreparedScore]) -> torch.Tensor:
 
 class Engine:
     def __init__(self, loaded: LoadedModel, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, op_backend: str = "auto",
-                 prefix_cache_mb: float | None = None, max_kv_tokens: int | None = None,
-                 max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS, kv_cache_mb: float | None = None,
-                 prefill_chunk_tokens: int | None = None):
-        """kv_cache_mb: the KV store's byte budget in MiB, for the prefix cache and running generations together.
-        Deprecated: max_kv_tokens and prefix_cache_mb, which (without kv_cache_mb) size the store as their sum;
-        prefix_cache_mb also caps the cache's share of it (0 = no prefix cache)."""
+                 prefix_cache: bool = True, max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS,
+                 kv_cache_mb: float | None = None, prefill_chunk_tokens: int | None = None):
+        """kv_cache_mb: the KV store's byte budget in MiB, for the prefix cache and running generations together
+        (None: pyscore.budget's default). prefix_cache False: no prefix cache (every query and prompt computed in
+        full; no chunked prefill)."""
         self.model = loaded
         self.cfg = loaded.cfg
         self.tokenizer = loaded.tokenizer
@@ -188,9 +179,9 @@ class Engine:
                                   max_context=loaded.cfg.max_position_embeddings,
                                   is_classifier=loaded.cfg.is_classifier, num_labels=loaded.cfg.num_labels,
                                   id2label=loaded.cfg.id2label)
-        pools = Pools(max_batch_tokens, max_kv_tokens, max_running_generations, prefix_cache_mb, kv_cache_mb)
+        pools = Pools(max_batch_tokens, max_running_generations, kv_cache_mb)
         self.kv_store = make_kv_store(self.decoder, pools.kv_store_bytes(self.decoder.kv_bytes_per_token))
-        self.prefix_cache = make_prefix_cache(loaded, self.decoder, prefix_cache_mb, self.kv_store)
+        self.prefix_cache = make_prefix_cache(loaded, self.decoder, self.kv_store) if prefix_cache else None
         self.generation = GenerationRunner(self.decoder, loaded.tokenizer,
                                            eos_token_ids(loaded.hf_config, loaded.tokenizer), max_batch_tokens,
                                            self.prefix_cache, self.kv_store, self.prefill_chunk_tokens)
@@ -209,9 +200,6 @@ class Engine:
                  "running generations", store.capacity, store.block_tokens, store.capacity * store.block_bytes / 2**20,
                  self.decoder.kv_bytes_per_token,
                  "off" if self.prefix_cache is None else f"up to {self.prefix_cache.capacity} pages")
-        if kv_cache_mb is None and (max_kv_tokens is not None or prefix_cache_mb):
-            log.warning("--max-kv-tokens and --prefix-cache-mb are deprecated: one budget, --kv-cache-mb, sizes the "
-                        "KV store (now %.0f MiB, their sum)", store.capacity * store.block_bytes / 2**20)
         self.memory = final_memory_plan(loaded, self.decoder, pools, store.capacity * store.block_bytes)
         log.info("memory: %s expected when every pool is full (--kv-cache-mb %.0f, --max-batch-tokens %d); "
                  "resident now %.2f GiB", describe(self.memory), store.capacity * store.block_bytes / 2**20,
@@ -222,24 +210,23 @@ class Engine:
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, dtype: str | torch.dtype = "auto",
                         device: str = "auto", threads: int | None = None,
                         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, op_backend: str = "auto",
-                        prefix_cache_mb: float | None = None, max_kv_tokens: int | None = None,
-                        max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS,
+                        prefix_cache: bool = True, max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS,
                         kv_cache_mb: float | None = None, prefill_chunk_tokens: int | None = None) -> Engine:
         """model: a local HF directory, a .gguf file, or None for the embedded SmolLM2-135M-Instruct.
         kv_cache_mb: the KV store's byte budget in MiB (prefix cache and running generations; default: 65536
-        tokens + 1024 MiB, the old two budgets' defaults). prefix_cache_mb (0 = no prefix cache) and max_kv_tokens
-        are its deprecated form (see __init__). The engine plans memory with these and max_running_generations and
+        tokens' worth + 1024 MiB); prefix_cache False turns the prefix cache off. The engine plans memory with these
+        and max_running_generations and
         refuses, before loading, a model that cannot fit (pyscore.memory.InsufficientMemoryError).
         prefill_chunk_tokens: a request computing more than max_batch_tokens has its query / prompt prefilled in
         chunks of at most this size (default and at most max_batch_tokens; pyscore.chunked_prefill)."""
         set_threads(threads)
         dev = resolve_device(device)
         _ext.check_switches()  # before the tier picks the dtype and the load takes its time
-        pools = Pools(max_batch_tokens, max_kv_tokens, max_running_generations, prefix_cache_mb, kv_cache_mb)
+        pools = Pools(max_batch_tokens, max_running_generations, kv_cache_mb)
         resolved = resolve_dtype(dtype, dev)
         loaded = load_model(model, resolved, dev, pools, smaller_dtype(dtype, resolved), op_backend)
-        return cls(loaded, max_batch_tokens, op_backend, prefix_cache_mb, max_kv_tokens, max_running_generations,
-                   kv_cache_mb, prefill_chunk_tokens)
+        return cls(loaded, max_batch_tokens, op_backend, prefix_cache, max_running_generations, kv_cache_mb,
+                   prefill_chunk_tokens)
 
     # --- model facts ---------------------------------------------------------------------------------
     def info(self) -> ModelInfo:

@@ -33,8 +33,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 import pyscore
 from pyscore._proto.pyscore.v1 import scorer_pb2, scorer_pb2_grpc
 from pyscore.budget import (
+    DEFAULT_KV_STORE_TOKENS,
     DEFAULT_MAX_BATCH_TOKENS,
-    DEFAULT_MAX_KV_TOKENS,
     DEFAULT_MAX_RUNNING_GENERATIONS,
 )
 from pyscore.memory import InsufficientMemoryError, freeze_heap
@@ -78,10 +78,9 @@ class ServerConfig:
     max_request_tokens: int | None = 65536  # None = no limit
     max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS
     # The KV store (MiB): the prefix cache's pages and running generations', prompt + max_tokens each reserved at
-    # admission. None: 65536 tokens + 1024 MiB, or the deprecated pair below when given (pyscore.budget).
+    # admission. None: 65536 tokens' worth + 1024 MiB (pyscore.budget).
     kv_cache_mb: float | None = None
-    max_kv_tokens: int | None = None  # deprecated (--kv-cache-mb): tokens of running generations
-    prefix_cache_mb: float | None = None  # deprecated (--kv-cache-mb): MiB of prefix cache; 0 still turns it off
+    prefix_cache: bool = True  # False (--no-prefix-cache): no prefix is kept for reuse, nothing is chunked
     prefill_chunk_tokens: int | None = None  # chunk size of a request over max_batch_tokens; None = max_batch_tokens
     grace_s: float = 10.0
     drain_delay_s: float = 0.0  # seconds between health NOT_SERVING and the listener closing, on SIGTERM
@@ -103,8 +102,8 @@ def load_engine(config: ServerConfig) -> EngineLike:
     module, _, name = config.engine.partition(":")
     cls = getattr(importlib.import_module(module), name)
     return cls.from_pretrained(config.model, dtype=config.dtype, device=config.device, threads=config.threads,
-                               max_batch_tokens=config.max_batch_tokens, prefix_cache_mb=config.prefix_cache_mb,
-                               max_kv_tokens=config.max_kv_tokens, kv_cache_mb=config.kv_cache_mb,
+                               max_batch_tokens=config.max_batch_tokens, prefix_cache=config.prefix_cache,
+                               kv_cache_mb=config.kv_cache_mb,
                                max_running_generations=config.max_running_generations,
                                prefill_chunk_tokens=config.prefill_chunk_tokens)
 
@@ -222,11 +221,8 @@ class ScorerApp:
         await in_daemon_thread(lambda: warm_up(engine))
         c = self.config
         # Generations are admitted against the engine's KV store in whole pages; an engine without one (a test
-        # fake) against --max-kv-tokens alone. The deprecated --max-kv-tokens, given without --kv-cache-mb, still
-        # bounds what generations reserve (the rest of the store, its sum with --prefix-cache-mb, is the cache's).
-        kv_tokens, kv_page = engine.kv_budget() or (c.max_kv_tokens or DEFAULT_MAX_KV_TOKENS, 1)
-        if c.max_kv_tokens is not None and c.kv_cache_mb is None:
-            kv_tokens = min(kv_tokens, c.max_kv_tokens)
+        # fake) against the default store's tokens.
+        kv_tokens, kv_page = engine.kv_budget() or (DEFAULT_KV_STORE_TOKENS, 1)
         self.batcher = Batcher(engine, max_batch_tokens=c.max_batch_tokens, max_queue=c.max_queue,
                                max_request_tokens=c.max_request_tokens,
                                max_running_generations=c.max_running_generations, max_kv_tokens=kv_tokens,

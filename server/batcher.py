@@ -343,7 +343,7 @@ class Batcher:
                 if job.tokens > self.max_kv_tokens:
                     raise ResourceExhausted("max_tokens", f"prompt + max_tokens is {tokens} tokens ({job.tokens} in "
                                             f"whole KV pages), more than this server's KV store of "
-                                            f"{self.max_kv_tokens} tokens (--kv-cache-mb, formerly --max-kv-tokens)")
+                                            f"{self.max_kv_tokens} tokens (--kv-cache-mb)")
                 self._starting.append(job)  # keeps its queue place until it runs
                 return
             fn, args = job.payload

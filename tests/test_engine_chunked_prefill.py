@@ -166,11 +166,11 @@ def test_interrupted_inside_a_chunk_the_plan_is_as_before(model_dir):
 def test_the_chunked_requests_blocks_survive_cache_pressure(model_dir):
     """A cache with room for the long query plus one block: other requests between its chunks evict each other,
     never its blocks (pinned / pending until it ends)."""
-    probe = engine(model_dir, prefix_cache_mb=0)
+    probe = engine(model_dir, prefix_cache=False)
     cfg = probe.cfg
     block_mb = 2 * cfg.num_layers * B * cfg.num_kv_heads * cfg.head_dim * 4 / 2**20
     n = len(probe.tokenize(LONG)[0])
-    e = engine(model_dir, max_batch_tokens=BUDGET, prefix_cache_mb=(n // B + 1) * block_mb)
+    e = engine(model_dir, max_batch_tokens=BUDGET, kv_cache_mb=(n // B + 1) * block_mb)
     big = e.prepare_score(ScoreRequest(query=LONG, items=ITEMS, labels=LABELS))
     plan = e.plan_chunks(big)
     assert plan is not None
@@ -185,13 +185,13 @@ def test_the_chunked_requests_blocks_survive_cache_pressure(model_dir):
 
 
 def test_a_cache_too_small_for_the_query_runs_it_as_one_pass(model_dir, chunks):
-    probe = engine(model_dir, prefix_cache_mb=0)
+    probe = engine(model_dir, prefix_cache=False)
     cfg = probe.cfg
     block_mb = 2 * cfg.num_layers * B * cfg.num_kv_heads * cfg.head_dim * 4 / 2**20
-    e = engine(model_dir, max_batch_tokens=BUDGET, prefix_cache_mb=2 * block_mb)
+    e = engine(model_dir, max_batch_tokens=BUDGET, kv_cache_mb=2 * block_mb)
     got = e.score(LONG, ITEMS, labels=LABELS)
     assert not chunks and got.scores == probe.score(LONG, ITEMS, labels=LABELS).scores
-    off = engine(model_dir, max_batch_tokens=BUDGET, prefix_cache_mb=0)
+    off = engine(model_dir, max_batch_tokens=BUDGET, prefix_cache=False)
     assert off.plan_chunks(off.prepare_score(ScoreRequest(query=LONG, items=ITEMS, labels=LABELS))) is None
 
 
@@ -274,19 +274,19 @@ def test_hybrid_chunks_stop_where_published_blocks_without_states_end(hybrid_dir
 
 
 def test_hybrid_without_room_for_the_chunks_states_runs_as_one_pass(hybrid_dir, chunks):
-    probe = engine(hybrid_dir, prefix_cache_mb=0)
+    probe = engine(hybrid_dir, prefix_cache=False)
     n = len(probe.tokenize(LONG)[0]) // B * B
     pages = engine(hybrid_dir)
     assert pages.prefix_cache is not None
     page_mb = pages.prefix_cache.block_bytes / 2**20
     request = ScoreRequest(query=LONG, items=ITEMS, labels=LABELS)
     sets = -(-n // BUDGET)  # chunks, each ending with a set of state pages
-    roomy = engine(hybrid_dir, max_batch_tokens=BUDGET, prefix_cache_mb=reserved_pages(pages, n) * page_mb)
+    roomy = engine(hybrid_dir, max_batch_tokens=BUDGET, kv_cache_mb=reserved_pages(pages, n) * page_mb)
     plan = roomy.plan_chunks(roomy.prepare_score(request))
     assert sets > 1 and plan is not None
     plan.close(ok=False)
     e = engine(hybrid_dir, max_batch_tokens=BUDGET,  # room for every block and one set of states, not one a chunk
-               prefix_cache_mb=(n // B + pages.prefix_cache.state_pages) * page_mb)
+               kv_cache_mb=(n // B + pages.prefix_cache.state_pages) * page_mb)
     assert e.plan_chunks(e.prepare_score(request)) is None
     assert e.score(LONG, ITEMS, labels=LABELS).scores == probe.score(LONG, ITEMS, labels=LABELS).scores
     assert not chunks

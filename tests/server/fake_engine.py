@@ -113,8 +113,7 @@ class FakeEngine:
     @classmethod
     def from_pretrained(cls, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
                         threads: int | None = None, max_batch_tokens: int = 8192,
-                        prefix_cache_mb: float | None = 0.0, max_kv_tokens: int | None = 65536,
-                        max_running_generations: int = 64, kv_cache_mb: float | None = None,
+                        prefix_cache: bool = True, max_running_generations: int = 64, kv_cache_mb: float | None = None,
                         prefill_chunk_tokens: int | None = None) -> FakeEngine:
         return cls(model or "fake-smollm2", delay_s=float(os.environ.get("FAKE_ENGINE_DELAY_S", "0")))
 
@@ -160,7 +159,7 @@ class FakeEngine:
         return None  # no KV store
 
     def kv_budget(self) -> None:
-        return None  # no KV store: the server admits generations against --max-kv-tokens alone
+        return None  # no KV store: the server admits generations against the default store's tokens
 
     def set_interrupt(self, interrupt: Any) -> None:
         self.interrupt = interrupt
