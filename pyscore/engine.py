@@ -39,7 +39,16 @@ from pyscore.model.packing import Group, pack
 from pyscore.model.prefix_cache import CacheLease, PrefixCache, PrefixCacheStats, pass_lease, unsupported_reason
 from pyscore.ops import _ext, label_logprobs
 from pyscore.scoring import ModelTraits, PreparedScore, prepare_score
-from pyscore.types import GenerateRequest, GenerateResult, MemoryPlan, ModelInfo, ScoreRequest, ScoreResult, Usage
+from pyscore.types import (
+    Boundary,
+    GenerateRequest,
+    GenerateResult,
+    MemoryPlan,
+    ModelInfo,
+    ScoreRequest,
+    ScoreResult,
+    Usage,
+)
 
 log = logging.getLogger(__name__)
 
@@ -242,10 +251,10 @@ class Engine:
                          prefix_cache_bytes=self.prefix_cache.stats.capacity_bytes if self.prefix_cache else 0,
                          memory=self.memory)
 
-    def kv_budget(self) -> tuple[int, int]:
-        """(tokens, page tokens) of the KV store: what the server admits generations under, prompt + max_tokens
-        each, rounded up to whole pages."""
-        return self.kv_store.capacity_tokens, self.kv_store.block_tokens
+    def kv_tokens_reserved(self) -> int:
+        """KV-store tokens the admitted generations reserve (prompt + max_tokens each, whole pages); safe to read
+        from another thread."""
+        return self.kv_store.reservations.reserved
 
     def kv_store_stats(self) -> KVStoreStats:
         """The KV store's pages held now; safe to read from another thread."""
@@ -293,16 +302,18 @@ class Engine:
         results = iter(self.run_prepared(valid))
         return [p if isinstance(p, Exception) else next(results) for p in prepared]
 
-    def set_interrupt(self, interrupt: Callable[[], bool] | None) -> None:
-        """`interrupt()` is asked at every layer boundary of every forward pass (Score and Generate); when it says
-        True the pass stops there and `run_prepared` / `step` raise PassInterrupted, having committed nothing."""
-        self.decoder.interrupt = interrupt
+    def set_boundary(self, decide: Callable[[], Boundary] | None, between: Callable[[], None] | None = None) -> None:
+        """`decide()` is asked at every layer boundary of every forward pass (Score and Generate). STOP: the pass
+        stops there and `run_prepared` / `step` / `advance_chunked` raise PassInterrupted, having committed
+        nothing. YIELD: `between()` runs there (other passes of this engine: each keeps its state in its own
+        tensors, and a chunk's cache blocks are private to its lease, so the pass then goes on unchanged)."""
+        self.decoder.decide, self.decoder.between = decide, between
 
     def run_prepared(self, prepared: Sequence[PreparedScore]) -> list[ScoreResult | Exception]:
         """Packs all requests' groups into as few forward passes as the token budget allows. If a pass fails,
         its requests are retried one by one so a single bad request cannot fail its batch-mates. A request larger
         than max_batch_tokens is computed in chunks (`plan_chunks`), all of them here, one request after
-        another (the server's batcher runs the chunks itself, one per iteration, so that others run between them).
+        another (the server's scheduler steps them itself, one per iteration, so that others run between them).
         An interrupted pass (PassInterrupted) ends the call: no request gets a result."""
         results: dict[int, ScoreResult | Exception] = {}
         for r, p in enumerate(prepared):
@@ -342,7 +353,7 @@ class Engine:
         """For a request that computes more than max_batch_tokens and whose query is a prefix (MIS, SIS; not
         item_first), the plan that computes the query's whole blocks in chunks, its cache blocks reserved; None
         when it runs as one pass (no prefix cache, a cache too small for the query (and a hybrid's states), a query of
-        less than one block). The caller runs `run_chunk` until `plan.finished`, then `finish_chunked`, or closes
+        less than one block). The caller steps it with `advance_chunked` until that returns the result, or closes
         the plan (`plan.close(ok=False)`) when it gives up on the request."""
         if p.computed_tokens <= self.max_batch_tokens or not p.items or p.request.item_first:
             return None
@@ -350,39 +361,41 @@ class Engine:
         return chunked_prefill.plan(self.prefix_cache, p.query, len(p.query), self.prefill_chunk_tokens,
                                     r.prefix_cache_salt, r.bypass_prefix_cache)
 
-    def run_chunk(self, plan: ChunkedPrefill) -> int:
-        """One forward pass over the plan's next chunk; returns the tokens it computed. Raises as a pass does
-        (PassInterrupted included), leaving the plan as before the chunk."""
-        return plan.run_next(self.decoder)
+    def advance_chunked(self, p: PreparedScore, plan: ChunkedPrefill) -> ScoreResult | Exception | None:
+        """One step of a chunked request (ChunkedPrefill.advance): the next chunk's pass (None: more to come), or,
+        once every chunk ran, its last passes, whose groups read the whole-block query from the cache and compute
+        its tail and the items; then the request's result (or error), the plan closed: committed on success,
+        aborted otherwise. PassInterrupted propagates: in a chunk it leaves the plan as before the chunk (open), in
+        the last passes it closes it."""
+        try:
+            return plan.advance(self.decoder, lambda: self._finish_chunked(p, plan))
+        except PassInterrupted:
+            raise
+        except Exception as e:
+            plan.close(ok=False)
+            return e
 
-    def finish_chunked(self, p: PreparedScore, plan: ChunkedPrefill) -> ScoreResult | Exception:
-        """The request's last passes, once every chunk ran: its groups read the whole-block query from the cache
-        and compute its tail and the items. Closes the plan: committed on success, aborted otherwise
-        (PassInterrupted propagates)."""
+    def run_chunked(self, p: PreparedScore, plan: ChunkedPrefill) -> ScoreResult | Exception:
+        """Every step of `advance_chunked` in one go."""
+        try:
+            while (result := self.advance_chunked(p, plan)) is None:
+                pass
+        except PassInterrupted:
+            plan.close(ok=False)
+            raise
+        return result
+
+    def _finish_chunked(self, p: PreparedScore, plan: ChunkedPrefill) -> ScoreResult:
         rows: list[list[list[list[float]]]] = [[[] for _ in p.items]]
         cached = [-plan.computed]  # the query blocks this request computed in its chunks were not cached
         try:
             for units in self._passes([p], skip=plan.end):
                 self._run_pass(units, [p], rows, cached, plan)
-        except Exception as e:
+        except BaseException:
             plan.close(ok=False)
-            if isinstance(e, PassInterrupted):
-                raise
-            return e
+            raise
         plan.close(ok=True)
         return self._result(p, rows[0], cached[0])
-
-    def run_chunked(self, p: PreparedScore, plan: ChunkedPrefill) -> ScoreResult | Exception:
-        """Every chunk, then the last passes (the batcher's sequence, run in one go)."""
-        try:
-            while not plan.finished:
-                self.run_chunk(plan)
-        except Exception as e:
-            plan.close(ok=False)
-            if isinstance(e, PassInterrupted):
-                raise
-            return e
-        return self.finish_chunked(p, plan)
 
     def _branch_pass(self, prepared: Sequence[PreparedScore]) -> list[int]:
         """A hybrid model's queries that share a part the cache holds without states, or that batch-mates share,
@@ -506,6 +519,15 @@ class Engine:
     # --- generation (pyscore.generation.GenerationRunner does the stepping) -------------------------------
     def start_generation(self, request: GenerateRequest) -> Generation:
         return self.generation.start(request)
+
+    def check_kv(self, generation: Generation) -> None:
+        """Refuses (ResourceExhausted, naming --kv-cache-mb) a generation that could never fit the KV store."""
+        self.generation.check_admissible(generation)
+
+    def reserve_kv(self, generation: Generation) -> bool:
+        """Admits `generation` now if its prompt + max_tokens fit the KV store beside the admitted ones' (the one
+        ledger: pyscore.model.kv_store.Reservations); False: it waits."""
+        return self.generation.reserve(generation)
 
     def step(self, generations: Sequence[Generation]) -> None:
         """Advances every unfinished generation by one token; a sequence whose step fails is marked failed

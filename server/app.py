@@ -33,7 +33,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 import pyscore
 from pyscore._proto.pyscore.v1 import scorer_pb2, scorer_pb2_grpc
 from pyscore.budget import (
-    DEFAULT_KV_STORE_TOKENS,
     DEFAULT_MAX_BATCH_TOKENS,
     DEFAULT_MAX_RUNNING_GENERATIONS,
 )
@@ -174,8 +173,9 @@ class ScorerApp:
         add_reflection(self.server, (SCORER_SERVICE, health.SERVICE_NAME), DocumentedPool())
         self.batcher: Batcher | None = None
         self.metrics.track_queue(lambda: self.batcher.waiting() if self.batcher is not None else 0)
+        self.engine: EngineLike | None = None
         self.metrics.track_generations(lambda: self.batcher.running_generations() if self.batcher is not None else 0,
-                                       lambda: self.batcher.kv_tokens_reserved() if self.batcher is not None else 0)
+                                       lambda: self.engine.kv_tokens_reserved() if self.engine is not None else 0)
         self.port = 0
         self.metrics_port = 0
         self.http: HttpFrontDoor | None = None
@@ -220,16 +220,13 @@ class ScorerApp:
         """Warm the engine up (off the loop), start the batcher on it and go SERVING."""
         await in_daemon_thread(lambda: warm_up(engine))
         c = self.config
-        # Generations are admitted against the engine's KV store in whole pages; an engine without one (a test
-        # fake) against the default store's tokens.
-        kv_tokens, kv_page = engine.kv_budget() or (DEFAULT_KV_STORE_TOKENS, 1)
         self.batcher = Batcher(engine, max_batch_tokens=c.max_batch_tokens, max_queue=c.max_queue,
                                max_request_tokens=c.max_request_tokens,
-                               max_running_generations=c.max_running_generations, max_kv_tokens=kv_tokens,
-                               kv_page_tokens=kv_page,
+                               max_running_generations=c.max_running_generations,
                                on_batch=self.metrics.observe_batch,
                                trim_under_load=os.environ.get("PYSCORE_TRIM_UNDER_LOAD", "") not in ("", "0"))
         self.batcher.start()
+        self.engine = engine
         self.metrics.track_prefix_cache(engine.prefix_cache_stats)
         self.metrics.track_kv_store(engine.kv_store_stats)
         self.gate.open(self.batcher, engine, self.model_info(engine))

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from pyscore.scoring import ModelTraits
-from pyscore.types import GenerateRequest, GenerateResult, ModelInfo, ScoreRequest, ScoreResult, TokenLogprob
+from pyscore.types import Boundary, GenerateRequest, GenerateResult, ModelInfo, ScoreRequest, ScoreResult, TokenLogprob
 
 
 class PreparedLike(Protocol):
@@ -62,11 +62,17 @@ class EngineLike(Protocol):
     # -- generation -----------------------------------------------------------------------------------------
     def start_generation(self, request: GenerateRequest) -> GenerationLike: ...
     def step(self, generations: list[Any]) -> None: ...
-    def kv_budget(self) -> tuple[int, int] | None: ...  # the KV store's (tokens, page tokens); None: no store
+    # Admission against the one KV store: check_kv refuses (ResourceExhausted) what could never fit; reserve_kv
+    # admits now (prompt + max_tokens in whole pages beside the running generations'), held until it ends.
+    def check_kv(self, generation: Any) -> None: ...
+    def reserve_kv(self, generation: Any) -> bool: ...
+    def kv_tokens_reserved(self) -> int: ...  # safe to read from another thread (metrics)
 
     # -- passes ---------------------------------------------------------------------------------------------
-    def set_interrupt(self, interrupt: Callable[[], bool] | None) -> None: ...  # asked at every layer boundary
-    # Chunked prefill (server/batcher): a plan (pyscore.chunked_prefill.ChunkedPrefill) or None.
+    # At every layer boundary the engine asks decide(); on Boundary.YIELD it runs between() there, then goes on.
+    def set_boundary(self, decide: Callable[[], Boundary] | None,
+                     between: Callable[[], None] | None = None) -> None: ...
+    # Chunked prefill: a plan (pyscore.chunked_prefill.ChunkedPrefill) or None (the request runs as one pass);
+    # advance_chunked runs its next step: None while chunks remain, then the result (the plan closed).
     def plan_chunks(self, prepared: Any) -> ChunkPlanLike | None: ...
-    def run_chunk(self, plan: Any) -> int: ...
-    def finish_chunked(self, prepared: Any, plan: Any) -> ScoreResult | Exception: ...
+    def advance_chunked(self, prepared: Any, plan: Any) -> ScoreResult | Exception | None: ...

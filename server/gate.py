@@ -8,8 +8,9 @@ from __future__ import annotations
 from pyscore.errors import NotFound, ResourceExhausted, quoted
 from pyscore.types import ModelInfo
 
-from .batcher import Batcher, Unavailable
+from .batcher import Batcher
 from .engine_like import EngineLike
+from .scheduler import Unavailable
 
 
 class Gate:

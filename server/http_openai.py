@@ -40,12 +40,13 @@ from starlette.types import Receive, Scope, Send
 from pyscore.errors import InvalidArgument
 from pyscore.types import MAX_TOP_LOGPROBS, GenerateRequest, GenerateResult, TokenLogprob, Usage
 
-from .batcher import Batcher, GenerationDelta
+from .batcher import Batcher
 from .engine_like import EngineLike
 from .gate import Gate
 from .http_call import JSON, Call, described, error_body, fp32
 from .http_schema import ChatCompletionBody, ChatMessage, CompletionBody, SamplingBody
 from .http_score import usage_json
+from .scheduler import GenerationDelta
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 COMPLETION_FIELDS = {"prompt_token_ids": "prompt", "top_logprobs": "logprobs"}

@@ -25,8 +25,8 @@ from pyscore._proto.pyscore.v1 import scorer_pb2_grpc
 from pyscore.errors import InvalidArgument
 from pyscore.types import MAX_STOP_STRINGS, ModelInfo
 
-from .batcher import DeadlineExceeded, GenerationDelta
 from .gate import Gate
+from .scheduler import DeadlineExceeded, GenerationDelta
 
 
 def time_left(context: grpc.aio.ServicerContext) -> float | None:

@@ -13,7 +13,7 @@ from pyscore.engine import Engine
 from pyscore.errors import PassInterrupted
 from pyscore.generation import SeqState
 from pyscore.model.kv_store import page_tokens
-from pyscore.types import GenerateRequest, ScoreRequest
+from pyscore.types import Boundary, GenerateRequest, ScoreRequest
 from tests.helpers import make_model_dir
 from tests.reference_scoring import max_abs_diff
 from tests.test_engine_prefix_cache import FP32_TOL, ITEMS, QUERY
@@ -126,11 +126,11 @@ def test_a_small_request_completes_between_chunks_of_a_big_one(model_dir):
     assert plan is not None and e.plan_chunks(e.prepare_score(small)) is None
     between = 0
     while not plan.finished:
-        e.run_chunk(plan)
+        assert e.advance_chunked(big, plan) is None  # a chunk
         assert e.score_batch([small])[0].scores == idle.scores
         between += 1
     assert between >= 3
-    result = e.finish_chunked(big, plan)
+    result = e.advance_chunked(big, plan)  # the last passes
     assert result.scores == engine(model_dir).score(LONG, ITEMS, labels=LABELS).scores
 
 
@@ -138,8 +138,7 @@ def test_given_up_between_chunks_publishes_nothing(model_dir):
     e = engine(model_dir, max_batch_tokens=BUDGET)
     big = e.prepare_score(ScoreRequest(query=LONG, items=ITEMS, labels=LABELS))
     plan = e.plan_chunks(big)
-    e.run_chunk(plan)
-    e.run_chunk(plan)
+    assert e.advance_chunked(big, plan) is None and e.advance_chunked(big, plan) is None  # two chunks
     assert e.prefix_cache_stats().blocks == reserved_pages(e, len(e.tokenize(LONG)[0]))  # reserved, pending
     plan.close(ok=False)  # what the batcher does when the caller cancels or the deadline passes
     stats = e.prefix_cache_stats()
@@ -151,16 +150,16 @@ def test_interrupted_inside_a_chunk_the_plan_is_as_before(model_dir):
     e = engine(model_dir, max_batch_tokens=BUDGET)
     big = e.prepare_score(ScoreRequest(query=LONG, items=ITEMS, labels=LABELS))
     plan = e.plan_chunks(big)
-    e.run_chunk(plan)
+    assert e.advance_chunked(big, plan) is None
     done = plan.done
-    e.set_interrupt(lambda: True)
+    e.set_boundary(lambda: Boundary.STOP)
     with pytest.raises(PassInterrupted):
-        e.run_chunk(plan)
-    e.set_interrupt(None)
-    assert plan.done == done
+        e.advance_chunked(big, plan)
+    e.set_boundary(None)
+    assert plan.done == done and plan.open
     while not plan.finished:
-        e.run_chunk(plan)
-    assert e.finish_chunked(big, plan).scores == engine(model_dir).score(LONG, ITEMS, labels=LABELS).scores
+        assert e.advance_chunked(big, plan) is None
+    assert e.advance_chunked(big, plan).scores == engine(model_dir).score(LONG, ITEMS, labels=LABELS).scores
 
 
 def test_the_chunked_requests_blocks_survive_cache_pressure(model_dir):
@@ -175,12 +174,12 @@ def test_the_chunked_requests_blocks_survive_cache_pressure(model_dir):
     plan = e.plan_chunks(big)
     assert plan is not None
     for k in range(4):
-        e.run_chunk(plan) if not plan.finished else None
+        e.advance_chunked(big, plan) if not plan.finished else None
         other = f"{k}: another question, with enough words to fill two cache blocks of the tiny model. " * 6
         e.score(other, ITEMS[:1], labels=LABELS)  # stores what it can: at most the one free block
     while not plan.finished:
-        e.run_chunk(plan)
-    assert e.finish_chunked(big, plan).scores == probe.score(LONG, ITEMS, labels=LABELS).scores
+        assert e.advance_chunked(big, plan) is None
+    assert e.advance_chunked(big, plan).scores == probe.score(LONG, ITEMS, labels=LABELS).scores
     assert e.prefix_cache_stats().evicted_blocks > 0
 
 
