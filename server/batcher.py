@@ -1,16 +1,12 @@
-"""The bridge between the event loop and the engine thread. The loop only admits jobs and awaits them; one worker
-thread owns the engine and runs server/scheduler.py's policy over whatever arrived (continuous batching: requests
-that arrive during a forward pass join the next one, or run at a chunk's next layer boundary).
+"""The bridge between the event loop and the engine thread: the loop only admits jobs and awaits them; one worker
+thread owns the engine and runs server/scheduler.py's policy over whatever arrived.
 
-Admission: at most `max_queue` jobs wait (admitted, not yet running; a generation waits until it may run); the next
-one is refused at once with ResourceExhausted naming --max-queue, and every job is refused UNAVAILABLE once the
-batcher stops. A caller that stops waiting (a cancel, a closed stream) marks its job cancelled; the scheduler drops
-it at its next look, or stops the pass it is in at the next layer boundary. Results, exceptions and generation
-deltas reach the loop through `call_soon_threadsafe`. `halt()` (the end of the shutdown's grace period) answers
-every waiting caller UNAVAILABLE at once and stops the worker at its next safe point. When the worker runs out of
-work it hands freed heap memory back to the OS (glibc's malloc_trim, at most every `TRIM_EVERY_S`): without it, RSS
-stays at the high-water mark of the largest batches seen; `trim_under_load` trims at that pace even while busy (a
-control of `bench.hardening soak`).
+At most `max_queue` jobs wait (admitted, not yet running); the next is refused at once (ResourceExhausted naming
+--max-queue). A caller that stops waiting marks its job cancelled: the scheduler drops it, or stops its pass at the
+next layer boundary. Answers reach the loop through `call_soon_threadsafe`. `halt()` (the end of the shutdown's
+grace) answers every waiting caller UNAVAILABLE and stops the worker at its next safe point. An idle worker hands
+freed heap back to the OS (malloc_trim, at most every `TRIM_EVERY_S`; else RSS stays at the largest batches'
+high-water mark); `trim_under_load` trims at that pace even while busy (a control of `bench.hardening soak`).
 """
 
 from __future__ import annotations
