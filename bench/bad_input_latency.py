@@ -1,7 +1,8 @@
 """Issue 23's latency targets under hostile input, on the make-serve server (SmolLM2, default flags, --threads 2):
 a 1 MB body of 0xFF bytes is answered INVALID_ARGUMENT in < 50 ms, and Health stays < 100 ms p99 while the whole
-bad-input matrix (tests/server/test_hostile_input.py's CASES: the inputs that used to hold the event loop or blow
-up error messages) is sent, round after round, through a default-settings client. Percentiles: bench.summary's.
+bad-input matrix (bench/hostile_input.py's CASES, which tests/server/test_hostile_input.py sends too: the inputs
+that used to hold the event loop or blow up error messages) is sent, round after round, through a default-settings
+client. Percentiles: bench.summary's.
 Run it alone (under the machine lock): `python -m bench.bad_input_latency --out
 bench/results/hardening/bad_input_latency.txt` (the record; without --out, bench/results/latest/)."""
 
@@ -15,8 +16,8 @@ from pathlib import Path
 import grpc
 
 from bench.common import cpu, git_commit, spawned_server
+from bench.hostile_input import CASES, HealthProbe, raw_call
 from bench.summary import Summary, default_out, write_report
-from tests.server.test_hostile_input import CASES, HealthProbe, raw_call
 
 FF_TARGET_MS, HEALTH_P99_TARGET_MS = 50.0, 100.0
 

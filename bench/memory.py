@@ -40,7 +40,7 @@ GiB = 2**30
 MODELS = ["embedded", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3.5-4b"]
 LABELS = [" Yes", " No"]
 THREADS = 2
-MAX_KV_TOKENS = 8192  # the generation budget a bench engine is planned with
+KV_CACHE_MB = 1024.0  # the KV store a bench engine is planned with (--kv-cache-mb; pages take memory once written)
 KV_TARGET = 1.2
 
 
@@ -102,7 +102,7 @@ def measure(model: str | None) -> dict[str, Any]:
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS: the peak from here on
     start = time.perf_counter()
     engine = Engine.from_pretrained(model, dtype="bfloat16", device="cpu", threads=THREADS,
-                                    max_kv_tokens=MAX_KV_TOKENS)
+                                    kv_cache_mb=KV_CACHE_MB)
     load_s = time.perf_counter() - start
     loaded, peak = status_bytes("VmRSS"), status_bytes("VmHWM")
     query, items = question(2)

@@ -168,7 +168,7 @@ def random_getter(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, se
 def tiny_tokenizer():
     """The tests' byte-level BPE (a few hundred tokens): requests are token ids, the tokenizer only serves the
     engine's text paths (warm-up, decoding generated tokens)."""
-    from tests.helpers import make_tokenizer
+    from bench.tiny_tokenizer import make_tokenizer
 
     return make_tokenizer(Path(tempfile.mkdtemp(prefix="pyscore-random-tok-")))
 

@@ -17,6 +17,9 @@ The rules, all through the cache's public API (`CacheLease`):
   share them resume.
 - Chunk boundaries lie on block boundaries, and each chunk is the causal continuation of the blocks before it (the
   attention kernels' kCachedBeforeOwn), so chunked equals unchunked bitwise on the kernel path, as warm = cold.
+- One driver: `ChunkedPrefill.advance` is the whole loop's body, one step at a time (the next chunk, or once they
+  all ran the request's last pass); Score (Engine.advance_chunked, which the server's scheduler steps once per
+  iteration and Engine.run_prepared runs to the end) and Generate (GenerationRunner, once per step) both step it.
 - Commit after success: the blocks stay pending (visible to this request's later passes only) until the whole
   request has succeeded (`close(ok=True)` commits); a failure, a cancellation or a deadline between or inside
   chunks aborts the lease, which drops every block the request wrote. A request that bypasses the cache is chunked
@@ -26,13 +29,16 @@ The rules, all through the cache's public API (`CacheLease`):
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from pyscore.model.decoder import Decoder
 from pyscore.model.packing import CacheUse, Group, pack
 from pyscore.model.prefix_cache import Block, CacheLease, PrefixCache
 
 _private = itertools.count()
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -81,6 +87,15 @@ class ChunkedPrefill:
         decoder.hidden_at(batch, kv_sink=cache.writer(batch.block_writes), blocks=cache)
         computed, self.done = len(group.items[0]) - self.done, len(group.items[0])
         return computed
+
+    def advance(self, decoder: Decoder, last_pass: Callable[[], T]) -> T | None:
+        """One step of the prefill: the next chunk's pass (returns None: more to come), or, once every chunk ran,
+        `last_pass()` (the request's last pass, which reads them all: `read_all`) and its result. A pass that
+        raises leaves the plan as it was; the caller closes it when it gives the request up."""
+        if not self.finished:
+            self.run_next(decoder)
+            return None
+        return last_pass()
 
     def read_all(self) -> CacheUse:
         """The whole prefix read from the cache: the request's last pass (its query's tail and items, or its

@@ -13,6 +13,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -21,6 +22,7 @@ from pyscore.branch_points import Head
 from pyscore.budget import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RUNNING_GENERATIONS, count_within_budget
 from pyscore.chunked_prefill import ChunkedPrefill
 from pyscore.errors import PassInterrupted, RequestError
+from pyscore.gen_validate import render_chat
 from pyscore.generation import Generation, GenerationRunner, eos_token_ids
 from pyscore.memory import (
     Pools,
@@ -37,7 +39,16 @@ from pyscore.model.packing import Group, pack
 from pyscore.model.prefix_cache import CacheLease, PrefixCache, PrefixCacheStats, pass_lease, unsupported_reason
 from pyscore.ops import _ext, label_logprobs
 from pyscore.scoring import ModelTraits, PreparedScore, prepare_score
-from pyscore.types import GenerateRequest, GenerateResult, MemoryPlan, ModelInfo, ScoreRequest, ScoreResult, Usage
+from pyscore.types import (
+    Boundary,
+    GenerateRequest,
+    GenerateResult,
+    MemoryPlan,
+    ModelInfo,
+    ScoreRequest,
+    ScoreResult,
+    Usage,
+)
 
 log = logging.getLogger(__name__)
 
@@ -103,27 +114,19 @@ def make_kv_store(decoder: Decoder, budget_bytes: int) -> KVStore:
         raise ValueError(f"--kv-cache-mb: {e}") from None
 
 
-def make_prefix_cache(loaded: LoadedModel, decoder: Decoder, budget_mb: float | None,
-                      store: KVStore | None = None) -> PrefixCache | None:
-    """The engine's prefix cache over `store` (else over a store of its own of budget_mb), holding at most
-    budget_mb MiB of it (None: the whole store), or None when off (budget 0, or a model it cannot serve: logged
+def make_prefix_cache(loaded: LoadedModel, decoder: Decoder, store: KVStore) -> PrefixCache | None:
+    """The engine's prefix cache over the pages of `store` (all of them may hold cached blocks: the least recently
+    used that no sequence holds are evicted when one needs a page), or None for a model it cannot serve (logged
     with why)."""
-    if budget_mb is not None and budget_mb <= 0:
-        return None
     cfg = loaded.cfg
     reason = unsupported_reason(cfg)
     if reason is not None:
         log.warning("prefix cache off for %s: %s", loaded.name, reason)
         return None
     identity = f"{loaded.name}|{loaded.path}|{cfg}"
-    budget = None if budget_mb is None else int(budget_mb * 2**20)
     states = decoder.linear_state_bytes  # a hybrid model's: kept at each cached sequence's end
     try:
-        if store is not None:
-            return PrefixCache(budget, identity=identity, store=store, state_bytes=states)
-        return PrefixCache(budget, identity=identity, num_layers=decoder.num_attention_layers,
-                           num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=decoder.dtype,
-                           device=decoder.device, state_bytes=states)
+        return PrefixCache(None, identity=identity, store=store, state_bytes=states)
     except ValueError as e:
         log.warning("prefix cache off: %s", e)
         return None
@@ -166,12 +169,11 @@ def _label_table(owners: Sequence[PreparedScore]) -> torch.Tensor:
 
 class Engine:
     def __init__(self, loaded: LoadedModel, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, op_backend: str = "auto",
-                 prefix_cache_mb: float | None = None, max_kv_tokens: int | None = None,
-                 max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS, kv_cache_mb: float | None = None,
-                 prefill_chunk_tokens: int | None = None):
-        """kv_cache_mb: the KV store's byte budget in MiB, for the prefix cache and running generations together.
-        Deprecated: max_kv_tokens and prefix_cache_mb, which (without kv_cache_mb) size the store as their sum;
-        prefix_cache_mb also caps the cache's share of it (0 = no prefix cache)."""
+                 prefix_cache: bool = True, max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS,
+                 kv_cache_mb: float | None = None, prefill_chunk_tokens: int | None = None):
+        """kv_cache_mb: the KV store's byte budget in MiB, for the prefix cache and running generations together
+        (None: pyscore.budget's default). prefix_cache False: no prefix cache (every query and prompt computed in
+        full; no chunked prefill)."""
         self.model = loaded
         self.cfg = loaded.cfg
         self.tokenizer = loaded.tokenizer
@@ -186,9 +188,9 @@ class Engine:
                                   max_context=loaded.cfg.max_position_embeddings,
                                   is_classifier=loaded.cfg.is_classifier, num_labels=loaded.cfg.num_labels,
                                   id2label=loaded.cfg.id2label)
-        pools = Pools(max_batch_tokens, max_kv_tokens, max_running_generations, prefix_cache_mb, kv_cache_mb)
+        pools = Pools(max_batch_tokens, max_running_generations, kv_cache_mb)
         self.kv_store = make_kv_store(self.decoder, pools.kv_store_bytes(self.decoder.kv_bytes_per_token))
-        self.prefix_cache = make_prefix_cache(loaded, self.decoder, prefix_cache_mb, self.kv_store)
+        self.prefix_cache = make_prefix_cache(loaded, self.decoder, self.kv_store) if prefix_cache else None
         self.generation = GenerationRunner(self.decoder, loaded.tokenizer,
                                            eos_token_ids(loaded.hf_config, loaded.tokenizer), max_batch_tokens,
                                            self.prefix_cache, self.kv_store, self.prefill_chunk_tokens)
@@ -207,9 +209,6 @@ class Engine:
                  "running generations", store.capacity, store.block_tokens, store.capacity * store.block_bytes / 2**20,
                  self.decoder.kv_bytes_per_token,
                  "off" if self.prefix_cache is None else f"up to {self.prefix_cache.capacity} pages")
-        if kv_cache_mb is None and (max_kv_tokens is not None or prefix_cache_mb):
-            log.warning("--max-kv-tokens and --prefix-cache-mb are deprecated: one budget, --kv-cache-mb, sizes the "
-                        "KV store (now %.0f MiB, their sum)", store.capacity * store.block_bytes / 2**20)
         self.memory = final_memory_plan(loaded, self.decoder, pools, store.capacity * store.block_bytes)
         log.info("memory: %s expected when every pool is full (--kv-cache-mb %.0f, --max-batch-tokens %d); "
                  "resident now %.2f GiB", describe(self.memory), store.capacity * store.block_bytes / 2**20,
@@ -220,24 +219,23 @@ class Engine:
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, dtype: str | torch.dtype = "auto",
                         device: str = "auto", threads: int | None = None,
                         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, op_backend: str = "auto",
-                        prefix_cache_mb: float | None = None, max_kv_tokens: int | None = None,
-                        max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS,
+                        prefix_cache: bool = True, max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS,
                         kv_cache_mb: float | None = None, prefill_chunk_tokens: int | None = None) -> Engine:
         """model: a local HF directory, a .gguf file, or None for the embedded SmolLM2-135M-Instruct.
         kv_cache_mb: the KV store's byte budget in MiB (prefix cache and running generations; default: 65536
-        tokens + 1024 MiB, the old two budgets' defaults). prefix_cache_mb (0 = no prefix cache) and max_kv_tokens
-        are its deprecated form (see __init__). The engine plans memory with these and max_running_generations and
+        tokens' worth + 1024 MiB); prefix_cache False turns the prefix cache off. The engine plans memory with these
+        and max_running_generations and
         refuses, before loading, a model that cannot fit (pyscore.memory.InsufficientMemoryError).
         prefill_chunk_tokens: a request computing more than max_batch_tokens has its query / prompt prefilled in
         chunks of at most this size (default and at most max_batch_tokens; pyscore.chunked_prefill)."""
         set_threads(threads)
         dev = resolve_device(device)
         _ext.check_switches()  # before the tier picks the dtype and the load takes its time
-        pools = Pools(max_batch_tokens, max_kv_tokens, max_running_generations, prefix_cache_mb, kv_cache_mb)
+        pools = Pools(max_batch_tokens, max_running_generations, kv_cache_mb)
         resolved = resolve_dtype(dtype, dev)
         loaded = load_model(model, resolved, dev, pools, smaller_dtype(dtype, resolved), op_backend)
-        return cls(loaded, max_batch_tokens, op_backend, prefix_cache_mb, max_kv_tokens, max_running_generations,
-                   kv_cache_mb, prefill_chunk_tokens)
+        return cls(loaded, max_batch_tokens, op_backend, prefix_cache, max_running_generations, kv_cache_mb,
+                   prefill_chunk_tokens)
 
     # --- model facts ---------------------------------------------------------------------------------
     def info(self) -> ModelInfo:
@@ -253,10 +251,10 @@ class Engine:
                          prefix_cache_bytes=self.prefix_cache.stats.capacity_bytes if self.prefix_cache else 0,
                          memory=self.memory)
 
-    def kv_budget(self) -> tuple[int, int]:
-        """(tokens, page tokens) of the KV store: what the server admits generations under, prompt + max_tokens
-        each, rounded up to whole pages."""
-        return self.kv_store.capacity_tokens, self.kv_store.block_tokens
+    def kv_tokens_reserved(self) -> int:
+        """KV-store tokens the admitted generations reserve (prompt + max_tokens each, whole pages); safe to read
+        from another thread."""
+        return self.kv_store.reservations.reserved
 
     def kv_store_stats(self) -> KVStoreStats:
         """The KV store's pages held now; safe to read from another thread."""
@@ -271,6 +269,17 @@ class Engine:
         convention as generation's logprobs and what a label string must be."""
         ids = list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
         return ids, [self.tokenizer.decode([i]) for i in ids]
+
+    def encode(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Each text's token ids, in one tokenizer call (no per-token text: cheaper than `tokenize` each)."""
+        return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def render_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[int]:
+        """The prompt token ids of a chat under the model's chat template (pyscore.gen_validate.render_chat)."""
+        return render_chat(self.tokenizer, messages, template_kwargs)
 
     # --- scoring -------------------------------------------------------------------------------------
     def prepare_score(self, request: ScoreRequest) -> PreparedScore:
@@ -293,16 +302,18 @@ class Engine:
         results = iter(self.run_prepared(valid))
         return [p if isinstance(p, Exception) else next(results) for p in prepared]
 
-    def set_interrupt(self, interrupt: Callable[[], bool] | None) -> None:
-        """`interrupt()` is asked at every layer boundary of every forward pass (Score and Generate); when it says
-        True the pass stops there and `run_prepared` / `step` raise PassInterrupted, having committed nothing."""
-        self.decoder.interrupt = interrupt
+    def set_boundary(self, decide: Callable[[], Boundary] | None, between: Callable[[], None] | None = None) -> None:
+        """`decide()` is asked at every layer boundary of every forward pass (Score and Generate). STOP: the pass
+        stops there and `run_prepared` / `step` / `advance_chunked` raise PassInterrupted, having committed
+        nothing. YIELD: `between()` runs there (other passes of this engine: each keeps its state in its own
+        tensors, and a chunk's cache blocks are private to its lease, so the pass then goes on unchanged)."""
+        self.decoder.decide, self.decoder.between = decide, between
 
     def run_prepared(self, prepared: Sequence[PreparedScore]) -> list[ScoreResult | Exception]:
         """Packs all requests' groups into as few forward passes as the token budget allows. If a pass fails,
         its requests are retried one by one so a single bad request cannot fail its batch-mates. A request larger
         than max_batch_tokens is computed in chunks (`plan_chunks`), all of them here, one request after
-        another (the server's batcher runs the chunks itself, one per iteration, so that others run between them).
+        another (the server's scheduler steps them itself, one per iteration, so that others run between them).
         An interrupted pass (PassInterrupted) ends the call: no request gets a result."""
         results: dict[int, ScoreResult | Exception] = {}
         for r, p in enumerate(prepared):
@@ -342,7 +353,7 @@ class Engine:
         """For a request that computes more than max_batch_tokens and whose query is a prefix (MIS, SIS; not
         item_first), the plan that computes the query's whole blocks in chunks, its cache blocks reserved; None
         when it runs as one pass (no prefix cache, a cache too small for the query (and a hybrid's states), a query of
-        less than one block). The caller runs `run_chunk` until `plan.finished`, then `finish_chunked`, or closes
+        less than one block). The caller steps it with `advance_chunked` until that returns the result, or closes
         the plan (`plan.close(ok=False)`) when it gives up on the request."""
         if p.computed_tokens <= self.max_batch_tokens or not p.items or p.request.item_first:
             return None
@@ -350,39 +361,41 @@ class Engine:
         return chunked_prefill.plan(self.prefix_cache, p.query, len(p.query), self.prefill_chunk_tokens,
                                     r.prefix_cache_salt, r.bypass_prefix_cache)
 
-    def run_chunk(self, plan: ChunkedPrefill) -> int:
-        """One forward pass over the plan's next chunk; returns the tokens it computed. Raises as a pass does
-        (PassInterrupted included), leaving the plan as before the chunk."""
-        return plan.run_next(self.decoder)
+    def advance_chunked(self, p: PreparedScore, plan: ChunkedPrefill) -> ScoreResult | Exception | None:
+        """One step of a chunked request (ChunkedPrefill.advance): the next chunk's pass (None: more to come), or,
+        once every chunk ran, its last passes, whose groups read the whole-block query from the cache and compute
+        its tail and the items; then the request's result (or error), the plan closed: committed on success,
+        aborted otherwise. PassInterrupted propagates: in a chunk it leaves the plan as before the chunk (open), in
+        the last passes it closes it."""
+        try:
+            return plan.advance(self.decoder, lambda: self._finish_chunked(p, plan))
+        except PassInterrupted:
+            raise
+        except Exception as e:
+            plan.close(ok=False)
+            return e
 
-    def finish_chunked(self, p: PreparedScore, plan: ChunkedPrefill) -> ScoreResult | Exception:
-        """The request's last passes, once every chunk ran: its groups read the whole-block query from the cache
-        and compute its tail and the items. Closes the plan: committed on success, aborted otherwise
-        (PassInterrupted propagates)."""
+    def run_chunked(self, p: PreparedScore, plan: ChunkedPrefill) -> ScoreResult | Exception:
+        """Every step of `advance_chunked` in one go."""
+        try:
+            while (result := self.advance_chunked(p, plan)) is None:
+                pass
+        except PassInterrupted:
+            plan.close(ok=False)
+            raise
+        return result
+
+    def _finish_chunked(self, p: PreparedScore, plan: ChunkedPrefill) -> ScoreResult:
         rows: list[list[list[list[float]]]] = [[[] for _ in p.items]]
         cached = [-plan.computed]  # the query blocks this request computed in its chunks were not cached
         try:
             for units in self._passes([p], skip=plan.end):
                 self._run_pass(units, [p], rows, cached, plan)
-        except Exception as e:
+        except BaseException:
             plan.close(ok=False)
-            if isinstance(e, PassInterrupted):
-                raise
-            return e
+            raise
         plan.close(ok=True)
         return self._result(p, rows[0], cached[0])
-
-    def run_chunked(self, p: PreparedScore, plan: ChunkedPrefill) -> ScoreResult | Exception:
-        """Every chunk, then the last passes (the batcher's sequence, run in one go)."""
-        try:
-            while not plan.finished:
-                self.run_chunk(plan)
-        except Exception as e:
-            plan.close(ok=False)
-            if isinstance(e, PassInterrupted):
-                raise
-            return e
-        return self.finish_chunked(p, plan)
 
     def _branch_pass(self, prepared: Sequence[PreparedScore]) -> list[int]:
         """A hybrid model's queries that share a part the cache holds without states, or that batch-mates share,
@@ -506,6 +519,15 @@ class Engine:
     # --- generation (pyscore.generation.GenerationRunner does the stepping) -------------------------------
     def start_generation(self, request: GenerateRequest) -> Generation:
         return self.generation.start(request)
+
+    def check_kv(self, generation: Generation) -> None:
+        """Refuses (ResourceExhausted, naming --kv-cache-mb) a generation that could never fit the KV store."""
+        self.generation.check_admissible(generation)
+
+    def reserve_kv(self, generation: Generation) -> bool:
+        """Admits `generation` now if its prompt + max_tokens fit the KV store beside the admitted ones' (the one
+        ledger: pyscore.model.kv_store.Reservations); False: it waits."""
+        return self.generation.reserve(generation)
 
     def step(self, generations: Sequence[Generation]) -> None:
         """Advances every unfinished generation by one token; a sequence whose step fails is marked failed

@@ -59,6 +59,6 @@ class ResourceExhausted(RequestError):
 
 
 class PassInterrupted(Exception):
-    """A forward pass stopped at a layer boundary because its `interrupt` check said so (every caller of the pass
+    """A forward pass stopped at a layer boundary because its owner's decision there said STOP (every caller of the pass
     gave up, or the server is shutting down). Nothing of the pass is committed — no prefix-cache block, no KV-cache
     length, no token — so the requests can be run again from where they were; it is never one request's error."""

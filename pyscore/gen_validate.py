@@ -1,5 +1,7 @@
 """Validation of a GenerateRequest: every field checked at the door, with an InvalidArgument /
-FailedPrecondition naming it, before any model work; returns the prompt's token ids. No torch."""
+FailedPrecondition naming it, before any model work; returns the prompt's token ids. Also a chat's messages
+rendered by the model's chat template into prompt token ids (`render_chat`, OpenAI's chat completions). No
+torch."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from pyscore.errors import FailedPrecondition, InvalidArgument
 
 # The caps live in pyscore.types so that the server can check them at the door without importing torch.
 from pyscore.types import MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, GenerateRequest
+
+RESERVED_TEMPLATE_KWARGS = {"conversation", "tokenize", "add_generation_prompt", "return_dict"}  # render_chat's own
 
 
 def validate_generate(req: GenerateRequest, tokenizer: Any, vocab_size: int, max_context: int) -> list[int]:
@@ -55,3 +59,18 @@ def validate_generate(req: GenerateRequest, tokenizer: Any, vocab_size: int, max
         raise InvalidArgument("max_tokens", f"prompt ({len(prompt)} tokens) + max_tokens ({req.max_tokens}) "
                               f"exceeds the model's context of {max_context}")
     return prompt
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> list[int]:
+    """The prompt token ids of `messages` under the tokenizer's chat template, with `kwargs` for the template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise FailedPrecondition("messages", "this model's tokenizer has no chat template")
+    clash = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if clash:
+        raise InvalidArgument("chat_template_kwargs", f"may not set {', '.join(clash)}")
+    try:
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False,
+                                            **kwargs)
+    except Exception as e:  # the template's own checks (roles must alternate, ...) are the client's to fix
+        raise InvalidArgument("messages", f"the model's chat template refused them: {e}") from None
+    return [int(t) for t in ids]

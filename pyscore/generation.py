@@ -30,7 +30,7 @@ from pyscore.gen_sampling import Choice, NonFiniteLogits, choose_tokens, prompt_
 from pyscore.gen_text import StopText
 from pyscore.gen_validate import MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, validate_generate
 from pyscore.model.decoder import Decoder, KVCache
-from pyscore.model.kv_store import KVStore, PageTable
+from pyscore.model.kv_store import KVStore, PageTable, Reservation
 from pyscore.model.packing import CacheUse, Group, pack
 from pyscore.model.prefix_cache import Block, CacheLease, PrefixCache, pass_lease
 from pyscore.ops.label_logprobs import lm_head_logits
@@ -65,6 +65,7 @@ class Generation:
     computed: int = 0  # tokens generated (eos excluded), including any cut off by a stop string
     prompt_logprobs: list[TokenLogprob] | None = None  # set by the prefill when the request asks for them
     prompt_logprobs_taken: bool = False  # a stream has carried them (in its first delta)
+    reservation: Reservation | None = None  # the KV-store tokens it was admitted with (GenerationRunner.reserve)
     out: StopText = field(init=False)  # the result's tokens and text (see pyscore.gen_text's rule)
 
     def __post_init__(self) -> None:
@@ -95,6 +96,11 @@ class Generation:
         if self.cache is not None:
             self.cache.release()  # its pages go back as soon as the sequence ends
         self.state, self.cache = SeqState.FINISHED, None
+        self._unreserve()
+
+    def _unreserve(self) -> None:
+        if self.reservation is not None:
+            self.reservation.release()
 
     def fail(self, error: Exception) -> None:
         """Marks the generation finished without a result (its request failed); frees the cache."""
@@ -108,9 +114,10 @@ class Generation:
 
     def abandon(self) -> None:
         """Nobody wants this sequence any more: a prompt being prefilled in chunks gives its cache blocks back
-        unpublished. The caller stops stepping it."""
+        unpublished, and its KV reservation is given back. The caller stops stepping it."""
         if self.chunks is not None:
             self.chunks.close(ok=False)
+        self._unreserve()
 
     def append(self, token: int, logprob: TokenLogprob) -> None:
         """Records the chosen token and decides whether generation is over (eos / stop / length)."""
@@ -161,9 +168,10 @@ class GenerationRunner:
     the prefix cache can hold it: one chunk per step (one prompt at a time; the other new prompts prefill beside
     it as usual), then its last pass alone.
     A pass that fails is retried one sequence at a time, so only the failing sequence fails
-    (`Generation.error`). How many sequences run at once is the caller's bound (server/batcher admits them
-    against --max-running-generations and the KV store's pages, prompt + max_tokens each: then a page is always
-    there when a sequence needs one; without that bound a sequence that finds none fails with KVStoreFull)."""
+    (`Generation.error`). How many sequences run at once is the caller's bound (server/scheduler admits them
+    against --max-running-generations and, through `reserve`, the KV store's pages, prompt + max_tokens each: then
+    a page is always there when a sequence needs one; without that bound a sequence that finds none fails with
+    KVStoreFull)."""
 
     def __init__(self, decoder: Decoder, tokenizer: Any, eos_ids: frozenset[int], max_prefill_tokens: int = 8192,
                  prefix_cache: PrefixCache | None = None, store: KVStore | None = None,
@@ -192,6 +200,16 @@ class GenerationRunner:
         return Generation(request=request, prompt=prompt, tokenizer=self.tokenizer, eos_ids=self.eos_ids,
                           generator=generator)
 
+    def check_admissible(self, g: Generation) -> None:
+        """Refuses (ResourceExhausted) a generation whose prompt + max_tokens could never fit the KV store."""
+        self.store.reservations.check(len(g.prompt) + g.request.max_tokens)
+
+    def reserve(self, g: Generation) -> bool:
+        """Admits `g` if its prompt + max_tokens (whole pages) fit the KV store beside what the admitted
+        generations reserve; held until it finishes or is abandoned. False: not now."""
+        g.reservation = g.reservation or self.store.reservations.take(len(g.prompt) + g.request.max_tokens)
+        return g.reservation is not None
+
     def step(self, generations: list[Generation]) -> None:
         """Advances every running generation by one token and prefills (which yields the first token) as many
         new ones as the prefill budget allows."""
@@ -215,15 +233,12 @@ class GenerationRunner:
             if long is None or not self._plan_chunks(long):
                 return new
         assert long.chunks is not None
-        if long.chunks.finished:
-            self._together_or_alone(self._prefill, [long])
-        else:
-            try:
-                long.chunks.run_next(self.decoder)
-            except PassInterrupted:
-                raise
-            except Exception as e:
-                long.fail(e)
+        try:  # (its last pass retries alone itself: _together_or_alone)
+            long.chunks.advance(self.decoder, lambda: self._together_or_alone(self._prefill, [long]))
+        except PassInterrupted:
+            raise
+        except Exception as e:
+            long.fail(e)
         return [g for g in new if g is not long and len(g.prompt) <= self.max_prefill_tokens]
 
     def _plan_chunks(self, g: Generation) -> bool:

@@ -2,11 +2,11 @@
 
 The plan (`pyscore.types.MemoryPlan`) adds up, in bytes: the weights as held for serving (the checkpoint's
 tensors in the serving dtype, read from its headers), the KV store (one budget for the prefix cache and running
-generations' keys and values: `kv_cache_mb`, or its deprecated form `max_kv_tokens` x the bytes of one token +
-`prefix_cache_mb`; see pyscore.budget.kv_store_bytes), a hybrid model's per-sequence recurrent state for
-`max_running_generations` sequences, one forward pass's activations at `max_batch_tokens` (an estimate), and the
-runtime (interpreter, torch, tokenizer, gRPC: a constant). Its total is what a pod must be given: the pools are
-filled as load comes, so a server sized below it runs until the busy hour, then is OOM-killed.
+generations' keys and values: `kv_cache_mb`, or pyscore.budget.kv_store_bytes' default), a hybrid model's
+per-sequence recurrent state for `max_running_generations` sequences, one forward pass's activations at
+`max_batch_tokens` (an estimate), and the runtime (interpreter, torch, tokenizer, gRPC: a constant). Its total
+is what a pod must be given: the pools are filled as load comes, so a server sized below it runs until the busy
+hour, then is OOM-killed.
 
 `check_fits` compares what the plan still has to allocate with the memory available — on the CPU the smaller
 of the cgroup's room (v2 `memory.max`, v1 `memory.limit_in_bytes`, minus its working set) and the machine's
@@ -30,7 +30,6 @@ import torch
 from pyscore.budget import (
     DEFAULT_MAX_BATCH_TOKENS,
     DEFAULT_MAX_RUNNING_GENERATIONS,
-    DEFAULT_PREFIX_CACHE_MB,
     kv_store_bytes,
 )
 from pyscore.model.config import LINEAR_ATTENTION, ModelConfig
@@ -52,16 +51,14 @@ NO_LIMIT = 2**60  # cgroup v1 writes "no limit" as a page-rounded 2^63 - 1
 @dataclass(frozen=True)
 class Pools:
     """The server's settings that memory grows into (the server's flags of the same names). The KV store is
-    kv_cache_mb, or (deprecated, when it is None) max_kv_tokens tokens + prefix_cache_mb MiB."""
+    kv_cache_mb MiB (None: pyscore.budget's default)."""
 
     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
-    max_kv_tokens: int | None = None  # deprecated: see kv_cache_mb
     max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS
-    prefix_cache_mb: float | None = None  # deprecated: see kv_cache_mb; 0 still turns the prefix cache off
     kv_cache_mb: float | None = None
 
     def kv_store_bytes(self, bytes_per_token: int) -> int:
-        return kv_store_bytes(self.kv_cache_mb, self.max_kv_tokens, self.prefix_cache_mb, bytes_per_token)
+        return kv_store_bytes(self.kv_cache_mb, bytes_per_token)
 
 
 class InsufficientMemoryError(MemoryError):
@@ -337,11 +334,6 @@ def _advice(plan: MemoryPlan, short: int, pools: Pools) -> str:
     store_mb = plan.kv_budget_bytes / 2**20
     if plan.kv_bytes_per_token and plan.kv_budget_bytes > short:
         fits = (plan.kv_budget_bytes - short) // 2**20
-        if pools.kv_cache_mb is None and pools.max_kv_tokens is not None:  # said in the deprecated flag it came in
-            cache_mb = DEFAULT_PREFIX_CACHE_MB if pools.prefix_cache_mb is None else pools.prefix_cache_mb
-            tokens = max(0, (plan.kv_budget_bytes - short - int(cache_mb * 2**20)) // plan.kv_bytes_per_token)
-            return (f"Lower --max-kv-tokens (now {pools.max_kv_tokens}) to at most {tokens} (deprecated: set "
-                    f"--kv-cache-mb to at most {fits} instead), or give it more memory {anyway}.")
         return f"Lower --kv-cache-mb (now {store_mb:g}) to at most {fits}, or give it more memory {anyway}."
     pools_left = plan.kv_budget_bytes + plan.linear_state_bytes + plan.prefix_cache_bytes + plan.activation_bytes
     if pools_left > short:

@@ -3,6 +3,7 @@ from these, the engine consumes and produces them."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -12,6 +13,16 @@ Mode = Literal["auto", "sis", "mis"]
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
+
+
+class Boundary(enum.Enum):
+    """What a forward pass does at a layer boundary, as its owner decides (Engine.set_boundary): go on, STOP there
+    (PassInterrupted; nothing of the pass is committed), or YIELD: run the owner's other work there (other passes
+    over their own tensors), then go on from the same layer."""
+
+    CONTINUE = "continue"
+    STOP = "stop"
+    YIELD = "yield"
 
 
 @dataclass

@@ -62,15 +62,12 @@ def parse_command(argv: list[str] | None = None, prog: str | None = None) -> tup
                         "answers RESOURCE_EXHAUSTED) and of recent query and prompt prefixes kept for reuse (least "
                         "recently used pages no generation holds are evicted; scores are the same hit or miss) "
                         "(default: 65536 tokens' worth + 1024)")
-    p.add_argument("--max-kv-tokens", type=int, default=d.max_kv_tokens,
-                   help="deprecated, use --kv-cache-mb: without it, the store is this many tokens' worth (default "
-                        "65536) + --prefix-cache-mb")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="keep no query or prompt prefix for reuse: every request computes its tokens in full, and "
+                        "long requests are not prefilled in chunks (default: the prefix cache is on)")
     p.add_argument("--max-request-tokens", type=int, default=d.max_request_tokens,
                    help="tokens one request may make the model compute (Score: as its mode computes; Generate: "
                         "prompt + max_tokens); more answer RESOURCE_EXHAUSTED; 0 = no limit (default %(default)s)")
-    p.add_argument("--prefix-cache-mb", type=float, default=d.prefix_cache_mb,
-                   help="deprecated, use --kv-cache-mb: caps the prefix cache's share of the KV store (0 = no prefix "
-                        "cache) and, without --kv-cache-mb, adds to its size (default 1024)")
     p.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (needs --tls-key)")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", help="PEM CA certificate: require client certificates it signed (mTLS)")
@@ -103,7 +100,7 @@ def parse_command(argv: list[str] | None = None, prog: str | None = None) -> tup
     a = p.parse_args(argv)
     if a.prefill_chunk_tokens < 0:
         p.error("--prefill-chunk-tokens must be 0 (= --max-batch-tokens) or positive")
-    for flag in ("max_batch_tokens", "max_queue", "max_items", "max_running_generations", "max_kv_tokens"):
+    for flag in ("max_batch_tokens", "max_queue", "max_items", "max_running_generations"):
         if getattr(a, flag) is not None and getattr(a, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1")
     if a.kv_cache_mb is not None and a.kv_cache_mb <= 0:
@@ -115,8 +112,8 @@ def parse_command(argv: list[str] | None = None, prog: str | None = None) -> tup
     return ServerConfig(model=a.model, host=a.host, port=a.port, dtype=a.dtype, device=a.device, threads=a.threads,
                         max_batch_tokens=a.max_batch_tokens, max_queue=a.max_queue, max_items=a.max_items,
                         max_message_mb=a.max_message_mb, max_request_tokens=a.max_request_tokens or None,
-                        max_running_generations=a.max_running_generations, max_kv_tokens=a.max_kv_tokens,
-                        prefix_cache_mb=a.prefix_cache_mb, kv_cache_mb=a.kv_cache_mb,
+                        max_running_generations=a.max_running_generations, prefix_cache=a.prefix_cache,
+                        kv_cache_mb=a.kv_cache_mb,
                         prefill_chunk_tokens=a.prefill_chunk_tokens or None,
                         tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
                         auth_token_file=a.auth_token_file, metrics_port=a.metrics_port, http_port=a.http_port,
@@ -134,8 +131,7 @@ def plan_memory(config: ServerConfig) -> tuple[str, MemoryPlan]:
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    pools = Pools(config.max_batch_tokens, config.max_kv_tokens, config.max_running_generations,
-                  config.prefix_cache_mb, config.kv_cache_mb)
+    pools = Pools(config.max_batch_tokens, config.max_running_generations, config.kv_cache_mb)
     name, plan = memory_plan(config.model, dtype, pools)
     return f"{name} in {str(dtype).removeprefix('torch.')} on {device}", plan
 

@@ -34,13 +34,14 @@ import pyscore
 from pyscore._proto.pyscore.v1 import scorer_pb2, scorer_pb2_grpc
 from pyscore.budget import (
     DEFAULT_MAX_BATCH_TOKENS,
-    DEFAULT_MAX_KV_TOKENS,
     DEFAULT_MAX_RUNNING_GENERATIONS,
 )
 from pyscore.memory import InsufficientMemoryError, freeze_heap
 from pyscore.types import GenerateRequest, ModelInfo, ScoreRequest, ServerLimits
 
-from .batcher import Batcher, EngineLike
+from .batcher import Batcher
+from .engine_like import EngineLike
+from .gate import Gate
 from .health import HealthServicer
 from .http import HttpFrontDoor
 from .http import build_app as build_http_app
@@ -76,10 +77,9 @@ class ServerConfig:
     max_request_tokens: int | None = 65536  # None = no limit
     max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS
     # The KV store (MiB): the prefix cache's pages and running generations', prompt + max_tokens each reserved at
-    # admission. None: 65536 tokens + 1024 MiB, or the deprecated pair below when given (pyscore.budget).
+    # admission. None: 65536 tokens' worth + 1024 MiB (pyscore.budget).
     kv_cache_mb: float | None = None
-    max_kv_tokens: int | None = None  # deprecated (--kv-cache-mb): tokens of running generations
-    prefix_cache_mb: float | None = None  # deprecated (--kv-cache-mb): MiB of prefix cache; 0 still turns it off
+    prefix_cache: bool = True  # False (--no-prefix-cache): no prefix is kept for reuse, nothing is chunked
     prefill_chunk_tokens: int | None = None  # chunk size of a request over max_batch_tokens; None = max_batch_tokens
     grace_s: float = 10.0
     drain_delay_s: float = 0.0  # seconds between health NOT_SERVING and the listener closing, on SIGTERM
@@ -101,8 +101,8 @@ def load_engine(config: ServerConfig) -> EngineLike:
     module, _, name = config.engine.partition(":")
     cls = getattr(importlib.import_module(module), name)
     return cls.from_pretrained(config.model, dtype=config.dtype, device=config.device, threads=config.threads,
-                               max_batch_tokens=config.max_batch_tokens, prefix_cache_mb=config.prefix_cache_mb,
-                               max_kv_tokens=config.max_kv_tokens, kv_cache_mb=config.kv_cache_mb,
+                               max_batch_tokens=config.max_batch_tokens, prefix_cache=config.prefix_cache,
+                               kv_cache_mb=config.kv_cache_mb,
                                max_running_generations=config.max_running_generations,
                                prefill_chunk_tokens=config.prefill_chunk_tokens)
 
@@ -165,15 +165,17 @@ class ScorerApp:
             health_only = reflection_handlers([health.SERVICE_NAME], DocumentedPool(only=["grpc.health.v1"]))
             interceptors.append(AuthInterceptor(read_token(config.auth_token_file), open_handlers=health_only))
         self.server = grpc.aio.server(interceptors=interceptors, options=server_options(config))
-        self.servicer = ScorerServicer(max_items=config.max_items, max_request_tokens=config.max_request_tokens)
+        self.gate = Gate(max_items=config.max_items, max_request_tokens=config.max_request_tokens)
+        self.servicer = ScorerServicer(self.gate)
         self.health = HealthServicer()
         scorer_pb2_grpc.add_ScorerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         add_reflection(self.server, (SCORER_SERVICE, health.SERVICE_NAME), DocumentedPool())
         self.batcher: Batcher | None = None
         self.metrics.track_queue(lambda: self.batcher.waiting() if self.batcher is not None else 0)
+        self.engine: EngineLike | None = None
         self.metrics.track_generations(lambda: self.batcher.running_generations() if self.batcher is not None else 0,
-                                       lambda: self.batcher.kv_tokens_reserved() if self.batcher is not None else 0)
+                                       lambda: self.engine.kv_tokens_reserved() if self.engine is not None else 0)
         self.port = 0
         self.metrics_port = 0
         self.http: HttpFrontDoor | None = None
@@ -204,9 +206,9 @@ class ScorerApp:
         return self.port
 
     async def _start_http(self) -> int:
-        """The HTTP front door in this loop, over this server's servicer, batcher, token, TLS and metrics."""
+        """The HTTP front door in this loop, over this server's gate, batcher, token, TLS and metrics."""
         c = self.config
-        app = build_http_app(self.servicer, self.metrics, self.health.serving,
+        app = build_http_app(self.gate, self.metrics, self.health.serving,
                              max_body_bytes=c.max_message_mb * 1024 * 1024,
                              token=read_token(c.auth_token_file) if c.auth_token_file else None,
                              rerank_labels=list(c.rerank_labels))
@@ -218,22 +220,16 @@ class ScorerApp:
         """Warm the engine up (off the loop), start the batcher on it and go SERVING."""
         await in_daemon_thread(lambda: warm_up(engine))
         c = self.config
-        # Generations are admitted against the engine's KV store in whole pages; an engine without one (a test
-        # fake) against --max-kv-tokens alone. The deprecated --max-kv-tokens, given without --kv-cache-mb, still
-        # bounds what generations reserve (the rest of the store, its sum with --prefix-cache-mb, is the cache's).
-        kv_tokens, kv_page = engine.kv_budget() or (c.max_kv_tokens or DEFAULT_MAX_KV_TOKENS, 1)
-        if c.max_kv_tokens is not None and c.kv_cache_mb is None:
-            kv_tokens = min(kv_tokens, c.max_kv_tokens)
         self.batcher = Batcher(engine, max_batch_tokens=c.max_batch_tokens, max_queue=c.max_queue,
                                max_request_tokens=c.max_request_tokens,
-                               max_running_generations=c.max_running_generations, max_kv_tokens=kv_tokens,
-                               kv_page_tokens=kv_page,
+                               max_running_generations=c.max_running_generations,
                                on_batch=self.metrics.observe_batch,
                                trim_under_load=os.environ.get("PYSCORE_TRIM_UNDER_LOAD", "") not in ("", "0"))
         self.batcher.start()
+        self.engine = engine
         self.metrics.track_prefix_cache(engine.prefix_cache_stats)
-        self.metrics.track_kv_store(getattr(engine, "kv_store_stats", lambda: None))  # a test fake has no store
-        self.servicer.attach(self.batcher, self.model_info(engine))
+        self.metrics.track_kv_store(engine.kv_store_stats)
+        self.gate.open(self.batcher, engine, self.model_info(engine))
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
 
     def model_info(self, engine: EngineLike) -> ModelInfo:

@@ -47,7 +47,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pyscore import __version__, errors
 
-from .http_call import JSON, Call, Gate, endpoint, error_response
+from .gate import Gate
+from .http_call import JSON, Call, endpoint, error_response
 from .http_openai import CHAT_FIELDS, COMPLETION_FIELDS, OpenAIEndpoints
 from .http_rerank import RERANK_LABELS, VLLM_SCORE_FIELDS, RerankEndpoints
 from .http_schema import (
@@ -66,7 +67,6 @@ from .http_score import SCORE_FIELDS, ScoreEndpoints
 from .http_sglang import SGLANG_FIELDS, SGLangEndpoints
 from .metrics import Metrics
 from .security import DENIED, bearer_credentials
-from .servicer import ScorerServicer
 
 OPEN_PATHS = ("/health", "/ping")
 
@@ -90,9 +90,8 @@ class BearerAuth:
         return given is not None and hmac.compare_digest(given, self.token)
 
 
-def build_app(servicer: ScorerServicer, metrics: Metrics, serving: Callable[[], bool], *, max_body_bytes: int,
+def build_app(gate: Gate, metrics: Metrics, serving: Callable[[], bool], *, max_body_bytes: int,
               token: str | None = None, rerank_labels: list[str] | None = None) -> ASGIApp:
-    gate = Gate(servicer)
     scoring, openai, sglang = ScoreEndpoints(gate), OpenAIEndpoints(gate), SGLangEndpoints(gate)
     rerank = RerankEndpoints(gate, rerank_labels or RERANK_LABELS)
 
@@ -118,7 +117,7 @@ def build_app(servicer: ScorerServicer, metrics: Metrics, serving: Callable[[], 
 
     async def tokenize(call: Call, body: TokenizeBody) -> Response:
         batcher, info = gate.ready(body.model)
-        ids, tokens = await batcher.call(batcher.engine.tokenize, body.prompt, body.add_special_tokens)
+        ids, tokens = await batcher.call(gate.engine.tokenize, body.prompt, body.add_special_tokens)
         return JSON({"count": len(ids), "max_model_len": info.max_context, "tokens": ids}
                     | ({"token_strs": tokens} if body.return_token_strs else {}))
 
@@ -129,7 +128,7 @@ def build_app(servicer: ScorerServicer, metrics: Metrics, serving: Callable[[], 
         if bad:
             raise errors.InvalidArgument(f"tokens[{bad[0]}]", f"token id {body.tokens[bad[0]]} is outside the "
                                          f"vocabulary [0, {info.vocab_size})")
-        text = await batcher.call(batcher.engine.tokenizer.decode, body.tokens)
+        text = await batcher.call(gate.engine.decode, body.tokens)
         return JSON({"prompt": text})
 
     async def version(request: Request) -> Response:

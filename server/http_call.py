@@ -26,12 +26,10 @@ from starlette.responses import JSONResponse, Response
 
 from pyscore import errors, wire
 from pyscore._proto.pyscore.v1 import scorer_pb2 as pb
-from pyscore.types import ModelInfo, Usage
+from pyscore.types import Usage
 
-from .batcher import Batcher
 from .interceptors import status_for
 from .metrics import Metrics
-from .servicer import ScorerServicer
 
 log = logging.getLogger("server.requests")
 
@@ -226,22 +224,3 @@ def endpoint(method: str, schema: Schema | None, handle: Handler, *, limit: int,
         return response
 
     return run
-
-
-class Gate:
-    """The servicer's own admission, shared: UNAVAILABLE until the model is loaded, NOT_FOUND for another model,
-    RESOURCE_EXHAUSTED over --max-items or --max-request-tokens (token ids counted before any model work)."""
-
-    def __init__(self, servicer: ScorerServicer) -> None:
-        self.servicer = servicer
-
-    def ready(self, model: str | None) -> tuple[Batcher, ModelInfo]:
-        return self.servicer._ready(model or "")
-
-    def check_items(self, n: int) -> None:
-        if n > self.servicer.max_items:
-            raise errors.ResourceExhausted("items", f"{n} items exceed this server's limit of "
-                                                    f"{self.servicer.max_items} (--max-items)")
-
-    def check_ids(self, field: str, n: int) -> None:
-        self.servicer._check_ids(field, n)

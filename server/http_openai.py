@@ -37,19 +37,21 @@ from typing import Any
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pyscore.errors import FailedPrecondition, InvalidArgument
+from pyscore.errors import InvalidArgument
 from pyscore.types import MAX_TOP_LOGPROBS, GenerateRequest, GenerateResult, TokenLogprob, Usage
 
-from .batcher import GenerationDelta
-from .http_call import JSON, Call, Gate, described, error_body, fp32
+from .batcher import Batcher
+from .engine_like import EngineLike
+from .gate import Gate
+from .http_call import JSON, Call, described, error_body, fp32
 from .http_schema import ChatCompletionBody, ChatMessage, CompletionBody, SamplingBody
 from .http_score import usage_json
+from .scheduler import GenerationDelta
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 COMPLETION_FIELDS = {"prompt_token_ids": "prompt", "top_logprobs": "logprobs"}
 CHAT_FIELDS = {"prompt": "messages", "prompt_token_ids": "messages", "apply_chat_template": "messages"}
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
-RESERVED_TEMPLATE_KWARGS = {"conversation", "tokenize", "add_generation_prompt", "return_dict"}
 # Choices (prompts x n) per request: each is a queued job, then a running sequence holding KV pages until it ends;
 # a request may ask for as many as the engine runs at once by default (--max-running-generations 64), no more.
 MAX_CHOICES = 64
@@ -117,11 +119,11 @@ def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) ->
     return list(prompt)  # type: ignore[arg-type]
 
 
-async def echo_texts(batcher: Any, prompts: list[str | list[int]]) -> list[str]:
+async def echo_texts(batcher: Batcher, engine: EngineLike, prompts: list[str | list[int]]) -> list[str]:
     """What echo puts in front of each prompt's choices: a text prompt as given, a token-id prompt decoded (on the
     engine thread, all in one call: decoding grows with the input)."""
     ids = [p for p in prompts if isinstance(p, list)]
-    decoded = iter(await batcher.call(lambda: [batcher.engine.tokenizer.decode(p) for p in ids]) if ids else [])
+    decoded = iter(await batcher.call(lambda: [engine.decode(p) for p in ids]) if ids else [])
     return [p if isinstance(p, str) else next(decoded) for p in prompts]
 
 
@@ -213,22 +215,6 @@ def chat_message(m: ChatMessage) -> dict[str, Any]:
     return {**(m.model_extra or {}), "role": m.role, "content": content or ""}
 
 
-def render_chat(engine: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> list[int]:
-    """The prompt token ids of `messages` under the model's chat template (on the engine thread)."""
-    tokenizer = getattr(engine, "tokenizer", None)
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise FailedPrecondition("messages", "this model's tokenizer has no chat template")
-    clash = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
-    if clash:
-        raise InvalidArgument("chat_template_kwargs", f"may not set {', '.join(clash)}")
-    try:
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False,
-                                            **kwargs)
-    except Exception as e:  # the template's own checks (roles must alternate, ...) are the client's to fix
-        raise InvalidArgument("messages", f"the model's chat template refused them: {e}") from None
-    return [int(t) for t in ids]
-
-
 class OpenAIEndpoints:
     def __init__(self, gate: Gate) -> None:
         self.gate = gate
@@ -259,7 +245,7 @@ class OpenAIEndpoints:
                                     top_logprobs=body.logprobs or 0, prompt_logprobs=prompt_logprobs,
                                     **sampling(body, max_tokens, j))
                     for p in prompts for j in range(n)]
-        echoes = await echo_texts(batcher, prompts) if body.echo else []
+        echoes = await echo_texts(batcher, self.gate.engine, prompts) if body.echo else []
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def choice(k: int, text: str, lps: list[TokenLogprob], finish: str | None, first: bool,
@@ -305,7 +291,7 @@ class OpenAIEndpoints:
             raise InvalidArgument("top_logprobs", "needs logprobs: true")
         batcher, info = self.gate.ready(body.model)
         messages = [chat_message(m) for m in body.messages]
-        prompt = await batcher.call(render_chat, batcher.engine, messages, dict(body.chat_template_kwargs or {}))
+        prompt = await batcher.call(self.gate.engine.render_chat, messages, dict(body.chat_template_kwargs or {}))
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = info.max_context - len(prompt) if asked is None else asked  # OpenAI: up to the context
         requests = [GenerateRequest(prompt_token_ids=prompt, top_logprobs=body.top_logprobs or 0,

@@ -40,7 +40,9 @@ from starlette.responses import Response
 from pyscore import errors
 from pyscore.types import ModelInfo, ScoreRequest, ScoreResult, Usage
 
-from .http_call import JSON, Call, Gate
+from .engine_like import EngineLike
+from .gate import Gate
+from .http_call import JSON, Call
 from .http_schema import ClassifyBody, PoolingOptions, RerankBody, VLLMScoreBody
 from .http_score import summed_usage, usage_json
 
@@ -94,7 +96,7 @@ def renamed(exc: errors.RequestError, query_field: str, item_field: str, item_in
     return type(exc)(field, message)
 
 
-def shared_prefix_requests(engine: Any, queries: list[str], documents: list[str], field: str
+def shared_prefix_requests(engine: EngineLike, queries: list[str], documents: list[str], field: str
                            ) -> list[tuple[list[int], list[int], list[list[int]]]]:
     """(pair indices, query ids, item ids) per Score request (on the engine thread: the work grows with the
     input). Each pair is tokenized as vLLM's LLM reranker does, query + document as one text with the tokenizer's
@@ -106,7 +108,7 @@ def shared_prefix_requests(engine: Any, queries: list[str], documents: list[str]
     distinct = list(dict.fromkeys(queries))
     # one batch call: 16 joined 330-token texts ~5-7 ms, where one engine.tokenize each (it also decodes every
     # token to its text) took ~19
-    encoded = engine.tokenizer([*texts, *distinct], add_special_tokens=True)["input_ids"]
+    encoded = engine.encode([*texts, *distinct], add_special_tokens=True)
     own = {q: list(ids) for q, ids in zip(distinct, encoded[len(texts):], strict=True)}
     plans: dict[tuple[str, int], tuple[list[int], list[int], list[list[int]]]] = {}
     for i, (query, ids) in enumerate(zip(queries, encoded[: len(texts)], strict=True)):
@@ -174,9 +176,8 @@ class RerankEndpoints:
         self.gate, self.labels = gate, labels
 
     def _id2label(self, model: str | None) -> dict[int, str]:
-        batcher, _ = self.gate.ready(model)
-        traits = getattr(batcher.engine, "traits", None)
-        return dict(getattr(traits, "id2label", None) or {})
+        self.gate.ready(model)
+        return dict(self.gate.engine.traits.id2label or {})
 
     async def _pairs(self, call: Call, body: PoolingOptions, queries: list[str], documents: list[str],
                      names: tuple[str, str]) -> tuple[list[float], Usage, str]:
@@ -186,7 +187,7 @@ class RerankEndpoints:
         batcher, info = self.gate.ready(body.model)
         self.gate.check_items(len(documents))
         relevance = Relevance(info, body, self._id2label(body.model), self.labels)
-        engine = batcher.engine
+        engine = self.gate.engine
         plans = await batcher.call(lambda: shared_prefix_requests(engine, queries, documents, names[1]))
         call.summary = f"items={len(documents)} requests={len(plans)} "
 
@@ -271,11 +272,11 @@ class RerankEndpoints:
         self.gate.check_items(len(inputs))
         self.gate.check_ids("input", sum(len(x) for x in inputs if not isinstance(x, str)))
         call.summary = f"items={len(inputs)} "
-        engine, special = batcher.engine, body.add_special_tokens
+        engine, special = self.gate.engine, body.add_special_tokens
 
         def tokenize() -> list[list[int]]:
             texts = [x for x in inputs if isinstance(x, str)]
-            ids = iter(engine.tokenizer(texts, add_special_tokens=special)["input_ids"] if texts else [])
+            ids = iter(engine.encode(texts, add_special_tokens=special) if texts else [])
             return [list(next(ids)) if isinstance(x, str) else list(x) for x in inputs]
 
         sequences = await batcher.call(tokenize)

@@ -24,7 +24,8 @@ from starlette.responses import Response
 from pyscore import errors
 from pyscore.types import ScoreRequest, ScoreResult, Usage
 
-from .http_call import JSON, Call, Gate, fp32
+from .gate import Gate
+from .http_call import JSON, Call, fp32
 from .http_schema import GenerativeScoringBody, ScoringBody
 
 # engine / proto field -> the field a client of these endpoints wrote
@@ -96,9 +97,8 @@ class ScoreEndpoints:
         batcher, _ = self.gate.ready(model)
         query = request.query
         if isinstance(query, str):
-            engine = batcher.engine
-            text = query
-            query = await batcher.call(lambda: list(engine.tokenizer(text, add_special_tokens=True)["input_ids"]))
+            engine, text = self.gate.engine, query
+            query = await batcher.call(lambda: engine.encode([text], add_special_tokens=True)[0])
         if len(query) < 2:
             raise errors.InvalidArgument(f"items[{empty[0]}]", "is empty and the query is one token: an empty "
                                          "item scores the token after the query, which needs a query of two or more")
@@ -144,7 +144,7 @@ class ScoreEndpoints:
         if not mixed and (body.add_special_tokens or not text_query):
             return query, items
         batcher, _ = self.gate.ready(body.model)
-        engine, special = batcher.engine, body.add_special_tokens
+        engine, special = self.gate.engine, body.add_special_tokens
 
         def tokenize() -> tuple[list[int], list[list[int]]]:
             ids = engine.tokenize(query, special)[0] if isinstance(query, str) else query

@@ -26,10 +26,11 @@ from starlette.responses import Response
 from pyscore.errors import InvalidArgument
 from pyscore.types import GenerateRequest, GenerateResult, TokenLogprob
 
-from .batcher import GenerationDelta
-from .http_call import JSON, Call, Gate, fp32
+from .gate import Gate
+from .http_call import JSON, Call, fp32
 from .http_openai import MAX_CHOICES, final_results, merged_usage, stop_strings, stream
 from .http_schema import SGLangGenerateBody, SGLangSamplingParams
+from .scheduler import GenerationDelta
 
 SGLANG_FIELDS = {"prompt": "text", "prompt_token_ids": "input_ids", "max_tokens": "sampling_params.max_new_tokens",
                  "temperature": "sampling_params.temperature", "top_p": "sampling_params.top_p",

@@ -25,8 +25,8 @@ from grpc_status import rpc_status
 from pyscore import errors, wire
 from pyscore._proto.pyscore.v1 import scorer_pb2 as pb
 
-from .batcher import DeadlineExceeded, Unavailable
 from .metrics import Metrics
+from .scheduler import DeadlineExceeded, Unavailable
 
 log = logging.getLogger("server.requests")
 

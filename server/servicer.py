@@ -2,11 +2,11 @@
 model work here — the batcher's worker thread owns the engine. Handlers raise pyscore.errors; the
 interceptor turns them into statuses.
 
-Limits checked here, before any model work: `model` must be empty or the served model's name (NOT_FOUND);
-more than `max_items` items is RESOURCE_EXHAUSTED (a limit of this server, not a malformed request; the
-message names `items`); so are more token ids than `max_request_tokens` (text is counted by the batcher once
-tokenized); a call whose deadline has already passed is DEADLINE_EXCEEDED without being queued. Until the
-model is loaded and warmed every call answers UNAVAILABLE.
+Limits checked here, before any model work, by the gate both front doors share (server/gate.py): `model` must be
+empty or the served model's name (NOT_FOUND); more than --max-items items is RESOURCE_EXHAUSTED (a limit of this
+server, not a malformed request; the message names `items`); so are more token ids than --max-request-tokens
+(text is counted by the batcher once tokenized); a call whose deadline has already passed is DEADLINE_EXCEEDED
+without being queued. Until the model is loaded and warmed every call answers UNAVAILABLE.
 
 These handlers run on the event loop, so every repeated field is counted (len, O(1)) before anything walks it:
 items against max_items, token ids against max_request_tokens, labels against the model's distinct labels (more
@@ -22,10 +22,11 @@ import grpc
 from pyscore import wire
 from pyscore._proto.pyscore.v1 import scorer_pb2 as pb
 from pyscore._proto.pyscore.v1 import scorer_pb2_grpc
-from pyscore.errors import InvalidArgument, NotFound, ResourceExhausted, quoted
+from pyscore.errors import InvalidArgument
 from pyscore.types import MAX_STOP_STRINGS, ModelInfo
 
-from .batcher import Batcher, DeadlineExceeded, GenerationDelta, Unavailable
+from .gate import Gate
+from .scheduler import DeadlineExceeded, GenerationDelta
 
 
 def time_left(context: grpc.aio.ServicerContext) -> float | None:
@@ -37,36 +38,15 @@ def time_left(context: grpc.aio.ServicerContext) -> float | None:
 
 
 class ScorerServicer(scorer_pb2_grpc.ScorerServicer):
-    def __init__(self, *, max_items: int = 1024, max_request_tokens: int | None = None) -> None:
-        self.max_items = max_items
-        self.max_request_tokens = max_request_tokens
-        self._batcher: Batcher | None = None
-        self._info: ModelInfo | None = None
-
-    def attach(self, batcher: Batcher, info: ModelInfo) -> None:
-        """Start answering: the engine behind `batcher` is loaded and warmed."""
-        self._batcher, self._info = batcher, info
-
-    def _ready(self, model: str) -> tuple[Batcher, ModelInfo]:
-        if self._batcher is None or self._info is None:
-            raise Unavailable("the model is still loading")
-        if model and model != self._info.name:
-            raise NotFound("model", f"this server serves {self._info.name!r}, not {quoted(model)}")
-        return self._batcher, self._info
-
-    def _check_ids(self, field: str, n: int) -> None:
-        if self.max_request_tokens is not None and n > self.max_request_tokens:
-            raise ResourceExhausted(field, f"{n} token ids, over this server's limit of {self.max_request_tokens} "
-                                           "per request (--max-request-tokens)")
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
 
     async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
-        batcher, info = self._ready(request.model)
-        n = max(len(request.items), len(request.item_token_ids))
-        if n > self.max_items:
-            raise ResourceExhausted("items", f"{n} items exceed this server's limit of {self.max_items} (--max-items)")
+        batcher, info = self.gate.ready(request.model)
+        self.gate.check_items(max(len(request.items), len(request.item_token_ids)))
         # token ids count exactly without tokenizing: query + items is what MIS computes, the least any mode does
         ids = len(request.query_token_ids) + sum(len(t.ids) for t in request.item_token_ids)
-        self._check_ids("item_token_ids", ids)
+        self.gate.check_ids("item_token_ids", ids)
         _check_label_count(request, info)
         result = await batcher.score(wire.score_request_from_proto(request), time_left(context))
         return wire.score_result_to_proto(result, info.name)
@@ -85,20 +65,20 @@ class ScorerServicer(scorer_pb2_grpc.ScorerServicer):
 
     def _generate(self, request: pb.GenerateRequest,
                   context: grpc.aio.ServicerContext) -> AsyncIterator[GenerationDelta]:
-        batcher, _ = self._ready(request.model)
-        self._check_ids("prompt_token_ids", len(request.prompt_token_ids))
+        batcher, _ = self.gate.ready(request.model)
+        self.gate.check_ids("prompt_token_ids", len(request.prompt_token_ids))
         if len(request.stop) > MAX_STOP_STRINGS:
             raise InvalidArgument("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}")
         return batcher.generate(wire.generate_request_from_proto(request), time_left(context))
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
-        batcher, _ = self._ready("")
-        ids, tokens = await batcher.call(batcher.engine.tokenize, request.text, request.add_special_tokens,
+        batcher, _ = self.gate.ready("")
+        ids, tokens = await batcher.call(self.gate.engine.tokenize, request.text, request.add_special_tokens,
                                          timeout=time_left(context))
         return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
-        _, info = self._ready("")
+        _, info = self.gate.ready("")
         return wire.model_info_to_proto(info)
 
 

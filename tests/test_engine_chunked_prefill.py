@@ -13,7 +13,7 @@ from pyscore.engine import Engine
 from pyscore.errors import PassInterrupted
 from pyscore.generation import SeqState
 from pyscore.model.kv_store import page_tokens
-from pyscore.types import GenerateRequest, ScoreRequest
+from pyscore.types import Boundary, GenerateRequest, ScoreRequest
 from tests.helpers import make_model_dir
 from tests.reference_scoring import max_abs_diff
 from tests.test_engine_prefix_cache import FP32_TOL, ITEMS, QUERY
@@ -126,11 +126,11 @@ def test_a_small_request_completes_between_chunks_of_a_big_one(model_dir):
     assert plan is not None and e.plan_chunks(e.prepare_score(small)) is None
     between = 0
     while not plan.finished:
-        e.run_chunk(plan)
+        assert e.advance_chunked(big, plan) is None  # a chunk
         assert e.score_batch([small])[0].scores == idle.scores
         between += 1
     assert between >= 3
-    result = e.finish_chunked(big, plan)
+    result = e.advance_chunked(big, plan)  # the last passes
     assert result.scores == engine(model_dir).score(LONG, ITEMS, labels=LABELS).scores
 
 
@@ -138,8 +138,7 @@ def test_given_up_between_chunks_publishes_nothing(model_dir):
     e = engine(model_dir, max_batch_tokens=BUDGET)
     big = e.prepare_score(ScoreRequest(query=LONG, items=ITEMS, labels=LABELS))
     plan = e.plan_chunks(big)
-    e.run_chunk(plan)
-    e.run_chunk(plan)
+    assert e.advance_chunked(big, plan) is None and e.advance_chunked(big, plan) is None  # two chunks
     assert e.prefix_cache_stats().blocks == reserved_pages(e, len(e.tokenize(LONG)[0]))  # reserved, pending
     plan.close(ok=False)  # what the batcher does when the caller cancels or the deadline passes
     stats = e.prefix_cache_stats()
@@ -151,47 +150,47 @@ def test_interrupted_inside_a_chunk_the_plan_is_as_before(model_dir):
     e = engine(model_dir, max_batch_tokens=BUDGET)
     big = e.prepare_score(ScoreRequest(query=LONG, items=ITEMS, labels=LABELS))
     plan = e.plan_chunks(big)
-    e.run_chunk(plan)
+    assert e.advance_chunked(big, plan) is None
     done = plan.done
-    e.set_interrupt(lambda: True)
+    e.set_boundary(lambda: Boundary.STOP)
     with pytest.raises(PassInterrupted):
-        e.run_chunk(plan)
-    e.set_interrupt(None)
-    assert plan.done == done
+        e.advance_chunked(big, plan)
+    e.set_boundary(None)
+    assert plan.done == done and plan.open
     while not plan.finished:
-        e.run_chunk(plan)
-    assert e.finish_chunked(big, plan).scores == engine(model_dir).score(LONG, ITEMS, labels=LABELS).scores
+        assert e.advance_chunked(big, plan) is None
+    assert e.advance_chunked(big, plan).scores == engine(model_dir).score(LONG, ITEMS, labels=LABELS).scores
 
 
 def test_the_chunked_requests_blocks_survive_cache_pressure(model_dir):
     """A cache with room for the long query plus one block: other requests between its chunks evict each other,
     never its blocks (pinned / pending until it ends)."""
-    probe = engine(model_dir, prefix_cache_mb=0)
+    probe = engine(model_dir, prefix_cache=False)
     cfg = probe.cfg
     block_mb = 2 * cfg.num_layers * B * cfg.num_kv_heads * cfg.head_dim * 4 / 2**20
     n = len(probe.tokenize(LONG)[0])
-    e = engine(model_dir, max_batch_tokens=BUDGET, prefix_cache_mb=(n // B + 1) * block_mb)
+    e = engine(model_dir, max_batch_tokens=BUDGET, kv_cache_mb=(n // B + 1) * block_mb)
     big = e.prepare_score(ScoreRequest(query=LONG, items=ITEMS, labels=LABELS))
     plan = e.plan_chunks(big)
     assert plan is not None
     for k in range(4):
-        e.run_chunk(plan) if not plan.finished else None
+        e.advance_chunked(big, plan) if not plan.finished else None
         other = f"{k}: another question, with enough words to fill two cache blocks of the tiny model. " * 6
         e.score(other, ITEMS[:1], labels=LABELS)  # stores what it can: at most the one free block
     while not plan.finished:
-        e.run_chunk(plan)
-    assert e.finish_chunked(big, plan).scores == probe.score(LONG, ITEMS, labels=LABELS).scores
+        assert e.advance_chunked(big, plan) is None
+    assert e.advance_chunked(big, plan).scores == probe.score(LONG, ITEMS, labels=LABELS).scores
     assert e.prefix_cache_stats().evicted_blocks > 0
 
 
 def test_a_cache_too_small_for_the_query_runs_it_as_one_pass(model_dir, chunks):
-    probe = engine(model_dir, prefix_cache_mb=0)
+    probe = engine(model_dir, prefix_cache=False)
     cfg = probe.cfg
     block_mb = 2 * cfg.num_layers * B * cfg.num_kv_heads * cfg.head_dim * 4 / 2**20
-    e = engine(model_dir, max_batch_tokens=BUDGET, prefix_cache_mb=2 * block_mb)
+    e = engine(model_dir, max_batch_tokens=BUDGET, kv_cache_mb=2 * block_mb)
     got = e.score(LONG, ITEMS, labels=LABELS)
     assert not chunks and got.scores == probe.score(LONG, ITEMS, labels=LABELS).scores
-    off = engine(model_dir, max_batch_tokens=BUDGET, prefix_cache_mb=0)
+    off = engine(model_dir, max_batch_tokens=BUDGET, prefix_cache=False)
     assert off.plan_chunks(off.prepare_score(ScoreRequest(query=LONG, items=ITEMS, labels=LABELS))) is None
 
 
@@ -274,19 +273,19 @@ def test_hybrid_chunks_stop_where_published_blocks_without_states_end(hybrid_dir
 
 
 def test_hybrid_without_room_for_the_chunks_states_runs_as_one_pass(hybrid_dir, chunks):
-    probe = engine(hybrid_dir, prefix_cache_mb=0)
+    probe = engine(hybrid_dir, prefix_cache=False)
     n = len(probe.tokenize(LONG)[0]) // B * B
     pages = engine(hybrid_dir)
     assert pages.prefix_cache is not None
     page_mb = pages.prefix_cache.block_bytes / 2**20
     request = ScoreRequest(query=LONG, items=ITEMS, labels=LABELS)
     sets = -(-n // BUDGET)  # chunks, each ending with a set of state pages
-    roomy = engine(hybrid_dir, max_batch_tokens=BUDGET, prefix_cache_mb=reserved_pages(pages, n) * page_mb)
+    roomy = engine(hybrid_dir, max_batch_tokens=BUDGET, kv_cache_mb=reserved_pages(pages, n) * page_mb)
     plan = roomy.plan_chunks(roomy.prepare_score(request))
     assert sets > 1 and plan is not None
     plan.close(ok=False)
     e = engine(hybrid_dir, max_batch_tokens=BUDGET,  # room for every block and one set of states, not one a chunk
-               prefix_cache_mb=(n // B + pages.prefix_cache.state_pages) * page_mb)
+               kv_cache_mb=(n // B + pages.prefix_cache.state_pages) * page_mb)
     assert e.plan_chunks(e.prepare_score(request)) is None
     assert e.score(LONG, ITEMS, labels=LABELS).scores == probe.score(LONG, ITEMS, labels=LABELS).scores
     assert not chunks

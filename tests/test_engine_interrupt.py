@@ -1,4 +1,4 @@
-"""Engine.set_interrupt: a forward pass asks it at every layer boundary and, told to stop, stops there
+"""Engine.set_boundary: a forward pass asks its decision at every layer boundary and, told STOP, stops there
 (PassInterrupted) having committed nothing — no prefix-cache block is published, no generation advances — so the
 same requests run afterwards exactly as if the interrupted pass had never been (bitwise on the kernel path)."""
 
@@ -8,20 +8,20 @@ import pytest
 
 from pyscore.engine import Engine
 from pyscore.errors import PassInterrupted
-from pyscore.types import GenerateRequest, ScoreRequest
+from pyscore.types import Boundary, GenerateRequest, ScoreRequest
 from tests.helpers import make_model_dir
 from tests.test_engine_prefix_cache import ITEMS, QUERY
 
 
 class StopAt:
-    """An interrupt that says stop at the `at`-th layer boundary it is asked about (1-based), and counts."""
+    """A decision that says STOP at the `at`-th layer boundary it is asked about (1-based), and counts."""
 
     def __init__(self, at: int) -> None:
         self.at, self.asked = at, 0
 
-    def __call__(self) -> bool:
+    def __call__(self) -> Boundary:
         self.asked += 1
-        return self.asked >= self.at
+        return Boundary.STOP if self.asked >= self.at else Boundary.CONTINUE
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +39,13 @@ def test_an_interrupted_score_pass_stops_at_a_layer_and_commits_nothing(model_di
     e = engine(model_dir, backend)
     request = ScoreRequest(query=QUERY, items=ITEMS, labels=["Yes", "No"])
     stop = StopAt(3)
-    e.set_interrupt(stop)
+    e.set_boundary(stop)
     with pytest.raises(PassInterrupted):
         e.run_prepared([e.prepare_score(request)])
     assert stop.asked == 3  # asked before each layer; stopped before the third of four
     stats = e.prefix_cache_stats()
     assert stats.blocks == 0 and stats.bytes == 0  # the blocks the pass wrote were never published
-    e.set_interrupt(None)
+    e.set_boundary(None)
     after = e.score_batch([request])[0]
     cold = engine(model_dir, backend).score_batch([request])[0]
     assert after.usage.cached_tokens == 0 and after.usage == cold.usage
@@ -60,16 +60,16 @@ def test_an_interrupted_generation_step_leaves_the_generations_as_they_were(mode
     expected = engine(model_dir, backend).generate(request)
     gen = e.start_generation(request)
     e.step([gen])  # prefilled: one token
-    e.set_interrupt(StopAt(2))
+    e.set_boundary(StopAt(2))
     with pytest.raises(PassInterrupted):
         e.step([gen])  # a decode step, stopped before its second layer
     assert len(gen.token_ids) == 1 and gen.cache is not None and gen.cache.length == len(gen.prompt)
     fresh = e.start_generation(request)
-    e.set_interrupt(StopAt(1))
+    e.set_boundary(StopAt(1))
     with pytest.raises(PassInterrupted):
         e.step([fresh])  # a prefill, stopped before its first layer
     assert fresh.cache is None and not fresh.token_ids and not fresh.finished
-    e.set_interrupt(None)
+    e.set_boundary(None)
     while not gen.finished:
         e.step([gen])
     while not fresh.finished:

@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 
-from pyscore.engine import Engine, make_prefix_cache
+from pyscore.engine import Engine
 from pyscore.model.kv_store import page_tokens
 from pyscore.types import GenerateRequest, ScoreRequest
 from tests.helpers import REFERENCE_TOL, count_passes, load_reference, make_model_dir
@@ -36,7 +36,7 @@ def model_dir(request, tmp_path_factory):
 
 def block_mib(model_dir) -> float:
     """The tiny fp32 model's cache block in MiB: 2 (K, V) x layers x B tokens x kv heads x head_dim x 4 bytes."""
-    cfg = engine(model_dir, prefix_cache_mb=0).cfg
+    cfg = engine(model_dir, prefix_cache=False).cfg
     return 2 * cfg.num_layers * B * cfg.num_kv_heads * cfg.head_dim * 4 / 2**20
 
 
@@ -155,7 +155,7 @@ def test_requests_sharing_a_prefix_in_one_batch(model_dir, dtype):
 
 
 def test_a_budget_so_small_that_every_request_evicts(model_dir):
-    e = engine(model_dir, "kernel", prefix_cache_mb=2.5 * block_mib(model_dir))
+    e = engine(model_dir, "kernel", kv_cache_mb=2.5 * block_mib(model_dir))
     assert e.prefix_cache.capacity == 2
     queries = [QUERY, "Preamble. " + QUERY, "Another preamble, longer. " + QUERY]
     for _ in range(2):
@@ -215,8 +215,8 @@ def test_generations_prefilled_together_share_the_prompt(model_dir):
         assert max(abs(a.logprob - b.logprob) for a, b in pairs) <= 1e-5
 
 
-def test_cache_off_and_below_one_block(model_dir):
-    e = engine(model_dir, prefix_cache_mb=0)
+def test_cache_off_and_a_store_below_one_page(model_dir):
+    e = engine(model_dir, prefix_cache=False)
     assert e.prefix_cache is None and e.prefix_cache_stats() is None
     assert e.info().prefix_cache_block_tokens == 0
     assert e.score(QUERY, ITEMS, labels=["Yes"]).usage.cached_tokens == 0
@@ -226,7 +226,8 @@ def test_cache_off_and_below_one_block(model_dir):
     assert on.info().prefix_cache_block_tokens == B
     assert on.info().prefix_cache_bytes == store.capacity * store.block_bytes
     assert store.capacity == (65536 * on.decoder.kv_bytes_per_token + 1024 * 2**20) // store.block_bytes
-    assert make_prefix_cache(on.model, on.decoder, 1e-6) is None  # below one block: off, not an error
+    with pytest.raises(ValueError, match="--kv-cache-mb"):  # no page at all: refused, naming the budget
+        engine(model_dir, kv_cache_mb=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -444,7 +445,7 @@ def test_hybrid_failed_pass_keeps_no_states_and_a_small_cache_still_serves(hybri
     # A cache with room for one query's blocks and states at a time: requests evict each other, scores hold.
     cache = e.prefix_cache
     budget = (len(e.tokenize(QUERY)[0]) // B + cache.state_pages + 2) * cache.block_bytes
-    small = engine(hybrid_dir, "kernel", prefix_cache_mb=budget / 2**20)
+    small = engine(hybrid_dir, "kernel", kv_cache_mb=budget / 2**20)
     for q in (QUERY, "Preamble. " + QUERY, QUERY):
         result = small.score(q, ITEMS, labels=["Yes", "No"])
         assert result.scores == small.score(q, ITEMS, labels=["Yes", "No"], bypass_prefix_cache=True).scores

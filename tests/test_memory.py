@@ -62,7 +62,7 @@ def test_a_model_that_cannot_fit_is_refused_before_any_tensor_is_read(model_dirs
     # the tiny model's whole plan (the check would find nothing left to allocate)
     monkeypatch.setattr(memory, "resident_bytes", lambda: 0)
     with pytest.raises(InsufficientMemoryError) as e:
-        loading.load_model(model_dirs["qwen3"], torch.float32, CPU, Pools(max_kv_tokens=1000))
+        loading.load_model(model_dirs["qwen3"], torch.float32, CPU, Pools(kv_cache_mb=64))
     assert reads == []
     message = str(e.value)
     for words in ("does not fit", "weights", "KV budget", "activations", "runtime",
@@ -80,18 +80,6 @@ def test_the_refusal_says_which_kv_budget_would_fit(model_dirs, monkeypatch) -> 
         loading.load_model(path, torch.float32, CPU, Pools(kv_cache_mb=40_000))
     # what the message proposes fits
     loading.load_model(path, torch.float32, CPU, Pools(kv_cache_mb=20_000))
-
-
-def test_the_refusal_answers_in_the_deprecated_flag_it_was_given(model_dirs, monkeypatch) -> None:
-    path = model_dirs["qwen3"]
-    deprecated = Pools(max_kv_tokens=10_000_000, prefix_cache_mb=0)
-    _, plan = loading.memory_plan(path, torch.float32, deprecated)
-    free = plan.expected_total_bytes - plan.kv_budget_bytes // 2
-    monkeypatch.setattr(memory, "resident_bytes", lambda: 0)
-    monkeypatch.setattr(loading, "available_memory", lambda device: (free, "cgroup v2 limit"))
-    with pytest.raises(InsufficientMemoryError, match="Lower --max-kv-tokens \\(now 10000000\\) to at most 5000000"):
-        loading.load_model(path, torch.float32, CPU, deprecated)
-    loading.load_model(path, torch.float32, CPU, Pools(max_kv_tokens=5_000_000, prefix_cache_mb=0))
 
 
 def test_the_check_can_be_turned_off(model_dirs, monkeypatch, caplog) -> None:
@@ -148,14 +136,14 @@ def test_available_memory_is_the_smaller_of_cgroup_and_machine(monkeypatch) -> N
 
 def test_the_engine_and_model_info_report_the_plan(model_dirs) -> None:
     engine = Engine.from_pretrained(model_dirs["qwen3"], dtype="float32", device="cpu", threads=1,
-                                    max_kv_tokens=1000, prefix_cache_mb=2, max_batch_tokens=128)
+                                    kv_cache_mb=2, max_batch_tokens=128)
     plan = engine.info().memory
     assert plan.weight_bytes == tensor_bytes(engine.model.weights)
-    store = engine.kv_store  # the deprecated pair sizes it as their sum, in whole pages
+    store = engine.kv_store  # --kv-cache-mb sizes it, in whole pages
     assert plan.kv_budget_bytes == store.capacity * store.block_bytes
-    assert store.capacity == (1000 * engine.decoder.kv_bytes_per_token + 2 * 2**20) // store.block_bytes
-    # the prefix cache lives in the store (capped at 2 MiB of it here): nothing more to plan
-    assert plan.prefix_cache_bytes == 0 and 0 < engine.info().prefix_cache_bytes <= 2 * 2**20
+    assert store.capacity == 2 * 2**20 // store.block_bytes
+    # the prefix cache lives in the store (all of it may hold cached blocks): nothing more to plan
+    assert plan.prefix_cache_bytes == 0 and engine.info().prefix_cache_bytes == store.capacity * store.block_bytes
     assert plan.activation_bytes == 128 * memory.activation_bytes_per_token(engine.cfg, torch.float32)
     assert plan.expected_total_bytes == (plan.weight_bytes + plan.kv_budget_bytes + plan.prefix_cache_bytes
                                          + plan.activation_bytes + plan.runtime_bytes)

@@ -45,6 +45,7 @@ from pyscore.ops import (
 )
 from pyscore.ops.gated_delta_rule import plan_linear_attention
 from pyscore.ops.linear import DECODE_ROWS, PREFILL_ROWS
+from pyscore.types import Boundary
 
 PROGRAMS_KEPT = 4  # decode programs kept, by batch size (Decoder.programs)
 
@@ -122,9 +123,11 @@ class Decoder:
         kinds = [cfg.layer_type(i) for i in range(cfg.num_layers)]
         self.slot = [kinds[:i].count(kind) for i, kind in enumerate(kinds)]
         self.num_linear = kinds.count(LINEAR_ATTENTION)
-        # Asked at every layer boundary of a pass: True stops the pass there (PassInterrupted). The engine's owner
-        # sets it (server/batcher: every caller of the pass gone, or shutting down).
-        self.interrupt: Callable[[], bool] | None = None
+        # Asked at every layer boundary of a pass (pyscore.types.Boundary): STOP ends the pass there
+        # (PassInterrupted), YIELD runs `between` there first. The engine's owner sets them (Engine.set_boundary;
+        # server/scheduler: every caller of the pass gone or shutting down; short requests waiting on a chunk).
+        self.decide: Callable[[], Boundary] | None = None
+        self.between: Callable[[], None] | None = None
         # Decode steps as bound kernel calls (pyscore.model.decode_program), by batch size, the most recent last.
         # Bounded: each holds a few [B, width] buffers, and a server's batch sizes come and go.
         self.programs: dict[int, DecodeProgram] = {}
@@ -356,9 +359,13 @@ class Decoder:
         return program
 
     def _layer_boundary(self) -> None:
-        """A safe point: the pass has written only its own buffers (and pending cache blocks), so it can stop."""
-        if self.interrupt is not None and self.interrupt():
+        """A safe point: the pass has written only its own buffers (and pending cache blocks), so it can stop, or
+        let other passes run (they read and change nothing of its state) and go on from here."""
+        decision = Boundary.CONTINUE if self.decide is None else self.decide()
+        if decision is Boundary.STOP:
             raise PassInterrupted("the forward pass was interrupted at a layer boundary")
+        if decision is Boundary.YIELD and self.between is not None:
+            self.between()
 
     @property
     def kv_bytes_per_token(self) -> int:

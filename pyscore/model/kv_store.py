@@ -8,6 +8,9 @@ sized by one byte budget and shared by the prefix cache and running generations.
   the sequence until it ends.
 - `take()` hands out a free page; when none is free it asks its reclaimer (the prefix cache's eviction of least
   recently used pages that no sequence or pass holds) for one; None when every page is held.
+- Admission (`reservations`): a generation is admitted only while what every admitted one may yet hold, prompt +
+  max_tokens each in whole pages, fits the store; then a page is always free or reclaimable when a sequence needs
+  one (a prompt's cached pages count in each sequence that shares them, although held once).
 
 The pool [pages, 2 (K, V), layers, block_tokens, kv heads, head_dim] is allocated once; pages never written take no
 memory. Not thread-safe: one engine worker owns it (a metrics scrape only reads `stats`)."""
@@ -20,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pyscore.errors import ResourceExhausted
 from pyscore.ops.segments import key_tile
 
 if TYPE_CHECKING:
@@ -31,6 +35,47 @@ def page_tokens(device: torch.device | str) -> int:
     a 1,000-token prompt with 64-token turns held 1.47x what their tokens need in 64-token pages); the CUDA kernels
     tile keys by 64."""
     return key_tile(device)
+
+
+@dataclass(eq=False)
+class Reservation:
+    """`tokens` of a store reserved for one generation until `release()` (idempotent)."""
+
+    ledger: Reservations
+    tokens: int
+    held: bool = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.ledger.reserved -= self.tokens
+
+
+class Reservations:
+    """The admission ledger of a store of `capacity_tokens` in pages of `page_tokens`: what admitted generations
+    may yet hold. `reserved` is safe to read from another thread (a metrics scrape)."""
+
+    def __init__(self, capacity_tokens: int, page_tokens: int) -> None:
+        self.capacity_tokens, self.page_tokens = capacity_tokens, page_tokens
+        self.reserved = 0
+
+    def whole_pages(self, tokens: int) -> int:
+        return -(-tokens // self.page_tokens) * self.page_tokens
+
+    def check(self, tokens: int) -> None:
+        """Refuses (ResourceExhausted, naming --kv-cache-mb) a generation of `tokens` that could never fit."""
+        if self.whole_pages(tokens) > self.capacity_tokens:
+            raise ResourceExhausted("max_tokens", f"prompt + max_tokens is {tokens} tokens ({self.whole_pages(tokens)} "
+                                    f"in whole KV pages), more than this server's KV store of {self.capacity_tokens} "
+                                    "tokens (--kv-cache-mb)")
+
+    def take(self, tokens: int) -> Reservation | None:
+        """A reservation of `tokens` in whole pages if they fit beside the others now, else None."""
+        whole = self.whole_pages(tokens)
+        if self.reserved + whole > self.capacity_tokens:
+            return None
+        self.reserved += whole
+        return Reservation(self, whole)
 
 
 class KVStoreFull(RuntimeError):
@@ -70,6 +115,7 @@ class KVStore:
         self._free = list(range(self.capacity - 1, -1, -1))
         self.reclaim: Callable[[], bool] | None = None  # frees at least one page, or says False (the cache sets it)
         self.stats = KVStoreStats(block_tokens, self.block_bytes, self.capacity)
+        self.reservations = Reservations(self.capacity_tokens, block_tokens)
 
     @property
     def num_blocks(self) -> int:

@@ -18,7 +18,7 @@ def test_a_written_checkpoint_loads_and_scores(tmp_path: Path, shape: str, smoll
 
     bench.write_checkpoint(shape, tmp_path / shape)
     assert sorted(p.name for p in tmp_path.iterdir()) == [shape]  # no .partial left behind
-    engine = Engine.from_pretrained(tmp_path / shape, dtype="bfloat16", device="cpu", threads=1, max_kv_tokens=256)
+    engine = Engine.from_pretrained(tmp_path / shape, dtype="bfloat16", device="cpu", threads=1, kv_cache_mb=16)
     # token ids: the tiny shapes' vocabulary (1024) is smaller than the tokenizer's
     result = engine.score([1, 17, 99, 300], [[5, 6, 7], [8]], label_token_ids=[10, 11], mode="mis")
     assert result.mode == "mis" and all(0 < v < 1 for item in result.scores for v in item[0])

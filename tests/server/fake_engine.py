@@ -12,8 +12,9 @@ deterministically.
 
 Magic inputs: query "boom" fails that request alone inside `run_prepared` (RuntimeError); prompt "boom"
 makes `step` raise for the whole step. Env FAKE_ENGINE_DELAY_S adds a sleep to every model call (for the
-subprocess tests, which cannot reach `pause()`), slept in "layers" of LAYER_S between which the interrupt that
-`set_interrupt` installs is asked, as the real decoder asks it between layers.
+subprocess tests, which cannot reach `pause()`), slept in "layers" of LAYER_S between which the decision that
+`set_boundary` installs is asked, as the real decoder asks it between layers. Generations are admitted against a
+KV ledger of `kv_tokens` in pages of `kv_page_tokens` (pyscore.model.kv_store.Reservations, the real store's).
 """
 
 from __future__ import annotations
@@ -29,9 +30,12 @@ import zlib
 from typing import Any
 
 from pyscore.errors import PassInterrupted
+from pyscore.gen_validate import render_chat
 from pyscore.generation import Generation, validate_generate
+from pyscore.model.kv_store import Reservations
 from pyscore.scoring import ModelTraits, PreparedScore, prepare_score
 from pyscore.types import (
+    Boundary,
     GenerateRequest,
     GenerateResult,
     ModelInfo,
@@ -92,8 +96,8 @@ class FakeTokenizer:
 
 
 class FakeEngine:
-    def __init__(self, name: str = "fake-smollm2", *, delay_s: float = 0.0,
-                 tokenizer: FakeTokenizer | None = None) -> None:
+    def __init__(self, name: str = "fake-smollm2", *, delay_s: float = 0.0, tokenizer: FakeTokenizer | None = None,
+                 kv_tokens: int = 65536, kv_page_tokens: int = 1) -> None:
         self.model_name = name
         self.delay_s = delay_s
         self.tokenizer = tokenizer or FakeTokenizer()
@@ -107,13 +111,14 @@ class FakeEngine:
         self._gate.set()
         self._let_through = 0  # model calls still allowed through after pause(after=...)
         self._entered = threading.Event()
-        self.interrupt: Any = None  # set_interrupt's check, asked every LAYER_S of a model call's delay
+        self.kv = Reservations(kv_tokens, kv_page_tokens)
+        self.decide: Any = None  # set_boundary's decision, asked every LAYER_S of a model call's delay
+        self.between: Any = None
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
                         threads: int | None = None, max_batch_tokens: int = 8192,
-                        prefix_cache_mb: float | None = 0.0, max_kv_tokens: int | None = 65536,
-                        max_running_generations: int = 64, kv_cache_mb: float | None = None,
+                        prefix_cache: bool = True, max_running_generations: int = 64, kv_cache_mb: float | None = None,
                         prefill_chunk_tokens: int | None = None) -> FakeEngine:
         return cls(model or "fake-smollm2", delay_s=float(os.environ.get("FAKE_ENGINE_DELAY_S", "0")))
 
@@ -142,8 +147,11 @@ class FakeEngine:
                 raise RuntimeError("fake engine left paused")
         end = time.monotonic() + self.delay_s
         while time.monotonic() < end:  # "layers": a pass stops between them when asked to, as the decoder's does
-            if self.interrupt is not None and self.interrupt():
+            decision = Boundary.CONTINUE if self.decide is None else self.decide()
+            if decision is Boundary.STOP:
                 raise PassInterrupted("the fake pass was interrupted")
+            if decision is Boundary.YIELD and self.between is not None:
+                self.between()
             time.sleep(min(LAYER_S, max(0.0, end - time.monotonic())))
 
     # -- API -----------------------------------------------------------------------------------------------
@@ -155,18 +163,41 @@ class FakeEngine:
     def prefix_cache_stats(self) -> None:
         return None  # no prefix cache
 
-    def kv_budget(self) -> None:
-        return None  # no KV store: the server admits generations against --max-kv-tokens alone
+    def kv_store_stats(self) -> None:
+        return None  # no KV store
 
-    def set_interrupt(self, interrupt: Any) -> None:
-        self.interrupt = interrupt
+    def check_kv(self, generation: Generation) -> None:
+        self.kv.check(len(generation.prompt) + generation.request.max_tokens)
+
+    def reserve_kv(self, generation: Generation) -> bool:
+        generation.reservation = generation.reservation or self.kv.take(
+            len(generation.prompt) + generation.request.max_tokens)
+        return generation.reservation is not None
+
+    def kv_tokens_reserved(self) -> int:
+        return self.kv.reserved
+
+    def set_boundary(self, decide: Any, between: Any = None) -> None:
+        self.decide, self.between = decide, between
 
     def plan_chunks(self, prepared: PreparedScore) -> None:
         return None  # no prefix cache, so no chunked prefill: a long request runs alone as one pass
 
+    def advance_chunked(self, prepared: PreparedScore, plan: Any) -> None:
+        raise AssertionError("the fake engine plans no chunks")
+
     def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[str]]:
         ids = self.tokenizer(text, add_special_tokens)["input_ids"]
         return ids, self.tokenizer.convert_ids_to_tokens(ids)
+
+    def encode(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return self.tokenizer(texts, add_special_tokens)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def render_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[int]:
+        return render_chat(self.tokenizer, messages, template_kwargs)
 
     def prepare_score(self, request: ScoreRequest) -> PreparedScore:
         return prepare_score(request, self.traits)

@@ -12,15 +12,13 @@ from typing import Any
 import grpc
 import pytest
 
+from bench.hostile_input import GOOD_GENERATE, GOOD_SCORE, LONG
 from pyscore._proto.pyscore.v1 import scorer_pb2 as pb
 from pyscore._proto.pyscore.v1 import scorer_pb2_grpc
 from tests.server.conftest import ServerThread
 
 INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
 VOCAB = 408  # tiny model: 400 tokenizer entries + 8 spare rows
-LONG = "word " * 600  # over the 512-token context
-GOOD_SCORE = dict(query="Is this correct?", items=[" Yes it is", " A"], labels=["Yes", "No"])
-GOOD_GENERATE = dict(prompt="The quick brown fox", max_tokens=3)
 
 SCORE: list[tuple[str, dict[str, Any], grpc.StatusCode, str]] = [
     ("no query", dict(query=""), INVALID, "query"),

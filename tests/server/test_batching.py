@@ -15,6 +15,7 @@ import pytest
 
 from pyscore import wire
 from pyscore.client import AsyncScorerClient, ScorerClient, generate_message
+from pyscore.model.kv_store import Reservations
 from pyscore.types import ScoreResult
 from tests.server.conftest import ServerThread, wait_for
 from tests.server.fake_engine import FakeEngine
@@ -294,8 +295,9 @@ def test_generations_past_max_running_wait_their_turn(start_server: Any, fake: F
 
 
 def test_kv_budget_reserves_prompt_plus_max_tokens(start_server: Any, fake: FakeEngine) -> None:
-    # each generation reserves 1 (BOS) + 2 prompt + 6 new = 9 tokens; a 20-token budget runs two at a time
-    server = start_server(fake, max_kv_tokens=20)
+    # each generation reserves 1 (BOS) + 2 prompt + 6 new = 9 tokens; a 20-token store runs two at a time
+    fake.kv = Reservations(20, 1)
+    server = start_server(fake)
     with ScorerClient(server.target, timeout=10) as client:
         lengths, steps = _generations_behind_a_blocker(server, client, fake, 3, 6)
         assert lengths == [6] * 3
@@ -305,12 +307,12 @@ def test_kv_budget_reserves_prompt_plus_max_tokens(start_server: Any, fake: Fake
 def test_generations_reserve_whole_pages_of_the_engines_kv_store(start_server: Any, fake: FakeEngine) -> None:
     # an engine with a KV store of 128 tokens in 64-token pages: a 9-token generation reserves a whole page, so
     # two run at a time, and one of prompt + max_tokens > 128 is refused naming the one budget
-    fake.kv_budget = lambda: (128, 64)  # type: ignore[method-assign]
-    server = start_server(fake, max_kv_tokens=10_000)  # the engine's store, not this flag, bounds generations
+    fake.kv = Reservations(128, 64)
+    server = start_server(fake)
     with ScorerClient(server.target, timeout=10) as client:
         lengths, steps = _generations_behind_a_blocker(server, client, fake, 3, 6)
         assert lengths == [6] * 3
-        assert max(steps) == 2 and server.batcher.kv_tokens_reserved() == 0
+        assert max(steps) == 2 and fake.kv_tokens_reserved() == 0
         with pytest.raises(grpc.RpcError) as err:
             client.generate("short", max_tokens=127)  # prompt + 127 > 128: three pages, more than the store
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -318,13 +320,14 @@ def test_generations_reserve_whole_pages_of_the_engines_kv_store(start_server: A
 
 
 def test_generation_that_can_never_fit_is_refused_at_once(start_server: Any, fake: FakeEngine) -> None:
-    server = start_server(fake, max_kv_tokens=20)
+    fake.kv = Reservations(20, 1)
+    server = start_server(fake)
     with ScorerClient(server.target, timeout=10) as client:
         steps = len(fake.steps)
         with pytest.raises(grpc.RpcError) as err:
             client.generate("a long prompt of words", max_tokens=16)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert err.value.details().startswith("max_tokens:") and "--max-kv-tokens" in err.value.details()
+        assert err.value.details().startswith("max_tokens:") and "--kv-cache-mb" in err.value.details()
         assert fake.steps[steps:] == []
         assert client.generate("short", max_tokens=2).token_ids
 

@@ -27,21 +27,24 @@ def model_dir(tmp_path_factory):
 
 
 class Recorder:
-    """Logs the engine's model calls in order ("chunk" ... "/chunk" around a chunk's pass); the first chunk waits
-    at its start until `release`."""
+    """Logs the engine's model calls in order ("chunk" ... "/chunk" around a chunk's pass, "finish" for a chunked
+    request's last passes); the first chunk waits at its start until `release`."""
 
     def __init__(self, e: Engine) -> None:
         self.log: list[str] = []
         self.entered, self.release = threading.Event(), threading.Event()
-        run_chunk, run_prepared, finish = e.run_chunk, e.run_prepared, e.finish_chunked
+        advance, run_prepared = e.advance_chunked, e.run_prepared
 
-        def chunk(plan: Any) -> int:
+        def step(p: Any, plan: Any) -> Any:
+            if plan.finished:
+                self.log.append("finish")
+                return advance(p, plan)
             self.log.append("chunk")
             if self.log.count("chunk") == 1:
                 self.entered.set()
                 assert self.release.wait(30)
             try:
-                return run_chunk(plan)
+                return advance(p, plan)
             finally:
                 self.log.append("/chunk")
 
@@ -49,11 +52,7 @@ class Recorder:
             self.log.append("batch")
             return run_prepared(ps)
 
-        def finished(p: Any, plan: Any) -> Any:
-            self.log.append("finish")
-            return finish(p, plan)
-
-        e.run_chunk, e.run_prepared, e.finish_chunked = chunk, prepared, finished  # type: ignore[method-assign]
+        e.advance_chunked, e.run_prepared = step, prepared  # type: ignore[method-assign]
 
 
 async def first_chunk_entered(rec: Recorder) -> None:

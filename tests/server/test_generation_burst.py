@@ -20,10 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 BURST, PROMPT_TOKENS, MAX_TOKENS = 50, 1000, 8
 MAX_BATCH_TOKENS, MAX_KV_TOKENS = 2048, 16384
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 4  # layers x (k, v) x kv heads x head_dim x fp32
-# What the burst may add to the server's peak RSS: the KV budget (32 MiB), one prefill pass of at most
-# MAX_BATCH_TOKENS tokens (~18 KiB of live activations a token: 36 MiB) and the allocator's slack; measured
-# 77-96 MiB. Without the bounds the 50 prompts (50k tokens) were all admitted and prefilled in one packed
-# pass: +605 MiB.
+# What the burst may add to the server's peak RSS: the KV store (--kv-cache-mb 32: MAX_KV_TOKENS tokens' worth),
+# one prefill pass of at most MAX_BATCH_TOKENS tokens (~18 KiB of live activations a token: 36 MiB) and the
+# allocator's slack; measured 77-96 MiB. Without the bounds the 50 prompts (50k tokens) were all admitted and
+# prefilled in one packed pass: +605 MiB.
 PEAK_GROWTH_LIMIT_MB = MAX_KV_TOKENS * KV_BYTES_PER_TOKEN / 2**20 + 128
 
 
@@ -48,7 +48,7 @@ def server(model_dir: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "server", "--model", str(model_dir), "--dtype", "float32", "--threads", "1",
            "--port", "0", "--max-queue", "32", "--max-batch-tokens", str(MAX_BATCH_TOKENS),
-           "--max-kv-tokens", str(MAX_KV_TOKENS)]
+           "--kv-cache-mb", str(MAX_KV_TOKENS * KV_BYTES_PER_TOKEN / 2**20)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None

@@ -31,15 +31,15 @@ def run_server(*flags: str, tier: str | None = None) -> subprocess.CompletedProc
 
 def plan_memory(model_dir: Path, tier: str | None = None) -> subprocess.CompletedProcess[str]:
     """`--plan-memory` for the tiny model with a small KV budget and no prefix cache (optionally at a forced tier)."""
-    return run_server("--model", str(model_dir), "--max-kv-tokens", "1024", "--prefix-cache-mb", "0",
+    return run_server("--model", str(model_dir), "--kv-cache-mb", "16", "--no-prefix-cache",
                       "--plan-memory", tier=tier)
 
 
 def test_a_kv_budget_beyond_the_machine_exits_before_loading(model_dir: Path) -> None:
-    done = run_server("--model", str(model_dir), "--max-kv-tokens", str(10**12))
+    done = run_server("--model", str(model_dir), "--kv-cache-mb", str(10**7))
     assert done.returncode == 1, done.stderr[-2000:]
     (line,) = [x for x in done.stderr.splitlines() if x.startswith("pyscore: ")]
-    assert "does not fit" in line and "KV budget" in line and "Lower --max-kv-tokens (now 1000000000000)" in line
+    assert "does not fit" in line and "KV budget" in line and "Lower --kv-cache-mb (now 1e+07)" in line
     assert "pyscore: serving" not in done.stdout and "Traceback" not in done.stderr
 
 

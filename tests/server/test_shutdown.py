@@ -101,7 +101,7 @@ def test_sigterm_past_the_grace_period_exits_0(slow_model_dir: Path, spawned: li
     metrics_port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYSCORE_OP_BACKEND="reference" if backend == "reference" else "")
     cmd = [sys.executable, "-m", "server", "--model", str(slow_model_dir), "--dtype", "float32", "--threads", "1",
-           "--port", "0", "--grace-s", "1", "--prefix-cache-mb", "0", "--metrics-port", str(metrics_port)]
+           "--port", "0", "--grace-s", "1", "--no-prefix-cache", "--metrics-port", str(metrics_port)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     spawned.append(proc)
     assert proc.stdout is not None and proc.stderr is not None
