@@ -98,3 +98,24 @@ def test_the_readme_is_short_and_points_to_the_docs() -> None:
     assert len(readme.splitlines()) <= 320
     for page in ("quickstart", "guarantees", "grpc-api", "http", "flags"):
         assert f"(docs/{page}.md" in readme, page
+
+
+RELEASE = re.compile(r"^## \[(\d+\.\d+\.\d+)\] - (\d{4}-\d{2}-\d{2})$", re.MULTILINE)
+
+
+def test_the_changelog_has_dated_releases_and_the_package_is_the_latest() -> None:
+    """Keep a Changelog: `## [Unreleased]` first, then `## [x.y.z] - YYYY-MM-DD`, newest first, each with Added /
+    Changed / ... sections; the latest release is pyscore.__version__ (GetModelInfo.server_version reports it)."""
+    import pyscore
+
+    text = (REPO / "CHANGELOG.md").read_text()
+    headings = re.findall(r"^## .*$", text, re.MULTILINE)
+    assert headings[0] == "## [Unreleased]", headings[0]
+    releases = RELEASE.findall(text)
+    assert len(releases) == len(headings) - 1 >= 5, [h for h in headings[1:] if not RELEASE.match(h)]
+    versions = [tuple(map(int, v.split("."))) for v, _ in releases]
+    assert versions == sorted(versions, reverse=True) and [d for _, d in releases] == sorted(
+        (d for _, d in releases), reverse=True)
+    assert releases[0][0] == pyscore.__version__, (releases[0], pyscore.__version__)
+    kinds = set(re.findall(r"^### (.*)$", text, re.MULTILINE))
+    assert kinds <= {"Added", "Changed", "Deprecated", "Removed", "Fixed", "Security", "Breaking (contract)"}, kinds
