@@ -22,7 +22,8 @@ CORPUS = [
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|marker|>"]
 # What the reference path (and any op served by torch) promises where the kernel path is bitwise: a request's
 # scores alone vs packed with others, and warm vs cold, differ by at most this (absolute, on a probability). The
-# README and the proto state these numbers; measured: 2.4e-6 fp32 on SmolLM2, 3.6e-3 bf16 on a SmolLM2-wide model.
+# guarantees page and the proto state these numbers; measured: 2.4e-6 fp32 on SmolLM2, 3.6e-3 bf16 on a SmolLM2-wide
+# model.
 REFERENCE_TOL = {"float32": 1e-5, "bfloat16": 1e-2}
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
