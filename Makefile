@@ -10,7 +10,7 @@ NODE_STAMP := $(NODE_DIR)/node_modules/.installed
 BUF := $(NODE_DIR)/node_modules/.bin/buf
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: setup java-deps aarch64-deps build test serve lint proto-check bench bench-kernels bench-peers clean
+.PHONY: setup java-deps aarch64-deps build test docs docs-regen serve lint proto-check bench bench-kernels bench-peers clean
 
 # What .venv needs comes from pyproject.toml (scripts/requirements.py lists it), the CI's pins from constraints.txt.
 # `make serve`: the build tools and the [server] extra; `make test` adds the [bench] and [dev] extras.
@@ -48,9 +48,19 @@ setup: $(STAMP) $(DEV_STAMP) $(NODE_STAMP) java-deps aarch64-deps
 build: $(STAMP)
 	$(PY) setup.py -q build_ext --inplace
 
-test: build $(DEV_STAMP) proto-check java-deps aarch64-deps
+test: build $(DEV_STAMP) proto-check java-deps aarch64-deps docs
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
+
+# The docs site (mkdocs.yml, docs/): --strict fails on a broken link or anchor; offline (no web fonts or plugins
+# that fetch). build/ is git-ignored. `make docs-regen` rewrites the generated pages (the server's flags, the gRPC
+# API, the index of bench/results) after a flag, a proto comment or a record changed; tests check they are current.
+docs: $(DEV_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir build/site
+
+docs-regen: build
+	$(PY) -m scripts.gen_docs
+	$(PY) -m bench.index
 
 # The contract: buf lint (STANDARD, buf.yaml) and no breaking change since the last deliberate one.
 proto-check: $(STAMP) $(NODE_STAMP)

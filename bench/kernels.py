@@ -11,7 +11,7 @@ CPU runs vs F.linear, best of --rounds: what pyscore/ops/tiers.py cites; own fil
 
 Both sides run on the heap the engine serves from (pyscore.memory.keep_activation_pages, named in the header): with
 glibc's defaults every output over 32 MiB is a fresh mapping whose page faults the call pays (a conv over 16 x 300
-tokens read 32-56 ms that way, 14-15 ms on the engine's heap: bench/results/tiers/conv_heap_probe_zen4.txt).
+tokens read 32-56 ms that way, 14-15 ms on the engine's heap: bench/results/tiers/probes/conv_heap_probe_zen4.txt).
 
 `--tier T` forces our kernels' tier (PYSCORE_CPU_TIER) and torch's matching ISA; `--torch-isa T` torch's alone.
 Torch reads its ISA settings only when it starts, so the bench re-executes itself with them set. The header names

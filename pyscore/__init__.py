@@ -3,4 +3,4 @@
 `__version__` is the package's only version: the wheel's metadata reads it (pyproject.toml) and the server
 reports it in GetModelInfo (server_version)."""
 
-__version__ = "0.1.0"
+__version__ = "0.5.0"

@@ -13,7 +13,8 @@ from bench.tiny_tokenizer import make_tokenizer
 
 # What the reference path (and any op served by torch) promises where the kernel path is bitwise: a request's
 # scores alone vs packed with others, and warm vs cold, differ by at most this (absolute, on a probability). The
-# README and the proto state these numbers; measured: 2.4e-6 fp32 on SmolLM2, 3.6e-3 bf16 on a SmolLM2-wide model.
+# guarantees page and the proto state these numbers; measured: 2.4e-6 fp32 on SmolLM2, 3.6e-3 bf16 on a SmolLM2-wide
+# model.
 REFERENCE_TOL = {"float32": 1e-5, "bfloat16": 1e-2}
 
 # Qwen3.5 at toy size: 3 Gated DeltaNet layers then 1 gated full-attention layer, 4/2 attention heads of 16 (half of

@@ -55,7 +55,7 @@ def test_an_interrupted_score_pass_stops_at_a_layer_and_commits_nothing(model_di
 @pytest.mark.parametrize("backend", ["kernel", "reference"])
 def test_an_interrupted_generation_step_leaves_the_generations_as_they_were(model_dir, backend: str) -> None:
     e = engine(model_dir, backend)
-    # cold every time: a warm prefill on the reference path differs from a cold one in the last bits (README)
+    # cold every time: a warm prefill on the reference path differs from a cold one in the last bits (guarantees)
     request = GenerateRequest(prompt=QUERY, max_tokens=4, top_logprobs=2, bypass_prefix_cache=True)
     expected = engine(model_dir, backend).generate(request)
     gen = e.start_generation(request)

@@ -457,7 +457,7 @@ def test_hybrid_failed_pass_keeps_no_states_and_a_small_cache_still_serves(hybri
 @pytest.mark.parametrize("mode", ["sis", "mis"])
 def test_warm_is_within_tolerance_of_cold_on_the_reference_path(model_dir, mode, dtype):
     """The reference path reads the same cached keys but sums a different key axis (its dense softmax) and its
-    GEMMs block other row counts: warm = cold within REFERENCE_TOL, not bitwise (what the README says)."""
+    GEMMs block other row counts: warm = cold within REFERENCE_TOL, not bitwise (docs/guarantees.md)."""
     e = engine(model_dir, "reference", dtype)
     cold, first, warm = cold_first_warm(e, query=QUERY, items=ITEMS, labels=["Yes", "No"], mode=mode)
     assert warm.usage.cached_tokens > 0

@@ -196,7 +196,7 @@ def test_scores_alone_and_packed_with_strangers(shaped_dir, backend, dtype):
     """A request's scores, alone and packed with strangers of several shapes (SIS, MIS, item_first, many short
     items, one long item; before and after it). On the kernel path they are bitwise equal: nothing a row computes
     depends on its batch-mates. On the reference path torch's GEMMs block rows by the row count and the dense
-    softmax sums the whole stream's keys, so they agree within REFERENCE_TOL (what the README and the proto say)."""
+    softmax sums the whole stream's keys, so they agree within REFERENCE_TOL (the guarantees page, the proto)."""
     e = engine(shaped_dir, backend, dtype)
     for target in (ScoreRequest(QUERY, ITEMS, labels=["Yes", "No"], apply_softmax=True),
                    ScoreRequest(QUERY, ITEMS[1:3], labels=["Yes"], mode="sis")):

@@ -1,10 +1,9 @@
 """A decode step on the CPU as a fixed list of kernel calls, bound once per batch size.
 
-Why: a decode step's kernels read every weight once and run near this CPU's DRAM rate; what is left is Python. The op
-wrappers check their tensors, resolve their path and allocate their output on every call, ~8 calls a layer: on
-SmolLM2 (30 layers) that was 25-29% of a step, on a Qwen3.5-0.8B shape 17%
-(bench/results/tiers/decode_step_overhead_zen4.txt). This module is to a CPU step what a captured CUDA graph is to
-a GPU one: the checks, the paths and the buffers are fixed once, and a step replays the calls.
+Why: a decode step's kernels read every weight once and run near this CPU's DRAM rate; what is left is Python, the op
+wrappers checking their tensors, resolving their path and allocating their output on every call, ~8 calls a layer
+(its share of a step: bench/results/tiers/probes/decode_step_overhead_zen4.txt). This module is to a CPU step what a
+captured CUDA graph is to a GPU one: the checks, the paths and the buffers are fixed once, and a step replays them.
 
 Contract:
 - `DecodeProgram.of(decoder)` says whether the step can run this way: a CPU model whose every weight is packed for our

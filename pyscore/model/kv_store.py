@@ -30,10 +30,9 @@ if TYPE_CHECKING:
     from pyscore.model.prefix_cache import Block, PrefixCache
 
 def page_tokens(device: torch.device | str) -> int:
-    """The KV store's page size on `device` in tokens: the attention kernels' key tile there (see README: page
-    size). On the CPU 16, so a sequence's last, partly filled page wastes at most 15 tokens (32 generations sharing
-    a 1,000-token prompt with 64-token turns held 1.47x what their tokens need in 64-token pages); the CUDA kernels
-    tile keys by 64."""
+    """The KV store's page size on `device` in tokens: the attention kernels' key tile there, 16 on the CPU and 64
+    on CUDA, so that a cached page is whole key tiles (warm = cold bitwise). Why 16 and not 64 on the CPU:
+    bench/results/memory/kv_sharing.md and docs/prefix-cache.md."""
     return key_tile(device)
 
 

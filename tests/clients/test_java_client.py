@@ -1,4 +1,4 @@
-"""The README's Java snippet as pasted, compiled with protoc 3.21, the grpc-java plugin and Debian's grpc-java 1.41
+"""docs/clients.md's Java snippet as pasted, compiled with protoc 3.21, the grpc-java plugin and Debian's grpc-java 1.41
 jars (tests/clients/java/setup.sh installs them), run against a real server: plaintext, with a bearer token, and
 a request the model refuses (INVALID_ARGUMENT with its field violation). Its scores must equal the Python
 client's bit for bit. Plaintext only: Debian's Netty 4.1.48 cannot negotiate ALPN with the JDK, so the snippet's
@@ -45,7 +45,7 @@ pytestmark = pytest.mark.skipif(bool(missing()), reason=f"needs Debian's grpc-ja
 
 @pytest.fixture(scope="module")
 def classes(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The class path with the generated pyscore.v1 classes and the README's Score.java compiled."""
+    """The class path with the generated pyscore.v1 classes and docs/clients.md's Score.java compiled."""
     import grpc_tools
 
     work = tmp_path_factory.mktemp("java")
@@ -82,7 +82,7 @@ def readme_scores(client: ScorerClient) -> list[list[float]]:
 
 
 class SplitsYes(FakeTokenizer):
-    """A vocabulary in which "Yes" is two tokens, so the README's labels are refused."""
+    """A vocabulary in which "Yes" is two tokens, so the snippet's labels are refused."""
 
     def encode_words(self, text: str) -> list[int]:
         return super().encode_words(text.replace("Yes", "Y es"))

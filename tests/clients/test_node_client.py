@@ -1,6 +1,6 @@
-"""Node clients (@grpc/grpc-js + @grpc/proto-loader with the README's loader options) against a real server:
+"""Node clients (@grpc/grpc-js + @grpc/proto-loader with docs/clients.md's loader options) against a real server:
 tests/clients/node/plan_client.js for Score, GenerateStream, an invalid request (with its google.rpc.BadRequest
-details) and a deadline on the real engine over a tiny model, and the README's Node snippet as pasted, over
+details) and a deadline on the real engine over a tiny model, and docs/clients.md's Node snippet as pasted, over
 plaintext and over TLS with a bearer token. Every score must equal the Python client's bit for bit."""
 
 from __future__ import annotations

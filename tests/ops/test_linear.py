@@ -162,7 +162,7 @@ def test_avx512_tier_bits_are_the_other_tiers(monkeypatch, shape, dtype):
     avx512bf16 gives, batch-invariant and within the reference's tolerance. In fp32 that is tier avx2's bits too
     (each output is the same sequence of fp32 FMAs over K on every kernel: fp32 scores do not depend on the CPU's
     vector width); the AVX2 kernel adds a widened bf16 pair in another order, so in bf16 they differ, which shows
-    which kernel ran (bench/results/tiers/linear_avx512_fp32.txt, linear_avx512_bf16_ab.txt)."""
+    which kernel ran (bench/results/tiers/kernels/linear_avx512_fp32.txt, linear_avx512_bf16_ab.txt)."""
     module = _ext.cpu_module()
     if module is None or not module.cpu_features()["avx512f"]:
         pytest.skip("needs pyscore._C on a CPU with AVX-512")

@@ -5,7 +5,7 @@ stack per iteration: a register spilled under pressure costs a store and a load,
 accumulators in registers (a run-time trip count, or a bounds check inside the loop) it keeps them in memory and
 writes every one back on every step. The results stay bitwise the same, so no other test sees it, and the benches
 see it only through this VM's noise: the AVX2 label read-out ran at 40-42 ms instead of 27-36 (R=16, one thread,
-bench/results/tiers/labels_avx2_ab.txt), the AVX2 decode attention at 0.65-0.78 ms instead of 0.54-0.62
+bench/results/tiers/kernels/labels_avx2_ab.txt), the AVX2 decode attention at 0.65-0.78 ms instead of 0.54-0.62
 (decode_attention_avx2_ab.txt). Every instantiation of each kernel below is checked, on x86 and, for the kernel texts
 NEON shares, in the aarch64 code (Debian's cross g++; no ARM machine has timed it): there a ragged load through a
 stack buffer kept the fp32 read-out's tile in memory. The check can fail: a loop with a run-time accumulator count,

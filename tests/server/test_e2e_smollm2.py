@@ -1,5 +1,5 @@
 """End to end on the embedded SmolLM2: `python -m server` with its defaults, driven by the CLI, the Python
-client, the real grpcurl binary and the README's Node snippet with the README's order-status example. All must
+client, the real grpcurl binary and the Node snippet of docs/clients.md with the order-status example. All must
 print the same scores, equal to pyscore.Engine called in this process."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
-NODE_DIR = ROOT / "tests" / "clients" / "node"  # make setup installs the README's Node packages there
+NODE_DIR = ROOT / "tests" / "clients" / "node"  # make setup installs docs/clients.md's Node packages there
 QUERY = ("Customer: Where is my order #1234? It was due yesterday. Should the support agent do this? "
          "Answer Yes or No. Action:")
 ACTIONS = [" Look up the order's shipping status. Answer:", " Reset the customer's password. Answer:",

@@ -13,9 +13,9 @@ a full collection on the loop's thread scans every object the suite's earlier te
 full CI run; bench/results/hardening/gc_freeze_zen4.txt).
 
 gRPC's parse of each request is timed apart (protobuf's C parser, called by the server's lenient deserializer): it
-is the one cost on the loop that grows with the input, linear and bounded by --max-message-mb (README, "What runs on
-the event loop"), and most of a 16 MB parse's CPU is ~40,000 page faults for its fresh memory, whose cost is the
-machine's: on these VMs a page the guest never touched costs ~3x
+is the one cost on the loop that grows with the input, linear and bounded by --max-message-mb (docs/server.md,
+"What runs on the event loop"), and most of a 16 MB parse's CPU is ~40,000 page faults for its fresh memory,
+whose cost is the machine's: on these VMs a page the guest never touched costs ~3x
 (bench/results/hardening/first_touch_faults_zen4.txt), and full runs read such steps at 0.46-0.64 s, one CI run over
 0.5 s with 36,000-39,000 faults, as many as the ~0.19 s ones alone. The bound is on everything else the loop does in
 a step, the server's own work; a failure prints the worst steps whole (CPU, parse CPU, wall, collections, page

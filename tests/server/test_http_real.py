@@ -304,7 +304,7 @@ def curl(*args: str) -> tuple[int, Any]:
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="no curl on this machine")
 def test_curl(base: str, client: ScorerClient) -> None:
-    """curl with the README's requests (label strings and apply_softmax; a chat), an error and /health."""
+    """curl with the docs' requests (label strings and apply_softmax; a chat), an error and /health."""
     code, scored = curl(f"{base}/v1/score", "-H", "Content-Type: application/json", "-d", json.dumps(
         {"query": QUERY, "items": ITEMS[:2], "labels": ["Yes", "No"], "apply_softmax": True}))
     assert code == 200

