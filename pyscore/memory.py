@@ -256,7 +256,7 @@ def keep_activation_pages(env: dict[str, str] | None = None) -> str:
     (M_MMAP_THRESHOLD 256 MiB, M_TRIM_THRESHOLD 1 GiB); an Engine calls it last in its construction. By default a
     buffer over glibc's (moving) mmap threshold is a fresh mapping, and free() hands the heap's top back to the OS,
     so a layer's outputs are written into new pages: page faults were 40% of a 16-candidate SIS forward on the AMX
-    Xeon (1,118 -> 691-727 ms, bench/results/tiers/heap_ab_amx.txt). The kept pages go back to the OS when the
+    Xeon (1,118 -> 691-727 ms, bench/results/tiers/engine/heap_ab_amx.txt). The kept pages go back to the OS when the
     server is idle (server/batcher.py's trim) or when release_freed_memory runs. A server worker thread's buffers
     of 64 MiB or more still come from fresh mappings (glibc caps a thread arena's heap at 64 MiB). Left alone when
     the user set one of glibc's MALLOC_*_ variables or PYSCORE_HEAP_TUNING=0, and on other C libraries. Returns

@@ -92,7 +92,7 @@ struct Bf16 {
 
 // o[0, VECS lanes) += sum_j p[j] * v_j: VECS accumulators, a compile-time count so that they stay in registers (with
 // a run-time count GCC kept them in memory, a store per FMA: 8 sequences' decode attention took 0.65-0.78 ms in fp32
-// instead of 0.54-0.62, bench/results/tiers/decode_attention_avx2_ab.txt).
+// instead of 0.54-0.62, bench/results/tiers/kernels/decode_attention_avx2_ab.txt).
 template <int VECS>
 inline void add_values_pass(float* o, const float* p, const float* v, int64_t v_stride, int n) {
   Vec acc[VECS];

@@ -154,7 +154,7 @@ float scores(const typename E::T* q, const void* const* k_tiles, int64_t token_s
     if (E::kWholeBlocks && n == kKeysPerBlock) {
       // bf16, a whole block: no per-key check. With it GCC sent some key rows through a stack slot on their way to
       // vdpbf16ps (a store and a reload per key; 8 sequences 0.31-0.38 vs 0.35-0.46 ms without:
-      // bench/results/tiers/decode_attention_avx512_ab.txt); fp32 at head_dim 128 spills in this form, so keeps the
+      // bench/results/tiers/kernels/decode_attention_avx512_ab.txt); fp32 at head_dim 128 spills in this form, so keeps the
       // other.
       const T* kj = k;
       for (int j = 0; j < kKeysPerBlock; ++j, kj += token_stride) partial[j] = E::dot(qz, kj);

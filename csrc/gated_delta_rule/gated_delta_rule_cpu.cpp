@@ -10,7 +10,7 @@
 // of the group from a copy of it. The block is 16 KB at Dk = 128, so S_p and the running state stay in L1 while the
 // items of that head run; S_p is read-only once the lead segment is done. A group's column blocks run back to back,
 // so the q and k rows they all read come from L2 rather than L3 or DRAM (16 sequences of 300 tokens in fp32: the
-// rule 1.2-1.5x faster than with the groups innermost, bench/results/tiers/rule_task_order_ab.txt).
+// rule 1.2-1.5x faster than with the groups innermost, bench/results/tiers/kernels/rule_task_order_ab.txt).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

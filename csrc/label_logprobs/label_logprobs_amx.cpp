@@ -62,7 +62,7 @@ void block_tiles(const uint16_t* w, int64_t w_bytes, const uint32_t* b, int step
                                                    _MM_HINT_T0);
     // The weight is read once per call: loaded with the non-temporal hint (TILELOADDT1) it leaves the hidden rows'
     // tiles in L1 (16 rows 1.92-2.03 -> 1.80-1.96 ms, 1 row 1.26-1.34 -> 1.16-1.23 ms:
-    // bench/results/tiers/kernels_labels_amx_stream_ab.txt).
+    // bench/results/tiers/kernels/kernels_labels_amx_stream_ab.txt).
     _tile_stream_loadd(4, w + t * kStep, w_bytes);
     const uint32_t* bt = b + int64_t(t) * kTile * kTile;
     _tile_loadd(5, bt, 64);

@@ -55,7 +55,7 @@ const LabelCpuOps kPortableF32{logits_chunk_portable<float>, lse_update_portable
 const LabelCpuOps kPortableBf16Weight{logits_chunk_portable<float, uint16_t>, lse_update_portable};
 
 // The running tier's layer (common/dispatch.h); the AVX-512 read-out from tier avx512 up beats the AVX2 text and
-// MKL's AVX-512 GEMM there (bench/results/tiers/kernels_labels_avx512.txt, kernels_avx512_bf16_ab.txt).
+// MKL's AVX-512 GEMM there (bench/results/tiers/kernels/kernels_labels_avx512.txt, kernels_avx512_bf16_ab.txt).
 const LabelCpuOps& choose_ops(DType dtype, bool bf16_weight) {
   KernelKey key;
   key.dtype = dtype, key.bf16_weight = bf16_weight;

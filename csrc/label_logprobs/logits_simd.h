@@ -33,7 +33,7 @@ using V::Vec;
 
 // Weight rows ahead to prefetch while a tile computes: covers DRAM latency even at R = 1, where a tile is short.
 // They go to L2 (V::prefetch), not L1: 16 rows ahead are 32 KB at H = 1024, a whole L1 of Zen 4, and pulled into L1
-// they evicted the hidden rows and the weight tile being read (bench/results/tiers/label_prefetch_l2_ab.txt).
+// they evicted the hidden rows and the weight tile being read (bench/results/tiers/kernels/label_prefetch_l2_ab.txt).
 constexpr int kPrefetchRows = 16;
 constexpr bool kWideRegisters = V::kRegisters >= 32;
 constexpr float kLog2e = 1.4426950408889634f;
@@ -60,7 +60,7 @@ struct F32Of {
   static constexpr int kStep = V::kLanes, kParts = 1;
   // 16 registers: 9 accumulators + 3 weight vectors + 1 hidden; 3 x 3 rather than 4 x 2: fewer loads per FMA and a
   // bf16 weight widened once per 3 rows: the fp32 read-out 1.07-1.17x at 3-16 rows, 0.96-1.03x at 1-2, on a Zen 1
-  // (bench/results/tiers/labels_avx2_bf16_head_ab.txt). 32: 24 accumulators + 4 + 1.
+  // (bench/results/tiers/kernels/labels_avx2_bf16_head_ab.txt). 32: 24 accumulators + 4 + 1.
   static constexpr int kWeightRows = kWideRegisters ? 4 : 3, kTileRows = kWideRegisters ? 6 : 3;
   using Hidden = FloatRows;
   static Hidden hidden_rows(const T* h, int64_t stride, int, int) { return {h, stride}; }
@@ -152,7 +152,7 @@ struct Bf16Pairs {
 // `hidden` (plain loads); else the ragged last step (zero-filled past `hidden`). The two kinds are separate loops in
 // dot_tile so that the main loop has no branch: with the bounds check inside it, GCC kept the accumulators in
 // memory, a store per FMA (the same bits in registers: R=16 on one thread 40-42 -> 27-36 ms at tier avx2,
-// bench/results/tiers/labels_avx2_ab.txt).
+// bench/results/tiers/kernels/labels_avx2_ab.txt).
 template <class E, int VT, int RT, bool kFull>
 inline __attribute__((always_inline)) void dot_step(Vec (&acc)[RT][VT], const typename E::Weight* w,
                                                     int64_t w_stride, typename E::Hidden h, int i, int hidden) {
@@ -230,7 +230,7 @@ void copy_logits(const LabelLogprobsParams& p, int32_t v0, int32_t n, float* out
 // once into a per-thread fp32 copy (VT x H: L1 or L2) that the fp32 tiles read: there the read-out is bound by
 // arithmetic and every row tile would widen the same vectors again. Against the fp32 head on a Zen 1 (16
 // registers): in registers 1.5-1.9x at 1-2 rows, 1.3-1.5x at 3, 0.86-1.09x at 6-10 (the copy 0.83-0.91x); the copy
-// 0.89-0.95x at 12-24 rows (in registers 0.77-0.91x) (bench/results/tiers/labels_avx2_bf16_head_ab.txt). With 32
+// 0.89-0.95x at 12-24 rows (in registers 0.77-0.91x) (bench/results/tiers/kernels/labels_avx2_bf16_head_ab.txt). With 32
 // registers (6-row tiles) the widening is shared by more rows: in registers always.
 constexpr int kInRegisterRows = kWideRegisters ? INT_MAX : 9;
 

@@ -7,7 +7,7 @@
 // take tiles of 1-3 rows and a wider strip instead, as many columns as the accumulators allow: 1 row x 64 columns (the
 // whole K row of a block), 2-3 rows x 32. Narrow strips walk the block's K rows as four strided streams, which at 1-4
 // rows bound a call by memory latency (0.4-0.5x torch's bf16 F.linear at M = 1, 2.5x slower than the AVX-512 kernel,
-// which reads each K row whole: bench/results/tiers/linear_avx2_wide_strips_ab.txt; at 4-16 rows see kNarrowRows).
+// which reads each K row whole: bench/results/tiers/kernels/linear_avx2_wide_strips_ab.txt; at 4-16 rows see kNarrowRows).
 // Every lane of a row runs acc = fma(x[k], w[k], acc) for k = 0, 1, ..., K-1 in order, whatever M is, the strip width,
 // the tile height and wherever the row falls: tail tiles run the same per-row chain, there is no split-K.
 //
@@ -42,13 +42,13 @@ constexpr int32_t kKBlock = 1024;    // K per cache block (even: whole bf16 pair
 // rows and 16 columns: the first tile over a block part reads its weight panel from memory, and 16-column strips
 // walk the panel's K rows as four strided streams, which left 4-16 rows bound by memory latency (on an AMD Zen 1
 // at 6 rows 2x slower than the larger of its memory and FMA times). Two streams, 12 accumulators per 3 rows, the
-// same FMAs per K step: bench/results/tiers/linear_avx2_decode_tiles_ab.txt. Rows are split evenly (8: 3 + 3 + 2).
+// same FMAs per K step: bench/results/tiers/kernels/linear_avx2_decode_tiles_ab.txt. Rows are split evenly (8: 3 + 3 + 2).
 constexpr int32_t kNarrowRows = 16;
 
 // bf16 weights under fp32 x: a rectangle of more than this many rows widens the panel once (widen_panel) and runs
 // 6-row tiles over it from L2, where the narrow tiles widen every weight vector once per 2-3 rows. SmolLM2's and
 // Qwen3-0.6B's projections, weights from DRAM, on an AMD Zen 1: 1.00-1.06x at 11 rows, 1.03-1.08x at 12, 1.06-1.11x
-// at 16; 0.88-0.94x at 4-8, even at 10 (bench/results/tiers/linear_avx2_bf16_panel_rows_ab.txt).
+// at 16; 0.88-0.94x at 4-8, even at 10 (bench/results/tiers/kernels/linear_avx2_bf16_panel_rows_ab.txt).
 constexpr int32_t kPanelRows = 10;
 
 // Rows of the tile at row m of a rectangle ending at m1: 6-row tiles when `wide`, else tiles of at most 3 rows.

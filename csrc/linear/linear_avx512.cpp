@@ -33,7 +33,7 @@ constexpr int kMaxZmm = kLinearBlockN / 16;
 // packed weight itself. K steps per block: a block's weight panel (kLinearBlockN columns x this many steps: 512 KiB in
 // fp32 and in bf16 pairs) stays in L2 while every row tile of the rectangle passes over it. Unblocked, Qwen3-8B's down
 // (K = 12288, a 3 MiB fp32 panel) came from L3 for every row tile: 0.45-0.58x torch's F.linear at prefill,
-// 0.99-1.03x with these blocks (bench/results/tiers/linear_fp32_kblock_ab.txt; 4096-step blocks 0.94x, 1024 as
+// 0.99-1.03x with these blocks (bench/results/tiers/kernels/linear_fp32_kblock_ab.txt; 4096-step blocks 0.94x, 1024 as
 // 2048: linear_fp32_kblock_sizes.txt). Half of Zen 4's 1 MiB L2. The blocks change no bit (partial sums wait in
 // fp32, exactly).
 template <class Elem>
@@ -138,7 +138,7 @@ struct F32 : PackedAsIs<float> {
 // steps), each pair stored odd row first, and a tile's x rows into fp32 with each pair swapped the same way; a pair
 // step is then two fp32 steps, odd then even: the same two FMAs per pair in the same order as Bf16Widen, so the same bits, while a pair step loads 8
 // weight zmm and 12 broadcasts and widens nothing (Bf16Widen: 4 zmm widened on the FMA ports and 48 broadcasts,
-// 0.54-0.78x the fp32 kernel's rate: bench/results/tiers/linear_avx512_dtypes.txt).
+// 0.54-0.78x the fp32 kernel's rate: bench/results/tiers/kernels/linear_avx512_dtypes.txt).
 struct Bf16Panel : Bf16Widen {  // T, P, B, kPack, Rows, load and store as Bf16Widen
   using W = float;
   static constexpr int64_t kBlockSteps = 1024;
@@ -169,7 +169,7 @@ struct Bf16Panel : Bf16Widen {  // T, P, B, kPack, Rows, load and store as Bf16W
 // At every row count: on a Zen 4 (weights from DRAM) this ran 2.0-2.8x the fp32 weight at one row (half the bytes),
 // 1.05-1.34x at 8-16 rows, 0.95-1.07x from 24 rows to a 776-row prefill (a 16-candidate MIS 0.99-1.00x); an fp32
 // panel widened once per K block (as Bf16Panel) read 0.25-0.93x the pairs up to 128 rows and 0.95-1.04x at 256-776
-// (bench/results/tiers/linear_avx512_bf16_weights.txt).
+// (bench/results/tiers/kernels/linear_avx512_bf16_weights.txt).
 struct Bf16Weight : F32 {  // B, Rows, rows(), load and store as F32: x and out are fp32
   using P = uint16_t;
   using W = uint16_t;
@@ -307,7 +307,7 @@ void rect(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1)
 
 // Widened bf16 pairs: through the fp32 panel where the rectangle has the rows to repay widening it, else pair by
 // pair. Both give the same bits, so the rows a call has change no row's result. At SmolLM2's gate_up and down and
-// Qwen3-8B's qkv and down, alternated call by call (bench/results/tiers/linear_widen_panel.txt): 1.21-1.34x at
+// Qwen3-8B's qkv and down, alternated call by call (bench/results/tiers/kernels/linear_widen_panel.txt): 1.21-1.34x at
 // 776 rows on two threads, 1.12-1.17x on one; 1.08-1.33x at 64 rows on two threads (0.94-1.30x on one); at 48
 // rows 0.91-1.24x, so a decode step's few rows stay pair by pair.
 constexpr int32_t kPanelMinRows = 64;
@@ -333,13 +333,13 @@ const LinearCpuOps kBf16WeightOps{rect<Bf16Weight>, kTileRows};
 // falls (tail rows run in a zero-padded copy, K blocks are a function of K alone), so rows are batch-invariant as on
 // the other paths.
 // Needs K % 32 == 0 (every K of the supported families); other K run the widened-FMA path for the whole weight.
-// Tried and measured slower here (Xeon family 6 model 167, bench/results/tiers/linear_amx.txt): x repacked into
+// Tried and measured slower here (Xeon family 6 model 167, bench/results/tiers/kernels/linear_amx.txt): x repacked into
 // contiguous 1 KB tile images, software prefetch of the next B rows, K blocks under 2048 (partials in L2), N chunks,
 // row-tile-major order; and, timing one thread's rectangle alone, the weight held in L1: a 64-column
 // block over K slabs of 4-16 steps met by every row tile, x in slab-major tile images, fp32 partials in L2 (padded
 // rows) reloaded per slab: 0.75-0.9x this kernel at Qwen3-8B's qkv and SmolLM2's gate_up for every slab, row block
 // and column chunk tried. Tile rows must start 64-byte aligned: misaligned x or weights halved this kernel's speed.
-// Where the rest goes (Xeon family 6 model 207, bench/results/tiers/linear_amx_epilogue_probes.txt): 42-53% of the
+// Where the rest goes (Xeon family 6 model 207, bench/results/tiers/probes/linear_amx_epilogue_probes.txt): 42-53% of the
 // TDPBF16PS rate at SmolLM2's prefill shapes on one thread; the epilogue is 14-23% of a call, almost all of it the
 // output stores (two new lines per 4 TDPBF16PS at K = 576). Paired vpermt2w stores, prefetchw of the output lines,
 // streaming stores, a later start of the epilogue and 512-wide K slices in the 2 x 2 kernel gained nothing.
@@ -424,7 +424,7 @@ void amx_block(const AmxRows& a, const uint16_t* w, int32_t steps, bool first, f
     if (RT == 2) {
       // The weight unit streams past the pair of row tiles, which the chunk's next units reuse: loaded with the
       // non-temporal hint (TILELOADDT1), the weight leaves the pair's x in L1 instead of evicting it (SmolLM2's
-      // gate_up prefill 0.87-0.90x -> 0.96-1.00x torch: bench/results/tiers/linear_amx_stream_ab.txt). The 1 x 4
+      // gate_up prefill 0.87-0.90x -> 0.96-1.00x torch: bench/results/tiers/kernels/linear_amx_stream_ab.txt). The 1 x 4
       // kernel keeps plain loads: over K blocks the weight panels are the operand reused (from L2), and at decode
       // each weight tile meets one row tile; the hint measured slower or no faster in both.
       _tile_stream_loadd(6, b, b_bytes);
@@ -462,7 +462,7 @@ void amx_block(const AmxRows& a, const uint16_t* w, int32_t steps, bool first, f
 // weight once per block, and a short last block (a 776-row MIS: 3 x 256 + 8) once more for a few rows: in one
 // process, bitwise the same, one block read 1.09-1.14x paired over Qwen3-0.6B's projections at 300-1552 rows (its
 // weights stream from DRAM; 1.06x at 3104) and a 16-candidate Qwen3-0.6B MIS 1.11x; SmolLM2 (weights in L3)
-// 0.99-1.04x paired up to 4825 rows, its MIS 1.03x (bench/results/tiers/linear_amx_row_blocks.txt). Over
+// 0.99-1.04x paired up to 4825 rows, its MIS 1.03x (bench/results/tiers/kernels/linear_amx_row_blocks.txt). Over
 // several K blocks (K > 2048: Qwen3-8B's projections, weights far larger than L3) a row block is as tall as
 // kAmxPartialBytes of fp32 partials allow, from kAmxRowBlock up to kAmxRowBlockMax rows. Partial sums wait in fp32
 // between K blocks (exact); the epilogue runs after the last, one tile block behind the tiles (PendingEpilogue).
@@ -471,7 +471,7 @@ constexpr int32_t kAmxKBlock = 2048, kAmxRowBlock = 256, kAmxRowBlockMax = 1024,
 // weights from memory, as a decode step or a small batch reads them), alternated in one process, bitwise the same:
 // SmolLM2 1.27-1.38x the 2 x 2 kernel at 17-96 rows, 1.19-1.22x at 128-192, mixed at a full 256-row block, 0.85x
 // over 776 rows; Qwen3-0.6B's K <= 2048 projections 1.06-1.37x up to 256 rows
-// (bench/results/tiers/linear_amx_mid_rows.txt). Before, only a single row tile (16 rows) ran 1 x 4: a decode step
+// (bench/results/tiers/kernels/linear_amx_mid_rows.txt). Before, only a single row tile (16 rows) ran 1 x 4: a decode step
 // of 17 generations took ~1.8x one of 16 in the projections.
 constexpr int32_t kAmx1x4MaxTiles = 12;
 constexpr int64_t kAmxPartialBytes = int64_t(16) << 20;  // per thread
@@ -527,7 +527,7 @@ void rect_amx(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t
       // where the weight panels do not stay in L1 either way (0.8x -> 0.87x torch at Qwen3-8B's qkv and down
       // prefill). With several row tiles the columns go in chunks of kAmxColChunk, each tile meeting the chunk's
       // weight panels in L2 (over K blocks: a row tile's x block (16 x 2048) is read from L3 once per chunk, not
-      // once per 64 columns; bench/results/tiers/linear_amx_kblock_chunks_ab.txt).
+      // once per 64 columns; bench/results/tiers/kernels/linear_amx_kblock_chunks_ab.txt).
       if (tiles <= kAmx1x4MaxTiles || k_blocks > 1) {
         const int32_t chunk = tiles == 1 ? c1 - c0 : kAmxColChunk;
         for (int32_t cc = c0; cc < c1; cc += chunk) {

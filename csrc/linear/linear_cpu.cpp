@@ -72,7 +72,7 @@ const LinearCpuOps kPortableF32{rect_portable<float>, kRowTile};
 const LinearCpuOps kPortableBf16Weight{rect_portable<float, uint16_t>, kRowTile};
 
 // The running tier's layer (common/dispatch.h). At tier avx512 the K-blocked AVX-512 FMA kernel beats our AVX2
-// kernel and torch's batch-invariant row calls at every bench shape (bench/results/tiers/linear_avx512_fp32.txt,
+// kernel and torch's batch-invariant row calls at every bench shape (bench/results/tiers/kernels/linear_avx512_fp32.txt,
 // linear_avx512_bf16_ab.txt).
 const LinearCpuOps& choose_ops(DType dtype, bool bf16_weight) {
   KernelKey key;

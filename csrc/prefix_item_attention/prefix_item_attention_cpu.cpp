@@ -418,7 +418,7 @@ Status check_run(const AttentionCpuPlan& plan, const PrefixItemAttentionParams& 
 }
 
 // The running tier's layer (common/dispatch.h); the AVX-512 ops are 1.6-2.1x the AVX2 ops at tier avx512
-// (bench/results/tiers/attention_avx512_fp32_ab.txt, kernels_avx512_bf16_ab.txt).
+// (bench/results/tiers/kernels/attention_avx512_fp32_ab.txt, kernels_avx512_bf16_ab.txt).
 const AttentionCpuOps& choose_ops(DType dtype, int32_t head_dim) {
   KernelKey key;
   key.dtype = dtype, key.head_dim = head_dim;

@@ -32,7 +32,7 @@ from pyscore.ops.silu_mul import silu_mul
 BLOCK_N = 64  # packed columns per block
 # Rows per torch GEMM call on the torch path: prefill passes and decode steps each use one fixed size (a row's bits
 # depend on the call's shape); 128 keeps big-M GEMMs within ~1.3-2x of one unchunked call, 16 keeps a decode step's
-# padding cheap (bench/results/tiers/linear_amx.txt).
+# padding cheap (bench/results/tiers/kernels/linear_amx.txt).
 PREFILL_ROWS = 128
 DECODE_ROWS = 16
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # the kernel's dtypes

@@ -31,39 +31,39 @@ class Choice:
 
 AVX512BF16 = Choice("kernel", "ours beats torch's op (bench/results/kernels_cpu_zen4.txt)")
 LINEAR_AMX = Choice("kernel", "AMX tiles, batch-invariant: 0.84-2.0x torch's F.linear at prefill, 1.6-2.0x at decode "
-                              "(bench/results/tiers/linear_amx.txt, linear_amx_kblock_chunks_ab.txt, "
+                              "(bench/results/tiers/kernels/linear_amx.txt, linear_amx_kblock_chunks_ab.txt, "
                               "linear_amx_mid_rows.txt, linear_amx_row_blocks.txt)")
 LINEAR_FP32 = Choice("kernel", "AVX-512 FMAs in K blocks, batch-invariant: 0.98-1.07x torch's fp32 GEMM at prefill "
-                               "(bench/results/tiers/linear_fp32_kblock_ab.txt)")
+                               "(bench/results/tiers/kernels/linear_fp32_kblock_ab.txt)")
 LINEAR_AVX2 = Choice("kernel", "AVX2 + FMA, batch-invariant: fp32 1.1-1.7x torch's batch-invariant path, bf16 "
-                               "2.8-5.1x its AVX2 bf16 F.linear (bench/results/tiers/linear_avx2.txt, "
+                               "2.8-5.1x its AVX2 bf16 F.linear (bench/results/tiers/kernels/linear_avx2.txt, "
                                "linear_avx2_wide_strips_ab.txt)")
 LINEAR_FP32_AVX512 = Choice("kernel", "AVX-512 FMAs in K blocks: 0.95-1.04x one unchunked F.linear at prefill, "
-                                      "1.05-1.72x at decode (bench/results/tiers/linear_avx512_fp32.txt)")
+                                      "1.05-1.72x at decode (bench/results/tiers/kernels/linear_avx512_fp32.txt)")
 LINEAR_BF16_AVX512 = Choice("kernel", "AVX-512 FMAs on widened bf16 pairs: 2.2-3.6x torch's bf16 F.linear without "
-                                      "bf16 hardware (bench/results/tiers/linear_avx512_bf16_ab.txt, "
+                                      "bf16 hardware (bench/results/tiers/kernels/linear_avx512_bf16_ab.txt, "
                                       "linear_widen_panel.txt)")
 LINEAR_TORCH = Choice("torch", "oneDNN/MKL GEMM beats a vector-FMA GEMM without bf16 hardware "
-                               "(bench/results/tiers/linear_amx.txt)")
+                               "(bench/results/tiers/kernels/linear_amx.txt)")
 AVX2 = Choice("kernel", "ours (AVX2 + FMA) beats torch's AVX2 op (bench/results/kernels_cpu_avx2.txt, "
                         "kernels_cpu_avx2_bf16.txt, kernels_linear_cpu_avx2.txt)")
 BF16_AVX512 = Choice("kernel", "the AVX-512 ops on widened bf16 pairs: 1.2-2.1x the AVX2 ops "
-                               "(bench/results/tiers/kernels_avx512_bf16_ab.txt)")
+                               "(bench/results/tiers/kernels/kernels_avx512_bf16_ab.txt)")
 LABELS_AVX2 = Choice("kernel", "ours (AVX2 + FMA): 1.1-1.3x torch's AVX2 GEMM + log_softmax at R=16 "
-                               "(bench/results/tiers/labels_avx2_ab.txt)")
+                               "(bench/results/tiers/kernels/labels_avx2_ab.txt)")
 LABELS_AVX512_FP32 = Choice("kernel", "the AVX-512 read-out: 1.8-2.0x MKL's AVX-512 GEMM at R=16 "
-                                      "(bench/results/tiers/kernels_labels_avx512.txt)")
+                                      "(bench/results/tiers/kernels/kernels_labels_avx512.txt)")
 ELEMENTWISE_AVX512 = Choice("kernel", "the kernel text's AVX-512 unit: 1.1-2.1x the AVX2 unit, 1.3-13x torch's ops "
-                                      "(bench/results/tiers/elementwise_avx512_ab.txt)")
+                                      "(bench/results/tiers/kernels/elementwise_avx512_ab.txt)")
 LINEAR_ATTENTION_AVX512 = Choice("kernel", "the AVX-512 linear-attention ops: 4.7-10x transformers' torch fallbacks "
-                                           "(bench/results/tiers/gated_delta_rule_avx512_ab.txt)")
+                                           "(bench/results/tiers/kernels/gated_delta_rule_avx512_ab.txt)")
 ATTENTION_AVX512_FP32 = Choice("kernel", "the AVX-512 ops: 1.5-1.8x the AVX2 ops, 2.9-3.6x SDPA "
-                                         "(bench/results/tiers/attention_avx512_fp32_ab.txt)")
+                                         "(bench/results/tiers/kernels/attention_avx512_fp32_ab.txt)")
 ATTENTION_AMX = Choice("kernel", "Q.K^T and P.V on AMX tiles: 2.4x our AVX-512 ops, 4.0x SDPA "
-                                 "(bench/results/tiers/kernels_attention_amx.txt, "
+                                 "(bench/results/tiers/kernels/kernels_attention_amx.txt, "
                                  "kernels_attention_avx512bf16_intel.txt)")
 LABELS_AMX = Choice("kernel", "the LM head product on AMX tiles: 2.7x our AVX-512 read-out at R=16, 2.8x torch "
-                              "(bench/results/tiers/kernels_labels_amx.txt, kernels_labels_avx512bf16_intel.txt)")
+                              "(bench/results/tiers/kernels/kernels_labels_amx.txt, kernels_labels_avx512bf16_intel.txt)")
 NEON = Choice("kernel", "the AVX2 text on the NEON layer: no dense mask, no vocabulary-wide logits; checked under "
                         "qemu, unmeasured on an ARM CPU")
 ALGORITHM = Choice("kernel", "no dense [T, T] mask / no vocabulary-wide logits; unmeasured on this tier")
@@ -75,10 +75,10 @@ TORCH_UNTUNED = Choice("torch", "no vectorized kernel at this tier: the scalar p
 # steps read the pairs. AVX-512 (avx512, and fp32 asked for at avx512bf16 / amx, whose tiles are bf16 only): every
 # row count widens in registers, the fp32 weight's speed at prefill and up to 2.8x it at one row.
 _AVX512_BF16_WEIGHTS = ("decode steps read half the weight bytes at the same bits; prefill at the fp32 weight's speed "
-                        "(bench/results/tiers/linear_avx512_bf16_weights.txt; measured on an AMD Zen 4, the avx512 "
+                        "(bench/results/tiers/kernels/linear_avx512_bf16_weights.txt; measured on an AMD Zen 4, the avx512 "
                         "tier forced: unmeasured on an Intel CPU)")
 BF16_WEIGHT_TIERS = {"avx2": "decode steps read half the weight bytes at the same bits "
-                             "(bench/results/tiers/linear_avx2_bf16_weights_ab.txt, "
+                             "(bench/results/tiers/kernels/linear_avx2_bf16_weights_ab.txt, "
                              "labels_avx2_bf16_head_ab.txt)",
                      "avx512": _AVX512_BF16_WEIGHTS, "avx512bf16": _AVX512_BF16_WEIGHTS, "amx": _AVX512_BF16_WEIGHTS}
 
