@@ -140,7 +140,22 @@ static inline void store_zip8(uint16_t* out, const uint16_t* a, const uint16_t* 
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 8), _mm_unpackhi_epi16(x, y));
 }
 
+// p[2i] = even[i], p[2i + 1] = odd[i]: 2 * kLanes fp32 (a pair split by bf16_even / bf16_odd, back in element order).
+static inline void store_interleaved(float* p, Vec even, Vec odd) {
+  const Vec lo = _mm256_unpacklo_ps(even, odd), hi = _mm256_unpackhi_ps(even, odd);  // e0 o0 e1 o1 | e4 o4 e5 o5; ...
+  _mm256_storeu_ps(p, _mm256_permute2f128_ps(lo, hi, 0x20));
+  _mm256_storeu_ps(p + kLanes, _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
 // ---- reductions --------------------------------------------------------------------------------------------------
+
+// Lane j of the result = the sum of the 8 lanes of a[j] (a transpose and add of 8 vectors by hadd; not
+// reduce_add's order).
+static inline Vec transpose_sum(const Vec (&a)[kLanes]) {
+  const Vec t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const Vec t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
 
 static inline float reduce_add(Vec x) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));

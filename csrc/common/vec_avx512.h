@@ -94,5 +94,29 @@ static inline void reduce_add4(Vec a0, Vec a1, Vec a2, Vec a3, float* out) {
 }
 static inline float reduce_max(Vec x) { return _mm512_reduce_max_ps(x); }
 
+// p[2i] = even[i], p[2i + 1] = odd[i]: 2 * kLanes fp32 (a pair split by bf16_even / bf16_odd, back in element order).
+static inline void store_interleaved(float* p, Vec even, Vec odd) {
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  _mm512_storeu_ps(p, _mm512_permutex2var_ps(even, lo, odd));
+  _mm512_storeu_ps(p + kLanes, _mm512_permutex2var_ps(even, hi, odd));
+}
+
+// Lane j of the result = the sum of the 16 lanes of a[j] (a transpose and add of 16 vectors: four levels of
+// pairwise interleave-and-add, 15 adds and 30 shuffles for 16 sums; not reduce_add's order).
+static inline Vec transpose_sum(const Vec (&a)[kLanes]) {
+  Vec b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: x02 y02 x13 y13
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's sums of 4 consecutive vectors
+    const __m512d u = _mm512_castps_pd(b[2 * i]), v = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(u, v)), _mm512_castpd_ps(_mm512_unpackhi_pd(u, v)));
+  }
+  for (int i = 0; i < 2; ++i)  // 128-bit lanes: (0+1, 2+3) of c[2i], then of c[2i + 1]
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
+
 }  // namespace avx512
 }  // namespace pyscore

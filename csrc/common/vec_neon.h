@@ -149,7 +149,16 @@ static inline void store_zip8(uint16_t* out, const uint16_t* a, const uint16_t* 
   vst1q_u16(out + 8, vzip2q_u16(x, y));
 }
 
+// p[2i] = even[i], p[2i + 1] = odd[i]: 2 * kLanes fp32 (a pair split by bf16_even / bf16_odd, back in element
+// order): one interleaving store.
+static inline void store_interleaved(float* p, Vec even, Vec odd) { vst2q_f32(p, float32x4x2_t{{even, odd}}); }
+
 // ---- reductions (pairwise: lanes i and i + 2 first, as the x86 layers fold halves) --------------------------------
+
+// Lane j of the result = the sum of the 4 lanes of a[j] (a transpose and add of 4 vectors by pairwise adds).
+static inline Vec transpose_sum(const Vec (&a)[kLanes]) {
+  return vpaddq_f32(vpaddq_f32(a[0], a[1]), vpaddq_f32(a[2], a[3]));
+}
 
 static inline float reduce_add(Vec x) {
   const float32x2_t s = vadd_f32(vget_low_f32(x), vget_high_f32(x));

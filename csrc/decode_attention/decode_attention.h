@@ -65,8 +65,8 @@ Status decode_attention_cuda(const DecodeAttentionParams& params, void* stream);
 
 // ---- The CPU launcher's parts ------------------------------------------------------------------------------------
 // Internal interface of the CPU decode_attention kernel: the launcher (decode_attention_cpu.cpp, baseline ISA) plans
-// (sequence, kv head, key chunk) units and merges their partial states; the arithmetic comes in an AVX-512 build
-// (decode_attention_avx512.cpp), an AVX2 one (decode_attention_avx2.cpp) and a portable one.
+// (sequence, kv head, key chunk) units and merges their partial states; the arithmetic comes from one kernel text
+// compiled per vector layer (decode_attention_simd.h: avx512, avx2, neon) and a portable build.
 
 struct DecodeCpuOps {
   // `rows` query rows (row r at q + r * q_row_stride) against keys [0, num_keys) in tiles of kCpuKeyTile (key t
@@ -80,7 +80,7 @@ struct DecodeCpuOps {
   void (*store_row)(const float* src, int32_t dim, void* dst);
 };
 
-// The layers' ops (key.bf16_dot: how the AVX-512 ops multiply bf16 pairs; kWiden is the one a tier without
+// The layers' ops (key.bf16_dot: how the avx512 layer's ops multiply bf16 pairs; kWiden is the one a tier without
 // AVX512-BF16 runs); nullptr where the dtype / head_dim is not covered.
 PYSCORE_KERNELS(decode_attention, decode_ops, const DecodeCpuOps*);
 

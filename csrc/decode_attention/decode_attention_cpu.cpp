@@ -4,8 +4,8 @@
 // threads (a chunk's kv heads in turn on one thread where chunks are many); a sequence with several chunks gets its
 // partial states merged by log-sum-exp in chunk order, so its bits depend on its own length only, never on the
 // batch or the thread count. When new keys / values are given they are written into the caches first (one pass,
-// before any unit reads). The arithmetic lives in DecodeCpuOps: AVX-512 (+BF16) or AVX2 + FMA by the CPU tier, else
-// the portable loops below.
+// before any unit reads). The arithmetic lives in DecodeCpuOps: the kernel text decode_attention_simd.h on the running
+// tier's vector layer (avx512, avx2 or neon), else the portable loops below.
 #include <omp.h>
 
 #include <algorithm>

@@ -275,9 +275,8 @@ def cpu_isa(module: ModuleType) -> str:
 def default_cpu_dtype() -> tuple[torch.dtype, str]:
     """The CPU dtype for dtype="auto", and why: bf16 where the CPU multiplies bf16 (AVX512-BF16, AMX, ARM bf16);
     fp32 elsewhere, where torch's bf16 GEMM is several times slower than its fp32 (no bf16 arithmetic) and ours,
-    widening bf16 pairs, slower than our fp32 too (16-candidate MIS at tier avx512: 0.80-0.86 s fp32, 1.43-1.54 s
-    bf16; 0.68-0.70 s and 0.82-1.05 s with the widened weight panel, bench/results/tiers/engine/engine_avx512_dtype.txt).
-    The loader still serves bf16 where only bf16 fits (pyscore.model.loading.choose_dtype)."""
+    widening bf16 pairs, slower than our fp32 too (bench/results/tiers/engine/engine_avx512_dtype.txt). The loader
+    still serves bf16 where only bf16 fits (pyscore.model.loading.choose_dtype)."""
     tier = cpu_tier()
     module = cpu_module()
     if tier in ("avx512bf16", "amx"):

@@ -9,8 +9,8 @@ see pyscore/ops/linear.py); for the other ops, the op's PyTorch implementation i
 is a multiple of 32, bf16 prefix_item_attention where head_dim is a multiple of 64 and the bf16 label read-out's
 product where H is a multiple of 32 run on AMX tiles; at avx512 the code that needs AVX-512 F/BW/DQ/VL alone: fp32,
 bf16 pairs widened to fp32, and the elementwise and Qwen3.5 kernels whole, tests/ops/test_avx512_tier_isa.py), the
-AVX2 + FMA code at avx2, the NEON layer at neon (attention and the label read-out; the portable C++, vectorized by
-the compiler, for the rest) and the portable C++ at generic.
+AVX2 + FMA code at avx2, the NEON layer at neon (attention, prefill and decode, and the label read-out; the portable
+C++, vectorized by the compiler, for the rest) and the portable C++ at generic.
 Unmeasured pairs say so."""
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ ATTENTION_AMX = Choice("kernel", "Q.K^T and P.V on AMX tiles: 2.4x our AVX-512 o
                                  "(bench/results/tiers/kernels/kernels_attention_amx.txt, "
                                  "kernels_attention_avx512bf16_intel.txt)")
 LABELS_AMX = Choice("kernel", "the LM head product on AMX tiles: 2.7x our AVX-512 read-out at R=16, 2.8x torch "
-                              "(bench/results/tiers/kernels/kernels_labels_amx.txt, kernels_labels_avx512bf16_intel.txt)")
+                              "(bench/results/tiers/kernels/kernels_labels_amx.txt, "
+                              "kernels_labels_avx512bf16_intel.txt)")
 NEON = Choice("kernel", "the AVX2 text on the NEON layer: no dense mask, no vocabulary-wide logits; checked under "
                         "qemu, unmeasured on an ARM CPU")
 ALGORITHM = Choice("kernel", "no dense [T, T] mask / no vocabulary-wide logits; unmeasured on this tier")
@@ -75,8 +76,8 @@ TORCH_UNTUNED = Choice("torch", "no vectorized kernel at this tier: the scalar p
 # steps read the pairs. AVX-512 (avx512, and fp32 asked for at avx512bf16 / amx, whose tiles are bf16 only): every
 # row count widens in registers, the fp32 weight's speed at prefill and up to 2.8x it at one row.
 _AVX512_BF16_WEIGHTS = ("decode steps read half the weight bytes at the same bits; prefill at the fp32 weight's speed "
-                        "(bench/results/tiers/kernels/linear_avx512_bf16_weights.txt; measured on an AMD Zen 4, the avx512 "
-                        "tier forced: unmeasured on an Intel CPU)")
+                        "(bench/results/tiers/kernels/linear_avx512_bf16_weights.txt; measured on an AMD Zen 4, "
+                        "the avx512 tier forced: unmeasured on an Intel CPU)")
 BF16_WEIGHT_TIERS = {"avx2": "decode steps read half the weight bytes at the same bits "
                              "(bench/results/tiers/kernels/linear_avx2_bf16_weights_ab.txt, "
                              "labels_avx2_bf16_head_ab.txt)",
@@ -94,7 +95,7 @@ CPU_TIERS: dict[str, dict[str, dict[str, Choice]]] = {
                               "neon": {"*": NEON}},
     "decode_attention": {"generic": {"*": ALGORITHM}, "avx2": {"*": AVX2},
                          "avx512": {"float32": ATTENTION_AVX512_FP32, "bfloat16": BF16_AVX512},
-                         "avx512bf16": {"*": AVX512BF16}},
+                         "avx512bf16": {"*": AVX512BF16}, "neon": {"*": NEON}},
     "label_logprobs": {"generic": {"*": ALGORITHM}, "avx2": {"*": LABELS_AVX2},
                        "avx512": {"float32": LABELS_AVX512_FP32, "bfloat16": BF16_AVX512},
                        "avx512bf16": {"*": AVX512BF16}, "amx": {"bfloat16": LABELS_AMX}, "neon": {"*": NEON}},

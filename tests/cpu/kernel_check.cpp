@@ -252,7 +252,9 @@ void check_decode_case(DType dtype, int32_t hq, int32_t hkv, int32_t d) {
 void check_decode() {
   for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
     check_decode_case(dtype, 6, 2, 64);
-    check_decode_case(dtype, 3, 3, 40);
+    check_decode_case(dtype, 8, 2, 128);  // the x86 layers' other compile-time head dim; NEON's passes of 8 vectors
+    check_decode_case(dtype, 5, 1, 48);   // a run-time head dim with a short last pass (AVX2, NEON)
+    check_decode_case(dtype, 3, 3, 40);   // no vector layer's: the portable loops
   }
 }
 

@@ -1,12 +1,12 @@
-"""Tier `avx512` (AVX-512 F/BW/DQ/VL without BF16: Skylake-SP to Ice Lake) runs `linear`, the label read-out and
-attention (prefill and decode) from the AVX-512 files in fp32 and in bf16 with pairs widened to fp32 (Bf16Dot
-kWiden, which cpu_bf16_dot() answers below tier avx512bf16), and add_rms_norm, rotary and silu_mul (the avx512 units
-of their kernel texts) and Qwen3.5's causal conv1d and gated delta rule in both dtypes; all are compiled with
-AVX512-BF16 and AMX enabled. The code it reaches must hold no instruction those CPUs lack, or they die of SIGILL:
-this compiles those sources as the build does (without LTO, so that each function's code is its own),
-disassembles them, and checks every function the entry points that tier takes reach through calls, or every
-function of a source that runs whole. No machine of that kind is at hand to run them; this is the check that stands
-for it."""
+"""Tier `avx512` (AVX-512 F/BW/DQ/VL without BF16: Skylake-SP to Ice Lake) runs `linear` and prefill attention from the
+AVX-512 files and the label read-out and decode attention from their kernel texts' avx512 units, in fp32 and in bf16
+with pairs widened to fp32 (Bf16Dot kWiden, which cpu_bf16_dot() answers below tier avx512bf16), and add_rms_norm,
+rotary and silu_mul (the avx512 units of their kernel texts) and Qwen3.5's causal conv1d and gated delta rule in both
+dtypes; all are compiled with AVX512-BF16 and AMX enabled. The code it reaches must hold no instruction those CPUs
+lack, or they die of SIGILL: this compiles those sources as the build does (without LTO, so that each function's code
+is its own), disassembles them, and checks every function the entry points that tier takes reach through calls, or
+every function of a source that runs whole. No machine of that kind is at hand to run them; this is the check that
+stands for it."""
 
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ TIER_AVX512_ENTRIES = {
         f"void {NS}attend<{NS}F32>(", f"void {NS}store_row<{NS}F32>(",
         f"void {NS}pack_k<{NS}Bf16>(", f"{NS}pack_v_bf16(", f"void {NS}attend<{NS}Bf16Widen>(",
         f"void {NS}store_row<{NS}Bf16Widen>("],
-    "csrc/decode_attention/decode_attention_avx512.cpp": [
+    "csrc/decode_attention/decode_attention_simd.h": [  # its avx512 unit (Bf16Dpbf16's ops: tier avx512bf16 up)
         "pyscore::decode_ops_avx512(", f"void {NS}attend_rows<{NS}F32, 4>(", f"void {NS}attend_rows<{NS}F32, 8>(",
-        f"void {NS}store_row<{NS}F32>(", f"void {NS}attend_rows<{NS}Bf16Widen, 4>(",
-        f"void {NS}attend_rows<{NS}Bf16Widen, 8>(", f"void {NS}store_row<{NS}Bf16Widen>("],
+        f"void {NS}store_row<float>(", f"void {NS}attend_rows<{NS}Bf16Widen, 4>(",
+        f"void {NS}attend_rows<{NS}Bf16Widen, 8>(", f"void {NS}store_row<unsigned short>("],
 }
 # sources (a kernel text: its avx512 unit) that run whole at tier avx512, every dtype (the avx512 layer serves it)
 WHOLE_SOURCES = ["csrc/add_rms_norm/rows_simd.h", "csrc/rotary/tokens_simd.h", "csrc/silu_mul/rows_simd.h",

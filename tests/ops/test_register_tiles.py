@@ -29,8 +29,10 @@ TILED = {
     ("csrc/linear/linear_avx2.cpp", "avx2"): ["void pyscore::(anonymous namespace)::micro<"],
     ("csrc/linear/linear_avx512.cpp", "avx512"): [
         "void pyscore::(anonymous namespace)::rect<", "void pyscore::(anonymous namespace)::row_tiles<"],
-    ("csrc/decode_attention/decode_attention_avx2.cpp", "avx2"): ["void pyscore::(anonymous namespace)::attend<"],
-    ("csrc/decode_attention/decode_attention_avx512.cpp", "avx512"): ["void pyscore::(anonymous namespace)::attend<"],
+    ("csrc/decode_attention/decode_attention_simd.h", "avx2"): [
+        "void pyscore::(anonymous namespace)::attend<", "void pyscore::(anonymous namespace)::value_pass<"],
+    ("csrc/decode_attention/decode_attention_simd.h", "avx512"): [
+        "void pyscore::(anonymous namespace)::attend<", "void pyscore::(anonymous namespace)::value_pass<"],
     ("csrc/prefix_item_attention/attention_simd.h", "avx2"): ["void pyscore::(anonymous namespace)::attend_tile<"],
     ("csrc/prefix_item_attention/prefix_item_attention_avx512.cpp", "avx512"): [
         "void pyscore::(anonymous namespace)::attend_tile<"],
@@ -42,6 +44,8 @@ TILED = {
     ("csrc/label_logprobs/logits_simd.h", "neon"): [
         "void pyscore::(anonymous namespace)::dot_tile<", "void pyscore::(anonymous namespace)::logits_chunk<"],
     ("csrc/prefix_item_attention/attention_simd.h", "neon"): ["void pyscore::(anonymous namespace)::attend_tile<"],
+    ("csrc/decode_attention/decode_attention_simd.h", "neon"): [
+        "void pyscore::(anonymous namespace)::attend<", "void pyscore::(anonymous namespace)::value_pass<"],
     ("csrc/gated_delta_rule/gated_delta_rule_simd.h", "neon"): [
         "void pyscore::(anonymous namespace)::state_columns<", "void pyscore::(anonymous namespace)::conv_tokens<"],
 }
