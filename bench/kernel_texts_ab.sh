@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The kernels issue 50 moved onto one text per op (decode attention, the label read-out, Qwen3.5's conv + gated delta
+# rule) against the files they replaced, at each x86 tier this CPU runs (forced below its own), in one run per tier:
+#
+#   bash bench/kernel_texts_ab.sh BEFORE_TREE [OUT_DIR]
+#
+# BEFORE_TREE: a built checkout of the commit before the move (git worktree add ... 2e75d8d; make build there).
+# Writes OUT_DIR/kernel_texts_ab_<tier>.txt (default bench/results/tiers/kernels/), each opening with this command,
+# the commit and the CPU (bench.ab's header); bench.ab's closing table is the comparison.
+set -euo pipefail
+before=${1:?usage: bench/kernel_texts_ab.sh BEFORE_TREE [OUT_DIR]}
+out=${2:-bench/results/tiers/kernels}
+py=${PYTHON:-.venv/bin/python}
+hardware=$($py -c "from pyscore import _C; print(_C.cpu_features()['hardware_tier'])")
+for tier in avx2 avx512 "$hardware"; do
+  case $tier in avx2|avx512|avx512bf16|amx) ;; *) continue ;; esac
+  file=$out/kernel_texts_ab_$tier.txt
+  {
+    echo "# bash bench/kernel_texts_ab.sh $before $out   (commit $(git rev-parse --short HEAD))"
+    $py -m bench.ab --before "$before" --rounds 3 -- -m bench.kernels --only decode labels linear --tier "$tier" \
+      --dtypes fp32 bf16 --rounds 2 --reps 5 --out build/kernel_texts_ab_scratch.txt
+  } >"$file"
+  echo "wrote $file"
+done
