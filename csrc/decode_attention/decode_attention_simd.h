@@ -140,7 +140,7 @@ inline Vec dot_held(const typename E::Q (&q)[QR], const typename E::T* k) {
 
 // The dots of a held q row with the n <= kLanes keys at k, as a vector (lanes past n: 0). A whole bf16 block takes
 // no per-key check: with it GCC sent some key rows through a stack slot on their way to vdpbf16ps, a store and a
-// reload per key (bench/results/tiers/decode_attention_avx512_ab.txt); fp32 at head_dim 128 spills in that form.
+// reload per key (bench/results/tiers/kernels/decode_attention_avx512_ab.txt); fp32 at head_dim 128 spills in that form.
 template <class E, int QR>
 inline Vec block_dots_held(const typename E::Q (&q)[QR], const typename E::T* k, int64_t token_stride, int n) {
   Vec partial[kLanes];
