@@ -19,7 +19,6 @@ TMP_SCRIPTS_CITED_BY_KERNELS = {
     "tiers/kernels/labels_avx2_bf16_head_ab.txt", "tiers/kernels/linear_amx_mid_rows.txt",
     "tiers/kernels/linear_amx_row_blocks.txt", "tiers/kernels/linear_avx2_bf16_panel_rows_ab.txt",
     "tiers/kernels/linear_widen_panel.txt", "tiers/engine/prefix_cache_sink_ab.txt",
-    "tiers/kernels/rule_task_order_ab.txt",
 }
 TMP_SCRIPT = re.compile(r"/tmp/[\w./-]*\.py")
 
