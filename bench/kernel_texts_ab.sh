@@ -4,6 +4,10 @@
 #
 #   bash bench/kernel_texts_ab.sh BEFORE_TREE [OUT_DIR]
 #
+# OPS (default "decode labels linear": bench.kernels' --only), TIERS (default avx2, avx512 and this CPU's own tier)
+# and NAME (default kernel_texts_ab) choose what runs and the files' names; PYSCORE_BF16_DOT=widen|dpbf16 passes to
+# both trees (at tier avx512bf16: the other bf16 product than this CPU's own).
+#
 # BEFORE_TREE: a built checkout of the commit before the move (git worktree add ... 2e75d8d; make build there).
 # Writes OUT_DIR/kernel_texts_ab_<tier>.txt (default bench/results/tiers/kernels/), each opening with this command,
 # the commit and the CPU (bench.ab's header); bench.ab's closing table is the comparison.
@@ -12,12 +16,16 @@ before=${1:?usage: bench/kernel_texts_ab.sh BEFORE_TREE [OUT_DIR]}
 out=${2:-bench/results/tiers/kernels}
 py=${PYTHON:-.venv/bin/python}
 hardware=$($py -c "from pyscore import _C; print(_C.cpu_features()['hardware_tier'])")
-for tier in avx2 avx512 "$hardware"; do
+ops=${OPS:-decode labels linear}
+name=${NAME:-kernel_texts_ab}
+for tier in ${TIERS:-avx2 avx512 $hardware}; do
   case $tier in avx2|avx512|avx512bf16|amx) ;; *) continue ;; esac
-  file=$out/kernel_texts_ab_$tier.txt
+  file=$out/${name}_$tier.txt
   {
-    echo "# bash bench/kernel_texts_ab.sh $before $out   (commit $(git rev-parse --short HEAD))"
-    $py -m bench.ab --before "$before" --rounds 3 -- -m bench.kernels --only decode labels linear --tier "$tier" \
+    echo "# OPS='$ops' TIERS='${TIERS:-}' NAME=$name PYSCORE_BF16_DOT=${PYSCORE_BF16_DOT:-} bash bench/kernel_texts_ab.sh" \
+      "$before $out   (commit $(git rev-parse --short HEAD))"
+    # shellcheck disable=SC2086  # $ops: one word per op
+    $py -m bench.ab --before "$before" --rounds 3 -- -m bench.kernels --only $ops --tier "$tier" \
       --dtypes fp32 bf16 --rounds 2 --reps 5 --out build/kernel_texts_ab_scratch.txt
   } >"$file"
   echo "wrote $file"

@@ -131,9 +131,17 @@ static inline Vec dot_pairs(Vec acc, Bits a, Bits b) {
   return fma(bf16_even(a), bf16_even(b), fma(bf16_odd(a), bf16_odd(b), acc));
 }
 
-// out[2i] = a[i], out[2i + 1] = b[i] for i < 8 (two rows of 8 bf16 interleaved into 8 pairs); a null row reads as
-// zeros.
-static inline void store_zip8(uint16_t* out, const uint16_t* a, const uint16_t* b) {
+// The 4-byte unit at p (a bf16 pair) in every lane: the broadcast operand of dot_pairs.
+static inline Bits set1_pair(const uint16_t* p) {
+  int32_t pair;
+  std::memcpy(&pair, p, sizeof(pair));
+  return _mm256_set1_epi32(pair);
+}
+
+// out[2i] = a[i], out[2i + 1] = b[i] for i < kZipDims (two rows of 8 bf16 interleaved into 8 pairs); a null row
+// reads as zeros.
+constexpr int kZipDims = 8;
+static inline void store_zip(uint16_t* out, const uint16_t* a, const uint16_t* b) {
   const __m128i x = a ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(a)) : _mm_setzero_si128();
   const __m128i y = b ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)) : _mm_setzero_si128();
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_unpacklo_epi16(x, y));

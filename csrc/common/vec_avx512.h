@@ -6,6 +6,8 @@
 //
 // Include only from files compiled with the AVX-512 flags (see vec_math_avx512.h).
 #pragma once
+#include <cstring>
+
 #include "common/vec_math_avx512.h"
 
 namespace pyscore {
@@ -79,6 +81,26 @@ static inline Vec bf16_odd(Bits pairs) { return bf16_odd_ps(pairs); }
 static inline Bits load_bits(const void* p) { return _mm512_loadu_si512(p); }
 // acc + a_odd * b_odd + a_even * b_even per lane (vdpbf16ps; dot2_widened_ps gives its bits without it).
 static inline Vec dot_pairs(Vec acc, Bits a, Bits b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+
+// The 4-byte unit at p (a bf16 pair) in every lane: the broadcast operand of dot_pairs.
+static inline Bits set1_pair(const uint16_t* p) {
+  int32_t pair;
+  std::memcpy(&pair, p, sizeof(pair));
+  return _mm512_set1_epi32(pair);
+}
+
+// out[2i] = a[i], out[2i + 1] = b[i] for i < kZipDims (two rows of 32 bf16 interleaved into 32 pairs, one
+// vpermt2w per half); a null row reads as zeros.
+constexpr int kZipDims = 32;
+static inline void store_zip(uint16_t* out, const uint16_t* a, const uint16_t* b) {
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                      39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  const __m512i x = a ? _mm512_loadu_si512(a) : _mm512_setzero_si512();
+  const __m512i y = b ? _mm512_loadu_si512(b) : _mm512_setzero_si512();
+  _mm512_storeu_si512(out, _mm512_permutex2var_epi16(x, lo, y));
+  _mm512_storeu_si512(out + kZipDims, _mm512_permutex2var_epi16(x, hi, y));
+}
 
 static inline float reduce_add(Vec x) { return _mm512_reduce_add_ps(x); }
 // out[i] = the sum of the lanes of a_i: one fold of 512 -> 128 bits across the four, then within lanes.

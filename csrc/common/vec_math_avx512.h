@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <limits>
 
+#include "common/opaque.h"
+
 namespace pyscore {
 namespace avx512 {
 
@@ -60,16 +62,6 @@ static inline __m512 bf16_odd_ps(__m512i pairs) {
 // also flushes denormal inputs and outputs to zero; FMA keeps them).
 static inline __m512 dot2_widened_ps(__m512 acc, __m512 a_even, __m512 a_odd, __m512 b_even, __m512 b_odd) {
   return _mm512_fmadd_ps(a_even, b_even, _mm512_fmadd_ps(a_odd, b_odd, acc));
-}
-
-// `p` unchanged, but opaque to the optimizer. In a register-blocked tile where each vector meets several rows'
-// broadcast scalars, GCC hoists the broadcasts of all rows into registers across the vectors (12 for 6 rows of
-// pairs) and then spills accumulators in the inner loop; loading the scalars through a pointer laundered per
-// vector makes each broadcast single-use, so it folds into the FMA as an embedded {1to16} memory operand.
-template <class T>
-static inline const T* opaque(const T* p) {
-  asm volatile("" : "+r"(p));  // volatile: identical statements must not be merged
-  return p;
 }
 
 // e^x with full fp32 accuracy (for results rounded to bf16 that must land where torch's Sleef exp lands): a

@@ -19,6 +19,7 @@
 #include <arm_neon.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace pyscore {
 namespace neon {
@@ -140,9 +141,17 @@ static inline Vec dot_pairs(Vec acc, Bits a, Bits b) {
   return fma(bf16_even(a), bf16_even(b), fma(bf16_odd(a), bf16_odd(b), acc));
 }
 
-// out[2i] = a[i], out[2i + 1] = b[i] for i < 8 (two rows of 8 bf16 interleaved into 8 pairs); a null row reads as
-// zeros.
-static inline void store_zip8(uint16_t* out, const uint16_t* a, const uint16_t* b) {
+// The 4-byte unit at p (a bf16 pair) in every lane: the broadcast operand of dot_pairs.
+static inline Bits set1_pair(const uint16_t* p) {
+  int32_t pair;
+  std::memcpy(&pair, p, sizeof(pair));
+  return vdupq_n_u32(uint32_t(pair));
+}
+
+// out[2i] = a[i], out[2i + 1] = b[i] for i < kZipDims (two rows of 8 bf16 interleaved into 8 pairs); a null row
+// reads as zeros.
+constexpr int kZipDims = 8;
+static inline void store_zip(uint16_t* out, const uint16_t* a, const uint16_t* b) {
   const uint16x8_t x = a ? vld1q_u16(a) : vdupq_n_u16(0);
   const uint16x8_t y = b ? vld1q_u16(b) : vdupq_n_u16(0);
   vst1q_u16(out, vzip1q_u16(x, y));

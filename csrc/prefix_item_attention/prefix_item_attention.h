@@ -93,10 +93,9 @@ Status prefix_item_attention_run_cuda(const PrefixItemAttentionParams& p, const 
 
 // ---- The CPU launcher's parts ------------------------------------------------------------------------------------
 // Internal interface of the CPU prefix_item_attention kernel: the launcher (prefix_item_attention_cpu.cpp,
-// baseline ISA) plans the work and calls these ops, which come in an AVX-512 build
-// (prefix_item_attention_avx512.cpp; its attend() on AMX tiles at tier amx, prefix_item_attention_amx.cpp), AVX2
-// and NEON ones (one text, attention_simd.h, compiled per vector layer by
-// cmake/cpu_kernels.cmake) and a portable one, chosen by the CPU tier.
+// baseline ISA) plans the work and calls these ops, which come in AVX2, AVX-512 and NEON builds (one text,
+// attention_simd.h, compiled per vector layer by cmake/cpu_kernels.cmake; at tier amx its attend() on AMX tiles,
+// prefix_item_attention_amx.cpp) and a portable one, chosen by the CPU tier.
 //
 // Key ranges are packed once per kv head into blocks of kKeyBlock keys so the micro-kernels read them with
 // aligned full-width loads and no masking on the dot-product axis. "Pack" = elements per 4-byte unit (2 for

@@ -1,5 +1,5 @@
 // AMX attend() of the CPU prefix_item_attention kernel, bf16 (tier amx). Packing and the output store are the
-// AVX-512 ops' own (prefix_item_attention.h layouts): a packed K block's pair rows are already AMX B-tile rows for S = Q.K^T
+// avx512 layer's ops' own (attention_simd.h; prefix_item_attention.h layouts): a packed K block's pair rows are already AMX B-tile rows for S = Q.K^T
 // (16 keys x one head_dim pair, 256 bytes apart), and a packed V block's key-pair rows are B-tile rows for P.V
 // (16 dims x one key pair, 2 * head_dim * 2 bytes apart), so nothing is re-laid out for the tiles.
 //
@@ -26,7 +26,7 @@
 
 namespace pyscore {
 
-const AttentionCpuOps* PYSCORE_ENTRY(attention_ops, avx512)(const KernelKey& key);  // prefix_item_attention_avx512.cpp
+const AttentionCpuOps* PYSCORE_ENTRY(attention_ops, avx512)(const KernelKey& key);  // attention_simd.h's avx512 unit
 
 namespace {
 

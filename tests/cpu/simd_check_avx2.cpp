@@ -120,7 +120,7 @@ void check_bf16_and_partial() {
 
 void check_select_and_zip() {
   const long bad = select_and_zip_mismatches();
-  report(bad == 0, "avx2 select keeps first_lanes(n) of one vector; store_zip8 interleaves, a null row as zeros", 12,
+  report(bad == 0, "avx2 select keeps first_lanes(n) of one vector; store_zip interleaves, a null row as zeros", 12,
          bad);
 }
 

@@ -175,7 +175,7 @@ void check_ragged_and_pairs() {
 
 void check_select_and_zip() {
   const long bad = select_and_zip_mismatches();
-  report(bad == 0, "select keeps first_lanes(n) of one vector; store_zip8 interleaves, a null row as zeros", 8, bad);
+  report(bad == 0, "select keeps first_lanes(n) of one vector; store_zip interleaves, a null row as zeros", 8, bad);
 }
 
 void check_reductions() {

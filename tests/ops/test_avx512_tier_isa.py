@@ -23,11 +23,11 @@ TIER_AVX512_ENTRIES = {
     "csrc/label_logprobs/logits_simd.h": [  # on the avx512 layer; its Bf16Pairs ops (vdpbf16ps) are not reached
         f"void {NS}logits_chunk<{NS}F32Of<float> >(", f"void {NS}logits_chunk<{NS}F32Of<unsigned short> >(",
         f"void {NS}logits_chunk<{NS}Bf16>(", f"{NS}lse_update("],
-    "csrc/prefix_item_attention/prefix_item_attention_avx512.cpp": [
+    "csrc/prefix_item_attention/attention_simd.h": [  # its avx512 unit (Bf16Pairs' ops: tier avx512bf16 up)
         "pyscore::attention_ops_avx512(", f"void {NS}pack_k<{NS}F32>(", "pyscore::pack_v_f32(",
-        f"void {NS}attend<{NS}F32>(", f"void {NS}store_row<{NS}F32>(",
-        f"void {NS}pack_k<{NS}Bf16>(", f"{NS}pack_v_bf16(", f"void {NS}attend<{NS}Bf16Widen>(",
-        f"void {NS}store_row<{NS}Bf16Widen>("],
+        f"void {NS}attend<{NS}F32>(", f"void {NS}store_row<float>(",
+        f"void {NS}pack_k<{NS}Bf16>(", f"{NS}pack_v_bf16(", f"void {NS}attend<{NS}Bf16>(",
+        f"void {NS}store_row<unsigned short>("],
     "csrc/decode_attention/decode_attention_simd.h": [  # its avx512 unit (Bf16Dpbf16's ops: tier avx512bf16 up)
         "pyscore::decode_ops_avx512(", f"void {NS}attend_rows<{NS}F32, 4>(", f"void {NS}attend_rows<{NS}F32, 8>(",
         f"void {NS}store_row<float>(", f"void {NS}attend_rows<{NS}Bf16Widen, 4>(",

@@ -34,8 +34,7 @@ TILED = {
     ("csrc/decode_attention/decode_attention_simd.h", "avx512"): [
         "void pyscore::(anonymous namespace)::attend<", "void pyscore::(anonymous namespace)::value_pass<"],
     ("csrc/prefix_item_attention/attention_simd.h", "avx2"): ["void pyscore::(anonymous namespace)::attend_tile<"],
-    ("csrc/prefix_item_attention/prefix_item_attention_avx512.cpp", "avx512"): [
-        "void pyscore::(anonymous namespace)::attend_tile<"],
+    ("csrc/prefix_item_attention/attention_simd.h", "avx512"): ["void pyscore::(anonymous namespace)::attend_tile<"],
     ("csrc/gated_delta_rule/gated_delta_rule_simd.h", "avx2"): [
         "void pyscore::(anonymous namespace)::state_columns<", "void pyscore::(anonymous namespace)::conv_tokens<"],
     ("csrc/gated_delta_rule/gated_delta_rule_simd.h", "avx512"): [
