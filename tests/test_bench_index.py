@@ -1,7 +1,7 @@
 """bench/results/ is an archive: bench/results/INDEX.md is what `python -m bench.index` makes now, it lists every file
 there, every record's header names its command, commit and CPU, every record is cited (by the docs, the tier table,
 a kernel's comment, a test or another record), every record a document names by path exists, and no record rests on
-a script outside the repository (/tmp), but for the ones the kernels still cite (below)."""
+a script outside the repository (/tmp)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,6 @@ from bench import index
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = index.RESULTS
-# Records whose scripts lived in /tmp and that csrc/ or pyscore/ still cite: they go when those citations do (the
-# kernel engineer's files). The list may only shrink: each entry must still exist and still name a /tmp script.
-TMP_SCRIPTS_CITED_BY_KERNELS = {
-    "tiers/kernels/decode_attention_heads_together.txt", "tiers/probes/decode_attention_memory_probes.txt",
-    "tiers/kernels/labels_avx2_bf16_head_ab.txt", "tiers/kernels/linear_amx_mid_rows.txt",
-    "tiers/kernels/linear_amx_row_blocks.txt", "tiers/kernels/linear_avx2_bf16_panel_rows_ab.txt",
-    "tiers/kernels/linear_widen_panel.txt", "tiers/engine/prefix_cache_sink_ab.txt",
-}
 TMP_SCRIPT = re.compile(r"/tmp/[\w./-]*\.py")
 
 
@@ -90,5 +82,4 @@ def test_every_cited_record_exists() -> None:
 def test_no_record_rests_on_a_tmp_script() -> None:
     resting = {str(p.relative_to(RESULTS)) for p in index.all_files()
                if p.suffix in index.RECORDS and TMP_SCRIPT.search(p.read_text(errors="replace"))}
-    assert resting <= TMP_SCRIPTS_CITED_BY_KERNELS, sorted(resting - TMP_SCRIPTS_CITED_BY_KERNELS)
-    assert resting == TMP_SCRIPTS_CITED_BY_KERNELS, f"remove from the list: {TMP_SCRIPTS_CITED_BY_KERNELS - resting}"
+    assert not resting, f"these records name a script that is not in the repository: {sorted(resting)}"

@@ -205,9 +205,9 @@ Status decode_attention_cpu(const DecodeAttentionParams& p) {
     }
     // A chunk's kv heads in turn on one thread, instead of units dealt out one by one (which puts the heads of a
     // page, a head's 128 or 256 bytes a token apart, on both cores at once; why that reads slower is not measured,
-    // this VM has no counters: bench/results/tiers/probes/decode_attention_memory_probes.txt). 16-token pages, one layer,
-    // two threads, alternated call by call: 1.39-1.50x at 16-32 generations of ~330 keys, 1.71x at 8; one thread
-    // 1.06x (bench/results/tiers/kernels/decode_attention_heads_together.txt). With fewer chunks than two per thread the
+    // this VM has no counters: bench/results/tiers/probes/decode_attention_memory_probes.txt). One layer's call at 8-32
+    // generations of ~330 keys, tree against tree on a Zen 4: neutral at avx512bf16, up to 1.3x at avx2
+    // (bench/results/tiers/kernels/decode_attention_heads_together.txt). With fewer chunks than two per thread the
     // units go one by one, so that a few long sequences still use every thread. Bits are the same either way.
     const int64_t together = num_chunks >= 2 * int64_t(omp_get_num_threads()) ? p.num_kv_heads : 1;
 #pragma omp for schedule(dynamic, 1)

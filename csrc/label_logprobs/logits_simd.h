@@ -229,8 +229,8 @@ void copy_logits(const LabelLogprobsParams& p, int32_t v0, int32_t n, float* out
 // the head streams from memory and the widening hides under it). More rows widen each column of VT weight rows
 // once into a per-thread fp32 copy (VT x H: L1 or L2) that the fp32 tiles read: there the read-out is bound by
 // arithmetic and every row tile would widen the same vectors again. Against the fp32 head on a Zen 1 (16
-// registers): in registers 1.5-1.9x at 1-2 rows, 1.3-1.5x at 3, 0.86-1.09x at 6-10 (the copy 0.83-0.91x); the copy
-// 0.89-0.95x at 12-24 rows (in registers 0.77-0.91x) (bench/results/tiers/kernels/labels_avx2_bf16_head_ab.txt). With 32
+// registers): in registers 1.5-1.9x at 1-2 rows, 1.3-1.5x at 3, 0.92-1.02x at 8; the copy 0.86-0.96x at 12-16 rows
+// (bench/results/tiers/kernels/labels_avx2_bf16_head_ab.txt). With 32
 // registers (6-row tiles) the widening is shared by more rows: in registers always.
 constexpr int kInRegisterRows = kWideRegisters ? INT_MAX : 9;
 

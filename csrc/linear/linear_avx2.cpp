@@ -46,9 +46,9 @@ constexpr int32_t kKBlock = 1024;    // K per cache block (even: whole bf16 pair
 constexpr int32_t kNarrowRows = 16;
 
 // bf16 weights under fp32 x: a rectangle of more than this many rows widens the panel once (widen_panel) and runs
-// 6-row tiles over it from L2, where the narrow tiles widen every weight vector once per 2-3 rows. SmolLM2's and
-// Qwen3-0.6B's projections, weights from DRAM, on an AMD Zen 1: 1.00-1.06x at 11 rows, 1.03-1.08x at 12, 1.06-1.11x
-// at 16; 0.88-0.94x at 4-8, even at 10 (bench/results/tiers/kernels/linear_avx2_bf16_panel_rows_ab.txt).
+// 6-row tiles over it from L2, where the narrow tiles widen every weight vector once per 2-3 rows. A decode step of
+// SmolLM2's bf16 checkpoint on an AMD Zen 1: 12 generations 1.09x, 16 1.07x (8, the unchanged path: 1.01x)
+// (bench/results/tiers/kernels/linear_avx2_bf16_panel_rows_ab.txt).
 constexpr int32_t kPanelRows = 10;
 
 // Rows of the tile at row m of a rectangle ending at m1: 6-row tiles when `wide`, else tiles of at most 3 rows.

@@ -306,10 +306,8 @@ void rect(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1)
 }
 
 // Widened bf16 pairs: through the fp32 panel where the rectangle has the rows to repay widening it, else pair by
-// pair. Both give the same bits, so the rows a call has change no row's result. At SmolLM2's gate_up and down and
-// Qwen3-8B's qkv and down, alternated call by call (bench/results/tiers/kernels/linear_widen_panel.txt): 1.21-1.34x at
-// 776 rows on two threads, 1.12-1.17x on one; 1.08-1.33x at 64 rows on two threads (0.94-1.30x on one); at 48
-// rows 0.91-1.24x, so a decode step's few rows stay pair by pair.
+// pair. Both give the same bits, so the rows a call has change no row's result. A prefill's rows take the panel, a
+// decode step's few rows stay pair by pair (bench/results/tiers/kernels/linear_widen_panel.txt).
 constexpr int32_t kPanelMinRows = 64;
 
 void rect_widen(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1) {
@@ -459,20 +457,15 @@ void amx_block(const AmxRows& a, const uint16_t* w, int32_t steps, bool first, f
 // Cache blocking (the K blocks are a function of K alone, which keeps the bits): K in near-equal blocks of at most
 // kAmxKBlock. With one K block, all of the rectangle's rows are one row block: each 256-column chunk's weight panels
 // come from memory once per call while the rows pass over them (x from L2 / L3). Blocks of 256 rows read the whole
-// weight once per block, and a short last block (a 776-row MIS: 3 x 256 + 8) once more for a few rows: in one
-// process, bitwise the same, one block read 1.09-1.14x paired over Qwen3-0.6B's projections at 300-1552 rows (its
-// weights stream from DRAM; 1.06x at 3104) and a 16-candidate Qwen3-0.6B MIS 1.11x; SmolLM2 (weights in L3)
-// 0.99-1.04x paired up to 4825 rows, its MIS 1.03x (bench/results/tiers/kernels/linear_amx_row_blocks.txt). Over
+// weight once per block, and a short last block (a 776-row MIS: 3 x 256 + 8) once more for a few rows
+// (bench/results/tiers/kernels/linear_amx_row_blocks.txt). Over
 // several K blocks (K > 2048: Qwen3-8B's projections, weights far larger than L3) a row block is as tall as
 // kAmxPartialBytes of fp32 partials allow, from kAmxRowBlock up to kAmxRowBlockMax rows. Partial sums wait in fp32
 // between K blocks (exact); the epilogue runs after the last, one tile block behind the tiles (PendingEpilogue).
 constexpr int32_t kAmxKBlock = 2048, kAmxRowBlock = 256, kAmxRowBlockMax = 1024, kAmxColChunk = 256;
-// Row tiles per row block up to which the 1 x 4 kernel runs at one K block. A forward's projections in order (their
-// weights from memory, as a decode step or a small batch reads them), alternated in one process, bitwise the same:
-// SmolLM2 1.27-1.38x the 2 x 2 kernel at 17-96 rows, 1.19-1.22x at 128-192, mixed at a full 256-row block, 0.85x
-// over 776 rows; Qwen3-0.6B's K <= 2048 projections 1.06-1.37x up to 256 rows
-// (bench/results/tiers/kernels/linear_amx_mid_rows.txt). Before, only a single row tile (16 rows) ran 1 x 4: a decode step
-// of 17 generations took ~1.8x one of 16 in the projections.
+// Row tiles per row block up to which the 1 x 4 kernel runs at one K block. Before, only a single row tile (16 rows)
+// ran 1 x 4: a decode step of 17 generations took ~1.8x one of 16 in the projections
+// (bench/results/tiers/kernels/linear_amx_mid_rows.txt).
 constexpr int32_t kAmx1x4MaxTiles = 12;
 constexpr int64_t kAmxPartialBytes = int64_t(16) << 20;  // per thread
 

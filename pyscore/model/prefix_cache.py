@@ -163,8 +163,9 @@ class PrefixCache:
             return None
         b = self.block_tokens
         # Runs of blocks consecutive both in the stream and in the pool (a query's blocks usually are, the pool's
-        # free pages mostly): each run one slice copy a layer, where a gather then an index_copy_ per layer cost
-        # ~5 ms a 16-candidate SmolLM2 MIS (bench/results/tiers/engine/prefix_cache_sink_ab.txt).
+        # free pages mostly): each run one slice copy a layer, where a gather then an index_copy_ per layer made a
+        # cold 16-candidate SmolLM2 MIS 1.02x slower on an AMX Xeon
+        # (bench/results/tiers/engine/prefix_cache_sink_ab.txt).
         runs: list[list[int]] = []  # [first stream row, first slot, blocks]
         for start, slot in writes:
             if runs and start == runs[-1][0] + runs[-1][2] * b and slot == runs[-1][1] + runs[-1][2]:
