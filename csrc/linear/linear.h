@@ -54,8 +54,9 @@ Status linear_cpu(const LinearParams& params);
 
 // ---- The CPU launcher's parts ------------------------------------------------------------------------------------
 // Internal interface of the CPU linear kernel: the launcher (linear_cpu.cpp, baseline ISA) splits the output into
-// rectangles over threads and calls these ops on them; they come in an AVX-512 build (linear_avx512.cpp), an AVX2
-// build (linear_avx2.cpp) and a portable one. x arrives with an even K (the launcher pads an odd K), so a bf16 row is whole pairs.
+// rectangles over threads and calls these ops on them; they come from the kernel text linear_simd.h (one unit per
+// vector layer: avx2, avx512, neon), the AMX tiles (linear_amx.cpp) and the portable loops. x arrives with an even K
+// (the launcher pads an odd K), so a bf16 row is whole pairs.
 
 // Packed columns per unit of work: one gated unit (16 gate + 16 up columns), two zmm.
 constexpr int32_t kLinearUnitN = 32;
@@ -64,11 +65,16 @@ struct LinearCpuOps {
   // Rows [m0, m1) x packed columns [c0, c1) (multiples of kLinearUnitN) of the output, epilogue included.
   void (*rect)(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1);
   int32_t row_tile;  // rows the micro-kernel takes at once: row chunks are multiples of it (no short tile left)
+  // The epilogue (bias, SiLU-mul, residual, rounding to x's dtype) of rows [m, m + rows) x packed columns [c, c +
+  // width) (whole units) from their fp32 sums in acc (column c first, rows ldc floats apart); the AMX tiles run the
+  // avx512 unit's. nullptr for the portable loops.
+  void (*epilogue)(const LinearParams& p, int32_t m, int32_t rows, int32_t c, int32_t width, const float* acc,
+                   int64_t ldc) = nullptr;
 };
 
-// The layers' ops: the AMX tile GEMM (bf16 only, where the OS grants the tile state), AVX-512 FMAs (key.bf16_dot:
-// how bf16 pairs are multiplied), AVX2 + FMA; key.bf16_weight: a bf16 weight under fp32 x (dtype float32), which the
-// AVX-512 and AVX2 ops read. nullptr where the key is not covered.
+// The layers' ops: the AMX tile GEMM (bf16 only, where the OS grants the tile state) and the vector layers' (key.bf16_dot:
+// how bf16 pairs are multiplied; key.bf16_weight: a bf16 weight under fp32 x, dtype float32). nullptr where the key
+// is not covered.
 PYSCORE_KERNELS(linear, linear_ops, const LinearCpuOps*);
 
 }  // namespace pyscore

@@ -2,8 +2,8 @@
 // OpenMP threads: with enough column units every thread takes a contiguous run of them for all rows, so each
 // weight byte is read by one thread once (decode is weight-bandwidth bound); with few columns and many rows the
 // rows are split into chunks too. A row's arithmetic never depends on the rectangle it falls in, so the split only
-// changes who computes a row, not its bits. The arithmetic lives in LinearCpuOps: AVX-512 (+BF16) or AVX2 + FMA by
-// the CPU tier, else the portable loops below over the same packed layout.
+// changes who computes a row, not its bits. The arithmetic lives in LinearCpuOps: the running tier's (AMX tiles, or
+// the kernel text linear_simd.h on its vector layer), else the portable loops below over the same packed layout.
 #include <omp.h>
 
 #include <algorithm>
@@ -19,7 +19,7 @@
 namespace pyscore {
 namespace {
 
-// Row tile of the AVX-512 and AVX2 micro-kernels (and the portable loops, which share their split).
+// Row tile of the vector micro-kernels (and the portable loops, which share their split).
 constexpr int32_t kRowTile = 6;
 
 // ---- portable ops ----------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""Tier `avx512` (AVX-512 F/BW/DQ/VL without BF16: Skylake-SP to Ice Lake) runs `linear` and prefill attention from the
-AVX-512 files and the label read-out and decode attention from their kernel texts' avx512 units, in fp32 and in bf16
-with pairs widened to fp32 (Bf16Dot kWiden, which cpu_bf16_dot() answers below tier avx512bf16), and add_rms_norm,
+"""Tier `avx512` (AVX-512 F/BW/DQ/VL without BF16: Skylake-SP to Ice Lake) runs `linear`, prefill attention, the
+label read-out and decode attention from their kernel texts' avx512 units, in fp32 and in bf16 with pairs widened to
+fp32 (Bf16Dot kWiden, which cpu_bf16_dot() answers below tier avx512bf16), and add_rms_norm,
 rotary and silu_mul (the avx512 units of their kernel texts) and Qwen3.5's causal conv1d and gated delta rule in both
 dtypes; all are compiled with AVX512-BF16 and AMX enabled. The code it reaches must hold no instruction those CPUs
 lack, or they die of SIGILL: this compiles those sources as the build does (without LTO, so that each function's code
@@ -19,7 +19,9 @@ from tests.ops.machine_code import Instruction, functions, needs_x86_gcc
 NS = "pyscore::(anonymous namespace)::"
 # file -> the entry points its launcher takes at tier avx512, fp32 and widened bf16 (as objdump -C names them)
 TIER_AVX512_ENTRIES = {
-    "csrc/linear/linear_avx512.cpp": [f"void {NS}rect<{NS}F32>(", f"void {NS}rect<{NS}Bf16Widen>("],
+    "csrc/linear/linear_simd.h": [  # its avx512 unit (Bf16Pairs' ops: tier avx512bf16 up)
+        f"void {NS}rect<{NS}F32>(", f"{NS}rect_widen(", f"void {NS}rect<{NS}Bf16Weight>(",
+        f"void {NS}epilogue<float>(", f"void {NS}epilogue<unsigned short>("],
     "csrc/label_logprobs/logits_simd.h": [  # on the avx512 layer; its Bf16Pairs ops (vdpbf16ps) are not reached
         f"void {NS}logits_chunk<{NS}F32Of<float> >(", f"void {NS}logits_chunk<{NS}F32Of<unsigned short> >(",
         f"void {NS}logits_chunk<{NS}Bf16>(", f"{NS}lse_update("],

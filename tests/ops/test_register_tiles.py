@@ -26,9 +26,8 @@ from tests.ops.machine_code import Instruction, functions, needs_aarch64_gcc, ne
 TILED = {
     ("csrc/label_logprobs/logits_simd.h", "avx2"): ["void pyscore::(anonymous namespace)::dot_tile<"],
     ("csrc/label_logprobs/logits_simd.h", "avx512"): ["void pyscore::(anonymous namespace)::dot_tile<"],
-    ("csrc/linear/linear_avx2.cpp", "avx2"): ["void pyscore::(anonymous namespace)::micro<"],
-    ("csrc/linear/linear_avx512.cpp", "avx512"): [
-        "void pyscore::(anonymous namespace)::rect<", "void pyscore::(anonymous namespace)::row_tiles<"],
+    ("csrc/linear/linear_simd.h", "avx2"): ["void pyscore::(anonymous namespace)::micro<"],
+    ("csrc/linear/linear_simd.h", "avx512"): ["void pyscore::(anonymous namespace)::micro<"],
     ("csrc/decode_attention/decode_attention_simd.h", "avx2"): [
         "void pyscore::(anonymous namespace)::attend<", "void pyscore::(anonymous namespace)::value_pass<"],
     ("csrc/decode_attention/decode_attention_simd.h", "avx512"): [
