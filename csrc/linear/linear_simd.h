@@ -32,6 +32,7 @@
 #pragma once
 #include "common/kernel_text.h"
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -72,9 +73,11 @@ constexpr int32_t kAhead = kNarrowLayer ? 32 : 0;
 // Half the L2 of the layer's CPUs: 1-2 MiB with AVX-512, 512 KiB on a Zen 1-3 with AVX2 only.
 constexpr int64_t kPanelBytes = kLanes >= 16 ? int64_t(512) << 10 : int64_t(256) << 10;
 
-// bf16 x, widened: from this many rows the panel is widened once per K block (WidenPanel) instead of each weight
-// vector once per row tile; both give the same bits (bench/results/tiers/kernels/linear_widen_panel.txt).
-constexpr int32_t kWidenPanelRows = 64;
+// bf16 x, widened: on AVX-512, from this many rows the panel is widened once per K block (WidenPanel) instead of each
+// weight vector once per row tile; both give the same bits (bench/results/tiers/kernels/linear_widen_panel.txt). On a
+// narrow layer the panel ran a SmolLM2 / Qwen3-0.6B prefill (776 rows) at 1.08-1.12x the time of widening in
+// registers on a Zen 4 (bench/results/tiers/kernels/linear_text_ab_avx2.txt, first run): never there.
+constexpr int32_t kWidenPanelRows = kNarrowLayer ? INT32_MAX : 64;
 
 // bf16 weights under fp32 x on a narrow layer: above this many rows the panel is widened once per K block and runs
 // F32's 6-row tiles from L2, where the narrow tiles widen each weight vector once per 2-3 rows (SmolLM2's bf16
