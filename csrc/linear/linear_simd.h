@@ -90,7 +90,7 @@ constexpr int32_t kWeightPanelRows = 10;
 // ---- element policies -------------------------------------------------------------------------------------------
 // T: x's, the residual's and out's type; P: the packed weight's; W: what step() reads (the packed weight or a
 // widened fp32 panel); kPack: K elements per step; kColElems / kStepElems: W elements per column and per step row;
-// Row: what a tile's x rows are handed to step() as (XIn: x in place; XWide: bf16 x widened to fp32).
+// kRows: how a tile's x rows reach step() (XRows::kInPlace: x itself; kWidened: bf16 x widened to fp32).
 
 enum class XRows { kInPlace, kWidened };
 
@@ -213,7 +213,7 @@ struct Tile {
   int64_t steps;
   bool first;     // the first K block: the sums start from zero, else from acc
   float* acc;     // the tile's sums, rows kLinearBlockN floats apart, from the strip's first column
-  bool prefetch;    // prefetch the K row kAhead steps ahead (micro's kPrefetch)
+  bool prefetch;    // the first tile's first strip: prefetch K rows ahead where the layer does (micro_fit)
   int64_t pf_last;  // the last K step of the block column, from the K block's start
 };
 
@@ -257,7 +257,9 @@ template <class E, int TM, int NV, bool kPrefetch>
 template <class E, int TM, int NV>
 void micro_fit(const Tile& t) {
   if constexpr (NV <= max_vecs(TM)) {
-    if (kAhead > 0 && !E::kPanel && t.prefetch) return micro<E, TM, NV, true>(t);
+    if constexpr (kAhead > 0 && !E::kPanel) {  // a panel is in L2 already: nothing to prefetch
+      if (t.prefetch) return micro<E, TM, NV, true>(t);
+    }
     micro<E, TM, NV, false>(t);
   }
 }
@@ -403,7 +405,7 @@ void rect(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1)
         float* acc = partial.data() + int64_t(m - m0) * kLinearBlockN;
         const int nv = tile_vecs(tm, width);
         for (int32_t s = 0; s < width; s += nv * kLanes) {
-          const bool prefetch = kAhead > 0 && !E::kPanel && m == m0 && s == 0;
+          const bool prefetch = m == m0 && s == 0;  // the first tile's first strip (micro_fit: where it applies)
           const Tile t{x.data, x.stride, wk + s * E::kColElems, steps, s0 == 0, acc + s,
                        prefetch, k_steps - s0 - 1};
           micro_rows<E>(tm, nv, t);
