@@ -6,23 +6,21 @@
 
 #include <cstdlib>
 
-#include "add_rms_norm/add_rms_norm.h"
 #include "common/bind_args.h"
 #include "common/cpu_features.h"
 #include "common/dispatch.h"
 #include "common/merge_state_cpu.h"
 #include "common/threads.h"
 #include "decode_attention/decode_attention.h"
-#include "gated_delta_rule/gated_delta_rule.h"
-#include "label_logprobs/label_logprobs.h"
-#include "linear/linear.h"
 #include "prefix_item_attention/plan_cpu.h"
 #include "prefix_item_attention/prefix_item_attention.h"
-#include "rotary/rotary.h"
-#include "silu_mul/silu_mul.h"
 
 namespace py = pybind11;
 using namespace pyscore;
+
+namespace pyscore {
+void bind_cpu_ops(py::module_& m);  // generated
+}  // namespace pyscore
 
 namespace {
 
@@ -85,14 +83,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("cache_v") = 0, py::arg("cache_strides") = CacheStrides{0, 0, 0},
         "One layer's attention with a plan from prefix_item_attention_plan (the tables are read from the plan); "
         "cache_k / cache_v: this layer's cached blocks when the plan has cached keys");
-  bind_op(m, "causal_conv1d", causal_conv1d_cpu, ConvArgs{});
-  bind_op(m, "gated_delta_rule", gated_delta_rule_cpu, RuleArgs{});
-  bind_op(m, "decode_attention", decode_attention_cpu, DecodeArgs{});
-  bind_op(m, "label_logprobs", label_logprobs_cpu, LabelArgs{});
-  bind_op(m, "linear", linear_cpu, LinearArgs{});
-  bind_op(m, "add_rms_norm", add_rms_norm_cpu, AddRmsNormArgs{});
-  bind_op(m, "rotary", rotary_cpu, RotaryArgs{});
-  bind_op(m, "silu_mul", silu_mul_cpu, SiluMulArgs{});
+  bind_cpu_ops(m);  // every op header's PYSCORE_BIND line (generated: cmake/kernel_table.cmake)
   // Exposed so the log-sum-exp merge of the cascade is tested alone (fp32, contiguous [rows, dim] / [rows]).
   m.def("merge_state",
         [](uintptr_t o_a, uintptr_t lse_a, uintptr_t o_b, uintptr_t lse_b, uintptr_t o_out, uintptr_t lse_out,

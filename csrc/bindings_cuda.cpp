@@ -67,10 +67,10 @@ PYBIND11_MODULE(_C_cuda, m) {
         py::arg("cache_k") = 0, py::arg("cache_v") = 0, py::arg("cache_strides") = CacheStrides{0, 0, 0},
         "One layer's attention with a workspace planned by prefix_item_attention_plan for the same shape (and the "
         "same cached-key tables); cache_k / cache_v: this layer's cached blocks");
-  bind_op(m, "causal_conv1d", causal_conv1d_cuda, ConvArgs{});
-  bind_op(m, "gated_delta_rule", gated_delta_rule_cuda, RuleArgs{});
-  bind_op(m, "decode_attention", decode_attention_cuda, DecodeArgs{});
-  bind_op(m, "label_logprobs", label_logprobs_cuda, LabelArgs{});
+  bind_op(m, "causal_conv1d", causal_conv1d_cuda, causal_conv1d_bind_args{});
+  bind_op(m, "gated_delta_rule", gated_delta_rule_cuda, gated_delta_rule_bind_args{});
+  bind_op(m, "decode_attention", decode_attention_cuda, decode_attention_bind_args{});
+  bind_op(m, "label_logprobs", label_logprobs_cuda, label_logprobs_bind_args{});
   m.def("available", []() {
     int n = 0;
     return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;

@@ -13,6 +13,7 @@
 
 #include "common/dtype.h"
 #include "common/dispatch.h"
+#include "common/op_args.h"
 
 namespace pyscore {
 
@@ -39,6 +40,8 @@ struct AddRmsNormParams {
 
 // Returns a Status, never throws. CPU only: on CUDA the Python wrapper runs the torch reference.
 Status add_rms_norm_cpu(const AddRmsNormParams& params);
+PYSCORE_BIND(add_rms_norm, add_rms_norm_cpu, Ptr, int64_t, Ptr, int64_t, Ptr, Ptr, int64_t, int32_t, int32_t, float,
+             bool, DTypeName);
 
 using AddRmsNormRows = void (*)(const AddRmsNormParams& p, int32_t begin, int32_t end);
 

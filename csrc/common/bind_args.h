@@ -1,6 +1,6 @@
 // The flat Python arguments of the bindings (bindings_cpu.cpp, bindings_cuda.cpp): pointers arrive as ints
 // (tensor.data_ptr()), taken as Ptr, strides as (token, head) tuples, dtypes by name; bind_op binds an op from its
-// params struct and argument types, the same for both modules.
+// params struct and argument types (common/op_args.h: the op header's PYSCORE_BIND line), the same for both modules.
 #pragma once
 #include <pybind11/pybind11.h>
 
@@ -11,25 +11,10 @@
 #include <type_traits>
 #include <utility>
 
-#include "decode_attention/decode_attention.h"
-#include "gated_delta_rule/gated_delta_rule.h"
-#include "label_logprobs/label_logprobs.h"
-#include "linear/linear.h"
-#include "prefix_item_attention/prefix_item_attention.h"
+#include "common/dtype.h"
+#include "common/op_args.h"
 
 namespace pyscore {
-
-using Strides = std::pair<int64_t, int64_t>;
-
-// A tensor's address as the Python wrappers pass it (tensor.data_ptr(), an int; 0 for none), typed: it converts to
-// whichever pointer a params field holds, so a binding fills its params struct directly (aggregate initialization,
-// in the order the op header (csrc/<op>/<op>.h) declares the fields) instead of unpacking uintptr_t by hand in a make_*_params function.
-// pybind11 reads it as it reads a uintptr_t (the caster below).
-struct Ptr {
-  uintptr_t address = 0;
-  template <class T>
-  operator T*() const { return reinterpret_cast<T*>(address); }
-};
 
 inline DType dtype_or_throw(const std::string& name) {
   DType dt;
@@ -53,9 +38,6 @@ inline void throw_on_error(Status status, const char* op) {
 // field (a Ptr, a number, a dtype name) or several (a (token, head) Strides pair: two; CacheStrides: three), and
 // params_from aggregate-initializes the struct from them. A field missing or extra, a pointer where the struct
 // declares a number, a narrowing conversion: each fails to compile, so an argument list cannot drift from its struct.
-
-// One layer's cached blocks: (block, token, head) strides in elements.
-using CacheStrides = std::tuple<int64_t, int64_t, int64_t>;
 
 template <class T>
 std::tuple<T> fields_of(const T& x) { return {x}; }
@@ -81,29 +63,6 @@ Params params_from(const A&... args) {
   static_assert(!takes_more_fields<Params, decltype(fields)>::value, "the arguments leave fields of Params unset");
   return std::apply([](const auto&... f) { return Params{f...}; }, fields);
 }
-
-// The Python argument types of an op, the same for both modules (a CUDA binding appends the stream).
-template <class... A>
-struct Args {};
-
-// The ops both modules bind, and the CPU-only ones.
-using ConvArgs = Args<Ptr, int64_t, Ptr, Ptr, int64_t, Ptr, int32_t, int32_t, int32_t, int32_t, Ptr, Ptr, std::string>;
-using RuleArgs = Args<Ptr, Strides, Ptr, Strides, Ptr, Strides, Ptr, int64_t, Ptr, int64_t, Ptr, Ptr, Ptr, Strides,
-                      Ptr, int32_t, int32_t, Ptr, int32_t, int32_t, int32_t, int32_t, int32_t, float, Ptr, Ptr, Ptr,
-                      Ptr, std::string>;
-using DecodeArgs = Args<Ptr, Strides, Ptr, Strides, Ptr, Ptr, Strides, Ptr, Ptr, Strides, Strides, int32_t, Ptr,
-                        int64_t, int32_t, Ptr, int32_t, int32_t, int32_t, int32_t, int32_t, float, std::string>;
-using LabelArgs = Args<Ptr, int64_t, Ptr, int64_t, Ptr, Ptr, Ptr, Ptr, int32_t, int32_t, int32_t, int32_t, std::string,
-                       Ptr, int64_t, bool>;
-using LinearArgs = Args<Ptr, int64_t, Ptr, Ptr, Ptr, int64_t, Ptr, int64_t, int32_t, int32_t, int32_t, int32_t, bool,
-                        std::string, bool>;
-using AddRmsNormArgs = Args<Ptr, int64_t, Ptr, int64_t, Ptr, Ptr, int64_t, int32_t, int32_t, float, bool, std::string>;
-using RotaryArgs = Args<Ptr, Strides, Ptr, Strides, Ptr, Ptr, Ptr, int64_t, Ptr, Ptr, float, int32_t, int32_t, int32_t,
-                        int32_t, std::string>;
-using SiluMulArgs = Args<Ptr, int64_t, Ptr, int64_t, Ptr, int64_t, int32_t, int32_t, std::string>;
-// The plan's shape (AttentionPlanParams), both modules.
-using AttentionPlanArgs = Args<Ptr, int32_t, int32_t, int32_t, int32_t, int32_t, std::string, Ptr, Ptr, int32_t,
-                               int32_t>;
 
 // CPU: `name`(args...) runs launch(params) with the GIL released (the decoder's elementwise ops too, tens of
 // microseconds each: the server's event loop is never held up by model work); the status becomes an exception.

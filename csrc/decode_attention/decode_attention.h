@@ -23,6 +23,7 @@
 #include <cstdint>
 
 #include "common/dispatch.h"
+#include "common/op_args.h"
 #include "common/dtype.h"
 
 namespace pyscore {
@@ -60,6 +61,9 @@ struct DecodeAttentionParams {
 // Launchers for decode_attention. They return a Status, never throw.
 
 Status decode_attention_cpu(const DecodeAttentionParams& params);
+PYSCORE_BIND(decode_attention, decode_attention_cpu, Ptr, Strides, Ptr, Strides, Ptr, Ptr, Strides, Ptr, Ptr, Strides,
+             Strides, int32_t, Ptr, int64_t, int32_t, Ptr, int32_t, int32_t, int32_t, int32_t, int32_t, float,
+             DTypeName);
 // `stream` is a cudaStream_t passed as void* so this header needs no CUDA include.
 Status decode_attention_cuda(const DecodeAttentionParams& params, void* stream);
 

@@ -34,6 +34,7 @@
 
 #include "common/dtype.h"
 #include "common/dispatch.h"
+#include "common/op_args.h"
 
 namespace pyscore {
 
@@ -109,7 +110,12 @@ struct GatedDeltaRuleParams {
 // Launchers for the linear-attention ops. They return a Status, never throw.
 
 Status causal_conv1d_cpu(const CausalConv1dParams& params);
+PYSCORE_BIND(causal_conv1d, causal_conv1d_cpu, Ptr, int64_t, Ptr, Ptr, int64_t, Ptr, int32_t, int32_t, int32_t, int32_t,
+             Ptr, Ptr, DTypeName);
 Status gated_delta_rule_cpu(const GatedDeltaRuleParams& params);
+PYSCORE_BIND(gated_delta_rule, gated_delta_rule_cpu, Ptr, Strides, Ptr, Strides, Ptr, Strides, Ptr, int64_t, Ptr,
+             int64_t, Ptr, Ptr, Ptr, Strides, Ptr, int32_t, int32_t, Ptr, int32_t, int32_t, int32_t, int32_t, int32_t,
+             float, Ptr, Ptr, Ptr, Ptr, DTypeName);
 // `stream` is a cudaStream_t passed as void* so this header needs no CUDA include.
 Status causal_conv1d_cuda(const CausalConv1dParams& params, void* stream);
 Status gated_delta_rule_cuda(const GatedDeltaRuleParams& params, void* stream);

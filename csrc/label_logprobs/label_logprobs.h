@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "common/dispatch.h"
+#include "common/op_args.h"
 #include "common/dtype.h"
 
 namespace pyscore {
@@ -45,6 +46,8 @@ struct LabelLogprobsParams {
 // Launchers for label_logprobs. They return a Status, never throw.
 
 Status label_logprobs_cpu(const LabelLogprobsParams& params);
+PYSCORE_BIND(label_logprobs, label_logprobs_cpu, Ptr, int64_t, Ptr, int64_t, Ptr, Ptr, Ptr, Ptr, int32_t, int32_t,
+             int32_t, int32_t, DTypeName, Ptr, int64_t, bool);
 Status label_logprobs_cuda(const LabelLogprobsParams& params, void* stream);
 
 // ---- The CPU launcher's parts ------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@
 #include <cstdint>
 
 #include "common/dispatch.h"
+#include "common/op_args.h"
 #include "common/dtype.h"
 
 namespace pyscore {
@@ -51,6 +52,8 @@ struct LinearParams {
 // Launcher for linear. Returns a Status, never throws.
 
 Status linear_cpu(const LinearParams& params);
+PYSCORE_BIND(linear, linear_cpu, Ptr, int64_t, Ptr, Ptr, Ptr, int64_t, Ptr, int64_t, int32_t, int32_t, int32_t, int32_t,
+             bool, DTypeName, bool);
 
 // ---- The CPU launcher's parts ------------------------------------------------------------------------------------
 // Internal interface of the CPU linear kernel: the launcher (linear_cpu.cpp, baseline ISA) splits the output into

@@ -13,6 +13,7 @@
 
 #include "common/dtype.h"
 #include "common/dispatch.h"
+#include "common/op_args.h"
 
 namespace pyscore {
 
@@ -45,6 +46,8 @@ constexpr int32_t kRotaryMaxHeadDim = 512;
 
 // Returns a Status, never throws. CPU only: on CUDA the Python wrapper runs the torch reference.
 Status rotary_cpu(const RotaryParams& params);
+PYSCORE_BIND(rotary, rotary_cpu, Ptr, Strides, Ptr, Strides, Ptr, Ptr, Ptr, int64_t, Ptr, Ptr, float, int32_t, int32_t,
+             int32_t, int32_t, DTypeName);
 
 using RotaryTokens = void (*)(const RotaryParams& p, int32_t begin, int32_t end);
 

@@ -7,6 +7,7 @@
 
 #include "common/dtype.h"
 #include "common/dispatch.h"
+#include "common/op_args.h"
 
 namespace pyscore {
 
@@ -30,6 +31,7 @@ struct SiluMulParams {
 
 // Returns a Status, never throws. CPU only: on CUDA the Python wrapper runs the torch reference.
 Status silu_mul_cpu(const SiluMulParams& params);
+PYSCORE_BIND(silu_mul, silu_mul_cpu, Ptr, int64_t, Ptr, int64_t, Ptr, int64_t, int32_t, int32_t, DTypeName);
 
 using SiluMulRows = void (*)(const SiluMulParams& p, int32_t begin, int32_t end);
 
