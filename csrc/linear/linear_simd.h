@@ -388,8 +388,15 @@ void rect(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1)
   const int64_t k_blocks = std::max<int64_t>(1, (k_steps + kBlockSteps - 1) / kBlockSteps);
   const int64_t block_steps = std::max<int64_t>(1, (k_steps + k_blocks - 1) / k_blocks);
   const bool narrow = kNarrowLayer && !E::kPanel && m1 - m0 <= kNarrowRows;
-  thread_local std::vector<float> partial;  // [m1 - m0][64]: the rectangle's sums over one block part
-  if (partial.size() < size_t(m1 - m0) * kLinearBlockN) partial.resize(size_t(m1 - m0) * kLinearBlockN);
+  // The sums of a tile between its K blocks: over several, the rectangle's rows x one block part wait in
+  // `partial`; with one, a tile's sums go through one L1 buffer that the next tile reuses (the rectangle's
+  // [m1 - m0][64] written and read back once per block part cost a 776-row bf16 prefill 2-11% on a Zen 4:
+  // bench/results/tiers/kernels/linear_text_ab_rerun_avx512bf16.txt).
+  thread_local std::vector<float> partial;
+  alignas(64) float local[kTileRows * kLinearBlockN];
+  const bool one_block = k_blocks == 1;
+  if (!one_block && partial.size() < size_t(m1 - m0) * kLinearBlockN)
+    partial.resize(size_t(m1 - m0) * kLinearBlockN);
   const typename E::P* packed = static_cast<const typename E::P*>(p.w_packed);
   for (int32_t c = c0; c < c1;) {
     const int32_t block = c / kLinearBlockN, part0 = c % kLinearBlockN;
@@ -402,7 +409,7 @@ void rect(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1)
       for (int32_t m = m0, tm; m < m1; m += tm) {
         tm = tile_rows(narrow, m, m1);
         const Rows x = x_rows<E>(p, m, tm, s0 * E::kPack, steps * E::kPack);
-        float* acc = partial.data() + int64_t(m - m0) * kLinearBlockN;
+        float* acc = one_block ? local : partial.data() + int64_t(m - m0) * kLinearBlockN;
         const int nv = tile_vecs(tm, width);
         for (int32_t s = 0; s < width; s += nv * kLanes) {
           const bool prefetch = m == m0 && s == 0;  // the first tile's first strip (micro_fit: where it applies)
