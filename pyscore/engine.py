@@ -37,7 +37,8 @@ from pyscore.model.kv_store import KVStore, KVStoreStats
 from pyscore.model.loading import LoadedModel, load_model
 from pyscore.model.packing import Group, pack
 from pyscore.model.prefix_cache import CacheLease, PrefixCache, PrefixCacheStats, pass_lease, unsupported_reason
-from pyscore.ops import _ext, label_logprobs
+from pyscore.model.weights import QUANTIZE
+from pyscore.ops import _ext, label_logprobs, linear_int8
 from pyscore.scoring import ModelTraits, PreparedScore, prepare_score
 from pyscore.types import (
     Boundary,
@@ -196,12 +197,16 @@ class Engine:
                                            self.prefix_cache, self.kv_store, self.prefill_chunk_tokens)
         # Which path every op takes on this model's device and dtype, decided once by the op registry.
         self.op_paths = _ext.op_paths(self.decoder.device, self.decoder.dtype, op_backend)
+        self.quantize = "int8" if self.decoder.int8_weights else ""
+        if self.quantize:
+            self.op_paths["linear"] = linear_int8.describe(self.decoder.device)
         if self.decoder.bf16_weights:  # (the registry knows the dtype, not the checkpoint)
             self.op_paths["linear"] += "; the checkpoint's bf16 projections held in bf16, widened exactly"
             self.op_paths["label_logprobs"] += "; the checkpoint's bf16 LM head held in bf16, widened exactly"
         self.cpu_tier = _ext.cpu_tier() if self.decoder.device.type == "cpu" else ""
-        log.info("%s; model on %s in %s%s", _ext.cuda_status()[1], self.decoder.device,
-                 str(self.decoder.dtype).removeprefix("torch."), f", CPU tier {self.cpu_tier}" * bool(self.cpu_tier))
+        log.info("%s; model on %s in %s%s%s", _ext.cuda_status()[1], self.decoder.device,
+                 str(self.decoder.dtype).removeprefix("torch."), ", projections in int8" * bool(self.quantize),
+                 f", CPU tier {self.cpu_tier}" * bool(self.cpu_tier))
         for op, path in self.op_paths.items():
             log.info("op %s: %s", op, path)
         store = self.kv_store
@@ -220,20 +225,26 @@ class Engine:
                         device: str = "auto", threads: int | None = None,
                         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, op_backend: str = "auto",
                         prefix_cache: bool = True, max_running_generations: int = DEFAULT_MAX_RUNNING_GENERATIONS,
-                        kv_cache_mb: float | None = None, prefill_chunk_tokens: int | None = None) -> Engine:
+                        kv_cache_mb: float | None = None, prefill_chunk_tokens: int | None = None,
+                        quantize: str | None = None) -> Engine:
         """model: a local HF directory, a .gguf file, or None for the embedded SmolLM2-135M-Instruct.
         kv_cache_mb: the KV store's byte budget in MiB (prefix cache and running generations; default: 65536
         tokens' worth + 1024 MiB); prefix_cache False turns the prefix cache off. The engine plans memory with these
         and max_running_generations and
         refuses, before loading, a model that cannot fit (pyscore.memory.InsufficientMemoryError).
         prefill_chunk_tokens: a request computing more than max_batch_tokens has its query / prompt prefilled in
-        chunks of at most this size (default and at most max_batch_tokens; pyscore.chunked_prefill)."""
+        chunks of at most this size (default and at most max_batch_tokens; pyscore.chunked_prefill).
+        quantize: None (the dtype) or "int8": the layers' projections in int8 W8A8, the rest in the dtype
+        (pyscore.ops.linear_int8: exact int32 sums, so MIS = SIS and batch invariance hold; its drift from the
+        dtype's scores is measured in docs/guarantees.md)."""
+        if quantize not in (None, *QUANTIZE):
+            raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)} or None, got {quantize!r}")
         set_threads(threads)
         dev = resolve_device(device)
         _ext.check_switches()  # before the tier picks the dtype and the load takes its time
         pools = Pools(max_batch_tokens, max_running_generations, kv_cache_mb)
         resolved = resolve_dtype(dtype, dev)
-        loaded = load_model(model, resolved, dev, pools, smaller_dtype(dtype, resolved), op_backend)
+        loaded = load_model(model, resolved, dev, pools, smaller_dtype(dtype, resolved), op_backend, quantize)
         return cls(loaded, max_batch_tokens, op_backend, prefix_cache, max_running_generations, kv_cache_mb,
                    prefill_chunk_tokens)
 
@@ -246,6 +257,7 @@ class Engine:
                          vocab_size=self.cfg.vocab_size, max_context=self.cfg.max_position_embeddings,
                          dtype=str(self.decoder.dtype).removeprefix("torch."), device=str(self.decoder.device),
                          special_tokens=special, num_labels=self.cfg.num_labels, ops=dict(self.op_paths),
+                         quantize=self.quantize,
                          cpu_tier=self.cpu_tier,
                          prefix_cache_block_tokens=self.prefix_cache.block_tokens if self.prefix_cache else 0,
                          prefix_cache_bytes=self.prefix_cache.stats.capacity_bytes if self.prefix_cache else 0,

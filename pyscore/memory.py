@@ -107,15 +107,19 @@ def _is_served(name: str, cfg: ModelConfig) -> bool:
 
 
 def weight_bytes(cfg: ModelConfig, specs: dict[str, TensorSpec], dtype: torch.dtype,
-                 bf16_weights: bool = False) -> int:
+                 bf16_weights: bool = False, int8: bool = False) -> int:
     """The weights as the loader holds them: each served tensor in the serving dtype, except the fp32 ones of
     zero-centred families (the (1 + w) RMSNorm weights, A_log, dt_bias; the gated norm stays in the dtype) and,
-    with bf16_weights, the matrices the checkpoint holds in bf16 that pyscore.model.weights.held_in_bf16 keeps so."""
-    from pyscore.model.weights import held_in_bf16  # the model package imports this module
+    with bf16_weights, the matrices the checkpoint holds in bf16 that pyscore.model.weights.held_in_bf16 keeps so;
+    with int8, the projections in int8 with an fp32 scale a row (their biases fp32)."""
+    from pyscore.model.weights import held_in_bf16, is_projection  # the model package imports this module
 
     total = 0
     for name, spec in specs.items():
         if not _is_served(name, cfg):
+            continue
+        if int8 and is_projection(name):
+            total += spec.nbytes // spec.dtype.itemsize + 4 * spec.shape[0]
             continue
         fp32 = cfg.zero_centred_norm and len(spec.shape) == 1 and not name.endswith("linear_attn.norm.weight")
         held = 2 if bf16_weights and spec.dtype == torch.bfloat16 and held_in_bf16(name) else dtype.itemsize

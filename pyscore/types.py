@@ -162,3 +162,4 @@ class ModelInfo:
     cpu_tier: str = ""  # CPU models: the tier the CPU kernels run (pyscore/ops/tiers.py), "" elsewhere
     memory: MemoryPlan | None = None  # what the model takes in memory (None: not known, e.g. a fake engine)
     server_version: str = ""  # set by a server: its pyscore.__version__
+    quantize: str = ""  # "int8": the layers' projections in int8 W8A8 (dtype names the rest); "" none

@@ -228,7 +228,7 @@ def model_info_to_proto(info: ModelInfo) -> pb.ModelInfo:
                        special_tokens=info.special_tokens, num_labels=info.num_labels, ops=info.ops,
                        prefix_cache_block_tokens=info.prefix_cache_block_tokens,
                        prefix_cache_bytes=info.prefix_cache_bytes, server_version=info.server_version,
-                       cpu_tier=info.cpu_tier)
+                       cpu_tier=info.cpu_tier, quantize=info.quantize)
     if info.limits is not None:
         msg.limits.CopyFrom(pb.ServerLimits(**dataclasses.asdict(info.limits)))
     if info.memory is not None:
@@ -246,7 +246,7 @@ def model_info_from_proto(msg: pb.ModelInfo) -> ModelInfo:
                      limits=limits if msg.HasField("limits") else None,
                      prefix_cache_block_tokens=msg.prefix_cache_block_tokens,
                      prefix_cache_bytes=msg.prefix_cache_bytes, server_version=msg.server_version,
-                     cpu_tier=msg.cpu_tier,
+                     cpu_tier=msg.cpu_tier, quantize=msg.quantize,
                      memory=MemoryPlan(**{f.name: getattr(msg.memory, f.name) for f in dataclasses.fields(MemoryPlan)})
                      if msg.HasField("memory") else None)
 

@@ -39,6 +39,10 @@ def parse_command(argv: list[str] | None = None, prog: str | None = None) -> tup
                    help="auto, bfloat16, float16 or float32; float16 on the CPU runs the slow reference ops "
                         "(default %(default)s)")
     p.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N] (default %(default)s)")
+    p.add_argument("--quantize", choices=["int8"], default=None,
+                   help="int8: the layers' projections in int8 W8A8 (per-channel weights, per-row activations, exact "
+                        "int32 sums: MIS = SIS and batch invariance hold); the rest in --dtype. Its drift is in "
+                        "docs/guarantees.md (default: off)")
     p.add_argument("--threads", type=int, default=d.threads, help="CPU threads for the model (default: all cores)")
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
                    help="token budget of one packed forward pass (default %(default)s)")
@@ -113,7 +117,7 @@ def parse_command(argv: list[str] | None = None, prog: str | None = None) -> tup
                         max_batch_tokens=a.max_batch_tokens, max_queue=a.max_queue, max_items=a.max_items,
                         max_message_mb=a.max_message_mb, max_request_tokens=a.max_request_tokens or None,
                         max_running_generations=a.max_running_generations, prefix_cache=a.prefix_cache,
-                        kv_cache_mb=a.kv_cache_mb,
+                        kv_cache_mb=a.kv_cache_mb, quantize=a.quantize,
                         prefill_chunk_tokens=a.prefill_chunk_tokens or None,
                         tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
                         auth_token_file=a.auth_token_file, metrics_port=a.metrics_port, http_port=a.http_port,
@@ -132,8 +136,9 @@ def plan_memory(config: ServerConfig) -> tuple[str, MemoryPlan]:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     pools = Pools(config.max_batch_tokens, config.max_running_generations, config.kv_cache_mb)
-    name, plan = memory_plan(config.model, dtype, pools)
-    return f"{name} in {str(dtype).removeprefix('torch.')} on {device}", plan
+    name, plan = memory_plan(config.model, dtype, pools, config.quantize)
+    quantized = " with int8 projections" * bool(config.quantize)
+    return f"{name} in {str(dtype).removeprefix('torch.')}{quantized} on {device}", plan
 
 
 def memory_request(plan: MemoryPlan) -> str:

@@ -95,6 +95,7 @@ class ServerConfig:
     # (vLLM's classifier_from_token, set per server as vLLM sets it; a request's `labels` overrides)
     rerank_labels: tuple[str, ...] = tuple(RERANK_LABELS)
     engine: str = "pyscore.engine:Engine"  # "module:Class" with from_pretrained; tests swap in a fake
+    quantize: str | None = None  # "int8": the projections in int8 W8A8 (Engine.from_pretrained)
 
 
 def load_engine(config: ServerConfig) -> EngineLike:
@@ -104,7 +105,7 @@ def load_engine(config: ServerConfig) -> EngineLike:
                                max_batch_tokens=config.max_batch_tokens, prefix_cache=config.prefix_cache,
                                kv_cache_mb=config.kv_cache_mb,
                                max_running_generations=config.max_running_generations,
-                               prefill_chunk_tokens=config.prefill_chunk_tokens)
+                               prefill_chunk_tokens=config.prefill_chunk_tokens, quantize=config.quantize)
 
 
 def warm_up(engine: EngineLike) -> None:
@@ -299,7 +300,9 @@ async def serve(config: ServerConfig) -> int:
     elif loading.done():
         info = loading.result()
         tier = f", CPU tier {info.cpu_tier}" if info.cpu_tier else ""
-        print(f"pyscore: serving {info.name} on {config.host}:{port} ({info.device}, {info.dtype}{tier})", flush=True)
+        quantized = f", {info.quantize} projections" if info.quantize else ""
+        print(f"pyscore: serving {info.name} on {config.host}:{port} ({info.device}, {info.dtype}{quantized}{tier})",
+              flush=True)
         await stopping
     print("pyscore: shutting down", flush=True)
     loading.cancel()

@@ -99,25 +99,25 @@ def resolve_model_dir(model: str | os.PathLike | None) -> tuple[Path, str]:
 
 
 def plan_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, pools: Pools,
-               bf16_weights: bool = False) -> tuple[Checkpoint, MemoryPlan]:
+               bf16_weights: bool = False, quantize: str | None = None) -> tuple[Checkpoint, MemoryPlan]:
     """The checkpoint (headers read, no values) and the memory plan of serving it under `pools` (the KV store is
     planned whole whether or not the prefix cache can serve the model: its generations use the rest), its bf16
-    matrices held in bf16 with `bf16_weights` (pyscore.model.weights)."""
+    matrices held in bf16 with `bf16_weights`, its projections in int8 with `quantize` (pyscore.model.weights)."""
     checkpoint = Checkpoint(path)
-    held = weight_bytes(cfg, checkpoint.shapes(), dtype, bf16_weights)
+    held = weight_bytes(cfg, checkpoint.shapes(), dtype, bf16_weights, int8=quantize == "int8")
     return checkpoint, plan_memory(cfg, held, dtype, pools)
 
 
 def choose_dtype(path: Path, cfg: ModelConfig, name: str, dtype: torch.dtype, smaller: torch.dtype | None,
                  pools: Pools, device: torch.device, available: tuple[int, str], op_backend: str = "auto",
-                 ) -> tuple[torch.dtype, Checkpoint, MemoryPlan]:
+                 quantize: str | None = None) -> tuple[torch.dtype, Checkpoint, MemoryPlan]:
     """(dtype, checkpoint, plan) to serve in: `dtype`, or `smaller` where the model fits in `available` only in it
     (dtype "auto" on a CPU without bf16 arithmetic: fp32 runs faster there, bf16 holds the weights in half the
     memory, and a model served slower beats one refused). Neither fitting, `dtype`'s plan, for check_fits to refuse."""
-    checkpoint, plan = plan_model(path, cfg, dtype, pools, holds_bf16_weights(dtype, device, op_backend))
+    checkpoint, plan = plan_model(path, cfg, dtype, pools, holds_bf16_weights(dtype, device, op_backend), quantize)
     if smaller is None or smaller == dtype or still_needed(plan, device) <= available[0]:
         return dtype, checkpoint, plan
-    small = plan_model(path, cfg, smaller, pools)[1]
+    small = plan_model(path, cfg, smaller, pools, quantize=quantize)[1]
     if still_needed(small, device) > available[0]:
         return dtype, checkpoint, plan
     log.warning("dtype auto -> %s instead of %s: %s needs %.2f GiB in %s and %.2f GiB in %s, and %.2f GiB is "
@@ -127,7 +127,8 @@ def choose_dtype(path: Path, cfg: ModelConfig, name: str, dtype: torch.dtype, sm
     return smaller, checkpoint, small
 
 
-def memory_plan(model: str | os.PathLike | None, dtype: torch.dtype, pools: Pools) -> tuple[str, MemoryPlan]:
+def memory_plan(model: str | os.PathLike | None, dtype: torch.dtype, pools: Pools,
+                quantize: str | None = None) -> tuple[str, MemoryPlan]:
     """(name, plan) of serving `model` under `pools`, from its config and its checkpoint's headers alone. In `dtype`
     as given: a plan sizes a machine (a pod's memory request), so it does not depend on the one it is made on, and
     a machine given what the plan asks serves in that dtype (the weights counted in it: an upper bound where the
@@ -136,16 +137,17 @@ def memory_plan(model: str | os.PathLike | None, dtype: torch.dtype, pools: Pool
 
     path, name = resolve_model_dir(model)
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(path, trust_remote_code=False))
-    return name, plan_model(path, cfg, dtype, pools)[1]
+    return name, plan_model(path, cfg, dtype, pools, quantize=quantize)[1]
 
 
 def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torch.device,
                pools: Pools | None = None, smaller: torch.dtype | None = None,
-               op_backend: str = "auto") -> LoadedModel:
+               op_backend: str = "auto", quantize: str | None = None) -> LoadedModel:
     """Loads a model to serve under `pools` (default: the server's defaults) in `dtype`, or in `smaller` where it
     fits only in that (see choose_dtype); raises pyscore.memory.InsufficientMemoryError before reading any tensor
     when it cannot fit. A bf16 checkpoint's projections, embedding and LM head stay bf16 where the kernels widen
-    them exactly (pyscore.ops.linear.holds_bf16_weights for `op_backend`)."""
+    them exactly (pyscore.ops.linear.holds_bf16_weights for `op_backend`). quantize "int8": the layers' projections
+    in int8 (pyscore.ops.linear_int8), planned and built so."""
     from transformers import AutoConfig, AutoTokenizer
 
     pools = pools or Pools()
@@ -155,10 +157,12 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torc
     cfg = ModelConfig.from_hf(hf_config)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     available = available_memory(device)
-    dtype, checkpoint, plan = choose_dtype(path, cfg, name, dtype, smaller, pools, device, available, op_backend)
+    dtype, checkpoint, plan = choose_dtype(path, cfg, name, dtype, smaller, pools, device, available, op_backend,
+                                           quantize)
     check_fits(plan, name, device, pools, available)
     plan = replace(plan, available_bytes=available[0])
-    weights = build_weights(cfg, checkpoint.get, dtype, device, holds_bf16_weights(dtype, device, op_backend))
+    weights = build_weights(cfg, checkpoint.get, dtype, device, holds_bf16_weights(dtype, device, op_backend),
+                            quantize)
     release_freed_memory()  # the holes the fused projections' sources left, before packing allocates again
     inv_freq, scaling = inverse_frequencies(hf_config.get_text_config(), cfg.rotary_dims)
     rotary = Rotary(inv_freq, scaling, cfg.max_position_embeddings, device)

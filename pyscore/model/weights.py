@@ -8,7 +8,11 @@ and its vision tower and `mtp.*` are never read.
 
 With `bf16_weights` (pyscore.ops.linear.holds_bf16_weights: fp32 serving at a CPU tier whose linear and label
 read-out kernels widen bf16 weights exactly), a projection, the embedding or the LM head read from bf16 tensors stays
-bf16 (`held_in_bf16`); everything else is in the dtype."""
+bf16 (`held_in_bf16`); everything else is in the dtype.
+
+With `quantize="int8"`, each layer's projections are quantized (pyscore.ops.linear_int8.quantize_linear) as soon as
+the layer is built, replacing their sources: one layer is ever held in the dtype. The embedding, the LM head or
+classifier head, the norms and Qwen3.5's conv and decay parameters stay in the dtype."""
 
 from __future__ import annotations
 
@@ -19,6 +23,9 @@ import torch
 
 from pyscore.model.config import LINEAR_ATTENTION, ModelConfig
 from pyscore.ops.linear import LinearWeight, PlainLinear
+from pyscore.ops.linear_int8 import quantize_linear
+
+QUANTIZE = ("int8",)  # what `quantize` may name (None: the dtype)
 
 # The checkpoint tensors that become projections (LinearWeight), by name suffix inside a layer.
 PROJECTION_SUFFIXES = tuple(f"{n}.weight" for n in (
@@ -26,11 +33,15 @@ PROJECTION_SUFFIXES = tuple(f"{n}.weight" for n in (
     "in_proj_b", "in_proj_a", "out_proj"))
 
 
+def is_projection(name: str) -> bool:
+    """Whether this checkpoint tensor is (part of) a decoder layer's projection: what `quantize` holds in int8."""
+    return ".layers." in name and name.endswith(PROJECTION_SUFFIXES)
+
+
 def held_in_bf16(name: str) -> bool:
     """Whether `bf16_weights` holds this checkpoint tensor in bf16 when the checkpoint does: a projection, the
     embedding (gathered rows are widened) or the LM head (the read-out widens it)."""
-    return ((".layers." in name and name.endswith(PROJECTION_SUFFIXES)) or name.endswith("embed_tokens.weight")
-            or name == "lm_head.weight")
+    return is_projection(name) or name.endswith("embed_tokens.weight") or name == "lm_head.weight"
 
 
 @dataclass
@@ -100,9 +111,22 @@ def _linear_attention(cfg: ModelConfig, p: str, need, cast, proj) -> LinearAtten
     )
 
 
+def _quantized(layer: LayerWeights) -> LayerWeights:
+    """The layer with its projections in int8, each replacing its source."""
+    def q(w: LinearWeight | None) -> LinearWeight | None:
+        return None if w is None else quantize_linear(*w.unpacked(), gated=w.gated)
+
+    layer.qkv, layer.o, layer.gate_up, layer.down = q(layer.qkv), q(layer.o), q(layer.gate_up), q(layer.down)
+    if layer.linear is not None:
+        layer.linear.in_proj, layer.linear.out = q(layer.linear.in_proj), q(layer.linear.out)
+    return layer
+
+
 def build_weights(cfg: ModelConfig, get: Callable[[str], torch.Tensor | None], dtype: torch.dtype,
-                  device: torch.device, bf16_weights: bool = False) -> DecoderWeights:
-    """`get(name)` returns a tensor of the HF state dict, or None when absent."""
+                  device: torch.device, bf16_weights: bool = False, quantize: str | None = None) -> DecoderWeights:
+    """`get(name)` returns a tensor of the HF state dict, or None when absent. quantize: None or "int8"."""
+    if quantize not in (None, *QUANTIZE):
+        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)} or None, got {quantize!r}")
 
     def need(name: str) -> torch.Tensor:
         t = get(name)
@@ -142,6 +166,8 @@ def build_weights(cfg: ModelConfig, get: Callable[[str], torch.Tensor | None], d
             down=PlainLinear(proj(need(p + "mlp.down_proj.weight")), cast(get(p + "mlp.down_proj.bias"))),
             linear=_linear_attention(cfg, p, need, cast, proj) if linear else None,
         ))
+        if quantize:
+            layers[-1] = _quantized(layers[-1])
     embed = proj(need(model + "embed_tokens.weight"))
     lm_head = score_head = score_bias = None
     if cfg.is_classifier:

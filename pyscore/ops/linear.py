@@ -15,7 +15,9 @@ tier whose kernel reads bf16 weights under fp32 x (pyscore/ops/tiers.py BF16_WEI
 checkpoint stores in bf16 is held (packed) in bf16 and widened to fp32 in registers: exact, so every result is
 bitwise the fp32 weight's, in half the memory and, for a decode step, half the bytes read. The same policy holds
 the embedding and the LM head in bf16 (the label read-out widens a bf16 head the same way: pyscore.ops.label_logprobs),
-so it asks that both kernels run."""
+so it asks that both kernels run.
+
+An int8 weight (`QuantLinear`, `--quantize int8`: pyscore.ops.linear_int8) runs linear_int8's paths, the same call."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from pyscore.ops import _ext, tiers
+from pyscore.ops.linear_int8 import QuantLinear, linear_int8
 from pyscore.ops.reference import linear_ref
 from pyscore.ops.silu_mul import silu_mul
 
@@ -106,7 +109,7 @@ class PlainLinear:
         return self.weight, self.bias
 
 
-LinearWeight = PackedLinear | PlainLinear
+LinearWeight = PackedLinear | PlainLinear | QuantLinear
 
 
 def holds_bf16_weights(dtype: torch.dtype, device: torch.device, backend: str = "auto") -> bool:
@@ -127,7 +130,10 @@ def reads_bf16_weight(x: torch.Tensor, weight_dtype: torch.dtype) -> bool:
 
 def prepare_linear(w: LinearWeight, backend: str = "auto") -> LinearWeight:
     """The form of `w` that linear's path for its device and dtype reads: packed for our kernel, plain for torch's
-    GEMM or the reference. A converted weight replaces the caller's (hold the result, drop `w`): weights live once."""
+    GEMM or the reference. A converted weight replaces the caller's (hold the result, drop `w`): weights live once.
+    An int8 weight has one form."""
+    if isinstance(w, QuantLinear):
+        return w
     _, path = _ext.path_for("linear", w.device, w.dtype, backend)
     if path == "kernel" and isinstance(w, PlainLinear):
         return pack_linear(w.weight, w.bias, gated=w.gated)
@@ -209,6 +215,8 @@ def linear(x: torch.Tensor, w: LinearWeight, residual: torch.Tensor | None = Non
     when given. out, when given, receives the result and may be the residual itself (an in-place residual add)
     but must not overlap x. backend: "auto" | "kernel" | "reference". rows_per_call: the torch path's fixed GEMM
     height (PREFILL_ROWS or DECODE_ROWS; a row's bits depend on it, never on the other rows)."""
+    if isinstance(w, QuantLinear):
+        return linear_int8(x, w, residual, out, reference=backend == "reference")
     _check(x, w, residual, out)
     module, path = _ext.path_for("linear", x.device, x.dtype, backend)
     if path == "kernel" and isinstance(w, PlainLinear) and backend != "kernel":

@@ -119,7 +119,7 @@ class FakeEngine:
     def from_pretrained(cls, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
                         threads: int | None = None, max_batch_tokens: int = 8192,
                         prefix_cache: bool = True, max_running_generations: int = 64, kv_cache_mb: float | None = None,
-                        prefill_chunk_tokens: int | None = None) -> FakeEngine:
+                        prefill_chunk_tokens: int | None = None, quantize: str | None = None) -> FakeEngine:
         return cls(model or "fake-smollm2", delay_s=float(os.environ.get("FAKE_ENGINE_DELAY_S", "0")))
 
     # -- test controls -------------------------------------------------------------------------------------

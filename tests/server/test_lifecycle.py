@@ -56,7 +56,7 @@ CONTRACT = {
                    "activation_bytes", "runtime_bytes", "expected_total_bytes", "available_bytes"],
     "ModelInfo": ["name", "architecture", "vocab_size", "max_context", "dtype", "device", "special_tokens",
                   "num_labels", "kind", "limits", "ops", "prefix_cache_block_tokens", "prefix_cache_bytes",
-                  "memory", "server_version", "cpu_tier"],
+                  "memory", "server_version", "cpu_tier", "quantize"],
 }
 ENUMS = {
     "ScoringMode": [("SCORING_MODE_UNSPECIFIED", 0), ("SCORING_MODE_SIS", 1), ("SCORING_MODE_MIS", 2)],
