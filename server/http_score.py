@@ -137,8 +137,17 @@ class ScoreEndpoints:
             if len(ids) < 2:
                 raise errors.InvalidArgument(f"items[{i}]", f"is {len(ids)} token(s) and the query is empty: the item "
                                              "alone is scored at its last token, which needs two or more")
-        asks = [replace(request, query=list(ids[:-1]), items=[list(ids[-1:])], item_first=False) for ids in sequences]
-        answers = await bounded([functools.partial(self._score, call, model, ask) for ask in asks])
+
+        async def one(i: int, ids: list[int]) -> tuple[ScoreResult, str]:
+            try:
+                return await self._score(call, model, replace(request, query=ids[:-1], items=[ids[-1:]],
+                                                              item_first=False))
+            except errors.RequestError as e:  # the item's tokens are the request's query and item here
+                if e.field.startswith(("query", "item")):
+                    raise type(e)(f"items[{i}]", str(e).removeprefix(f"{e.field}: ")) from None
+                raise
+
+        answers = await bounded([functools.partial(one, i, list(ids)) for i, ids in enumerate(sequences)])
         results = [result for result, _ in answers]
         call.usage = usage = summed_usage([r.usage for r in results])
         call.summary = f"items={len(items)} "

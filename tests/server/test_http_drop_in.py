@@ -328,6 +328,8 @@ def test_sglang_empty_query_scores_each_item_alone(causal: tuple[str, ScorerClie
     assert empty.status_code == 200 and empty.json()["scores"] == []  # SGLang's test_multi_item_scoring_empty_items
     one = post(base, "/v1/score", {"query": "", "items": ["Option A", "Yes"], "label_token_ids": [1, 2]})
     assert one.status_code == 400 and one.json()["param"] == "items[1]", one.text
+    outside = post(base, "/v1/score", {"query": [], "items": [[5, 6], [5, 10**6]], "label_token_ids": [1, 2]})
+    assert outside.status_code == 400 and outside.json()["param"] == "items[1]", outside.text
 
 
 @pytest.mark.parametrize("body, param", [
