@@ -289,9 +289,10 @@ class Engine:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
-    def render_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[int]:
+    def render_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any],
+                    add_generation_prompt: bool = True) -> list[int]:
         """The prompt token ids of a chat under the model's chat template (pyscore.gen_validate.render_chat)."""
-        return render_chat(self.tokenizer, messages, template_kwargs)
+        return render_chat(self.tokenizer, messages, template_kwargs, add_generation_prompt)
 
     # --- scoring -------------------------------------------------------------------------------------
     def prepare_score(self, request: ScoreRequest) -> PreparedScore:

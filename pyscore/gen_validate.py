@@ -61,16 +61,19 @@ def validate_generate(req: GenerateRequest, tokenizer: Any, vocab_size: int, max
     return prompt
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> list[int]:
-    """The prompt token ids of `messages` under the tokenizer's chat template, with `kwargs` for the template."""
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any],
+                add_generation_prompt: bool = True) -> list[int]:
+    """The prompt token ids of `messages` under the tokenizer's chat template, with `kwargs` for the template;
+    with the assistant's turn opened after them unless `add_generation_prompt` is false (a classifier's chat,
+    vLLM's default there)."""
     if not getattr(tokenizer, "chat_template", None):
         raise FailedPrecondition("messages", "this model's tokenizer has no chat template")
     clash = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
     if clash:
         raise InvalidArgument("chat_template_kwargs", f"may not set {', '.join(clash)}")
     try:
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False,
-                                            **kwargs)
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
+                                            return_dict=False, **kwargs)
     except Exception as e:  # the template's own checks (roles must alternate, ...) are the client's to fix
         raise InvalidArgument("messages", f"the model's chat template refused them: {e}") from None
     return [int(t) for t in ids]

@@ -9,8 +9,9 @@ Routes, each shaped like its peer's so that the peer's clients work unchanged:
                               or, when the body is vLLM's (text_1/text_2, queries, data_1/data_2), vLLM's score
   POST /score                 vLLM's score (pairs 1:1, 1:N, N:N)                            server/http_rerank.py
   POST /rerank, /v1/rerank, /v2/rerank   vLLM's (Jina's, Cohere's) rerank                   server/http_rerank.py
-  POST /classify              vLLM's classify (classifier models)                           server/http_rerank.py
+  POST /classify              vLLM's classify (classifier models; `input` or `messages`)     server/http_rerank.py
   POST /generative_scoring    vLLM's generative scoring                                       server/http_score.py
+  POST /invocations           SageMaker's, as vLLM's: the body's shape picks the route   server/http_invocations.py
   POST /v1/completions        OpenAI completions (SSE streaming)                              server/http_openai.py
   POST /v1/chat/completions   OpenAI chat completions over the model's chat template         server/http_openai.py
   POST /generate              SGLang's native generate (batch, logprobs from a prompt position) server/http_sglang.py
@@ -48,9 +49,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pyscore import __version__, errors
 
 from .gate import Gate
-from .http_call import JSON, Call, endpoint, error_response
+from .http_call import JSON, Call, endpoint, error_body, error_response, sglang_error_body
+from .http_invocations import invocations
 from .http_openai import CHAT_FIELDS, COMPLETION_FIELDS, OpenAIEndpoints
-from .http_rerank import RERANK_LABELS, VLLM_SCORE_FIELDS, RerankEndpoints
+from .http_rerank import RERANK_LABELS, RerankEndpoints, is_vllm_score
 from .http_schema import (
     ChatCompletionBody,
     ClassifyBody,
@@ -97,17 +99,21 @@ def build_app(gate: Gate, metrics: Metrics, serving: Callable[[], bool], *, max_
 
     def either_score(data: Any) -> type[ScoringBody] | type[VLLMScoreBody]:
         """/v1/score is SGLang's (query + items) unless the body spells vLLM's sides."""
-        vllm = isinstance(data, dict) and "query" not in data and not VLLM_SCORE_FIELDS.isdisjoint(data)
-        return VLLMScoreBody if vllm else ScoringBody
+        return VLLMScoreBody if is_vllm_score(data) else ScoringBody
+
+    def score_errors(data: Any) -> Any:
+        """/v1/score answers SGLang's flat error object unless the body is vLLM's."""
+        return error_body if is_vllm_score(data) else sglang_error_body
 
     async def any_score(call: Call, body: ScoringBody | VLLMScoreBody) -> Response:
         if isinstance(body, VLLMScoreBody):
             return await rerank.score(call, body)
         return await scoring.score(call, body)
 
-    def post(path: str, method: str, schema: Any, handle: Any, renames: dict[str, str] | None = None) -> Route:
+    def post(path: str, method: str, schema: Any, handle: Any, renames: dict[str, str] | None = None,
+             **options: Any) -> Route:
         return Route(path, endpoint(method, schema, handle, limit=max_body_bytes, metrics=metrics,
-                                    renames=renames or {}), methods=["POST"])
+                                    renames=renames or {}, **options), methods=["POST"])
 
     async def models(call: Call, _: None) -> Response:
         _, info = gate.ready(None)
@@ -147,7 +153,7 @@ def build_app(gate: Gate, metrics: Metrics, serving: Callable[[], bool], *, max_
         return error_response(name, f"{request.method} {request.url.path}: {what}", None, status)
 
     routes = [
-        post("/v1/score", "Score", either_score, any_score, SCORE_FIELDS),
+        post("/v1/score", "Score", either_score, any_score, SCORE_FIELDS, error_shape=score_errors),
         post("/score", "Score", VLLMScoreBody, rerank.score),
         *(post(path, "Score", RerankBody, rerank.rerank) for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
         post("/classify", "Score", ClassifyBody, rerank.classify),
@@ -164,6 +170,9 @@ def build_app(gate: Gate, metrics: Metrics, serving: Callable[[], bool], *, max_
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
     ]
+    served = {route.path: route.endpoint for route in routes if isinstance(route, Route)}
+    routes.append(Route("/invocations", invocations(served, gate, limit=max_body_bytes, metrics=metrics),
+                        methods=["POST"]))
     app: ASGIApp = Starlette(routes=routes, exception_handlers={404: no_route, 405: no_route})
     return BearerAuth(app, token) if token else app
 

@@ -8,7 +8,8 @@ Statuses map as the gRPC-HTTP convention does: INVALID_ARGUMENT and FAILED_PRECO
 RESOURCE_EXHAUSTED -> 429 (a body over --max-message-mb -> 413), UNAUTHENTICATED -> 401, UNAVAILABLE -> 503,
 DEADLINE_EXCEEDED -> 504, anything else -> 500. The body is OpenAI's error object, whose `param` names the field
 in the endpoint's own terms (`items[2]`, not the proto's `item_token_ids[2]`) and whose `code` is the gRPC
-status."""
+status; an endpoint shaped like SGLang's answers SGLang's flat error object instead (`sglang_error_body`), the same
+message and `param`, its `code` the HTTP status."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
@@ -59,10 +60,29 @@ def error_body(status: str, message: str, param: str | None, http_status: int) -
                       "code": status}}
 
 
+SGLANG_ERROR_TYPE = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "BadRequestError",
+                     429: "RateLimitError", 503: "ServiceUnavailableError", 504: "TimeoutError"}
+
+
+def sglang_error_body(status: str, message: str, param: str | None, http_status: int) -> dict[str, Any]:
+    """SGLang's ErrorResponse, flat (sglang/srt/entrypoints/openai/protocol.py): `code` is the HTTP status and
+    `type` its class name (BadRequestError, as SGLang's create_error_response names a 400)."""
+    return {"object": "error", "message": message, "type": SGLANG_ERROR_TYPE.get(http_status, "InternalServerError"),
+            "param": param, "code": http_status}
+
+
+ErrorShape = Callable[[str, str, str | None, int], dict[str, Any]]  # (gRPC status, message, param, HTTP status)
+
+
+def openai_errors(data: Any) -> ErrorShape:
+    """The error shape of every endpoint but SGLang's, whatever the body."""
+    return error_body
+
+
 def error_response(status: str, message: str, param: str | None = None, http_status: int | None = None,
-                   headers: Mapping[str, str] | None = None) -> JSON:
+                   headers: Mapping[str, str] | None = None, shape: ErrorShape = error_body) -> JSON:
     code = http_status or HTTP_STATUS.get(status, 500)
-    return JSON(error_body(status, message, param, code), status_code=code, headers=headers)
+    return JSON(shape(status, message, param, code), status_code=code, headers=headers)
 
 
 def http_field(name: str, renames: Mapping[str, str]) -> str:
@@ -132,15 +152,42 @@ async def read_body(request: Request, limit: int) -> bytes:
 Schema = type[BaseModel] | Callable[[Any], type[BaseModel]]  # a model, or one picked by the parsed JSON
 
 
-def parse(schema: Schema, body: bytes) -> Any:
-    """The body as `schema` (or as the schema it picks from the JSON: a route two peers shape differently); not
-    JSON, or not of the schema's shape and types, is INVALID_ARGUMENT."""
+def json_of(body: bytes) -> Any:
+    """The body's JSON; not JSON is INVALID_ARGUMENT."""
     try:
-        data = json.loads(body)
+        return json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise errors.InvalidArgument("", f"the body is not valid JSON: {e}") from None
+
+
+def parse(schema: Schema, data: Any) -> Any:
+    """The JSON as `schema` (or as the schema it picks from the JSON: a route two peers shape differently); not of
+    the schema's shape and types is INVALID_ARGUMENT."""
     model = schema if isinstance(schema, type) else schema(data)
     return model.model_validate(data)
+
+
+T = TypeVar("T")
+IN_FLIGHT = 16  # a call's Score requests in the server's queue at once: many distinct sequences (N:N pairs, classify
+# inputs, SGLang items without a query; up to --max-items) must not fill --max-queue, which other callers share
+
+
+async def bounded(calls: Sequence[Callable[[], Awaitable[T]]], limit: int = IN_FLIGHT) -> list[T]:
+    """Every call's result in order, at most `limit` running at once; the first failure cancels the rest."""
+    gate = asyncio.Semaphore(limit)
+
+    async def run(call: Callable[[], Awaitable[T]]) -> T:
+        async with gate:
+            return await call()
+
+    tasks = [asyncio.ensure_future(run(call)) for call in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:  # the first failure is the call's answer: the others are dropped, not left running
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 async def unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
@@ -200,15 +247,19 @@ class Call:
 Handler = Callable[[Call, Any], Awaitable[Response]]
 
 
-def endpoint(method: str, schema: Schema | None, handle: Handler, *, limit: int,
-             metrics: Metrics | None, renames: Mapping[str, str] = {}) -> Callable[[Request], Awaitable[Response]]:
+def endpoint(method: str, schema: Schema | None, handle: Handler, *, limit: int, metrics: Metrics | None,
+             renames: Mapping[str, str] = {}, error_shape: Callable[[Any], ErrorShape] = openai_errors
+             ) -> Callable[[Request], Awaitable[Response]]:
     """A Starlette endpoint: body -> schema -> handle(call, body), racing the client's disconnect; errors become
-    OpenAI error objects. A handler that streams takes over `call.finish` (it finishes when the stream ends)."""
+    error objects of the shape `error_shape` picks from the body's JSON (None when it has none): OpenAI's unless told.
+    A handler that streams takes over `call.finish` (it finishes when the stream ends)."""
 
     async def run(request: Request) -> Response:
-        call = Call(method, request.url.path, metrics)
+        call, data = Call(method, request.url.path, metrics), None
         try:
-            body = parse(schema, await read_body(request, limit)) if schema is not None else None
+            if schema is not None:
+                data = json_of(await read_body(request, limit))
+            body = parse(schema, data) if schema is not None else None
             response = await unless_disconnected(request, handle(call, body))
         except ClientGone:
             call.finish("CANCELLED", 499)
@@ -218,7 +269,7 @@ def endpoint(method: str, schema: Schema | None, handle: Handler, *, limit: int,
             if status == "INTERNAL":
                 log.exception("http %s failed unexpectedly", call.path, exc_info=e)
             call.finish(status, http_status)
-            return error_response(status, message, param, http_status)
+            return error_response(status, message, param, http_status, shape=error_shape(data))
         if not getattr(response, "streaming", False):
             call.finish("OK", response.status_code)
         return response

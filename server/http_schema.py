@@ -28,8 +28,9 @@ class CacheOptions(Body):
 
 
 class ScoringBody(CacheOptions):
-    """SGLang's ScoringRequest: `items` may be one string; scores come back [item][label] (setwise:
-    [item][row][label])."""
+    """SGLang's ScoringRequest: scores come back [item][label] (setwise: [item][row][label]). `query` and `items`
+    are optional here as in SGLang's schema; the handler refuses what SGLang's scoring refuses (no items, one string
+    for items, no query)."""
 
     query: str | list[int] | None = None
     items: str | list[str] | list[list[int]] | None = None
@@ -59,15 +60,15 @@ class GenerativeScoringBody(CacheOptions):
 
 class PoolingOptions(CacheOptions):
     """What vLLM's rerank, score and classify requests share; fields pyscore cannot honour are refused by the
-    handler when set (`refuse_unserved`)."""
+    handler when set (`refuse_unserved`). Truncation keeps a prompt's last tokens (server/http_rerank.py)."""
 
     model: str | None = None
     user: str | None = None
     request_id: str | None = None
     priority: int = 0  # accepted, as vLLM does without a priority scheduler; pyscore serves in arrival order
     use_activation: bool | None = None  # None: vLLM's default, on
-    truncate_prompt_tokens: int | None = None
-    truncation_side: str | None = None
+    truncate_prompt_tokens: int | None = None  # -1: the model's context
+    truncation_side: Literal["left", "right"] | None = None  # None and "left" keep the last tokens; "right" refused
     # pyscore's extras (causal LMs: the labels whose label softmax gives the relevance, positive first;
     # classifiers with several classes: the class whose score is the relevance)
     labels: list[str] | None = None
@@ -75,11 +76,12 @@ class PoolingOptions(CacheOptions):
 
     def unserved(self) -> dict[str, Any]:
         """Fields set that pyscore does not serve (each refused by name)."""
-        return {"truncate_prompt_tokens": self.truncate_prompt_tokens, "truncation_side": self.truncation_side}
+        return {}
 
 
 class ScoringPairOptions(PoolingOptions):
-    """vLLM's ScoringRequestMixin: per-side truncation and the score template's instruction are not served."""
+    """vLLM's ScoringRequestMixin: per-side truncation (0: off; a side's last tokens kept) is served, the score
+    template's instruction is not."""
 
     max_tokens_per_query: int = 0
     max_tokens_per_doc: int = 0
@@ -87,9 +89,7 @@ class ScoringPairOptions(PoolingOptions):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def unserved(self) -> dict[str, Any]:
-        return super().unserved() | {"max_tokens_per_query": self.max_tokens_per_query or None,
-                                     "max_tokens_per_doc": self.max_tokens_per_doc or None,
-                                     "instruction": self.instruction, "chat_template_kwargs": self.chat_template_kwargs}
+        return {"instruction": self.instruction, "chat_template_kwargs": self.chat_template_kwargs}
 
 
 class RerankBody(ScoringPairOptions):
@@ -117,11 +117,16 @@ class VLLMScoreBody(ScoringPairOptions):
 
 
 class ClassifyBody(PoolingOptions):
-    """vLLM's ClassificationCompletionRequest (`messages`, its chat form, is refused by name)."""
+    """vLLM's ClassificationRequest: its completion form (`input`) or its chat form (`messages` under the model's
+    chat template, vLLM's ClassificationChatRequest); the handler takes one of the two."""
 
-    input: str | list[str] | list[int] | list[list[int]]
-    add_special_tokens: bool = True
-    messages: Any = None
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    add_special_tokens: bool | None = None  # vLLM's default: true for `input`, false for `messages`
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class StreamOptions(Body):

@@ -196,8 +196,9 @@ class FakeEngine:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
-    def render_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[int]:
-        return render_chat(self.tokenizer, messages, template_kwargs)
+    def render_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any],
+                    add_generation_prompt: bool = True) -> list[int]:
+        return render_chat(self.tokenizer, messages, template_kwargs, add_generation_prompt)
 
     def prepare_score(self, request: ScoreRequest) -> PreparedScore:
         return prepare_score(request, self.traits)

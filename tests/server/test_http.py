@@ -48,7 +48,7 @@ def test_score_shapes(http: ServerThread, fake: FakeEngine) -> None:
     assert len(body["scores"]) == 2 and all(len(row) == 2 for row in body["scores"])  # [item][label]
     assert body["usage"]["prompt_tokens"] > body["usage"]["computed_tokens"] > 0
     assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
-    one = post(http, "/v1/score", SCORE | {"items": "a b"}).json()  # SGLang: items may be one string
+    one = post(http, "/v1/score", SCORE | {"items": ["a b"]}).json()
     assert one["scores"] == body["scores"][:1]
     setwise = post(http, "/v1/score", SCORE | {"items": ["x <m> y <m>"], "score_extraction_token": "<m>"}).json()
     assert [len(rows) for rows in setwise["scores"]] == [2]  # [item][row][label]
@@ -154,20 +154,48 @@ def test_health_and_calls_before_the_model_is_loaded(start_server: Any) -> None:
     loading = start_server(None, http_port=0)
     assert requests.get(url(loading, "/health"), timeout=10).status_code == 503
     r = post(loading, "/v1/score", SCORE)
+    assert r.status_code == 503 and r.json()["code"] == 503  # SGLang's flat error object
+    r = post(loading, "/rerank", {"query": "q", "documents": ["a"]})
     assert r.status_code == 503 and error_of(r)["code"] == "UNAVAILABLE"
 
 
+SGLANG_TYPE = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError", 429: "RateLimitError"}
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    (SCORE | {"labels": ["Yes", "Yes"]}, 400, "labels"),
+    (SCORE | {"mode": "mis", "item_first": True}, 400, "mode"),
+    (SCORE | {"model": "other"}, 400, "model"),  # SGLang's 400 ("The model ... does not exist"), not NOT_FOUND
+    (SCORE | {"items": [str(i) for i in range(9)]}, 429, "items"),  # --max-items 8
+    (SCORE | {"items": [[1, 2], [3]], "query": "text"}, 400, "items"),  # proto's item_token_ids
+    (SCORE | {"query": 5}, 400, "query"),  # wrong type
+    (SCORE | {"apply_softmax": "yes"}, 400, "apply_softmax"),
+    (SCORE | {"mode": "fast"}, 400, "mode"),
+    (SCORE | {"items": None}, 400, "items"),  # SGLang: "items must be provided"
+    (SCORE | {"items": "not a list"}, 400, "items"),
+    ({"items": ["a"], "labels": ["Yes", "No"]}, 400, "query"),  # no query (SGLang's invalid combination)
+    ([1, 2], 400, None),  # not an object
+])
+def test_sglang_errors_are_sglang_error_objects(http: ServerThread, fake: FakeEngine, body: Any, status: int,
+                                                param: str | None) -> None:
+    """/v1/score answers SGLang's flat ErrorResponse (`object: "error"`, `code` the HTTP status), not OpenAI's
+    nested one, with SGLang's status; the field named as in the other routes' errors."""
+    calls = fake.calls
+    r = post(http, "/v1/score", body)
+    assert r.status_code == status, r.text
+    error = r.json()
+    assert error == {"object": "error", "message": error["message"], "type": SGLANG_TYPE[status], "param": param,
+                     "code": status}, error
+    if param:
+        assert error["message"].startswith(f"{param}:"), error
+    assert fake.calls == calls  # refused before any model work
+    vllm = post(http, "/v1/score", {"text_1": "q", "text_2": ["a"], "labels": ["Yes", "Yes"]})  # vLLM's body
+    assert vllm.status_code == 400 and error_of(vllm)["code"] == "INVALID_ARGUMENT"  # vLLM's (OpenAI's) shape
+
+
 @pytest.mark.parametrize(("path", "body", "status", "param"), [
-    ("/v1/score", SCORE | {"labels": ["Yes", "Yes"]}, 400, "labels"),
-    ("/v1/score", SCORE | {"mode": "mis", "item_first": True}, 400, "mode"),
-    ("/v1/score", SCORE | {"model": "other"}, 404, "model"),
-    ("/v1/score", SCORE | {"items": [str(i) for i in range(9)]}, 429, "items"),  # --max-items 8
-    ("/v1/score", SCORE | {"items": [[1, 2], [3]], "query": "text"}, 400, "items"),  # proto's item_token_ids
-    ("/v1/score", SCORE | {"query": 5}, 400, "query"),  # wrong type
-    ("/v1/score", SCORE | {"apply_softmax": "yes"}, 400, "apply_softmax"),
-    ("/v1/score", SCORE | {"mode": "fast"}, 400, "mode"),
-    ("/v1/score", [1, 2], 400, None),  # not an object
     ("/generative_scoring", {"query": "q", "items": ["a"]}, 400, "label_token_ids"),  # vLLM requires them
+    ("/generative_scoring", {"query": "q", "items": [], "label_token_ids": [11]}, 400, "items"),  # vLLM's 400
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),  # the proto's top_logprobs
     ("/v1/completions", {"prompt": [1, 10**6]}, 400, "prompt"),
@@ -204,11 +232,13 @@ def test_errors_are_openai_error_objects(http: ServerThread, fake: FakeEngine, p
 def test_malformed_and_oversize_bodies(http: ServerThread, fake: FakeEngine) -> None:
     calls = fake.calls
     r = requests.post(url(http, "/v1/score"), data=b'{"query": "q", "items": [', timeout=10)
-    assert r.status_code == 400 and "not valid JSON" in error_of(r)["message"]
+    assert r.status_code == 400 and "not valid JSON" in r.json()["message"]  # SGLang's flat error object
     r = requests.post(url(http, "/v1/score"), data=b"\xff\xfe", timeout=10)
     assert r.status_code == 400
     big = json.dumps(SCORE | {"items": ["x " * 600_000]}).encode()  # over --max-message-mb 1
     r = requests.post(url(http, "/v1/score"), data=big, timeout=30)
+    assert r.status_code == 413 and r.json()["code"] == 413
+    r = requests.post(url(http, "/generative_scoring"), data=big, timeout=30)
     assert r.status_code == 413 and error_of(r)["code"] == "RESOURCE_EXHAUSTED"
 
     def chunked() -> Iterator[bytes]:  # no Content-Length: refused while reading
@@ -250,8 +280,8 @@ def test_a_full_queue_is_429(start_server: Any, fake: FakeEngine) -> None:
         waiting = client.stub.Score.future(_score_message("waiting"), timeout=30)
         wait_for(lambda: server.batcher.waiting() == 1, what="one waiting")
         r = post(server, "/v1/score", SCORE)
-        assert r.status_code == 429 and error_of(r)["code"] == "RESOURCE_EXHAUSTED", r.text
-        assert "--max-queue" in error_of(r)["message"]
+        assert r.status_code == 429 and r.json()["type"] == "RateLimitError", r.text
+        assert "--max-queue" in r.json()["message"]
         fake.resume()
         running.result()
         waiting.result()
