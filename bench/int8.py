@@ -1,0 +1,107 @@
+"""int8 W8A8 (Engine quantize="int8") against the model's dtypes on one model (default the embedded SmolLM2):
+
+- drift: over --questions seeded synthetic decision questions of --items candidates each (bench.dataset,
+  bench.prompts.pointwise; 16 x 16 = 256 items by default), each engine's P(Yes) under the Yes/No label softmax
+  against the fp32 engine's (itself equal to stock transformers' fp32 within 1e-5: tests/test_engine_scores.py):
+  median and max |dP| over all items, and on how many questions the best item (highest P(Yes)) is the same;
+- speed: a --items-candidate MIS (prefix cache bypassed) of each engine, timed alternately over --rounds rounds,
+  p50 per engine and each int8 engine against its dtype's.
+
+    python -m bench.int8 [--model M] [--out bench/results/int8/int8_<cpu>.txt]
+
+The record opens with the command, the commit and the CPU (bench.common.machine)."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from bench.common import alternate, git_commit, machine
+from bench.dataset import synthetic_question
+from bench.prompts import pointwise
+from pyscore.engine import Engine
+from pyscore.types import ScoreRequest
+
+ENGINES = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8 (fp32 act.)": ("float32", "int8"),
+           "int8 (bf16 act.)": ("bfloat16", "int8")}
+BASE = {"int8 (fp32 act.)": "fp32", "int8 (bf16 act.)": "bf16"}  # each int8 engine's dtype twin
+
+
+def p_yes(engine: Engine, query: str, items: list[str]) -> list[float]:
+    result = engine.score(query, items, labels=["Yes", "No"], apply_softmax=True, mode="mis",
+                          bypass_prefix_cache=True)
+    return [rows[0][0] for rows in result.scores]
+
+
+def drift_lines(engines: dict[str, Engine], questions: list[tuple[str, list[str]]]) -> list[str]:
+    probs = {name: [p_yes(e, q, items) for q, items in questions] for name, e in engines.items()}
+    ref = probs["fp32"]
+    lines = [f"drift vs the fp32 engine: {len(questions)} questions x {len(questions[0][1])} items "
+             f"({sum(len(i) for _, i in questions)} items), P(Yes) of the Yes/No label softmax",
+             f"{'engine':<18}{'median |dP|':>12}{'p99 |dP|':>10}{'max |dP|':>10}{'same best item':>16}"]
+    for name, got in probs.items():
+        if name == "fp32":
+            continue
+        diffs = sorted(abs(a - b) for qa, qb in zip(got, ref, strict=True) for a, b in zip(qa, qb, strict=True))
+        same = sum(max(range(len(a)), key=a.__getitem__) == max(range(len(b)), key=b.__getitem__)
+                   for a, b in zip(got, ref, strict=True))
+        lines.append(f"{name:<18}{statistics.median(diffs):>12.5f}{diffs[int(0.99 * (len(diffs) - 1))]:>10.5f}"
+                     f"{diffs[-1]:>10.5f}{f'{same}/{len(ref)}':>16}")
+    return lines
+
+
+def speed_lines(engines: dict[str, Engine], query: str, items: list[str], rounds: int) -> list[str]:
+    def call(e: Engine) -> Callable[[], object]:
+        return lambda: e.score(query, items, labels=["Yes", "No"], mode="mis", bypass_prefix_cache=True)
+
+    for e in engines.values():  # warm every path once
+        call(e)()
+    times = alternate({name: call(e) for name, e in engines.items()}, rounds)
+    p50 = {name: statistics.median(ts) for name, ts in times.items()}
+    tokens = len(engines["fp32"].prepare_score(ScoreRequest(query, items, labels=["Yes", "No"])).query) + sum(
+        len(engines["fp32"].tokenizer(i, add_special_tokens=False)["input_ids"]) for i in items)
+    lines = [f"speed: one {len(items)}-candidate MIS (~{tokens} tokens), prefix cache bypassed, {rounds} alternating "
+             "rounds", f"{'engine':<18}{'p50 ms':>10}{'min ms':>10}{'vs its dtype':>14}"]
+    for name, ms in p50.items():
+        versus = f"{p50[BASE[name]] / ms:.2f}x" if name in BASE else ""
+        lines.append(f"{name:<18}{ms:>10.1f}{min(times[name]):>10.1f}{versus:>14}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="model directory or .gguf (default: the embedded SmolLM2)")
+    p.add_argument("--questions", type=int, default=16)
+    p.add_argument("--items", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    rng = random.Random(0)
+    questions = [(pw.query, pw.items) for pw in (pointwise(synthetic_question(rng, i, args.items))
+                                                 for i in range(args.questions))]
+    engines = {name: Engine.from_pretrained(args.model, dtype=dtype, device="cpu", threads=args.threads,
+                                            quantize=quantize) for name, (dtype, quantize) in ENGINES.items()}
+    some = engines["int8 (bf16 act.)"]
+    lines = [f"# python -m bench.int8 {' '.join(sys.argv[1:] if argv is None else argv)}   (commit {git_commit()})",
+             f"# {machine()}", f"# model {some.model_name}, CPU tier {some.cpu_tier}, torch {torch.__version__}",
+             f"# int8 path: {some.op_paths['linear']}",
+             "# weights held: " + ", ".join(f"{n} {e.memory.weight_bytes / 2**20:.0f} MiB"
+                                            for n, e in engines.items())]
+    print("\n".join(lines), flush=True)
+    for section in (drift_lines(engines, questions), speed_lines(engines, *questions[0], args.rounds)):
+        print("\n".join(section), flush=True)
+        lines += section
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Where int8 W8A8's drift comes from on one model (default the embedded SmolLM2): the projections' quantization
+simulated in fp32 (quantize, dequantize, fp32 GEMM: the same roundings as pyscore.ops.linear_int8 up to the sums'
+order), one part at a time, against the fp32 engine over --questions synthetic 16-item questions (bench.int8's set):
+
+- weights only (per output channel, activations fp32); activations only (per row, weights fp32); both (what
+  quantize="int8" computes); both in groups of --group along K (a finer scale per group of channels, for weights
+  and activations alike).
+
+    python -m bench.probes.int8_drift_sources [--questions 8] [--group 32]
+
+Diagnostic only: it swaps pyscore.ops.linear's int8 call for the simulation inside this process."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import pyscore.ops.linear  # noqa: F401  (the module, which pyscore.ops' `linear` function shadows)
+from bench.common import git_commit, machine
+from bench.dataset import synthetic_question
+from bench.int8 import p_yes
+from bench.prompts import pointwise
+from pyscore.engine import Engine
+from pyscore.ops.linear_int8 import QuantLinear
+
+LINEAR = sys.modules["pyscore.ops.linear"]
+
+
+def fake_quant(t: torch.Tensor, group: int | None) -> torch.Tensor:
+    """Rows of t quantized symmetrically to int8 and back, one scale per row (group None) or per `group` columns
+    (where the row length is a multiple of it, else per row); group 0: unchanged."""
+    if group == 0:
+        return t
+    m, k = t.shape
+    g = group if group and k % group == 0 else k
+    parts = t.reshape(m, k // g, g)
+    scale = parts.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(parts / scale.clamp_min(1e-30)).clamp(-127, 127) * scale).reshape(m, k)
+
+
+def simulated(x_group: int | None, w_group: int | None):
+    def run(x: torch.Tensor, w: QuantLinear, residual=None, out=None, reference: bool = False) -> torch.Tensor:
+        weight, bias = w.source
+        v = fake_quant(x.float(), x_group) @ fake_quant(weight, w_group).t()
+        if bias is not None:
+            v = v + bias
+        if w.gated:
+            half = v.shape[1] // 2
+            v = F.silu(v[:, :half]) * v[:, half:]
+        if residual is not None:
+            v = v + residual.float()
+        v = v.to(x.dtype)
+        return v if out is None else out.copy_(v)
+    return run
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--questions", type=int, default=8)
+    p.add_argument("--group", type=int, default=32)
+    args = p.parse_args()
+    rng = random.Random(0)
+    questions = [(pw.query, pw.items) for pw in (pointwise(synthetic_question(rng, i, 16))
+                                                 for i in range(args.questions))]
+    ref = Engine.from_pretrained(args.model, dtype="float32", device="cpu")
+    want = [p_yes(ref, q, items) for q, items in questions]
+    # The fp32 projections, kept beside each int8 weight for the simulation (the int8 engine's own are dropped).
+    sources = {id(w): w for w in ref.decoder.w.projections()}
+    engine = Engine.from_pretrained(args.model, dtype="float32", device="cpu", quantize="int8")
+    for fp, q in zip(sources.values(), engine.decoder.w.projections(), strict=True):
+        object.__setattr__(q, "source", fp.unpacked())
+    print(f"# python -m bench.probes.int8_drift_sources {' '.join(sys.argv[1:])}   (commit {git_commit()})")
+    print(f"# {machine()}; {engine.model_name}; {len(questions)} questions x 16 items; |dP(Yes)| vs the fp32 engine")
+    print(f"{'simulated':<40}{'median':>9}{'p99':>9}{'max':>9}{'same best':>11}")
+    variants = {"weights only (per channel)": (0, None), "activations only (per row)": (None, 0),
+                "both (per channel, per row)": (None, None),
+                f"both in groups of {args.group} along K": (args.group, args.group)}
+    real = LINEAR.linear_int8
+    for name, (xg, wg) in variants.items():
+        LINEAR.linear_int8 = simulated(xg, wg)
+        try:
+            got = [p_yes(engine, q, items) for q, items in questions]
+        finally:
+            LINEAR.linear_int8 = real
+        diffs = sorted(abs(a - b) for qa, qb in zip(got, want, strict=True) for a, b in zip(qa, qb, strict=True))
+        same = sum(max(range(len(a)), key=a.__getitem__) == max(range(len(b)), key=b.__getitem__)
+                   for a, b in zip(got, want, strict=True))
+        print(f"{name:<40}{statistics.median(diffs):>9.4f}{diffs[int(0.99 * (len(diffs) - 1))]:>9.4f}"
+              f"{diffs[-1]:>9.4f}{f'{same}/{len(want)}':>11}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
