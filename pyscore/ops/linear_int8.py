@@ -11,8 +11,8 @@ Contract (the same bits on every path; `linear_int8_ref` is the definition):
   exactly gives the same sums whatever its blocking, threads or the rows beside. Hence, with the per-row scales,
   a row's result never depends on its batch-mates (batch invariance) and the multi-item layout gives the
   single-item bits (MIS = SIS), as in the model's dtype.
-- Epilogue in fp32: v = (float(sum) * s_x[m]) * s_w[n] + bias[n]; gated: silu(v_gate) * v_up; then + residual;
-  rounded once to x's dtype.
+- Epilogue in fp32: v = (float(sum) * s_x[m]) * s_w[n] + bias[n]; gated: silu(v_gate) * v_up (pyscore.ops.silu_mul,
+  the tier's); then + residual; rounded once to x's dtype.
 
 Paths, chosen once per process (`int_path`): torch._int_mm (oneDNN's int8 GEMM) where it sums exactly on this CPU
 (it does with VNNI; without it oneDNN's u8 x s8 pairs saturate in 16 bits: checked at first use on worst-case
@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from pyscore.ops.silu_mul import silu_mul
 
 QMAX = 127
 # K per fp32 GEMM on the fallback path: 127 * 127 * 1040 < 2^24, so every partial sum is an exact fp32 integer.
@@ -138,14 +140,16 @@ def describe(device: torch.device) -> str:
 
 def _epilogue(sums: torch.Tensor, sx: torch.Tensor, w: QuantLinear, residual: torch.Tensor | None,
               dtype: torch.dtype) -> torch.Tensor:
-    v = sums.float() * sx[:, None] * w.scale[None, :]
+    """The contract's epilogue, in place on one fp32 buffer (the same bits as out-of-place: each op is exact
+    elementwise IEEE arithmetic); the SiLU-mul is the tier's silu_mul, as on linear's torch path."""
+    v = sums.to(torch.float32)
+    v.mul_(sx[:, None]).mul_(w.scale)
     if w.bias is not None:
-        v = v + w.bias
+        v.add_(w.bias)
     if w.gated:
-        half = v.shape[1] // 2
-        v = F.silu(v[:, :half]) * v[:, half:]
+        v = silu_mul(v)
     if residual is not None:
-        v = v + residual.float()
+        v.add_(residual)  # a bf16 residual widens exactly
     return v.to(dtype)
 
 
