@@ -5,7 +5,9 @@
   against the fp32 engine's (itself equal to stock transformers' fp32 within 1e-5: tests/test_engine_scores.py):
   median and max |dP| over all items, and on how many questions the best item (highest P(Yes)) is the same;
 - speed: a --items-candidate MIS (prefix cache bypassed) of each engine, timed alternately over --rounds rounds,
-  p50 per engine and each int8 engine against its dtype's.
+  p50 per engine and each int8 engine against its dtype's;
+- decode: ms per greedy decode step from the first question's query (a --new-tokens generation less a 1-token
+  one, over the steps between), timed the same way.
 
     python -m bench.int8 [--model M] [--out bench/results/int8/int8_<cpu>.txt]
 
@@ -26,7 +28,7 @@ from bench.common import alternate, git_commit, machine
 from bench.dataset import synthetic_question
 from bench.prompts import pointwise
 from pyscore.engine import Engine
-from pyscore.types import ScoreRequest
+from pyscore.types import GenerateRequest, ScoreRequest
 
 ENGINES = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8 (fp32 act.)": ("float32", "int8"),
            "int8 (bf16 act.)": ("bfloat16", "int8")}
@@ -74,12 +76,33 @@ def speed_lines(engines: dict[str, Engine], query: str, items: list[str], rounds
     return lines
 
 
+def decode_lines(engines: dict[str, Engine], prompt: str, new_tokens: int, rounds: int) -> list[str]:
+    """ms per decode step: (a greedy generation of new_tokens - one of 1 token) / (new_tokens - 1), both timed
+    alternately, so the prompt's prefill cancels."""
+    def call(e: Engine, n: int) -> Callable[[], object]:
+        request = GenerateRequest(prompt=prompt, max_tokens=n, temperature=0.0, bypass_prefix_cache=True)
+        return lambda: e.generate(request)
+
+    runs = {f"{name}|{n}": call(e, n) for name, e in engines.items() for n in (1, new_tokens)}
+    for run in runs.values():
+        run()
+    times = {key: statistics.median(ts) for key, ts in alternate(runs, rounds).items()}
+    step = {name: (times[f"{name}|{new_tokens}"] - times[f"{name}|1"]) / (new_tokens - 1) for name in engines}
+    lines = [f"decode: ms per greedy decode step, (a {new_tokens}-token generation - a 1-token one) / "
+             f"{new_tokens - 1}, {rounds} alternating rounds", f"{'engine':<18}{'ms/step':>10}{'vs its dtype':>14}"]
+    for name, ms in step.items():
+        versus = f"{step[BASE[name]] / ms:.2f}x" if name in BASE else ""
+        lines.append(f"{name:<18}{ms:>10.2f}{versus:>14}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model directory or .gguf (default: the embedded SmolLM2)")
     p.add_argument("--questions", type=int, default=16)
     p.add_argument("--items", type=int, default=16)
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -95,7 +118,8 @@ def main(argv: list[str] | None = None) -> None:
              "# weights held: " + ", ".join(f"{n} {e.memory.weight_bytes / 2**20:.0f} MiB"
                                             for n, e in engines.items())]
     print("\n".join(lines), flush=True)
-    for section in (drift_lines(engines, questions), speed_lines(engines, *questions[0], args.rounds)):
+    for section in (drift_lines(engines, questions), speed_lines(engines, *questions[0], args.rounds),
+                    decode_lines(engines, questions[0][0], args.new_tokens, max(3, args.rounds // 3))):
         print("\n".join(section), flush=True)
         lines += section
     if args.out:
