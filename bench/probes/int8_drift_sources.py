@@ -4,7 +4,9 @@ order), one part at a time, against the fp32 engine over --questions synthetic 1
 
 - weights only (per output channel, activations fp32); activations only (per row, weights fp32); both (what
   quantize="int8" computes); both in groups of --group along K (a finer scale per group of channels, for weights
-  and activations alike).
+  and activations alike); and how peaked the projections' input rows are: the share of rows whose max |x| is above
+  8x (and 16x) their rms over the first question (the finer a row's values sit below its max, the fewer of int8's
+  levels they get).
 
     python -m bench.probes.int8_drift_sources [--questions 8] [--group 32]
 
@@ -82,6 +84,21 @@ def main() -> None:
                 "both (per channel, per row)": (None, None),
                 f"both in groups of {args.group} along K": (args.group, args.group)}
     real = LINEAR.linear_int8
+    peaks: list[torch.Tensor] = []
+
+    def recording(x: torch.Tensor, w: QuantLinear, residual=None, out=None, reference: bool = False) -> torch.Tensor:
+        xf = x.float()
+        peaks.append(xf.abs().amax(1) / xf.pow(2).mean(1).sqrt().clamp_min(1e-30))
+        return simulated(0, 0)(x, w, residual, out)
+
+    LINEAR.linear_int8 = recording
+    try:
+        p_yes(engine, *questions[0])
+    finally:
+        LINEAR.linear_int8 = real
+    ratio = torch.cat(peaks)
+    print(f"# projection input rows (all layers, one question): {ratio.numel()}; max |x| > 8x rms in "
+          f"{(ratio > 8).float().mean().item():.0%}, > 16x in {(ratio > 16).float().mean().item():.0%}")
     for name, (xg, wg) in variants.items():
         LINEAR.linear_int8 = simulated(xg, wg)
         try:
