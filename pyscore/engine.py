@@ -289,10 +289,16 @@ class Engine:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
+    def token_pieces(self, ids: list[int]) -> list[str]:
+        """Each id's vocabulary entry as the tokenizer stores it (the BPE piece "ĠYes", not its text " Yes"):
+        what vLLM's /tokenize returns as token_strs."""
+        return [str(t) for t in self.tokenizer.convert_ids_to_tokens(ids)]
+
     def render_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any],
-                    add_generation_prompt: bool = True) -> list[int]:
+                    add_generation_prompt: bool = True, *, add_special_tokens: bool = False) -> list[int]:
         """The prompt token ids of a chat under the model's chat template (pyscore.gen_validate.render_chat)."""
-        return render_chat(self.tokenizer, messages, template_kwargs, add_generation_prompt)
+        return render_chat(self.tokenizer, messages, template_kwargs, add_generation_prompt,
+                           add_special_tokens=add_special_tokens)
 
     # --- scoring -------------------------------------------------------------------------------------
     def prepare_score(self, request: ScoreRequest) -> PreparedScore:

@@ -62,18 +62,22 @@ def validate_generate(req: GenerateRequest, tokenizer: Any, vocab_size: int, max
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any],
-                add_generation_prompt: bool = True) -> list[int]:
+                add_generation_prompt: bool = True, *, add_special_tokens: bool = False) -> list[int]:
     """The prompt token ids of `messages` under the tokenizer's chat template, with `kwargs` for the template;
     with the assistant's turn opened after them unless `add_generation_prompt` is false (a classifier's chat,
-    vLLM's default there)."""
+    vLLM's default there). add_special_tokens adds the tokenizer's own (BOS) on top of the template's, as vLLM's
+    /tokenize may ask; without it the ids are apply_chat_template's own (which tokenizes the rendered text
+    without them)."""
     if not getattr(tokenizer, "chat_template", None):
         raise FailedPrecondition("messages", "this model's tokenizer has no chat template")
     clash = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
     if clash:
         raise InvalidArgument("chat_template_kwargs", f"may not set {', '.join(clash)}")
     try:
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
-                                            return_dict=False, **kwargs)
+        rendered = tokenizer.apply_chat_template(messages, tokenize=not add_special_tokens,
+                                                 add_generation_prompt=add_generation_prompt, return_dict=False,
+                                                 **kwargs)
     except Exception as e:  # the template's own checks (roles must alternate, ...) are the client's to fix
         raise InvalidArgument("messages", f"the model's chat template refused them: {e}") from None
+    ids = tokenizer(rendered, add_special_tokens=True)["input_ids"] if add_special_tokens else rendered
     return [int(t) for t in ids]

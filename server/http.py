@@ -15,7 +15,9 @@ Routes, each shaped like its peer's so that the peer's clients work unchanged:
   POST /v1/completions        OpenAI completions (SSE streaming)                              server/http_openai.py
   POST /v1/chat/completions   OpenAI chat completions over the model's chat template         server/http_openai.py
   POST /generate              SGLang's native generate (batch, logprobs from a prompt position) server/http_sglang.py
-  POST /tokenize              vLLM's tokenize (`prompt` -> `tokens`); POST /detokenize (`tokens` -> `prompt`)
+  POST /tokenize              vLLM's tokenize (`prompt`, or `messages` under the chat template -> `tokens`)
+                                                                                              server/http_openai.py
+  POST /detokenize            vLLM's detokenize (`tokens` -> `prompt`)
   GET  /version               {"version": pyscore's}; GET|POST /ping: as /health (vLLM's, SageMaker's probe)
   GET  /v1/models             the one model served
   GET  /health                200 while SERVING, 503 otherwise (loading, draining); open without the token
@@ -51,7 +53,7 @@ from pyscore import __version__, errors
 from .gate import Gate
 from .http_call import JSON, Call, endpoint, error_body, error_response, sglang_error_body
 from .http_invocations import invocations
-from .http_openai import CHAT_FIELDS, COMPLETION_FIELDS, OpenAIEndpoints
+from .http_openai import CHAT_FIELDS, COMPLETION_FIELDS, OpenAIEndpoints, tokenize_schema
 from .http_rerank import RERANK_LABELS, RerankEndpoints, is_vllm_score
 from .http_schema import (
     ChatCompletionBody,
@@ -62,7 +64,6 @@ from .http_schema import (
     RerankBody,
     ScoringBody,
     SGLangGenerateBody,
-    TokenizeBody,
     VLLMScoreBody,
 )
 from .http_score import SCORE_FIELDS, ScoreEndpoints
@@ -121,12 +122,6 @@ def build_app(gate: Gate, metrics: Metrics, serving: Callable[[], bool], *, max_
                                                  "owned_by": "pyscore", "root": info.name,
                                                  "max_model_len": info.max_context}]})
 
-    async def tokenize(call: Call, body: TokenizeBody) -> Response:
-        batcher, info = gate.ready(body.model)
-        ids, tokens = await batcher.call(gate.engine.tokenize, body.prompt, body.add_special_tokens)
-        return JSON({"count": len(ids), "max_model_len": info.max_context, "tokens": ids}
-                    | ({"token_strs": tokens} if body.return_token_strs else {}))
-
     async def detokenize(call: Call, body: DetokenizeBody) -> Response:
         batcher, info = gate.ready(body.model)
         gate.check_ids("tokens", len(body.tokens))
@@ -161,7 +156,7 @@ def build_app(gate: Gate, metrics: Metrics, serving: Callable[[], bool], *, max_
         post("/v1/completions", "Generate", CompletionBody, openai.completions, COMPLETION_FIELDS),
         post("/v1/chat/completions", "Generate", ChatCompletionBody, openai.chat, CHAT_FIELDS),
         post("/generate", "Generate", SGLangGenerateBody, sglang.generate, SGLANG_FIELDS),
-        post("/tokenize", "Tokenize", TokenizeBody, tokenize),
+        post("/tokenize", "Tokenize", tokenize_schema, openai.tokenize),
         post("/detokenize", "Tokenize", DetokenizeBody, detokenize),
         Route("/version", version, methods=["GET"]),
         Route("/ping", health, methods=["GET", "POST"]),

@@ -44,7 +44,7 @@ from .batcher import Batcher
 from .engine_like import EngineLike
 from .gate import Gate
 from .http_call import JSON, Call, described, error_body, fp32
-from .http_schema import ChatCompletionBody, ChatMessage, CompletionBody, SamplingBody
+from .http_schema import ChatCompletionBody, ChatMessage, CompletionBody, SamplingBody, TokenizeBody, TokenizeChatBody
 from .http_score import usage_json
 from .scheduler import GenerationDelta
 
@@ -90,6 +90,36 @@ def refuse_unsupported(body: SamplingBody, prompts: int = 1) -> None:
             raise InvalidArgument(name, "is not supported: leave it at 0")
     if body.logit_bias:
         raise InvalidArgument("logit_bias", "is not supported")
+    if body.use_beam_search:
+        raise InvalidArgument("use_beam_search", "beam search is not served (sampling or greedy only)")
+    if body.stream_options is not None and body.stream_options.model_fields_set and not body.stream:
+        raise InvalidArgument("stream_options", "can only be given with stream: true (as vLLM refuses it)")
+
+
+def usage_options(body: SamplingBody) -> tuple[bool, bool]:
+    """(a last usage chunk, usage in every chunk): vLLM's continuous_usage_stats counts only with include_usage."""
+    options = body.stream_options
+    include = bool(options and options.include_usage)
+    return include, include and bool(options and options.continuous_usage_stats)
+
+
+def running_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """vLLM's per-chunk usage (continuous_usage_stats): the choice's prompt and its tokens so far."""
+    return {"usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def checked_prompt_logprobs(value: int | None) -> int | None:
+    """vLLM's prompt_logprobs, bounded as the proto's (its -1, the whole vocabulary per token, is not served)."""
+    if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument("prompt_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
+    return value
+
+
+def completion_tokens(token_ids: list[int], finish_reason: str | None) -> int:
+    """Tokens a choice generated as vLLM counts them: an end-of-sequence token that ended it counts (vLLM's
+    token_ids hold it), though, as over gRPC, it is in neither the text nor the token list."""
+    return len(token_ids) + (finish_reason == "eos")
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:
@@ -180,23 +210,36 @@ def vllm_prompt_logprobs(entries: list[TokenLogprob], k: int) -> list[dict[str, 
     return out
 
 
+def top_entry(lp: TokenLogprob, k: int) -> dict[str, float]:
+    """OpenAI's (and vLLM's) top_logprobs entry: the chosen token and its k most likely alternatives (k + 1
+    entries where the chosen one is not among them; `logprobs: 0` gives the chosen token alone)."""
+    tops = lp.top[:k]
+    values = fp32([lp.logprob, *(t.logprob for t in tops)])
+    return dict(zip([lp.token, *(t.token for t in tops)], values, strict=True))
+
+
 def completion_logprobs(logprobs: list[TokenLogprob], prompt: list[TokenLogprob] | None = None,
-                        prompt_top: int = MAX_TOP_LOGPROBS) -> dict[str, Any]:
-    """OpenAI's legacy completion logprobs; text offsets count within the text. With `prompt` (echo), the prompt's
-    entries come first (at most `prompt_top` alternatives each), the first token's logprob and alternatives null
-    (nothing precedes it)."""
-    entries = [*(TokenLogprob(lp.token_id, lp.token, lp.logprob, lp.top[:prompt_top]) for lp in prompt or []),
-               *logprobs]
-    offsets, at = [], 0
+                        top: int = MAX_TOP_LOGPROBS, start: int = 0) -> dict[str, Any]:
+    """OpenAI's legacy completion logprobs, `top` alternatives a token; text offsets count token texts from
+    `start` (a stream's chunk continues where the choice's previous chunk ended, so a stream's offsets are the
+    whole answer's). With `prompt` (echo), the prompt's entries come first, the first token's logprob and
+    alternatives null (nothing precedes it)."""
+    entries = [*(prompt or []), *logprobs]
+    offsets, at = [], start
     for lp in entries:
         offsets.append(at)
         at += len(lp.token)
-    values = fp32([lp.logprob for lp in entries])
-    tops = [dict(zip([t.token for t in lp.top], fp32([t.logprob for t in lp.top]), strict=True)) for lp in entries]
+    values: list[float | None] = list(fp32([lp.logprob for lp in entries]))
+    tops: list[dict[str, float] | None] = [top_entry(lp, top) for lp in entries]
     if prompt:
-        values[0] = tops[0] = None  # type: ignore[call-overload]
+        values[0] = tops[0] = None
     return {"tokens": [lp.token for lp in entries], "token_logprobs": values, "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def text_end(logprobs: dict[str, Any] | None, start: int) -> int:
+    """Where the next chunk's text offsets start: past this chunk's tokens."""
+    return start + sum(len(t) for t in logprobs["tokens"]) if logprobs else start
 
 
 def chat_logprobs(logprobs: list[TokenLogprob]) -> dict[str, Any]:
@@ -234,8 +277,7 @@ class OpenAIEndpoints:
         batcher, info = self.gate.ready(body.model)
         self.gate.check_ids("prompt", sum(len(p) for p in prompts if isinstance(p, list)))
         n, logprobs = body.n, body.logprobs is not None
-        if body.prompt_logprobs is not None and not 0 <= body.prompt_logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidArgument("prompt_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {body.prompt_logprobs}")
+        checked_prompt_logprobs(body.prompt_logprobs)
         # echo with logprobs (or alone, with max_tokens 0), or vLLM's prompt_logprobs, read the prompt's logprobs
         asked = [k for k in ((body.logprobs or 0) if body.echo and (logprobs or max_tokens == 0) else None,
                              body.prompt_logprobs) if k is not None]
@@ -249,11 +291,12 @@ class OpenAIEndpoints:
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def choice(k: int, text: str, lps: list[TokenLogprob], finish: str | None, first: bool,
-                   prompt_lps: list[TokenLogprob] | None) -> dict[str, Any]:
-            """Choice k's entry; its `first` (the whole answer, or a stream's first chunk) carries the echo."""
+                   prompt_lps: list[TokenLogprob] | None, offset: int = 0) -> dict[str, Any]:
+            """Choice k's entry; its `first` (the whole answer, or a stream's first chunk) carries the echo; its
+            text offsets start at `offset`."""
             echo = body.echo and first
             out = {"index": k, "text": echoes[k // n] + text if echo else text,
-                   "logprobs": completion_logprobs(lps, prompt_lps if echo else None, body.logprobs or 0)
+                   "logprobs": completion_logprobs(lps, prompt_lps if echo else None, body.logprobs or 0, offset)
                    if logprobs else None, "finish_reason": FINISH.get(finish or "")}
             if body.prompt_logprobs is not None and first:
                 out["prompt_logprobs"] = vllm_prompt_logprobs(prompt_lps or [], body.prompt_logprobs)
@@ -263,22 +306,29 @@ class OpenAIEndpoints:
             out = {"id": rid, "object": "text_completion", "created": created, "model": info.name, "choices": choices}
             return out | ({"usage": usage_json(usage, generated)} if usage is not None else {})
 
+        include_usage, continuous = usage_options(body)
+        lengths = await prompt_lengths(batcher, self.gate.engine, prompts) if body.stream and continuous else []
         streams = [batcher.generate(r) for r in requests]
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
             started: set[int] = set()
+            offsets, counts = [0] * len(requests), [0] * len(requests)  # choice k's next text_offset, its tokens
 
             def chunks(k: int, d: GenerationDelta) -> list[dict[str, Any]]:
                 first = k not in started
                 started.add(k)
-                return [chunk([choice(k, d.text, d.logprobs, d.final.finish_reason if d.final else None, first,
-                                      d.prompt_logprobs)])]
+                finish = d.final.finish_reason if d.final else None
+                out = choice(k, d.text, d.logprobs, finish, first, d.prompt_logprobs, offsets[k])
+                offsets[k] = text_end(out["logprobs"], offsets[k])
+                counts[k] += completion_tokens(d.token_ids, finish)
+                return [chunk([out]) | (running_usage(lengths[k // n], counts[k]) if continuous else {})]
 
             return await stream(call, streams, n, COMPLETION_FIELDS, chunks,
                                 lambda rs, usage: [chunk([], usage, generated(rs))] if include_usage else [])
         results = await final_results(streams)
         call.usage = usage = merged_usage(results, n)
-        return JSON(chunk([choice(k, r.text, r.logprobs, r.finish_reason, True, r.prompt_logprobs)
+        # vLLM's choices always carry prompt_logprobs (null unless asked): its clients read the attribute
+        return JSON(chunk([{"prompt_logprobs": None} | choice(k, r.text, r.logprobs, r.finish_reason, True,
+                                                              r.prompt_logprobs)
                            for k, r in enumerate(results)], usage, generated(results)))
 
     async def chat(self, call: Call, body: ChatCompletionBody) -> Response:
@@ -289,45 +339,110 @@ class OpenAIEndpoints:
             raise InvalidArgument("response_format", "only {\"type\": \"text\"} is supported")
         if body.top_logprobs and not body.logprobs:
             raise InvalidArgument("top_logprobs", "needs logprobs: true")
+        k_prompt = checked_prompt_logprobs(body.prompt_logprobs)
+        if body.stream and k_prompt:  # vLLM's rule: a stream has nowhere to carry them
+            raise InvalidArgument("prompt_logprobs", "are not available with stream: true (as in vLLM)")
         batcher, info = self.gate.ready(body.model)
         messages = [chat_message(m) for m in body.messages]
         prompt = await batcher.call(self.gate.engine.render_chat, messages, dict(body.chat_template_kwargs or {}))
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = info.max_context - len(prompt) if asked is None else asked  # OpenAI: up to the context
+        # the samples share the prompt: its logprobs are read once, by the first (the response has one list)
         requests = [GenerateRequest(prompt_token_ids=prompt, top_logprobs=body.top_logprobs or 0,
+                                    prompt_logprobs=k_prompt if j == 0 and not body.stream else None,
                                     **sampling(body, max_tokens, j)) for j in range(body.n)]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        include_usage, continuous = usage_options(body)
+        counts = [0] * body.n
 
         def chunk(choices: list[dict[str, Any]], usage: Usage | None = None, generated: int = 0,
                   obj: str = "chat.completion.chunk") -> dict[str, Any]:
             out = {"id": rid, "object": obj, "created": created, "model": info.name, "choices": choices}
             return out | ({"usage": usage_json(usage, generated)} if usage is not None else {})
 
+        def with_usage(out: dict[str, Any], k: int) -> dict[str, Any]:
+            return out | (running_usage(len(prompt), counts[k]) if continuous else {})
+
         def delta_chunks(k: int, d: GenerationDelta) -> list[dict[str, Any]]:
+            """vLLM's shape: the last delta's text and the finish_reason in one chunk (its text "" where an
+            end-of-sequence token ended the choice)."""
             lps = chat_logprobs(d.logprobs) if body.logprobs else None
-            out = [chunk([{"index": k, "delta": {"content": d.text}, "logprobs": lps, "finish_reason": None}])]
-            if d.final is not None:
-                out.append(chunk([{"index": k, "delta": {}, "logprobs": None,
-                                   "finish_reason": FINISH[d.final.finish_reason]}]))
-            return out
+            finish = d.final.finish_reason if d.final is not None else None
+            counts[k] += completion_tokens(d.token_ids, finish)
+            return [with_usage(chunk([{"index": k, "delta": {"content": d.text}, "logprobs": lps,
+                                       "finish_reason": FINISH[finish] if finish else None}]), k)]
 
         streams = [batcher.generate(r) for r in requests]
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            roles = [chunk([{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}]) for k in range(body.n)]
+            roles = [with_usage(chunk([{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                        "finish_reason": None}]), k) for k in range(body.n)]
             return await stream(call, streams, body.n, CHAT_FIELDS, delta_chunks,
                                 lambda rs, usage: [chunk([], usage, generated(rs))] if include_usage else [], roles)
         results = await final_results(streams)
         call.usage = usage = merged_usage(results, body.n)
-        return JSON(chunk([{"index": k, "message": {"role": "assistant", "content": r.text},
-                            "logprobs": chat_logprobs(r.logprobs) if body.logprobs else None,
-                            "finish_reason": FINISH[r.finish_reason]} for k, r in enumerate(results)],
-                          usage, generated(results), obj="chat.completion"))
+        answer = chunk([{"index": k, "message": {"role": "assistant", "content": r.text},
+                         "logprobs": chat_logprobs(r.logprobs) if body.logprobs else None,
+                         "finish_reason": FINISH[r.finish_reason]} for k, r in enumerate(results)],
+                       usage, generated(results), obj="chat.completion")
+        # vLLM's: top level (null unless asked), one list for the prompt all the choices share
+        answer["prompt_logprobs"] = (None if k_prompt is None else
+                                     vllm_prompt_logprobs(results[0].prompt_logprobs or [], k_prompt))
+        return JSON(answer)
+
+    async def tokenize(self, call: Call, body: TokenizeBody | TokenizeChatBody) -> Response:
+        """vLLM's /tokenize: a prompt's ids, or a chat's under the model's template; `token_strs` (the
+        vocabulary's pieces, convert_ids_to_tokens) when asked, null otherwise, as vLLM answers."""
+        batcher, info = self.gate.ready(body.model)
+        engine = self.gate.engine
+        if isinstance(body, TokenizeChatBody):
+            messages, kwargs = chat_tokenize_args(body)
+
+            def ids() -> list[int]:
+                return engine.render_chat(messages, kwargs, add_generation_prompt=body.add_generation_prompt,
+                                          add_special_tokens=body.add_special_tokens)
+        else:
+            def ids() -> list[int]:
+                return engine.encode([body.prompt], body.add_special_tokens)[0]
+
+        def tokenized() -> tuple[list[int], list[str] | None]:  # one trip to the engine thread
+            tokens = ids()
+            return tokens, engine.token_pieces(tokens) if body.return_token_strs else None
+
+        tokens, pieces = await batcher.call(tokenized)
+        return JSON({"count": len(tokens), "max_model_len": info.max_context, "tokens": tokens, "token_strs": pieces})
+
+
+def tokenize_schema(data: Any) -> type[TokenizeBody] | type[TokenizeChatBody]:
+    """vLLM's /tokenize takes a prompt or a chat (its TokenizeCompletionRequest | TokenizeChatRequest)."""
+    chat = isinstance(data, dict) and "messages" in data and "prompt" not in data
+    return TokenizeChatBody if chat else TokenizeBody
+
+
+def chat_tokenize_args(body: TokenizeChatBody) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The messages and template kwargs of a /tokenize chat; what pyscore does not serve is refused by name."""
+    if body.tools:
+        raise InvalidArgument("tools", "tool calling is not supported")
+    if body.chat_template is not None:
+        raise InvalidArgument("chat_template", "is not supported: the model's own chat template is used")
+    if body.continue_final_message and body.add_generation_prompt:
+        raise InvalidArgument("continue_final_message", "cannot be true with add_generation_prompt (as in vLLM): "
+                              "set add_generation_prompt to false")
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.continue_final_message:
+        kwargs["continue_final_message"] = True
+    return [chat_message(m) for m in body.messages], kwargs
+
+
+async def prompt_lengths(batcher: Batcher, engine: EngineLike, prompts: list[str | list[int]]) -> list[int]:
+    """Each prompt's token count before it runs (what continuous usage reports from the first chunk): a text
+    prompt tokenized as its generation tokenizes it, all in one engine-thread call."""
+    texts = [p for p in prompts if isinstance(p, str)]
+    encoded = iter(await batcher.call(engine.encode, texts, True) if texts else [])
+    return [len(next(encoded)) if isinstance(p, str) else len(p) for p in prompts]
 
 
 def generated(results: list[GenerateResult]) -> int:
-    return sum(len(r.token_ids) for r in results)
+    return sum(completion_tokens(r.token_ids, r.finish_reason) for r in results)
 
 
 async def stream(call: Call, streams: list[AsyncIterator[GenerationDelta]], n: int, renames: dict[str, str],

@@ -131,6 +131,7 @@ class ClassifyBody(PoolingOptions):
 
 class StreamOptions(Body):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: every chunk carries the usage so far (with include_usage)
 
 
 class SamplingBody(CacheOptions):
@@ -150,6 +151,7 @@ class SamplingBody(CacheOptions):
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    use_beam_search: bool = False  # vLLM's; beam search is not served, so true is refused by name
 
 
 class CompletionBody(SamplingBody):
@@ -178,6 +180,7 @@ class ChatCompletionBody(SamplingBody):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's extension: the response's top-level prompt_logprobs
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
@@ -224,6 +227,21 @@ class TokenizeBody(Body):
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool = False
+    model: str | None = None
+
+
+class TokenizeChatBody(Body):
+    """vLLM's /tokenize of a chat: the messages rendered with the model's chat template (its defaults: the
+    generation prompt added, no special tokens beyond the template's)."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # refused: the model's own template is the one served
+    tools: list[Any] | None = None  # refused, as in chat completions
     model: str | None = None
 
 

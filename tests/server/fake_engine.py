@@ -196,9 +196,13 @@ class FakeEngine:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
+    def token_pieces(self, ids: list[int]) -> list[str]:
+        return self.tokenizer.convert_ids_to_tokens(ids)
+
     def render_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any],
-                    add_generation_prompt: bool = True) -> list[int]:
-        return render_chat(self.tokenizer, messages, template_kwargs, add_generation_prompt)
+                    add_generation_prompt: bool = True, *, add_special_tokens: bool = False) -> list[int]:
+        return render_chat(self.tokenizer, messages, template_kwargs, add_generation_prompt,
+                           add_special_tokens=add_special_tokens)
 
     def prepare_score(self, request: ScoreRequest) -> PreparedScore:
         return prepare_score(request, self.traits)
