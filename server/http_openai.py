@@ -212,10 +212,15 @@ def vllm_prompt_logprobs(entries: list[TokenLogprob], k: int) -> list[dict[str, 
 
 def top_entry(lp: TokenLogprob, k: int) -> dict[str, float]:
     """OpenAI's (and vLLM's) top_logprobs entry: the chosen token and its k most likely alternatives (k + 1
-    entries where the chosen one is not among them; `logprobs: 0` gives the chosen token alone)."""
+    entries where the chosen one is not among them; `logprobs: 0` gives the chosen token alone). Keyed by text,
+    ids whose texts are equal (byte tokens' "\ufffd") share an entry: the chosen token's, then the likelier
+    one's, so an entry's value for the chosen text is always its token_logprob."""
     tops = lp.top[:k]
     values = fp32([lp.logprob, *(t.logprob for t in tops)])
-    return dict(zip([lp.token, *(t.token for t in tops)], values, strict=True))
+    out: dict[str, float] = {}
+    for token, value in zip([lp.token, *(t.token for t in tops)], values, strict=True):
+        out.setdefault(token, value)
+    return out
 
 
 def completion_logprobs(logprobs: list[TokenLogprob], prompt: list[TokenLogprob] | None = None,

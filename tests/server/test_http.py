@@ -17,7 +17,7 @@ import requests
 from pyscore.client import ScorerClient
 from tests.server.certs import Pki, make_pki
 from tests.server.conftest import ServerThread, wait_for
-from tests.server.fake_engine import FakeEngine
+from tests.server.fake_engine import FakeEngine, FakeTokenizer
 
 TOKEN = "http-s3cret"
 SCORE = {"query": "Is this right?", "items": ["a b", "c"], "labels": ["Yes", "No"], "apply_softmax": True}
@@ -148,6 +148,35 @@ def test_models_tokenize_health_metrics(http: ServerThread, fake: FakeEngine) ->
     assert 'pyscore_requests_total{method="Score",status="OK"}' in text
     assert 'pyscore_requests_total{method="Score",status="INVALID_ARGUMENT"} 1.0' in text
     assert "pyscore_tokens_saved_by_mis_total" in text
+
+
+class TemplatedTokenizer(FakeTokenizer):
+    """The fake tokenizer with a chat template: "role: content" words, "assistant:" as the generation prompt."""
+
+    chat_template = "role: content"
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], tokenize: bool, add_generation_prompt: bool,
+                            return_dict: bool, **kwargs: Any) -> Any:
+        text = " ".join(f"{m['role']}: {m['content']}" for m in messages) + " assistant:" * add_generation_prompt
+        return self(text, add_special_tokens=False)["input_ids"] if tokenize else text
+
+
+def test_tokenize_messages_reach_the_template(start_server: Any) -> None:
+    """vLLM's /tokenize of a chat: add_generation_prompt (default true) reaches the template, add_special_tokens
+    (default false) puts the tokenizer's BOS before it, token_strs are the tokenizer's pieces."""
+    engine = FakeEngine(tokenizer=TemplatedTokenizer())
+    http = start_server(engine, http_port=0)
+    messages = [{"role": "user", "content": "where is it"}]
+    words = engine.tokenizer.encode_words
+    plain = post(http, "/tokenize", {"messages": messages, "return_token_strs": True}).json()
+    assert plain["tokens"] == words("user: where is it assistant:")
+    assert plain["token_strs"] == ["user:", "where", "is", "it", "assistant:"]
+    bare = post(http, "/tokenize", {"messages": messages, "add_generation_prompt": False}).json()
+    assert bare["tokens"] == words("user: where is it") and bare["token_strs"] is None
+    special = post(http, "/tokenize", {"messages": messages, "add_special_tokens": True}).json()
+    assert special["tokens"] == [1, *plain["tokens"]]  # BOS
+    chat = post(http, "/v1/chat/completions", {"messages": messages, "max_tokens": 1}).json()
+    assert chat["usage"]["prompt_tokens"] == plain["count"]
 
 
 def test_health_and_calls_before_the_model_is_loaded(start_server: Any) -> None:

@@ -109,7 +109,10 @@ def test_completions_over_http_equal_grpc(base: str, client: ScorerClient, oa: o
     choice = c.choices[0]
     assert choice.text == over_grpc.text
     assert choice.logprobs.token_logprobs == [lp.logprob for lp in over_grpc.logprobs]
-    assert choice.logprobs.top_logprobs == [{t.token: t.logprob for t in lp.top} for lp in over_grpc.logprobs]
+    # greedy: the chosen token is the first alternative; alternatives whose texts are equal (byte tokens) share
+    # the likelier one's value
+    assert choice.logprobs.top_logprobs == [{t.token: t.logprob for t in reversed(lp.top)}
+                                            for lp in over_grpc.logprobs]
     assert c.usage.prompt_tokens == over_grpc.usage.prompt_tokens
     assert c.usage.completion_tokens == len(over_grpc.token_ids)
     streamed = oa.completions.create(model=name, prompt=PROMPT, max_tokens=6, temperature=0, stream=True)
@@ -171,7 +174,7 @@ def test_prompt_logprobs_over_grpc_and_http_echo(client: ScorerClient, oa: opena
     assert lps.token_logprobs[0] is None and lps.top_logprobs[0] is None
     assert lps.token_logprobs[1 : len(ids)] == [lp.logprob for lp in unary.prompt_logprobs[1:]]
     # each entry: the prompt token itself and its 1 most likely alternative (vLLM's and OpenAI's k + 1)
-    assert lps.top_logprobs[1 : len(ids)] == [{lp.token: lp.logprob} | {t.token: t.logprob for t in lp.top[:1]}
+    assert lps.top_logprobs[1 : len(ids)] == [{t.token: t.logprob for t in lp.top[:1]} | {lp.token: lp.logprob}
                                               for lp in unary.prompt_logprobs[1:]]
     assert len(lps.tokens) == len(ids) + 1 and len(c.choices[1].logprobs.tokens) == len(other) + 1
     alone = oa.completions.create(model=name, prompt=PROMPT, max_tokens=0, echo=True, logprobs=0)
