@@ -1,28 +1,35 @@
-"""OpenAI's `POST /v1/completions` and `POST /v1/chat/completions` over the batcher's generations, so that the
-`openai` client (and vLLM's or SGLang's users of it) work unchanged: max_tokens, temperature, top_p, stop,
-seed, logprobs / top_logprobs, n, a list of prompts, `stream: true` as server-sent events ending `data: [DONE]`
-(with `stream_options.include_usage`, a last chunk carrying usage), and usage with cached tokens.
+"""OpenAI's `POST /v1/completions` and `POST /v1/chat/completions` over the batcher's generations, so that the `openai`
+client (and vLLM's or SGLang's users of it) work unchanged: max_tokens, temperature, top_p, stop, seed, logprobs /
+top_logprobs, n, a list of prompts, `stream: true` as server-sent events ending `data: [DONE]` (with
+`stream_options.include_usage`, a last chunk carrying usage; with `continuous_usage_stats` too, vLLM's usage so far
+in every chunk), and usage with cached tokens. vLLM's own test cases are the yardstick
+(tests/server/test_http_vllm.py; docs/http.md lists each choice).
 
-A completion is one GenerateRequest per prompt and sample: a list of prompts (texts or token-id lists) and n
-samples of each give len(prompts) x n choices, choice `index` = prompt * n + sample (OpenAI's and vLLM's order),
-at most MAX_CHOICES a request; all run at once through the batcher and stream interleaved as their tokens come.
-Sample j of a seeded request draws with seed + j, so the n samples differ and each is the single-sample request
-with that seed, bit for bit. Usage counts each prompt once (its first sample's prompt and cached tokens), every
-sample's computed and completion tokens, and the longest queue wait and compute time. `echo` puts the prompt in
-front of each choice's text (a token-id prompt decoded on the engine thread) and, with `logprobs`, the prompt's
-tokens in front of its logprobs (the first with a null logprob: vLLM's prompt logprobs, what lm-evaluation-harness
-scores continuations with); `max_tokens` 0 with `echo` returns the prompt alone. vLLM's `prompt_logprobs` extension
-adds each choice's `prompt_logprobs` in vLLM's shape (null, then per token {id: {logprob, rank, decoded_token}} for
-the token and its alternatives; the token's rank null when it is not among them). A chat's messages are
-rendered with the model's
-chat template on the engine thread into prompt token ids, exactly as a gRPC Generate with apply_chat_template
-renders its one user message (`chat_template_kwargs` reach the template). OpenAI's defaults hold where they
-differ from the proto's: temperature 1, completions 16 tokens, chats up to the context. Sampling floats go
-through float32, as the proto's `float` does, so the same question asked over gRPC gets the same tokens.
-Fields OpenAI has and pyscore cannot honour (best_of other than n, suffix, penalties, logit_bias, tools, a JSON
-response_format) are refused naming the field. A stream's status is settled by its first token: anything the
-request gets wrong is an HTTP error before the stream starts; a failure after that is a last `data:` event
-carrying the error object."""
+A completion is one GenerateRequest per prompt and sample: a list of prompts (texts or token-id lists) and n samples
+of each give len(prompts) x n choices, choice `index` = prompt * n + sample (OpenAI's and vLLM's order), at most
+MAX_CHOICES a request; all run at once through the batcher and stream interleaved as their tokens come. Sample j of
+a seeded request draws with seed + j, so the n samples differ and each is the single-sample request with that seed,
+bit for bit (vLLM's parallel sampling derives its samples' seeds the same way). Usage counts each prompt once (its
+first sample's prompt and cached tokens), every sample's computed and completion tokens (an end-of-sequence token
+that ended a choice counted, as vLLM counts it, though it is in neither text nor tokens), and the longest queue wait
+and compute time. A completion's top_logprobs hold the chosen token beside its `logprobs` alternatives (OpenAI's and
+vLLM's k + 1); a stream's text offsets continue across its chunks. `echo` puts the prompt in front of each choice's
+text (a token-id prompt decoded on the engine thread) and, with `logprobs`, the prompt's tokens in front of its
+logprobs (the first with a null logprob: vLLM's prompt logprobs, what lm-evaluation-harness scores continuations
+with); `max_tokens` 0 with `echo` returns the prompt alone. vLLM's `prompt_logprobs` extension adds each choice's
+`prompt_logprobs` in vLLM's shape (null, then per token {id: {logprob, rank, decoded_token}} for the token and its
+alternatives; the token's rank null when it is not among them; null when not asked); a chat has the same list at the
+top level of its answer (not with a stream, as vLLM refuses). A chat's messages are rendered with the model's chat
+template on the engine thread into prompt token ids, exactly as a gRPC Generate with apply_chat_template renders its
+one user message (`chat_template_kwargs` reach the template); a chat stream's last delta carries its finish_reason
+(vLLM's shape). vLLM's /tokenize is here too: a prompt, or a chat's messages under the template, to ids, with the
+vocabulary's pieces as `token_strs` when asked. OpenAI's defaults hold where they differ from the proto's:
+temperature 1, completions 16 tokens, chats up to the context. Sampling floats go through float32, as the proto's
+`float` does, so the same question asked over gRPC gets the same tokens. Fields OpenAI or vLLM have and pyscore
+cannot honour (best_of other than n, suffix, penalties, logit_bias, tools, a JSON response_format, use_beam_search,
+stream_options without a stream) are refused naming the field. A stream's status is settled by its first token:
+anything the request gets wrong is an HTTP error before the stream starts; a failure after that is a last `data:`
+event carrying the error object."""
 
 from __future__ import annotations
 
