@@ -174,17 +174,18 @@ def tiny_tokenizer():
 
 
 def build_random_model(shape_name: str, dtype: torch.dtype, device: torch.device, seed: int = 0,
-                       cpu_draws: bool = False) -> LoadedModel:
+                       cpu_draws: bool = False, quantize: str | None = None) -> LoadedModel:
     """cpu_draws: draw the weights in fp32 on the CPU and load them onto `device` in `dtype` as a checkpoint's would be
     (fp32 norms stay fp32): every device and dtype then holds the same values, rounded, which the GPU tests compare
-    against the fp32 CPU engine. Otherwise they are drawn on `device` in `dtype` (fast for big shapes)."""
+    against the fp32 CPU engine. Otherwise they are drawn on `device` in `dtype` (fast for big shapes). quantize:
+    as Engine.from_pretrained's ("int8": the projections in int8)."""
     if shape_name not in SHAPES:
         raise ValueError(f"unknown shape {shape_name!r}; expected one of {', '.join(SHAPES)}")
     hf = hf_config(SHAPES[shape_name])
     cfg = ModelConfig.from_hf(hf)
     draw = (torch.float32, torch.device("cpu")) if cpu_draws else (dtype, device)
     with torch.inference_mode():
-        weights = build_weights(cfg, random_getter(cfg, *draw, seed), dtype, device)
+        weights = build_weights(cfg, random_getter(cfg, *draw, seed), dtype, device, quantize=quantize)
     inv_freq, scaling = inverse_frequencies(hf, cfg.rotary_dims)
     rotary = Rotary(inv_freq, scaling, cfg.max_position_embeddings, device)
     return LoadedModel(name=f"random-{shape_name}", path=Path(f"random:{shape_name}"), cfg=cfg, hf_config=hf,
@@ -202,10 +203,12 @@ class RandomEngine(Engine):
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, dtype: str | torch.dtype = "auto",
-                        device: str = "auto", threads: int | None = None, **engine_args: Any) -> RandomEngine:
+                        device: str = "auto", threads: int | None = None, quantize: str | None = None,
+                        **engine_args: Any) -> RandomEngine:
         set_threads(threads)
         dev = resolve_device(device)
-        return cls(build_random_model(str(model or "qwen3-0.6b"), resolve_dtype(dtype, dev), dev), **engine_args)
+        loaded = build_random_model(str(model or "qwen3-0.6b"), resolve_dtype(dtype, dev), dev, quantize=quantize)
+        return cls(loaded, **engine_args)
 
 
 # --- token-id questions --------------------------------------------------------------------------------------------
