@@ -37,7 +37,6 @@ from pyscore.model.kv_store import KVStore, KVStoreStats
 from pyscore.model.loading import LoadedModel, load_model
 from pyscore.model.packing import Group, pack
 from pyscore.model.prefix_cache import CacheLease, PrefixCache, PrefixCacheStats, pass_lease, unsupported_reason
-from pyscore.model.weights import QUANTIZE
 from pyscore.ops import _ext, label_logprobs, linear_int8
 from pyscore.scoring import ModelTraits, PreparedScore, prepare_score
 from pyscore.types import (
@@ -236,9 +235,8 @@ class Engine:
         chunks of at most this size (default and at most max_batch_tokens; pyscore.chunked_prefill).
         quantize: None (the dtype) or "int8": the layers' projections in int8 W8A8, the rest in the dtype
         (pyscore.ops.linear_int8: exact int32 sums, so MIS = SIS and batch invariance hold; its drift from the
-        dtype's scores is measured in docs/guarantees.md)."""
-        if quantize not in (None, *QUANTIZE):
-            raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)} or None, got {quantize!r}")
+        dtype's scores is measured in docs/guarantees.md; another value: ValueError, from
+        pyscore.model.weights.build_weights)."""
         set_threads(threads)
         dev = resolve_device(device)
         _ext.check_switches()  # before the tier picks the dtype and the load takes its time

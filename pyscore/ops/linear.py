@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from pyscore.ops import _ext, tiers
-from pyscore.ops.linear_int8 import QuantLinear, linear_int8
+from pyscore.ops.linear_int8 import QuantLinear, RowMajorWeight, linear_int8
 from pyscore.ops.reference import linear_ref
 from pyscore.ops.silu_mul import silu_mul
 
@@ -81,29 +81,13 @@ class PackedLinear:
 
 
 @dataclass(frozen=True)
-class PlainLinear:
+class PlainLinear(RowMajorWeight):
     """A weight as torch's GEMM reads it: [N, K] (gated: [2I, K], gate rows then up rows) in the model's dtype, and
     its bias [N] (or None)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
     gated: bool = False
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.weight.device
-
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[1]
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0] // 2 if self.gated else self.weight.shape[0]
 
     def unpacked(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.weight, self.bias

@@ -34,15 +34,12 @@ QMAX = 127
 EXACT_FP32_K = 1024
 
 
-@dataclass(frozen=True)
-class QuantLinear:
-    """A [N, K] weight (gated: [2I, K], gate rows then up rows) in int8 with its per-row fp32 scales [N] and fp32
-    bias [N] (or None)."""
+class RowMajorWeight:
+    """What a weight held as [N, K] rows (gated: [2I, K], gate rows then up rows) in `weight` says of itself: the
+    facts PlainLinear (pyscore.ops.linear) and QuantLinear share."""
 
-    weight: torch.Tensor  # int8 [N, K]
-    scale: torch.Tensor  # fp32 [N]
-    bias: torch.Tensor | None
-    gated: bool = False
+    weight: torch.Tensor
+    gated: bool
 
     @property
     def dtype(self) -> torch.dtype:
@@ -59,6 +56,17 @@ class QuantLinear:
     @property
     def out_features(self) -> int:
         return self.weight.shape[0] // 2 if self.gated else self.weight.shape[0]
+
+
+@dataclass(frozen=True)
+class QuantLinear(RowMajorWeight):
+    """A [N, K] weight (gated: [2I, K], gate rows then up rows) in int8 with its per-row fp32 scales [N] and fp32
+    bias [N] (or None)."""
+
+    weight: torch.Tensor  # int8 [N, K]
+    scale: torch.Tensor  # fp32 [N]
+    bias: torch.Tensor | None
+    gated: bool = False
 
     def unpacked(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The dequantized weight [N, K] (fp32) and bias: what the int8 weight stands for."""
