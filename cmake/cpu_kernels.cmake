@@ -21,7 +21,7 @@
 # other architecture needs no stand-ins, and an entry point of an undeclared family fails the configure step.
 #
 # Sets PYSCORE_CPU_KERNEL_SOURCES and PYSCORE_CPU_KERNEL_OPTIONS; needs PYSCORE_ROOT (the repository root).
-set(PYSCORE_AVX512_FLAGS "-mavx512f;-mavx512bw;-mavx512dq;-mavx512vl;-mavx512bf16;-mfma;-mf16c;-mamx-tile;-mamx-bf16")
+set(PYSCORE_AVX512_FLAGS "-mavx512f;-mavx512bw;-mavx512dq;-mavx512vl;-mavx512bf16;-mavx512vnni;-mfma;-mf16c;-mamx-tile;-mamx-bf16")
 set(PYSCORE_AVX2_FLAGS "-mavx2;-mfma;-mf16c;-ffp-contract=off")
 set(PYSCORE_NEON_FLAGS "-ffp-contract=off")
 file(GLOB_RECURSE PYSCORE_CPU_KERNEL_SOURCES CONFIGURE_DEPENDS

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pyscore.engine import Engine
-from pyscore.ops.linear_int8 import QuantLinear
+from pyscore.ops.linear import INT8_WEIGHTS
 from pyscore.types import GenerateRequest, ScoreRequest
 from tests.helpers import load_reference, make_model_dir
 from tests.reference_scoring import reference_scores
@@ -35,7 +35,7 @@ def labels(e: Engine) -> list[int]:
 
 def test_projections_are_int8_and_named(int8_engine, model_dir):
     e = int8_engine
-    assert all(isinstance(w, QuantLinear) for w in e.decoder.w.projections())
+    assert all(isinstance(w, INT8_WEIGHTS) for w in e.decoder.w.projections())
     assert e.decoder.w.embed.dtype == torch.float32  # the embedding and the head stay in the dtype
     info = e.info()
     assert info.quantize == "int8" and info.ops["linear"].startswith("int8 W8A8")

@@ -172,6 +172,16 @@ inline Bf16Dot cpu_bf16_dot() {
   return cpu_is_intel() ? Bf16Dot::kWiden : Bf16Dot::kDpbf16;
 }
 
+// Whether linear's int8 quads run on AVX512-VNNI (vpdpbusd): at tier avx512bf16 and up (every such CPU has it,
+// checked anyway); below, the int8 ops come from the AVX2 layer.
+inline bool cpu_int8_vnni() {
+#if defined(__x86_64__)
+  return cpu_tier_at_least(CpuTier::kAvx512Bf16) && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
 inline const char* bf16_dot_name(Bf16Dot d) { return d == Bf16Dot::kWiden ? "widen" : "dpbf16"; }
 
 }  // namespace pyscore

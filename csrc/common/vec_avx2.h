@@ -138,6 +138,43 @@ static inline Bits set1_pair(const uint16_t* p) {
   return _mm256_set1_epi32(pair);
 }
 
+// ---- int8 quads (linear's int8 weights: linear/linear.h) -----------------------------------------------------------
+// Sums in int32 lanes of Bits (zero_bits, load_bits, store_bits). dot_quads adds to each 32-bit lane the four
+// products of x's 4 code bytes (the broadcast operand) with the lane's 4 weight bytes, exactly: vpmaddubsw of |x| and
+// w with x's sign, whose pair sums (at most 2 * 127 * 127 = 32258) never saturate 16 bits, then vpmaddwd by ones. x
+// codes are signed here (kInt8XOffset 0; the AVX-512 layer's are offset).
+constexpr bool kInt8DotIsVnni = false;  // dot_quads is vpdpbusd: only where cpu_int8_vnni()
+// What dot_quads needs beside a tile and its weights: the broadcast, |x|, the ones, the products (at 4, a 4-row x
+// 2-vector tile spilled three registers a step: tests/ops/test_register_tiles.py).
+constexpr int kInt8SpareRegisters = 7;
+constexpr int32_t kInt8XOffset = 0;
+static inline Bits dot_quads(Bits acc, Bits x, Bits w) {
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(x), _mm256_sign_epi8(w, x));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+static inline Bits zero_bits() { return _mm256_setzero_si256(); }
+static inline void store_bits(void* p, Bits v) { _mm256_storeu_si256(static_cast<__m256i*>(p), v); }
+static inline Bits set1_quad(const uint8_t* p) {
+  int32_t quad;
+  std::memcpy(&quad, p, sizeof(quad));
+  return _mm256_set1_epi32(quad);
+}
+// (acc's int32 lanes - offset[0, kLanes)) in fp32, rounded to nearest even (the sums are exact; their fp32 may not be).
+static inline Vec sums_to_f32(Bits acc, const int32_t* offset) {
+  const __m256i o = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset));
+  return _mm256_cvtepi32_ps(_mm256_sub_epi32(acc, o));
+}
+// The first n lanes of x as codes at p: round half to even, clamped to [-127, 127] (plus kInt8XOffset), a byte each.
+static inline void store_codes(uint8_t* p, Vec x, int n) {
+  __m256i q = _mm256_cvtps_epi32(x);  // the MXCSR's rounding: nearest even
+  q = _mm256_min_epi32(_mm256_max_epi32(q, _mm256_set1_epi32(-127)), _mm256_set1_epi32(127));
+  const __m256i w16 = _mm256_packs_epi32(q, q);        // 128-bit lanes: q0-3 q0-3 | q4-7 q4-7
+  const __m256i b8 = _mm256_packs_epi16(w16, w16);     // bytes: q0-3 (x4) | q4-7 (x4)
+  const uint64_t bytes = uint32_t(_mm256_extract_epi32(b8, 0)) | uint64_t(uint32_t(_mm256_extract_epi32(b8, 4))) << 32;
+  std::memcpy(p, &bytes, size_t(n));
+}
+static inline Vec abs(Vec x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
+
 // out[2i] = a[i], out[2i + 1] = b[i] for i < kZipDims (two rows of 8 bf16 interleaved into 8 pairs); a null row
 // reads as zeros.
 constexpr int kZipDims = 8;

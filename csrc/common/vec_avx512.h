@@ -89,6 +89,39 @@ static inline Bits set1_pair(const uint16_t* p) {
   return _mm512_set1_epi32(pair);
 }
 
+// ---- int8 quads (linear's int8 weights: linear/linear.h) -----------------------------------------------------------
+// Sums in int32 lanes of Bits (zero_bits, load_bits, store_bits). dot_quads adds to each 32-bit lane the four
+// products of x's 4 code bytes (the broadcast operand) with the lane's 4 weight bytes, exactly (vpdpbusd,
+// AVX512-VNNI: every CPU of tier avx512bf16 and up has it). vpdpbusd multiplies unsigned by signed bytes, so x codes
+// are stored as q + kInt8XOffset in [1, 255]; sums_to_f32 takes kInt8XOffset * sum(w) back off.
+constexpr bool kInt8DotIsVnni = true;  // dot_quads is vpdpbusd: only where cpu_int8_vnni()
+constexpr int kInt8SpareRegisters = 1;  // what dot_quads needs beside a tile and its weights: the broadcast (weights as registers)
+constexpr int32_t kInt8XOffset = 128;
+// In asm: GCC 12's vpdpbusd builtin copies the accumulator to a fresh register before each one and back after (a
+// 6 x 4 tile then spilled every step, 0.9x the bf16 kernel's speed); the asm ties it to its register.
+static inline Bits dot_quads(Bits acc, Bits x, Bits w) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(x), "vm"(w));
+  return acc;
+}
+static inline Bits zero_bits() { return _mm512_setzero_si512(); }
+static inline void store_bits(void* p, Bits v) { _mm512_storeu_si512(p, v); }
+static inline Bits set1_quad(const uint8_t* p) {
+  int32_t quad;
+  std::memcpy(&quad, p, sizeof(quad));
+  return _mm512_set1_epi32(quad);
+}
+// (acc's int32 lanes - offset[0, kLanes)) in fp32, rounded to nearest even (the sums are exact; their fp32 may not be).
+static inline Vec sums_to_f32(Bits acc, const int32_t* offset) {
+  return _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_loadu_si512(offset)));
+}
+// The first n lanes of x as codes at p: round half to even, clamped to [-127, 127], plus kInt8XOffset, a byte each.
+static inline void store_codes(uint8_t* p, Vec x, int n) {
+  __m512i q = _mm512_cvtps_epi32(x);  // the MXCSR's rounding: nearest even
+  q = _mm512_min_epi32(_mm512_max_epi32(q, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
+  _mm512_mask_cvtepi32_storeu_epi8(p, first_mask(n), _mm512_add_epi32(q, _mm512_set1_epi32(kInt8XOffset)));
+}
+static inline Vec abs(Vec x) { return _mm512_abs_ps(x); }
+
 // out[2i] = a[i], out[2i + 1] = b[i] for i < kZipDims (two rows of 32 bf16 interleaved into 32 pairs, one
 // vpermt2w per half); a null row reads as zeros.
 constexpr int kZipDims = 32;

@@ -148,6 +148,40 @@ static inline Bits set1_pair(const uint16_t* p) {
   return vdupq_n_u32(uint32_t(pair));
 }
 
+// ---- int8 quads (linear's int8 weights: linear/linear.h; vec_avx2.h's names) --------------------------------------
+// Sums in int32 lanes of Bits (zero_bits, load_bits, store_bits). dot_quads adds to each 32-bit lane the four products of x's 4 code
+// bytes (broadcast) with the lane's 4 weight bytes, exactly: widening multiplies, pairwise adds in 16 bits (at most
+// 2 * 127 * 127), then a pairwise add-accumulate into 32 bits (SDOT is not the ARMv8.0 baseline). Codes signed.
+constexpr bool kInt8DotIsVnni = false;  // dot_quads is vpdpbusd: only where cpu_int8_vnni()
+constexpr int kInt8SpareRegisters = 4;  // what dot_quads needs beside a tile and its weights: the broadcast and the widened products
+constexpr int32_t kInt8XOffset = 0;
+static inline Bits dot_quads(Bits acc, Bits x, Bits w) {
+  const int8x16_t a = vreinterpretq_s8_u32(x), b = vreinterpretq_s8_u32(w);
+  const int16x8_t pairs = vpaddq_s16(vmull_s8(vget_low_s8(a), vget_low_s8(b)), vmull_high_s8(a, b));
+  return vreinterpretq_u32_s32(vpadalq_s16(vreinterpretq_s32_u32(acc), pairs));
+}
+static inline Bits zero_bits() { return vdupq_n_u32(0); }
+static inline void store_bits(void* p, Bits v) { vst1q_u32(static_cast<uint32_t*>(p), v); }
+static inline Bits set1_quad(const uint8_t* p) {
+  uint32_t quad;
+  std::memcpy(&quad, p, sizeof(quad));
+  return vdupq_n_u32(quad);
+}
+// (acc's int32 lanes - offset[0, kLanes)) in fp32, rounded to nearest even.
+static inline Vec sums_to_f32(Bits acc, const int32_t* offset) {
+  return vcvtq_f32_s32(vsubq_s32(vreinterpretq_s32_u32(acc), vld1q_s32(offset)));
+}
+// The first n lanes of x as codes at p: round half to even, clamped to [-127, 127], a byte each.
+static inline void store_codes(uint8_t* p, Vec x, int n) {
+  const int32x4_t q = vminq_s32(vmaxq_s32(vcvtnq_s32_f32(x), vdupq_n_s32(-127)), vdupq_n_s32(127));
+  const int16x4_t q16 = vmovn_s32(q);
+  const int8x8_t q8 = vmovn_s16(vcombine_s16(q16, q16));
+  uint8_t bytes[8];
+  vst1_u8(bytes, vreinterpret_u8_s8(q8));
+  std::memcpy(p, bytes, size_t(n));
+}
+static inline Vec abs(Vec x) { return vabsq_f32(x); }
+
 // out[2i] = a[i], out[2i + 1] = b[i] for i < kZipDims (two rows of 8 bf16 interleaved into 8 pairs); a null row
 // reads as zeros.
 constexpr int kZipDims = 8;

@@ -80,4 +80,55 @@ struct LinearCpuOps {
 // is not covered.
 PYSCORE_KERNELS(linear, linear_ops, const LinearCpuOps*);
 
+// ---- int8 weights (W8A8; pyscore/ops/linear_int8.py states the arithmetic) ----------------------------------------
+// The weight in int8 codes per output channel, packed as above with pack = 4 (quads along K, K4 = K rounded up to a
+// multiple of 4, the padding zero): block b = [K4 / 4][64 columns][4] bytes, one zmm = 16 columns x one quad. Per
+// packed column: its fp32 scale and w_sums = 128 * (the sum of its codes), what a layer whose x codes are offset by
+// 128 (vpdpbusd's unsigned operand) takes back off. Each x row is quantized on its own (scale max|x| / 127, codes
+// round_half_even(x * (127 / max|x|)) in [-127, 127]; a zero row: scale and codes 0), the sums are exact int32, and
+// the epilogue is linear's on v = (float(sum) * x_scale[m]) * w_scale[c] (+ bias, SiLU-mul, residual, one rounding
+// to x's dtype): a row's bits depend on that row alone.
+struct LinearInt8Params {
+  const void* x;  // [M, K], fp32 or bf16
+  int64_t x_row_stride;
+  const void* w_packed;   // int8 [N_pad / 64][K4 / 4][64][4]
+  const float* w_scale;   // [N_pad] in packed column order
+  const int32_t* w_sums;  // [N_pad] in packed column order
+  const float* bias;      // [N_pad] in packed column order, or nullptr
+  const void* residual;   // [M, n_out] in x's dtype, or nullptr
+  int64_t residual_row_stride;
+  void* out;  // [M, n_out] in x's dtype
+  int64_t out_row_stride;
+  int32_t m;
+  int32_t k;  // x's columns (K)
+  int32_t n_packed;
+  int32_t n_out;
+  bool gated;
+  DType dtype;  // x's, the residual's and out's
+};
+
+Status linear_int8_cpu(const LinearInt8Params& params);
+PYSCORE_BIND(linear_int8, linear_int8_cpu, Ptr, int64_t, Ptr, Ptr, Ptr, Ptr, Ptr, int64_t, Ptr, int64_t, int32_t,
+             int32_t, int32_t, int32_t, bool, DTypeName);
+
+// What the int8 rectangles read beside a LinearParams whose x is the quantized rows (codes, p.k = K4).
+struct Int8Scales {
+  const float* x_scale;  // [M]
+  const float* w_scale;
+  const int32_t* w_sums;
+};
+
+struct LinearInt8CpuOps {
+  // Rows [m0, m1) of x quantized: codes into q (rows q_stride bytes apart, K4 each, the padding the zero code) and
+  // their scales into scale[m0, m1).
+  void (*quantize)(const LinearInt8Params& p, int32_t m0, int32_t m1, uint8_t* q, int64_t q_stride, float* scale);
+  // As LinearCpuOps::rect, p.x the codes.
+  void (*rect)(const LinearParams& p, const Int8Scales& s, int32_t m0, int32_t m1, int32_t c0, int32_t c1);
+  int32_t row_tile;
+  int32_t x_offset;  // what a code adds to q (the layer's kInt8XOffset)
+};
+
+// The vector layers' int8 ops (key.dtype: x's); nullptr where not covered.
+PYSCORE_KERNELS(linear_int8, linear_int8_ops, const LinearInt8CpuOps*);
+
 }  // namespace pyscore

@@ -105,18 +105,20 @@ Split make_split(const LinearParams& p, int threads, int32_t row_tile) {
   return s;
 }
 
-// Thread t's share of the cells (unit-major, so a thread's cells share weight panels), as rectangles.
-void run_share(const LinearParams& p, const LinearCpuOps& ops, const Split& s, int t, int threads) {
+// Thread t's share of the cells (unit-major, so a thread's cells share weight panels), as rectangles
+// rect(m0, m1, c0, c1).
+template <class Rect>
+void run_share(const LinearParams& p, Rect rect, const Split& s, int t, int threads) {
   const int64_t cells = int64_t(s.units) * s.row_chunks;
   const int64_t begin = cells * t / threads, end = cells * (t + 1) / threads;
   if (s.row_chunks == 1) {  // one rectangle: all rows, a run of column units
-    if (begin < end) ops.rect(p, 0, p.m, int32_t(begin) * kLinearUnitN, int32_t(end) * kLinearUnitN);
+    if (begin < end) rect(0, p.m, int32_t(begin) * kLinearUnitN, int32_t(end) * kLinearUnitN);
     return;
   }
   for (int64_t cell = begin; cell < end; ++cell) {
     const int32_t unit = int32_t(cell / s.row_chunks), chunk = int32_t(cell % s.row_chunks);
     const int32_t m0 = chunk * s.row_chunk, m1 = std::min(p.m, m0 + s.row_chunk);
-    ops.rect(p, m0, m1, unit * kLinearUnitN, (unit + 1) * kLinearUnitN);
+    rect(m0, m1, unit * kLinearUnitN, (unit + 1) * kLinearUnitN);
   }
 }
 
@@ -156,8 +158,41 @@ Status linear_cpu(const LinearParams& params) {
   const LinearCpuOps& ops = choose_ops(p.dtype, p.bf16_weight);
   const int threads = kernel_threads();
   const Split split = make_split(p, threads, ops.row_tile);
+  const auto rect = [&](int32_t m0, int32_t m1, int32_t c0, int32_t c1) { ops.rect(p, m0, m1, c0, c1); };
 #pragma omp parallel num_threads(threads)
-  run_share(p, ops, split, omp_get_thread_num(), omp_get_num_threads());
+  run_share(p, rect, split, omp_get_thread_num(), omp_get_num_threads());
+  return kOk;
+}
+
+// int8: the rows quantized into one buffer (rows split over the threads), then linear's split over the codes. The
+// buffer grows with the call's rows (M x K4 bytes, a quarter of an fp32 x) and lives as long as the thread.
+Status linear_int8_cpu(const LinearInt8Params& q) {
+  LinearParams p{q.x, q.x_row_stride, q.w_packed, q.bias, q.residual, q.residual_row_stride, q.out,
+                 q.out_row_stride, q.m, q.k, q.n_packed, q.n_out, q.gated, q.dtype, false};
+  Status status = check_params(p);
+  if (status != kOk || q.m == 0 || q.n_out == 0) return status;
+  if (q.k > 0 && (!q.w_scale || !q.w_sums)) return kInvalidArgument;
+  KernelKey key;
+  key.dtype = q.dtype;
+  const LinearInt8CpuOps* ops = select_kernel<linear_int8_ops_kernels>(key);
+  if (!ops) return kUnsupportedDType;  // no int8 layer at this tier: pyscore/ops/linear_int8.py's torch paths
+  const int64_t k4 = (int64_t(q.k) + 3) / 4 * 4;
+  thread_local std::vector<uint8_t> codes;
+  thread_local std::vector<float> scales;
+  codes.resize(size_t(q.m) * size_t(k4));
+  scales.resize(size_t(q.m));
+  // Plain pointers into the parallel regions: a thread_local named there is each worker's own (empty) vector.
+  uint8_t* const code_rows = codes.data();
+  float* const row_scales = scales.data();
+  const int threads = kernel_threads();
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int32_t m = 0; m < q.m; ++m) ops->quantize(q, m, m + 1, code_rows, k4, row_scales);
+  p.x = code_rows, p.x_row_stride = k4, p.k = int32_t(k4);
+  const Int8Scales s{row_scales, q.w_scale, q.w_sums};
+  const Split split = make_split(p, threads, ops->row_tile);
+  const auto rect = [&](int32_t m0, int32_t m1, int32_t c0, int32_t c1) { ops->rect(p, s, m0, m1, c0, c1); };
+#pragma omp parallel num_threads(threads)
+  run_share(p, rect, split, omp_get_thread_num(), omp_get_num_threads());
   return kOk;
 }
 

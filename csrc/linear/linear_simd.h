@@ -51,7 +51,6 @@ constexpr int pow2_floor(int n) { return n >= 8 ? 8 : n >= 4 ? 4 : n >= 2 ? 2 : 
 
 // Accumulator vectors per row of a tm-row tile over a block part `width` columns wide.
 constexpr int max_vecs(int tm) { return std::min(kLinearBlockN / kLanes, pow2_floor((V::kRegisters - 1) / tm)); }
-int tile_vecs(int tm, int32_t width) { return std::min<int>(width / kLanes, max_vecs(tm)); }
 
 // Layers whose 6-row tile reads part of a block's K row (AVX2, NEON): a K row is then several strided streams.
 constexpr bool kNarrowLayer = max_vecs(kTileRows) * kLanes < kLinearBlockN;
@@ -92,7 +91,7 @@ constexpr int32_t kWeightPanelRows = 10;
 // widened fp32 panel); kPack: K elements per step; kColElems / kStepElems: W elements per column and per step row;
 // kRows: how a tile's x rows reach step() (XRows::kInPlace: x itself; kWidened: bf16 x widened to fp32).
 
-enum class XRows { kInPlace, kWidened };
+enum class XRows { kInPlace, kWidened, kCodes };  // kCodes: int8 x codes (Int8Quads)
 
 struct F32 {
   using T = float;
@@ -204,6 +203,57 @@ struct WeightPanel : PanelPairs<0> {
   static constexpr XRows kRows = XRows::kInPlace;
 };
 
+// int8 weights (linear.h's int8 section): x codes (this layer's kInt8XOffset added) in quads against the packed
+// weight's quads into int32 accumulators (V::Bits), the sums exact (so their order over K does not matter); between
+// K blocks and for the epilogue they pass through the float buffers as bits. Out: the residual's and out's type.
+template <class Out>
+struct Int8Quads {
+  using T = Out;
+  using P = int8_t;
+  using W = int8_t;
+  static constexpr int kPack = 4, kColElems = 4, kStepElems = 4 * kLinearBlockN;
+  static constexpr XRows kRows = XRows::kCodes;
+  static constexpr bool kPanel = false;
+  template <int TM, int NV>
+  static void step(V::Bits (&acc)[TM][NV], const uint8_t* x, int64_t xs, const int8_t* w) {
+    V::Bits v[NV];
+    for (int j = 0; j < NV; ++j) v[j] = V::load_bits(w + 4 * kLanes * j);
+    for (int r = 0; r < TM; ++r) {
+      const V::Bits b = V::set1_quad(x + r * xs);
+      for (int j = 0; j < NV; ++j) acc[r][j] = V::dot_quads(acc[r][j], b, v[j]);
+    }
+  }
+};
+
+// The register tile's accumulator type: fp32 vectors, or int32 ones for the int8 quads.
+template <class E>
+using AccOf = std::conditional_t<E::kRows == XRows::kCodes, V::Bits, Vec>;
+
+template <class A>
+A acc_zero() {
+  if constexpr (std::is_same_v<A, Vec>) return V::zero();
+  else return V::zero_bits();
+}
+template <class A>
+A acc_load(const float* p) {
+  if constexpr (std::is_same_v<A, Vec>) return V::load(p);
+  else return V::load_bits(p);
+}
+inline void acc_store(float* p, Vec v) { V::store(p, v); }
+inline void acc_store(float* p, V::Bits v) { V::store_bits(p, v); }
+
+// Accumulator vectors per row for policy E: the int8 quads hold their NV weight vectors in registers beside the
+// tile and need V::kInt8SpareRegisters more (the broadcast; without VNNI, the widening's temporaries too).
+template <class E>
+constexpr int vecs_for(int tm) {
+  if constexpr (E::kRows == XRows::kCodes)
+    return std::min(kLinearBlockN / kLanes, pow2_floor((V::kRegisters - V::kInt8SpareRegisters) / (tm + 1)));
+  else
+    return max_vecs(tm);
+}
+template <class E>
+int tile_vecs(int tm, int32_t width) { return std::min<int>(width / kLanes, vecs_for<E>(tm)); }
+
 // ---- the tile -----------------------------------------------------------------------------------------------------
 
 struct Tile {
@@ -233,16 +283,18 @@ void prefetch_row(const char* row) {
 // loop tests/ops/test_register_tiles.py checks (a call per strip and K block is nothing beside its steps).
 template <class E, int TM, int NV, bool kPrefetch>
 [[gnu::noinline]] void micro(const Tile& tile) {
-  using X = std::conditional_t<E::kRows == XRows::kWidened || std::is_same_v<typename E::T, float>, float,
-                               uint16_t>;
+  using X = std::conditional_t<
+      E::kRows == XRows::kCodes, uint8_t,
+      std::conditional_t<E::kRows == XRows::kWidened || std::is_same_v<typename E::T, float>, float, uint16_t>>;
   // Scalars, not the struct: stores through out cannot alias them.
   const X* x = static_cast<const X*>(tile.x);
   const int64_t xs = tile.x_stride, steps = tile.steps, pf_last = tile.pf_last;
   const typename E::W* w = static_cast<const typename E::W*>(tile.w);
   float* const out = tile.acc;
-  Vec acc[TM][NV];
+  using A = AccOf<E>;
+  A acc[TM][NV];
   for (int r = 0; r < TM; ++r)
-    for (int j = 0; j < NV; ++j) acc[r][j] = tile.first ? V::zero() : V::load(out + r * kLinearBlockN + kLanes * j);
+    for (int j = 0; j < NV; ++j) acc[r][j] = tile.first ? acc_zero<A>() : acc_load<A>(out + r * kLinearBlockN + kLanes * j);
   for (int64_t s = 0; s < steps; ++s) {
     if constexpr (kPrefetch) {
       constexpr int kOwn = NV * kLanes / 16;  // 16 columns of 4 bytes a step: one 64-byte line
@@ -251,12 +303,12 @@ template <class E, int TM, int NV, bool kPrefetch>
     E::template step<TM, NV>(acc, x + s * E::kPack, xs, w + s * E::kStepElems);
   }
   for (int r = 0; r < TM; ++r)
-    for (int j = 0; j < NV; ++j) V::store(out + r * kLinearBlockN + kLanes * j, acc[r][j]);
+    for (int j = 0; j < NV; ++j) acc_store(out + r * kLinearBlockN + kLanes * j, acc[r][j]);
 }
 
 template <class E, int TM, int NV>
 void micro_fit(const Tile& t) {
-  if constexpr (NV <= max_vecs(TM)) {
+  if constexpr (NV <= vecs_for<E>(TM)) {
     if constexpr (kAhead > 0 && !E::kPanel) {  // a panel is in L2 already: nothing to prefetch
       if (t.prefetch) return micro<E, TM, NV, true>(t);
     }
@@ -268,7 +320,8 @@ template <class E, int TM>
 void micro_vecs(int nv, const Tile& t) {
   if (nv >= 8) return micro_fit<E, TM, 8>(t);
   if (nv >= 4) return micro_fit<E, TM, 4>(t);
-  micro_fit<E, TM, 2>(t);
+  if (nv >= 2) return micro_fit<E, TM, 2>(t);
+  micro_fit<E, TM, 1>(t);  // the int8 quads' 6-row tiles on a 16-register layer
 }
 
 // One strip of nv vectors (tile_vecs) for tm rows.
@@ -303,9 +356,9 @@ struct Rows {
 // The tile's tm x rows over K [k0, k0 + kb): in place, or bf16 widened to fp32 into a per-thread buffer, rows kb apart.
 template <class E>
 Rows x_rows(const LinearParams& p, int32_t m, int tm, int64_t k0, int64_t kb) {
-  using T = typename E::T;
+  using T = std::conditional_t<E::kRows == XRows::kCodes, uint8_t, typename E::T>;
   const T* x = static_cast<const T*>(p.x) + m * p.x_row_stride + k0;
-  if constexpr (E::kRows == XRows::kInPlace) {
+  if constexpr (E::kRows != XRows::kWidened) {
     return {x, p.x_row_stride};
   } else {
     thread_local std::vector<float> buf;
@@ -376,12 +429,27 @@ void epilogue(const LinearParams& p, int32_t m, int32_t rows, int32_t c, int32_t
   }
 }
 
+// int8: the tile's sums (rows [m, m + rows) x packed columns [c, c + width) in acc, rows kLinearBlockN apart) in
+// place as fp32 v = (float(sum) * x_scale[m]) * w_scale[c], the sum less the codes' offset (w_sums) where it has one.
+void dequantize(const Int8Scales& s, int32_t m, int32_t rows, int32_t c, int32_t width, float* acc) {
+  static const int32_t kNoOffset[kLinearBlockN] = {};
+  for (int32_t r = 0; r < rows; ++r) {
+    const Vec sx = V::set1(s.x_scale[m + r]);
+    for (int32_t j = 0; j < width; j += kLanes) {
+      const int32_t* offset = V::kInt8XOffset ? s.w_sums + c + j : kNoOffset;
+      const Vec v = V::sums_to_f32(V::load_bits(acc + r * kLinearBlockN + j), offset);
+      V::store(acc + r * kLinearBlockN + j, V::mul(V::mul(v, sx), V::load(s.w_scale + c + j)));
+    }
+  }
+}
+
 // ---- the rectangle ------------------------------------------------------------------------------------------------
 
 // Rows [m0, m1) x packed columns [c0, c1) (multiples of kLinearUnitN): block part by block part, in a part K block
 // by K block, every row tile of the rectangle over the block's panel.
+// q: the int8 scales (Int8Quads), else nullptr.
 template <class E>
-void rect(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1) {
+void rect_scaled(const LinearParams& p, const Int8Scales* q, int32_t m0, int32_t m1, int32_t c0, int32_t c1) {
   using T = typename E::T;
   constexpr int64_t kBlockSteps = kPanelBytes / (E::kStepElems * int64_t(sizeof(typename E::W)));
   const int64_t k_steps = p.k / E::kPack;  // K is even for bf16 pairs (the launcher pads)
@@ -410,12 +478,15 @@ void rect(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1)
         tm = tile_rows(narrow, m, m1);
         const Rows x = x_rows<E>(p, m, tm, s0 * E::kPack, steps * E::kPack);
         float* acc = one_block ? local : partial.data() + int64_t(m - m0) * kLinearBlockN;
-        const int nv = tile_vecs(tm, width);
+        const int nv = tile_vecs<E>(tm, width);
         for (int32_t s = 0; s < width; s += nv * kLanes) {
           const bool prefetch = m == m0 && s == 0;  // the first tile's first strip (micro_fit: where it applies)
           const Tile t{x.data, x.stride, wk + s * E::kColElems, steps, s0 == 0, acc + s,
                        prefetch, k_steps - s0 - 1};
           micro_rows<E>(tm, nv, t);
+        }
+        if constexpr (E::kRows == XRows::kCodes) {
+          if (last) dequantize(*q, m, tm, c, width, acc);
         }
         if (last) epilogue<T>(p, m, tm, c, width, acc, kLinearBlockN);
       }
@@ -423,6 +494,11 @@ void rect(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1)
     }
     c += width;
   }
+}
+
+template <class E>
+void rect(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1) {
+  rect_scaled<E>(p, nullptr, m0, m1, c0, c1);
 }
 
 void rect_widen(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0, int32_t c1) {
@@ -435,12 +511,53 @@ void rect_bf16_weight(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0,
   else rect<Bf16Weight>(p, m0, m1, c0, c1);
 }
 
+// ---- int8: the quantizing prologue and the rectangles ---------------------------------------------------------
+
+// Rows [m0, m1) of x (of T) as codes at q + m * q_stride (K4 bytes, the padding the zero code) and their scales.
+template <class T>
+void quantize(const LinearInt8Params& p, int32_t m0, int32_t m1, uint8_t* q, int64_t q_stride, float* scale) {
+  const int32_t k = p.k, k4 = (k + 3) / 4 * 4;
+  for (int32_t m = m0; m < m1; ++m) {
+    const T* row = static_cast<const T*>(p.x) + m * p.x_row_stride;
+    Vec peak = V::zero();
+    for (int32_t i = 0; i < k; i += kLanes) peak = V::max(peak, V::abs(V::load_n(row + i, std::min(kLanes, k - i))));
+    const float amax = V::reduce_max(peak);
+    const float factor = amax > 0.0f ? 127.0f / amax : 0.0f;  // one rounding, as pyscore/ops/linear_int8.py
+    scale[m] = amax / 127.0f;
+    uint8_t* codes = q + m * q_stride;
+    for (int32_t i = 0; i < k; i += kLanes) {
+      const int n = std::min(kLanes, k - i);
+      V::store_codes(codes + i, V::mul(V::load_n(row + i, n), V::set1(factor)), n);
+    }
+    for (int32_t i = k; i < k4; ++i) codes[i] = uint8_t(V::kInt8XOffset);
+  }
+}
+
+template <class T>
+void rect_int8(const LinearParams& p, const Int8Scales& s, int32_t m0, int32_t m1, int32_t c0, int32_t c1) {
+  rect_scaled<Int8Quads<T>>(p, &s, m0, m1, c0, c1);
+}
+
+const LinearInt8CpuOps kInt8F32Ops{quantize<float>, rect_int8<float>, kTileRows, V::kInt8XOffset};
+const LinearInt8CpuOps kInt8Bf16Ops{quantize<uint16_t>, rect_int8<uint16_t>, kTileRows, V::kInt8XOffset};
+
 const LinearCpuOps kF32Ops{rect<F32>, kTileRows, epilogue<float>};
 const LinearCpuOps kBf16WidenOps{rect_widen, kTileRows, epilogue<uint16_t>};
 const LinearCpuOps kBf16PairsOps{rect<Bf16Pairs>, kTileRows, epilogue<uint16_t>};
 const LinearCpuOps kBf16WeightOps{rect_bf16_weight, kTileRows, epilogue<float>};
 
 }  // namespace
+
+// int8 (key.dtype: x's). A layer whose quads are vpdpbusd needs AVX512-VNNI (cpu_int8_vnni); without it the AVX2
+// layer's serve.
+const LinearInt8CpuOps* PYSCORE_VEC_ENTRY(linear_int8_ops)(const KernelKey& key) {
+  if constexpr (V::kInt8DotIsVnni) {
+    if (!cpu_int8_vnni()) return nullptr;
+  }
+  if (key.dtype == DType::kFloat32) return &kInt8F32Ops;
+  if (key.dtype == DType::kBFloat16) return &kInt8Bf16Ops;
+  return nullptr;
+}
 
 const LinearCpuOps* PYSCORE_VEC_ENTRY(linear_ops)(const KernelKey& key) {
   if (key.bf16_weight) return key.dtype == DType::kFloat32 ? &kBf16WeightOps : nullptr;

@@ -44,8 +44,7 @@ from pyscore.ops import (
     rotary_,
 )
 from pyscore.ops.gated_delta_rule import plan_linear_attention
-from pyscore.ops.linear import DECODE_ROWS, PREFILL_ROWS
-from pyscore.ops.linear_int8 import QuantLinear
+from pyscore.ops.linear import DECODE_ROWS, INT8_WEIGHTS, PREFILL_ROWS
 from pyscore.types import Boundary
 
 PROGRAMS_KEPT = 4  # decode programs kept, by batch size (Decoder.programs)
@@ -137,7 +136,7 @@ class Decoder:
             release_freed_memory()  # the layer's replaced plain projections, before the next layer's packs
         projections = weights.projections()
         self.packed_weights = all(isinstance(w, PackedLinear) for w in projections)  # every one for our kernel
-        self.int8_weights = any(isinstance(w, QuantLinear) for w in projections)  # quantize="int8"
+        self.int8_weights = any(isinstance(w, INT8_WEIGHTS) for w in projections)  # quantize="int8"
         # fp32 serving with a bf16 checkpoint's matrices held in bf16 (pyscore.ops.linear.holds_bf16_weights)
         self.bf16_weights = self.dtype == torch.float32 and any(
             w.dtype == torch.bfloat16 for w in (*projections, weights.embed))

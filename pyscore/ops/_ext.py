@@ -37,7 +37,7 @@ _FP32_BF16_FP16 = _FP32_BF16 | {torch.float16}
 
 # Ops whose production path without a kernel of ours is torch's op in the model's dtype (F.linear on a GPU, or for
 # fp16 on a CPU), not their fp32 reference: the projections' GEMM.
-TORCH_FALLBACK = frozenset({"linear"})
+TORCH_FALLBACK = frozenset({"linear", "linear_int8"})
 
 
 @dataclass(frozen=True)

@@ -28,18 +28,18 @@ import torch
 import torch.nn.functional as F
 
 from pyscore.ops import _ext, tiers
-from pyscore.ops.linear_int8 import QuantLinear, RowMajorWeight, linear_int8
+from pyscore.ops.linear_int8 import PackedQuantLinear, QuantLinear, RowMajorWeight, linear_int8, linear_int8_path
+from pyscore.ops.packing import BLOCK_N, original_rows, pack_index, pack_rows
 from pyscore.ops.reference import linear_ref
 from pyscore.ops.silu_mul import silu_mul
 
-BLOCK_N = 64  # packed columns per block
+PACK = {torch.bfloat16: 2, torch.float16: 2, torch.int8: 4}  # K elements a packed column holds together (else 1)
 # Rows per torch GEMM call on the torch path: prefill passes and decode steps each use one fixed size (a row's bits
 # depend on the call's shape); 128 keeps big-M GEMMs within ~1.3-2x of one unchunked call, 16 keeps a decode step's
 # padding cheap (bench/results/tiers/kernels/linear_amx.txt).
 PREFILL_ROWS = 128
 DECODE_ROWS = 16
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # the kernel's dtypes
-UNIT_N = 32  # packed columns per gated unit: 16 gate then 16 up
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class PackedLinear:
         """The original weight [N or 2I, K] and bias (fp32), recovered from the packed layout."""
         blocks, steps, _, pack = self.packed.shape
         w = self.packed.permute(0, 2, 1, 3).reshape(blocks * BLOCK_N, steps * pack)[:, : self.in_features]
-        rows = _original_rows(self.out_features, self.gated, w.shape[0], w.device)  # packed column of each row
+        rows = original_rows(self.out_features, self.gated, w.device)  # packed column of each row
         bias = None if self.bias is None else self.bias[rows]
         return w[rows], bias
 
@@ -93,7 +93,8 @@ class PlainLinear(RowMajorWeight):
         return self.weight, self.bias
 
 
-LinearWeight = PackedLinear | PlainLinear | QuantLinear
+LinearWeight = PackedLinear | PlainLinear | QuantLinear | PackedQuantLinear
+INT8_WEIGHTS = (QuantLinear, PackedQuantLinear)
 
 
 def holds_bf16_weights(dtype: torch.dtype, device: torch.device, backend: str = "auto") -> bool:
@@ -115,9 +116,10 @@ def reads_bf16_weight(x: torch.Tensor, weight_dtype: torch.dtype) -> bool:
 def prepare_linear(w: LinearWeight, backend: str = "auto") -> LinearWeight:
     """The form of `w` that linear's path for its device and dtype reads: packed for our kernel, plain for torch's
     GEMM or the reference. A converted weight replaces the caller's (hold the result, drop `w`): weights live once.
-    An int8 weight has one form."""
-    if isinstance(w, QuantLinear):
-        return w
+    An int8 weight is packed for the int8 kernel where linear_int8's path is it (pyscore.ops.linear_int8), else held
+    as rows."""
+    if isinstance(w, INT8_WEIGHTS):
+        return prepare_int8(w, backend)
     _, path = _ext.path_for("linear", w.device, w.dtype, backend)
     if path == "kernel" and isinstance(w, PlainLinear):
         return pack_linear(w.weight, w.bias, gated=w.gated)
@@ -125,29 +127,6 @@ def prepare_linear(w: LinearWeight, backend: str = "auto") -> LinearWeight:
         weight, bias = _native(w)
         return PlainLinear(weight.contiguous(), bias, w.gated)
     return w
-
-
-def _packed_order(out_features: int, gated: bool) -> list[int]:
-    """For each packed column, the weight row it holds (-1 = zero padding)."""
-    if not gated:
-        return list(range(out_features))
-    units = (out_features + 15) // 16
-    order = []
-    for u in range(units):
-        for half in (0, out_features):  # gate rows, then up rows
-            order += [half + r if r < out_features else -1 for r in range(16 * u, 16 * u + 16)]
-    return order
-
-
-def _original_rows(out_features: int, gated: bool, packed_columns: int, device) -> torch.Tensor:
-    """Packed column of each weight row, in weight row order."""
-    order = _packed_order(out_features, gated)
-    rows = len(order) if not gated else 2 * out_features
-    where = torch.empty(rows, dtype=torch.long)
-    for column, row in enumerate(order):
-        if row >= 0:
-            where[row] = column
-    return where.to(device)
 
 
 def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, gated: bool = False) -> PackedLinear:
@@ -160,18 +139,28 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, gated
     if bias is not None and bias.shape != (rows,):
         raise ValueError(f"bias must be [{rows}], got {tuple(bias.shape)}")
     out_features = rows // 2 if gated else rows
-    order = _packed_order(out_features, gated)
-    columns = (len(order) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    pack = 2 if weight.dtype in (torch.bfloat16, torch.float16) else 1
+    index = pack_index(rows, out_features, gated, weight.device)
+    pack = PACK.get(weight.dtype, 1)
     k_pad = (k + pack - 1) // pack * pack
-    index = torch.tensor([r if r >= 0 else rows for r in order] + [rows] * (columns - len(order)), device=weight.device)
-    padded = torch.cat([weight, weight.new_zeros(1, k)])[index]  # [N_pad, K], the zero row as padding
-    padded = torch.nn.functional.pad(padded, (0, k_pad - k))
+    padded = torch.nn.functional.pad(pack_rows(weight, index), (0, k_pad - k))  # [N_pad, K_pad]
+    columns = padded.shape[0]
     packed = padded.view(columns // BLOCK_N, BLOCK_N, k_pad // pack, pack).permute(0, 2, 1, 3).contiguous()
-    packed_bias = None
-    if bias is not None:
-        packed_bias = torch.cat([bias.float(), bias.new_zeros(1, dtype=torch.float32)])[index].contiguous()
+    packed_bias = None if bias is None else pack_rows(bias.float(), index)
     return PackedLinear(packed, packed_bias, k, out_features, gated)
+
+
+def prepare_int8(w: QuantLinear | PackedQuantLinear, backend: str = "auto") -> QuantLinear | PackedQuantLinear:
+    """The form of an int8 weight its path reads: packed (the int8 kernel's layout, linear.h) or rows (torch's)."""
+    kernel = linear_int8_path(w.device, backend) == "kernel"
+    if kernel and isinstance(w, QuantLinear):
+        index = pack_index(w.weight.shape[0], w.out_features, w.gated, w.device)
+        packed = pack_linear(w.weight, w.bias, gated=w.gated)
+        sums = pack_rows(w.weight.sum(dim=1, dtype=torch.int32) * 128, index)
+        return PackedQuantLinear(packed.packed, pack_rows(w.scale, index), sums, packed.bias, w.in_features,
+                                 w.out_features, w.gated)
+    if not kernel and isinstance(w, PackedQuantLinear):
+        return w.rows()
+    return w
 
 
 def _check(x: torch.Tensor, w: LinearWeight, residual: torch.Tensor | None, out: torch.Tensor | None) -> None:
@@ -199,7 +188,7 @@ def linear(x: torch.Tensor, w: LinearWeight, residual: torch.Tensor | None = Non
     when given. out, when given, receives the result and may be the residual itself (an in-place residual add)
     but must not overlap x. backend: "auto" | "kernel" | "reference". rows_per_call: the torch path's fixed GEMM
     height (PREFILL_ROWS or DECODE_ROWS; a row's bits depend on it, never on the other rows)."""
-    if isinstance(w, QuantLinear):
+    if isinstance(w, INT8_WEIGHTS):
         return linear_int8(x, w, residual, out, reference=backend == "reference")
     _check(x, w, residual, out)
     module, path = _ext.path_for("linear", x.device, x.dtype, backend)

@@ -45,6 +45,10 @@ LINEAR_BF16_AVX512 = Choice("kernel", "AVX-512 FMAs on widened bf16 pairs: 2.2-3
                                       "linear_widen_panel.txt)")
 LINEAR_TORCH = Choice("torch", "oneDNN/MKL GEMM beats a vector-FMA GEMM without bf16 hardware "
                                "(bench/results/tiers/kernels/linear_amx.txt)")
+INT8_TORCH = Choice("torch", "no int8 layer measured at this tier: torch._int_mm where exact, else fp32 GEMMs over K "
+                             "chunks (pyscore/ops/linear_int8.py)")
+INT8_AVX2 = Choice("kernel", "the AVX2 layer's exact vpmaddubsw quads, quantizing in its prologue: unmeasured")
+INT8_VNNI = Choice("kernel", "AVX512-VNNI quads, quantizing in the prologue, linear's epilogue: unmeasured")
 AVX2 = Choice("kernel", "ours (AVX2 + FMA) beats torch's AVX2 op (bench/results/kernels_cpu_avx2.txt, "
                         "kernels_cpu_avx2_bf16.txt, kernels_linear_cpu_avx2.txt)")
 BF16_AVX512 = Choice("kernel", "the AVX-512 ops on widened bf16 pairs: 1.2-2.1x the AVX2 ops "
@@ -89,6 +93,8 @@ CPU_TIERS: dict[str, dict[str, dict[str, Choice]]] = {
                "avx512": {"float32": LINEAR_FP32_AVX512, "bfloat16": LINEAR_BF16_AVX512},
                "avx512bf16": {"*": AVX512BF16},
                "amx": {"bfloat16": LINEAR_AMX, "float32": LINEAR_FP32}},
+    "linear_int8": {"generic": {"*": INT8_TORCH}, "avx2": {"*": INT8_AVX2}, "avx512bf16": {"*": INT8_VNNI},
+                    "neon": {"*": INT8_TORCH}},
     "prefix_item_attention": {"generic": {"*": ALGORITHM}, "avx2": {"*": AVX2},
                               "avx512": {"float32": ATTENTION_AVX512_FP32, "bfloat16": BF16_AVX512},
                               "avx512bf16": {"*": AVX512BF16}, "amx": {"bfloat16": ATTENTION_AMX},

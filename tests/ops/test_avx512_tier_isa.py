@@ -38,8 +38,9 @@ TIER_AVX512_ENTRIES = {
 # sources (a kernel text: its avx512 unit) that run whole at tier avx512, every dtype (the avx512 layer serves it)
 WHOLE_SOURCES = ["csrc/add_rms_norm/rows_simd.h", "csrc/rotary/tokens_simd.h", "csrc/silu_mul/rows_simd.h",
                  "csrc/gated_delta_rule/gated_delta_rule_simd.h"]
-# AVX512-BF16 (vdpbf16ps, vcvtneps2bf16, vcvtne2ps2bf16) and AMX (tile*, tdp*, ldtilecfg, sttilecfg)
-FORBIDDEN = re.compile(r"bf16|^tile|^tdp|tilecfg")
+# AVX512-BF16 (vdpbf16ps, vcvtneps2bf16, vcvtne2ps2bf16), AVX512-VNNI (vpdpbusd, vpdpwssd) and AMX (tile*, tdp*,
+# ldtilecfg, sttilecfg)
+FORBIDDEN = re.compile(r"bf16|^tile|^tdp|tilecfg|^vpdp")
 CALL_TARGET = re.compile(r"<(.+?)(\+0x[0-9a-f]+)?>$")
 
 pytestmark = needs_x86_gcc

@@ -1,5 +1,6 @@
-"""linear in int8 (pyscore.ops.linear_int8): the quantization's rounding, the exact int32 sums on both paths (bitwise
-the float64 definition), batch invariance, the fallback when torch._int_mm is not exact, and linear()'s dispatch."""
+"""linear in int8 (pyscore.ops.linear_int8): the quantization's rounding, the exact int32 sums on every path (the C++
+kernel at each tier this CPU runs, torch._int_mm, the fp32 chunks: bitwise the float64 definition), batch invariance,
+the fallback when torch._int_mm is not exact, the packed layout and linear()'s dispatch."""
 
 from __future__ import annotations
 
@@ -7,9 +8,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pyscore.ops import _ext
 from pyscore.ops import linear_int8 as q8
 from pyscore.ops.linear import linear, prepare_linear
-from pyscore.ops.linear_int8 import QuantLinear, linear_int8, linear_int8_ref, quantize_linear, quantize_rows
+from pyscore.ops.linear_int8 import (
+    PackedQuantLinear,
+    QuantLinear,
+    linear_int8,
+    linear_int8_path,
+    linear_int8_ref,
+    quantize_linear,
+    quantize_rows,
+)
+
+CPU = torch.device("cpu")
+# The tiers whose int8 kernel this CPU can run (forced through PYSCORE_CPU_TIER, as the tier tests do).
+KERNEL_TIERS = [t for t in _ext.runnable_cpu_tiers() if _ext.cpu_module() is not None and t in ("avx2", "avx512",
+                                                                                                  "avx512bf16", "amx")]
 
 
 def weight(n: int, k: int, seed: int = 0, bias: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -85,6 +100,7 @@ def test_an_inexact_int_mm_is_not_used(monkeypatch):
         return real(a, b).clamp(-(2**20), 2**20)
 
     q8._int_mm_is_exact.cache_clear()
+    monkeypatch.setenv("PYSCORE_CPU_TIER", "generic")  # the torch paths' tier
     monkeypatch.setattr(torch, "_int_mm", saturating)
     try:
         assert q8.int_path(torch.device("cpu")) == "fp32 chunks"
@@ -98,8 +114,8 @@ def test_an_inexact_int_mm_is_not_used(monkeypatch):
 
 def test_linear_runs_an_int8_weight_with_its_epilogue_in_place():
     w, b = weight(48, 64, bias=True)
-    qw = prepare_linear(quantize_linear(w, b))  # one form: prepare keeps it
-    assert isinstance(qw, QuantLinear)
+    qw = prepare_linear(quantize_linear(w, b))  # packed where the kernel runs it
+    assert isinstance(qw, PackedQuantLinear if linear_int8_path(CPU) == "kernel" else QuantLinear)
     x, res = torch.randn(6, 64), torch.randn(6, 48)
     want = linear_int8_ref(x, qw, res)
     out = res.clone()
@@ -116,3 +132,84 @@ def test_bad_shapes_name_the_argument():
         linear_int8(torch.randn(2, 32), qw, torch.randn(2, 15))
     with pytest.raises(ValueError, match="gated weight"):
         quantize_linear(torch.randn(3, 8), gated=True)
+
+
+def kernel_tier(monkeypatch, tier: str) -> None:
+    monkeypatch.setenv("PYSCORE_CPU_TIER", tier)
+    assert linear_int8_path(CPU) == "kernel", tier
+
+
+@pytest.mark.skipif(not KERNEL_TIERS, reason="no int8 kernel tier on this CPU / build")
+@pytest.mark.parametrize("tier", KERNEL_TIERS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,k,n,gated,bias,residual", [
+    (1, 576, 192, False, False, False), (7, 575, 100, True, True, True), (16, 130, 64, False, True, True),
+    (130, 577, 200, True, False, False), (40, 1536, 96, False, False, True)])
+def test_the_kernel_is_the_float64_definition_bitwise(monkeypatch, tier, dtype, m, k, n, gated, bias, residual):
+    """Odd K (the quads' zero padding), gated units past the last output, bias, the residual added in place."""
+    kernel_tier(monkeypatch, tier)
+    w, b = weight(2 * n if gated else n, k, seed=m, bias=bias)
+    qw = quantize_linear(w, b, gated=gated)
+    packed = prepare_linear(qw)
+    assert isinstance(packed, PackedQuantLinear)
+    gen = torch.Generator().manual_seed(k)
+    x = (torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4).to(dtype)
+    x[0, k // 2] = 30.0  # an outlier: most of the row's codes small
+    if m > 2:
+        x[2] = 0.0  # a zero row: scale and codes 0
+    res = torch.randn(m, qw.out_features, generator=gen).to(dtype) if residual else None
+    want = linear_int8_ref(x, qw, res)
+    if res is None:
+        assert torch.equal(linear(x, packed), want)
+    else:
+        out = res.clone()
+        assert linear(x, packed, residual=out, out=out) is out and torch.equal(out, want)
+
+
+@pytest.mark.skipif(not KERNEL_TIERS, reason="no int8 kernel tier on this CPU / build")
+@pytest.mark.parametrize("tier", KERNEL_TIERS)
+def test_the_kernel_sums_worst_case_codes_exactly(monkeypatch, tier):
+    """Every product +-127 * 127 over K = 12288 (Qwen3-8B's down; sums past 2^24, codes at both ends of the
+    unsigned offset), and a row of -max: the int32 sums and their one rounding to fp32 are the definition's."""
+    kernel_tier(monkeypatch, tier)
+    k = 12288
+    w = torch.ones(64, k)
+    w[1::2, ::2] = -1.0
+    qw = quantize_linear(w)
+    x = torch.ones(3, k)
+    x[1] = -1.0
+    x[2, 1::2] = -1.0
+    assert torch.equal(linear(x, prepare_linear(qw)), linear_int8_ref(x, qw))
+    assert (quantize_rows(x)[0][0].int() * qw.weight[0].int()).sum() > 2**24
+
+
+@pytest.mark.skipif(not KERNEL_TIERS, reason="no int8 kernel tier on this CPU / build")
+@pytest.mark.parametrize("tier", KERNEL_TIERS)
+def test_a_kernel_row_never_depends_on_its_batch_mates(monkeypatch, tier):
+    kernel_tier(monkeypatch, tier)
+    qw = prepare_linear(quantize_linear(*weight(192, 576), gated=True))
+    x = torch.randn(40, 576).bfloat16()
+    whole = linear(x, qw)
+    for rows in (slice(3, 4), slice(0, 17), slice(20, 40)):
+        assert torch.equal(linear(x[rows], qw), whole[rows])
+    shuffled = torch.randperm(40)
+    assert torch.equal(linear(x[shuffled], qw), whole[shuffled])
+
+
+def test_the_packed_weight_is_the_same_weight(monkeypatch):
+    """rows() gives back the QuantLinear (the torch paths and the reference read it), and a packed weight under a
+    tier without the kernel runs torch's path with the same bits."""
+    w, b = weight(100, 70, bias=True)
+    qw = quantize_linear(w, b, gated=True)
+    if linear_int8_path(CPU) != "kernel":
+        pytest.skip("no int8 kernel here: nothing is packed")
+    packed = prepare_linear(qw)
+    back = packed.rows()
+    assert torch.equal(back.weight, qw.weight) and torch.equal(back.scale, qw.scale)
+    assert torch.equal(back.bias, qw.bias) and back.gated
+    x = torch.randn(5, 70)
+    want = linear_int8_ref(x, qw)
+    assert torch.equal(linear(x, packed), want)
+    monkeypatch.setenv("PYSCORE_CPU_TIER", "generic")  # (the SiLU is the tier's silu_mul: the definition's there)
+    assert torch.equal(linear(x, packed), linear_int8_ref(x, qw))
+    assert isinstance(prepare_linear(packed), QuantLinear)  # and prepared again, it goes back to rows

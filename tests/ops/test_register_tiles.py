@@ -68,9 +68,10 @@ def aarch64_stack_store(x: Instruction) -> int:  # str q0, [sp, #16] / stp q0, q
     return 2 if x.mnemonic == "stp" else 1
 
 
-X86 = Isa(re.compile(r"^(vfn?m(add|sub)|vdpbf16ps)"), re.compile(r"^j\w+$"), re.compile(r"^([0-9a-f]+)\b"),
-          x86_stack_store)
-AARCH64 = Isa(re.compile(r"^(fml[as]|bfdot|bfmmla)$"), re.compile(r"^(b|b\.\w+|cbn?z|tbn?z)$"),
+# (the int8 quads: vpdpbusd with VNNI, vpmaddwd on AVX2, sadalp on NEON)
+X86 = Isa(re.compile(r"^(vfn?m(add|sub)|vdpbf16ps|vpdpbusd|vpmaddwd)"), re.compile(r"^j\w+$"),
+          re.compile(r"^([0-9a-f]+)\b"), x86_stack_store)
+AARCH64 = Isa(re.compile(r"^(fml[as]|bfdot|bfmmla|sadalp)$"), re.compile(r"^(b|b\.\w+|cbn?z|tbn?z)$"),
               re.compile(r"(?:^|,\s*)([0-9a-f]+) <"), aarch64_stack_store)
 
 
