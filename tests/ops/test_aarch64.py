@@ -149,4 +149,5 @@ def test_module_cross_builds_for_aarch64():
     table = (build / "pyscore_vec" / "kernel_table.cpp").read_text()
     rows = set(re.findall(r"\{CpuTier::k(\w+), (\w+)\}", table))
     assert rows == {("Neon", f"{family}_neon") for family in ("attention_ops", "label_ops", "state_columns",
-                                                               "conv_tokens", "decode_ops", "linear_ops")}, rows
+                                                               "conv_tokens", "decode_ops", "linear_ops",
+                                                               "linear_int8_ops")}, rows
