@@ -143,7 +143,7 @@ static inline Bits set1_pair(const uint16_t* p) {
 // products of x's 4 code bytes (the broadcast operand) with the lane's 4 weight bytes, exactly: vpmaddubsw of |x| and
 // w with x's sign, whose pair sums (at most 2 * 127 * 127 = 32258) never saturate 16 bits, then vpmaddwd by ones. x
 // codes are signed here (kInt8XOffset 0; the AVX-512 layer's are offset).
-constexpr bool kInt8DotIsVnni = false;  // dot_quads is vpdpbusd: only where cpu_int8_vnni()
+constexpr bool kInt8DotIsVnni = false;  // dot_quads needs no VNNI (true: vpdpbusd, only where cpu_int8_vnni())
 // What dot_quads needs beside a tile and its weights: the broadcast, |x|, the ones, the products (at 4, a 4-row x
 // 2-vector tile spilled three registers a step: tests/ops/test_register_tiles.py).
 constexpr int kInt8SpareRegisters = 7;
@@ -154,11 +154,8 @@ static inline Bits dot_quads(Bits acc, Bits x, Bits w) {
 }
 static inline Bits zero_bits() { return _mm256_setzero_si256(); }
 static inline void store_bits(void* p, Bits v) { _mm256_storeu_si256(static_cast<__m256i*>(p), v); }
-static inline Bits set1_quad(const uint8_t* p) {
-  int32_t quad;
-  std::memcpy(&quad, p, sizeof(quad));
-  return _mm256_set1_epi32(quad);
-}
+// The 4-byte unit at p in every lane, as set1_pair's broadcast: dot_quads' x operand.
+static inline Bits set1_quad(const uint8_t* p) { return set1_pair(reinterpret_cast<const uint16_t*>(p)); }
 // (acc's int32 lanes - offset[0, kLanes)) in fp32, rounded to nearest even (the sums are exact; their fp32 may not be).
 static inline Vec sums_to_f32(Bits acc, const int32_t* offset) {
   const __m256i o = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset));

@@ -105,11 +105,8 @@ static inline Bits dot_quads(Bits acc, Bits x, Bits w) {
 }
 static inline Bits zero_bits() { return _mm512_setzero_si512(); }
 static inline void store_bits(void* p, Bits v) { _mm512_storeu_si512(p, v); }
-static inline Bits set1_quad(const uint8_t* p) {
-  int32_t quad;
-  std::memcpy(&quad, p, sizeof(quad));
-  return _mm512_set1_epi32(quad);
-}
+// The 4-byte unit at p in every lane, as set1_pair's broadcast: dot_quads' x operand.
+static inline Bits set1_quad(const uint8_t* p) { return set1_pair(reinterpret_cast<const uint16_t*>(p)); }
 // (acc's int32 lanes - offset[0, kLanes)) in fp32, rounded to nearest even (the sums are exact; their fp32 may not be).
 static inline Vec sums_to_f32(Bits acc, const int32_t* offset) {
   return _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_loadu_si512(offset)));

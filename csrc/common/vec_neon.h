@@ -152,7 +152,7 @@ static inline Bits set1_pair(const uint16_t* p) {
 // Sums in int32 lanes of Bits (zero_bits, load_bits, store_bits). dot_quads adds to each 32-bit lane the four products of x's 4 code
 // bytes (broadcast) with the lane's 4 weight bytes, exactly: widening multiplies, pairwise adds in 16 bits (at most
 // 2 * 127 * 127), then a pairwise add-accumulate into 32 bits (SDOT is not the ARMv8.0 baseline). Codes signed.
-constexpr bool kInt8DotIsVnni = false;  // dot_quads is vpdpbusd: only where cpu_int8_vnni()
+constexpr bool kInt8DotIsVnni = false;  // dot_quads needs no VNNI (true: vpdpbusd, only where cpu_int8_vnni())
 constexpr int kInt8SpareRegisters = 4;  // what dot_quads needs beside a tile and its weights: the broadcast and the widened products
 constexpr int32_t kInt8XOffset = 0;
 static inline Bits dot_quads(Bits acc, Bits x, Bits w) {
@@ -162,11 +162,8 @@ static inline Bits dot_quads(Bits acc, Bits x, Bits w) {
 }
 static inline Bits zero_bits() { return vdupq_n_u32(0); }
 static inline void store_bits(void* p, Bits v) { vst1q_u32(static_cast<uint32_t*>(p), v); }
-static inline Bits set1_quad(const uint8_t* p) {
-  uint32_t quad;
-  std::memcpy(&quad, p, sizeof(quad));
-  return vdupq_n_u32(quad);
-}
+// The 4-byte unit at p in every lane, as set1_pair's broadcast: dot_quads' x operand.
+static inline Bits set1_quad(const uint8_t* p) { return set1_pair(reinterpret_cast<const uint16_t*>(p)); }
 // (acc's int32 lanes - offset[0, kLanes)) in fp32, rounded to nearest even.
 static inline Vec sums_to_f32(Bits acc, const int32_t* offset) {
   return vcvtq_f32_s32(vsubq_s32(vreinterpretq_s32_u32(acc), vld1q_s32(offset)));

@@ -125,7 +125,6 @@ struct LinearInt8CpuOps {
   // As LinearCpuOps::rect, p.x the codes.
   void (*rect)(const LinearParams& p, const Int8Scales& s, int32_t m0, int32_t m1, int32_t c0, int32_t c1);
   int32_t row_tile;
-  int32_t x_offset;  // what a code adds to q (the layer's kInt8XOffset)
 };
 
 // The vector layers' int8 ops (key.dtype: x's); nullptr where not covered.

@@ -538,8 +538,8 @@ void rect_int8(const LinearParams& p, const Int8Scales& s, int32_t m0, int32_t m
   rect_scaled<Int8Quads<T>>(p, &s, m0, m1, c0, c1);
 }
 
-const LinearInt8CpuOps kInt8F32Ops{quantize<float>, rect_int8<float>, kTileRows, V::kInt8XOffset};
-const LinearInt8CpuOps kInt8Bf16Ops{quantize<uint16_t>, rect_int8<uint16_t>, kTileRows, V::kInt8XOffset};
+const LinearInt8CpuOps kInt8F32Ops{quantize<float>, rect_int8<float>, kTileRows};
+const LinearInt8CpuOps kInt8Bf16Ops{quantize<uint16_t>, rect_int8<uint16_t>, kTileRows};
 
 const LinearCpuOps kF32Ops{rect<F32>, kTileRows, epilogue<float>};
 const LinearCpuOps kBf16WidenOps{rect_widen, kTileRows, epilogue<uint16_t>};
