@@ -7,9 +7,9 @@ captured CUDA graph is to a GPU one: the checks, the paths and the buffers are f
 
 Contract:
 - `DecodeProgram.of(decoder)` says whether the step can run this way: a CPU model whose every weight is packed for our
-  kernel and every op of whose step (the projections, the norms, the attention and, per family, the rotary or
-  Qwen3.5's conv and rule) is on our kernel's path in the registry as it stands now (tier, dtype, backend and the
-  environment switches). Otherwise the decoder runs its general path.
+  kernel (linear's, or linear_int8's under quantize="int8") and every op of whose step (the projections, the norms,
+  the attention and, per family, the rotary or Qwen3.5's conv and rule) is on our kernel's path in the registry as it
+  stands now (tier, dtype, backend and the environment switches). Otherwise the decoder runs its general path.
 - A program for B sequences owns the step's buffers and every call's arguments, except what changes per step: the
   block tables of the KV store (the DecodePlan) and, for a hybrid model, the addresses of each sequence's conv tails
   and recurrent states (current and next: they swap at every commit), which `run` binds. The layers of every family
@@ -38,6 +38,8 @@ from pyscore.ops.decode_attention import kernel_args as attention_args
 from pyscore.ops.gated_delta_rule import conv_args, rule_args
 from pyscore.ops.linear import PackedLinear
 from pyscore.ops.linear import kernel_args as linear_args
+from pyscore.ops.linear_int8 import PackedQuantLinear
+from pyscore.ops.linear_int8 import kernel_args as int8_args
 from pyscore.ops.rotary import kernel_args as rotary_args
 from pyscore.ops.segments import SegmentTable
 
@@ -55,7 +57,8 @@ class DecodeProgram:
     def ops(decoder: Decoder) -> tuple[str, ...]:
         """The ops a step of this decoder calls."""
         plain_attention = decoder.num_attention_layers and not decoder.cfg.attn_output_gate  # gated: torch's rotary
-        return ("linear", "add_rms_norm", "decode_attention", *(("rotary",) if plain_attention else ()),
+        return ("linear_int8" if decoder.int8_weights else "linear", "add_rms_norm", "decode_attention",
+                *(("rotary",) if plain_attention else ()),
                 *(("causal_conv1d", "gated_delta_rule") if decoder.num_linear else ()))
 
     @staticmethod
@@ -69,7 +72,8 @@ class DecodeProgram:
             module, path, _ = _ext.resolve_path(op, device, dtype, decoder.op_backend)
             if path != "kernel":
                 return None
-        return module if decoder.packed_weights else None
+        packed = PackedQuantLinear if decoder.int8_weights else PackedLinear
+        return module if all(isinstance(w, packed) for w in decoder.w.projections()) else None
 
     def __init__(self, decoder: Decoder, module: Any, batch: int) -> None:
         # What the calls read of the decoder, not the decoder itself: it holds its programs, and a cycle would keep
@@ -110,8 +114,11 @@ class DecodeProgram:
         """add_rms_norm(x) into out (no delta)."""
         return partial(self.module.add_rms_norm, *norm_args(x, weight, self.eps, None, out))
 
-    def _linear(self, x: torch.Tensor, w: PackedLinear, out: torch.Tensor, residual: bool = False) -> Call:
-        """linear(x, w) into out (residual: out += x @ W.T, out being the residual)."""
+    def _linear(self, x: torch.Tensor, w: PackedLinear | PackedQuantLinear, out: torch.Tensor,
+                residual: bool = False) -> Call:
+        """linear(x, w) into out (residual: out += x @ W.T, out being the residual); an int8 weight: linear_int8's."""
+        if isinstance(w, PackedQuantLinear):
+            return partial(self.module.linear_int8, *int8_args(x, w, out if residual else None, out))
         return partial(self.module.linear, *linear_args(x, w, out if residual else None, out))
 
     def _attend(self, slot: int, q: torch.Tensor, out: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Call:

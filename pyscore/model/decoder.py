@@ -34,7 +34,6 @@ from pyscore.model.weights import DecoderWeights, LayerWeights
 from pyscore.ops import (
     AttentionPlan,
     CachedKeys,
-    PackedLinear,
     SegmentTable,
     add_rms_norm,
     decode_attention,
@@ -135,7 +134,6 @@ class Decoder:
             self._prepare(layer)
             release_freed_memory()  # the layer's replaced plain projections, before the next layer's packs
         projections = weights.projections()
-        self.packed_weights = all(isinstance(w, PackedLinear) for w in projections)  # every one for our kernel
         self.int8_weights = any(isinstance(w, INT8_WEIGHTS) for w in projections)  # quantize="int8"
         # fp32 serving with a bf16 checkpoint's matrices held in bf16 (pyscore.ops.linear.holds_bf16_weights)
         self.bf16_weights = self.dtype == torch.float32 and any(

@@ -1,8 +1,8 @@
 """A decode step run as a program of bound kernel calls (pyscore.model.decode_program) is the general path's step
 bit for bit: every family (Qwen3 with qk-norm, Qwen2 with qkv biases, Llama with llama3 RoPE, Qwen3.5's linear and
-gated attention layers), fp32 and bf16, at every CPU tier this machine runs, sequences of several lengths stepped
-together across a page boundary; the program is made once per batch size, kept within its bound, and set aside
-where an op leaves our kernel."""
+gated attention layers), fp32 and bf16, in the dtype and in int8 (quantize="int8": linear_int8's kernel), at every
+CPU tier this machine runs, sequences of several lengths stepped together across a page boundary; the program is made
+once per batch size, kept within its bound, and set aside where an op leaves our kernel."""
 
 from __future__ import annotations
 
@@ -55,11 +55,12 @@ def generate(e: Engine) -> list[torch.Tensor]:
     return hidden
 
 
+@pytest.mark.parametrize("quantize", [None, "int8"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("tier", _ext.runnable_cpu_tiers() if _ext.cpu_module() else [])
-def test_program_steps_are_the_general_paths_bit_for_bit(model_dir, dtype, tier, monkeypatch):
+def test_program_steps_are_the_general_paths_bit_for_bit(model_dir, dtype, tier, quantize, monkeypatch):
     monkeypatch.setenv("PYSCORE_CPU_TIER", tier)
-    e = Engine.from_pretrained(model_dir, dtype=dtype, device="cpu", threads=2)
+    e = Engine.from_pretrained(model_dir, dtype=dtype, device="cpu", threads=2, quantize=quantize)
     e.generation.eos_ids = frozenset()
     if DecodeProgram.of(e.decoder) is None:
         assert tier == "generic" or any(_ext.resolve_path(op, e.decoder.device, e.decoder.dtype)[1] != "kernel"
