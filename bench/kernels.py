@@ -7,7 +7,8 @@ projections; decode rows cycle ~96 MB of weight copies, as a decode step streams
 (decode_attention vs one SDPA per sequence), elementwise (the fused ops vs their pyscore.ops.reference recipes),
 interleave (our OpenMP kernel between torch matmuls), linear (Qwen3.5's conv + gated delta rule vs transformers'
 torch fallbacks, and a decode step's rule vs their recurrent one; own file) and tiers (linear at every CPU tier this
-CPU runs vs F.linear, best of --rounds: what pyscore/ops/tiers.py cites; own file).
+CPU runs vs F.linear, best of --rounds: what pyscore/ops/tiers.py cites; own file) and int8 (linear_int8 against
+linear in bf16 at each tier whose int8 is ours, and torch's int8 path, at the tiers section's shapes; own file).
 
 Both sides run on the heap the engine serves from (pyscore.memory.keep_activation_pages, named in the header): with
 glibc's defaults every output over 32 MiB is a fresh mapping whose page faults the call pays (a conv over 16 x 300
@@ -25,6 +26,7 @@ Qwen3.5-4B's conv + gated delta rule vs transformers' fallbacks on the same stre
 to bench/results/latest/ (kernels_cpu.txt; kernels_linear_cpu.txt, kernels_tiers_cpu.txt for those sections). Usage:
   python -m bench.kernels [--tier avx2] [--dtypes fp32] [--threads 2] [--rounds 5] [--out FILE] [--only SECTION ...]
   python -m bench.kernels --only tiers [--tiers avx2 avx512] [--torch-isa avx2] [--shapes ...] [--rounds 7]
+  python -m bench.kernels --only int8 [--tiers avx2 avx512bf16] [--shapes ...] [--rounds 7] [--out FILE]
   python -m bench.kernels --json kernels.json [--device cuda | --tiny] [--reps 50]"""
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ from pyscore.ops import (
     tiers,
 )
 from pyscore.ops.gated_delta_rule import causal_conv1d, gated_delta_rule, plan_linear_attention
-from pyscore.ops.linear import DECODE_ROWS, PREFILL_ROWS
+from pyscore.ops.linear import DECODE_ROWS, PREFILL_ROWS, prepare_int8
+from pyscore.ops.linear_int8 import int_path, quantize_linear
 from pyscore.ops.reference import (
     add_rms_norm_ref,
     causal_conv1d_ref,
@@ -76,7 +79,8 @@ from pyscore.ops.reference import (
     silu_mul_ref,
 )
 
-OUT = {"linear": "kernels_linear_cpu.txt", "tiers": "kernels_tiers_cpu.txt"}  # else kernels_cpu.txt
+# the sections that run alone, into their own files (the others: kernels_cpu.txt)
+OUT = {"linear": "kernels_linear_cpu.txt", "tiers": "kernels_tiers_cpu.txt", "int8": "kernels_int8_cpu.txt"}
 LIN_SHAPE = (16, 16, 128, 4)  # Qwen3.5-0.8B Gated DeltaNet: Hk, Hv, head dim, conv kernel
 HQ, HKV, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
 VOCAB, HIDDEN = 49152, 576
@@ -94,8 +98,8 @@ TIER_SHAPES = {"smollm-gate_up": (576, 3072), "smollm-down": (1536, 576), "qwen3
 TIER_ROWS = {"prefill": (776, PREFILL_ROWS), "decode": (8, DECODE_ROWS)}
 FORWARD_SHAPES = [(576, 960, False), (576, 576, False), (576, 3072, True), (1536, 576, False)]  # SmolLM2's (K, N)
 FORWARD_LAYERS = 30
-SECTIONS = ["attention", "labels", "gemm", "decode", "elementwise", "interleave", "linear", "tiers"]
-DEFAULT_SECTIONS = SECTIONS[:-2]  # linear and tiers run alone, into their own files
+SECTIONS = ["attention", "labels", "gemm", "decode", "elementwise", "interleave", "linear", "tiers", "int8"]
+DEFAULT_SECTIONS = SECTIONS[:-3]  # linear, tiers and int8 run alone, into their own files
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -366,6 +370,53 @@ def forward_rows(dtype: torch.dtype, args: argparse.Namespace) -> list[str]:
     runs["torch F.linear"] = torch_linear
     flop = 2 * TIER_ROWS["prefill"][0] * FORWARD_LAYERS * sum(k * n for k, n, _ in FORWARD_SHAPES)
     return timed_tier_rows(dtype, "smollm-forward", "prefill", runs, args.rounds, flop)
+
+
+# ---- linear in int8 (W8A8) ---------------------------------------------------------------------------------------
+def int8_tiers(asked: list[str] | None) -> list[str]:
+    """The runnable tiers whose linear_int8 is our kernel (or those asked for among the runnable)."""
+    runnable = _ext.runnable_cpu_tiers()
+    if asked:
+        return [t for t in runnable if t in asked]
+    return [t for t in runnable if tiers.cpu_choice("linear_int8", t, torch.bfloat16).path == "kernel"]
+
+
+def int8_contenders(x: torch.Tensor, w: torch.Tensor, at: list[str]) -> dict[str, Callable]:
+    """At each tier: our int8 kernel and our bf16 kernel on the same x (bf16) and W; then torch's int8 path
+    (quantize_rows + torch._int_mm or the fp32 chunks, linear_int8_path's fallback) and F.linear in bf16."""
+    rows, bf16 = quantize_linear(w), pack_linear(w)
+    packed = prepare_int8(rows, backend="kernel")
+    runs: dict[str, Callable] = {}
+    for t in at:
+        runs[f"int8 ours@{t}"] = at_tier(t, lambda: linear(x, packed))
+        runs[f"bf16 ours@{t}"] = at_tier(t, lambda: linear(x, bf16, backend="kernel"))
+    runs[f"int8 torch ({int_path(x.device)})"] = lambda: linear(x, rows)
+    runs["bf16 torch F.linear"] = lambda: F.linear(x, w)
+    return runs
+
+
+def int8_section(args: argparse.Namespace) -> list[str]:
+    """linear_int8 against linear in bf16, per tier, at the tiers section's shapes: best of --rounds alternating."""
+    at = int8_tiers(args.tiers)
+    lines = [f"linear_int8 (bf16 activations, per-row scales quantized in the call) vs linear bf16, ours at tiers "
+             f"{', '.join(at)} (PYSCORE_CPU_TIER); best of {args.rounds} alternating rounds; GOP/s = 2 M N K / time; "
+             "decode rows read a weight the L3 may hold",
+             f"{'shape':<16} {'M':>4} {'path':<32} {'ms':>8} {'GOP/s':>7}  vs bf16 ours at the tier"]
+    print("\n".join(lines), flush=True)
+    for name in args.shapes:
+        k, n = TIER_SHAPES[name]
+        gen = torch.Generator().manual_seed(0)
+        w = (torch.randn(n, k, generator=gen) * k**-0.5).bfloat16()
+        for m in (TIER_ROWS["prefill"][0], 1, TIER_ROWS["decode"][0]):
+            x = torch.randn(m, k, generator=gen).bfloat16()
+            times = {key: min(ts) for key, ts in alternate_rounds(int8_contenders(x, w, at), args.rounds).items()}
+            os.environ.pop("PYSCORE_CPU_TIER", None)
+            for key, ms in times.items():
+                tier = key.partition("@")[2]
+                versus = f"{times[f'bf16 ours@{tier}'] / ms:5.2f}x" if tier and key.startswith("int8") else ""
+                lines.append(f"{name:<16} {m:>4} {key:<32} {ms:8.3f} {2 * m * k * n / ms / 1e6:7.0f}  {versus}")
+                print(lines[-1], flush=True)
+    return [*lines, f"command: python -m bench.kernels {' '.join(sys.argv[1:])}"]
 
 
 # ---- Qwen3.5's linear attention ----------------------------------------------------------------------------------
@@ -785,6 +836,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         "interleave": lambda: interleave_rows(args.reps),
         "linear": lambda: linear_attention_section(args.reps, args.rounds, dtypes),
         "tiers": lambda: tiers_section(args, dtypes),
+        "int8": lambda: int8_section(args),
     }
     out = args.out or default_out(OUT.get(args.only[0] if len(args.only) == 1 else "", "kernels_cpu.txt"))
     for name in args.only:

@@ -45,10 +45,27 @@ def fake_quant(t: torch.Tensor, group: int | None) -> torch.Tensor:
     return (torch.round(parts / scale.clamp_min(1e-30)).clamp(-127, 127) * scale).reshape(m, k)
 
 
-def simulated(x_group: int | None, w_group: int | None):
+def simulated(x_group: int | None, w_group: int | None, kinds: frozenset[str] | None = None,
+              alpha: float | None = None, outliers: int = 0):
+    """The int8 call simulated: x_group / w_group as fake_quant's; kinds: quantize the activations of these
+    projections only (the others' stay fp32); alpha: SmoothQuant's per-input-channel factor s = amax_x^alpha /
+    amax_w^(1 - alpha) (amax_x from the calibration pass), x / s and W * s quantized; outliers: the input channels
+    of the largest calibrated amax_x, this many per projection, kept fp32 (x's and W's), the rest quantized."""
     def run(x: torch.Tensor, w: QuantLinear, residual=None, out=None, reference: bool = False) -> torch.Tensor:
         weight, bias = w.source
-        v = fake_quant(x.float(), x_group) @ fake_quant(weight, w_group).t()
+        xf = x.float()
+        if alpha is not None:
+            s = (w.calibrated.clamp_min(1e-5) ** alpha / weight.abs().amax(0).clamp_min(1e-5) ** (1 - alpha))
+            xf, weight = xf / s, weight * s
+        xg = x_group if kinds is None or w.kind in kinds else 0
+        kept = 0
+        if outliers:
+            idx = w.calibrated.topk(outliers).indices
+            kept = xf[:, idx] @ weight[:, idx].t()
+            xf, weight = xf.clone(), weight.clone()
+            xf[:, idx] = 0
+            weight[:, idx] = 0
+        v = fake_quant(xf, xg) @ fake_quant(weight, w_group).t() + kept
         if bias is not None:
             v = v + bias
         if w.gated:
@@ -66,6 +83,9 @@ def main() -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--questions", type=int, default=8)
     p.add_argument("--group", type=int, default=32)
+    p.add_argument("--calibration", type=int, default=4, help="SmoothQuant: calibration questions (not measured)")
+    p.add_argument("--alphas", type=float, nargs="*", default=[0.5, 0.8])
+    p.add_argument("--outliers", type=int, nargs="*", default=[4, 16, 64], help="fp32 input channels per projection")
     args = p.parse_args()
     rng = random.Random(0)
     questions = [(pw.query, pw.items) for pw in (pointwise(synthetic_question(rng, i, 16))
@@ -75,8 +95,11 @@ def main() -> None:
     # The fp32 projections, kept beside each int8 weight for the simulation (the int8 engine's own are dropped).
     sources = {id(w): w for w in ref.decoder.w.projections()}
     engine = Engine.from_pretrained(args.model, dtype="float32", device="cpu", quantize="int8")
-    for fp, q in zip(sources.values(), engine.decoder.w.projections(), strict=True):
+    kinds = [kind for layer in engine.decoder.w.layers for kind in ("qkv", "o", "gate_up", "down", "in_proj", "out")
+             if getattr(layer, kind, None) is not None or (layer.linear is not None and kind in ("in_proj", "out"))]
+    for fp, q, kind in zip(sources.values(), engine.decoder.w.projections(), kinds, strict=True):
         object.__setattr__(q, "source", fp.unpacked())
+        object.__setattr__(q, "kind", kind)
     print(f"# python -m bench.probes.int8_drift_sources {' '.join(sys.argv[1:])}   (commit {git_commit()})")
     print(f"# {machine()}; {engine.model_name}; {len(questions)} questions x 16 items; |dP(Yes)| vs the fp32 engine")
     print(f"{'simulated':<40}{'median':>9}{'p99':>9}{'max':>9}{'same best':>11}")
@@ -97,10 +120,35 @@ def main() -> None:
     finally:
         LINEAR.linear_int8 = real
     ratio = torch.cat(peaks)
+
+    def calibrating(x: torch.Tensor, w: QuantLinear, residual=None, out=None, reference: bool = False):
+        amax = x.float().abs().amax(0)
+        object.__setattr__(w, "calibrated", torch.maximum(getattr(w, "calibrated", amax), amax))
+        return simulated(0, 0)(x, w, residual, out)
+
+    # SmoothQuant's calibration: other questions than the measured ones (seed 1).
+    calibration = random.Random(1)
+    LINEAR.linear_int8 = calibrating
+    try:
+        for i in range(args.calibration):
+            pw = pointwise(synthetic_question(calibration, 1000 + i, 16))
+            p_yes(engine, pw.query, pw.items)
+    finally:
+        LINEAR.linear_int8 = real
+    for kind in sorted(set(kinds)):
+        variants[f"activations of {kind} only (per row)"] = (None, 0, frozenset({kind}))
+    for alpha in args.alphas:
+        variants[f"both, SmoothQuant alpha {alpha}"] = (None, None, None, alpha)
+    for k in args.outliers:
+        variants[f"both, {k} outlier channels fp32"] = (None, None, None, None, k)
+        for alpha in args.alphas:
+            variants[f"both, {k} outliers + alpha {alpha}"] = (None, None, None, alpha, k)
+    for alpha in args.alphas:
+        variants[f"groups of {args.group} + alpha {alpha}"] = (args.group, args.group, None, alpha)
     print(f"# projection input rows (all layers, one question): {ratio.numel()}; max |x| > 8x rms in "
           f"{(ratio > 8).float().mean().item():.0%}, > 16x in {(ratio > 16).float().mean().item():.0%}")
-    for name, (xg, wg) in variants.items():
-        LINEAR.linear_int8 = simulated(xg, wg)
+    for name, variant in variants.items():
+        LINEAR.linear_int8 = simulated(*variant)
         try:
             got = [p_yes(engine, q, items) for q, items in questions]
         finally:
