@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.common import TORCH_ISA_ENV, device_info, device_ms, force_isa, machine, median_ms
+from bench.common import TORCH_ISA_ENV, device_info, device_ms, force_isa, git_commit, machine, median_ms
 from bench.common import alternate as alternate_rounds
 from bench.summary import default_out, percentile, write_json, write_report
 from pyscore.engine import set_threads
@@ -817,7 +817,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     slow_bf16 = features["tier"] in ("avx2", "avx512", "generic")
     dtypes = [DTYPES[d] for d in args.dtypes or (["fp32"] if slow_bf16 else ["bf16", "fp32"])]
     torch_env = ", ".join(f"{k}={v}" for k, v in TORCH_ISA_ENV.get(args.torch_isa or args.tier or "", {}).items())
-    lines = [f"machine: {machine()}",
+    lines = [f"# python -m bench.kernels {' '.join(sys.argv[1:] if argv is None else argv)}   (commit {git_commit()})",
+             f"machine: {machine()}",
              f"tier: ours {features['tier']}{' (forced)' if args.tier else ''} (hardware {features['hardware_tier']}),"
              f" torch {torch.backends.cpu.get_cpu_capability()}{f' ({torch_env})' if torch_env else ''}",
              f"torch {torch.__version__}, threads {args.threads}, kernel path {features['path']}, bf16 product "

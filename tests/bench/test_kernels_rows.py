@@ -34,3 +34,27 @@ def test_the_prefill_rows_alternate_ours_with_transformers(monkeypatch):
     rows = bench_kernels.linear_attention_rows("MIS 8+2x4", 8, 2, 4, torch.float32, reps=1, rounds=2)
     assert alternated == [(["ours", "transformers"], 2)]
     assert len(rows) == 1 and rows[0].startswith("conv+rule MIS 8+2x4")
+
+
+def test_the_int8_rows_compare_the_same_product_at_each_tier():
+    """Every int8 contender computes the same x @ W.T: ours at each tier and torch's int8 path give the contract's
+    bits (pyscore.ops.linear_int8), and the bf16 contenders stay within bf16's rounding of them."""
+    if _ext.cpu_module() is None:
+        pytest.skip("needs pyscore._C")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 96, generator=gen).bfloat16()
+    w = (torch.randn(80, 96, generator=gen) * 0.1).bfloat16()
+    at = bench_kernels.int8_tiers(None)
+    runs = bench_kernels.int8_contenders(x, w, at)
+    try:
+        got = {name: run() for name, run in runs.items()}
+    finally:
+        bench_kernels.os.environ.pop("PYSCORE_CPU_TIER", None)
+    assert sorted(got) == sorted([*(f"{kind} ours@{t}" for t in at for kind in ("int8", "bf16")),
+                                  *(n for n in runs if "torch" in n)])
+    torch_int8 = next(v for n, v in got.items() if n.startswith("int8 torch"))
+    for name, value in got.items():
+        if name.startswith("int8"):
+            assert torch.equal(value, torch_int8), name
+        else:
+            torch.testing.assert_close(value.float(), torch_int8.float(), atol=0.05, rtol=0.05)
