@@ -1,6 +1,7 @@
 // The decoder's other CPU ops against naive references (see kernel_check.cpp): linear (plain and gated, bias,
-// residual, odd K), add_rms_norm, rotary (with and without qk-norm), silu_mul, and Qwen3.5's causal_conv1d and
-// gated_delta_rule, where an MIS item continuing its prefix must equal the item's whole sequence run from scratch.
+// residual, odd K), linear_int8 (exact integer sums, the contract's quantization and epilogue), add_rms_norm, rotary
+// (with and without qk-norm), silu_mul, and Qwen3.5's causal_conv1d and gated_delta_rule, where an MIS item
+// continuing its prefix must equal the item's whole sequence run from scratch.
 // Where a contract names intermediate roundings to the dtype, the reference makes the same ones.
 #include <algorithm>
 #include <cmath>
@@ -88,6 +89,73 @@ void check_linear_case(DType dtype, bool gated, DType weight_dtype, int32_t m = 
     for (int32_t o = 0; o < n; ++o)
       want[size_t(i) * n + o] =
           residual.get(size_t(i) * res_stride + o) + (gated ? silu(v(i, o)) * v(i, n + o) : v(i, o));
+  compare(name, out.size(), [&](size_t i) { return out.get(i); }, [&](size_t i) { return want[i]; }, tol_for(dtype));
+}
+
+// ---- linear_int8 --------------------------------------------------------------------------------------------------
+
+// One x row quantized as linear.h's int8 section states it (fp32: scale max|x| / 127, codes round_half_even(x * (127 /
+// max|x|)), each a single fp32 operation).
+std::vector<int32_t> quantize_row(const Buf& x, size_t at, int32_t k, float& scale) {
+  float amax = 0.0f;
+  for (int32_t j = 0; j < k; ++j) amax = std::max(amax, std::fabs(x.get(at + j)));
+  scale = amax / 127.0f;
+  const float factor = amax > 0.0f ? 127.0f / amax : 0.0f;
+  std::vector<int32_t> codes(k);
+  for (int32_t j = 0; j < k; ++j)
+    codes[j] = int32_t(std::max(-127.0f, std::min(127.0f, std::nearbyint(x.get(at + j) * factor))));
+  return codes;
+}
+
+// Codes drawn in [-127, 127] (the extremes included), packed [N_pad / 64][K4 / 4][64][4]; per packed column a scale,
+// 128 * its codes' sum and a bias; then the launcher against exact integer sums and the contract's fp32 epilogue.
+void check_linear_int8_case(DType dtype, bool gated, int32_t m) {
+  const int32_t k = 37, k4 = 40, n = gated ? 20 : 70;
+  const int32_t rows = gated ? 2 * n : n, x_stride = k + 3, res_stride = n + 1;
+  Buf x(dtype, size_t(m) * x_stride), residual(dtype, size_t(m) * res_stride), out(dtype, size_t(m) * n);
+  fill_uniform(x);
+  fill_uniform(residual);
+  std::uniform_int_distribution<int32_t> code(-127, 127);
+  std::vector<int32_t> w(size_t(rows) * k);
+  for (int32_t& c : w) c = code(rng());
+  auto row_of = [&](int32_t c) {
+    if (!gated) return c < n ? c : -1;
+    const int32_t unit = c / 32, j = c % 32, o = 16 * unit + j % 16;
+    return o >= n ? -1 : (j < 16 ? o : n + o);
+  };
+  const int32_t needed = gated ? (n + 15) / 16 * 32 : n, n_packed = (needed + 63) / 64 * 64;
+  std::vector<int8_t> packed(size_t(n_packed) * k4, 0);
+  std::vector<float> scale(n_packed, 0.0f), bias(n_packed, 0.0f), scale_of_row(rows), bias_of_row(rows);
+  std::vector<int32_t> sums(n_packed, 0);
+  for (int32_t c = 0; c < n_packed; ++c) {
+    const int32_t row = row_of(c);
+    if (row < 0) continue;
+    for (int32_t i = 0; i < k; ++i) {
+      packed[size_t(c / 64) * k4 * 64 + (size_t(i / 4) * 64 + c % 64) * 4 + i % 4] = int8_t(w[size_t(row) * k + i]);
+      sums[c] += 128 * w[size_t(row) * k + i];
+    }
+    scale[c] = scale_of_row[row] = 0.001f + 0.0005f * float(row % 5);
+    bias[c] = bias_of_row[row] = 0.1f * float(row % 7) - 0.3f;
+  }
+  pyscore::LinearInt8Params p{x.data(), x_stride, packed.data(), scale.data(), sums.data(), bias.data(),
+                              residual.data(), res_stride, out.data(), n, m, k, n_packed, n, gated, dtype};
+  const std::string name = std::string("linear_int8 ") + dtype_name(dtype) + (gated ? " gated" : "") +
+                           " M=" + std::to_string(m) + " K=37 N=" + std::to_string(n) + " bias residual";
+  const pyscore::Status status = pyscore::linear_int8_cpu(p);
+  if (status == pyscore::kUnsupportedDType && pyscore::cpu_tier() == pyscore::CpuTier::kGeneric) return;  // torch's
+  if (!expect(name + " runs", status == pyscore::kOk)) return;
+  std::vector<double> want(out.size());
+  for (int32_t i = 0; i < m; ++i) {
+    float x_scale = 0.0f;
+    const std::vector<int32_t> q = quantize_row(x, size_t(i) * x_stride, k, x_scale);
+    auto v = [&](int32_t row) {
+      int64_t sum = 0;
+      for (int32_t j = 0; j < k; ++j) sum += int64_t(q[j]) * w[size_t(row) * k + j];
+      return double(float(sum) * x_scale * scale_of_row[row] + bias_of_row[row]);
+    };
+    for (int32_t o = 0; o < n; ++o)
+      want[size_t(i) * n + o] = residual.get(size_t(i) * res_stride + o) + (gated ? silu(v(o)) * v(n + o) : v(o));
+  }
   compare(name, out.size(), [&](size_t i) { return out.get(i); }, [&](size_t i) { return want[i]; }, tol_for(dtype));
 }
 
@@ -352,6 +420,8 @@ void check_layer_ops() {
   for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
     check_linear_case(dtype, false, dtype);
     check_linear_case(dtype, true, dtype);
+    for (bool gated : {false, true})
+      for (int32_t m : {1, 7, 20}) check_linear_int8_case(dtype, gated, m);
     for (bool delta : {false, true}) check_add_rms_norm_case(dtype, delta, false);
     check_add_rms_norm_case(dtype, true, true);
     check_rotary_case(dtype, false);
