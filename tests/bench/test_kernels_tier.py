@@ -27,7 +27,9 @@ def test_forced_avx2_tier_header_and_rows(tmp_path):
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     text = out.read_text()
-    assert text.startswith("machine: "), text[:200]
+    command, machine_line = text.splitlines()[:2]
+    assert command.startswith("# python -m bench.kernels --tier avx2 --only elementwise") and "(commit " in command
+    assert machine_line.startswith("machine: "), text[:200]
     assert "tier: ours avx2 (forced)" in text and "torch AVX2 (ATEN_CPU_CAPABILITY=avx2" in text, text[:600]
     assert "kernel path avx2" in text and "dtypes float32;" in text, text[:600]
     for op in ("add_rms_norm", "silu_mul", "rotary"):
