@@ -1,12 +1,13 @@
 """The stop-string and streaming text rule of a generation, stated once here; no model, no torch.
 
-Generation ends at the first occurrence of any stop string in the generated text: `text` is everything before
-it (the stop string is not included); `token_ids` and `logprobs` are the fewest generated tokens whose text
-covers `text` — the last one may reach into the stop string, none begins at or after it. (An end-of-sequence
-token never reaches this record: the sequence ends before it.) Streamed chunks carry exactly these tokens and
-this text, in order, and each chunk's text is what its tokens add (a token is held back until its text is
-final: not an incomplete UTF-8 character, and not possibly the start of a stop string), except that the last
-chunk of a stopped generation ends its text at the stop.
+Generation ends at the first occurrence of any stop string in the generated text: `text` is everything before it
+(the stop string is not included; `matched` says which one: the earliest, the first listed of those found at the
+same character); `token_ids` and `logprobs` are the fewest generated tokens whose text covers `text` — the last one
+may reach into the stop string, none begins at or after it. (An end-of-sequence token, or a stop_token_ids entry,
+never reaches this record: the sequence ends before it.) Streamed chunks carry exactly these tokens and this text,
+in order, and each chunk's text is what its tokens add (a token is held back until its text is final: not an
+incomplete UTF-8 character, and not possibly the start of a stop string), except that the last chunk of a stopped
+generation ends its text at the stop.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class StopText:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     text: str = ""
+    matched: str | None = None  # the stop string the text was cut at
     _covers: list[int] = field(default_factory=list)  # [i]: characters of text final after token_ids[: i + 1]
     _whole: list[bool] = field(default_factory=list)  # [i]: token_ids[: i + 1] ends on a whole character
     _sent_tokens: int = 0
@@ -41,9 +43,11 @@ class StopText:
         final = self.text.rstrip("\ufffd")  # an incomplete UTF-8 tail is not final yet
         self._covers.append(len(final))
         self._whole.append(len(final) == len(self.text))
-        cut = min((i for i in (self.text.find(s) for s in self.stop) if i >= 0), default=-1)
-        if cut < 0:
+        found = [(at, k) for k, at in enumerate(self.text.find(s) for s in self.stop) if at >= 0]
+        if not found:
             return False
+        cut, k = min(found)
+        self.matched = self.stop[k]
         self._stop_at(cut)
         return True
 

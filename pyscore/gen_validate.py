@@ -36,6 +36,10 @@ def validate_generate(req: GenerateRequest, tokenizer: Any, vocab_size: int, max
         raise InvalidArgument("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(req.stop)}")
     if any(not s or len(s) > MAX_STOP_LENGTH for s in req.stop):
         raise InvalidArgument("stop", f"stop strings must be 1..{MAX_STOP_LENGTH} characters")
+    bad_stops = [t for t in req.stop_token_ids if not 0 <= t < vocab_size]
+    if bad_stops:
+        raise InvalidArgument("stop_token_ids", f"token id {bad_stops[0]} is outside the vocabulary "
+                              f"[0, {vocab_size})")
     if req.prompt_token_ids:
         if req.apply_chat_template:
             raise InvalidArgument("apply_chat_template", "applies to a text prompt, not prompt_token_ids")

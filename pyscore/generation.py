@@ -62,14 +62,17 @@ class Generation:
     error: Exception | None = None  # set when this sequence failed; its batch-mates go on
     cached_tokens: int = 0  # prompt tokens the prefill read from the prefix cache
     chunks: ChunkedPrefill | None = None  # while a long prompt is prefilled in chunks (still WAITING)
-    computed: int = 0  # tokens generated (eos excluded), including any cut off by a stop string
+    computed: int = 0  # tokens generated (an ending stop_token excluded), including any cut off by a stop string
     prompt_logprobs: list[TokenLogprob] | None = None  # set by the prefill when the request asks for them
     prompt_logprobs_taken: bool = False  # a stream has carried them (in its first delta)
     reservation: Reservation | None = None  # the KV-store tokens it was admitted with (GenerationRunner.reserve)
+    stop_token: TokenLogprob | None = None  # the end-of-sequence / stop_token_ids token that ended it
     out: StopText = field(init=False)  # the result's tokens and text (see pyscore.gen_text's rule)
+    stop_ids: frozenset[int] = field(init=False)  # the request's stop_token_ids
 
     def __post_init__(self) -> None:
         self.out = StopText(self.request.stop, self.tokenizer)
+        self.stop_ids = frozenset(self.request.stop_token_ids)
 
     @property
     def token_ids(self) -> list[int]:
@@ -120,9 +123,12 @@ class Generation:
         self._unreserve()
 
     def append(self, token: int, logprob: TokenLogprob) -> None:
-        """Records the chosen token and decides whether generation is over (eos / stop / length)."""
-        if token in self.eos_ids:
-            self._finish("eos")
+        """Records the chosen token and decides whether generation is over (eos / stop / length). An
+        end-of-sequence id (checked first, as vLLM checks its EOS before its stop_token_ids) or a stop_token_ids
+        entry ends it as the result's stop_token, kept out of its text, tokens and logprobs."""
+        if token in self.eos_ids or token in self.stop_ids:
+            self.stop_token = logprob
+            self._finish("eos" if token in self.eos_ids else "stop")
             return
         self.computed += 1
         if self.out.add(token, logprob):
@@ -147,7 +153,8 @@ class Generation:
                               usage=Usage(prompt_tokens=len(self.prompt),
                                           computed_tokens=len(self.prompt) - self.cached_tokens + self.computed,
                                           cached_tokens=self.cached_tokens),
-                              prompt_logprobs=self.prompt_logprobs)
+                              prompt_logprobs=self.prompt_logprobs, stop_token=self.stop_token,
+                              stop_string=self.out.matched)
 
 
 def eos_token_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:

@@ -74,6 +74,9 @@ class GenerateRequest:
     top_k: int = 0  # 0 = off
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    # Ids that end the generation as an end-of-sequence id does (vLLM's stop_token_ids): the token joins neither
+    # text nor token_ids; the result's stop_token holds it. Not in pyscore.v1's GenerateRequest (the HTTP routes').
+    stop_token_ids: list[int] = field(default_factory=list)
     top_logprobs: int = 0
     bypass_prefix_cache: bool = False  # neither read nor write the prefix cache (cold timings)
     prefix_cache_salt: str = ""  # requests with different salts never share cached blocks
@@ -109,6 +112,11 @@ class GenerateResult:
     # With GenerateRequest.prompt_logprobs: one entry per prompt token from prompt_logprobs_start on; the first
     # prompt token's logprob is NaN (nothing precedes it) and it has no alternatives.
     prompt_logprobs: list[TokenLogprob] | None = None
+    # The token that ended the generation and joined neither text, token_ids nor logprobs: an end-of-sequence id
+    # (finish "eos") or one of the request's stop_token_ids ("stop"), with its logprob entry (alternatives as
+    # asked). vLLM lists it last in a choice's logprobs and counts it; gRPC's Generate does neither.
+    stop_token: TokenLogprob | None = None
+    stop_string: str | None = None  # the stop string that ended it (finish "stop"), as in the request
 
 
 @dataclass

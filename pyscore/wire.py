@@ -161,6 +161,9 @@ def generate_request_from_proto(msg: pb.GenerateRequest) -> GenerateRequest:
 
 
 def generate_request_to_proto(req: GenerateRequest, model: str = "") -> pb.GenerateRequest:
+    if req.stop_token_ids:  # refused rather than dropped: the proto has no such field
+        raise InvalidArgument("stop_token_ids", "pyscore.v1's Generate has no stop_token_ids (the HTTP "
+                              "completions and chat routes take them)")
     return pb.GenerateRequest(
         model=model,
         prompt=req.prompt or "",

@@ -1,8 +1,8 @@
 """OpenAI's `POST /v1/completions` and `POST /v1/chat/completions` over the batcher's generations, so that the `openai`
-client (and vLLM's or SGLang's users of it) work unchanged: max_tokens, temperature, top_p, stop, seed, logprobs /
-top_logprobs, n, a list of prompts, `stream: true` as server-sent events ending `data: [DONE]` (with
-`stream_options.include_usage`, a last chunk carrying usage; with `continuous_usage_stats` too, vLLM's usage so far
-in every chunk), and usage with cached tokens. vLLM's own test cases are the yardstick
+client (and vLLM's or SGLang's users of it) work unchanged: max_tokens, temperature, top_p, stop, vLLM's
+stop_token_ids, seed, logprobs / top_logprobs, n, a list of prompts, `stream: true` as server-sent events ending
+`data: [DONE]` (with `stream_options.include_usage`, a last chunk carrying usage; with `continuous_usage_stats` too,
+vLLM's usage so far in every chunk), and usage with cached tokens. vLLM's own test cases are the yardstick
 (tests/server/test_http_vllm.py; docs/http.md lists each choice).
 
 A completion is one GenerateRequest per prompt and sample: a list of prompts (texts or token-id lists) and n samples
@@ -10,26 +10,28 @@ of each give len(prompts) x n choices, choice `index` = prompt * n + sample (Ope
 MAX_CHOICES a request; all run at once through the batcher and stream interleaved as their tokens come. Sample j of
 a seeded request draws with seed + j, so the n samples differ and each is the single-sample request with that seed,
 bit for bit (vLLM's parallel sampling derives its samples' seeds the same way). Usage counts each prompt once (its
-first sample's prompt and cached tokens), every sample's computed and completion tokens (an end-of-sequence token
-that ended a choice counted, as vLLM counts it, though it is in neither text nor tokens), and the longest queue wait
-and compute time. A completion's top_logprobs hold the chosen token beside its `logprobs` alternatives (OpenAI's and
-vLLM's k + 1); a stream's text offsets continue across its chunks. `echo` puts the prompt in front of each choice's
-text (a token-id prompt decoded on the engine thread) and, with `logprobs`, the prompt's tokens in front of its
-logprobs (the first with a null logprob: vLLM's prompt logprobs, what lm-evaluation-harness scores continuations
-with); `max_tokens` 0 with `echo` returns the prompt alone. vLLM's `prompt_logprobs` extension adds each choice's
-`prompt_logprobs` in vLLM's shape (null, then per token {id: {logprob, rank, decoded_token}} for the token and its
-alternatives; the token's rank null when it is not among them; null when not asked); a chat has the same list at the
-top level of its answer (not with a stream, as vLLM refuses). A chat's messages are rendered with the model's chat
-template on the engine thread into prompt token ids, exactly as a gRPC Generate with apply_chat_template renders its
-one user message (`chat_template_kwargs` reach the template); a chat stream's last delta carries its finish_reason
-(vLLM's shape). vLLM's /tokenize is here too: a prompt, or a chat's messages under the template, to ids, with the
-vocabulary's pieces as `token_strs` when asked. OpenAI's defaults hold where they differ from the proto's:
-temperature 1, completions 16 tokens, chats up to the context. Sampling floats go through float32, as the proto's
-`float` does, so the same question asked over gRPC gets the same tokens. Fields OpenAI or vLLM have and pyscore
-cannot honour (best_of other than n, suffix, penalties, logit_bias, tools, a JSON response_format, use_beam_search,
-stream_options without a stream) are refused naming the field. A stream's status is settled by its first token:
-anything the request gets wrong is an HTTP error before the stream starts; a failure after that is a last `data:`
-event carrying the error object."""
+first sample's prompt and cached tokens), every sample's computed and completion tokens (the end-of-sequence or
+`stop_token_ids` token that ended a choice counted, as vLLM counts it, though it is not in the text), and the
+longest queue wait and compute time. That token is listed last in the choice's logprobs, as vLLM lists it, and each
+choice says vLLM's `stop_reason` (the stop string or stop token id that ended it; null for the tokenizer's
+end-of-sequence token and a length finish). A completion's top_logprobs hold the chosen token beside its `logprobs`
+alternatives (OpenAI's and vLLM's k + 1); a stream's text offsets continue across its chunks. `echo` puts the prompt
+in front of each choice's text (a token-id prompt decoded on the engine thread) and, with `logprobs`, the prompt's
+tokens in front of its logprobs (the first with a null logprob: vLLM's prompt logprobs, what lm-evaluation-harness
+scores continuations with); `max_tokens` 0 with `echo` returns the prompt alone. vLLM's `prompt_logprobs` extension
+adds each choice's `prompt_logprobs` in vLLM's shape (null, then per token {id: {logprob, rank, decoded_token}} for
+the token and its alternatives; the token's rank null when it is not among them; null when not asked); a chat has
+the same list at the top level of its answer (not with a stream, as vLLM refuses). A chat's messages are rendered
+with the model's chat template on the engine thread into prompt token ids, exactly as a gRPC Generate with
+apply_chat_template renders its one user message (`chat_template_kwargs` reach the template); a chat stream's last
+delta carries its finish_reason (vLLM's shape). vLLM's /tokenize is here too: a prompt, or a chat's messages under
+the template, to ids, with the vocabulary's pieces as `token_strs` when asked. OpenAI's defaults hold where they
+differ from the proto's: temperature 1, completions 16 tokens, chats up to the context. Sampling floats go through
+float32, as the proto's `float` does, so the same question asked over gRPC gets the same tokens. Fields OpenAI or
+vLLM have and pyscore cannot honour (best_of other than n, suffix, penalties, logit_bias, tools, a JSON
+response_format, use_beam_search, stream_options without a stream) are refused naming the field. A stream's status
+is settled by its first token: anything the request gets wrong is an HTTP error before the stream starts; a failure
+after that is a last `data:` event carrying the error object."""
 
 from __future__ import annotations
 
@@ -123,10 +125,36 @@ def checked_prompt_logprobs(value: int | None) -> int | None:
     return value
 
 
-def completion_tokens(token_ids: list[int], finish_reason: str | None) -> int:
-    """Tokens a choice generated as vLLM counts them: an end-of-sequence token that ended it counts (vLLM's
-    token_ids hold it), though, as over gRPC, it is in neither the text nor the token list."""
-    return len(token_ids) + (finish_reason == "eos")
+def completion_tokens(token_ids: list[int], final: GenerateResult | None) -> int:
+    """Tokens a choice generated as vLLM counts them: the end-of-sequence or stop token that ended it counts
+    (vLLM's token_ids hold it), though, as over gRPC, it is not in the text."""
+    return len(token_ids) + (final is not None and final.stop_token is not None)
+
+
+def stop_reason(final: GenerateResult | None, eos_id: int | None) -> str | int | None:
+    """vLLM's CompletionOutput.stop_reason: the stop string that ended the choice, or the id of the token that did
+    where vLLM stops on it as a stop token: a stop_token_ids entry, or an end-of-sequence id other than the
+    tokenizer's own `eos_id` (vLLM's stop tokens from the model's config). None for the tokenizer's
+    end-of-sequence token, a length finish, and before the choice has finished."""
+    if final is None:
+        return None
+    if final.stop_string is not None:
+        return final.stop_string
+    token = final.stop_token
+    return token.token_id if token is not None and token.token_id != eos_id else None
+
+
+def with_stop_token(logprobs: list[TokenLogprob], final: GenerateResult | None) -> list[TokenLogprob]:
+    """A choice's (or its last chunk's) logprob entries as vLLM lists them: the end-of-sequence or stop token
+    that ended it last, its text the tokenizer's for the id alone (`<|im_end|>`: vLLM decodes a logprob's token
+    without skipping special tokens)."""
+    stop = final.stop_token if final is not None else None
+    return logprobs if stop is None else [*logprobs, stop]
+
+
+def tokenizer_eos(engine: EngineLike) -> int | None:
+    """The tokenizer's own end-of-sequence id: the one vLLM's stop_reason reports as None."""
+    return getattr(engine.traits.tokenizer, "eos_token_id", None)
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:
@@ -142,6 +170,7 @@ def sampling(body: SamplingBody, max_tokens: int, sample: int = 0) -> dict[str, 
                 top_p=fp32([1.0 if body.top_p is None else body.top_p])[0],
                 top_k=0 if body.top_k in (None, -1) else body.top_k,
                 seed=None if body.seed is None else body.seed + sample, stop=stop,
+                stop_token_ids=list(body.stop_token_ids or []),
                 bypass_prefix_cache=body.bypass_prefix_cache, prefix_cache_salt=body.salt())
 
 
@@ -301,15 +330,19 @@ class OpenAIEndpoints:
                     for p in prompts for j in range(n)]
         echoes = await echo_texts(batcher, self.gate.engine, prompts) if body.echo else []
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        eos_id = tokenizer_eos(self.gate.engine)
 
-        def choice(k: int, text: str, lps: list[TokenLogprob], finish: str | None, first: bool,
+        def choice(k: int, text: str, lps: list[TokenLogprob], final: GenerateResult | None, first: bool,
                    prompt_lps: list[TokenLogprob] | None, offset: int = 0) -> dict[str, Any]:
-            """Choice k's entry; its `first` (the whole answer, or a stream's first chunk) carries the echo; its
-            text offsets start at `offset`."""
+            """Choice k's entry (`final`: its result, in the whole answer or a stream's last chunk); its `first`
+            (the whole answer, or a stream's first chunk) carries the echo; its text offsets start at `offset`.
+            Every entry has vLLM's stop_reason (null until the finish)."""
             echo = body.echo and first
             out = {"index": k, "text": echoes[k // n] + text if echo else text,
-                   "logprobs": completion_logprobs(lps, prompt_lps if echo else None, body.logprobs or 0, offset)
-                   if logprobs else None, "finish_reason": FINISH.get(finish or "")}
+                   "logprobs": completion_logprobs(with_stop_token(lps, final), prompt_lps if echo else None,
+                                                   body.logprobs or 0, offset) if logprobs else None,
+                   "finish_reason": FINISH.get(final.finish_reason) if final else None,
+                   "stop_reason": stop_reason(final, eos_id)}
             if body.prompt_logprobs is not None and first:
                 out["prompt_logprobs"] = vllm_prompt_logprobs(prompt_lps or [], body.prompt_logprobs)
             return out
@@ -328,10 +361,9 @@ class OpenAIEndpoints:
             def chunks(k: int, d: GenerationDelta) -> list[dict[str, Any]]:
                 first = k not in started
                 started.add(k)
-                finish = d.final.finish_reason if d.final else None
-                out = choice(k, d.text, d.logprobs, finish, first, d.prompt_logprobs, offsets[k])
+                out = choice(k, d.text, d.logprobs, d.final, first, d.prompt_logprobs, offsets[k])
                 offsets[k] = text_end(out["logprobs"], offsets[k])
-                counts[k] += completion_tokens(d.token_ids, finish)
+                counts[k] += completion_tokens(d.token_ids, d.final)
                 return [chunk([out]) | (running_usage(lengths[k // n], counts[k]) if continuous else {})]
 
             return await stream(call, streams, n, COMPLETION_FIELDS, chunks,
@@ -339,8 +371,7 @@ class OpenAIEndpoints:
         results = await final_results(streams)
         call.usage = usage = merged_usage(results, n)
         # vLLM's choices always carry prompt_logprobs (null unless asked): its clients read the attribute
-        return JSON(chunk([{"prompt_logprobs": None} | choice(k, r.text, r.logprobs, r.finish_reason, True,
-                                                              r.prompt_logprobs)
+        return JSON(chunk([{"prompt_logprobs": None} | choice(k, r.text, r.logprobs, r, True, r.prompt_logprobs)
                            for k, r in enumerate(results)], usage, generated(results)))
 
     async def chat(self, call: Call, body: ChatCompletionBody) -> Response:
@@ -366,6 +397,7 @@ class OpenAIEndpoints:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         include_usage, continuous = usage_options(body)
         counts = [0] * body.n
+        eos_id = tokenizer_eos(self.gate.engine)
 
         def chunk(choices: list[dict[str, Any]], usage: Usage | None = None, generated: int = 0,
                   obj: str = "chat.completion.chunk") -> dict[str, Any]:
@@ -377,12 +409,13 @@ class OpenAIEndpoints:
 
         def delta_chunks(k: int, d: GenerationDelta) -> list[dict[str, Any]]:
             """vLLM's shape: the last delta's text and the finish_reason in one chunk (its text "" where an
-            end-of-sequence token ended the choice)."""
-            lps = chat_logprobs(d.logprobs) if body.logprobs else None
-            finish = d.final.finish_reason if d.final is not None else None
-            counts[k] += completion_tokens(d.token_ids, finish)
-            return [with_usage(chunk([{"index": k, "delta": {"content": d.text}, "logprobs": lps,
-                                       "finish_reason": FINISH[finish] if finish else None}]), k)]
+            end-of-sequence token ended the choice), with the stop_reason (that chunk alone has the key)."""
+            lps = chat_logprobs(with_stop_token(d.logprobs, d.final)) if body.logprobs else None
+            counts[k] += completion_tokens(d.token_ids, d.final)
+            out = {"index": k, "delta": {"content": d.text}, "logprobs": lps, "finish_reason": None}
+            if d.final is not None:
+                out |= {"finish_reason": FINISH[d.final.finish_reason], "stop_reason": stop_reason(d.final, eos_id)}
+            return [with_usage(chunk([out]), k)]
 
         streams = [batcher.generate(r) for r in requests]
         if body.stream:
@@ -393,8 +426,9 @@ class OpenAIEndpoints:
         results = await final_results(streams)
         call.usage = usage = merged_usage(results, body.n)
         answer = chunk([{"index": k, "message": {"role": "assistant", "content": r.text},
-                         "logprobs": chat_logprobs(r.logprobs) if body.logprobs else None,
-                         "finish_reason": FINISH[r.finish_reason]} for k, r in enumerate(results)],
+                         "logprobs": chat_logprobs(with_stop_token(r.logprobs, r)) if body.logprobs else None,
+                         "finish_reason": FINISH[r.finish_reason], "stop_reason": stop_reason(r, eos_id)}
+                        for k, r in enumerate(results)],
                        usage, generated(results), obj="chat.completion")
         # vLLM's: top level (null unless asked), one list for the prompt all the choices share
         answer["prompt_logprobs"] = (None if k_prompt is None else
@@ -454,7 +488,7 @@ async def prompt_lengths(batcher: Batcher, engine: EngineLike, prompts: list[str
 
 
 def generated(results: list[GenerateResult]) -> int:
-    return sum(completion_tokens(r.token_ids, r.finish_reason) for r in results)
+    return sum(completion_tokens(r.token_ids, r) for r in results)
 
 
 async def stream(call: Call, streams: list[AsyncIterator[GenerationDelta]], n: int, renames: dict[str, str],

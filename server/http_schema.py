@@ -144,6 +144,7 @@ class SamplingBody(CacheOptions):
     top_k: int | None = None  # vLLM's extension; -1 or 0 = off
     n: int = 1
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM's: ids that end a choice (its stop_reason names the one)
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: int | None = None

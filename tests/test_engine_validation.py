@@ -84,6 +84,8 @@ GENERATE_CASES = [
     (dict(prompt="a", top_k=-1), "top_k"),
     (dict(prompt="a", top_logprobs=21), "top_logprobs"),
     (dict(prompt="a", stop=["x"] * 1000), "stop"),
+    (dict(prompt="a", stop_token_ids=[5, 10**6]), "stop_token_ids"),
+    (dict(prompt="a", stop_token_ids=[-1]), "stop_token_ids"),
     (dict(prompt_token_ids=[10**6]), "prompt_token_ids"),
     (dict(prompt_token_ids=[5], apply_chat_template=True), "apply_chat_template"),
 ]

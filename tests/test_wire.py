@@ -1,5 +1,6 @@
 """pyscore.wire.undecodable_field: which string field of bytes that protobuf refused is not UTF-8, found by
-protobuf's own parser (no Python walk over the bytes: a walk with uncapped varints took ~30 s on 1 MB of 0xFF)."""
+protobuf's own parser (no Python walk over the bytes: a walk with uncapped varints took ~30 s on 1 MB of 0xFF).
+And a GenerateRequest field the proto has no place for is refused by name, never dropped."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import pytest
 
 from pyscore import wire
 from pyscore._proto.pyscore.v1 import scorer_pb2 as pb
+from pyscore.errors import InvalidArgument
+from pyscore.types import GenerateRequest
 
 NOT_UTF8 = b"\xc3\x28\xff"
 SCORE, GENERATE = pb.ScoreRequest.DESCRIPTOR, pb.GenerateRequest.DESCRIPTOR
@@ -27,3 +30,12 @@ CASES = [
 @pytest.mark.parametrize(("field", "descriptor", "data"), CASES)
 def test_undecodable_field(field: str, descriptor: object, data: bytes) -> None:
     assert wire.undecodable_field(descriptor, data) == field
+
+
+def test_stop_token_ids_are_refused_not_dropped() -> None:
+    """stop_token_ids (the HTTP routes' vLLM field) has no pyscore.v1 field: a client asking for it over gRPC
+    gets InvalidArgument naming it, not a generation that ignores it."""
+    with pytest.raises(InvalidArgument) as info:
+        wire.generate_request_to_proto(GenerateRequest(prompt="hi", stop_token_ids=[5]))
+    assert info.value.field == "stop_token_ids"
+    assert wire.generate_request_to_proto(GenerateRequest(prompt="hi")).prompt == "hi"

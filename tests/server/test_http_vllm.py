@@ -1,8 +1,8 @@
 """vLLM's own OpenAI-server test cases (tests/entrypoints/openai/completion/test_completion.py,
-test_completion_text_offset.py, chat_completion/test_chat.py, serving_chat.py's stream shape, the tokenize
-protocol), their inputs and assertions ported onto the HTTP front door over the real engine (tiny random Qwen3,
-fp32): a client written against vLLM must get what vLLM's tests assert. Where pyscore refuses instead (beam
-search), the refusal names the field with vLLM's status."""
+test_completion_text_offset.py, chat_completion/test_chat.py, serving_chat.py's stream shape, the tokenize protocol;
+tests/detokenizer/test_stop_reason.py for stop_reason), their inputs and assertions ported onto the HTTP front door
+over the real engine (tiny random Qwen3, fp32): a client written against vLLM must get what vLLM's tests assert.
+Where pyscore refuses instead (beam search), the refusal names the field with vLLM's status."""
 
 from __future__ import annotations
 
@@ -196,6 +196,117 @@ def test_beam_search_is_refused_by_name(base: str, path: str) -> None:
     assert post(base, path, body | {"max_tokens": 2, "use_beam_search": False}).status_code == 200
 
 
+# -- stop_reason and the token that ended a choice (vLLM's tests/detokenizer/test_stop_reason.py) --------------
+ROUTES = {"/v1/completions": {"prompt": PROMPT, "logprobs": 1},
+          "/v1/chat/completions": {"messages": MESSAGES[:2], "logprobs": True, "top_logprobs": 1}}
+
+
+def said(base: str, served: ServerThread, path: str, max_tokens: int) -> Any:
+    """What the model says greedily to the route's prompt (over gRPC, from the same prompt ids)."""
+    prompt: Any = PROMPT if path == "/v1/completions" else post(base, "/tokenize", {"messages": MESSAGES[:2]}).json()[
+        "tokens"]
+    with ScorerClient(served.target, timeout=30) as client:
+        return client.generate(prompt, max_tokens=max_tokens, top_logprobs=1)
+
+
+def text_of(c: dict[str, Any]) -> str:
+    return c["text"] if "text" in c else c["message"]["content"]
+
+
+def entries(logprobs: dict[str, Any]) -> list[tuple[str, float]]:
+    """(token text, logprob) of a choice's (or chunk's) logprob entries, completions' shape or chat's."""
+    if "content" in logprobs:
+        return [(e["token"], e["logprob"]) for e in logprobs["content"]]
+    return list(zip(logprobs["tokens"], logprobs["token_logprobs"], strict=True))
+
+
+def streamed_choice(base: str, path: str, body: dict[str, Any]) -> tuple[str, list[tuple[str, float]],
+                                                                           dict[str, Any]]:
+    """A one-choice stream's joined text, its logprob entries in order and its finish chunk's choice, after
+    checking vLLM's keys: every completion chunk has stop_reason (null before the finish), a chat chunk only
+    the finish one."""
+    text, got, finish = "", [], None
+    for e in events(base, path, body):
+        c = e["choices"][0]
+        text += c.get("text", c.get("delta", {}).get("content", ""))
+        got += entries(c["logprobs"]) if c["logprobs"] else []
+        if c["finish_reason"] is not None:
+            finish = c
+        elif path == "/v1/completions":
+            assert c["stop_reason"] is None
+        else:
+            assert "stop_reason" not in c
+    assert finish is not None
+    return text, got, finish
+
+
+@pytest.mark.parametrize("path", list(ROUTES))
+def test_stop_reason_of_a_stop_token(base: str, served: ServerThread, path: str) -> None:
+    """test_stop_reason, stop_token_ids: finish "stop", stop_reason the token id; as vLLM, the token counts
+    and is listed last in the logprobs (its own text, its logprob the model's there), not in the text; the
+    stream's finish chunk says the same."""
+    whole = said(base, served, path, 6)
+    ids = whole.token_ids
+    j = next(j for j in range(1, len(ids)) if ids[j] not in ids[:j])
+    body = ROUTES[path] | {"max_tokens": 6, "temperature": 0.0, "stop_token_ids": [ids[j]]}
+    answer = post(base, path, body).json()
+    c = answer["choices"][0]
+    assert (c["finish_reason"], c["stop_reason"]) == ("stop", ids[j])
+    before = said(base, served, path, j)
+    assert text_of(c) == before.text and answer["usage"]["completion_tokens"] == j + 1
+    want = [(lp.token, lp.logprob) for lp in whole.logprobs[: j + 1]]
+    assert entries(c["logprobs"]) == want
+    text, got, finish = streamed_choice(base, path, body)
+    assert text == before.text and got == want
+    assert (finish["finish_reason"], finish["stop_reason"]) == ("stop", ids[j])
+    refused(post(base, path, body | {"stop_token_ids": [10**6]}), "stop_token_ids")
+
+
+@pytest.mark.parametrize("path", list(ROUTES))
+def test_stop_reason_of_a_stop_string_and_of_length(base: str, served: ServerThread, path: str) -> None:
+    """test_stop_reason, stop: stop_reason the stop string that ended the choice (of those given); a length
+    finish's is null, streamed or not."""
+    whole = said(base, served, path, 6)
+    cut = len(said(base, served, path, 2).text)
+    stop = whole.text[cut : cut + 2]
+    assert whole.text.find(stop) == cut and len(stop) == 2
+    body = ROUTES[path] | {"max_tokens": 6, "temperature": 0.0, "stop": ["never said at all", stop]}
+    c = post(base, path, body).json()["choices"][0]
+    assert (text_of(c), c["finish_reason"], c["stop_reason"]) == (whole.text[:cut], "stop", stop)
+    assert streamed_choice(base, path, body)[2]["stop_reason"] == stop
+    body = ROUTES[path] | {"max_tokens": 3, "temperature": 0.0}
+    c = post(base, path, body).json()["choices"][0]
+    assert (c["finish_reason"], c["stop_reason"]) == ("length", None)
+    assert streamed_choice(base, path, body)[2]["stop_reason"] is None
+
+
+def test_stop_reason_of_the_end_of_sequence_token(base: str, tiny_model_dir: Path) -> None:
+    """test_stop_reason, no stop given: every sample ends by "length" or by "stop" with stop_reason null (the
+    tokenizer's end-of-sequence token, <|im_end|> here). A stopped sample lists that token last in its logprobs
+    with its text as vLLM decodes a logprob's token (special tokens kept); every sample's logprob entries are
+    its completion tokens, as vLLM's cover its token_ids."""
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(tiny_model_dir).eos_token
+    stopped = 0
+    for seed in (0, 64):  # 128 samples of 16 tokens: a few draw the end-of-sequence token
+        body = {"prompt": PROMPT, "max_tokens": 16, "n": 64, "temperature": 1.0, "seed": seed, "logprobs": 0}
+        answer = post(base, "/v1/completions", body).json()
+        lengths = 0
+        for c in answer["choices"]:
+            lps = c["logprobs"]
+            lengths += len(lps["tokens"])
+            assert c["stop_reason"] is None and c["finish_reason"] in ("length", "stop")
+            if c["finish_reason"] == "stop":
+                stopped += 1
+                assert lps["tokens"][-1] == eos and eos not in c["text"] and lps["token_logprobs"][-1] < 0
+                assert lps["text_offset"][-1] == sum(len(t) for t in lps["tokens"][:-1])
+            else:
+                assert len(lps["tokens"]) == 16 and eos not in lps["tokens"]
+        assert lengths == answer["usage"]["completion_tokens"]
+    assert stopped > 0
+
+
 # -- an end-of-sequence finish --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def eos_base(served: ServerThread, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
@@ -215,12 +326,18 @@ def eos_base(served: ServerThread, tiny_model_dir: Path, tmp_path_factory: pytes
 
 def test_an_end_of_sequence_finish_counts_as_vllm_counts(eos_base: tuple[str, list[int]]) -> None:
     """vLLM's token_ids hold the end-of-sequence token that ended a choice, so its completion_tokens count it
-    (one token said + the EOS = 2); the stream agrees with the answer: finish "stop" once, in its last chunk
-    (text "", as vLLM's for an EOS), and the same usage; a chat's stream likewise."""
-    base, _ = eos_base
+    (one token said + the EOS = 2) and its logprobs list it last; the stream agrees with the answer: finish
+    "stop" once, in its last chunk (text "", as vLLM's for an EOS), and the same usage; a chat's stream
+    likewise. The model's config names this end-of-sequence id, not its tokenizer (whose is <|im_end|>): vLLM
+    stops on such an id as a stop token, so stop_reason is the id, not null."""
+    base, said_ids = eos_base
     body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0.0}
     whole = post(base, "/v1/completions", body).json()
     assert whole["choices"][0]["finish_reason"] == "stop" and whole["usage"]["completion_tokens"] == 2
+    assert whole["choices"][0]["stop_reason"] == said_ids[1]
+    lps = post(base, "/v1/completions", body | {"logprobs": 0}).json()["choices"][0]["logprobs"]
+    assert len(lps["tokens"]) == 2 and lps["text_offset"] == [0, len(lps["tokens"][0])]
+    assert whole["choices"][0]["text"] == lps["tokens"][0]
     chunks = events(base, "/v1/completions", body | {"stream_options": {"include_usage": True}})
     *choices, last = chunks
     assert [c["choices"][0]["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["stop"]
@@ -233,6 +350,7 @@ def test_an_end_of_sequence_finish_counts_as_vllm_counts(eos_base: tuple[str, li
     assert streamed[-1]["usage"]["completion_tokens"] == answer["usage"]["completion_tokens"]
     finish = streamed[-2]["choices"][0]
     assert finish["finish_reason"] == answer["choices"][0]["finish_reason"]
+    assert finish["stop_reason"] == answer["choices"][0]["stop_reason"]
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in streamed[:-1]) == \
         answer["choices"][0]["message"]["content"]
 
