@@ -7,7 +7,7 @@ prompt_logprobs_start), `top_logprobs_num` and `return_text_in_logprobs`, and `s
 events whose text and output_ids are cumulative, as SGLang's, ending `data: [DONE]`).
 
 An answer is SGLang's: `text`, `output_ids` and `meta_info` (`id`, `finish_reason` {"type": "length", "length": n}
-or {"type": "stop", "matched": null} (pyscore does not say which stop string or eos token ended it),
+or {"type": "stop", "matched": the stop string, or the end-of-sequence token's id, as SGLang's}),
 `prompt_tokens`, `completion_tokens`, `cached_tokens`, `e2e_latency`; with return_logprob `input_token_logprobs` /
 `output_token_logprobs` as [logprob, token_id, text or null] (the first prompt token's logprob null) and, with
 top_logprobs_num, `input_top_logprobs` / `output_top_logprobs`, one list of such triples per position).
@@ -120,7 +120,10 @@ def finish_reason(result: GenerateResult | None, generated: int) -> dict[str, An
         return None
     if result.finish_reason == "length":
         return {"type": "length", "length": generated}
-    return {"type": "stop", "matched": None}
+    # SGLang's FINISH_MATCHED_STR / FINISH_MATCHED_TOKEN: the stop string, else the token id (its EOS included)
+    matched = result.stop_string if result.stop_string is not None else (
+        result.stop_token.token_id if result.stop_token is not None else None)
+    return {"type": "stop", "matched": matched}
 
 
 class SGLangEndpoints:

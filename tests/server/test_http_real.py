@@ -22,8 +22,10 @@ import pytest
 import requests
 
 from pyscore.client import ScorerClient
+from pyscore.types import GenerateResult, TokenLogprob
 from server.http_openai import COMPLETION_FIELDS
 from server.http_score import SCORE_FIELDS
+from server.http_sglang import finish_reason
 from tests.server.conftest import ServerThread, make_tiny_engine
 from tests.server.test_bad_input_matrix import GENERATE, GOOD_GENERATE, GOOD_SCORE, SCORE
 
@@ -225,6 +227,12 @@ def test_sglang_generate_equals_grpc(base: str, client: ScorerClient) -> None:
     meta = one["meta_info"]
     assert meta["finish_reason"] == {"type": "length", "length": 6} and meta["completion_tokens"] == 6
     assert meta["prompt_tokens"] == over_grpc.usage.prompt_tokens and "input_token_logprobs" not in meta
+    # a stop string that ended it is SGLang's FINISH_MATCHED_STR: finish_reason names it
+    assert len(over_grpc.text) >= 3
+    stop = over_grpc.text[-3:]
+    stopped = post(base, "/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 0,
+                                                                           "stop": [stop]}}).json()
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     ids = [client.tokenize(PROMPT)[0], client.tokenize("Context: the order 1234")[0]]
     start = 2
     batch = post(base, "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 3, "temperature": 0},
@@ -486,3 +494,13 @@ def test_sglang_empty_item_scores_the_querys_next_token(base: str, client: Score
     assert by_ids["scores"] == [tail.scores[0][0]]
     one_token = post(base, "/v1/score", {"query": ids[:1], "items": [[]], "label_token_ids": labels})
     assert one_token.status_code == 400 and one_token.json()["param"] == "items[0]"
+
+
+def test_sglang_finish_reason_names_what_matched() -> None:
+    """SGLang's finish_reason: the stop string (FINISH_MATCHED_STR), else the ending token's id, its
+    end-of-sequence token included (FINISH_MATCHED_TOKEN), else a length finish's length."""
+    eos = GenerateResult("a", [5], [], "eos", stop_token=TokenLogprob(2, "</s>", -0.1))
+    assert finish_reason(eos, 1) == {"type": "stop", "matched": 2}
+    assert finish_reason(GenerateResult("ab", [5, 6], [], "stop", stop_string="b"), 2) == {"type": "stop",
+                                                                                           "matched": "b"}
+    assert finish_reason(GenerateResult("ab", [5, 6], [], "length"), 2) == {"type": "length", "length": 2}
