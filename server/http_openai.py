@@ -29,7 +29,9 @@ the template, to ids, with the vocabulary's pieces as `token_strs` when asked. O
 differ from the proto's: temperature 1, completions 16 tokens, chats up to the context. Sampling floats go through
 float32, as the proto's `float` does, so the same question asked over gRPC gets the same tokens. Fields OpenAI or
 vLLM have and pyscore cannot honour (best_of other than n, suffix, penalties, logit_bias, tools, a JSON
-response_format, use_beam_search, stream_options without a stream) are refused naming the field. A stream's status
+response_format, use_beam_search, stream_options without a stream, and vLLM's ignore_eos, min_tokens,
+include_stop_str_in_output, skip_special_tokens and repetition_penalty away from their defaults) are refused naming
+the field. A stream's status
 is settled by its first token: anything the request gets wrong is an HTTP error before the stream starts; a failure
 after that is a last `data:` event carrying the error object."""
 
@@ -88,6 +90,11 @@ def event(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+# vLLM's sampling extras not served, at the value that asks for nothing (SamplingBody)
+VLLM_DEFAULTS: dict[str, object] = {"ignore_eos": False, "min_tokens": 0, "include_stop_str_in_output": False,
+                                    "skip_special_tokens": True, "repetition_penalty": 1.0}
+
+
 def refuse_unsupported(body: SamplingBody, prompts: int = 1) -> None:
     if body.n < 1:
         raise InvalidArgument("n", f"must be at least 1, got {body.n}")
@@ -101,6 +108,9 @@ def refuse_unsupported(body: SamplingBody, prompts: int = 1) -> None:
         raise InvalidArgument("logit_bias", "is not supported")
     if body.use_beam_search:
         raise InvalidArgument("use_beam_search", "beam search is not served (sampling or greedy only)")
+    for name, default in VLLM_DEFAULTS.items():
+        if getattr(body, name) not in (default, None):
+            raise InvalidArgument(name, f"is not supported: leave it at vLLM's default {json.dumps(default)}")
     if body.stream_options is not None and body.stream_options.model_fields_set and not body.stream:
         raise InvalidArgument("stream_options", "can only be given with stream: true (as vLLM refuses it)")
 

@@ -153,6 +153,13 @@ class SamplingBody(CacheOptions):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     use_beam_search: bool = False  # vLLM's; beam search is not served, so true is refused by name
+    # vLLM's sampling extras pyscore does not serve: a value other than vLLM's default is refused by name
+    # (http_openai.refuse_unsupported), never ignored
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    repetition_penalty: float | None = 1.0
 
 
 class CompletionBody(SamplingBody):

@@ -16,6 +16,7 @@ import pytest
 import requests
 
 from pyscore.client import ScorerClient
+from server.http_openai import VLLM_DEFAULTS
 from tests.server.conftest import ServerThread, make_tiny_engine
 
 PROMPT = "The quick brown fox"
@@ -194,6 +195,18 @@ def test_beam_search_is_refused_by_name(base: str, path: str) -> None:
     refused(post(base, path, body | {"n": 2, "max_tokens": 3, "temperature": 0.0, "use_beam_search": True}),
             "use_beam_search")
     assert post(base, path, body | {"max_tokens": 2, "use_beam_search": False}).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(("name", "asked"), [("ignore_eos", True), ("min_tokens", 3),
+                                              ("include_stop_str_in_output", True), ("skip_special_tokens", False),
+                                              ("repetition_penalty", 1.2)])
+def test_vllm_sampling_extras_are_refused_by_name_not_ignored(base: str, path: str, name: str, asked: object) -> None:
+    """vLLM's sampling extras pyscore does not serve: asked for, a 400 naming the field (ignoring one would answer
+    something the client did not ask for); at vLLM's default they pass."""
+    body = ({"prompt": PROMPT} if path == "/v1/completions" else {"messages": MESSAGES[:2]}) | {"max_tokens": 2}
+    refused(post(base, path, body | {name: asked}), name)
+    assert post(base, path, body | {name: VLLM_DEFAULTS[name]}).status_code == 200
 
 
 # -- stop_reason and the token that ended a choice (vLLM's tests/detokenizer/test_stop_reason.py) --------------
