@@ -72,8 +72,7 @@ class DecodeProgram:
             module, path, _ = _ext.resolve_path(op, device, dtype, decoder.op_backend)
             if path != "kernel":
                 return None
-        packed = PackedQuantLinear if decoder.int8_weights else PackedLinear
-        return module if all(isinstance(w, packed) for w in decoder.w.projections()) else None
+        return module if decoder.packed_weights else None  # decided at load: of() runs every decode step
 
     def __init__(self, decoder: Decoder, module: Any, batch: int) -> None:
         # What the calls read of the decoder, not the decoder itself: it holds its programs, and a cycle would keep

@@ -43,7 +43,7 @@ from pyscore.ops import (
     rotary_,
 )
 from pyscore.ops.gated_delta_rule import plan_linear_attention
-from pyscore.ops.linear import DECODE_ROWS, INT8_WEIGHTS, PREFILL_ROWS
+from pyscore.ops.linear import DECODE_ROWS, INT8_WEIGHTS, KERNEL_PACKED, PREFILL_ROWS
 from pyscore.types import Boundary
 
 PROGRAMS_KEPT = 4  # decode programs kept, by batch size (Decoder.programs)
@@ -134,6 +134,7 @@ class Decoder:
             self._prepare(layer)
             release_freed_memory()  # the layer's replaced plain projections, before the next layer's packs
         projections = weights.projections()
+        self.packed_weights = all(isinstance(w, KERNEL_PACKED) for w in projections)  # every one for our kernel
         self.int8_weights = any(isinstance(w, INT8_WEIGHTS) for w in projections)  # quantize="int8"
         # fp32 serving with a bf16 checkpoint's matrices held in bf16 (pyscore.ops.linear.holds_bf16_weights)
         self.bf16_weights = self.dtype == torch.float32 and any(

@@ -95,6 +95,7 @@ class PlainLinear(RowMajorWeight):
 
 LinearWeight = PackedLinear | PlainLinear | QuantLinear | PackedQuantLinear
 INT8_WEIGHTS = (QuantLinear, PackedQuantLinear)
+KERNEL_PACKED = (PackedLinear, PackedQuantLinear)  # a weight in our kernel's layout (linear's or linear_int8's)
 
 
 def holds_bf16_weights(dtype: torch.dtype, device: torch.device, backend: str = "auto") -> bool:
