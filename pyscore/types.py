@@ -118,6 +118,13 @@ class GenerateResult:
     stop_token: TokenLogprob | None = None
     stop_string: str | None = None  # the stop string that ended it (finish "stop"), as in the request
 
+    @property
+    def stopped_by(self) -> str | int | None:
+        """What ended it: the stop string, else the stop token's id (an end-of-sequence id included), else None."""
+        if self.stop_string is not None:
+            return self.stop_string
+        return None if self.stop_token is None else self.stop_token.token_id
+
 
 @dataclass
 class ServerLimits:

@@ -31,9 +31,8 @@ float32, as the proto's `float` does, so the same question asked over gRPC gets 
 vLLM have and pyscore cannot honour (best_of other than n, suffix, penalties, logit_bias, tools, a JSON
 response_format, use_beam_search, stream_options without a stream, and vLLM's ignore_eos, min_tokens,
 include_stop_str_in_output, skip_special_tokens and repetition_penalty away from their defaults) are refused naming
-the field. A stream's status
-is settled by its first token: anything the request gets wrong is an HTTP error before the stream starts; a failure
-after that is a last `data:` event carrying the error object."""
+the field. A stream's status is settled by its first token: anything the request gets wrong is an HTTP error before
+the stream starts; a failure after that is a last `data:` event carrying the error object."""
 
 from __future__ import annotations
 
@@ -90,9 +89,9 @@ def event(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-# vLLM's sampling extras not served, at the value that asks for nothing (SamplingBody)
-VLLM_DEFAULTS: dict[str, object] = {"ignore_eos": False, "min_tokens": 0, "include_stop_str_in_output": False,
-                                    "skip_special_tokens": True, "repetition_penalty": 1.0}
+# vLLM's sampling extras not served, at the value that asks for nothing: SamplingBody's defaults
+VLLM_DEFAULTS: dict[str, object] = {name: SamplingBody.model_fields[name].default for name in (
+    "ignore_eos", "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "repetition_penalty")}
 
 
 def refuse_unsupported(body: SamplingBody, prompts: int = 1) -> None:
@@ -146,12 +145,8 @@ def stop_reason(final: GenerateResult | None, eos_id: int | None) -> str | int |
     where vLLM stops on it as a stop token: a stop_token_ids entry, or an end-of-sequence id other than the
     tokenizer's own `eos_id` (vLLM's stop tokens from the model's config). None for the tokenizer's
     end-of-sequence token, a length finish, and before the choice has finished."""
-    if final is None:
-        return None
-    if final.stop_string is not None:
-        return final.stop_string
-    token = final.stop_token
-    return token.token_id if token is not None and token.token_id != eos_id else None
+    stopped_by = None if final is None else final.stopped_by
+    return None if stopped_by == eos_id else stopped_by  # a stop string is never an id
 
 
 def with_stop_token(logprobs: list[TokenLogprob], final: GenerateResult | None) -> list[TokenLogprob]:

@@ -121,9 +121,7 @@ def finish_reason(result: GenerateResult | None, generated: int) -> dict[str, An
     if result.finish_reason == "length":
         return {"type": "length", "length": generated}
     # SGLang's FINISH_MATCHED_STR / FINISH_MATCHED_TOKEN: the stop string, else the token id (its EOS included)
-    matched = result.stop_string if result.stop_string is not None else (
-        result.stop_token.token_id if result.stop_token is not None else None)
-    return {"type": "stop", "matched": matched}
+    return {"type": "stop", "matched": result.stopped_by}
 
 
 class SGLangEndpoints:

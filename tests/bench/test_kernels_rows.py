@@ -4,6 +4,8 @@ transformers' in alternation."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -49,7 +51,7 @@ def test_the_int8_rows_compare_the_same_product_at_each_tier():
     try:
         got = {name: run() for name, run in runs.items()}
     finally:
-        bench_kernels.os.environ.pop("PYSCORE_CPU_TIER", None)
+        os.environ.pop("PYSCORE_CPU_TIER", None)
     assert sorted(got) == sorted([*(f"{kind} ours@{t}" for t in at for kind in ("int8", "bf16")),
                                   *(n for n in runs if "torch" in n)])
     torch_int8 = next(v for n, v in got.items() if n.startswith("int8 torch"))
