@@ -21,6 +21,19 @@ namespace {
 
 // ---- linear ------------------------------------------------------------------------------------------------------
 
+// linear.h's packed column order for N outputs: packed column c holds weight row operator()(c), -1 for padding
+// (gated: units of 32 columns, 16 gate rows then the same 16 outputs' up rows, rows [0, N) gate and [N, 2N) up).
+struct PackedColumns {
+  int32_t n;
+  bool gated;
+  int32_t operator()(int32_t c) const {
+    if (!gated) return c < n ? c : -1;
+    const int32_t unit = c / 32, j = c % 32, o = 16 * unit + j % 16;
+    return o >= n ? -1 : (j < 16 ? o : n + o);
+  }
+  int32_t n_packed() const { return ((gated ? (n + 15) / 16 * 32 : n) + 63) / 64 * 64; }
+};
+
 // The packed weight of linear/linear.h: packed column c of row-major `w` [rows, k] is weight row row_of(c) (or
 // zeros when row_of(c) < 0), in blocks of 64 columns laid out [K_pad / pack][64][pack].
 template <class RowOf>
@@ -46,12 +59,8 @@ void check_linear_case(DType dtype, bool gated, DType weight_dtype, int32_t m = 
   fill_uniform(x);
   fill_uniform(w, -0.3f, 0.3f);
   fill_uniform(residual);
-  auto row_of = [&](int32_t c) {
-    if (!gated) return c < n ? c : -1;
-    const int32_t unit = c / 32, j = c % 32, o = 16 * unit + j % 16;
-    return o >= n ? -1 : (j < 16 ? o : n + o);
-  };
-  const int32_t needed = gated ? (n + 15) / 16 * 32 : n, n_packed = (needed + 63) / 64 * 64;
+  const PackedColumns row_of{n, gated};
+  const int32_t n_packed = row_of.n_packed();
   Buf packed = pack_weight(w, k, n_packed, row_of);
   std::vector<float> bias(n_packed, 0.0f);
   for (int32_t c = 0; c < n_packed; ++c)
@@ -118,12 +127,8 @@ void check_linear_int8_case(DType dtype, bool gated, int32_t m) {
   std::uniform_int_distribution<int32_t> code(-127, 127);
   std::vector<int32_t> w(size_t(rows) * k);
   for (int32_t& c : w) c = code(rng());
-  auto row_of = [&](int32_t c) {
-    if (!gated) return c < n ? c : -1;
-    const int32_t unit = c / 32, j = c % 32, o = 16 * unit + j % 16;
-    return o >= n ? -1 : (j < 16 ? o : n + o);
-  };
-  const int32_t needed = gated ? (n + 15) / 16 * 32 : n, n_packed = (needed + 63) / 64 * 64;
+  const PackedColumns row_of{n, gated};
+  const int32_t n_packed = row_of.n_packed();
   std::vector<int8_t> packed(size_t(n_packed) * k4, 0);
   std::vector<float> scale(n_packed, 0.0f), bias(n_packed, 0.0f), scale_of_row(rows), bias_of_row(rows);
   std::vector<int32_t> sums(n_packed, 0);
