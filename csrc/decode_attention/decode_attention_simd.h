@@ -86,7 +86,7 @@ struct F32 {
   static Vec dot_step(const Q* q, const T* k, Vec acc) { return V::fma(q[0], V::load(k), acc); }
   template <int VECS>
   static void values(const T* v, Vec (&out)[VECS]) {
-    for (int z = 0; z < VECS; ++z) out[z] = V::load(v + z * kLanes);
+    PYSCORE_UNROLL for (int z = 0; z < VECS; ++z) out[z] = V::load(v + z * kLanes);
   }
   static void store_pair(float* o, Vec a, Vec b) {
     V::store(o, a);
@@ -112,7 +112,7 @@ struct Bf16Widen {
   template <int VECS>
   static void values(const T* v, Vec (&out)[VECS]) {
     static_assert(VECS % 2 == 0, "whole pair registers");
-    for (int z = 0; z < VECS; z += 2) {
+    PYSCORE_UNROLL for (int z = 0; z < VECS; z += 2) {
       const V::Bits x = V::load_bits(v + z * kLanes);
       out[z] = V::bf16_even(x);
       out[z + 1] = V::bf16_odd(x);
@@ -239,8 +239,8 @@ template <class E, int G, int VECS>
   using T = typename E::T;
   static_assert(VECS % 2 == 0, "whole pairs");
   Vec acc[G][VECS];
-  for (int g = 0; g < G; ++g)
-    for (int z = 0; z < VECS; ++z)
+  PYSCORE_UNROLL for (int g = 0; g < G; ++g)
+    PYSCORE_UNROLL for (int z = 0; z < VECS; ++z)
       acc[g][z] = first ? V::zero() : V::load(rows.o + g * rows.o_stride + d0 + z * kLanes);
   for (int32_t t0 = key0; t0 < key1; t0 += kCpuKeyTile) {
     const T* v = row_of<T>(v_tiles, t0, token_stride) + d0;
@@ -248,16 +248,16 @@ template <class E, int G, int VECS>
     for (int j = 0; j < n; ++j) {
       Vec vz[VECS];
       E::values(v + j * token_stride, vz);
-      for (int g = 0; g < G; ++g) {
+      PYSCORE_UNROLL for (int g = 0; g < G; ++g) {
         const Vec pj = V::set1(rows.p[g * kDecodeChunk + t0 + j]);
-        for (int z = 0; z < VECS; ++z) acc[g][z] = V::fma(pj, vz[z], acc[g][z]);
+        PYSCORE_UNROLL for (int z = 0; z < VECS; ++z) acc[g][z] = V::fma(pj, vz[z], acc[g][z]);
       }
     }
   }
-  for (int g = 0; g < G; ++g) {
+  PYSCORE_UNROLL for (int g = 0; g < G; ++g) {
     float* o = rows.o + g * rows.o_stride + d0;
     const Vec inv = V::set1(rows.inv[g]);
-    for (int z = 0; z < VECS; z += 2) {
+    PYSCORE_UNROLL for (int z = 0; z < VECS; z += 2) {
       if (last) E::store_pair(o + z * kLanes, V::mul(inv, acc[g][z]), V::mul(inv, acc[g][z + 1]));
       else F32::store_pair(o + z * kLanes, acc[g][z], acc[g][z + 1]);
     }

@@ -157,15 +157,15 @@ template <class E, int VT, int RT, bool kFull>
 inline __attribute__((always_inline)) void dot_step(Vec (&acc)[RT][VT], const typename E::Weight* w,
                                                     int64_t w_stride, typename E::Hidden h, int i, int hidden) {
   typename E::Operand wv[VT][E::kParts];
-  for (int v = 0; v < VT; ++v) {
+  PYSCORE_UNROLL for (int v = 0; v < VT; ++v) {
     if constexpr (kFull) E::weights_full(w + v * w_stride, i, wv[v]);
     else E::weights(w + v * w_stride, i, hidden, wv[v]);
   }
-  for (int r = 0; r < RT; ++r) {
+  PYSCORE_UNROLL for (int r = 0; r < RT; ++r) {
     typename E::Operand hv[E::kParts];
     if constexpr (kFull) E::hiddens_full(h.row(r), i, hv);
     else E::hiddens(h.row(r), i, hidden, hv);
-    for (int v = 0; v < VT; ++v) acc[r][v] = E::dot(acc[r][v], hv, wv[v]);
+    PYSCORE_UNROLL for (int v = 0; v < VT; ++v) acc[r][v] = E::dot(acc[r][v], hv, wv[v]);
   }
 }
 
@@ -175,19 +175,19 @@ template <class E, int VT, int RT>
 void dot_tile(const typename E::Weight* w, int64_t w_stride, typename E::Hidden h, int hidden, float* out,
               int64_t out_stride, bool prefetch) {
   Vec acc[RT][VT];
-  for (int r = 0; r < RT; ++r)
-    for (int v = 0; v < VT; ++v) acc[r][v] = V::zero();
+  PYSCORE_UNROLL for (int r = 0; r < RT; ++r)
+    PYSCORE_UNROLL for (int v = 0; v < VT; ++v) acc[r][v] = V::zero();
   int i = 0;
   for (; i + E::kStep <= hidden; i += E::kStep) {
     if (prefetch && (i * sizeof(typename E::Weight)) % 64 == 0)  // one prefetch per cache line of each row
-      for (int v = 0; v < VT; ++v) V::prefetch(w + (kPrefetchRows + v) * w_stride + i);
+      PYSCORE_UNROLL for (int v = 0; v < VT; ++v) V::prefetch(w + (kPrefetchRows + v) * w_stride + i);
     dot_step<E, VT, RT, true>(acc, w, w_stride, h, i, hidden);
   }
   if (i < hidden) dot_step<E, VT, RT, false>(acc, w, w_stride, h, i, hidden);
-  for (int r = 0; r < RT; ++r) {
+  PYSCORE_UNROLL for (int r = 0; r < RT; ++r) {
     if constexpr (VT == 4) V::reduce_add4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], out + r * out_stride);
     else
-      for (int v = 0; v < VT; ++v) out[r * out_stride + v] = V::reduce_add(acc[r][v]);
+      PYSCORE_UNROLL for (int v = 0; v < VT; ++v) out[r * out_stride + v] = V::reduce_add(acc[r][v]);
   }
 }
 
@@ -239,7 +239,7 @@ void dot_column_widened(const uint16_t* w, int64_t w_stride, FloatRows h, int ro
                         int64_t out_stride, bool prefetch) {
   thread_local std::vector<float> wide;
   if (int64_t(wide.size()) < int64_t(VT) * hidden) wide.resize(size_t(VT) * hidden);
-  for (int v = 0; v < VT; ++v) {
+  PYSCORE_UNROLL for (int v = 0; v < VT; ++v) {
     const uint16_t* src = w + v * w_stride;
     float* dst = wide.data() + int64_t(v) * hidden;
     for (int i = 0; i < hidden; i += V::kLanes) {

@@ -24,10 +24,11 @@
 // batch-invariant. The epilogue (bias, SiLU-mul of a gated unit's gate and up halves, residual, one rounding) runs
 // from the tile's buffered sums after the last K block.
 //
-// NEON: the neon unit's results are checked under qemu-aarch64 (tests/cpu/kernel_check_layers.cpp), but Debian's
-// GCC 12 for aarch64 stores every accumulator of a tile of 3 rows or more to the stack on each K step (the tile stays
-// in registers too; no variant tried moved it), and no ARM CPU has timed it: the tier table keeps torch's F.linear at
-// tier neon (pyscore/ops/tiers.py).
+// Every loop over a tile's rows is PYSCORE_UNROLL'd (common/kernel_text.h): without it GCC kept the tile an array in
+// memory, written to the stack and read back at each call's entry and exit on x86 and at every K step on aarch64;
+// tests/ops/test_register_tiles.py checks that no micro<> stores a vector to the stack at all, on every layer.
+// NEON: the neon unit's results are checked under qemu-aarch64 (tests/cpu/kernel_check_layers.cpp), but no ARM CPU
+// has timed it: the tier table keeps torch's F.linear at tier neon (pyscore/ops/tiers.py).
 // pyscore-vec-layers: avx2 avx512 neon
 #pragma once
 #include "common/kernel_text.h"
@@ -102,7 +103,7 @@ struct F32 {
   static constexpr bool kPanel = false;
   template <int TM, int NV>
   static void step(Vec (&acc)[TM][NV], const float* x, int64_t xs, const float* w) {
-    for (int r = 0; r < TM; ++r) {
+    PYSCORE_UNROLL for (int r = 0; r < TM; ++r) {
       const Vec b = V::set1(x[r * xs]);
       for (int j = 0; j < NV; ++j) acc[r][j] = V::fma(b, V::load(w + kLanes * j), acc[r][j]);
     }
@@ -124,7 +125,7 @@ struct Bf16Pairs : PackedPairs {  // vdpbf16ps
   static void step(Vec (&acc)[TM][NV], const uint16_t* x, int64_t xs, const uint16_t* w) {
     V::Bits v[NV];
     for (int j = 0; j < NV; ++j) v[j] = V::load_bits(w + 2 * kLanes * j);
-    for (int r = 0; r < TM; ++r) {
+    PYSCORE_UNROLL for (int r = 0; r < TM; ++r) {
       const V::Bits b = V::set1_pair(x + r * xs);
       for (int j = 0; j < NV; ++j) acc[r][j] = V::dot_pairs(acc[r][j], b, v[j]);
     }
@@ -132,22 +133,22 @@ struct Bf16Pairs : PackedPairs {  // vdpbf16ps
 };
 
 // fp32 x rows times widened pairs, the pair's element kFirst (1: odd, vdpbf16ps's order) then the other. G weight
-// vectors are widened at once, as many as fit beside the accumulators, one broadcast, the widening's mask and a
-// temporary; each half reads x and its
-// pairs through opaque() (common/opaque.h; the reloads are L1 hits), or GCC keeps every row's broadcasts and the
-// pairs in registers across the groups and halves and spills accumulators instead.
+// vectors are widened at once, as many as fit beside the accumulators and 5 more (a broadcast, the widening's mask, a
+// temporary, and two GCC takes once the tile is scalars: with 3, the 6 x 4 AVX-512 tile spilled 3 vectors a step);
+// each half reads x and its pairs through opaque() (common/opaque.h; the reloads are L1 hits), or GCC keeps every
+// row's broadcasts and the pairs in registers across the groups and halves and spills accumulators instead.
 template <int kFirst>
 struct WidenedPairs : PackedPairs {
   template <int TM, int NV>
-  static constexpr int kGroup = TM * NV + NV + 3 <= V::kRegisters       ? NV
-                                : TM * NV + NV / 2 + 3 <= V::kRegisters ? NV / 2
-                                : TM * NV + NV / 4 + 3 <= V::kRegisters ? NV / 4
+  static constexpr int kGroup = TM * NV + NV + 5 <= V::kRegisters       ? NV
+                                : TM * NV + NV / 2 + 5 <= V::kRegisters ? NV / 2
+                                : TM * NV + NV / 4 + 5 <= V::kRegisters ? NV / 4
                                                                          : 1;
 
   template <int TM, int NV>
   static void step(Vec (&acc)[TM][NV], const float* x, int64_t xs, const uint16_t* w) {
     constexpr int G = kGroup<TM, NV>;
-    for (int j0 = 0; j0 < NV; j0 += G) {
+    PYSCORE_UNROLL for (int j0 = 0; j0 < NV; j0 += G) {
       half<kFirst, G>(acc, opaque(x), xs, w, j0);
       half<1 - kFirst, G>(acc, opaque(x), xs, opaque(w), j0);
     }
@@ -161,7 +162,7 @@ struct WidenedPairs : PackedPairs {
       const V::Bits pairs = V::load_bits(w + 2 * kLanes * (j0 + g));
       v[g] = e ? V::bf16_odd(pairs) : V::bf16_even(pairs);
     }
-    for (int r = 0; r < TM; ++r) {
+    PYSCORE_UNROLL for (int r = 0; r < TM; ++r) {
       const Vec b = V::set1(x[r * xs + e]);
       for (int g = 0; g < G; ++g) acc[r][j0 + g] = V::fma(b, v[g], acc[r][j0 + g]);
     }
@@ -218,7 +219,7 @@ struct Int8Quads {
   static void step(V::Bits (&acc)[TM][NV], const uint8_t* x, int64_t xs, const int8_t* w) {
     V::Bits v[NV];
     for (int j = 0; j < NV; ++j) v[j] = V::load_bits(w + 4 * kLanes * j);
-    for (int r = 0; r < TM; ++r) {
+    PYSCORE_UNROLL for (int r = 0; r < TM; ++r) {
       const V::Bits b = V::set1_quad(x + r * xs);
       for (int j = 0; j < NV; ++j) acc[r][j] = V::dot_quads(acc[r][j], b, v[j]);
     }
@@ -293,7 +294,7 @@ template <class E, int TM, int NV, bool kPrefetch>
   float* const out = tile.acc;
   using A = AccOf<E>;
   A acc[TM][NV];
-  for (int r = 0; r < TM; ++r)
+  PYSCORE_UNROLL for (int r = 0; r < TM; ++r)
     for (int j = 0; j < NV; ++j) acc[r][j] = tile.first ? acc_zero<A>() : acc_load<A>(out + r * kLinearBlockN + kLanes * j);
   for (int64_t s = 0; s < steps; ++s) {
     if constexpr (kPrefetch) {
@@ -302,7 +303,7 @@ template <class E, int TM, int NV, bool kPrefetch>
     }
     E::template step<TM, NV>(acc, x + s * E::kPack, xs, w + s * E::kStepElems);
   }
-  for (int r = 0; r < TM; ++r)
+  PYSCORE_UNROLL for (int r = 0; r < TM; ++r)
     for (int j = 0; j < NV; ++j) acc_store(out + r * kLinearBlockN + kLanes * j, acc[r][j]);
 }
 

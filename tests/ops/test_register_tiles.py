@@ -46,7 +46,13 @@ TILED = {
         "void pyscore::(anonymous namespace)::attend<", "void pyscore::(anonymous namespace)::value_pass<"],
     ("csrc/gated_delta_rule/gated_delta_rule_simd.h", "neon"): [
         "void pyscore::(anonymous namespace)::state_columns<", "void pyscore::(anonymous namespace)::conv_tokens<"],
+    ("csrc/linear/linear_simd.h", "neon"): ["void pyscore::(anonymous namespace)::micro<"],
 }
+
+# Kernels whose whole function, not just the hot loop, keeps its tile in registers: one call per strip and K block
+# (a few dozen steps), so a tile written to the stack and read back at entry and exit costs ~5-7% (linear's 6 x 4
+# AVX-512 tile on a Zen 4, bench/results/tiers/kernels/linear_text_ab_recheck_avx512bf16.txt).
+WHOLE = [("csrc/linear/linear_simd.h", layer) for layer in ("avx2", "avx512", "neon")]
 
 
 class Isa(NamedTuple):
@@ -110,6 +116,49 @@ def test_hot_loops_keep_their_tiles_in_registers(source, layer, tmp_path):
     assert any(c for c in checked.values()), f"no multiply-add loop found in {source}'s kernels"
     spilling = {name: c for name, c in checked.items() if c and c[1] > 1}
     assert not spilling, f"hot loops storing their tile to the stack, (multiply-adds, stack stores): {spilling}"
+
+
+@pytest.mark.parametrize("source, layer", [
+    pytest.param(s, layer, id=f"{Path(s).stem}-{layer}", marks=needs_aarch64_gcc if layer == "neon" else needs_x86_gcc)
+    for s, layer in WHOLE])
+def test_tiles_never_touch_the_stack(source, layer, tmp_path):
+    isa = AARCH64 if layer == "neon" else X86
+    found = functions(source, layer, tmp_path)
+    kernels = {name: code for name, code in found.items() if any(name.startswith(p) for p in TILED[source, layer])}
+    assert kernels, f"no {TILED[source, layer]} in {source}: the kernel was renamed, rename it here"
+    stores = {name[:110]: sum(isa.stack_store(x) for x in code) for name, code in kernels.items()}
+    assert not {n: c for n, c in stores.items() if c > 2}, f"vector stores to the stack per call: {stores}"
+
+
+# A tile indexed by an outer loop's variable, starting from zero or from memory as linear's micro<> does: GCC keeps
+# it an array on the stack around the loop unless the row loops carry PYSCORE_UNROLL (common/kernel_text.h).
+OUTER_INDEXED = """#include <immintrin.h>
+{unroll}
+void tile(float* o, const float* x, const float* w, long steps, bool first) {{
+  __m512 acc[6][4];
+  UNROLL for (int r = 0; r < 6; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(o + 64 * r + 16 * j);
+  for (long s = 0; s < steps; ++s) {{
+    UNROLL for (int r = 0; r < 6; ++r) {{
+      const __m512 b = _mm512_set1_ps(x[r * steps + s]);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(b, _mm512_loadu_ps(w + 64 * s + 16 * j), acc[r][j]);
+    }}
+  }}
+  UNROLL for (int r = 0; r < 6; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(o + 64 * r + 16 * j, acc[r][j]);
+}}
+"""
+
+
+@needs_x86_gcc
+@pytest.mark.parametrize("unrolled", [False, True])
+def test_the_whole_function_check_flags_an_outer_indexed_tile(unrolled, tmp_path):
+    unroll = '#include "common/kernel_text.h"\n#define UNROLL PYSCORE_UNROLL' if unrolled else "#define UNROLL"
+    probe = tmp_path / f"outer_indexed_{unrolled}.cpp"
+    probe.write_text("#define PYSCORE_VEC_ENTRY(name) name\n" + OUTER_INDEXED.format(unroll=unroll))
+    code = functions(str(probe), "avx512", tmp_path)["tile(float*, float const*, float const*, long, bool)"]
+    stores = sum(X86.stack_store(x) for x in code)
+    assert (stores <= 2) if unrolled else (stores >= 24), stores
 
 
 # The pattern the AVX2 decode attention had: accumulators over a run-time count of vectors, per vector layer.
