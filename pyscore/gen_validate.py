@@ -8,10 +8,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pyscore.errors import FailedPrecondition, InvalidArgument
+from pyscore.errors import FailedPrecondition, InvalidArgument, quoted
 
 # The caps live in pyscore.types so that the server can check them at the door without importing torch.
-from pyscore.types import MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, GenerateRequest
+from pyscore.types import MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, GenerateRequest
 
 RESERVED_TEMPLATE_KWARGS = {"conversation", "tokenize", "add_generation_prompt", "return_dict"}  # render_chat's own
 
@@ -36,9 +36,11 @@ def validate_generate(req: GenerateRequest, tokenizer: Any, vocab_size: int, max
         raise InvalidArgument("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(req.stop)}")
     if any(not s or len(s) > MAX_STOP_LENGTH for s in req.stop):
         raise InvalidArgument("stop", f"stop strings must be 1..{MAX_STOP_LENGTH} characters")
+    if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidArgument("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(req.stop_token_ids)}")
     bad_stops = [t for t in req.stop_token_ids if not 0 <= t < vocab_size]
-    if bad_stops:
-        raise InvalidArgument("stop_token_ids", f"token id {bad_stops[0]} is outside the vocabulary "
+    if bad_stops:  # quoted: an HTTP client's id may be thousands of digits long
+        raise InvalidArgument("stop_token_ids", f"token id {quoted(bad_stops[0])} is outside the vocabulary "
                               f"[0, {vocab_size})")
     if req.prompt_token_ids:
         if req.apply_chat_template:

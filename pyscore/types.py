@@ -9,10 +9,12 @@ from typing import Literal
 
 Mode = Literal["auto", "sis", "mis"]
 
-# Generation's fixed caps (pyscore.generation validates them; the server also counts stop strings at the door).
+# Generation's fixed caps (pyscore.generation validates them; the server also counts stop strings and stop token
+# ids at the door, before a request's list is copied into each of its choices).
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
+MAX_STOP_TOKEN_IDS = 128  # a model's end ids are a handful; the cap keeps a list from growing with the body limit
 
 
 class Boundary(enum.Enum):

@@ -86,6 +86,7 @@ GENERATE_CASES = [
     (dict(prompt="a", stop=["x"] * 1000), "stop"),
     (dict(prompt="a", stop_token_ids=[5, 10**6]), "stop_token_ids"),
     (dict(prompt="a", stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(prompt="a", stop_token_ids=[5] * 129), "stop_token_ids"),  # MAX_STOP_TOKEN_IDS, though every id is good
     (dict(prompt_token_ids=[10**6]), "prompt_token_ids"),
     (dict(prompt_token_ids=[5], apply_chat_template=True), "apply_chat_template"),
 ]
