@@ -48,7 +48,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pyscore.errors import InvalidArgument
-from pyscore.types import MAX_TOP_LOGPROBS, GenerateRequest, GenerateResult, TokenLogprob, Usage
+from pyscore.types import MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, GenerateRequest, GenerateResult, TokenLogprob, Usage
 
 from .batcher import Batcher
 from .engine_like import EngineLike
@@ -112,6 +112,15 @@ def refuse_unsupported(body: SamplingBody, prompts: int = 1) -> None:
             raise InvalidArgument(name, f"is not supported: leave it at vLLM's default {json.dumps(default)}")
     if body.stream_options is not None and body.stream_options.model_fields_set and not body.stream:
         raise InvalidArgument("stream_options", "can only be given with stream: true (as vLLM refuses it)")
+    checked_stop_token_ids(body.stop_token_ids)
+
+
+def checked_stop_token_ids(ids: list[int] | None, field: str = "stop_token_ids") -> list[int]:
+    """A request's stop token ids (vLLM's and SGLang's field), counted at the door: every choice of the request
+    gets its own copy, so an unbounded list would be copied up to MAX_CHOICES times before the engine saw it."""
+    if ids and len(ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidArgument(field, f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
+    return list(ids or [])
 
 
 def usage_options(body: SamplingBody) -> tuple[bool, bool]:
