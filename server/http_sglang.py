@@ -1,18 +1,20 @@
 """SGLang's native `POST /generate` over the batcher's generations, so that clients of SGLang's own API work
 unchanged: `text` or `input_ids` (one prompt, or a batch: a list answered by a list), `sampling_params` (one for
 every prompt or one per prompt: max_new_tokens (SGLang's default 128; null taken as 128), temperature (default 1),
-top_p, top_k (-1 off), stop, sampling_seed), `return_logprob` with `logprob_start_len` (-1: the generated tokens'
-only; s >= 0: the prompt's from token s on, the context before it from the prefix cache: Generate's
-prompt_logprobs_start), `top_logprobs_num` and `return_text_in_logprobs`, and `stream` (one prompt: server-sent
-events whose text and output_ids are cumulative, as SGLang's, ending `data: [DONE]`).
+top_p, top_k (-1 off), stop, stop_token_ids (at most MAX_STOP_TOKEN_IDS), sampling_seed), `return_logprob` with
+`logprob_start_len` (-1: the generated tokens' only; s >= 0: the prompt's from token s on, the context before it
+from the prefix cache: Generate's prompt_logprobs_start), `top_logprobs_num` and `return_text_in_logprobs`, and
+`stream` (one prompt: server-sent events whose text and output_ids are cumulative, as SGLang's, ending
+`data: [DONE]`).
 
 An answer is SGLang's: `text`, `output_ids` and `meta_info` (`id`, `finish_reason` {"type": "length", "length": n}
-or {"type": "stop", "matched": the stop string, or the end-of-sequence token's id, as SGLang's}),
+or {"type": "stop", "matched": the stop string, or the id of the end-of-sequence or stop_token_ids token that
+ended it, as SGLang's; that token is in neither text nor output_ids, as SGLang trims a matched stop token}),
 `prompt_tokens`, `completion_tokens`, `cached_tokens`, `e2e_latency`; with return_logprob `input_token_logprobs` /
 `output_token_logprobs` as [logprob, token_id, text or null] (the first prompt token's logprob null) and, with
 top_logprobs_num, `input_top_logprobs` / `output_top_logprobs`, one list of such triples per position).
 max_new_tokens 0 answers the prompt's logprobs alone. Sampling options pyscore cannot honour (n > 1, ignore_eos,
-min_new_tokens, stop_token_ids, penalties, skip_special_tokens false) are refused naming the field."""
+min_new_tokens, penalties, skip_special_tokens false) are refused naming the field."""
 
 from __future__ import annotations
 
@@ -28,19 +30,20 @@ from pyscore.types import GenerateRequest, GenerateResult, TokenLogprob
 
 from .gate import Gate
 from .http_call import JSON, Call, fp32
-from .http_openai import MAX_CHOICES, final_results, merged_usage, stop_strings, stream
+from .http_openai import MAX_CHOICES, checked_stop_token_ids, final_results, merged_usage, stop_strings, stream
 from .http_schema import SGLangGenerateBody, SGLangSamplingParams
 from .scheduler import GenerationDelta
 
 SGLANG_FIELDS = {"prompt": "text", "prompt_token_ids": "input_ids", "max_tokens": "sampling_params.max_new_tokens",
                  "temperature": "sampling_params.temperature", "top_p": "sampling_params.top_p",
                  "top_k": "sampling_params.top_k", "stop": "sampling_params.stop",
-                 "seed": "sampling_params.sampling_seed", "top_logprobs": "top_logprobs_num",
-                 "prompt_logprobs": "top_logprobs_num", "prompt_logprobs_start": "logprob_start_len"}
+                 "seed": "sampling_params.sampling_seed", "stop_token_ids": "sampling_params.stop_token_ids",
+                 "top_logprobs": "top_logprobs_num", "prompt_logprobs": "top_logprobs_num",
+                 "prompt_logprobs_start": "logprob_start_len"}
 DEFAULT_NEW_TOKENS = 128  # SGLang's
 # SGLang sampling fields with the value pyscore runs: any other is refused.
-FIXED = {"n": 1, "ignore_eos": False, "min_new_tokens": 0, "stop_token_ids": None, "frequency_penalty": 0.0,
-         "presence_penalty": 0.0, "repetition_penalty": 1.0, "skip_special_tokens": True}
+FIXED = {"n": 1, "ignore_eos": False, "min_new_tokens": 0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+         "repetition_penalty": 1.0, "skip_special_tokens": True}
 
 
 def sglang_prompts(body: SGLangGenerateBody) -> tuple[list[str | list[int]], bool]:
@@ -67,8 +70,9 @@ def sampling_for(body: SGLangGenerateBody, count: int) -> list[SGLangSamplingPar
         raise InvalidArgument("sampling_params", f"{len(params)} sampling_params for {count} prompts")
     for p in params:
         for name, value in FIXED.items():
-            if getattr(p, name) not in (value, [] if value is None else value):
+            if getattr(p, name) != value:
                 raise InvalidArgument(f"sampling_params.{name}", f"is not supported: leave it at {value}")
+        checked_stop_token_ids(p.stop_token_ids, "sampling_params.stop_token_ids")
     return params
 
 
@@ -83,6 +87,7 @@ def generate_request(prompt: str | list[int], p: SGLangSamplingParams, body: SGL
                            prompt_token_ids=prompt if isinstance(prompt, list) else None, max_tokens=max_tokens,
                            temperature=fp32([p.temperature])[0], top_p=fp32([p.top_p])[0],
                            top_k=0 if p.top_k in (-1, 0) else p.top_k, seed=p.sampling_seed, stop=stop_strings(p.stop),
+                           stop_token_ids=list(p.stop_token_ids or []),
                            top_logprobs=body.top_logprobs_num if body.return_logprob else 0,
                            prompt_logprobs=prompt_logprobs, prompt_logprobs_start=start,
                            bypass_prefix_cache=body.bypass_prefix_cache, prefix_cache_salt=body.salt())

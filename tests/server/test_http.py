@@ -243,6 +243,12 @@ def test_sglang_errors_are_sglang_error_objects(http: ServerThread, fake: FakeEn
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
      "top_logprobs"),
+    # MAX_STOP_TOKEN_IDS (128), counted before the list is copied into each of n choices
+    ("/v1/completions", {"prompt": "hi", "n": 64, "stop_token_ids": list(range(129))}, 400, "stop_token_ids"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": [1] * 129}, 400,
+     "stop_token_ids"),
+    ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": list(range(129))}}, 400,
+     "sampling_params.stop_token_ids"),
 ])
 def test_errors_are_openai_error_objects(http: ServerThread, fake: FakeEngine, path: str, body: Any, status: int,
                                          param: str | None) -> None:

@@ -504,3 +504,32 @@ def test_sglang_finish_reason_names_what_matched() -> None:
     assert finish_reason(GenerateResult("ab", [5, 6], [], "stop", stop_string="b"), 2) == {"type": "stop",
                                                                                            "matched": "b"}
     assert finish_reason(GenerateResult("ab", [5, 6], [], "length"), 2) == {"type": "length", "length": 2}
+
+
+def test_sglang_generate_stop_token_ids(base: str, client: ScorerClient) -> None:
+    """SGLang's sampling_params.stop_token_ids: a generated id in the list ends the generation with finish_reason
+    {"type": "stop", "matched": the id} (SGLang's FINISH_MATCHED_TOKEN), the token trimmed from the text and from
+    output_ids (as SGLang trims a matched stop token, and as pyscore's end-of-sequence finish is), streamed or not;
+    an id never said changes nothing; an id outside the vocabulary, or more than MAX_STOP_TOKEN_IDS ids, is a 400
+    naming the field (any stop_token_ids was refused before)."""
+    said = client.generate(PROMPT, max_tokens=6).token_ids
+    j = next(j for j in range(1, len(said)) if said[j] not in said[:j])
+    before = client.generate(PROMPT, max_tokens=j)
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 0, "stop_token_ids": [said[j]]}}
+    got = post(base, "/generate", body).json()
+    assert (got["text"], got["output_ids"]) == (before.text, said[:j])
+    assert got["meta_info"]["finish_reason"] == {"type": "stop", "matched": said[j]}
+    assert got["meta_info"]["completion_tokens"] == j
+    r = requests.post(f"{base}/generate", json=body | {"stream": True}, stream=True, timeout=60)
+    events = [line.removeprefix("data: ") for line in r.iter_lines(decode_unicode=True) if line]
+    last = json.loads(events[-2])
+    assert (last["text"], last["output_ids"], last["meta_info"]["finish_reason"]) == (
+        before.text, said[:j], {"type": "stop", "matched": said[j]})
+    never = next(t for t in range(100) if t not in said)
+    plain = post(base, "/generate", body | {"sampling_params": {"max_new_tokens": 6, "temperature": 0,
+                                                                "stop_token_ids": [never]}}).json()
+    assert plain["output_ids"] == said and plain["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    for ids in ([10**6], [10**5000 // 10**4000], list(range(129))):
+        bad = post(base, "/generate", {"text": PROMPT, "sampling_params": {"stop_token_ids": ids}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "sampling_params.stop_token_ids", bad.text
+        assert len(bad.json()["error"]["message"]) < 400
