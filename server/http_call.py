@@ -153,11 +153,14 @@ Schema = type[BaseModel] | Callable[[Any], type[BaseModel]]  # a model, or one p
 
 
 def json_of(body: bytes) -> Any:
-    """The body's JSON; not JSON is INVALID_ARGUMENT."""
+    """The body's JSON; not JSON is INVALID_ARGUMENT, and so is JSON that Python will not read: an integer of
+    more than 4,300 digits (a ValueError, not a JSONDecodeError) or arrays nested past the recursion limit (a
+    few kilobytes of "[" under --max-message-mb), which were answered 500."""
     try:
         return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise errors.InvalidArgument("", f"the body is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # ValueError covers JSONDecodeError and UnicodeDecodeError
+        why = errors.elide(str(e), errors.QUOTE_LIMIT)
+        raise errors.InvalidArgument("", f"the body is not valid JSON: {why}") from None
 
 
 def parse(schema: Schema, data: Any) -> Any:

@@ -283,8 +283,20 @@ def test_malformed_and_oversize_bodies(http: ServerThread, fake: FakeEngine) -> 
     r = requests.post(url(http, "/v1/score"), data=chunked(), timeout=30)
     assert r.status_code == 413
     assert fake.calls == calls
-    assert requests.get(url(http, "/nope"), timeout=10).status_code == 404
-    assert requests.get(url(http, "/v1/score"), timeout=10).status_code == 405
+
+
+@pytest.mark.parametrize("path", ["/v1/score", "/v1/completions", "/generate"])
+@pytest.mark.parametrize("body", [b'{"prompt": 1' + b"0" * 5000 + b"}",  # past Python's 4,300-digit int limit
+                                  b"[" * 100_000])  # past the recursion limit
+def test_json_python_will_not_read_is_a_400(http: ServerThread, fake: FakeEngine, path: str, body: bytes) -> None:
+    """A body json.loads refuses with a ValueError other than JSONDecodeError, or a RecursionError, is malformed
+    JSON (400, a bounded message), as any other; it was a 500."""
+    calls = fake.calls
+    r = requests.post(url(http, path), data=body, timeout=30)
+    assert r.status_code == 400, r.text
+    message = r.json()["message"] if path == "/v1/score" else error_of(r)["message"]
+    assert message.startswith("the body is not valid JSON") and len(message) < 300, message
+    assert fake.calls == calls
 
 
 def test_http_and_grpc_share_a_forward_pass(http: ServerThread, fake: FakeEngine) -> None:
