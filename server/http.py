@@ -51,7 +51,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pyscore import __version__, errors
 
 from .gate import Gate
-from .http_call import JSON, Call, endpoint, error_body, error_response, sglang_error_body
+from .http_call import JSON, Call, endpoint, error_body, error_response, route_error_body, sglang_error_body
 from .http_invocations import invocations
 from .http_openai import CHAT_FIELDS, COMPLETION_FIELDS, OpenAIEndpoints, tokenize_schema
 from .http_rerank import RERANK_LABELS, RerankEndpoints, is_vllm_score
@@ -143,9 +143,10 @@ def build_app(gate: Gate, metrics: Metrics, serving: Callable[[], bool], *, max_
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def no_route(request: Request, exc: Exception) -> Response:
+        """vLLM's body for a route it does not have (404) or a method a route does not take (405, with Allow)."""
         status = exc.status_code if isinstance(exc, HTTPException) else 404
-        name, what = ("NOT_FOUND", "no such route") if status == 404 else ("INVALID_ARGUMENT", "method not allowed")
-        return error_response(name, f"{request.method} {request.url.path}: {what}", None, status)
+        headers = exc.headers if isinstance(exc, HTTPException) else None
+        return JSON(route_error_body(status), status_code=status, headers=headers)
 
     routes = [
         post("/v1/score", "Score", either_score, any_score, SCORE_FIELDS, error_shape=score_errors),

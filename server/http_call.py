@@ -9,7 +9,8 @@ RESOURCE_EXHAUSTED -> 429 (a body over --max-message-mb -> 413), UNAUTHENTICATED
 DEADLINE_EXCEEDED -> 504, anything else -> 500. The body is OpenAI's error object, whose `param` names the field
 in the endpoint's own terms (`items[2]`, not the proto's `item_token_ids[2]`) and whose `code` is the gRPC
 status; an endpoint shaped like SGLang's answers SGLang's flat error object instead (`sglang_error_body`), the same
-message and `param`, its `code` the HTTP status."""
+message and `param`, its `code` the HTTP status. A route that is not there (or not for this model, `NotServed`)
+answers as vLLM answers a route it does not have (`route_error_body`)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -42,6 +44,14 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "n
 
 class BodyTooLarge(errors.ResourceExhausted):
     """The request body is over --max-message-mb (HTTP 413)."""
+
+
+class NotServed(errors.NotFound):
+    """A route the peer does not register for the served model (vLLM's /score and /rerank of a several-class
+    classifier): answered as the peer answers any route it does not have."""
+
+    def __init__(self) -> None:
+        super().__init__("", "Not Found")
 
 
 class ClientGone(Exception):
@@ -69,6 +79,13 @@ def sglang_error_body(status: str, message: str, param: str | None, http_status:
     `type` its class name (BadRequestError, as SGLang's create_error_response names a 400)."""
     return {"object": "error", "message": message, "type": SGLANG_ERROR_TYPE.get(http_status, "InternalServerError"),
             "param": param, "code": http_status}
+
+
+def route_error_body(http_status: int) -> dict[str, Any]:
+    """vLLM's answer to a route it does not have or a method a route does not take (its HTTPException handler:
+    the status's phrase as message and type, the HTTP status as code), so a client of vLLM sees the same 404."""
+    phrase = HTTPStatus(http_status).phrase
+    return {"error": {"message": phrase, "type": phrase, "param": None, "code": http_status}}
 
 
 ErrorShape = Callable[[str, str, str | None, int], dict[str, Any]]  # (gRPC status, message, param, HTTP status)
@@ -267,6 +284,9 @@ def endpoint(method: str, schema: Schema | None, handle: Handler, *, limit: int,
         except ClientGone:
             call.finish("CANCELLED", 499)
             return Response(status_code=499)  # nobody reads it: the connection is gone
+        except NotServed:
+            call.finish("NOT_FOUND", 404)
+            return JSON(route_error_body(404), status_code=404)
         except Exception as e:
             status, message, param, http_status = described(e, renames)
             if status == "INTERNAL":

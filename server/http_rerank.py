@@ -13,8 +13,9 @@ A document's relevance to a query (a pair's score), by the served model:
 - a classifier with one class (a cross-encoder head): the sigmoid of its logit (vLLM's activation for one class),
   or the logit with `use_activation: false`;
 - a classifier with several classes: vLLM serves /score and /rerank for one-class classifiers only and answers
-  404 otherwise, and so does pyscore unless the request names the class whose score ranks (pyscore's `labels` /
-  `label_token_ids`): its softmax probability over every class, or its logit.
+  404 otherwise (the routes are not registered: its body for a missing route), and so does pyscore, with that
+  same body, unless the request names the class whose score ranks (pyscore's `labels` / `label_token_ids`): its
+  softmax probability over every class, or its logit.
 
 Truncation keeps the end of what it shortens, where the score is read (the answer boundary: a template's
 suffix, the position the labels are asked at): `truncate_prompt_tokens` N keeps a pair's (or a /classify input's)
@@ -51,7 +52,7 @@ from pyscore.types import ModelInfo, ScoreRequest, ScoreResult, Usage
 
 from .engine_like import EngineLike
 from .gate import Gate
-from .http_call import JSON, Call, bounded
+from .http_call import JSON, Call, NotServed, bounded
 from .http_openai import chat_message
 from .http_schema import ClassifyBody, PoolingOptions, RerankBody, ScoringPairOptions, VLLMScoreBody
 from .http_score import summed_usage, usage_json
@@ -192,10 +193,8 @@ class Relevance:
         if info.num_labels == 1 and not named:
             self.sigmoid = activate
             return
-        if not named:
-            raise errors.NotFound("", f"Not Found: vLLM serves /score and /rerank for one-class classifiers "
-                                  f"only, and the served one has {info.num_labels} classes; pyscore ranks by one "
-                                  "class named with `labels` or `label_token_ids`")
+        if not named:  # vLLM registers its scoring routes for one-class models only: its 404 for a missing route
+            raise NotServed()
         if len(named) != 1:
             raise errors.InvalidArgument(field, f"the served classifier has {info.num_labels} classes: name the "
                                          "one whose score ranks (one of labels or label_token_ids)")

@@ -299,6 +299,23 @@ def test_json_python_will_not_read_is_a_400(http: ServerThread, fake: FakeEngine
     assert fake.calls == calls
 
 
+VLLM_ROUTE_ERROR = {404: "Not Found", 405: "Method Not Allowed"}
+
+
+@pytest.mark.parametrize(("method", "path", "status"), [("GET", "/nope", 404), ("POST", "/v1/nope", 404),
+                                                        ("POST", "/score/extra", 404), ("GET", "/v1/score", 405),
+                                                        ("GET", "/v1/completions", 405)])
+def test_missing_routes_and_methods_answer_as_vllm(http: ServerThread, method: str, path: str, status: int) -> None:
+    """vLLM's HTTPException handler answers a route it does not have, or a method a route does not take, with
+    ErrorInfo: the status's phrase as message and type, the status as code (405 with Allow, as Starlette sets)."""
+    r = requests.request(method, url(http, path), json={}, timeout=10)
+    phrase = VLLM_ROUTE_ERROR[status]
+    assert r.status_code == status, r.text
+    assert r.json() == {"error": {"message": phrase, "type": phrase, "param": None, "code": status}}
+    if status == 405:
+        assert "POST" in r.headers["allow"]
+
+
 def test_http_and_grpc_share_a_forward_pass(http: ServerThread, fake: FakeEngine) -> None:
     fake.pause()
     with ScorerClient(http.target, timeout=30) as client:

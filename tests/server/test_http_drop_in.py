@@ -26,6 +26,7 @@ TOL = REFERENCE_TOL["float32"]
 QUERY = "Query: which answer tells the customer where the order is?\nDocument:"
 DOCS = [" The order shipped on Monday and is in transit.", " Cancel it.", " It arrives on Friday, tracked."]
 CHAT = [{"role": "user", "content": "Is this review positive? The food was great."}]
+VLLM_NOT_FOUND = {"error": {"message": "Not Found", "type": "Not Found", "param": None, "code": 404}}
 
 
 def serve(path: Path) -> ServerThread:
@@ -186,12 +187,13 @@ def test_use_activation_false_is_the_two_labels_logit_difference(causal: tuple[s
 ])
 def test_a_two_class_classifiers_score_and_rerank_are_vllms_404(llama2: tuple[str, Path, Any], path: str,
                                                                body: dict[str, Any]) -> None:
-    """vLLM enables its scoring API for classifiers with num_labels == 1 only: the routes answer 404 "Not Found".
-    pyscore answers the same unless the request names the class that ranks (its `labels` extra)."""
+    """vLLM registers its scoring routes for classifiers with num_labels == 1 only: for this one they are routes it
+    does not have, whose 404 is its HTTPException handler's body, exactly. pyscore answers the same unless the
+    request names the class that ranks (its `labels` extra)."""
     base, _, model = llama2
     answer = post(base, path, body)
     assert answer.status_code == 404, answer.text
-    assert answer.json()["error"]["message"].startswith("Not Found"), answer.text
+    assert answer.json() == VLLM_NOT_FOUND, answer.text
     named = post(base, path, body | {"labels": ["class_1"]})
     assert named.status_code == 200, named.text
     want = [float(torch.softmax(hf_logits(model, tokens(base, QUERY + d, True)), -1)[1]) for d in DOCS]
