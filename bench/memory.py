@@ -16,6 +16,10 @@ bench/results/memory`; without it, bench/results/latest/memory):
   the CPU), so the ratio falls as the user turn grows: it is recorded for a short and a long one.
 
     python -m bench.memory [--models embedded,qwen3-1.7b] [--cache DIR] [--out bench/results/memory]
+    python -m bench.memory --quantize int8 --models embedded,qwen3-8b --out bench/results/memory
+
+With `--quantize int8` (issue 52) the models load with quantize="int8" and the rows go to memory_int8.md/.json,
+against the int8 target steady <= 1.15 x weights + 0.5 GiB (weights: the plan's, projections in int8).
     python -m bench.memory --kv-sharing [--users 32] [--system 1000] [--suffixes 64,448] [--max-tokens 16]
 """
 
@@ -93,7 +97,7 @@ def status_bytes(field: str) -> int:
     return proc_status_kib(field)[field] * 1024
 
 
-def measure(model: str | None) -> dict[str, Any]:
+def measure(model: str | None, quantize: str | None = None) -> dict[str, Any]:
     import torch  # noqa: F401  (the baseline includes torch and the engine, as the issue measures)
 
     from pyscore.engine import Engine
@@ -102,7 +106,7 @@ def measure(model: str | None) -> dict[str, Any]:
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS: the peak from here on
     start = time.perf_counter()
     engine = Engine.from_pretrained(model, dtype="bfloat16", device="cpu", threads=THREADS,
-                                    kv_cache_mb=KV_CACHE_MB)
+                                    kv_cache_mb=KV_CACHE_MB, quantize=quantize)
     load_s = time.perf_counter() - start
     loaded, peak = status_bytes("VmRSS"), status_bytes("VmHWM")
     query, items = question(2)
@@ -117,9 +121,10 @@ def measure(model: str | None) -> dict[str, Any]:
                 scores=[row[0] for row in result.scores], prompt_tokens=result.usage.prompt_tokens)
 
 
-def run_child(name: str, cache: Path) -> dict[str, Any]:
+def run_child(name: str, cache: Path, quantize: str | None = None) -> dict[str, Any]:
     path = model_path(name, cache)
-    out = subprocess.run([sys.executable, "-m", "bench.memory", "--measure", str(path or "")], cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "bench.memory", "--measure", str(path or ""),
+                          *(["--quantize", quantize] if quantize else [])], cwd=REPO,
                          capture_output=True, text=True, env={**os.environ, "PYSCORE_THREADS": str(THREADS)})
     if out.returncode != 0:
         return dict(error=out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}")
@@ -187,12 +192,15 @@ def kv_table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 # --- the report --------------------------------------------------------------------------------------------------
-def targets(row: dict[str, Any]) -> dict[str, float]:
+STEADY = {None: 1.10, "int8": 1.15}  # the steady-RSS target's factor on the weights, per quantize
+
+
+def targets(row: dict[str, Any], quantize: str | None = None) -> dict[str, float]:
     w = row["weight_bytes"]
-    return dict(peak=1.25 * w + 0.5 * GiB, steady=1.10 * w + 0.5 * GiB)
+    return dict(peak=1.25 * w + 0.5 * GiB, steady=STEADY[quantize] * w + 0.5 * GiB)
 
 
-def table(rows: dict[str, dict[str, Any]]) -> list[str]:
+def table(rows: dict[str, dict[str, Any]], quantize: str | None = None) -> list[str]:
     lines = ["| model | weights GiB | load peak GiB (target) | | steady GiB (target) | | peak / weights | "
              "steady / weights | load s | 2-candidate MIS scores (Yes, No) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -200,7 +208,7 @@ def table(rows: dict[str, dict[str, Any]]) -> list[str]:
         if "error" in r:
             lines.append(f"| {name} | error: {r['error']} |")
             continue
-        t, w = targets(r), r["weight_bytes"]
+        t, w = targets(r, quantize), r["weight_bytes"]
         ok = {k: "pass" if r[f"{k}_bytes" if k == "steady" else "load_peak_bytes"] <= t[k] else "FAIL"
               for k in ("peak", "steady")}
         scores = "; ".join(f"{s[0]:.4g}, {s[1]:.4g}" for s in r["scores"])
@@ -219,17 +227,24 @@ def record(out: Path, name: str, header: Sequence[str], lines: Sequence[str], da
     return text
 
 
-def report(rows: dict[str, dict[str, Any]], out: Path) -> None:
+def record_name(quantize: str | None) -> str:
+    return f"memory_{quantize}" if quantize else "memory"
+
+
+def report(rows: dict[str, dict[str, Any]], out: Path, quantize: str | None = None) -> None:
     commits = sorted({r.get("commit") or "?" for r in rows.values()})
     missing = [m for m in MODELS if m not in rows]
-    footer = ["", f"Not measured: {', '.join(missing)} (`python -m bench.memory --models {','.join(missing)}`; "
-              "each run adds its rows to memory.json)."] if missing else []
-    print(record(out, "memory", [
-        "# pyscore memory (issue 20)", "",
-        f"commit {', '.join(commits)}; bf16, {THREADS} threads; RSS above the RSS after `import torch, "
-        "pyscore.engine` in a fresh process per model; peak = VmHWM while loading; steady = VmRSS after one "
-        "2-candidate MIS question. Targets: peak <= 1.25 x weights + 0.5 GiB, steady <= 1.10 x weights + 0.5 GiB.",
-        ""], table(rows) + footer, dict(threads=THREADS, rows=rows)), end="")
+    flag = f" --quantize {quantize}" if quantize else ""
+    footer = ["", f"Not measured: {', '.join(missing)} (`python -m bench.memory{flag} --models "
+              f"{','.join(missing)}`; each run adds its rows to {record_name(quantize)}.json)."] if missing else []
+    served = f"bf16 with the projections in {quantize}" if quantize else "bf16"
+    print(record(out, record_name(quantize), [
+        f"# pyscore memory ({'issue 52' if quantize else 'issue 20'})", "",
+        f"`python -m bench.memory{flag} --models ...`; commit {', '.join(commits)}; {served}, {THREADS} threads; "
+        "RSS above the RSS after `import torch, pyscore.engine` in a fresh process per model; peak = VmHWM while "
+        "loading; steady = VmRSS after one 2-candidate MIS question. Targets: peak <= 1.25 x weights + 0.5 GiB, "
+        f"steady <= {STEADY[quantize]:.2f} x weights + 0.5 GiB.",
+        ""], table(rows, quantize) + footer, dict(threads=THREADS, quantize=quantize, rows=rows)), end="")
 
 
 def kv_report(rows: list[dict[str, Any]], out: Path) -> str:
@@ -275,26 +290,27 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16, help="--kv-sharing: tokens each generates")
     p.add_argument("--write", nargs=2, metavar=("SHAPE", "DIR"), help=argparse.SUPPRESS)
     p.add_argument("--measure", metavar="MODEL", help=argparse.SUPPRESS)
+    p.add_argument("--quantize", choices=["int8"], default=None, help="load the models with this quantize")
     a = p.parse_args()
     if a.write:
         write_checkpoint(a.write[0], Path(a.write[1]))
         return
     if a.measure is not None:
-        print(json.dumps(measure(a.measure or None)))
+        print(json.dumps(measure(a.measure or None, a.quantize)))
         return
     if a.kv_sharing:
         kv_sharing(a)
         return
     rows = {}
-    previous = a.out / "memory.json"
+    previous = a.out / f"{record_name(a.quantize)}.json"
     if previous.exists():  # rows measured earlier (e.g. a big model alone) stay unless re-measured
         rows = json.loads(previous.read_text()).get("rows", {})
     for name in filter(None, a.models.split(",")):  # --models "": rewrite the report from the recorded rows
         if name not in MODELS:
             p.error(f"unknown model {name!r}; expected one of {', '.join(MODELS)}")
         print(f"measuring {name} ...", flush=True)
-        rows[name] = run_child(name, a.cache)
-    report({n: rows[n] for n in MODELS if n in rows}, a.out)
+        rows[name] = run_child(name, a.cache, a.quantize)
+    report({n: rows[n] for n in MODELS if n in rows}, a.out, a.quantize)
 
 
 if __name__ == "__main__":

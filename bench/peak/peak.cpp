@@ -10,11 +10,15 @@
 //   fma        AVX-512 fp32 FMA, 16 independent zmm chains (the avx512 tier's fp32 GEMM ceiling);
 //   dpbf16     AVX512-BF16 VDPBF16PS, 16 independent chains (the avx512bf16 tier's bf16 ceiling);
 //   fma256     AVX2 fp32 FMA, 12 independent ymm chains (the avx2 tier's GEMM ceiling: its micro-kernel holds 12
-//              accumulators; AMD Zen 1 splits each ymm FMA into two 128-bit halves, Zen 2 and later do not).
+//              accumulators; AMD Zen 1 splits each ymm FMA into two 128-bit halves, Zen 2 and later do not);
+//   amx-int8   TDPBUSD on 4 independent C tiles, A/B tiles resident (16 x 16 x 64 MACs each: int8 at amx);
+//   vnni       AVX512-VNNI VPDPBUSD, 16 independent zmm chains (64 int8 MACs each: linear_int8's dot at avx512bf16);
+//   int8-256   AVX2's int8 dot as linear_int8 runs it without VNNI (vpsignb, vpmaddubsw, vpmaddwd by ones, vpaddd:
+//              32 MACs) in a 2-row x 2-vector tile (the avx2 tier's int8 ceiling for that instruction sequence).
 // Best of ROUNDS rounds per loop (default 15; the loops alternate within a round), on 1 thread and on every thread
-// (OpenMP), in GFLOP/s (a MAC = 2 FLOP).
+// (OpenMP), in GFLOP/s (a MAC = 2 FLOP; for the int8 loops, 2 integer operations).
 // Build and run (x86-64; each loop is skipped where the CPU lacks its instructions, so an AVX2-only CPU runs fma256
-// alone; the AVX-512 and AMX loops are compiled for their ISA by target attributes, not run there):
+// and int8-256 alone; the AVX-512 and AMX loops are compiled for their ISA by target attributes, not run there):
 //   g++ -O2 -fopenmp bench/peak/peak.cpp -o /tmp/peak && /tmp/peak [ROUNDS]
 // tests/bench/test_peak.py builds it and runs one round.
 #include <immintrin.h>
@@ -85,6 +89,79 @@ __attribute__((target("avx512f,amx-tile,amx-bf16"))) double amx(long iters, bool
   return sink[0] == 1.0f ? 0 : iters * 4.0 * 16 * 16 * 32 * 2 / s;
 }
 
+// Operations per second of `iters` iterations of 4 TDPBUSD (int8: 16 x 16 x 64 MACs each), operands resident.
+__attribute__((target("avx512f,amx-tile,amx-int8"))) double amx_int8(long iters) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  _tile_loadconfig(&cfg);
+  _tile_loadd(4, g_tiles, 64);
+  _tile_loadd(5, g_tiles + 512, 64);
+  _tile_loadd(6, g_tiles + 1024, 64);
+  _tile_loadd(7, g_tiles + 1536, 64);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (long i = 0; i < iters; ++i) {
+    _tile_dpbusd(0, 4, 6);
+    _tile_dpbusd(1, 4, 7);
+    _tile_dpbusd(2, 5, 6);
+    _tile_dpbusd(3, 5, 7);
+  }
+  alignas(64) int32_t sink[256];
+  _tile_stored(0, sink, 64);
+  const double s = seconds_since(t0);
+  _tile_release();
+  return sink[0] == 1 ? 0 : iters * 4.0 * 16 * 16 * 64 * 2 / s;
+}
+
+// Operations per second of 16 independent zmm chains of VPDPBUSD (16 lanes x 4 int8 MACs). In asm, as
+// common/vec_avx512.h's dot_quads: GCC 12's builtin copies each accumulator to a fresh register and back.
+__attribute__((target("avx512f,avx512vnni"))) double vnni(long iters) {
+  __m512i acc[16];
+#pragma GCC unroll 16  // every loop over acc, or GCC keeps it an array on the stack
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_set1_epi32(j);
+  const __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (long i = 0; i < iters; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) asm("vpdpbusd %2, %1, %0" : "+v"(acc[j]) : "v"(a), "v"(b));
+  const double s = seconds_since(t0);
+  long long sum = 0;
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) sum += _mm512_reduce_add_epi32(acc[j]);
+  return sum == 1 ? 0 : iters * 16.0 * 64 * 2 / s;
+}
+
+// Operations per second of AVX2's int8 dot without VNNI as common/vec_avx2.h's dot_quads runs it: per step and row
+// |x| once, then per weight vector vpsignb, vpmaddubsw, vpmaddwd by ones and vpaddd, in one of linear_int8's AVX2
+// tiles, 2 rows x 2 vectors (the adds are the only chain: 4 cover their latency). The weights and x pass through an
+// empty asm each step, as the kernel loads them. Named accumulators: with 6 of them GCC -O2 stored three to the
+// stack each step.
+__attribute__((target("avx2"))) inline __m256i dot_quads256(__m256i acc, __m256i ax, __m256i x, __m256i w) {
+  const __m256i pairs = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w, x));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+__attribute__((target("avx2"))) double int8_256(long iters) {
+  __m256i a0 = _mm256_set1_epi32(0), a1 = _mm256_set1_epi32(1), b0 = _mm256_set1_epi32(2), b1 = _mm256_set1_epi32(3);
+  __m256i w0 = _mm256_set1_epi8(-2), w1 = _mm256_set1_epi8(-3), x0 = _mm256_set1_epi8(3), x1 = _mm256_set1_epi8(-5);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (long i = 0; i < iters; ++i) {
+    asm("" : "+x"(w0), "+x"(w1), "+x"(x0), "+x"(x1));
+    const __m256i ax0 = _mm256_abs_epi8(x0), ax1 = _mm256_abs_epi8(x1);
+    a0 = dot_quads256(a0, ax0, x0, w0), a1 = dot_quads256(a1, ax0, x0, w1);
+    b0 = dot_quads256(b0, ax1, x1, w0), b1 = dot_quads256(b1, ax1, x1, w1);
+  }
+  const double s = seconds_since(t0);
+  alignas(32) int32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_add_epi32(_mm256_add_epi32(a0, a1), _mm256_add_epi32(b0, b1)));
+  long long sum = 0;
+  for (int32_t v : lanes) sum += v;
+  return sum == 1 ? 0 : iters * 4.0 * 32 * 2 / s;
+}
+
 // FLOP per second of 12 independent ymm chains of FMA (AVX2: 8 fp32 lanes).
 __attribute__((target("avx2,fma"))) double vector256(long iters) {
   __m256 acc[12];
@@ -131,14 +208,15 @@ double together(int threads, double (*fn)()) {
   return slowest * threads;
 }
 
-bool amx_granted() {
+bool amx_granted(bool int8) {
   constexpr int kArchReqXcompPerm = 0x1023, kXfeatureTileData = 18;
-  return __builtin_cpu_supports("amx-bf16") && syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureTileData) == 0;
+  return (int8 ? __builtin_cpu_supports("amx-int8") : __builtin_cpu_supports("amx-bf16")) &&
+         syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureTileData) == 0;
 }
 
 }  // namespace
 
-enum class Needs { kAvx2, kAvx512, kBf16, kAmx };
+enum class Needs { kAvx2, kAvx512, kBf16, kAmx, kAmxInt8, kVnni };
 
 struct Loop {
   const char* name;
@@ -151,7 +229,7 @@ int main(int argc, char** argv) {
   // Indexed by Needs, in its order.
   const bool has[] = {__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
                       __builtin_cpu_supports("avx512f") != 0, __builtin_cpu_supports("avx512bf16") != 0,
-                      amx_granted()};
+                      amx_granted(false), amx_granted(true), __builtin_cpu_supports("avx512vnni") != 0};
   const Loop loops[] = {
       {"amx", [] { return amx(400000, false); }, Needs::kAmx},
       {"amx+loads", [] { return amx(400000, true); }, Needs::kAmx},
@@ -159,6 +237,9 @@ int main(int argc, char** argv) {
       {"fma", [] { return vector<false>(2000000); }, Needs::kAvx512},
       {"dpbf16", [] { return vector<true>(2000000); }, Needs::kBf16},
       {"fma256", [] { return vector256(2000000); }, Needs::kAvx2},
+      {"amx-int8", [] { return amx_int8(400000); }, Needs::kAmxInt8},
+      {"vnni", [] { return vnni(2000000); }, Needs::kVnni},
+      {"int8-256", [] { return int8_256(2000000); }, Needs::kAvx2},
   };
   constexpr int kLoops = sizeof(loops) / sizeof(loops[0]);
   // Best of `reps` rounds; in each round every loop runs once in turn, so a slow phase of the machine hits all.

@@ -6,9 +6,10 @@ order), one part at a time, against the fp32 engine over --questions synthetic 1
   quantize="int8" computes); both in groups of --group along K (a finer scale per group of channels, for weights
   and activations alike); and how peaked the projections' input rows are: the share of rows whose max |x| is above
   8x (and 16x) their rms over the first question (the finer a row's values sit below its max, the fewer of int8's
-  levels they get).
+  levels they get); activations alone in groups of each --x-groups size (weights per output channel, as the kernel
+  holds them: a per-(row, group) scale is all a kernel would add), alone and with SmoothQuant.
 
-    python -m bench.probes.int8_drift_sources [--questions 8] [--group 32]
+    python -m bench.probes.int8_drift_sources [--questions 8] [--group 32] [--x-groups 32 64]
 
 Diagnostic only: it swaps pyscore.ops.linear's int8 call for the simulation inside this process."""
 
@@ -86,6 +87,8 @@ def main() -> None:
     p.add_argument("--calibration", type=int, default=4, help="SmoothQuant: calibration questions (not measured)")
     p.add_argument("--alphas", type=float, nargs="*", default=[0.5, 0.8])
     p.add_argument("--outliers", type=int, nargs="*", default=[4, 16, 64], help="fp32 input channels per projection")
+    p.add_argument("--x-groups", type=int, nargs="*", default=[32, 64],
+                   help="activation group sizes along K (weights per channel)")
     args = p.parse_args()
     rng = random.Random(0)
     questions = [(pw.query, pw.items) for pw in (pointwise(synthetic_question(rng, i, 16))
@@ -145,6 +148,10 @@ def main() -> None:
             variants[f"both, {k} outliers + alpha {alpha}"] = (None, None, None, alpha, k)
     for alpha in args.alphas:
         variants[f"groups of {args.group} + alpha {alpha}"] = (args.group, args.group, None, alpha)
+    for g in args.x_groups:
+        variants[f"x groups of {g}, w per channel"] = (g, None)
+        for alpha in args.alphas:
+            variants[f"x groups of {g} + alpha {alpha}"] = (g, None, None, alpha)
     print(f"# projection input rows (all layers, one question): {ratio.numel()}; max |x| > 8x rms in "
           f"{(ratio > 8).float().mean().item():.0%}, > 16x in {(ratio > 16).float().mean().item():.0%}")
     for name, variant in variants.items():

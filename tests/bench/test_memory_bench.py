@@ -35,3 +35,11 @@ def test_the_table_checks_each_target() -> None:
     assert "| a | 8.00 | 10.40 (10.50) | pass | 9.20 (9.30) | pass |" in lines[2]
     assert "| FAIL |" in lines[3] and lines[3].count("FAIL") == 2
     assert lines[4] == "| c | error: MemoryError |"
+
+
+def test_int8_rows_meet_the_int8_target_and_go_to_their_own_record() -> None:
+    # steady 9.6 GiB on 8 GiB of weights: over bf16's 1.10 x + 0.5 (9.3), under int8's 1.15 x + 0.5 (9.7)
+    rows = {"a": row(8, 10.4, 9.6)}
+    assert "FAIL" in bench.table(rows)[2]
+    assert "| a | 8.00 | 10.40 (10.50) | pass | 9.60 (9.70) | pass |" in bench.table(rows, "int8")[2]
+    assert bench.record_name("int8") == "memory_int8" and bench.record_name(None) == "memory"
