@@ -48,10 +48,8 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 constexpr int64_t kOutStride = 1920, kOutLines = 8000;  // 15 MB of output rows, per thread
 
-// FLOP per second of `iters` iterations of 4 TDPBF16PS (with the 2 x 2 loads when `loads`, and two output lines
-// written per iteration when `stores`).
-__attribute__((target("avx512f,amx-tile,amx-bf16"))) double amx(long iters, bool loads, bool stores = false) {
-  thread_local char* const out = static_cast<char*>(std::aligned_alloc(64, kOutStride * kOutLines));
+// Tiles 0-7 configured 16 x 64 bytes: A/B operands 4-7 loaded from g_tiles, the C tiles 0-3 zeroed.
+__attribute__((target("amx-tile"))) void resident_tiles() {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
   _tile_loadconfig(&cfg);
@@ -63,6 +61,23 @@ __attribute__((target("avx512f,amx-tile,amx-bf16"))) double amx(long iters, bool
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
+}
+
+// Ends a tile loop begun at t0: `ops` operations per second elapsed, tile 0 stored and tested against a value it
+// never holds so that the loop's results stay live; the tiles released.
+__attribute__((target("amx-tile"))) double tiles_rate(std::chrono::steady_clock::time_point t0, double ops) {
+  alignas(64) int32_t sink[256];
+  _tile_stored(0, sink, 64);
+  const double s = seconds_since(t0);
+  _tile_release();
+  return sink[0] == 1 ? 0 : ops / s;
+}
+
+// FLOP per second of `iters` iterations of 4 TDPBF16PS (with the 2 x 2 loads when `loads`, and two output lines
+// written per iteration when `stores`).
+__attribute__((target("avx512f,amx-tile,amx-bf16"))) double amx(long iters, bool loads, bool stores = false) {
+  thread_local char* const out = static_cast<char*>(std::aligned_alloc(64, kOutStride * kOutLines));
+  resident_tiles();
   const auto t0 = std::chrono::steady_clock::now();
   for (long i = 0; i < iters; ++i) {
     const uint16_t* slot = g_tiles + (i & 7) * 2048;
@@ -82,26 +97,12 @@ __attribute__((target("avx512f,amx-tile,amx-bf16"))) double amx(long iters, bool
       _mm512_store_si512(line + kOutStride, _mm512_set1_epi32(int(i)));
     }
   }
-  alignas(64) float sink[256];
-  _tile_stored(0, sink, 64);
-  const double s = seconds_since(t0);
-  _tile_release();
-  return sink[0] == 1.0f ? 0 : iters * 4.0 * 16 * 16 * 32 * 2 / s;
+  return tiles_rate(t0, iters * 4.0 * 16 * 16 * 32 * 2);
 }
 
 // Operations per second of `iters` iterations of 4 TDPBUSD (int8: 16 x 16 x 64 MACs each), operands resident.
 __attribute__((target("avx512f,amx-tile,amx-int8"))) double amx_int8(long iters) {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-  _tile_loadconfig(&cfg);
-  _tile_loadd(4, g_tiles, 64);
-  _tile_loadd(5, g_tiles + 512, 64);
-  _tile_loadd(6, g_tiles + 1024, 64);
-  _tile_loadd(7, g_tiles + 1536, 64);
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  resident_tiles();
   const auto t0 = std::chrono::steady_clock::now();
   for (long i = 0; i < iters; ++i) {
     _tile_dpbusd(0, 4, 6);
@@ -109,11 +110,7 @@ __attribute__((target("avx512f,amx-tile,amx-int8"))) double amx_int8(long iters)
     _tile_dpbusd(2, 5, 6);
     _tile_dpbusd(3, 5, 7);
   }
-  alignas(64) int32_t sink[256];
-  _tile_stored(0, sink, 64);
-  const double s = seconds_since(t0);
-  _tile_release();
-  return sink[0] == 1 ? 0 : iters * 4.0 * 16 * 16 * 64 * 2 / s;
+  return tiles_rate(t0, iters * 4.0 * 16 * 16 * 64 * 2);
 }
 
 // Operations per second of 16 independent zmm chains of VPDPBUSD (16 lanes x 4 int8 MACs). In asm, as

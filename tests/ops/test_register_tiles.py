@@ -104,14 +104,19 @@ def hot_loop_stack_stores(code: list[Instruction], isa: Isa = X86) -> tuple[int,
     return max(counted) if counted else None
 
 
+def tiled_kernels(source: str, layer: str, tmp_path: Path) -> tuple[Isa, dict[str, list[Instruction]]]:
+    """The layer's ISA and the compiled source's TILED kernels (at least one: a rename must be followed here)."""
+    found = functions(source, layer, tmp_path)
+    kernels = {name: code for name, code in found.items() if any(name.startswith(p) for p in TILED[source, layer])}
+    assert kernels, f"no {TILED[source, layer]} in {source}: the kernel was renamed, rename it here"
+    return (AARCH64 if layer == "neon" else X86), kernels
+
+
 @pytest.mark.parametrize("source, layer", [
     pytest.param(s, layer, id=f"{Path(s).stem}-{layer}", marks=needs_aarch64_gcc if layer == "neon" else needs_x86_gcc)
     for s, layer in TILED])
 def test_hot_loops_keep_their_tiles_in_registers(source, layer, tmp_path):
-    isa = AARCH64 if layer == "neon" else X86
-    found = functions(source, layer, tmp_path)
-    kernels = {name: code for name, code in found.items() if any(name.startswith(p) for p in TILED[source, layer])}
-    assert kernels, f"no {TILED[source, layer]} in {source}: the kernel was renamed, rename it here"
+    isa, kernels = tiled_kernels(source, layer, tmp_path)
     checked = {name[:110]: hot_loop_stack_stores(code, isa) for name, code in kernels.items()}
     assert any(c for c in checked.values()), f"no multiply-add loop found in {source}'s kernels"
     spilling = {name: c for name, c in checked.items() if c and c[1] > 1}
@@ -122,10 +127,7 @@ def test_hot_loops_keep_their_tiles_in_registers(source, layer, tmp_path):
     pytest.param(s, layer, id=f"{Path(s).stem}-{layer}", marks=needs_aarch64_gcc if layer == "neon" else needs_x86_gcc)
     for s, layer in WHOLE])
 def test_tiles_never_touch_the_stack(source, layer, tmp_path):
-    isa = AARCH64 if layer == "neon" else X86
-    found = functions(source, layer, tmp_path)
-    kernels = {name: code for name, code in found.items() if any(name.startswith(p) for p in TILED[source, layer])}
-    assert kernels, f"no {TILED[source, layer]} in {source}: the kernel was renamed, rename it here"
+    isa, kernels = tiled_kernels(source, layer, tmp_path)
     stores = {name[:110]: sum(isa.stack_store(x) for x in code) for name, code in kernels.items()}
     assert not {n: c for n, c in stores.items() if c > 2}, f"vector stores to the stack per call: {stores}"
 
