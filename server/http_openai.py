@@ -112,15 +112,14 @@ def refuse_unsupported(body: SamplingBody, prompts: int = 1) -> None:
             raise InvalidArgument(name, f"is not supported: leave it at vLLM's default {json.dumps(default)}")
     if body.stream_options is not None and body.stream_options.model_fields_set and not body.stream:
         raise InvalidArgument("stream_options", "can only be given with stream: true (as vLLM refuses it)")
-    checked_stop_token_ids(body.stop_token_ids)
+    count_stop_token_ids(body.stop_token_ids)
 
 
-def checked_stop_token_ids(ids: list[int] | None, field: str = "stop_token_ids") -> list[int]:
+def count_stop_token_ids(ids: list[int] | None, field: str = "stop_token_ids") -> None:
     """A request's stop token ids (vLLM's and SGLang's field), counted at the door: every choice of the request
     gets its own copy, so an unbounded list would be copied up to MAX_CHOICES times before the engine saw it."""
     if ids and len(ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidArgument(field, f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
-    return list(ids or [])
 
 
 def usage_options(body: SamplingBody) -> tuple[bool, bool]:

@@ -30,7 +30,7 @@ from pyscore.types import GenerateRequest, GenerateResult, TokenLogprob
 
 from .gate import Gate
 from .http_call import JSON, Call, fp32
-from .http_openai import MAX_CHOICES, checked_stop_token_ids, final_results, merged_usage, stop_strings, stream
+from .http_openai import MAX_CHOICES, count_stop_token_ids, final_results, merged_usage, stop_strings, stream
 from .http_schema import SGLangGenerateBody, SGLangSamplingParams
 from .scheduler import GenerationDelta
 
@@ -72,7 +72,7 @@ def sampling_for(body: SGLangGenerateBody, count: int) -> list[SGLangSamplingPar
         for name, value in FIXED.items():
             if getattr(p, name) != value:
                 raise InvalidArgument(f"sampling_params.{name}", f"is not supported: leave it at {value}")
-        checked_stop_token_ids(p.stop_token_ids, "sampling_params.stop_token_ids")
+        count_stop_token_ids(p.stop_token_ids, "sampling_params.stop_token_ids")
     return params
 
 

@@ -26,7 +26,8 @@
 //
 // Every loop over a tile's rows is PYSCORE_UNROLL'd (common/kernel_text.h): without it GCC kept the tile an array in
 // memory, written to the stack and read back at each call's entry and exit on x86 and at every K step on aarch64;
-// tests/ops/test_register_tiles.py checks that no micro<> stores a vector to the stack at all, on every layer.
+// tests/ops/test_register_tiles.py checks that no micro<> stores more than two vectors to the stack per call (none
+// does now), on every layer.
 // NEON: the neon unit's results are checked under qemu-aarch64 (tests/cpu/kernel_check_layers.cpp), but no ARM CPU
 // has timed it: the tier table keeps torch's F.linear at tier neon (pyscore/ops/tiers.py).
 // pyscore-vec-layers: avx2 avx512 neon
