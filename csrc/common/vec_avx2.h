@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include "common/opaque.h"
 
 namespace pyscore {
 namespace avx2 {
@@ -126,6 +127,17 @@ static inline Vec bf16_odd(Bits pairs) {
   return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(int(0xFFFF0000u))));
 }
 static inline Bits load_bits(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+// bf16_odd with its mask read from memory at each use (a vpand memory operand), not held in a register: in a tile
+// that fills the 16 registers (linear's 6 x 2 with two widened vectors and a broadcast) the mask's register is the
+// one that would spill an accumulator.
+alignas(32) inline const uint32_t kBf16OddMask[8] = {0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u,
+                                                     0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u};
+static inline Vec bf16_odd_lean(Bits pairs) {
+  return _mm256_castsi256_ps(_mm256_and_si256(pairs, load_bits(opaque(kBf16OddMask))));
+}
+// Registers linear's widened bf16 steps need beside a tile and its widened weight vectors (the broadcast and one
+// GCC takes; bf16_odd_lean's mask is a memory operand).
+constexpr int kWidenSpareRegisters = 2;
 // acc + a_odd * b_odd + a_even * b_even per lane: vdpbf16ps's order and bits on normal numbers.
 static inline Vec dot_pairs(Vec acc, Bits a, Bits b) {
   return fma(bf16_even(a), bf16_even(b), fma(bf16_odd(a), bf16_odd(b), acc));

@@ -79,6 +79,11 @@ static inline Vec round_as(Vec x, const uint16_t*) { return round_bf16_exact_ps(
 static inline Vec bf16_even(Bits pairs) { return bf16_even_ps(pairs); }
 static inline Vec bf16_odd(Bits pairs) { return bf16_odd_ps(pairs); }
 static inline Bits load_bits(const void* p) { return _mm512_loadu_si512(p); }
+// bf16_odd, for linear's widened steps: the AVX-512 layer has the registers to hold its mask.
+static inline Vec bf16_odd_lean(Bits pairs) { return bf16_odd(pairs); }
+// Registers linear's widened bf16 steps need beside a tile and its widened weight vectors: the broadcast, the mask,
+// a temporary and two GCC takes once the tile is scalars (with 3, the 6 x 4 tile spilled 3 vectors a step).
+constexpr int kWidenSpareRegisters = 5;
 // acc + a_odd * b_odd + a_even * b_even per lane (vdpbf16ps; dot2_widened_ps gives its bits without it).
 static inline Vec dot_pairs(Vec acc, Bits a, Bits b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
 

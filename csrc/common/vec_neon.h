@@ -136,6 +136,11 @@ static inline Vec round_as(Vec x, const uint16_t*) {
 static inline Vec bf16_even(Bits pairs) { return vreinterpretq_f32_u32(vshlq_n_u32(pairs, 16)); }
 static inline Vec bf16_odd(Bits pairs) { return vreinterpretq_f32_u32(vandq_u32(pairs, vdupq_n_u32(0xFFFF0000u))); }
 static inline Bits load_bits(const void* p) { return vld1q_u32(static_cast<const uint32_t*>(p)); }
+// bf16_odd, for linear's widened steps: with 32 registers the mask stays in one.
+static inline Vec bf16_odd_lean(Bits pairs) { return bf16_odd(pairs); }
+// Registers linear's widened bf16 steps need beside a tile and its widened weight vectors: the broadcast, the mask,
+// a temporary and two GCC takes once the tile is scalars.
+constexpr int kWidenSpareRegisters = 5;
 // acc + a_odd * b_odd + a_even * b_even per lane: vdpbf16ps's order and bits on normal numbers.
 static inline Vec dot_pairs(Vec acc, Bits a, Bits b) {
   return fma(bf16_even(a), bf16_even(b), fma(bf16_odd(a), bf16_odd(b), acc));

@@ -134,17 +134,20 @@ struct Bf16Pairs : PackedPairs {  // vdpbf16ps
 };
 
 // fp32 x rows times widened pairs, the pair's element kFirst (1: odd, vdpbf16ps's order) then the other. G weight
-// vectors are widened at once, as many as fit beside the accumulators and 5 more (a broadcast, the widening's mask, a
-// temporary, and two GCC takes once the tile is scalars: with 3, the 6 x 4 AVX-512 tile spilled 3 vectors a step);
-// each half reads x and its pairs through opaque() (common/opaque.h; the reloads are L1 hits), or GCC keeps every
-// row's broadcasts and the pairs in registers across the groups and halves and spills accumulators instead.
+// vectors are widened at once, as many as fit beside the accumulators and the layer's kWidenSpareRegisters (the
+// broadcast and what GCC takes besides: on AVX-512 and NEON the odd mask, a temporary and two more, or the 6 x 4
+// tile spilled 3 vectors a step; on AVX2 one, the odd mask being a memory operand, so that the 6 x 2 tile's two
+// vectors share each broadcast: one vector a broadcast ran a 776-row bf16 prefill 1.16-1.24x slower,
+// bench/results/tiers/kernels/linear_widen_mask_ab_1thread_avx2.txt). Each half reads x and its pairs through
+// opaque() (common/opaque.h; the reloads are L1 hits), or GCC keeps every row's broadcasts and the pairs in
+// registers across the groups and halves and spills accumulators instead.
 template <int kFirst>
 struct WidenedPairs : PackedPairs {
   template <int TM, int NV>
-  static constexpr int kGroup = TM * NV + NV + 5 <= V::kRegisters       ? NV
-                                : TM * NV + NV / 2 + 5 <= V::kRegisters ? NV / 2
-                                : TM * NV + NV / 4 + 5 <= V::kRegisters ? NV / 4
-                                                                         : 1;
+  static constexpr int kGroup = TM * NV + NV + V::kWidenSpareRegisters <= V::kRegisters       ? NV
+                                : TM * NV + NV / 2 + V::kWidenSpareRegisters <= V::kRegisters ? NV / 2
+                                : TM * NV + NV / 4 + V::kWidenSpareRegisters <= V::kRegisters ? NV / 4
+                                                                                               : 1;
 
   template <int TM, int NV>
   static void step(Vec (&acc)[TM][NV], const float* x, int64_t xs, const uint16_t* w) {
@@ -161,7 +164,7 @@ struct WidenedPairs : PackedPairs {
     Vec v[G];
     for (int g = 0; g < G; ++g) {
       const V::Bits pairs = V::load_bits(w + 2 * kLanes * (j0 + g));
-      v[g] = e ? V::bf16_odd(pairs) : V::bf16_even(pairs);
+      v[g] = e ? V::bf16_odd_lean(pairs) : V::bf16_even(pairs);
     }
     PYSCORE_UNROLL for (int r = 0; r < TM; ++r) {
       const Vec b = V::set1(x[r * xs + e]);

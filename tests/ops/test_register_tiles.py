@@ -132,6 +132,23 @@ def test_tiles_never_touch_the_stack(source, layer, tmp_path):
     assert not {n: c for n, c in stores.items() if c > 2}, f"vector stores to the stack per call: {stores}"
 
 
+@needs_x86_gcc
+def test_widened_bf16_tiles_share_each_broadcast_on_avx2(tmp_path):
+    """AVX2's 6 x 2 tiles of widened bf16 pairs broadcast each x element once per K step (12 for 24 multiply-adds):
+    with one weight vector widened per broadcast (its odd mask held in a register) the 776-row bf16 prefill ran
+    1.16-1.24x slower (bench/results/tiers/kernels/linear_widen_mask_ab_1thread_avx2.txt)."""
+    isa, kernels = tiled_kernels("csrc/linear/linear_simd.h", "avx2", tmp_path)
+    widened = {name: code for name, code in kernels.items()
+               if re.search(r"::(Bf16Widen|Bf16Weight), 6, 2, (true|false)>", name)}
+    assert len(widened) == 4, f"expected Bf16Widen and Bf16Weight at 6 x 2, with and without prefetch: {list(widened)}"
+    for name, code in widened.items():
+        hot = max((body for body in loops(code, isa)), key=lambda b: sum(bool(isa.multiply_add.match(x.mnemonic))
+                                                                         for x in b))
+        fmas = sum(bool(isa.multiply_add.match(x.mnemonic)) for x in hot)
+        broadcasts = sum(x.mnemonic == "vbroadcastss" for x in hot)
+        assert fmas % 24 == 0 and broadcasts * 2 <= fmas, f"{name[:110]}: {broadcasts} broadcasts for {fmas} FMAs"
+
+
 # A tile indexed by an outer loop's variable, starting from zero or from memory as linear's micro<> does: GCC keeps
 # it an array on the stack around the loop unless the row loops carry PYSCORE_UNROLL (common/kernel_text.h).
 OUTER_INDEXED = """#include <immintrin.h>
