@@ -105,14 +105,7 @@ static inline void store_first(uint16_t* p, Vec x, int n) {
   std::memcpy(p, buf, size_t(n) * sizeof(uint16_t));
 }
 
-// Lanes [0, n) of the chunk at p, n clamped to 8: a full load or a ragged one (ragged row ends of elementwise ops).
-template <class T>
-static inline Vec load_n(const T* p, int n) { return n >= kLanes ? load(p) : load_first(p, n); }
-template <class T>
-static inline void store_n(T* p, Vec x, int n) {
-  if (n >= kLanes) store(p, x);
-  else store_first(p, x, n);
-}
+#include "common/vec_ragged.inc"  // load_n, store_n
 
 // x rounded to the element type and held as fp32: what a store and a reload would give (the pointer only selects).
 static inline Vec round_as(Vec x, const float*) { return x; }

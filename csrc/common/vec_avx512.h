@@ -46,18 +46,12 @@ static inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
 static inline Vec load(const uint16_t* p) { return load_bf16_ps(p); }
 static inline Vec load_first(const float* p, int n) { return _mm512_maskz_loadu_ps(first_mask(n), p); }
 static inline Vec load_first(const uint16_t* p, int n) { return maskz_load_bf16_ps(first_mask(n), p); }
-template <class T>
-static inline Vec load_n(const T* p, int n) { return n >= kLanes ? load(p) : load_first(p, n); }
 
 static inline void store_first(float* p, Vec x, int n) { _mm512_mask_storeu_ps(p, first_mask(n), x); }
 static inline void store_first(uint16_t* p, Vec x, int n) { mask_store_bf16_exact_ps(p, first_mask(n), x); }
 static inline void store(float* p, Vec x) { _mm512_storeu_ps(p, x); }
 static inline void store(uint16_t* p, Vec x) { store_first(p, x, kLanes); }
-template <class T>
-static inline void store_n(T* p, Vec x, int n) {
-  if (n >= kLanes) store(p, x);
-  else store_first(p, x, n);
-}
+#include "common/vec_ragged.inc"  // load_n, store_n
 
 // Two vectors a, b stored as 2 * kLanes consecutive elements (b after a), rounded as store: for bf16 one shuffle
 // (vpermt2w picks the rounded bits' high halves of both) and one store, where two stores cost two vpmovdw of two

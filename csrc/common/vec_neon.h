@@ -116,14 +116,7 @@ static inline void store_first(uint16_t* p, Vec x, int n) {
   if (n > 3) vst1_lane_u16(p + 3, h, 3);
 }
 
-// Lanes [0, n) of the chunk at p, n clamped to 4: a full load or a ragged one.
-template <class T>
-static inline Vec load_n(const T* p, int n) { return n >= kLanes ? load(p) : load_first(p, n); }
-template <class T>
-static inline void store_n(T* p, Vec x, int n) {
-  if (n >= kLanes) store(p, x);
-  else store_first(p, x, n);
-}
+#include "common/vec_ragged.inc"  // load_n, store_n
 
 // x rounded to the element type and held as fp32: what a store and a reload would give (the pointer only selects).
 static inline Vec round_as(Vec x, const float*) { return x; }
