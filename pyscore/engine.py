@@ -37,6 +37,7 @@ from pyscore.model.kv_store import KVStore, KVStoreStats
 from pyscore.model.loading import LoadedModel, load_model
 from pyscore.model.packing import Group, pack
 from pyscore.model.prefix_cache import CacheLease, PrefixCache, PrefixCacheStats, pass_lease, unsupported_reason
+from pyscore.model.smoothing import smooth
 from pyscore.ops import _ext, label_logprobs, linear_int8
 from pyscore.scoring import ModelTraits, PreparedScore, prepare_score
 from pyscore.types import (
@@ -184,6 +185,9 @@ class Engine:
         self.prefill_chunk_tokens = min(prefill_chunk_tokens or max_batch_tokens, max_batch_tokens)
         self.decoder = Decoder(loaded.cfg, loaded.weights, loaded.rotary, op_backend)
         release_freed_memory()
+        if loaded.read_layer is not None:  # quantize="int8": SmoothQuant's calibration and second pass
+            smooth(self.decoder, loaded.read_layer, loaded.tokenizer)
+            loaded.read_layer = None
         self.traits = ModelTraits(tokenizer=loaded.tokenizer, vocab_size=loaded.cfg.vocab_size,
                                   max_context=loaded.cfg.max_position_embeddings,
                                   is_classifier=loaded.cfg.is_classifier, num_labels=loaded.cfg.num_labels,

@@ -9,7 +9,7 @@ order), one part at a time, against the fp32 engine over --questions synthetic 1
   levels they get); activations alone in groups of each --x-groups size (weights per output channel, as the kernel
   holds them: a per-(row, group) scale is all a kernel would add), alone and with SmoothQuant.
 
-    python -m bench.probes.int8_drift_sources [--questions 8] [--group 32] [--x-groups 32 64]
+    python -m bench.probes.int8_drift_sources [--questions 8] [--group 32] [--x-groups 32 64] [--only REGEX]
 
 Diagnostic only: it swaps pyscore.ops.linear's int8 call for the simulation inside this process."""
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import statistics
 import sys
 
@@ -47,18 +48,19 @@ def fake_quant(t: torch.Tensor, group: int | None) -> torch.Tensor:
 
 
 def simulated(x_group: int | None, w_group: int | None, kinds: frozenset[str] | None = None,
-              alpha: float | None = None, outliers: int = 0):
+              alpha: float | None = None, outliers: int = 0, layers: frozenset[int] | None = None):
     """The int8 call simulated: x_group / w_group as fake_quant's; kinds: quantize the activations of these
     projections only (the others' stay fp32); alpha: SmoothQuant's per-input-channel factor s = amax_x^alpha /
     amax_w^(1 - alpha) (amax_x from the calibration pass), x / s and W * s quantized; outliers: the input channels
-    of the largest calibrated amax_x, this many per projection, kept fp32 (x's and W's), the rest quantized."""
+    of the largest calibrated amax_x, this many per projection, kept fp32 (x's and W's), the rest quantized; layers:
+    quantize the activations in these decoder layers only."""
     def run(x: torch.Tensor, w: QuantLinear, residual=None, out=None, reference: bool = False) -> torch.Tensor:
         weight, bias = w.source
         xf = x.float()
         if alpha is not None:
             s = (w.calibrated.clamp_min(1e-5) ** alpha / weight.abs().amax(0).clamp_min(1e-5) ** (1 - alpha))
             xf, weight = xf / s, weight * s
-        xg = x_group if kinds is None or w.kind in kinds else 0
+        xg = x_group if (kinds is None or w.kind in kinds) and (layers is None or w.layer in layers) else 0
         kept = 0
         if outliers:
             idx = w.calibrated.topk(outliers).indices
@@ -83,10 +85,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None)
     p.add_argument("--questions", type=int, default=8)
-    p.add_argument("--group", type=int, default=32)
+    p.add_argument("--group", type=int, nargs="*", default=[32], help="group sizes along K for weights and x alike")
+    p.add_argument("--only", default=None, help="run only the variants whose name matches this regular expression")
     p.add_argument("--calibration", type=int, default=4, help="SmoothQuant: calibration questions (not measured)")
     p.add_argument("--alphas", type=float, nargs="*", default=[0.5, 0.8])
     p.add_argument("--outliers", type=int, nargs="*", default=[4, 16, 64], help="fp32 input channels per projection")
+    p.add_argument("--per-layer", action="store_true", help="activations quantized in one layer at a time")
     p.add_argument("--x-groups", type=int, nargs="*", default=[32, 64],
                    help="activation group sizes along K (weights per channel)")
     args = p.parse_args()
@@ -98,17 +102,22 @@ def main() -> None:
     # The fp32 projections, kept beside each int8 weight for the simulation (the int8 engine's own are dropped).
     sources = {id(w): w for w in ref.decoder.w.projections()}
     engine = Engine.from_pretrained(args.model, dtype="float32", device="cpu", quantize="int8")
+    layer_of = [i for i, layer in enumerate(engine.decoder.w.layers) for w in (
+        layer.qkv, layer.o, layer.gate_up, layer.down,
+        *((layer.linear.in_proj, layer.linear.out) if layer.linear is not None else ())) if w is not None]
     kinds = [kind for layer in engine.decoder.w.layers for kind in ("qkv", "o", "gate_up", "down", "in_proj", "out")
              if getattr(layer, kind, None) is not None or (layer.linear is not None and kind in ("in_proj", "out"))]
-    for fp, q, kind in zip(sources.values(), engine.decoder.w.projections(), kinds, strict=True):
+    for fp, q, kind, i in zip(sources.values(), engine.decoder.w.projections(), kinds, layer_of, strict=True):
         object.__setattr__(q, "source", fp.unpacked())
         object.__setattr__(q, "kind", kind)
+        object.__setattr__(q, "layer", i)
     print(f"# python -m bench.probes.int8_drift_sources {' '.join(sys.argv[1:])}   (commit {git_commit()})")
     print(f"# {machine()}; {engine.model_name}; {len(questions)} questions x 16 items; |dP(Yes)| vs the fp32 engine")
     print(f"{'simulated':<40}{'median':>9}{'p99':>9}{'max':>9}{'same best':>11}")
     variants = {"weights only (per channel)": (0, None), "activations only (per row)": (None, 0),
-                "both (per channel, per row)": (None, None),
-                f"both in groups of {args.group} along K": (args.group, args.group)}
+                "both (per channel, per row)": (None, None)}
+    for g in args.group:
+        variants[f"both in groups of {g} along K"] = (g, g)
     real = LINEAR.linear_int8
     peaks: list[torch.Tensor] = []
 
@@ -146,8 +155,12 @@ def main() -> None:
         variants[f"both, {k} outlier channels fp32"] = (None, None, None, None, k)
         for alpha in args.alphas:
             variants[f"both, {k} outliers + alpha {alpha}"] = (None, None, None, alpha, k)
-    for alpha in args.alphas:
-        variants[f"groups of {args.group} + alpha {alpha}"] = (args.group, args.group, None, alpha)
+    for g in args.group:
+        for alpha in args.alphas:
+            variants[f"groups of {g} + alpha {alpha}"] = (g, g, None, alpha)
+    if args.per_layer:
+        for i in range(len(engine.decoder.w.layers)):
+            variants[f"activations of layer {i} only"] = (None, 0, None, None, 0, frozenset({i}))
     for g in args.x_groups:
         variants[f"x groups of {g}, w per channel"] = (g, None)
         for alpha in args.alphas:
@@ -155,6 +168,8 @@ def main() -> None:
     print(f"# projection input rows (all layers, one question): {ratio.numel()}; max |x| > 8x rms in "
           f"{(ratio > 8).float().mean().item():.0%}, > 16x in {(ratio > 16).float().mean().item():.0%}")
     for name, variant in variants.items():
+        if args.only and not re.search(args.only, name):
+            continue
         LINEAR.linear_int8 = simulated(*variant)
         try:
             got = [p_yes(engine, q, items) for q, items in questions]

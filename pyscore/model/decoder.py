@@ -152,6 +152,13 @@ class Decoder:
             layer.linear.in_proj = prepare_linear(layer.linear.in_proj, backend)
             layer.linear.out = prepare_linear(layer.linear.out, backend)
 
+    def replace_layer(self, i: int, layer: LayerWeights) -> None:
+        """Layer i's weights replaced by `layer` (its projections as built: prepared here, as at construction)."""
+        self._prepare(layer)
+        self.w.layers[i] = layer
+        self.programs.clear()  # bound decode steps read the old layer's weights
+        release_freed_memory()
+
     @property
     def dtype(self) -> torch.dtype:
         return self.w.dtype

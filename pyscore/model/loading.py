@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from pyscore.model.checkpoint import Checkpoint
 from pyscore.model.config import ModelConfig
 from pyscore.model.gguf import convert_gguf
 from pyscore.model.rope import Rotary, inverse_frequencies
-from pyscore.model.weights import DecoderWeights, build_weights
+from pyscore.model.weights import DecoderWeights, LayerWeights, build_weights, layer_reader
 from pyscore.ops._ext import torch_dtype_name
 from pyscore.ops.linear import holds_bf16_weights
 from pyscore.types import MemoryPlan
@@ -55,6 +56,9 @@ class LoadedModel:
     weights: DecoderWeights
     rotary: Rotary
     memory: MemoryPlan | None = None  # planned from the checkpoint before loading (None: built in code)
+    # quantize="int8": decoder layer i read again from the checkpoint in the dtype (pyscore.model.smoothing's
+    # second pass), which the engine drops once it has smoothed the layers
+    read_layer: Callable[[int], LayerWeights] | None = None
 
 
 def embedded_gguf() -> Path:
@@ -166,5 +170,6 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torc
     release_freed_memory()  # the holes the fused projections' sources left, before packing allocates again
     inv_freq, scaling = inverse_frequencies(hf_config.get_text_config(), cfg.rotary_dims)
     rotary = Rotary(inv_freq, scaling, cfg.max_position_embeddings, device)
+    read_layer = layer_reader(cfg, checkpoint.get, dtype, device) if quantize == "int8" else None
     return LoadedModel(name=name, path=path, cfg=cfg, hf_config=hf_config, tokenizer=tokenizer,
-                       weights=weights, rotary=rotary, memory=plan)
+                       weights=weights, rotary=rotary, memory=plan, read_layer=read_layer)

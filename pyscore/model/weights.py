@@ -11,7 +11,8 @@ read-out kernels widen bf16 weights exactly), a projection, the embedding or the
 bf16 (`held_in_bf16`); everything else is in the dtype.
 
 With `quantize="int8"`, each layer's projections are quantized (pyscore.ops.linear_int8.quantize_linear) as soon as
-the layer is built, replacing their sources: one layer is ever held in the dtype. The embedding, the LM head or
+the layer is built, replacing their sources: one layer is ever held in the dtype. `layer_reader` reads a layer
+again in the dtype, for pyscore.model.smoothing's second pass. The embedding, the LM head or
 classifier head, the norms and Qwen3.5's conv and decay parameters stay in the dtype."""
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def _linear_attention(cfg: ModelConfig, p: str, need, cast, proj) -> LinearAtten
     )
 
 
-def _quantized(layer: LayerWeights) -> LayerWeights:
+def quantized(layer: LayerWeights) -> LayerWeights:
     """The layer with its projections in int8, each replacing its source."""
     def q(w: LinearWeight | None) -> LinearWeight | None:
         return None if w is None else quantize_linear(*w.unpacked(), gated=w.gated)
@@ -122,36 +123,40 @@ def _quantized(layer: LayerWeights) -> LayerWeights:
     return layer
 
 
-def build_weights(cfg: ModelConfig, get: Callable[[str], torch.Tensor | None], dtype: torch.dtype,
-                  device: torch.device, bf16_weights: bool = False, quantize: str | None = None) -> DecoderWeights:
-    """`get(name)` returns a tensor of the HF state dict, or None when absent. quantize: None or "int8"."""
-    if quantize not in (None, *QUANTIZE):
-        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)} or None, got {quantize!r}")
+class _Reader:
+    """Tensors of a state dict as the decoder holds them: `get(name)` returns a tensor of the HF state dict, or None
+    when absent."""
 
-    def need(name: str) -> torch.Tensor:
-        t = get(name)
+    def __init__(self, cfg: ModelConfig, get: Callable[[str], torch.Tensor | None], dtype: torch.dtype,
+                 device: torch.device, bf16_weights: bool):
+        self.cfg, self.get, self.dtype, self.device, self.bf16_weights = cfg, get, dtype, device, bf16_weights
+        embedded = get("model.language_model.embed_tokens.weight") is not None
+        self.model = "model.language_model." if embedded else "model."
+
+    def need(self, name: str) -> torch.Tensor:
+        t = self.get(name)
         if t is None:
             raise ValueError(f"checkpoint is missing weight {name!r}")
         return t
 
-    def cast(t: torch.Tensor | None, to: torch.dtype = dtype) -> torch.Tensor | None:
-        return None if t is None else t.to(device=device, dtype=to).contiguous()
+    def cast(self, t: torch.Tensor | None, to: torch.dtype | None = None) -> torch.Tensor | None:
+        return None if t is None else t.to(device=self.device, dtype=to or self.dtype).contiguous()
 
-    def proj(t: torch.Tensor) -> torch.Tensor:  # a held_in_bf16 matrix (a projection's: its sources concatenated)
-        return cast(t, torch.bfloat16 if bf16_weights and t.dtype == torch.bfloat16 else dtype)
+    def proj(self, t: torch.Tensor) -> torch.Tensor:  # a held_in_bf16 matrix (a projection's: its sources concatenated)
+        return self.cast(t, torch.bfloat16 if self.bf16_weights and t.dtype == torch.bfloat16 else self.dtype)
 
-    def norm(name: str) -> torch.Tensor:
-        if cfg.zero_centred_norm:  # (1 + w) in fp32: transformers' `x_hat * (1.0 + w.float())`
-            return cast(1.0 + need(name).float(), torch.float32)
-        return cast(need(name))
+    def norm(self, name: str) -> torch.Tensor:
+        if self.cfg.zero_centred_norm:  # (1 + w) in fp32: transformers' `x_hat * (1.0 + w.float())`
+            return self.cast(1.0 + self.need(name).float(), torch.float32)
+        return self.cast(self.need(name))
 
-    model = "model.language_model." if get("model.language_model.embed_tokens.weight") is not None else "model."
-    layers = []
-    for i in range(cfg.num_layers):
-        p = f"{model}layers.{i}."
+    def layer(self, i: int) -> LayerWeights:
+        """Decoder layer i in the dtype (projections as PlainLinear)."""
+        cfg, need, get, cast, proj, norm = self.cfg, self.need, self.get, self.cast, self.proj, self.norm
+        p = f"{self.model}layers.{i}."
         attn = p + "self_attn."
         linear = cfg.layer_type(i) == LINEAR_ATTENTION
-        layers.append(LayerWeights(
+        return LayerWeights(
             input_norm=norm(p + "input_layernorm.weight"),
             qkv=None if linear else PlainLinear(
                 proj(torch.cat([need(attn + f"{n}_proj.weight") for n in "qkv"])),
@@ -165,9 +170,28 @@ def build_weights(cfg: ModelConfig, get: Callable[[str], torch.Tensor | None], d
                                 gated=True),
             down=PlainLinear(proj(need(p + "mlp.down_proj.weight")), cast(get(p + "mlp.down_proj.bias"))),
             linear=_linear_attention(cfg, p, need, cast, proj) if linear else None,
-        ))
+        )
+
+
+def layer_reader(cfg: ModelConfig, get: Callable[[str], torch.Tensor | None], dtype: torch.dtype,
+                 device: torch.device, bf16_weights: bool = False) -> Callable[[int], LayerWeights]:
+    """read(i): decoder layer i as build_weights builds it before quantizing (in the dtype), read again from `get`
+    (pyscore.model.smoothing's second pass over the checkpoint)."""
+    return _Reader(cfg, get, dtype, device, bf16_weights).layer
+
+
+def build_weights(cfg: ModelConfig, get: Callable[[str], torch.Tensor | None], dtype: torch.dtype,
+                  device: torch.device, bf16_weights: bool = False, quantize: str | None = None) -> DecoderWeights:
+    """`get(name)` returns a tensor of the HF state dict, or None when absent. quantize: None or "int8"."""
+    if quantize not in (None, *QUANTIZE):
+        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)} or None, got {quantize!r}")
+    read = _Reader(cfg, get, dtype, device, bf16_weights)
+    need, cast, proj, norm, model = read.need, read.cast, read.proj, read.norm, read.model
+    layers = []
+    for i in range(cfg.num_layers):
+        layers.append(read.layer(i))
         if quantize:
-            layers[-1] = _quantized(layers[-1])
+            layers[-1] = quantized(layers[-1])
     embed = proj(need(model + "embed_tokens.weight"))
     lm_head = score_head = score_bias = None
     if cfg.is_classifier:

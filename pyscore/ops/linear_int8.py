@@ -28,6 +28,9 @@ label read-out stay in the model's dtype."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -218,10 +221,28 @@ def _epilogue(sums: torch.Tensor, sx: torch.Tensor, w: QuantLinear, residual: to
     return v.to(dtype)
 
 
+# What `observing` installs: called with each call's weight and x before the call (a calibration pass's recorder).
+_OBSERVER: ContextVar[Callable[[object, torch.Tensor], None] | None] = ContextVar("linear_int8_observer",
+                                                                                    default=None)
+
+
+@contextmanager
+def observing(observer: Callable[[object, torch.Tensor], None]) -> Iterator[None]:
+    """Inside the block, every linear_int8 call in this context first calls observer(w, x) (pyscore.model.smoothing's
+    calibration reads each projection's input through it)."""
+    token = _OBSERVER.set(observer)
+    try:
+        yield
+    finally:
+        _OBSERVER.reset(token)
+
+
 def linear_int8(x: torch.Tensor, w: QuantLinear | PackedQuantLinear, residual: torch.Tensor | None = None,
                 out: torch.Tensor | None = None, *, reference: bool = False) -> torch.Tensor:
     """x [M, K] (fp32 / bf16 / fp16) -> [M, N] (gated: [M, I]) in x's dtype, + residual; out receives it when given
     (it may be the residual). reference: the fp32-chunk sums whatever the device (the definition)."""
+    if (observer := _OBSERVER.get()) is not None:
+        observer(w, x)
     module = None
     if isinstance(w, PackedQuantLinear):
         module = None if reference else _ext.kernel_for("linear_int8", x.device, x.dtype)
