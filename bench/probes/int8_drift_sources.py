@@ -24,6 +24,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+import pyscore.engine as engine_module
 import pyscore.ops.linear  # noqa: F401  (the module, which pyscore.ops' `linear` function shadows)
 from bench.common import git_commit, machine
 from bench.dataset import synthetic_question
@@ -101,6 +102,9 @@ def main() -> None:
     want = [p_yes(ref, q, items) for q, items in questions]
     # The fp32 projections, kept beside each int8 weight for the simulation (the int8 engine's own are dropped).
     sources = {id(w): w for w in ref.decoder.w.projections()}
+    # Unsmoothed: the simulation reads the checkpoint's own weights (`source`) and applies its own SmoothQuant, so
+    # the engine's norms must be the checkpoint's too (pyscore.model.smoothing folds factors into them).
+    engine_module.smooth = lambda *args, **kwargs: None
     engine = Engine.from_pretrained(args.model, dtype="float32", device="cpu", quantize="int8")
     layer_of = [i for i, layer in enumerate(engine.decoder.w.layers) for w in (
         layer.qkv, layer.o, layer.gate_up, layer.down,
