@@ -37,6 +37,7 @@ from pyscore.model.kv_store import KVStore, KVStoreStats
 from pyscore.model.loading import LoadedModel, load_model
 from pyscore.model.packing import Group, pack
 from pyscore.model.prefix_cache import CacheLease, PrefixCache, PrefixCacheStats, pass_lease, unsupported_reason
+from pyscore.model.smoothing import ALPHA as SMOOTHING_ALPHA
 from pyscore.model.smoothing import smooth
 from pyscore.ops import _ext, label_logprobs, linear_int8
 from pyscore.scoring import ModelTraits, PreparedScore, prepare_score
@@ -202,7 +203,8 @@ class Engine:
         self.op_paths = _ext.op_paths(self.decoder.device, self.decoder.dtype, op_backend)
         self.quantize = "int8" if self.decoder.int8_weights else ""
         if self.quantize:
-            self.op_paths["linear"] = linear_int8.describe(self.decoder.device)
+            self.op_paths["linear"] = (f"{linear_int8.describe(self.decoder.device)}; SmoothQuant folded in at "
+                                       f"load (alpha {SMOOTHING_ALPHA}, pyscore.model.smoothing)")
         if self.decoder.bf16_weights:  # (the registry knows the dtype, not the checkpoint)
             self.op_paths["linear"] += "; the checkpoint's bf16 projections held in bf16, widened exactly"
             self.op_paths["label_logprobs"] += "; the checkpoint's bf16 LM head held in bf16, widened exactly"

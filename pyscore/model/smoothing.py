@@ -86,8 +86,9 @@ def _scaled_columns(w: PlainLinear, s: torch.Tensor) -> PlainLinear:
     return PlainLinear(weight.float() * s, bias, gated=w.gated)
 
 
-def _divided(t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    return (t.float() / s).to(t.dtype)
+def _divided(norm: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """A norm's weight / s, held in fp32 (add_rms_norm scales the fp32 row by it before its one rounding)."""
+    return norm.float() / s
 
 
 def fold(layer: LayerWeights, s: dict[str, torch.Tensor]) -> None:

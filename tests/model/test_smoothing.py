@@ -58,6 +58,7 @@ def test_an_int8_load_is_smoothed_and_the_same_every_time(model_dir, monkeypatch
     assert scores(first) == scores(again)
     assert not torch.equal(first.decoder.w.layers[0].post_norm, plain.decoder.w.layers[0].post_norm)
     assert first.model.read_layer is None  # the checkpoint's second pass is dropped once done
+    assert "SmoothQuant" in first.info().ops["linear"]
 
     monkeypatch.setattr("pyscore.engine.smooth", lambda *args, **kwargs: None)
     unsmoothed = Engine.from_pretrained(model_dir, dtype="float32", device="cpu", threads=2, quantize="int8")
