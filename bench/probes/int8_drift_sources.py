@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import pyscore.engine as engine_module
+import pyscore.model.smoothing as smoothing
 import pyscore.ops.linear  # noqa: F401  (the module, which pyscore.ops' `linear` function shadows)
 from bench.common import git_commit, machine
 from bench.dataset import synthetic_question
@@ -34,6 +35,9 @@ from pyscore.engine import Engine
 from pyscore.ops.linear_int8 import QuantLinear
 
 LINEAR = sys.modules["pyscore.ops.linear"]
+# --product-smoothing: SmoothQuant as pyscore.model.smoothing folds it (these kinds, factors floored), else on every
+# projection, unfloored (the earlier records' simulation)
+PRODUCT: frozenset[str] | None = None
 
 
 def fake_quant(t: torch.Tensor, group: int | None) -> torch.Tensor:
@@ -58,8 +62,10 @@ def simulated(x_group: int | None, w_group: int | None, kinds: frozenset[str] | 
     def run(x: torch.Tensor, w: QuantLinear, residual=None, out=None, reference: bool = False) -> torch.Tensor:
         weight, bias = w.source
         xf = x.float()
-        if alpha is not None:
+        if alpha is not None and (PRODUCT is None or w.kind in PRODUCT):
             s = (w.calibrated.clamp_min(1e-5) ** alpha / weight.abs().amax(0).clamp_min(1e-5) ** (1 - alpha))
+            if PRODUCT is not None:
+                s = s.clamp_min(s.quantile(smoothing.FLOOR))
             xf, weight = xf / s, weight * s
         xg = x_group if (kinds is None or w.kind in kinds) and (layers is None or w.layer in layers) else 0
         kept = 0
@@ -91,10 +97,15 @@ def main() -> None:
     p.add_argument("--calibration", type=int, default=4, help="SmoothQuant: calibration questions (not measured)")
     p.add_argument("--alphas", type=float, nargs="*", default=[0.5, 0.8])
     p.add_argument("--outliers", type=int, nargs="*", default=[4, 16, 64], help="fp32 input channels per projection")
+    p.add_argument("--product-smoothing", action="store_true",
+                   help="SmoothQuant as the engine folds it: qkv, gate_up, down and in_proj only, factors floored")
     p.add_argument("--per-layer", action="store_true", help="activations quantized in one layer at a time")
     p.add_argument("--x-groups", type=int, nargs="*", default=[32, 64],
                    help="activation group sizes along K (weights per channel)")
     args = p.parse_args()
+    global PRODUCT
+    if args.product_smoothing:
+        PRODUCT = frozenset({"qkv", "gate_up", "down", "in_proj"})
     rng = random.Random(0)
     questions = [(pw.query, pw.items) for pw in (pointwise(synthetic_question(rng, i, 16))
                                                  for i in range(args.questions))]
