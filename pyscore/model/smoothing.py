@@ -119,8 +119,9 @@ def fold(layer: LayerWeights, s: dict[str, torch.Tensor]) -> None:
 
 def smooth(decoder: Any, read_layer: Callable[[int], LayerWeights], tokenizer: Any, alpha: float = ALPHA) -> None:
     """The decoder's int8 layers replaced by smoothed ones (the module's contract)."""
-    token_lists = [list(tokenizer(text)["input_ids"]) for text in CALIBRATION]
-    amax = calibrate(decoder, [t for t in token_lists if t])
+    longest = decoder.cfg.max_position_embeddings  # a model with a short context reads each text's start
+    token_lists = [t[:longest] for t in (list(tokenizer(text)["input_ids"]) for text in CALIBRATION) if t]
+    amax = calibrate(decoder, token_lists)
     for i, held in enumerate(decoder.w.layers):
         mixer = held.linear.in_proj if held.linear is not None else held.qkv
         source = read_layer(i)

@@ -73,3 +73,9 @@ def test_calibration_sees_every_projection(model_dir, monkeypatch):
     projections = e.decoder.w.projections()
     assert set(amax) == {id(w) for w in projections}
     assert all(amax[id(w)].shape == (w.in_features,) and amax[id(w)].max() > 0 for w in projections)
+
+
+def test_a_short_context_model_calibrates_on_each_text_s_start(tmp_path):
+    short = make_model_dir(tmp_path / "short", "llama", max_position_embeddings=16)
+    e = Engine.from_pretrained(short, dtype="float32", device="cpu", threads=2, quantize="int8")
+    assert e.cfg.max_position_embeddings == 16 and "SmoothQuant" in e.info().ops["linear"]
