@@ -32,13 +32,12 @@ from pyscore.memory import (
     release_freed_memory,
     resident_bytes,
 )
+from pyscore.model import smoothing
 from pyscore.model.decoder import Decoder
 from pyscore.model.kv_store import KVStore, KVStoreStats
 from pyscore.model.loading import LoadedModel, load_model
 from pyscore.model.packing import Group, pack
 from pyscore.model.prefix_cache import CacheLease, PrefixCache, PrefixCacheStats, pass_lease, unsupported_reason
-from pyscore.model.smoothing import ALPHA as SMOOTHING_ALPHA
-from pyscore.model.smoothing import smooth
 from pyscore.ops import _ext, label_logprobs, linear_int8
 from pyscore.scoring import ModelTraits, PreparedScore, prepare_score
 from pyscore.types import (
@@ -187,7 +186,7 @@ class Engine:
         self.decoder = Decoder(loaded.cfg, loaded.weights, loaded.rotary, op_backend)
         release_freed_memory()
         if loaded.read_layer is not None:  # quantize="int8": SmoothQuant's calibration and second pass
-            smooth(self.decoder, loaded.read_layer, loaded.tokenizer)
+            smoothing.smooth(self.decoder, loaded.read_layer, loaded.tokenizer)
             loaded.read_layer = None
         self.traits = ModelTraits(tokenizer=loaded.tokenizer, vocab_size=loaded.cfg.vocab_size,
                                   max_context=loaded.cfg.max_position_embeddings,
@@ -204,7 +203,7 @@ class Engine:
         self.quantize = "int8" if self.decoder.int8_weights else ""
         if self.quantize:
             self.op_paths["linear"] = (f"{linear_int8.describe(self.decoder.device)}; SmoothQuant folded in at "
-                                       f"load (alpha {SMOOTHING_ALPHA}, pyscore.model.smoothing)")
+                                       f"load (alpha {smoothing.ALPHA}, pyscore.model.smoothing)")
         if self.decoder.bf16_weights:  # (the registry knows the dtype, not the checkpoint)
             self.op_paths["linear"] += "; the checkpoint's bf16 projections held in bf16, widened exactly"
             self.op_paths["label_logprobs"] += "; the checkpoint's bf16 LM head held in bf16, widened exactly"

@@ -24,7 +24,6 @@ import sys
 import torch
 import torch.nn.functional as F
 
-import pyscore.engine as engine_module
 import pyscore.model.smoothing as smoothing
 import pyscore.ops.linear  # noqa: F401  (the module, which pyscore.ops' `linear` function shadows)
 from bench.common import git_commit, machine
@@ -63,9 +62,10 @@ def simulated(x_group: int | None, w_group: int | None, kinds: frozenset[str] | 
         weight, bias = w.source
         xf = x.float()
         if alpha is not None and (PRODUCT is None or w.kind in PRODUCT):
-            s = (w.calibrated.clamp_min(1e-5) ** alpha / weight.abs().amax(0).clamp_min(1e-5) ** (1 - alpha))
-            if PRODUCT is not None:
-                s = s.clamp_min(s.quantile(smoothing.FLOOR))
+            if PRODUCT is not None:  # the engine's own factors, floored
+                s = smoothing.factors(w.calibrated, weight, alpha)
+            else:
+                s = w.calibrated.clamp_min(1e-5) ** alpha / weight.abs().amax(0).clamp_min(1e-5) ** (1 - alpha)
             xf, weight = xf / s, weight * s
         xg = x_group if (kinds is None or w.kind in kinds) and (layers is None or w.layer in layers) else 0
         kept = 0
@@ -115,7 +115,7 @@ def main() -> None:
     sources = {id(w): w for w in ref.decoder.w.projections()}
     # Unsmoothed: the simulation reads the checkpoint's own weights (`source`) and applies its own SmoothQuant, so
     # the engine's norms must be the checkpoint's too (pyscore.model.smoothing folds factors into them).
-    engine_module.smooth = lambda *args, **kwargs: None
+    smoothing.smooth = lambda *args, **kwargs: None
     engine = Engine.from_pretrained(args.model, dtype="float32", device="cpu", quantize="int8")
     layer_of = [i for i, layer in enumerate(engine.decoder.w.layers) for w in (
         layer.qkv, layer.o, layer.gate_up, layer.down,

@@ -44,13 +44,11 @@ def main() -> None:
                                                      for i in range(args.questions))])
     default = smoothing.ALPHA, smoothing.FLOOR
     for name, alpha, floor in SETTINGS:
-        smoothing.FLOOR = floor
-        smoothing.smooth.__defaults__ = (alpha,)
+        smoothing.ALPHA, smoothing.FLOOR = alpha, floor
         try:
             engine = Engine.from_pretrained(args.model, dtype="float32", device="cpu", quantize="int8")
         finally:
-            smoothing.FLOOR = default[1]
-            smoothing.smooth.__defaults__ = (default[0],)
+            smoothing.ALPHA, smoothing.FLOOR = default
         cells = []
         for questions in sets:
             row = drift_lines({"fp32": reference, "int8": engine}, questions)[-1].split()

@@ -28,7 +28,7 @@ import torch
 
 from pyscore.model.packing import Group, pack
 from pyscore.model.weights import LayerWeights, quantized
-from pyscore.ops.linear import PlainLinear
+from pyscore.ops.linear import LinearWeight, PlainLinear
 from pyscore.ops.linear_int8 import observing
 
 log = logging.getLogger(__name__)
@@ -69,13 +69,15 @@ def calibrate(decoder: Any, token_lists: list[list[int]]) -> dict[int, torch.Ten
     return amax
 
 
-def factors(amax_x: torch.Tensor, weight: torch.Tensor, alpha: float = ALPHA) -> torch.Tensor:
-    """s [K] for a projection's weight [N, K] whose input channels reach amax_x [K], at least its FLOOR quantile.
+def factors(amax_x: torch.Tensor, weight: torch.Tensor, alpha: float | None = None) -> torch.Tensor:
+    """s [K] for a projection's weight [N, K] whose input channels reach amax_x [K], at least its FLOOR quantile
+    (alpha None: ALPHA; both read at the call, so a probe may set them).
 
     Only s's ratios matter (a common factor cancels in both per-row scales). Unfloored, a channel that stayed quiet
     in the calibration text gets a small s, and where the served text drives it, x / s amplifies it past the others:
     the generic calibration text made the drift worse than none (0.068 against 0.053). Floored, smoothing only
     quiets the loud channels."""
+    alpha = ALPHA if alpha is None else alpha
     amax_w = weight.float().abs().amax(0)
     s = amax_x.clamp_min(1e-5) ** alpha / amax_w.clamp_min(1e-5) ** (1 - alpha)
     return s.clamp_min(s.quantile(FLOOR))
@@ -91,10 +93,15 @@ def _divided(norm: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return norm.float() / s
 
 
+def _mixer(layer: LayerWeights) -> LinearWeight | None:
+    """The projection the input norm feeds: qkv, or a linear-attention layer's in_proj."""
+    return layer.linear.in_proj if layer.linear is not None else layer.qkv
+
+
 def fold(layer: LayerWeights, s: dict[str, torch.Tensor]) -> None:
     """Folds the factors of `s` (kind -> [K]: "input" for qkv / in_proj, "gate_up", "down") into the layer's float
     weights in place; the layer's function is unchanged in real arithmetic."""
-    mixer = layer.linear.in_proj if layer.linear is not None else layer.qkv
+    mixer = _mixer(layer)
     if "input" in s and mixer is not None:
         layer.input_norm = _divided(layer.input_norm, s["input"])
         mixed = _scaled_columns(mixer, s["input"])
@@ -102,34 +109,33 @@ def fold(layer: LayerWeights, s: dict[str, torch.Tensor]) -> None:
             layer.linear.in_proj = mixed
         else:
             layer.qkv = mixed
-    if "down" in s:  # up rows / s (the gate_up's second half), before gate_up's own columns are scaled
+    if "down" in s or "gate_up" in s:  # gate_up's one fp32 copy: its up rows / s of down, then its columns * s
         weight, bias = layer.gate_up.unpacked()
-        half = weight.shape[0] // 2
-        weight = weight.float().clone()
-        weight[half:] /= s["down"][:, None]
-        if bias is not None:
-            bias = bias.float().clone()
-            bias[half:] /= s["down"]
+        weight = weight.to(torch.float32, copy=True)
+        if "down" in s:  # down's input is silu(gate) * up: the up rows (gate_up's second half) / s
+            half = weight.shape[0] // 2
+            weight[half:] /= s["down"][:, None]
+            if bias is not None:
+                bias = bias.to(torch.float32, copy=True)
+                bias[half:] /= s["down"]
+            layer.down = _scaled_columns(layer.down, s["down"])
+        if "gate_up" in s:
+            layer.post_norm = _divided(layer.post_norm, s["gate_up"])
+            weight *= s["gate_up"]
         layer.gate_up = PlainLinear(weight, bias, gated=True)
-        layer.down = _scaled_columns(layer.down, s["down"])
-    if "gate_up" in s:
-        layer.post_norm = _divided(layer.post_norm, s["gate_up"])
-        layer.gate_up = _scaled_columns(layer.gate_up, s["gate_up"])
 
 
-def smooth(decoder: Any, read_layer: Callable[[int], LayerWeights], tokenizer: Any, alpha: float = ALPHA) -> None:
+def smooth(decoder: Any, read_layer: Callable[[int], LayerWeights], tokenizer: Any) -> None:
     """The decoder's int8 layers replaced by smoothed ones (the module's contract)."""
     longest = decoder.cfg.max_position_embeddings  # a model with a short context reads each text's start
     token_lists = [t[:longest] for t in (list(tokenizer(text)["input_ids"]) for text in CALIBRATION) if t]
     amax = calibrate(decoder, token_lists)
     for i, held in enumerate(decoder.w.layers):
-        mixer = held.linear.in_proj if held.linear is not None else held.qkv
         source = read_layer(i)
-        source_mixer = source.linear.in_proj if source.linear is not None else source.qkv
-        s = {"input": factors(amax[id(mixer)], source_mixer.unpacked()[0], alpha),
-             "gate_up": factors(amax[id(held.gate_up)], source.gate_up.unpacked()[0], alpha),
-             "down": factors(amax[id(held.down)], source.down.unpacked()[0], alpha)}
+        s = {"input": factors(amax[id(_mixer(held))], _mixer(source).unpacked()[0]),
+             "gate_up": factors(amax[id(held.gate_up)], source.gate_up.unpacked()[0]),
+             "down": factors(amax[id(held.down)], source.down.unpacked()[0])}
         fold(source, s)
         decoder.replace_layer(i, quantized(source))
-    log.info("int8: SmoothQuant (alpha %.2f) folded into %d layers from a %d-token calibration forward", alpha,
+    log.info("int8: SmoothQuant (alpha %.2f) folded into %d layers from a %d-token calibration forward", ALPHA,
              len(decoder.w.layers), sum(map(len, token_lists)))

@@ -60,13 +60,13 @@ def test_an_int8_load_is_smoothed_and_the_same_every_time(model_dir, monkeypatch
     assert first.model.read_layer is None  # the checkpoint's second pass is dropped once done
     assert "SmoothQuant" in first.info().ops["linear"]
 
-    monkeypatch.setattr("pyscore.engine.smooth", lambda *args, **kwargs: None)
+    monkeypatch.setattr("pyscore.model.smoothing.smooth", lambda *args, **kwargs: None)
     unsmoothed = Engine.from_pretrained(model_dir, dtype="float32", device="cpu", threads=2, quantize="int8")
     assert scores(unsmoothed) != scores(first)
 
 
 def test_calibration_sees_every_projection(model_dir, monkeypatch):
-    monkeypatch.setattr("pyscore.engine.smooth", lambda *args, **kwargs: None)
+    monkeypatch.setattr("pyscore.model.smoothing.smooth", lambda *args, **kwargs: None)
     e = Engine.from_pretrained(model_dir, dtype="float32", device="cpu", threads=2, quantize="int8")
     tokens = e.tokenizer(smoothing.CALIBRATION[0])["input_ids"]
     amax = smoothing.calibrate(e.decoder, [tokens])
