@@ -96,10 +96,13 @@ def loops(code: list[Instruction], isa: Isa = X86) -> list[list[Instruction]]:
     return [code[a:b + 1] for a, b in inner]
 
 
+def multiply_adds(body: list[Instruction], isa: Isa = X86) -> int:
+    return sum(bool(isa.multiply_add.match(x.mnemonic)) for x in body)
+
+
 def hot_loop_stack_stores(code: list[Instruction], isa: Isa = X86) -> tuple[int, int] | None:
     """(multiply-adds, vector stores to the stack) of the innermost loop with the most multiply-adds, or None."""
-    counted = [(sum(bool(isa.multiply_add.match(x.mnemonic)) for x in body), sum(isa.stack_store(x) for x in body))
-               for body in loops(code, isa)]
+    counted = [(multiply_adds(body, isa), sum(isa.stack_store(x) for x in body)) for body in loops(code, isa)]
     counted = [c for c in counted if c[0]]
     return max(counted) if counted else None
 
@@ -142,9 +145,8 @@ def test_widened_bf16_tiles_share_each_broadcast_on_avx2(tmp_path):
                if re.search(r"::(Bf16Widen|Bf16Weight), 6, 2, (true|false)>", name)}
     assert len(widened) == 4, f"expected Bf16Widen and Bf16Weight at 6 x 2, with and without prefetch: {list(widened)}"
     for name, code in widened.items():
-        hot = max((body for body in loops(code, isa)), key=lambda b: sum(bool(isa.multiply_add.match(x.mnemonic))
-                                                                         for x in b))
-        fmas = sum(bool(isa.multiply_add.match(x.mnemonic)) for x in hot)
+        hot = max(loops(code, isa), key=lambda body: multiply_adds(body, isa))
+        fmas = multiply_adds(hot, isa)
         broadcasts = sum(x.mnemonic == "vbroadcastss" for x in hot)
         assert fmas % 24 == 0 and broadcasts * 2 <= fmas, f"{name[:110]}: {broadcasts} broadcasts for {fmas} FMAs"
 
