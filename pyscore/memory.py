@@ -111,15 +111,18 @@ def weight_bytes(cfg: ModelConfig, specs: dict[str, TensorSpec], dtype: torch.dt
     """The weights as the loader holds them: each served tensor in the serving dtype, except the fp32 ones of
     zero-centred families (the (1 + w) RMSNorm weights, A_log, dt_bias; the gated norm stays in the dtype) and,
     with bf16_weights, the matrices the checkpoint holds in bf16 that pyscore.model.weights.held_in_bf16 keeps so;
-    with int8, the projections in int8 with an fp32 scale a row (their biases fp32)."""
+    with int8, the projections in int8 with, per row and group of input channels, an fp32 scale and the kernel's
+    int32 sum base (pyscore.ops.linear_int8), their biases fp32."""
     from pyscore.model.weights import held_in_bf16, is_projection  # the model package imports this module
+    from pyscore.ops.linear_int8 import groups_of
 
     total = 0
     for name, spec in specs.items():
         if not _is_served(name, cfg):
             continue
         if int8 and is_projection(name):
-            total += spec.nbytes // spec.dtype.itemsize + 4 * spec.shape[0]
+            rows = spec.shape[0]
+            total += rows * spec.shape[1] + 8 * rows * groups_of(spec.shape[1]) if len(spec.shape) == 2 else 4 * rows
             continue
         fp32 = cfg.zero_centred_norm and len(spec.shape) == 1 and not name.endswith("linear_attn.norm.weight")
         held = 2 if bf16_weights and spec.dtype == torch.bfloat16 and held_in_bf16(name) else dtype.itemsize

@@ -41,14 +41,15 @@ PRODUCT: frozenset[str] | None = None
 
 def fake_quant(t: torch.Tensor, group: int | None) -> torch.Tensor:
     """Rows of t quantized symmetrically to int8 and back, one scale per row (group None) or per `group` columns
-    (where the row length is a multiple of it, else per row); group 0: unchanged."""
+    (the last group of a row whose length is not a multiple of it shorter); group 0: unchanged."""
     if group == 0:
         return t
     m, k = t.shape
-    g = group if group and k % group == 0 else k
-    parts = t.reshape(m, k // g, g)
+    g = group or k
+    padded = F.pad(t, (0, -k % g))
+    parts = padded.reshape(m, -1, g)
     scale = parts.abs().amax(-1, keepdim=True) / 127
-    return (torch.round(parts / scale.clamp_min(1e-30)).clamp(-127, 127) * scale).reshape(m, k)
+    return (torch.round(parts / scale.clamp_min(1e-30)).clamp(-127, 127) * scale).reshape(m, -1)[:, :k]
 
 
 def simulated(x_group: int | None, w_group: int | None, kinds: frozenset[str] | None = None,

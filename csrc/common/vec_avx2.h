@@ -161,11 +161,8 @@ static inline Bits zero_bits() { return _mm256_setzero_si256(); }
 static inline void store_bits(void* p, Bits v) { _mm256_storeu_si256(static_cast<__m256i*>(p), v); }
 // The 4-byte unit at p in every lane, as set1_pair's broadcast: dot_quads' x operand.
 static inline Bits set1_quad(const uint8_t* p) { return set1_pair(reinterpret_cast<const uint16_t*>(p)); }
-// (acc's int32 lanes - offset[0, kLanes)) in fp32, rounded to nearest even (the sums are exact; their fp32 may not be).
-static inline Vec sums_to_f32(Bits acc, const int32_t* offset) {
-  const __m256i o = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset));
-  return _mm256_cvtepi32_ps(_mm256_sub_epi32(acc, o));
-}
+// acc's int32 lanes in fp32, rounded to nearest even (a group's sums are exact in fp32: linear.h's kInt8MaxGroup).
+static inline Vec bits_to_f32(Bits acc) { return _mm256_cvtepi32_ps(acc); }
 // The first n lanes of x as codes at p: round half to even, clamped to [-127, 127] (plus kInt8XOffset), a byte each.
 static inline void store_codes(uint8_t* p, Vec x, int n) {
   __m256i q = _mm256_cvtps_epi32(x);  // the MXCSR's rounding: nearest even

@@ -92,7 +92,7 @@ static inline Bits set1_pair(const uint16_t* p) {
 // Sums in int32 lanes of Bits (zero_bits, load_bits, store_bits). dot_quads adds to each 32-bit lane the four
 // products of x's 4 code bytes (the broadcast operand) with the lane's 4 weight bytes, exactly (vpdpbusd,
 // AVX512-VNNI: every CPU of tier avx512bf16 and up has it). vpdpbusd multiplies unsigned by signed bytes, so x codes
-// are stored as q + kInt8XOffset in [1, 255]; sums_to_f32 takes kInt8XOffset * sum(w) back off.
+// are stored as q + kInt8XOffset in [1, 255], and a group's sums start from -kInt8XOffset * sum(w) (linear.h's w_base).
 constexpr bool kInt8DotIsVnni = true;  // dot_quads is vpdpbusd: only where cpu_int8_vnni()
 constexpr int kInt8SpareRegisters = 1;  // what dot_quads needs beside a tile and its weights: the broadcast (weights as registers)
 constexpr int32_t kInt8XOffset = 128;
@@ -106,10 +106,8 @@ static inline Bits zero_bits() { return _mm512_setzero_si512(); }
 static inline void store_bits(void* p, Bits v) { _mm512_storeu_si512(p, v); }
 // The 4-byte unit at p in every lane, as set1_pair's broadcast: dot_quads' x operand.
 static inline Bits set1_quad(const uint8_t* p) { return set1_pair(reinterpret_cast<const uint16_t*>(p)); }
-// (acc's int32 lanes - offset[0, kLanes)) in fp32, rounded to nearest even (the sums are exact; their fp32 may not be).
-static inline Vec sums_to_f32(Bits acc, const int32_t* offset) {
-  return _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_loadu_si512(offset)));
-}
+// acc's int32 lanes in fp32, rounded to nearest even (a group's sums are exact in fp32: linear.h's kInt8MaxGroup).
+static inline Vec bits_to_f32(Bits acc) { return _mm512_cvtepi32_ps(acc); }
 // The first n lanes of x as codes at p: round half to even, clamped to [-127, 127], plus kInt8XOffset, a byte each.
 static inline void store_codes(uint8_t* p, Vec x, int n) {
   __m512i q = _mm512_cvtps_epi32(x);  // the MXCSR's rounding: nearest even

@@ -162,10 +162,8 @@ static inline Bits zero_bits() { return vdupq_n_u32(0); }
 static inline void store_bits(void* p, Bits v) { vst1q_u32(static_cast<uint32_t*>(p), v); }
 // The 4-byte unit at p in every lane, as set1_pair's broadcast: dot_quads' x operand.
 static inline Bits set1_quad(const uint8_t* p) { return set1_pair(reinterpret_cast<const uint16_t*>(p)); }
-// (acc's int32 lanes - offset[0, kLanes)) in fp32, rounded to nearest even.
-static inline Vec sums_to_f32(Bits acc, const int32_t* offset) {
-  return vcvtq_f32_s32(vsubq_s32(vreinterpretq_s32_u32(acc), vld1q_s32(offset)));
-}
+// acc's int32 lanes in fp32, rounded to nearest even (a group's sums are exact in fp32: linear.h's kInt8MaxGroup).
+static inline Vec bits_to_f32(Bits acc) { return vcvtq_f32_s32(vreinterpretq_s32_u32(acc)); }
 // The first n lanes of x as codes at p: round half to even, clamped to [-127, 127], a byte each.
 static inline void store_codes(uint8_t* p, Vec x, int n) {
   const int32x4_t q = vminq_s32(vmaxq_s32(vcvtnq_s32_f32(x), vdupq_n_s32(-127)), vdupq_n_s32(127));

@@ -81,26 +81,31 @@ struct LinearCpuOps {
 PYSCORE_KERNELS(linear, linear_ops, const LinearCpuOps*);
 
 // ---- int8 weights (W8A8; pyscore/ops/linear_int8.py states the arithmetic) ----------------------------------------
-// The weight in int8 codes per output channel, packed as above with pack = 4 (quads along K, K4 = K rounded up to a
-// multiple of 4, the padding zero): block b = [K4 / 4][64 columns][4] bytes, one zmm = 16 columns x one quad. Per
-// packed column: its fp32 scale and w_sums = 128 * (the sum of its codes), what a layer whose x codes are offset by
-// 128 (vpdpbusd's unsigned operand) takes back off. Each x row is quantized on its own (scale max|x| / 127, codes
-// round_half_even(x * (127 / max|x|)) in [-127, 127]; a zero row: scale and codes 0), the sums are exact int32, and
-// the epilogue is linear's on v = (float(sum) * x_scale[m]) * w_scale[c] (+ bias, SiLU-mul, residual, one rounding
-// to x's dtype): a row's bits depend on that row alone.
+// The weight in int8 codes, packed as above with pack = 4 (quads along K, K4 = K rounded up to a multiple of 4, the
+// padding zero): block b = [K4 / 4][64 columns][4] bytes, one zmm = 16 columns x one quad. K runs in groups of
+// `group` elements (a multiple of 4; the last group of K may be shorter), G = ceil(K / group) of them, each with its
+// own scales: per packed column and group, the weight's fp32 scale and w_base = -128 * (the sum of the group's codes),
+// what a layer whose x codes are offset by 128 (vpdpbusd's unsigned operand) starts its sums from; both in blocks
+// [N_pad / 64][G][64]. Each x row is quantized per group on its own (scale max|x| / 127 over the group, codes
+// round_half_even(x * (127 / max|x|)) in [-127, 127]; a zero group: scale and codes 0). A group's sums are exact
+// int32 and v, from 0, takes the groups in K order: v = fma(float(sum) * w_scale[c, g], x_scale[m, g], v); then
+// linear's epilogue (+ bias, SiLU-mul, residual, one rounding to x's dtype): a row's bits depend on that row alone.
+constexpr int32_t kInt8MaxGroup = 1024;  // 127 * 127 * 1024 < 2^24: a group's sum is exact in fp32
+
 struct LinearInt8Params {
   const void* x;  // [M, K], fp32 or bf16
   int64_t x_row_stride;
   const void* w_packed;   // int8 [N_pad / 64][K4 / 4][64][4]
-  const float* w_scale;   // [N_pad] in packed column order
-  const int32_t* w_sums;  // [N_pad] in packed column order
+  const float* w_scale;   // [N_pad / 64][G][64]
+  const int32_t* w_base;  // [N_pad / 64][G][64]
   const float* bias;      // [N_pad] in packed column order, or nullptr
   const void* residual;   // [M, n_out] in x's dtype, or nullptr
   int64_t residual_row_stride;
   void* out;  // [M, n_out] in x's dtype
   int64_t out_row_stride;
   int32_t m;
-  int32_t k;  // x's columns (K)
+  int32_t k;      // x's columns (K)
+  int32_t group;  // K elements per group: a multiple of 4 in [4, kInt8MaxGroup]
   int32_t n_packed;
   int32_t n_out;
   bool gated;
@@ -109,18 +114,20 @@ struct LinearInt8Params {
 
 Status linear_int8_cpu(const LinearInt8Params& params);
 PYSCORE_BIND(linear_int8, linear_int8_cpu, Ptr, int64_t, Ptr, Ptr, Ptr, Ptr, Ptr, int64_t, Ptr, int64_t, int32_t,
-             int32_t, int32_t, int32_t, bool, DTypeName);
+             int32_t, int32_t, int32_t, int32_t, bool, DTypeName);
 
 // What the int8 rectangles read beside a LinearParams whose x is the quantized rows (codes, p.k = K4).
 struct Int8Scales {
-  const float* x_scale;  // [M]
-  const float* w_scale;
-  const int32_t* w_sums;
+  const float* x_scale;  // [M][groups]
+  const float* w_scale;  // as LinearInt8Params'
+  const int32_t* w_base;
+  int32_t groups;
+  int32_t group_steps;  // quads per group: group / 4
 };
 
 struct LinearInt8CpuOps {
   // Rows [m0, m1) of x quantized: codes into q (rows q_stride bytes apart, K4 each, the padding the zero code) and
-  // their scales into scale[m0, m1).
+  // their group scales into scale (rows ceil(K / group) apart).
   void (*quantize)(const LinearInt8Params& p, int32_t m0, int32_t m1, uint8_t* q, int64_t q_stride, float* scale);
   // As LinearCpuOps::rect, p.x the codes.
   void (*rect)(const LinearParams& p, const Int8Scales& s, int32_t m0, int32_t m1, int32_t c0, int32_t c1);

@@ -165,22 +165,25 @@ Status linear_cpu(const LinearParams& params) {
 }
 
 // int8: the rows quantized into one buffer (rows split over the threads), then linear's split over the codes. The
-// buffer grows with the call's rows (M x K4 bytes, a quarter of an fp32 x) and lives as long as the thread.
+// buffers grow with the call's rows (M x K4 bytes, a quarter of an fp32 x, and M x groups scales) and live as long
+// as the thread.
 Status linear_int8_cpu(const LinearInt8Params& q) {
   LinearParams p{q.x, q.x_row_stride, q.w_packed, q.bias, q.residual, q.residual_row_stride, q.out,
                  q.out_row_stride, q.m, q.k, q.n_packed, q.n_out, q.gated, q.dtype, false};
   Status status = check_params(p);
   if (status != kOk || q.m == 0 || q.n_out == 0) return status;
-  if (q.k > 0 && (!q.w_scale || !q.w_sums)) return kInvalidArgument;
+  if (q.group < 4 || q.group % 4 || q.group > kInt8MaxGroup) return kInvalidArgument;
+  if (q.k > 0 && (!q.w_scale || !q.w_base)) return kInvalidArgument;
   KernelKey key;
   key.dtype = q.dtype;
   const LinearInt8CpuOps* ops = select_kernel<linear_int8_ops_kernels>(key);
   if (!ops) return kUnsupportedDType;  // no int8 layer at this tier: pyscore/ops/linear_int8.py's torch paths
   const int64_t k4 = (int64_t(q.k) + 3) / 4 * 4;
+  const int32_t groups = (q.k + q.group - 1) / q.group;
   thread_local std::vector<uint8_t> codes;
   thread_local std::vector<float> scales;
   codes.resize(size_t(q.m) * size_t(k4));
-  scales.resize(size_t(q.m));
+  scales.resize(size_t(q.m) * size_t(groups));
   // Plain pointers into the parallel regions: a thread_local named there is each worker's own (empty) vector.
   uint8_t* const code_rows = codes.data();
   float* const row_scales = scales.data();
@@ -188,7 +191,7 @@ Status linear_int8_cpu(const LinearInt8Params& q) {
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int32_t m = 0; m < q.m; ++m) ops->quantize(q, m, m + 1, code_rows, k4, row_scales);
   p.x = code_rows, p.x_row_stride = k4, p.k = int32_t(k4);
-  const Int8Scales s{row_scales, q.w_scale, q.w_sums};
+  const Int8Scales s{row_scales, q.w_scale, q.w_base, groups, q.group / 4};
   const Split split = make_split(p, threads, ops->row_tile);
   const auto rect = [&](int32_t m0, int32_t m1, int32_t c0, int32_t c1) { ops->rect(p, s, m0, m1, c0, c1); };
 #pragma omp parallel num_threads(threads)

@@ -209,8 +209,9 @@ struct WeightPanel : PanelPairs<0> {
 };
 
 // int8 weights (linear.h's int8 section): x codes (this layer's kInt8XOffset added) in quads against the packed
-// weight's quads into int32 accumulators (V::Bits), the sums exact (so their order over K does not matter); between
-// K blocks and for the epilogue they pass through the float buffers as bits. Out: the residual's and out's type.
+// weight's quads into int32 accumulators (V::Bits), a group's sums exact (so their order within it does not
+// matter); micro<> folds each group into the tile's fp32 sums in memory (L1) and starts the next from the weight's
+// sum bases. Out: the residual's and out's type.
 template <class Out>
 struct Int8Quads {
   using T = Out;
@@ -229,23 +230,6 @@ struct Int8Quads {
     }
   }
 };
-
-// The register tile's accumulator type: fp32 vectors, or int32 ones for the int8 quads.
-template <class E>
-using AccOf = std::conditional_t<E::kRows == XRows::kCodes, V::Bits, Vec>;
-
-template <class A>
-A acc_zero() {
-  if constexpr (std::is_same_v<A, Vec>) return V::zero();
-  else return V::zero_bits();
-}
-template <class A>
-A acc_load(const float* p) {
-  if constexpr (std::is_same_v<A, Vec>) return V::load(p);
-  else return V::load_bits(p);
-}
-inline void acc_store(float* p, Vec v) { V::store(p, v); }
-inline void acc_store(float* p, V::Bits v) { V::store_bits(p, v); }
 
 // Accumulator vectors per row for policy E: the int8 quads hold their NV weight vectors in registers beside the
 // tile and need V::kInt8SpareRegisters more (the broadcast; without VNNI, the widening's temporaries too).
@@ -270,6 +254,14 @@ struct Tile {
   float* acc;     // the tile's sums, rows kLinearBlockN floats apart, from the strip's first column
   bool prefetch;    // the first tile's first strip: prefetch K rows ahead where the layer does (micro_fit)
   int64_t pf_last;  // the last K step of the block column, from the K block's start
+  // int8 (Int8Quads; the K block starts a group): the tile's first row's x scales from the block's first group
+  // (rows x_scale_stride apart), the strip's first column's weight scales and sum bases from that group (groups
+  // kLinearBlockN apart), and the quads per group.
+  const float* x_scale = nullptr;
+  int64_t x_scale_stride = 0;
+  const float* w_scale = nullptr;
+  const int32_t* w_base = nullptr;
+  int64_t group_steps = 0;
 };
 
 // Prefetches 4 lines of 64 bytes from a block part's K row (a whole block's row; after a 32-column part, the start of
@@ -283,9 +275,52 @@ void prefetch_row(const char* row) {
   }
 }
 
-// TM rows x NV vectors over one K block; with kPrefetch, each step prefetches the K row kAhead steps ahead (at most
-// the block column's last, t.pf_last: one loop, no branch). Not inlined: one register tile per function, whose hot
-// loop tests/ops/test_register_tiles.py checks (a call per strip and K block is nothing beside its steps).
+// acc += policy E's steps [s0, s1) from x and w; with kPrefetch, each step prefetches the K row kAhead steps ahead
+// (at most pf_last: one loop, no branch).
+template <class E, int TM, int NV, bool kPrefetch, class A, class X>
+inline void run_steps(A (&acc)[TM][NV], const X* x, int64_t xs, const typename E::W* w, int64_t s0, int64_t s1,
+                      int64_t pf_last) {
+  for (int64_t s = s0; s < s1; ++s) {
+    if constexpr (kPrefetch) {
+      constexpr int kOwn = NV * kLanes / 16;  // 16 columns of 4 bytes a step: one 64-byte line
+      prefetch_row<kOwn>(reinterpret_cast<const char*>(w + std::min(s + kAhead, pf_last) * E::kStepElems));
+    }
+    E::template step<TM, NV>(acc, x + s * E::kPack, xs, w + s * E::kStepElems);
+  }
+}
+
+// int8: the K block's groups one by one. A group's int32 sums start from the weight's bases (the x codes' offset
+// taken back) or zero, run its quads, and fold into the tile's fp32 sums at out as v = fma(float(sum) * w_scale,
+// x_scale, v) (v from 0 at K's first group): the order over K is the groups', whatever the blocking. The fp32 sums
+// stay in L1 rather than registers, so the tile keeps the int32 tile's shape (6 x 4 on AVX-512).
+template <class E, int TM, int NV, bool kPrefetch>
+inline void run_groups(const Tile& tile, const uint8_t* x, int64_t xs, const int8_t* w, float* out) {
+  const int64_t steps = tile.steps, pf_last = tile.pf_last, group_steps = tile.group_steps;
+  const float* const x_scale = tile.x_scale;
+  const int64_t x_scale_stride = tile.x_scale_stride;
+  const float* const w_scale = tile.w_scale;
+  const int32_t* const w_base = tile.w_base;
+  for (int64_t s0 = 0, g = 0; s0 < steps; s0 += group_steps, ++g) {
+    V::Bits acc[TM][NV];
+    PYSCORE_UNROLL for (int r = 0; r < TM; ++r)
+      for (int j = 0; j < NV; ++j)
+        acc[r][j] = V::kInt8XOffset ? V::load_bits(w_base + g * kLinearBlockN + kLanes * j) : V::zero_bits();
+    run_steps<E, TM, NV, kPrefetch>(acc, x, xs, w, s0, std::min(steps, s0 + group_steps), pf_last);
+    const bool fresh = tile.first && g == 0;
+    PYSCORE_UNROLL for (int r = 0; r < TM; ++r) {
+      const Vec sx = V::set1(x_scale[r * x_scale_stride + g]);
+      for (int j = 0; j < NV; ++j) {
+        float* const o = out + r * kLinearBlockN + kLanes * j;
+        const Vec t = V::mul(V::bits_to_f32(acc[r][j]), V::load(w_scale + g * kLinearBlockN + kLanes * j));
+        V::store(o, V::fma(t, sx, fresh ? V::zero() : V::load(o)));
+      }
+    }
+  }
+}
+
+// TM rows x NV vectors over one K block (kPrefetch: run_steps'; pf_last, the block column's last K step). Not
+// inlined: one register tile per function, whose hot loop tests/ops/test_register_tiles.py checks (a call per strip
+// and K block is nothing beside its steps).
 template <class E, int TM, int NV, bool kPrefetch>
 [[gnu::noinline]] void micro(const Tile& tile) {
   using X = std::conditional_t<
@@ -293,22 +328,19 @@ template <class E, int TM, int NV, bool kPrefetch>
       std::conditional_t<E::kRows == XRows::kWidened || std::is_same_v<typename E::T, float>, float, uint16_t>>;
   // Scalars, not the struct: stores through out cannot alias them.
   const X* x = static_cast<const X*>(tile.x);
-  const int64_t xs = tile.x_stride, steps = tile.steps, pf_last = tile.pf_last;
+  const int64_t xs = tile.x_stride;
   const typename E::W* w = static_cast<const typename E::W*>(tile.w);
   float* const out = tile.acc;
-  using A = AccOf<E>;
-  A acc[TM][NV];
-  PYSCORE_UNROLL for (int r = 0; r < TM; ++r)
-    for (int j = 0; j < NV; ++j) acc[r][j] = tile.first ? acc_zero<A>() : acc_load<A>(out + r * kLinearBlockN + kLanes * j);
-  for (int64_t s = 0; s < steps; ++s) {
-    if constexpr (kPrefetch) {
-      constexpr int kOwn = NV * kLanes / 16;  // 16 columns of 4 bytes a step: one 64-byte line
-      prefetch_row<kOwn>(reinterpret_cast<const char*>(w + std::min(s + kAhead, pf_last) * E::kStepElems));
-    }
-    E::template step<TM, NV>(acc, x + s * E::kPack, xs, w + s * E::kStepElems);
+  if constexpr (E::kRows == XRows::kCodes) {
+    run_groups<E, TM, NV, kPrefetch>(tile, x, xs, w, out);
+  } else {
+    Vec acc[TM][NV];
+    PYSCORE_UNROLL for (int r = 0; r < TM; ++r)
+      for (int j = 0; j < NV; ++j) acc[r][j] = tile.first ? V::zero() : V::load(out + r * kLinearBlockN + kLanes * j);
+    run_steps<E, TM, NV, kPrefetch>(acc, x, xs, w, 0, tile.steps, tile.pf_last);
+    PYSCORE_UNROLL for (int r = 0; r < TM; ++r)
+      for (int j = 0; j < NV; ++j) V::store(out + r * kLinearBlockN + kLanes * j, acc[r][j]);
   }
-  PYSCORE_UNROLL for (int r = 0; r < TM; ++r)
-    for (int j = 0; j < NV; ++j) acc_store(out + r * kLinearBlockN + kLanes * j, acc[r][j]);
 }
 
 template <class E, int TM, int NV>
@@ -434,32 +466,20 @@ void epilogue(const LinearParams& p, int32_t m, int32_t rows, int32_t c, int32_t
   }
 }
 
-// int8: the tile's sums (rows [m, m + rows) x packed columns [c, c + width) in acc, rows kLinearBlockN apart) in
-// place as fp32 v = (float(sum) * x_scale[m]) * w_scale[c], the sum less the codes' offset (w_sums) where it has one.
-void dequantize(const Int8Scales& s, int32_t m, int32_t rows, int32_t c, int32_t width, float* acc) {
-  static const int32_t kNoOffset[kLinearBlockN] = {};
-  for (int32_t r = 0; r < rows; ++r) {
-    const Vec sx = V::set1(s.x_scale[m + r]);
-    for (int32_t j = 0; j < width; j += kLanes) {
-      const int32_t* offset = V::kInt8XOffset ? s.w_sums + c + j : kNoOffset;
-      const Vec v = V::sums_to_f32(V::load_bits(acc + r * kLinearBlockN + j), offset);
-      V::store(acc + r * kLinearBlockN + j, V::mul(V::mul(v, sx), V::load(s.w_scale + c + j)));
-    }
-  }
-}
-
 // ---- the rectangle ------------------------------------------------------------------------------------------------
 
 // Rows [m0, m1) x packed columns [c0, c1) (multiples of kLinearUnitN): block part by block part, in a part K block
 // by K block, every row tile of the rectangle over the block's panel.
-// q: the int8 scales (Int8Quads), else nullptr.
+// q: the int8 scales (Int8Quads), else nullptr; its K blocks are whole groups.
 template <class E>
 void rect_scaled(const LinearParams& p, const Int8Scales* q, int32_t m0, int32_t m1, int32_t c0, int32_t c1) {
   using T = typename E::T;
   constexpr int64_t kBlockSteps = kPanelBytes / (E::kStepElems * int64_t(sizeof(typename E::W)));
   const int64_t k_steps = p.k / E::kPack;  // K is even for bf16 pairs (the launcher pads)
   const int64_t k_blocks = std::max<int64_t>(1, (k_steps + kBlockSteps - 1) / kBlockSteps);
-  const int64_t block_steps = std::max<int64_t>(1, (k_steps + k_blocks - 1) / k_blocks);
+  const int64_t group_steps = q ? q->group_steps : 1;
+  const int64_t block_steps =
+      std::max<int64_t>(1, ((k_steps + k_blocks - 1) / k_blocks + group_steps - 1) / group_steps * group_steps);
   const bool narrow = kNarrowLayer && !E::kPanel && m1 - m0 <= kNarrowRows;
   // The sums of a tile between its K blocks: over several, the rectangle's rows x one block part wait in
   // `partial`; with one, a tile's sums go through one L1 buffer that the next tile reuses (the rectangle's
@@ -467,7 +487,7 @@ void rect_scaled(const LinearParams& p, const Int8Scales* q, int32_t m0, int32_t
   // bench/results/tiers/kernels/linear_text_ab_rerun_avx512bf16.txt).
   thread_local std::vector<float> partial;
   alignas(64) float local[kTileRows * kLinearBlockN];
-  const bool one_block = k_blocks == 1;
+  const bool one_block = block_steps >= k_steps;
   if (!one_block && partial.size() < size_t(m1 - m0) * kLinearBlockN)
     partial.resize(size_t(m1 - m0) * kLinearBlockN);
   const typename E::P* packed = static_cast<const typename E::P*>(p.w_packed);
@@ -486,12 +506,13 @@ void rect_scaled(const LinearParams& p, const Int8Scales* q, int32_t m0, int32_t
         const int nv = tile_vecs<E>(tm, width);
         for (int32_t s = 0; s < width; s += nv * kLanes) {
           const bool prefetch = m == m0 && s == 0;  // the first tile's first strip (micro_fit: where it applies)
-          const Tile t{x.data, x.stride, wk + s * E::kColElems, steps, s0 == 0, acc + s,
-                       prefetch, k_steps - s0 - 1};
+          Tile t{x.data, x.stride, wk + s * E::kColElems, steps, s0 == 0, acc + s, prefetch, k_steps - s0 - 1};
+          if constexpr (E::kRows == XRows::kCodes) {
+            const int64_t g0 = s0 / group_steps, at = (int64_t(block) * q->groups + g0) * kLinearBlockN + part0 + s;
+            t.x_scale = q->x_scale + int64_t(m) * q->groups + g0, t.x_scale_stride = q->groups;
+            t.w_scale = q->w_scale + at, t.w_base = q->w_base + at, t.group_steps = group_steps;
+          }
           micro_rows<E>(tm, nv, t);
-        }
-        if constexpr (E::kRows == XRows::kCodes) {
-          if (last) dequantize(*q, m, tm, c, width, acc);
         }
         if (last) epilogue<T>(p, m, tm, c, width, acc, kLinearBlockN);
       }
@@ -518,21 +539,25 @@ void rect_bf16_weight(const LinearParams& p, int32_t m0, int32_t m1, int32_t c0,
 
 // ---- int8: the quantizing prologue and the rectangles ---------------------------------------------------------
 
-// Rows [m0, m1) of x (of T) as codes at q + m * q_stride (K4 bytes, the padding the zero code) and their scales.
+// Rows [m0, m1) of x (of T) as codes at q + m * q_stride (K4 bytes, the padding the zero code) and their group
+// scales at scale + m * groups.
 template <class T>
 void quantize(const LinearInt8Params& p, int32_t m0, int32_t m1, uint8_t* q, int64_t q_stride, float* scale) {
-  const int32_t k = p.k, k4 = (k + 3) / 4 * 4;
+  const int32_t k = p.k, k4 = (k + 3) / 4 * 4, groups = (k + p.group - 1) / p.group;
   for (int32_t m = m0; m < m1; ++m) {
     const T* row = static_cast<const T*>(p.x) + m * p.x_row_stride;
-    Vec peak = V::zero();
-    for (int32_t i = 0; i < k; i += kLanes) peak = V::max(peak, V::abs(V::load_n(row + i, std::min(kLanes, k - i))));
-    const float amax = V::reduce_max(peak);
-    const float factor = amax > 0.0f ? 127.0f / amax : 0.0f;  // one rounding, as pyscore/ops/linear_int8.py
-    scale[m] = amax / 127.0f;
     uint8_t* codes = q + m * q_stride;
-    for (int32_t i = 0; i < k; i += kLanes) {
-      const int n = std::min(kLanes, k - i);
-      V::store_codes(codes + i, V::mul(V::load_n(row + i, n), V::set1(factor)), n);
+    for (int32_t g = 0; g < groups; ++g) {
+      const int32_t i0 = g * p.group, i1 = std::min(k, i0 + p.group);
+      Vec peak = V::zero();
+      for (int32_t i = i0; i < i1; i += kLanes) peak = V::max(peak, V::abs(V::load_n(row + i, std::min(kLanes, i1 - i))));
+      const float amax = V::reduce_max(peak);
+      const float factor = amax > 0.0f ? 127.0f / amax : 0.0f;  // one rounding, as pyscore/ops/linear_int8.py
+      scale[int64_t(m) * groups + g] = amax / 127.0f;
+      for (int32_t i = i0; i < i1; i += kLanes) {
+        const int n = std::min(kLanes, i1 - i);
+        V::store_codes(codes + i, V::mul(V::load_n(row + i, n), V::set1(factor)), n);
+      }
     }
     for (int32_t i = k; i < k4; ++i) codes[i] = uint8_t(V::kInt8XOffset);
   }

@@ -28,7 +28,14 @@ import torch
 import torch.nn.functional as F
 
 from pyscore.ops import _ext, tiers
-from pyscore.ops.linear_int8 import PackedQuantLinear, QuantLinear, RowMajorWeight, linear_int8, linear_int8_path
+from pyscore.ops.linear_int8 import (
+    PackedQuantLinear,
+    QuantLinear,
+    RowMajorWeight,
+    by_block,
+    linear_int8,
+    linear_int8_path,
+)
 from pyscore.ops.packing import BLOCK_N, original_rows, pack_index, pack_rows
 from pyscore.ops.reference import linear_ref
 from pyscore.ops.silu_mul import silu_mul
@@ -156,9 +163,9 @@ def prepare_int8(w: QuantLinear | PackedQuantLinear, backend: str = "auto") -> Q
     if kernel and isinstance(w, QuantLinear):
         index = pack_index(w.weight.shape[0], w.out_features, w.gated, w.device)
         packed = pack_linear(w.weight, w.bias, gated=w.gated)
-        sums = pack_rows(w.weight.sum(dim=1, dtype=torch.int32) * 128, index)
-        return PackedQuantLinear(packed.packed, pack_rows(w.scale, index), sums, packed.bias, w.in_features,
-                                 w.out_features, w.gated)
+        return PackedQuantLinear(packed.packed, by_block(pack_rows(w.scale, index)),
+                                 by_block(pack_rows(w.bases(), index)), packed.bias, w.in_features, w.out_features,
+                                 w.gated)
     if not kernel and isinstance(w, PackedQuantLinear):
         return w.rows()
     return w

@@ -45,8 +45,10 @@ LINEAR_BF16_AVX512 = Choice("kernel", "AVX-512 FMAs on widened bf16 pairs: 2.2-3
                                       "linear_widen_panel.txt)")
 LINEAR_TORCH = Choice("torch", "oneDNN/MKL GEMM beats a vector-FMA GEMM without bf16 hardware "
                                "(bench/results/tiers/kernels/linear_amx.txt)")
-INT8_TORCH = Choice("torch", "no int8 layer measured at this tier: torch._int_mm where exact, else fp32 GEMMs over K "
-                             "chunks (pyscore/ops/linear_int8.py)")
+INT8_TORCH = Choice("torch", "no int8 layer at this tier: exact fp32 batched GEMMs per group and their fold, one "
+                             "elementwise pass a group (pyscore/ops/linear_int8.py; a definition, slow)")
+INT8_NEON = Choice("kernel", "the NEON layer's exact widening products, checked under qemu-aarch64 and unmeasured on "
+                            "an ARM CPU: torch's path folds the groups one elementwise pass each")
 INT8_AVX2 = Choice("kernel", "the AVX2 layer's exact vpmaddubsw quads: 1.29-1.55x our bf16 AVX2 linear at prefill, "
                              "0.84-1.01x at one row (forced on a Zen 4; torch's int8 is exact without VNNI only in "
                              "fp32 chunks) (bench/results/tiers/kernels/linear_int8_zen4.txt)")
@@ -97,7 +99,7 @@ CPU_TIERS: dict[str, dict[str, dict[str, Choice]]] = {
                "avx512bf16": {"*": AVX512BF16},
                "amx": {"bfloat16": LINEAR_AMX, "float32": LINEAR_FP32}},
     "linear_int8": {"generic": {"*": INT8_TORCH}, "avx2": {"*": INT8_AVX2}, "avx512bf16": {"*": INT8_VNNI},
-                    "neon": {"*": INT8_TORCH}},
+                    "neon": {"*": INT8_NEON}},
     "prefix_item_attention": {"generic": {"*": ALGORITHM}, "avx2": {"*": AVX2},
                               "avx512": {"float32": ATTENTION_AVX512_FP32, "bfloat16": BF16_AVX512},
                               "avx512bf16": {"*": AVX512BF16}, "amx": {"bfloat16": ATTENTION_AMX},

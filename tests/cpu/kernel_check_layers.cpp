@@ -105,21 +105,27 @@ void check_linear_case(DType dtype, bool gated, DType weight_dtype, int32_t m = 
 
 // One x row quantized as linear.h's int8 section states it (fp32: scale max|x| / 127, codes round_half_even(x * (127 /
 // max|x|)), each a single fp32 operation).
-std::vector<int32_t> quantize_row(const Buf& x, size_t at, int32_t k, float& scale) {
-  float amax = 0.0f;
-  for (int32_t j = 0; j < k; ++j) amax = std::max(amax, std::fabs(x.get(at + j)));
-  scale = amax / 127.0f;
-  const float factor = amax > 0.0f ? 127.0f / amax : 0.0f;
+// x[at, at + k) quantized in groups of `group` (linear.h's int8 section): codes, and each group's scale in scales.
+std::vector<int32_t> quantize_row(const Buf& x, size_t at, int32_t k, int32_t group, std::vector<float>& scales) {
   std::vector<int32_t> codes(k);
-  for (int32_t j = 0; j < k; ++j)
-    codes[j] = int32_t(std::max(-127.0f, std::min(127.0f, std::nearbyint(x.get(at + j) * factor))));
+  scales.assign(size_t((k + group - 1) / group), 0.0f);
+  for (int32_t g = 0; g * group < k; ++g) {
+    const int32_t i0 = g * group, i1 = std::min(k, i0 + group);
+    float amax = 0.0f;
+    for (int32_t j = i0; j < i1; ++j) amax = std::max(amax, std::fabs(x.get(at + j)));
+    scales[g] = amax / 127.0f;
+    const float factor = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int32_t j = i0; j < i1; ++j)
+      codes[j] = int32_t(std::max(-127.0f, std::min(127.0f, std::nearbyint(x.get(at + j) * factor))));
+  }
   return codes;
 }
 
-// Codes drawn in [-127, 127] (the extremes included), packed [N_pad / 64][K4 / 4][64][4]; per packed column a scale,
-// 128 * its codes' sum and a bias; then the launcher against exact integer sums and the contract's fp32 epilogue.
+// Codes drawn in [-127, 127] (the extremes included), packed [N_pad / 64][K4 / 4][64][4], in groups of 16 along K
+// (the last one 5 of K = 37); per packed column and group a scale and -128 * the group's codes' sum, and a bias;
+// then the launcher against exact integer sums per group and the contract's fp32 epilogue.
 void check_linear_int8_case(DType dtype, bool gated, int32_t m) {
-  const int32_t k = 37, k4 = 40, n = gated ? 20 : 70;
+  const int32_t k = 37, k4 = 40, group = 16, groups = 3, n = gated ? 20 : 70;
   const int32_t rows = gated ? 2 * n : n, x_stride = k + 3, res_stride = n + 1;
   Buf x(dtype, size_t(m) * x_stride), residual(dtype, size_t(m) * res_stride), out(dtype, size_t(m) * n);
   fill_uniform(x);
@@ -130,33 +136,41 @@ void check_linear_int8_case(DType dtype, bool gated, int32_t m) {
   const PackedColumns row_of{n, gated};
   const int32_t n_packed = row_of.n_packed();
   std::vector<int8_t> packed(size_t(n_packed) * k4, 0);
-  std::vector<float> scale(n_packed, 0.0f), bias(n_packed, 0.0f), scale_of_row(rows), bias_of_row(rows);
-  std::vector<int32_t> sums(n_packed, 0);
+  const size_t scales = size_t(n_packed) * groups;
+  std::vector<float> scale(scales, 0.0f), bias(n_packed, 0.0f), scale_of_row(size_t(rows) * groups),
+      bias_of_row(rows);
+  std::vector<int32_t> base(scales, 0);
   for (int32_t c = 0; c < n_packed; ++c) {
     const int32_t row = row_of(c);
     if (row < 0) continue;
     for (int32_t i = 0; i < k; ++i) {
       packed[size_t(c / 64) * k4 * 64 + (size_t(i / 4) * 64 + c % 64) * 4 + i % 4] = int8_t(w[size_t(row) * k + i]);
-      sums[c] += 128 * w[size_t(row) * k + i];
+      base[(size_t(c / 64) * groups + i / group) * 64 + c % 64] -= 128 * w[size_t(row) * k + i];
     }
-    scale[c] = scale_of_row[row] = 0.001f + 0.0005f * float(row % 5);
+    for (int32_t g = 0; g < groups; ++g)
+      scale[(size_t(c / 64) * groups + g) * 64 + c % 64] = scale_of_row[size_t(row) * groups + g] =
+          0.001f + 0.0005f * float((row + g) % 5);
     bias[c] = bias_of_row[row] = 0.1f * float(row % 7) - 0.3f;
   }
-  pyscore::LinearInt8Params p{x.data(), x_stride, packed.data(), scale.data(), sums.data(), bias.data(),
-                              residual.data(), res_stride, out.data(), n, m, k, n_packed, n, gated, dtype};
+  pyscore::LinearInt8Params p{x.data(), x_stride, packed.data(), scale.data(), base.data(), bias.data(),
+                              residual.data(), res_stride, out.data(), n, m, k, group, n_packed, n, gated, dtype};
   const std::string name = std::string("linear_int8 ") + dtype_name(dtype) + (gated ? " gated" : "") +
                            " M=" + std::to_string(m) + " K=37 N=" + std::to_string(n) + " bias residual";
   const pyscore::Status status = pyscore::linear_int8_cpu(p);
   if (status == pyscore::kUnsupportedDType && pyscore::cpu_tier() == pyscore::CpuTier::kGeneric) return;  // torch's
   if (!expect(name + " runs", status == pyscore::kOk)) return;
   std::vector<double> want(out.size());
+  std::vector<float> x_scales;
   for (int32_t i = 0; i < m; ++i) {
-    float x_scale = 0.0f;
-    const std::vector<int32_t> q = quantize_row(x, size_t(i) * x_stride, k, x_scale);
+    const std::vector<int32_t> q = quantize_row(x, size_t(i) * x_stride, k, group, x_scales);
     auto v = [&](int32_t row) {
-      int64_t sum = 0;
-      for (int32_t j = 0; j < k; ++j) sum += int64_t(q[j]) * w[size_t(row) * k + j];
-      return double(float(sum) * x_scale * scale_of_row[row] + bias_of_row[row]);
+      double sum = 0.0;
+      for (int32_t g = 0; g < groups; ++g) {
+        int64_t part = 0;
+        for (int32_t j = g * group; j < std::min(k, (g + 1) * group); ++j) part += int64_t(q[j]) * w[size_t(row) * k + j];
+        sum += double(part) * x_scales[g] * scale_of_row[size_t(row) * groups + g];
+      }
+      return sum + bias_of_row[row];
     };
     for (int32_t o = 0; o < n; ++o)
       want[size_t(i) * n + o] = residual.get(size_t(i) * res_stride + o) + (gated ? silu(v(o)) * v(n + o) : v(o));
