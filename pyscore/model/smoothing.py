@@ -73,9 +73,9 @@ def factors(amax_x: torch.Tensor, weight: torch.Tensor, alpha: float | None = No
     """s [K] for a projection's weight [N, K] whose input channels reach amax_x [K], at least its FLOOR quantile
     (alpha None: ALPHA; both read at the call, so a probe may set them).
 
-    Only s's ratios matter (a common factor cancels in both per-row scales). Unfloored, a channel that stayed quiet
-    in the calibration text gets a small s, and where the served text drives it, x / s amplifies it past the others:
-    the generic calibration text made the drift worse than none (0.068 against 0.053). Floored, smoothing only
+    Only s's ratios matter (a common factor cancels in both operands' group scales). Unfloored, a channel that stayed
+    quiet in the calibration text gets a small s, and where the served text drives it, x / s amplifies it past the
+    others: the generic calibration text made the drift worse than none (0.068 against 0.053). Floored, smoothing only
     quiets the loud channels."""
     alpha = ALPHA if alpha is None else alpha
     amax_w = weight.float().abs().amax(0)

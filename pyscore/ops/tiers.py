@@ -49,11 +49,11 @@ INT8_TORCH = Choice("torch", "no int8 layer at this tier: exact fp32 batched GEM
                              "elementwise pass a group (pyscore/ops/linear_int8.py; a definition, slow)")
 INT8_NEON = Choice("kernel", "the NEON layer's exact widening products, checked under qemu-aarch64 and unmeasured on "
                             "an ARM CPU: torch's path folds the groups one elementwise pass each")
-INT8_AVX2 = Choice("kernel", "the AVX2 layer's exact vpmaddubsw quads: 1.29-1.55x our bf16 AVX2 linear at prefill, "
-                             "0.84-1.01x at one row (forced on a Zen 4; torch's int8 is exact without VNNI only in "
-                             "fp32 chunks) (bench/results/tiers/kernels/linear_int8_zen4.txt)")
-INT8_VNNI = Choice("kernel", "AVX512-VNNI quads: 1.18-1.65x torch._int_mm at prefill, 1.7-5.6x at one row; 1.68-2.00x "
-                             "our bf16 linear at prefill (bench/results/tiers/kernels/linear_int8_zen4.txt)")
+INT8_AVX2 = Choice("kernel", "the AVX2 layer's exact vpmaddubsw quads: 0.98-1.28x our bf16 AVX2 linear at prefill, "
+                             "0.81-1.17x at one row (forced on a Zen 4; torch's int8 path is the slow definition) "
+                             "(bench/results/int8/linear_int8_groups_ab_zen4.txt)")
+INT8_VNNI = Choice("kernel", "AVX512-VNNI quads: 1.32-1.64x our bf16 linear at prefill, 0.92-1.58x at one row "
+                             "(bench/results/int8/linear_int8_groups_ab_zen4.txt)")
 AVX2 = Choice("kernel", "ours (AVX2 + FMA) beats torch's AVX2 op (bench/results/kernels_cpu_avx2.txt, "
                         "kernels_cpu_avx2_bf16.txt, kernels_linear_cpu_avx2.txt)")
 BF16_AVX512 = Choice("kernel", "the AVX-512 ops on widened bf16 pairs: 1.2-2.1x the AVX2 ops "
