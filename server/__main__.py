@@ -40,9 +40,9 @@ def parse_command(argv: list[str] | None = None, prog: str | None = None) -> tup
                         "(default %(default)s)")
     p.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N] (default %(default)s)")
     p.add_argument("--quantize", choices=["int8"], default=None,
-                   help="int8: the layers' projections in int8 W8A8 (per-channel weights, per-row activations, exact "
-                        "int32 sums: MIS = SIS and batch invariance hold); the rest in --dtype. Its drift is in "
-                        "docs/guarantees.md (default: off)")
+                   help="int8: the layers' projections in int8 W8A8 (a scale per 64 input channels on weights and "
+                        "activations, exact int32 sums per group: MIS = SIS and batch invariance hold); the rest in "
+                        "--dtype. Its drift is in docs/guarantees.md (default: off)")
     p.add_argument("--threads", type=int, default=d.threads, help="CPU threads for the model (default: all cores)")
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
                    help="token budget of one packed forward pass (default %(default)s)")
