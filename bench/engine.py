@@ -400,12 +400,14 @@ class Timers:
 
 
 def load_gemm(args: argparse.Namespace, gemm: str) -> Engine:
-    """The embedded model; with gemm="torch", loaded while the registry has no linear kernel (plain projections)."""
+    """The embedded model (its projections in int8 with --quantize int8); with gemm="torch", loaded while the
+    registry has no linear kernel (plain projections; in int8, torch's definition of the grouped product)."""
     kernels = _ext.REGISTRY["linear"]
     if gemm == "torch":
         _ext.REGISTRY["linear"] = {}
     try:
-        return Engine.from_pretrained(None, dtype=args.dtype, threads=args.threads)
+        return Engine.from_pretrained(None, dtype=args.dtype, threads=args.threads,
+                                      quantize=getattr(args, "quantize", None))
     finally:
         _ext.REGISTRY["linear"] = kernels
 
@@ -572,7 +574,8 @@ def profile(args: argparse.Namespace) -> list[str]:
     total = statistics.mean(totals)
     lines = [f"machine: {machine()}",
              f"{engine.model_name} {str(engine.decoder.dtype).removeprefix('torch.')}, threads {args.threads}, "
-             f"projections: {args.gemm}, {n} candidates MIS, {result.usage.computed_tokens} computed tokens "
+             f"projections: {args.gemm}{' in int8' if args.quantize else ''}, {n} candidates MIS, "
+             f"{result.usage.computed_tokens} computed tokens "
              f"({result.usage.prompt_tokens} prompt); mean of {args.forwards} forwards",
              f"engine.score without timers: median {statistics.median(plain):.1f} ms (min {min(plain):.1f}); "
              f"with timers: mean {total:.1f} ms; scores vs the other projection path: max |diff| {change:.2e}", "",
@@ -610,6 +613,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     ap.add_argument("--profile", action="store_true", help="where one MIS forward spends its time")
     ap.add_argument("--gemm", choices=["ours", "torch"], default="ours", help="--profile: the projections' path")
     ap.add_argument("--forwards", type=int, default=10, help="--profile: timed forwards")
+    ap.add_argument("--quantize", default=None, choices=["int8"], help="--profile: the projections in int8")
     ap.add_argument("--warm", action="store_true", help="--profile: with the prefix cache (the query's blocks hit)")
     ap.add_argument("--decode", type=int, default=0, help="time a decode step of this many generations")
     ap.add_argument("--steps", type=int, default=20, help="--decode: timed steps per round")

@@ -7,9 +7,11 @@ order), one part at a time, against the fp32 engine over --questions synthetic 1
   and activations alike); and how peaked the projections' input rows are: the share of rows whose max |x| is above
   8x (and 16x) their rms over the first question (the finer a row's values sit below its max, the fewer of int8's
   levels they get); activations alone in groups of each --x-groups size (weights per output channel, as the kernel
-  holds them: a per-(row, group) scale is all a kernel would add), alone and with SmoothQuant.
+  holds them: a per-(row, group) scale is all a kernel would add), alone and with SmoothQuant; and --mixed XG:WG,
+  activations in groups of XG with weights in groups of WG (0: per output channel), with SmoothQuant.
 
-    python -m bench.probes.int8_drift_sources [--questions 8] [--group 32] [--x-groups 32 64] [--only REGEX]
+    python -m bench.probes.int8_drift_sources [--questions 8] [--group 32] [--x-groups 32 64] [--mixed 64:128]
+        [--only REGEX]
 
 Diagnostic only: it swaps pyscore.ops.linear's int8 call for the simulation inside this process."""
 
@@ -103,6 +105,8 @@ def main() -> None:
     p.add_argument("--per-layer", action="store_true", help="activations quantized in one layer at a time")
     p.add_argument("--x-groups", type=int, nargs="*", default=[32, 64],
                    help="activation group sizes along K (weights per channel)")
+    p.add_argument("--mixed", nargs="*", default=[], metavar="XG:WG",
+                   help="activations in groups of XG, weights in groups of WG (0: per channel), with each --alphas")
     args = p.parse_args()
     global PRODUCT
     if args.product_smoothing:
@@ -181,6 +185,11 @@ def main() -> None:
         variants[f"x groups of {g}, w per channel"] = (g, None)
         for alpha in args.alphas:
             variants[f"x groups of {g} + alpha {alpha}"] = (g, None, None, alpha)
+    for pair in args.mixed:
+        xg, wg = (int(v) for v in pair.split(":"))
+        for alpha in args.alphas:
+            variants[f"x groups of {xg}, w {f'groups of {wg}' if wg else 'per channel'} + alpha {alpha}"] = (
+                xg, wg or None, None, alpha)
     print(f"# projection input rows (all layers, one question): {ratio.numel()}; max |x| > 8x rms in "
           f"{(ratio > 8).float().mean().item():.0%}, > 16x in {(ratio > 16).float().mean().item():.0%}")
     for name, variant in variants.items():
