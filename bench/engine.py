@@ -399,15 +399,15 @@ class Timers:
         return restore
 
 
-def load_gemm(args: argparse.Namespace, gemm: str) -> Engine:
-    """The embedded model (its projections in int8 with --quantize int8); with gemm="torch", loaded while the
+def load_gemm(args: argparse.Namespace, gemm: str, quantize: str | None = None) -> Engine:
+    """The embedded model (its projections in int8 with quantize="int8"); with gemm="torch", loaded while the
     registry has no linear kernel (plain projections; in int8, torch's definition of the grouped product)."""
     kernels = _ext.REGISTRY["linear"]
     if gemm == "torch":
         _ext.REGISTRY["linear"] = {}
     try:
         return Engine.from_pretrained(None, dtype=args.dtype, threads=args.threads,
-                                      quantize=getattr(args, "quantize", None))
+                                      quantize=quantize)
     finally:
         _ext.REGISTRY["linear"] = kernels
 
@@ -549,14 +549,14 @@ def prompt_logprobs_vs_stock(args: argparse.Namespace) -> list[str]:
 
 
 def profile(args: argparse.Namespace) -> list[str]:
-    engine = load_gemm(args, args.gemm)
+    engine = load_gemm(args, args.gemm, args.quantize)
     n = args.candidates[-1]
     query, items = question(n, seed=n)
 
     def forward(e: Engine = engine):
         return e.score(query, items, labels=LABELS, mode="mis", bypass_prefix_cache=not args.warm)
 
-    other = forward(load_gemm(args, "torch" if args.gemm == "ours" else "ours"))
+    other = forward(load_gemm(args, "torch" if args.gemm == "ours" else "ours", args.quantize))
     change = max_diff(forward(), other)
     plain = [elapsed_ms(forward) for _ in range(args.forwards)]
     timers = Timers()

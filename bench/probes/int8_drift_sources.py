@@ -30,7 +30,7 @@ import pyscore.model.smoothing as smoothing
 import pyscore.ops.linear  # noqa: F401  (the module, which pyscore.ops' `linear` function shadows)
 from bench.common import git_commit, machine
 from bench.dataset import synthetic_question
-from bench.int8 import p_yes
+from bench.int8 import best, p_yes
 from bench.prompts import pointwise
 from pyscore.engine import Engine
 from pyscore.ops.linear_int8 import QuantLinear
@@ -201,8 +201,7 @@ def main() -> None:
         finally:
             LINEAR.linear_int8 = real
         diffs = sorted(abs(a - b) for qa, qb in zip(got, want, strict=True) for a, b in zip(qa, qb, strict=True))
-        same = sum(max(range(len(a)), key=a.__getitem__) == max(range(len(b)), key=b.__getitem__)
-                   for a, b in zip(got, want, strict=True))
+        same = sum(best(a) == best(b) for a, b in zip(got, want, strict=True))
         print(f"{name:<40}{statistics.median(diffs):>9.4f}{diffs[int(0.99 * (len(diffs) - 1))]:>9.4f}"
               f"{diffs[-1]:>9.4f}{f'{same}/{len(want)}':>11}", flush=True)
 
